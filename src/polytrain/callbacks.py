@@ -1,0 +1,118 @@
+"""What happens around the training loop on the main rank: progress, summaries, metrics file, plots."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write_bytes
+
+
+class Callback:
+    def on_fit_start(self, trainer): ...
+    def on_epoch_start(self, trainer, epoch): ...
+    def on_step_end(self, trainer, step): ...
+    def on_epoch_end(self, trainer, record): ...
+    def on_fit_end(self, trainer): ...
+
+
+def summary_line(record: dict, epochs: int) -> str:
+    return (f"epoch {record['epoch']}/{epochs}  train loss {record['train_loss']:.4f} "
+            f"acc {record['train_acc']:.4f}  val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f}  "
+            f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s")
+
+
+class ProgressBar(Callback):
+    """A tqdm bar while an epoch runs on a terminal; one plain summary line per epoch either way.
+
+    The bar reads the running loss from the device only every `refresh_steps` steps, so it does not add
+    a host synchronisation to every step.
+    """
+
+    def __init__(self, stream=None, refresh_steps: int = 20, bar: bool = None):
+        self.stream = stream or sys.stdout
+        self.refresh_steps = refresh_steps
+        self.use_bar = self.stream.isatty() if bar is None else bar
+        self.bar = None
+
+    def on_epoch_start(self, trainer, epoch):
+        if self.use_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.position.step, file=self.stream,
+                            desc=f"epoch {epoch + 1}/{trainer.epochs}", leave=False, dynamic_ncols=True)
+
+    def on_step_end(self, trainer, step):
+        if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
+            loss_sum, correct, count, _ = trainer.running_totals()
+            self.bar.set_postfix(loss=f"{loss_sum / max(count, 1):.4f}", acc=f"{correct / max(count, 1):.4f}")
+            self.bar.update(step + 1 - self.bar.n)
+
+    def on_epoch_end(self, trainer, record):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        print(summary_line(record, trainer.epochs), file=self.stream, flush=True)
+
+
+class MetricsLog(Callback):
+    """`metrics.jsonl`: one JSON object per epoch, rewritten whole (atomically) from the history, so a
+    resumed run never repeats or loses a line."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, trainer, record):
+        lines = "".join(json.dumps(r) + "\n" for r in trainer.history.epochs)
+        atomic_write_bytes(self.path, lines.encode())
+
+
+class Curves(Callback):
+    """Redraws `curves.png` (loss and accuracy per epoch, train and validation) after every epoch."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, trainer, record):
+        plot_curves(trainer.history.epochs, self.path)
+
+
+def plot_curves(records, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in records]
+    figure, (loss_axis, acc_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, key, title in ((loss_axis, "loss", "loss"), (acc_axis, "acc", "accuracy")):
+        axis.plot(epochs, [r[f"train_{key}"] for r in records], "o-", label="train")
+        axis.plot(epochs, [r[f"val_{key}"] for r in records], "o-", label="validation")
+        axis.set_xlabel("epoch")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    temporary = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    temporary.replace(path)
+
+
+class StepRecorder(Callback):
+    """Each step's loss over the whole global batch and the parameters after it (used by `verify`).
+
+    Runs on every rank, because reducing the loss across ranks is a collective operation.
+    """
+
+    def __init__(self):
+        self.steps = []
+        self.previous = (0.0, 0.0)
+
+    def on_step_end(self, trainer, step):
+        totals, count, _ = trainer._running
+        loss_sum, _, count = trainer._reduce(totals, count)
+        loss = (loss_sum - self.previous[0]) / (count - self.previous[1])
+        self.previous = (loss_sum, count)
+        parameters = torch.cat([p.detach().float().flatten().cpu() for p in trainer.strategy.model.parameters()])
+        self.steps.append((loss, parameters))

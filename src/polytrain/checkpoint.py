@@ -1,0 +1,129 @@
+"""Atomic checkpoints that load without unpickling arbitrary objects.
+
+A file is written to a temporary name in the same folder, flushed to disk, then renamed over the old one,
+so a crash leaves either the previous complete checkpoint or the new complete one, never half of one.
+Loading uses `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts only.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+FORMAT = "polytrain-checkpoint-1"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, damaged, or from another model."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def safe_load(path: Path) -> dict:
+    """`torch.load(weights_only=True)` with every failure turned into a one-line `CheckpointError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint; pass the folder of a run that saved one")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError, TypeError,
+            AttributeError, KeyError, OSError, IndexError, UnicodeDecodeError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise CheckpointError(f"{path}: not a loadable polytrain checkpoint ({first_line}); it is damaged or "
+                              f"was not written by polytrain") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a polytrain checkpoint")
+    return state
+
+
+def check_model_state(state, model: torch.nn.Module, path: Path) -> None:
+    """Refuse a state dict whose names or shapes differ from `model`'s, naming the first difference."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: the model weights are missing or damaged")
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        name = (missing or unexpected)[0]
+        raise CheckpointError(f"{path}: weights belong to a different model ({'missing' if missing else 'extra'} "
+                              f"{name!r}); use the --model the run was trained with")
+    for key, tensor in expected.items():
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointError(f"{path}: {key!r} has shape {shape}, the model expects {tuple(tensor.shape)}; "
+                                  f"use the --model and dataset the run was trained with")
+        if tensor.is_floating_point() and not torch.isfinite(value).all():
+            raise CheckpointError(f"{path}: {key!r} holds NaN or infinite values; the file is damaged")
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load `model.pt` (a plain state dict) into `model` after checking it fits."""
+    state = safe_load(path)
+    check_model_state(state, model, path)
+    model.load_state_dict(state)
+
+
+class Checkpointer:
+    """Writes `checkpoint.pt` (everything needed to resume) and `model.pt` (weights) into a run folder."""
+
+    def __init__(self, run_dir: Path, *, is_main: bool):
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def save(self, trainer, position) -> None:
+        state = trainer.strategy.state_dict()         # every rank takes part (sharded strategies gather)
+        if not self.is_main:
+            return
+        state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
+                     rng=torch.get_rng_state())
+        atomic_torch_save(state, self.path)
+        atomic_torch_save(state["model"], self.run_dir / "model.pt")
+
+    def load(self, strategy) -> dict:
+        state = safe_load(self.path)
+        if state.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path}: not a polytrain checkpoint (format {state.get('format')!r})")
+        check_model_state(state.get("model"), strategy.model, self.path)
+        try:
+            strategy.load_state_dict(state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as error:
+            raise CheckpointError(f"{self.path}: optimizer or scheduler state does not fit this run "
+                                  f"({str(error).splitlines()[0][:120]}); resume with the original settings") from None
+        if isinstance(state.get("rng"), torch.Tensor):
+            torch.set_rng_state(state["rng"])
+        return state

@@ -1,0 +1,98 @@
+"""What each subcommand does with its parsed arguments; output for people."""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from .api import evaluate, load_run, predict, train_run, _dataset
+from .cli import config_from_args
+from .config import TrainConfig
+from .data import ArrayDataset
+from .errors import UserError
+from .launch import check_devices, run_job
+from .models import build_model
+from .run_dir import read_config
+from .strategies import resolve_strategy_name
+from .worker import Job
+
+
+def train_command(args) -> int:
+    if args.resume:
+        settings = read_config(args.resume)
+        if "strategy" in settings:
+            settings["strategy"] = "auto"
+        settings.update(devices=args.devices, max_restarts=args.max_restarts, out=args.resume)
+        if args.per_device_batch_size is None and args.batch_size is not None:
+            settings["batch_size"] = args.batch_size
+        config = TrainConfig.from_dict(settings)
+        print(f"resuming {args.resume} on {config.devices} device(s)")
+        history, _, run_dir = train_run(config, resume_dir=args.resume)
+    else:
+        config = config_from_args(args)
+        history, _, run_dir = train_run(config)
+    if history is not None and run_dir is not None:
+        last = history.last
+        print(f"done: validation accuracy {last['val_acc']:.4f}; run folder {run_dir}")
+    return 0
+
+
+def evaluate_command(args) -> int:
+    result = evaluate(args.run_dir, device=args.device)
+    print(f"validation loss {result['loss']:.4f}  accuracy {result['acc']:.4f}  ({result['count']} samples)")
+    return 0
+
+
+def predict_command(args) -> int:
+    if args.show < 0:
+        raise UserError(f"--show must be 0 or more, got {args.show}")
+    result = predict(args.run_dir, device=args.device)
+    wrong = int((result["predicted"] != result["true"]).sum())
+    print(f"{len(result['true'])} validation samples, {wrong} wrong")
+    for i in range(min(args.show or 10, len(result["true"]))):
+        print(f"sample {i}: predicted {int(result['predicted'][i])}, true {int(result['true'][i])}"
+              + ("  <- wrong" if result["predicted"][i] != result["true"][i] else ""))
+    if args.show:
+        from .report import prediction_grid
+        path = Path(args.run_dir) / "predictions.png"
+        prediction_grid(result["images"][:args.show], result["predicted"][:args.show],
+                        result["true"][:args.show], path)
+        print(f"wrote {path}")
+    return 0
+
+
+def verify_command(args) -> int:
+    config = config_from_args(args)
+    if args.steps <= 0:
+        raise UserError(f"--steps must be positive, got {args.steps}")
+    strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
+    check_devices(config.devices, config.device)
+    full = _dataset(config.dataset, config)
+    size = min(len(full.train_y), args.steps * config.batch_size)
+    data = ArrayDataset(full.name, full.train_x[:size], full.train_y[:size], full.val_x, full.val_y,
+                        num_classes=full.num_classes, augment=full.augment)
+    config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, data.input_shape, data.num_classes)
+    print(f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
+          f"1 device vs {config.devices} device(s) with strategy {strategy!r}")
+    one = run_job(Job(TrainConfig.from_dict(dict(config.to_dict(), devices=1)), "single", data,
+                      copy.deepcopy(model), verbose=False, record_steps=True))
+    many = run_job(Job(config, strategy, data, copy.deepcopy(model), verbose=False, record_steps=True))
+    worst = 0.0
+    print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
+          f"{'max |param diff|':>17}")
+    for step, ((loss_a, params_a), (loss_b, params_b)) in enumerate(zip(one.steps, many.steps), 1):
+        diff = float((params_a - params_b).abs().max())
+        worst = max(worst, diff)
+        print(f"{step:>5} {loss_a:>16.6f} {loss_b:>18.6f} {diff:>17.3e}")
+    ok = worst <= args.tolerance and len(one.steps) == len(many.steps)
+    print(f"{'PASS' if ok else 'FAIL'}: largest parameter difference {worst:.3e} "
+          f"({'within' if ok else 'beyond'} tolerance {args.tolerance:g})")
+    return 0 if ok else 1
+
+
+COMMANDS = {"train": train_command, "evaluate": evaluate_command, "predict": predict_command,
+            "verify": verify_command}

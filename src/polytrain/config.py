@@ -1,0 +1,107 @@
+"""Typed, validated settings for one training run.
+
+Every check raises `ConfigError` with a message that names the flag and the fix, so the command line can
+print it on one line. Only `cli.py` parses arguments; the Python API builds the same dataclass.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
+
+from .errors import ConfigError
+
+OPTIMIZERS = ("sgd", "adam", "rmsprop")
+SCHEDULES = ("constant", "cosine", "onecycle")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCALES = ("none", "linear")
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class TrainConfig:
+    dataset: str = "mnist-sample"
+    data_dir: Optional[str] = None
+    download: bool = False
+    model: str = "lenet"
+    epochs: int = 5
+    batch_size: int = 64
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    schedule: str = "onecycle"
+    warmup_epochs: float = 0.5
+    label_smoothing: float = 0.0
+    precision: str = "fp32"
+    compile: bool = False
+    seed: int = 0
+    device: str = "auto"
+    devices: int = 1
+    strategy: str = "auto"
+    lr_scale: str = "none"
+    augment: Optional[bool] = None
+    out: Optional[str] = None
+    checkpoint_every: int = 0
+    max_restarts: int = 0
+    hang_timeout: float = 60.0
+    synthetic_size: int = 2048
+    synthetic_shape: tuple = field(default=(1, 28, 28))
+
+    def __post_init__(self) -> None:
+        self.synthetic_shape = tuple(self.synthetic_shape)
+        _need(isinstance(self.epochs, int) and self.epochs > 0,
+              f"--epochs must be a positive whole number, got {self.epochs!r}; try --epochs 5")
+        _need(isinstance(self.batch_size, int) and self.batch_size > 0,
+              f"--batch-size must be a positive whole number, got {self.batch_size!r}; try --batch-size 64")
+        _need(self.optimizer in OPTIMIZERS,
+              f"unknown --optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        _need(self.schedule in SCHEDULES,
+              f"unknown --schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        _need(self.precision in PRECISIONS,
+              f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        _need(self.device in DEVICES, f"unknown --device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        _need(self.lr_scale in LR_SCALES,
+              f"unknown --lr-scale {self.lr_scale!r}; choose one of {', '.join(LR_SCALES)}")
+        for flag, value in (("--lr", self.lr), ("--momentum", self.momentum),
+                            ("--weight-decay", self.weight_decay), ("--label-smoothing", self.label_smoothing),
+                            ("--warmup-epochs", self.warmup_epochs), ("--hang-timeout", self.hang_timeout)):
+            _need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+                  f"{flag} must be a finite number >= 0, got {value!r}")
+        _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
+        _need(self.momentum < 1, f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
+        _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
+        _need(isinstance(self.devices, int) and self.devices > 0,
+              f"--devices must be a positive whole number, got {self.devices!r}; try --devices 1")
+        _need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+              f"--checkpoint-every must be a whole number >= 0, got {self.checkpoint_every!r}")
+        _need(isinstance(self.max_restarts, int) and self.max_restarts >= 0,
+              f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
+        _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
+        _need(self.synthetic_size > 0, f"--synthetic-size must be positive, got {self.synthetic_size!r}")
+        _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
+              f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
+        _need(self.batch_size % self.devices == 0,
+              f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
+              f"--devices {self.devices}; use a multiple of {self.devices}, e.g. "
+              f"--batch-size {self.devices * max(1, self.batch_size // self.devices)}")
+
+    @property
+    def effective_lr(self) -> float:
+        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per device."""
+        if self.lr_scale == "linear":
+            return self.lr * self.devices
+        return self.lr
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,105 @@
+"""Device-resident batches cut from a *global* sample order.
+
+The whole split lives on the device as uint8. Each epoch is a seeded permutation of all samples; global
+batch b is `order[b*B:(b+1)*B]`, and rank r of W takes the r-th of W near-equal slices of it. One device and
+W devices therefore see the same samples in the same steps, and any (epoch, step) can be recomputed from the
+seed alone, which is what makes mid-epoch resume exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from .augment import crop_and_flip
+
+
+def global_batch_order(num_samples: int, *, epoch: int, seed: int) -> torch.Tensor:
+    """The permutation of sample indices for one epoch, identical on every rank and every device count."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+def rank_slice(global_batch: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's share of a global batch: contiguous, sizes differing by at most one."""
+    return torch.tensor_split(global_batch, world_size)[rank]
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor            # float, normalised, this rank's slice
+    y: torch.Tensor            # int64
+    global_count: int          # samples in the whole global batch (all ranks)
+    step: int                  # index of the batch within the epoch
+
+
+class DeviceLoader:
+    """Normalised training or evaluation batches for one rank, from uint8 tensors moved once to `device`."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, mean: torch.Tensor,
+                 std: torch.Tensor, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 augment: bool = False, channels_last: bool = False):
+        self.images = images.to(device)
+        self.labels = labels.to(device)
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.augment = augment
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        shape = (1, -1, 1, 1)
+        # x_normalised = (x/255 - mean) / std  ==  x * scale + shift, fused into one multiply-add per batch
+        self.scale = (1.0 / (255.0 * std)).reshape(shape).to(device)
+        self.shift = (-mean / std).reshape(shape).to(device)
+
+    def __len__(self) -> int:
+        return -(-len(self.labels) // self.batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.labels)
+
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        x = torch.addcmul(self.shift, images.float(), self.scale)
+        return x.contiguous(memory_format=self.memory_format)
+
+    def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
+        """Shuffled batches of `epoch`, from `start_step` on (to resume mid-epoch)."""
+        order = global_batch_order(len(self.labels), epoch=epoch, seed=self.seed)
+        for step in range(start_step, len(self)):
+            global_batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+            mine = rank_slice(global_batch, rank=self.rank, world_size=self.world_size)
+            index = mine.to(self.device, non_blocking=True)
+            images = self.images[index]
+            if self.augment:
+                images = self._augment(images, len(global_batch), epoch=epoch, step=step)
+            yield Batch(self.normalise(images), self.labels[index], len(global_batch), step)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This rank's contiguous shard of the split in order: no sample padded, dropped or repeated."""
+        shard = rank_slice(torch.arange(len(self.labels)), rank=self.rank, world_size=self.world_size)
+        for step, start in enumerate(range(0, len(shard), self.batch_size)):
+            index = shard[start:start + self.batch_size].to(self.device, non_blocking=True)
+            yield Batch(self.normalise(self.images[index]), self.labels[index], len(index), step)
+
+    def _augment(self, images: torch.Tensor, global_count: int, *, epoch: int, step: int) -> torch.Tensor:
+        # Draw the random crops and flips for the whole global batch, then keep this rank's rows, so the
+        # augmented samples do not depend on the number of devices.
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 100_003 + step)
+        pad = 4
+        offsets = torch.randint(0, 2 * pad + 1, (global_count, 2), generator=generator)
+        flips = torch.rand(global_count, generator=generator) < 0.5
+        rows = rank_slice(torch.arange(global_count), rank=self.rank, world_size=self.world_size)
+        return crop_and_flip(images, offsets[rows].to(self.device), flips[rows].to(self.device), pad=pad)
+
+
+def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 augment: Optional[bool] = None, channels_last: bool = False, eval_batch_size: Optional[int] = None):
+    """Training and validation loaders sharing the training set's per-channel statistics."""
+    mean, std = dataset.channel_stats()
+    augment = dataset.augment if augment is None else augment
+    common = dict(mean=mean, std=std, device=device, rank=rank, world_size=world_size, seed=seed,
+                  channels_last=channels_last)
+    train = DeviceLoader(dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment, **common)
+    val = DeviceLoader(dataset.val_x, dataset.val_y, batch_size=eval_batch_size or max(batch_size, 1024), **common)
+    return train, val

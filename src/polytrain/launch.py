@@ -1,0 +1,86 @@
+"""How worker processes start: in this process, under an external torchrun, or spawned by torch's elastic
+agent (the machinery behind torchrun) on this machine. Strategies know nothing of this.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+
+from .errors import ConfigError, UserError
+from .worker import Job, WorkerResult, train_worker
+
+
+class WorkerFailed(Exception):
+    """A spawned worker failed; `str()` names the rank and its error."""
+
+    def __init__(self, message: str, *, user_error: bool = False):
+        super().__init__(message)
+        self.user_error = user_error
+
+
+def under_torchrun() -> bool:
+    """True inside a process started by torchrun (or any torch elastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def check_devices(devices: int, device: str) -> None:
+    wants_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu")
+    if wants_cuda and devices > torch.cuda.device_count():
+        raise ConfigError(f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
+                          f"use --devices {torch.cuda.device_count()} or fewer")
+
+
+def run_job(job: Job) -> WorkerResult:
+    """Run `job` on `job.config.devices` processes and return rank 0's result."""
+    if under_torchrun() or (job.strategy == "single" and job.config.devices == 1):
+        return train_worker(job)
+    return spawn_workers(job)
+
+
+def spawn_workers(job: Job) -> WorkerResult:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = job.config
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=config.devices, run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+        max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn")
+    try:
+        results = elastic_launch(launch, train_worker)(job)
+    except ChildFailedError as failed:
+        raise worker_failure(failed) from None
+    return results[0]
+
+
+def worker_failure(failed) -> WorkerFailed:
+    """The first failing rank's error, as one line for a user mistake, else with its traceback."""
+    rank, failure = failed.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = str(message or "").strip()
+    trace = ""
+    if isinstance(failure.message, dict):
+        trace = str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
+    if message == "" or message.startswith("Signal") or message == "<N/A>":
+        message = f"exited with code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.signal else "")
+        return WorkerFailed(f"worker rank {rank} failed: {message}")
+    error_class = message.split(":", 1)[0]
+    user_error = any(cls.__name__ == error_class for cls in _user_error_classes())
+    if user_error:
+        return WorkerFailed(f"worker rank {rank}: {message.split(':', 1)[-1].strip()}", user_error=True)
+    return WorkerFailed(f"worker rank {rank} failed: {message}\n{trace}".rstrip())
+
+
+def _user_error_classes():
+    pending, seen = [UserError], []
+    while pending:
+        cls = pending.pop()
+        seen.append(cls)
+        pending.extend(cls.__subclasses__())
+    return seen

@@ -1,0 +1,37 @@
+"""Pictures for people: a grid of images with predicted and true labels."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def prediction_grid(images, predicted, true, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count = len(images)
+    columns = min(count, max(1, math.ceil(math.sqrt(count))))
+    rows = math.ceil(count / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(1.6 * columns, 1.8 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for i, axis in enumerate(axes.flat[:count]):
+        image = images[i].permute(1, 2, 0).numpy()
+        axis.imshow(image.squeeze(-1) if image.shape[-1] == 1 else image, cmap="gray")
+        mistake = int(predicted[i]) != int(true[i])
+        axis.set_title(f"{int(predicted[i])} (true {int(true[i])})" if mistake else f"{int(predicted[i])}",
+                       color="red" if mistake else "black", fontsize=9)
+        if mistake:
+            for spine in axis.spines.values():
+                spine.set_visible(True)
+                spine.set_color("red")
+                spine.set_linewidth(2)
+            axis.axis("on")
+            axis.set_xticks([])
+            axis.set_yticks([])
+    figure.tight_layout()
+    temporary = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    temporary.replace(path)

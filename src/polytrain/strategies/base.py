@@ -1,0 +1,111 @@
+"""What every strategy offers the trainer: set up a model, take a training step, evaluate, reduce, save.
+
+The trainer calls only these methods and never asks which strategy it holds.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class StepStats:
+    loss_sum: torch.Tensor     # summed over this rank's samples, detached, still on the device
+    correct: torch.Tensor      # correctly classified samples on this rank, on the device
+    count: int                 # this rank's samples
+
+
+class Strategy:
+    """One process, one device: the reference every other strategy must reproduce."""
+
+    name = "single"
+
+    def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
+                 compile: bool = False, channels_last: bool = False, label_smoothing: float = 0.0):
+        self.device = torch.device(device)
+        self.rank, self.world_size = rank, world_size
+        self.precision = precision
+        self.compile = compile
+        self.channels_last = channels_last
+        self.label_smoothing = label_smoothing
+        self.model: nn.Module = None          # the plain module: its state_dict is what gets saved
+        self.runner: nn.Module = None         # what the training step calls (compiled or wrapped)
+        self.optimizer = None
+        self.scheduler = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
+        """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it."""
+        model = model.to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.runner = self.wrap(model)
+        if self.compile:
+            self.runner = torch.compile(self.runner)
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.scheduler = make_scheduler(self.optimizer)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, batch) -> StepStats:
+        """One optimizer step on the global batch; this rank computes its slice.
+
+        The loss is this rank's summed loss over the global batch's mean share, so that averaging the
+        gradients of W ranks gives exactly the gradient of the mean loss over the whole global batch,
+        also when the last batch splits unevenly.
+        """
+        self.runner.train()
+        with self.autocast():
+            logits = self.runner(batch.x)
+        loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum", label_smoothing=self.label_smoothing)
+        loss = loss_sum / (batch.global_count / self.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        correct = (logits.detach().argmax(1) == batch.y).sum()
+        return StepStats(loss_sum.detach(), correct, len(batch.y))
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> StepStats:
+        self.model.eval()
+        with self.autocast():
+            logits = self.model(batch.x)
+        loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum")
+        return StepStats(loss_sum, (logits.argmax(1) == batch.y).sum(), len(batch.y))
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (one rank: unchanged)."""
+        return tensor
+
+    def broadcast_object(self, value):
+        """Rank 0's value on every rank."""
+        return value
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,29 @@
+"""Data parallelism: the model replicated on every rank, gradients all-reduced by DistributedDataParallel."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import Strategy
+
+
+class DataParallel(Strategy):
+    name = "data"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if not dist.is_initialized():
+            raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

@@ -1,0 +1,134 @@
+"""The epoch loop: steps through a strategy, reduces metrics across ranks, hands them to callbacks.
+
+Nothing here depends on which strategy runs the steps. Per-step work stays on the device: losses and
+correct counts accumulate in a device tensor and are read back once per epoch (and when a callback asks).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from .errors import UserError
+
+
+class NonFiniteLoss(UserError):
+    """The training loss became NaN or infinite."""
+
+
+@dataclass
+class Position:
+    """Where training stands: the next step to run, and the running sums of the epoch in progress."""
+    epoch: int = 0
+    step: int = 0
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    count: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class History:
+    epochs: List[dict] = field(default_factory=list)
+
+    def __getitem__(self, key: str) -> list:
+        return [record[key] for record in self.epochs]
+
+    @property
+    def last(self) -> dict:
+        return self.epochs[-1] if self.epochs else {}
+
+
+class Trainer:
+    def __init__(self, strategy, train_loader, val_loader, *, epochs: int, callbacks=(),
+                 position: Optional[Position] = None, history: Optional[History] = None,
+                 checkpointer=None, checkpoint_every: int = 0):
+        self.strategy = strategy
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.epochs = epochs
+        self.callbacks = list(callbacks)
+        self.position = position or Position()
+        self.history = history or History()
+        self.steps_per_epoch = len(train_loader)
+        self.checkpointer = checkpointer          # called on every rank; writes on the main rank only
+        self.checkpoint_every = checkpoint_every
+
+    def _emit(self, event: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *args)
+
+    def fit(self) -> History:
+        self._emit("on_fit_start")
+        while self.position.epoch < self.epochs:
+            record = self._train_epoch(self.position.epoch)
+            self.history.epochs.append(record)
+            self.position = Position(epoch=self.position.epoch + 1)
+            if self.checkpointer is not None:
+                self.checkpointer.save(self, self.position)
+            self._emit("on_epoch_end", record)
+        self._emit("on_fit_end")
+        return self.history
+
+    def _train_epoch(self, epoch: int) -> dict:
+        start = self.position
+        # A resumed epoch's earlier sums are global (reduced when saved): only the main rank re-adds them.
+        share = 1.0 if self.strategy.is_main else 0.0
+        totals = torch.tensor([start.loss_sum * share, start.correct * share], dtype=torch.float64,
+                              device=self.strategy.device)
+        count = start.count * share
+        self._emit("on_epoch_start", epoch)
+        self.strategy.synchronize()
+        began = time.perf_counter() - start.seconds
+        for batch in self.train_loader.train_batches(epoch, start_step=start.step):
+            stats = self.strategy.train_step(batch)
+            totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
+            count += stats.count
+            self.position = Position(epoch, batch.step + 1)
+            self._running = (totals, count, began)
+            self._emit("on_step_end", batch.step)
+            if self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0 \
+                    and batch.step + 1 < self.steps_per_epoch and self.checkpointer is not None:
+                self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
+        self.strategy.synchronize()
+        seconds = time.perf_counter() - began
+        loss_sum, correct, count = self._reduce(totals, count)
+        if not math.isfinite(loss_sum):
+            raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
+                                f"weights are kept; lower --lr or use --precision fp32")
+        val = self.evaluate()
+        return {"epoch": epoch + 1, "train_loss": loss_sum / count, "train_acc": correct / count,
+                "val_loss": val["loss"], "val_acc": val["acc"], "epoch_seconds": seconds,
+                "samples_per_second": count / seconds if seconds > 0 else float("inf"),
+                "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+
+    def _reduce(self, totals: torch.Tensor, count: float):
+        """(loss_sum, correct, count) summed over all ranks: sums of counts, never means of means."""
+        with_count = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)])
+        return self.strategy.reduce(with_count).tolist()
+
+    def _global_position(self, epoch, step, totals, count, began) -> Position:
+        loss_sum, correct, count = self._reduce(totals, count)
+        if not math.isfinite(loss_sum):
+            raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1} before step "
+                                f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32")
+        return Position(epoch, step, loss_sum, correct, count, time.perf_counter() - began)
+
+    def running_totals(self):
+        """(loss_sum, correct, count, seconds) of this rank's epoch so far; reads the device (a sync)."""
+        totals, count, began = self._running
+        loss_sum, correct = totals.tolist()
+        return loss_sum, correct, count, time.perf_counter() - began
+
+    def evaluate(self, loader=None) -> dict:
+        loader = loader or self.val_loader
+        totals = torch.zeros(2, dtype=torch.float64, device=self.strategy.device)
+        count = 0
+        for batch in loader.eval_batches():
+            stats = self.strategy.eval_step(batch)
+            totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
+            count += stats.count
+        loss_sum, correct, count = self._reduce(totals, count)
+        return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}

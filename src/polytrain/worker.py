@@ -1,0 +1,126 @@
+"""What one training process does: join the group, build the strategy and loaders, run the trainer."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
+from .checkpoint import Checkpointer
+from .config import TrainConfig
+from .data import ArrayDataset
+from .data.loader import make_loaders
+from .optim import make_optimizer, make_scheduler
+from .strategies import STRATEGIES
+from .trainer import History, Position, Trainer
+
+
+@dataclass
+class Job:
+    """Everything a worker needs; pickled to each spawned process."""
+    config: TrainConfig
+    strategy: str
+    dataset: ArrayDataset
+    model: nn.Module
+    run_dir: Optional[str] = None      # None: keep nothing on disk (Python API without out=)
+    resume: bool = False
+    verbose: bool = True
+    record_steps: bool = False         # per-step global loss and parameters, for `polytrain verify`
+
+
+@dataclass
+class WorkerResult:
+    history: History
+    weights: dict          # the trained state dict, on the CPU
+    steps: list = None     # with Job.record_steps: (global loss, flat parameters) after each step
+
+
+def rank_and_world():
+    """(rank, world size, local rank, local world size) from the launcher's environment, or one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    return 0, 1, 0, 1
+
+
+def choose_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def uses_channels_last(model: nn.Module, device: torch.device) -> bool:
+    """Channels-last speeds up convolutions on GPUs (tensor cores); measured slower for small nets on CPU."""
+    return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def train_worker(job: Job) -> Optional[WorkerResult]:
+    config = job.config
+    rank, world, local_rank, local_world = rank_and_world()
+    device = choose_device(config.device, local_rank)
+    distributed = job.strategy != "single"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _train(job, device, rank, world)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
+    config = job.config
+    torch.manual_seed(config.seed)
+    strategy = STRATEGIES[job.strategy](
+        device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
+        channels_last=uses_channels_last(job.model, device), label_smoothing=config.label_smoothing)
+    train_loader, val_loader = make_loaders(
+        job.dataset, batch_size=config.batch_size, device=device, rank=rank, world_size=world, seed=config.seed,
+        augment=config.augment, channels_last=strategy.channels_last)
+    steps = len(train_loader)
+    strategy.setup(
+        job.model,
+        partial(make_optimizer, name=config.optimizer, lr=config.effective_lr, momentum=config.momentum,
+                weight_decay=config.weight_decay),
+        partial(make_scheduler, kind=config.schedule, total_steps=config.epochs * steps,
+                warmup_steps=round(config.warmup_epochs * steps)))
+    run_dir = strategy.broadcast_object(job.run_dir)
+    checkpointer = Checkpointer(Path(run_dir), is_main=strategy.is_main) if run_dir else None
+    position, history = Position(), History()
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
+        state = strategy.broadcast_object(checkpointer.load(strategy) if strategy.is_main else None)
+        if not strategy.is_main:
+            strategy.load_state_dict(state)
+        position, history = Position(**state["position"]), History(list(state["history"]))
+    callbacks = []
+    if strategy.is_main and job.verbose:
+        callbacks.append(ProgressBar())
+    if strategy.is_main and run_dir:
+        callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
+    recorder = StepRecorder() if job.record_steps else None
+    if recorder is not None:
+        callbacks.append(recorder)
+    trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
+                      position=position, history=history, checkpointer=checkpointer,
+                      checkpoint_every=config.checkpoint_every)
+    history = trainer.fit()
+    if not strategy.is_main:
+        return None
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in strategy.model.state_dict().items()}
+    return WorkerResult(history, weights, recorder.steps if recorder else None)
+
+
+def _has_checkpoint(checkpointer: Checkpointer, strategy) -> bool:
+    return bool(strategy.broadcast_object(checkpointer.path.is_file() if strategy.is_main else None))

@@ -1,6 +1,7 @@
 """What one training process does: join the group, build the strategy and loaders, run the trainer."""
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -89,8 +90,10 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
         job.dataset, batch_size=config.batch_size, device=device, rank=rank, world_size=world, seed=config.seed,
         augment=config.augment, channels_last=strategy.channels_last)
     steps = len(train_loader)
+    # Spawned workers receive the model's tensors in memory shared between processes: each worker must
+    # train its own copy, or every rank's optimizer would step the same storage.
     strategy.setup(
-        job.model,
+        copy.deepcopy(job.model),
         partial(make_optimizer, name=config.optimizer, lr=config.effective_lr, momentum=config.momentum,
                 weight_decay=config.weight_decay),
         partial(make_scheduler, kind=config.schedule, total_steps=config.epochs * steps,

@@ -1,0 +1,42 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from polytrain.data import ArrayDataset
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    """Reset seeds, restore environment variables, and leave no process group behind."""
+    saved_env = dict(os.environ)
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_num_threads(threads)
+
+
+def tiny_digits(n_train: int = 256, n_val: int = 100, seed: int = 0, shape=(1, 28, 28)) -> ArrayDataset:
+    """Learnable synthetic digits: each class is a bright square in its own place, plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    n = n_train + n_val
+    labels = torch.randint(0, 10, (n,), generator=generator)
+    images = torch.randint(0, 60, (n, *shape), generator=generator, dtype=torch.uint8)
+    for digit in range(10):
+        row, col = 2 + (digit // 5) * 12, 2 + (digit % 5) * 5
+        images[labels == digit, :, row:row + 8, col:col + 4] = 250
+    return ArrayDataset("tiny", images[:n_train], labels[:n_train], images[n_train:], labels[n_train:])
+
+
+@pytest.fixture
+def digits() -> ArrayDataset:
+    return tiny_digits()

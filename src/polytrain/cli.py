@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its checkpoint")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                      help="also checkpoint every STEPS steps (always at each epoch end)")
+    run.add_argument("--max-steps", type=int, default=0, metavar="N",
+                     help="stop after N steps in all, with a checkpoint to --resume from (default: 0, all epochs)")
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="restart failed workers up to R times from the last checkpoint (default: 0)")
     evaluate = commands.add_parser("evaluate", help="validation loss and accuracy of a run's model")

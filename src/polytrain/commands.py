@@ -24,7 +24,9 @@ def train_command(args) -> int:
         settings = read_config(args.resume)
         if "strategy" in settings:
             settings["strategy"] = "auto"
-        settings.update(devices=args.devices, max_restarts=args.max_restarts, out=args.resume)
+        settings.update(devices=args.devices, max_restarts=args.max_restarts, out=args.resume,
+                        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every or settings.get(
+                            "checkpoint_every", 0))
         if args.per_device_batch_size is None and args.batch_size is not None:
             settings["batch_size"] = args.batch_size
         config = TrainConfig.from_dict(settings)
@@ -34,8 +36,10 @@ def train_command(args) -> int:
         config = config_from_args(args)
         history, _, run_dir = train_run(config)
     if history is not None and run_dir is not None:
-        last = history.last
-        print(f"done: validation accuracy {last['val_acc']:.4f}; run folder {run_dir}")
+        if config.max_steps and len(history.epochs) < config.epochs:
+            print(f"stopped after {config.max_steps} steps; continue with: polytrain train --resume {run_dir}")
+        elif history.epochs:
+            print(f"done: validation accuracy {history.last['val_acc']:.4f}; run folder {run_dir}")
     return 0
 
 

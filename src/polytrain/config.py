@@ -48,6 +48,7 @@ class TrainConfig:
     augment: Optional[bool] = None
     out: Optional[str] = None
     checkpoint_every: int = 0
+    max_steps: int = 0                # stop (with a checkpoint) after this many steps in all; 0: run all epochs
     max_restarts: int = 0
     hang_timeout: float = 60.0
     synthetic_size: int = 2048
@@ -72,14 +73,17 @@ class TrainConfig:
                             ("--weight-decay", self.weight_decay), ("--label-smoothing", self.label_smoothing),
                             ("--warmup-epochs", self.warmup_epochs), ("--hang-timeout", self.hang_timeout)):
             _need(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
-                  f"{flag} must be a finite number >= 0, got {value!r}")
+                  f"{flag} must be a finite number >= 0, got {value!r}; see polytrain train --help for the default")
         _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
+        _need(self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
         _need(self.momentum < 1, f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(isinstance(self.devices, int) and self.devices > 0,
               f"--devices must be a positive whole number, got {self.devices!r}; try --devices 1")
         _need(isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
               f"--checkpoint-every must be a whole number >= 0, got {self.checkpoint_every!r}")
+        _need(isinstance(self.max_steps, int) and self.max_steps >= 0,
+              f"--max-steps must be a whole number >= 0, got {self.max_steps!r}")
         _need(isinstance(self.max_restarts, int) and self.max_restarts >= 0,
               f"--max-restarts must be a whole number >= 0, got {self.max_restarts!r}")
         _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
@@ -89,7 +93,8 @@ class TrainConfig:
         _need(self.batch_size % self.devices == 0,
               f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
               f"--devices {self.devices}; use a multiple of {self.devices}, e.g. "
-              f"--batch-size {self.devices * max(1, self.batch_size // self.devices)}")
+              f"--batch-size {self.devices * -(-self.batch_size // self.devices)}, or give "
+              f"--per-device-batch-size instead")
 
     @property
     def effective_lr(self) -> float:

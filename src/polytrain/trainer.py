@@ -45,7 +45,7 @@ class History:
 class Trainer:
     def __init__(self, strategy, train_loader, val_loader, *, epochs: int, callbacks=(),
                  position: Optional[Position] = None, history: Optional[History] = None,
-                 checkpointer=None, checkpoint_every: int = 0):
+                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0):
         self.strategy = strategy
         self.train_loader, self.val_loader = train_loader, val_loader
         self.epochs = epochs
@@ -55,6 +55,8 @@ class Trainer:
         self.steps_per_epoch = len(train_loader)
         self.checkpointer = checkpointer          # called on every rank; writes on the main rank only
         self.checkpoint_every = checkpoint_every
+        self.max_steps = max_steps                # stop early after this many steps in all (0: never)
+        self.stopped_early = False
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -64,11 +66,17 @@ class Trainer:
         self._emit("on_fit_start")
         while self.position.epoch < self.epochs:
             record = self._train_epoch(self.position.epoch)
+            if record is None:
+                break
             self.history.epochs.append(record)
             self.position = Position(epoch=self.position.epoch + 1)
+            finished = self.max_steps and self.position.epoch * self.steps_per_epoch >= self.max_steps
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
             self._emit("on_epoch_end", record)
+            if finished and self.position.epoch < self.epochs:
+                self.stopped_early = True
+                break
         self._emit("on_fit_end")
         return self.history
 
@@ -89,9 +97,14 @@ class Trainer:
             self.position = Position(epoch, batch.step + 1)
             self._running = (totals, count, began)
             self._emit("on_step_end", batch.step)
-            if self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0 \
-                    and batch.step + 1 < self.steps_per_epoch and self.checkpointer is not None:
+            last_of_epoch = batch.step + 1 == self.steps_per_epoch
+            stop = self.max_steps and epoch * self.steps_per_epoch + batch.step + 1 >= self.max_steps
+            due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
+            if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
+            if stop and not last_of_epoch:
+                self.stopped_early = True
+                return None
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
         loss_sum, correct, count = self._reduce(totals, count)

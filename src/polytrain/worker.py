@@ -117,7 +117,7 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
         callbacks.append(recorder)
     trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
                       position=position, history=history, checkpointer=checkpointer,
-                      checkpoint_every=config.checkpoint_every)
+                      checkpoint_every=config.checkpoint_every, max_steps=config.max_steps)
     history = trainer.fit()
     if not strategy.is_main:
         return None

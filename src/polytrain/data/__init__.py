@@ -29,24 +29,28 @@ def load_dataset(name: str, *, data_dir: Optional[str] = None, download: bool = 
                           shape=tuple(synthetic_shape), seed=seed)
 
 
-def _folder_with_files(name: str, data_dir: Optional[str], download: bool) -> Path:
-    """The folder holding a file-based dataset: --data-dir as given, or the cache when downloading."""
+def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callable):
+    """Read a file-based dataset from --data-dir (or the cache); with --download, fetch what is missing
+    (checksum-verified) and read again. Files already there are used as they are."""
     from .download import default_cache_dir, ensure_dataset_files
 
-    if data_dir is not None:
-        folder = Path(data_dir).expanduser()
-        if not folder.is_dir() and not download:
+    folder = Path(data_dir).expanduser() if data_dir is not None else default_cache_dir() / name
+    if not download:
+        if data_dir is None:
+            raise DataError(f"dataset {name!r} needs its files: pass --data-dir DIR, or add --download to fetch "
+                            f"them into {folder}")
+        if not folder.is_dir():
             raise DataError(f"--data-dir {folder} does not exist; point it at the folder holding the "
                             f"{name} files, or add --download")
-    else:
-        folder = default_cache_dir() / name
-    if download:
-        folder.mkdir(parents=True, exist_ok=True)
-        ensure_dataset_files(name, folder)
-    elif data_dir is None:
-        raise DataError(f"dataset {name!r} needs its files: pass --data-dir DIR, or add --download to fetch "
-                        f"them into {folder}")
-    return folder
+        return read(folder)
+    if folder.is_dir():
+        try:
+            return read(folder)
+        except DataError:
+            pass
+    folder.mkdir(parents=True, exist_ok=True)
+    ensure_dataset_files(name, folder)
+    return read(folder)
 
 
 @register("mnist-sample")
@@ -57,7 +61,7 @@ def _mnist_sample(**_) -> ArrayDataset:
 
 def _idx(name: str, data_dir, download) -> ArrayDataset:
     from .idx import load_idx_dataset
-    train_x, train_y, val_x, val_y = load_idx_dataset(_folder_with_files(name, data_dir, download))
+    train_x, train_y, val_x, val_y = _load_files(name, data_dir, download, load_idx_dataset)
     return ArrayDataset.from_numpy(name, train_x, train_y, val_x, val_y, augment=False)
 
 
@@ -74,7 +78,7 @@ def _fashion(*, data_dir=None, download=False, **_) -> ArrayDataset:
 @register("cifar10")
 def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     from .cifar import load_cifar10
-    train_x, train_y, val_x, val_y = load_cifar10(_folder_with_files("cifar10", data_dir, download))
+    train_x, train_y, val_x, val_y = _load_files("cifar10", data_dir, download, load_cifar10)
     return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True)
 
 

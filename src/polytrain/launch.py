@@ -3,6 +3,7 @@ agent (the machinery behind torchrun) on this machine. Strategies know nothing o
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -50,10 +51,17 @@ def spawn_workers(job: Job) -> WorkerResult:
         min_nodes=1, max_nodes=1, nproc_per_node=config.devices, run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
         max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn")
+    # polytrain reports a failed worker itself (one line, or its traceback); the agent's own log would
+    # print every traceback a second time.
+    quiet = logging.getLogger("torch.distributed.elastic")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(launch, train_worker)(job)
     except ChildFailedError as failed:
         raise worker_failure(failed) from None
+    finally:
+        quiet.setLevel(level)
     return results[0]
 
 

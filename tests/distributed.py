@@ -1,0 +1,48 @@
+"""Helpers for multi-process tests: 2 gloo processes on CPU, file rendezvous, a timeout, no hangs."""
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 120
+
+
+def _entry(rank, world_size, init_file, fn, args, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S):
+    """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results by rank."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
+                     for r in range(world_size)]
+        for process in processes:
+            process.start()
+        collected = {}
+        try:
+            for _ in range(world_size):
+                rank, status, value = results.get(timeout=timeout)
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{value}")
+                collected[rank] = value
+        finally:
+            for process in processes:
+                process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+    return [collected[r] for r in range(world_size)]

@@ -1,0 +1,106 @@
+"""Data parallelism on 2 CPU processes (gloo) against one device: same samples, same steps, same weights."""
+import copy
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import polytrain
+from polytrain.data import load_dataset
+from polytrain.data.loader import make_loaders
+from polytrain.launch import WorkerFailed
+from polytrain.models import build_model
+from polytrain.strategies import DataParallel, SingleDevice
+from polytrain.trainer import Trainer
+from conftest import tiny_digits
+from distributed import run_on_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_twenty_steps_on_two_processes_equal_one_device():
+    data = tiny_digits(n_train=640)
+    torch.manual_seed(0)
+    model = build_model("lenet", data.input_shape, 10)
+    one, two = copy.deepcopy(model), copy.deepcopy(model)
+    settings = dict(epochs=1, batch_size=32, max_steps=20, verbose=False)
+    polytrain.fit(one, data, devices=1, **settings)
+    polytrain.fit(two, data, devices=2, strategy="data", **settings)
+    assert (flat(one) - flat(model)).abs().max() > 1e-3          # it did train
+    torch.testing.assert_close(flat(two), flat(one), atol=1e-5, rtol=0)
+
+
+def test_whole_epochs_on_real_digits_agree_within_rounding():
+    data = load_dataset("mnist-sample")
+    settings = dict(epochs=2, batch_size=64, verbose=False)
+    one = polytrain.fit("lenet", data, devices=1, **settings)
+    two = polytrain.fit("lenet", data, devices=2, **settings)
+    assert two["train_loss"] == pytest.approx(one["train_loss"], abs=1e-3)
+    assert abs(two.last["val_acc"] - one.last["val_acc"]) <= 0.002
+    assert one.last["val_acc"] > 0.9
+
+
+def _evaluate_on_rank(rank, world_size, model, data):
+    strategy = DataParallel(device=torch.device("cpu"), rank=rank, world_size=world_size)
+    strategy.model = model
+    _, val = make_loaders(data, batch_size=64, device="cpu", rank=rank, world_size=world_size, eval_batch_size=7)
+    return Trainer(strategy, val, val, epochs=0).evaluate()
+
+
+def test_sharded_evaluation_equals_one_device_exactly():
+    data = tiny_digits(n_train=64, n_val=101)       # odd size: no rank may pad or drop a sample
+    model = build_model("mlp", data.input_shape, 10)
+    strategy = SingleDevice(device=torch.device("cpu"))
+    strategy.model = model
+    _, val = make_loaders(data, batch_size=64, device="cpu", eval_batch_size=7)
+    expected = Trainer(strategy, val, val, epochs=0).evaluate()
+    results = run_on_ranks(_evaluate_on_rank, model, data)
+    for result in results:
+        assert result["count"] == 101
+        assert result["acc"] == expected["acc"]
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)   # float32 batch sums
+
+
+class FailsOnRankOne(nn.Module):
+    """A model whose forward pass raises on rank 1 at its third call."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(784, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls == 3:
+            raise RuntimeError("boom on purpose")
+        return self.linear(x.flatten(1))
+
+
+def test_a_failing_worker_stops_every_worker_and_names_its_rank():
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed) as failure:
+        polytrain.fit(FailsOnRankOne(), tiny_digits(n_train=320), devices=2, epochs=3, batch_size=32,
+                      verbose=False)
+    assert time.monotonic() - started < 90
+    message = str(failure.value)
+    assert "worker rank 1" in message and "boom on purpose" in message
+
+
+def test_verify_command_passes_for_data_parallel():
+    result = subprocess.run([sys.executable, "-m", "polytrain", "verify", "--devices", "2", "--steps", "8",
+                             "--model", "lenet", "--dataset", "mnist-sample"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 8
+    for step, loss_one, loss_two, diff in rows:
+        assert abs(float(loss_one) - float(loss_two)) < 1e-4 and float(diff) <= 1e-5

@@ -87,4 +87,4 @@ def test_validation_accuracy_counts_every_sample(digits):
 
 def test_a_diverging_loss_stops_with_a_clear_message(digits):
     with pytest.raises(UserError, match="loss became (nan|inf)"):
-        polytrain.fit("lenet", digits, epochs=2, lr=1e12, momentum=0.0, verbose=False)
+        polytrain.fit("lenet", digits, epochs=2, lr=1e5, momentum=0.0, verbose=False)

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also checkpoint every STEPS steps (always at each epoch end)")
     run.add_argument("--max-steps", type=int, default=0, metavar="N",
                      help="stop after N steps in all, with a checkpoint to --resume from (default: 0, all epochs)")
+    run.add_argument("--hang-timeout", type=float, default=DEFAULTS.hang_timeout, metavar="SECONDS",
+                     help="with several devices, report the rank that makes no progress for this long, with "
+                          f"its stack, and stop (default: {DEFAULTS.hang_timeout:g})")
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="restart failed workers up to R times from the last checkpoint (default: 0)")
     evaluate = commands.add_parser("evaluate", help="validation loss and accuracy of a run's model")

@@ -79,6 +79,8 @@ def worker_failure(failed) -> WorkerFailed:
         message = f"exited with code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.signal else "")
         return WorkerFailed(f"worker rank {rank} failed: {message}")
     error_class = message.split(":", 1)[0]
+    if error_class == "WorkerHang":
+        return WorkerFailed(f"worker hang: {message.split(':', 1)[-1].strip()}")
     user_error = any(cls.__name__ == error_class for cls in _user_error_classes())
     if user_error:
         return WorkerFailed(f"worker rank {rank}: {message.split(':', 1)[-1].strip()}", user_error=True)

@@ -20,6 +20,7 @@ from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
 from .strategies import STRATEGIES
 from .trainer import History, Position, Trainer
+from .watchdog import Watchdog
 
 
 @dataclass
@@ -51,6 +52,11 @@ def rank_and_world():
     return 0, 1, 0, 1
 
 
+def under_agent() -> bool:
+    """True in a process started by torch's elastic agent (ours or torchrun), where ending it is safe."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def choose_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
@@ -60,6 +66,22 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
 def uses_channels_last(model: nn.Module, device: torch.device) -> bool:
     """Channels-last speeds up convolutions on GPUs (tensor cores); measured slower for small nets on CPU."""
     return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def join_process_group(backend: str, rank: int, world: int) -> None:
+    """Join the group; after a restart by the elastic agent, under a fresh key prefix.
+
+    The agent's store outlives worker restarts, so a restarted worker would otherwise read the addresses
+    its dead predecessors published and fail to connect.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"polytrain/attempt-{attempt}", store), rank=rank,
+                            world_size=world)
 
 
 def train_worker(job: Job) -> Optional[WorkerResult]:
@@ -72,7 +94,7 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world)
     try:
         return _train(job, device, rank, world)
     finally:
@@ -112,6 +134,10 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
+    if world > 1 or under_agent():
+        compiling = 10 if config.compile else 1
+        callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
+                                  first_step_timeout=config.hang_timeout * compiling + 30))
     recorder = StepRecorder() if job.record_steps else None
     if recorder is not None:
         callbacks.append(recorder)

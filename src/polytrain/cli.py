@@ -31,7 +31,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--download", action="store_true",
                       help="fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)")
     data.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
-                      help="random crop + flip on the device (default: on for cifar10, off for digits)")
+                      help="random crop (4-pixel shifts), plus mirroring for cifar10, as batched ops on the "
+                           "device (default: on for cifar10, off for digits)")
     data.add_argument("--synthetic-size", type=int, default=d.synthetic_size, metavar="N",
                       help=f"training samples of --dataset synthetic (default: {d.synthetic_size})")
     data.add_argument("--synthetic-shape", type=_shape, default=d.synthetic_shape, metavar="C,H,W",

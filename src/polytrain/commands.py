@@ -11,6 +11,7 @@ from .api import evaluate, load_run, predict, train_run, _dataset
 from .cli import config_from_args
 from .config import TrainConfig
 from .data import ArrayDataset
+from .data.loader import global_batch_order
 from .errors import UserError
 from .launch import check_devices, run_job
 from .models import build_model
@@ -75,7 +76,8 @@ def verify_command(args) -> int:
     check_devices(config.devices, config.device)
     full = _dataset(config.dataset, config)
     size = min(len(full.train_y), args.steps * config.batch_size)
-    data = ArrayDataset(full.name, full.train_x[:size], full.train_y[:size], full.val_x, full.val_y,
+    subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[:size]   # files may be sorted
+    data = ArrayDataset(full.name, full.train_x[subset], full.train_y[subset], full.val_x, full.val_y,
                         num_classes=full.num_classes, augment=full.augment)
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)

@@ -7,16 +7,19 @@ from functools import partial
 import torch
 
 
-def make_optimizer(params, *, name: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                   foreach: bool = True) -> torch.optim.Optimizer:
-    """SGD (with momentum), Adam or RMSprop; `foreach` updates all tensors in a few fused kernels."""
+def make_optimizer(params, *, name: str, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """SGD (with momentum), Adam or RMSprop, updating all tensors at once: one fused kernel on CUDA
+    (SGD and Adam), multi-tensor `foreach` kernels otherwise, never a Python loop over parameters."""
     params = list(params)
+    fused = all(p.is_cuda for p in params) and name in ("sgd", "adam")
+    speed = {"fused": True} if fused else {"foreach": True}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **speed)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **speed)
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach)
+        return torch.optim.RMSprop(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=True)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

@@ -86,13 +86,15 @@ class Trainer:
         share = 1.0 if self.strategy.is_main else 0.0
         totals = torch.tensor([start.loss_sum * share, start.correct * share], dtype=torch.float64,
                               device=self.strategy.device)
+        loss_total, correct_total = totals[0], totals[1]          # views: updated in place, one kernel each
         count = start.count * share
         self._emit("on_epoch_start", epoch)
         self.strategy.synchronize()
         began = time.perf_counter() - start.seconds
         for batch in self.train_loader.train_batches(epoch, start_step=start.step):
             stats = self.strategy.train_step(batch)
-            totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
+            loss_total += stats.loss_sum
+            correct_total += stats.correct
             count += stats.count
             self.position = Position(epoch, batch.step + 1)
             self._running = (totals, count, began)

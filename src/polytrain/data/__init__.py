@@ -79,7 +79,7 @@ def _fashion(*, data_dir=None, download=False, **_) -> ArrayDataset:
 def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     from .cifar import load_cifar10
     train_x, train_y, val_x, val_y = _load_files("cifar10", data_dir, download, load_cifar10)
-    return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True)
+    return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True, flip=True)
 
 
 @register("synthetic")

@@ -18,7 +18,8 @@ class ArrayDataset:
     val_x: torch.Tensor
     val_y: torch.Tensor
     num_classes: int = 10
-    augment: bool = False      # random crop + flip during training (natural images, not digits)
+    augment: bool = False      # random crop + flip during training by default (natural images, not digits)
+    flip: bool = False         # whether mirrored images stay valid (CIFAR yes; digits no: a flipped 2 is no 2)
 
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.train_x, self.train_y), ("validation", self.val_x, self.val_y)):
@@ -43,10 +44,10 @@ class ArrayDataset:
         return tuple(self.train_x.shape[1:])
 
     @classmethod
-    def from_numpy(cls, name, train_x, train_y, val_x, val_y, *, augment=False, num_classes=10):
+    def from_numpy(cls, name, train_x, train_y, val_x, val_y, *, augment=False, flip=False, num_classes=10):
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))
         return cls(name, as_tensor(train_x), as_tensor(train_y).long(), as_tensor(val_x),
-                   as_tensor(val_y).long(), num_classes=num_classes, augment=augment)
+                   as_tensor(val_y).long(), num_classes=num_classes, augment=augment, flip=flip)
 
     def channel_stats(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per-channel mean and standard deviation of the training images, on the 0..1 scale."""

@@ -39,13 +39,14 @@ class DeviceLoader:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, mean: torch.Tensor,
                  std: torch.Tensor, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 augment: bool = False, channels_last: bool = False):
+                 augment: bool = False, flip: bool = True, channels_last: bool = False):
         self.images = images.to(device)
         self.labels = labels.to(device)
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.augment = augment
+        self.flip = flip
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         shape = (1, -1, 1, 1)
         # x_normalised = (x/255 - mean) / std  ==  x * scale + shift, fused into one multiply-add per batch
@@ -65,11 +66,12 @@ class DeviceLoader:
 
     def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
         """Shuffled batches of `epoch`, from `start_step` on (to resume mid-epoch)."""
-        order = global_batch_order(len(self.labels), epoch=epoch, seed=self.seed)
+        # One host-to-device copy per epoch; every step then slices the order on the device, so no step
+        # waits for a copy from the host.
+        order = global_batch_order(len(self.labels), epoch=epoch, seed=self.seed).to(self.device)
         for step in range(start_step, len(self)):
             global_batch = order[step * self.batch_size:(step + 1) * self.batch_size]
-            mine = rank_slice(global_batch, rank=self.rank, world_size=self.world_size)
-            index = mine.to(self.device, non_blocking=True)
+            index = rank_slice(global_batch, rank=self.rank, world_size=self.world_size)
             images = self.images[index]
             if self.augment:
                 images = self._augment(images, len(global_batch), epoch=epoch, step=step)
@@ -88,7 +90,7 @@ class DeviceLoader:
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 100_003 + step)
         pad = 4
         offsets = torch.randint(0, 2 * pad + 1, (global_count, 2), generator=generator)
-        flips = torch.rand(global_count, generator=generator) < 0.5
+        flips = (torch.rand(global_count, generator=generator) < 0.5) & self.flip
         rows = rank_slice(torch.arange(global_count), rank=self.rank, world_size=self.world_size)
         return crop_and_flip(images, offsets[rows].to(self.device), flips[rows].to(self.device), pad=pad)
 
@@ -100,6 +102,7 @@ def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size:
     augment = dataset.augment if augment is None else augment
     common = dict(mean=mean, std=std, device=device, rank=rank, world_size=world_size, seed=seed,
                   channels_last=channels_last)
-    train = DeviceLoader(dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment, **common)
+    train = DeviceLoader(dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment,
+                         flip=dataset.flip, **common)
     val = DeviceLoader(dataset.val_x, dataset.val_y, batch_size=eval_batch_size or max(batch_size, 1024), **common)
     return train, val

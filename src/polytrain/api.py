@@ -114,11 +114,16 @@ def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "
 
 @torch.no_grad()
 def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> dict:
-    """Predicted and true labels (and the uint8 images) of the first `count` validation samples of a run."""
+    """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
+    over the validation set (all of them when `count` is None)."""
     _, dataset, model = load_run(run_dir)
     dev = choose_device(device, 0)
     model = model.to(dev).eval()
     _, val = make_loaders(dataset, batch_size=1024, device=dev)
     predicted = torch.cat([model(batch.x).argmax(1).cpu() for batch in val.eval_batches()])
-    count = len(predicted) if count is None else min(count, len(predicted))
-    return {"images": dataset.val_x[:count], "predicted": predicted[:count], "true": dataset.val_y[:count]}
+    total = len(predicted)
+    count = total if count is None else max(0, min(count, total))
+    # evenly spaced over the split, so a class-sorted validation set still shows every class
+    index = torch.linspace(0, total - 1, count).round().long() if count < total else torch.arange(total)
+    return {"index": index, "images": dataset.val_x[index], "predicted": predicted[index],
+            "true": dataset.val_y[index]}

@@ -53,17 +53,17 @@ def evaluate_command(args) -> int:
 def predict_command(args) -> int:
     if args.show < 0:
         raise UserError(f"--show must be 0 or more, got {args.show}")
-    result = predict(args.run_dir, device=args.device)
-    wrong = int((result["predicted"] != result["true"]).sum())
-    print(f"{len(result['true'])} validation samples, {wrong} wrong")
-    for i in range(min(args.show or 10, len(result["true"]))):
-        print(f"sample {i}: predicted {int(result['predicted'][i])}, true {int(result['true'][i])}"
-              + ("  <- wrong" if result["predicted"][i] != result["true"][i] else ""))
+    everything = predict(args.run_dir, device=args.device)
+    wrong = int((everything["predicted"] != everything["true"]).sum())
+    print(f"{len(everything['true'])} validation samples, {wrong} wrong")
+    shown = predict(args.run_dir, count=args.show or 10, device=args.device)
+    for i, sample in enumerate(shown["index"].tolist()):
+        predicted, true = int(shown["predicted"][i]), int(shown["true"][i])
+        print(f"sample {sample}: predicted {predicted}, true {true}" + ("  <- wrong" if predicted != true else ""))
     if args.show:
         from .report import prediction_grid
         path = Path(args.run_dir) / "predictions.png"
-        prediction_grid(result["images"][:args.show], result["predicted"][:args.show],
-                        result["true"][:args.show], path)
+        prediction_grid(shown["images"], shown["predicted"], shown["true"], path)
         print(f"wrote {path}")
     return 0
 

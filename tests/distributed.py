@@ -1,5 +1,6 @@
 """Helpers for multi-process tests: 2 gloo processes on CPU, file rendezvous, a timeout, no hangs."""
 import os
+import time
 import tempfile
 import traceback
 
@@ -46,3 +47,22 @@ def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S):
                 if process.is_alive():
                     process.kill()
     return [collected[r] for r in range(world_size)]
+
+
+class MisbehavingModel(torch.nn.Module):
+    """A linear classifier whose forward pass on `rank` misbehaves at its `call`-th call:
+    `raise` raises RuntimeError("boom on purpose"); `stall` sleeps (standing in for stuck data loading)."""
+
+    def __init__(self, action: str, *, rank: int = 1, call: int = 3):
+        super().__init__()
+        self.linear = torch.nn.Linear(784, 10)
+        self.action, self.rank, self.call = action, rank, call
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if dist.get_rank() == self.rank and self.calls == self.call:
+            if self.action == "raise":
+                raise RuntimeError("boom on purpose")
+            time.sleep(600)
+        return self.linear(x.flatten(1))

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 import polytrain
 from polytrain.data import load_dataset
@@ -16,7 +15,7 @@ from polytrain.models import build_model
 from polytrain.strategies import DataParallel, SingleDevice
 from polytrain.trainer import Trainer
 from conftest import tiny_digits
-from distributed import run_on_ranks
+from distributed import MisbehavingModel, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -68,26 +67,10 @@ def test_sharded_evaluation_equals_one_device_exactly():
         assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)   # float32 batch sums
 
 
-class FailsOnRankOne(nn.Module):
-    """A model whose forward pass raises on rank 1 at its third call."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(784, 10)
-        self.calls = 0
-
-    def forward(self, x):
-        import torch.distributed as dist
-        self.calls += 1
-        if dist.get_rank() == 1 and self.calls == 3:
-            raise RuntimeError("boom on purpose")
-        return self.linear(x.flatten(1))
-
-
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(FailsOnRankOne(), tiny_digits(n_train=320), devices=2, epochs=3, batch_size=32,
+        polytrain.fit(MisbehavingModel("raise"), tiny_digits(n_train=320), devices=2, epochs=3, batch_size=32,
                       verbose=False)
     assert time.monotonic() - started < 90
     message = str(failure.value)

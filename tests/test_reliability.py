@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 import polytrain
 from polytrain.launch import WorkerFailed
 from conftest import tiny_digits
+from distributed import MisbehavingModel
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,26 +34,10 @@ def assert_same_weights(a, b, atol):
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0)
 
 
-class StallsOnRankOne(nn.Module):
-    """Rank 1 stops making progress (a sleep standing in for stuck data loading) in its third step."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(784, 10)
-        self.calls = 0
-
-    def forward(self, x):
-        import torch.distributed as dist
-        self.calls += 1
-        if dist.get_rank() == 1 and self.calls == 3:
-            time.sleep(600)
-        return self.linear(x.flatten(1))
-
-
 def test_a_stalled_rank_is_named_with_its_step_and_stack():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(StallsOnRankOne(), tiny_digits(n_train=320), devices=2, epochs=2, batch_size=32,
+        polytrain.fit(MisbehavingModel("stall"), tiny_digits(n_train=320), devices=2, epochs=2, batch_size=32,
                       hang_timeout=4, verbose=False)
     assert time.monotonic() - started < 60
     message = str(failure.value)

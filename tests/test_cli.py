@@ -122,3 +122,10 @@ def test_out_folder_holding_a_run_is_refused(finished_run, capsys):
 def test_evaluate_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path)]) == 2
     assert "not a polytrain run folder" in capsys.readouterr().err
+
+
+def test_more_devices_than_gpus_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", "--devices", "4", "--batch-size", "64"]) == 2
+    assert "--devices 4 is more than the 1 GPU(s) present" in capsys.readouterr().err

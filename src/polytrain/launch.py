@@ -47,10 +47,11 @@ def spawn_workers(job: Job) -> WorkerResult:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = job.config
+    loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=config.devices, run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-        max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn")
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=config.max_restarts,
+        monitor_interval=0.1, start_method="spawn", **loopback)
     # polytrain reports a failed worker itself (one line, or its traceback); the agent's own log would
     # print every traceback a second time.
     quiet = logging.getLogger("torch.distributed.elastic")

@@ -63,6 +63,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--precision", default=d.precision, metavar="{" + ",".join(PRECISIONS) + "}",
                        help="bf16 runs the forward pass under autocast (use on GPUs); default: fp32")
     model.add_argument("--compile", action="store_true", help="torch.compile the model")
+    model.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                       help="channels-last memory format (default: on for convolutional models on GPUs)")
     model.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"default: {d.seed}")
     devices = parser.add_argument_group("devices")
     devices.add_argument("--device", default=d.device, metavar="{auto,cpu,cuda}",

@@ -63,8 +63,10 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def uses_channels_last(model: nn.Module, device: torch.device) -> bool:
-    """Channels-last speeds up convolutions on GPUs (tensor cores); measured slower for small nets on CPU."""
+def uses_channels_last(model: nn.Module, device: torch.device, choice: Optional[bool] = None) -> bool:
+    """The user's choice, else channels-last for convolutional models on GPUs (tensor-core kernels)."""
+    if choice is not None:
+        return choice
     return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
@@ -107,7 +109,8 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
         device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=uses_channels_last(job.model, device), label_smoothing=config.label_smoothing)
+        channels_last=uses_channels_last(job.model, device, config.channels_last),
+        label_smoothing=config.label_smoothing)
     train_loader, val_loader = make_loaders(
         job.dataset, batch_size=config.batch_size, device=device, rank=rank, world_size=world, seed=config.seed,
         augment=config.augment, channels_last=strategy.channels_last)

@@ -69,7 +69,8 @@ class Strategy:
         gradients of W ranks gives exactly the gradient of the mean loss over the whole global batch,
         also when the last batch splits unevenly.
         """
-        self.runner.train()
+        if not self.model.training:           # only after an evaluation: train() walks every submodule
+            self.runner.train()
         with self.autocast():
             logits = self.runner(batch.x)
         loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum", label_smoothing=self.label_smoothing)
@@ -83,7 +84,8 @@ class Strategy:
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
-        self.model.eval()
+        if self.model.training:
+            self.model.eval()
         with self.autocast():
             logits = self.model(batch.x)
         loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum")

@@ -34,7 +34,7 @@ def _dataset(data, config: TrainConfig) -> ArrayDataset:
                             synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
                             seed=config.seed)
     if isinstance(data, (tuple, list)) and len(data) == 4:
-        return ArrayDataset("custom", *data)
+        return ArrayDataset("custom", *(torch.as_tensor(part) for part in data))
     raise UserError("data must be a dataset name, an ArrayDataset, or (train_x, train_y, val_x, val_y) "
                     "with uint8 images of shape (N, C, H, W)")
 

@@ -1,0 +1,203 @@
+"""Single-device epoch time: polytrain versus the same loop by hand versus the loop most people write.
+
+Run (about 1 minute on a 2-core CPU; on a GPU add --device cuda):
+
+    python benchmarks/single_device.py --repeats 10 --epochs 2 --batch-size 64 --device cpu
+
+LeNet (`build_model("lenet", (1, 28, 28), 10)`) is trained on the 4,000 training digits of `mnist-sample`
+three ways, interleaved A, B, C, A, B, C, ... so that other load on the machine hits all three alike:
+
+  polytrain  `polytrain.fit(...)`; the epoch time is `history["epoch_seconds"]` (the training pass only).
+  by-hand    the operations polytrain performs, written out: the same uint8 tensors in memory, the same
+             normalisation `x.float() * scale + shift`, the same seeded `global_batch_order` (copied to the
+             device once per epoch), SGD with `foreach=True`, loss and correct counts summed on the device
+             (no per-step `.item()`). On CUDA also polytrain's GPU defaults: `fused=True` SGD and channels-last
+             weights and inputs.
+  naive      a `TensorDataset` of float normalised images, `DataLoader(shuffle=True)`, default
+             `torch.optim.SGD`, and `loss.item()` plus an accuracy `.item()` every step.
+
+Every way starts from a deepcopy of one seeded model and uses the same batch size, learning rate, momentum,
+weight decay and seed, and times only the training pass of each epoch with `time.perf_counter` (after
+`torch.cuda.synchronize` on a GPU). One untimed warm-up epoch of each way runs first (`--warmup`).
+Targets: polytrain <= 1.02x by-hand, and <= 0.85x naive.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import polytrain
+from polytrain.data.loader import global_batch_order
+from polytrain.models import MODELS, build_model
+
+LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4
+TARGETS = {"by-hand": 1.02, "naive": 0.85}     # polytrain's epoch time may be at most this times the other's
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def normalisation(dataset, device):
+    """(scale, shift) with (x/255 - mean)/std == x * scale + shift, as polytrain's loader computes them."""
+    mean, std = dataset.channel_stats()
+    shape = (1, -1, 1, 1)
+    return (1.0 / (255.0 * std)).reshape(shape).to(device), (-mean / std).reshape(shape).to(device)
+
+
+def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
+    threads = torch.get_num_threads()
+    history = polytrain.fit(model, dataset, epochs=epochs, batch_size=batch_size, optimizer="sgd", lr=LR,
+                            momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, schedule="constant", warmup_epochs=0,
+                            seed=seed, device=device.type, verbose=False)
+    if torch.get_num_threads() != threads:
+        # The worker sets the thread count of the calling process; put it back so the other ways get the same.
+        print(f"  note: polytrain.fit changed torch threads {threads} -> {torch.get_num_threads()}; restored")
+        torch.set_num_threads(threads)
+    return list(zip(history["epoch_seconds"], history["train_loss"]))
+
+
+def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
+    # polytrain's default on GPUs: channels-last weights and inputs for convolutional models.
+    channels_last = device.type == "cuda" and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    images, labels = dataset.train_x.to(device), dataset.train_y.to(device)
+    scale, shift = normalisation(dataset, device)
+    # polytrain's choice: one fused kernel on CUDA, multi-tensor foreach kernels on the CPU.
+    speed = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **speed)
+    n = len(labels)
+    results = []
+    for epoch in range(epochs):
+        model.train()
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        loss_total, correct_total = totals[0], totals[1]
+        synchronize(device)
+        began = time.perf_counter()
+        order = global_batch_order(n, epoch=epoch, seed=seed).to(device)
+        for start in range(0, n, batch_size):
+            index = order[start:start + batch_size]
+            x = torch.addcmul(shift, images[index].float(), scale).contiguous(memory_format=memory_format)
+            y = labels[index]
+            logits = model(x)
+            loss_sum = F.cross_entropy(logits, y, reduction="sum")
+            optimizer.zero_grad(set_to_none=True)
+            (loss_sum / len(y)).backward()
+            optimizer.step()
+            loss_total += loss_sum.detach()
+            correct_total += (logits.detach().argmax(1) == y).sum()
+        synchronize(device)
+        seconds = time.perf_counter() - began
+        results.append((seconds, loss_total.item() / n))
+    return results
+
+
+def train_naive(model, dataset, *, epochs, batch_size, seed, device):
+    model = model.to(device)
+    mean, std = dataset.channel_stats()
+    x_all = (dataset.train_x.float() / 255 - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+    loader = DataLoader(TensorDataset(x_all, dataset.train_y), batch_size=batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    criterion = torch.nn.CrossEntropyLoss()
+    results = []
+    for _ in range(epochs):
+        model.train()
+        running_loss, correct, seen = 0.0, 0, 0
+        synchronize(device)
+        began = time.perf_counter()
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            logits = model(x)
+            loss = criterion(logits, y)
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item() * len(y)
+            correct += (logits.argmax(1) == y).sum().item()
+            seen += len(y)
+        synchronize(device)
+        seconds = time.perf_counter() - began
+        results.append((seconds, running_loss / seen))
+    return results
+
+
+WAYS = {"polytrain": train_polytrain, "by-hand": train_by_hand, "naive": train_naive}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default: 2)")
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved runs of each way (default: 10)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up epochs of each way (default: 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=sorted(MODELS), default="lenet",
+                        help="default: lenet (the benchmark); mlp shows per-step overhead, as its compute is tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: PyTorch sees no CUDA GPU")
+
+    dataset = polytrain.load_dataset("mnist-sample")
+    torch.manual_seed(args.seed)
+    base = build_model(args.model, dataset.input_shape, dataset.num_classes)
+    common = dict(batch_size=args.batch_size, seed=args.seed, device=device)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f", model {args.model}, {len(dataset.train_y)} training images, batch {args.batch_size}")
+
+    if args.warmup:
+        for name, train in WAYS.items():
+            train(copy.deepcopy(base), dataset, epochs=args.warmup, **common)
+
+    epochs = {name: [] for name in WAYS}
+    losses = {name: [] for name in WAYS}
+    for repeat in range(args.repeats):
+        for name, train in WAYS.items():
+            results = train(copy.deepcopy(base), dataset, epochs=args.epochs, **common)
+            epochs[name] += [seconds for seconds, _ in results]
+            losses[name] = [loss for _, loss in results]
+            print(f"  repeat {repeat + 1}/{args.repeats}  {name:<9}  "
+                  + "  ".join(f"{seconds:.3f}s" for seconds, _ in results))
+
+    n = len(dataset.train_y)
+    medians = {name: statistics.median(times) for name, times in epochs.items()}
+    print(f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'samples/s':>10}  train loss by epoch")
+    for name, times in epochs.items():
+        print(f"{name:<10} {medians[name]:9.3f} {min(times):8.3f} {max(times):8.3f} {n / medians[name]:10,.0f}  "
+              + " ".join(f"{loss:.4f}" for loss in losses[name]))
+    if any(max(times) > 1.5 * medians[name] for name, times in epochs.items()):
+        print("some epochs took over 1.5x the median: other processes competed for the cores; if the medians "
+              "disagree with the minima, rerun")
+    ratios = {}
+    print()
+    for other, target in TARGETS.items():
+        ratio = medians["polytrain"] / medians[other]
+        ratios[other] = ratio
+        verdict = "met" if ratio <= target else "MISSED"
+        of_minima = min(epochs["polytrain"]) / min(epochs[other])
+        print(f"polytrain / {other:<8} = {ratio:.3f}   (target <= {target:.2f}: {verdict}; "
+              f"ratio of the fastest epochs {of_minima:.3f})")
+    result = dict(model=args.model, torch=torch.__version__, threads=torch.get_num_threads(), device=str(device),
+                  batch_size=args.batch_size, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
+                  median_seconds=medians, ratios=ratios, train_loss=losses)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -12,8 +12,8 @@ Part 1, polytrain versus plain DDP. LeNet on the 4,000 training digits of `mnist
              elastic_launch` (as torchrun does) with the gloo backend on 127.0.0.1 (nccl with --device cuda),
              `torch.set_num_threads(cores // 2)` in each process, the same uint8 images normalised per batch,
              the same seeded global sample order cut into per-rank halves of each global batch, SGD (momentum
-             0.9, weight decay 5e-4, foreach=True), loss and correct counts summed on the device; on CUDA
-             also polytrain's GPU defaults (fused SGD, channels-last weights and inputs).
+             0.9, weight decay 5e-4, foreach=True), loss and correct counts summed on the device, channels-last
+             weights and inputs (polytrain's default for convolutional models); on CUDA fused SGD.
 Target: polytrain / plain-ddp <= 1.00.
 
 Part 2, one process against two: polytrain with devices=1 and devices=2 (strategy data) at global batch sizes
@@ -82,8 +82,8 @@ def plain_ddp_worker(model, train_x, train_y, epochs, batch_size, seed, device_k
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         # The spawned process received the model's tensors in shared memory: train a private copy.
-        # As polytrain does on GPUs: channels-last weights and inputs for convolutional models.
-        channels_last = device.type == "cuda" and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+        # As polytrain does: channels-last weights and inputs for convolutional models.
+        channels_last = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
         model = copy.deepcopy(model).to(device, memory_format=memory_format)
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)

@@ -11,8 +11,8 @@ three ways, interleaved A, B, C, A, B, C, ... so that other load on the machine 
   by-hand    the operations polytrain performs, written out: the same uint8 tensors in memory, the same
              normalisation `x.float() * scale + shift`, the same seeded `global_batch_order` (copied to the
              device once per epoch), SGD with `foreach=True`, loss and correct counts summed on the device
-             (no per-step `.item()`). On CUDA also polytrain's GPU defaults: `fused=True` SGD and channels-last
-             weights and inputs.
+             (no per-step `.item()`), channels-last weights and inputs for convolutional models (polytrain's
+             default), and on CUDA `fused=True` SGD.
   naive      a `TensorDataset` of float normalised images, `DataLoader(shuffle=True)`, default
              `torch.optim.SGD`, and `loss.item()` plus an accuracy `.item()` every step.
 
@@ -66,8 +66,8 @@ def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
 
 
 def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
-    # polytrain's default on GPUs: channels-last weights and inputs for convolutional models.
-    channels_last = device.type == "cuda" and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    # polytrain's default: channels-last weights and inputs for convolutional models.
+    channels_last = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     images, labels = dataset.train_x.to(device), dataset.train_y.to(device)

@@ -64,7 +64,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                        help="bf16 runs the forward pass under autocast (use on GPUs); default: fp32")
     model.add_argument("--compile", action="store_true", help="torch.compile the model")
     model.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                       help="channels-last memory format (default: on for convolutional models on GPUs)")
+                       help="channels-last memory format (default: on for convolutional models)")
     model.add_argument("--seed", type=int, default=d.seed, metavar="N", help=f"default: {d.seed}")
     devices = parser.add_argument_group("devices")
     devices.add_argument("--device", default=d.device, metavar="{auto,cpu,cuda}",
@@ -139,7 +139,10 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     from .commands import COMMANDS
+    from .hostenv import keep_freed_memory
     from .launch import WorkerFailed
+
+    keep_freed_memory()                    # this process is ours: see hostenv.keep_freed_memory
     try:
         return COMMANDS[args.command](args)
     except UserError as error:

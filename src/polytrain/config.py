@@ -40,7 +40,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     precision: str = "fp32"
     compile: bool = False
-    channels_last: Optional[bool] = None   # None: on for convolutional models on GPUs
+    channels_last: Optional[bool] = None   # None: on for convolutional models
     seed: int = 0
     device: str = "auto"
     devices: int = 1

@@ -16,7 +16,8 @@ class DataParallel(Strategy):
         if not dist.is_initialized():
             raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # Gradients live inside the all-reduce buckets: no copy of every gradient in and out per step.
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()

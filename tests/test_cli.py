@@ -129,3 +129,17 @@ def test_more_devices_than_gpus_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["train", "--devices", "4", "--batch-size", "64"]) == 2
     assert "--devices 4 is more than the 1 GPU(s) present" in capsys.readouterr().err
+
+
+def test_cifar10_archive_trains_a_resnet_with_augmentation(tmp_path):
+    from datafiles import write_cifar_folder
+    write_cifar_folder(tmp_path / "cifar", n_per_file=8, layout="tar")
+    out = tmp_path / "run"
+    result = polytrain("train", "--dataset", "cifar10", "--data-dir", tmp_path / "cifar", "--model", "resnet",
+                       "--epochs", 1, "--batch-size", 16, "--out", out)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    record = json.loads((out / "metrics.jsonl").read_text())
+    assert config["dataset"] == "cifar10" and record["epoch"] == 1
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert state["stem.0.weight"].shape == (16, 3, 3, 3)

@@ -143,6 +143,7 @@ class Trainer:
         count = 0
         for batch in loader.eval_batches():
             stats = self.strategy.eval_step(batch)
+            self._emit("on_eval_step", batch.step)
             totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
             count += stats.count
         loss_sum, correct, count = self._reduce(totals, count)

@@ -15,6 +15,8 @@ import threading
 import time
 import traceback
 
+from .callbacks import Callback
+
 WAITING_IN = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/")
 
 
@@ -22,7 +24,7 @@ class WorkerHang(Exception):
     """A worker made no progress for --hang-timeout seconds."""
 
 
-class Watchdog:
+class Watchdog(Callback):
     def __init__(self, *, rank: int, timeout: float, first_step_timeout: float = None, poll: float = 0.5):
         self.rank = rank
         self.timeout = timeout
@@ -46,6 +48,9 @@ class Watchdog:
     def on_step_end(self, trainer, step):
         self.steps_seen += 1
         self.beat(trainer.position.epoch, step + 1)
+
+    def on_eval_step(self, trainer, step):
+        self.last_beat = time.monotonic()       # a long validation pass is progress too
 
     def on_epoch_end(self, trainer, record):
         self.beat(record["epoch"], 0)

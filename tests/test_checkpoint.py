@@ -104,3 +104,15 @@ def test_tampered_files_are_refused_without_running_code(tmp_path, tamper):
     else:   # a flipped run of bytes may land in tensor data only: then the values changed but loading is safe
         assert tamper == "flip"
     assert not (tmp_path / "pwned").exists()
+
+
+def test_resume_refuses_settings_that_would_change_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--dataset", "synthetic", "--synthetic-size", "64", "--model", "mlp", "--epochs", "2",
+                 "--batch-size", "32", "--out", str(out), "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--batch-size", "16", "--lr", "0.3"]) == 2
+    err = capsys.readouterr().err
+    assert "drop --batch-size, --lr" in err and err.count("\n") == 1
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "not a polytrain run folder" in capsys.readouterr().err

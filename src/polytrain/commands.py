@@ -20,17 +20,33 @@ from .strategies import resolve_strategy_name
 from .worker import Job
 
 
+# What may change when a run is resumed: where and how it runs, never what it computes.
+RESUME_FLAGS = ("devices", "device", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
+
+
+def resume_config(args) -> TrainConfig:
+    from .cli import build_parser
+    defaults = vars(build_parser().parse_args(["train"]))
+    fixed = [name for name, value in vars(args).items()
+             if name not in RESUME_FLAGS + ("resume", "command") and value != defaults.get(name)]
+    if fixed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
+        raise UserError(f"--resume continues a run with its own settings; drop {flags} (only "
+                        f"{', '.join('--' + f.replace('_', '-') for f in RESUME_FLAGS)} may change)")
+    settings = read_config(args.resume)
+    settings["strategy"] = "auto"
+    settings.update({name: getattr(args, name) for name in RESUME_FLAGS if getattr(args, name) != defaults[name]})
+    settings.update(devices=args.devices, max_steps=args.max_steps, max_restarts=args.max_restarts,
+                    out=args.resume)
+    try:
+        return TrainConfig.from_dict(settings)
+    except TypeError:
+        raise UserError(f"{args.resume}/config.json does not hold polytrain settings; restore it") from None
+
+
 def train_command(args) -> int:
     if args.resume:
-        settings = read_config(args.resume)
-        if "strategy" in settings:
-            settings["strategy"] = "auto"
-        settings.update(devices=args.devices, max_restarts=args.max_restarts, out=args.resume,
-                        max_steps=args.max_steps, checkpoint_every=args.checkpoint_every or settings.get(
-                            "checkpoint_every", 0))
-        if args.per_device_batch_size is None and args.batch_size is not None:
-            settings["batch_size"] = args.batch_size
-        config = TrainConfig.from_dict(settings)
+        config = resume_config(args)
         print(f"resuming {args.resume} on {config.devices} device(s)")
         history, _, run_dir = train_run(config, resume_dir=args.resume)
     else:

@@ -59,20 +59,7 @@ def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, 
 
 def worker_pids(parent: int) -> list:
     """The spawned training processes below `parent` (not multiprocessing's resource tracker)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmd:
-                cmdline = cmd.read()
-        except OSError:
-            continue
-        if ppid == parent and b"spawn_main" in cmdline:
-            found.append(int(entry))
-    return found
+    return children(parent, b"spawn_main")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
@@ -98,3 +85,18 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identical
     straight = polytrain_cli("train", *map(str, settings), "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     assert_same_weights(load(tmp_path / "killed" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+
+
+def children(parent: int, marker: bytes) -> list:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmd:
+                cmdline = cmd.read()
+        except OSError:
+            continue
+        if ppid == parent and marker in cmdline:
+            found.append(int(entry))
+    return found

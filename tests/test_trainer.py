@@ -1,5 +1,6 @@
 """The trainer against a hand-written PyTorch loop: same data order, same maths, same weights."""
 import copy
+import time
 
 import pytest
 import torch
@@ -88,3 +89,46 @@ def test_validation_accuracy_counts_every_sample(digits):
 def test_a_diverging_loss_stops_with_a_clear_message(digits):
     with pytest.raises(UserError, match="loss became (nan|inf)"):
         polytrain.fit("lenet", digits, epochs=2, lr=1e5, momentum=0.0, verbose=False)
+
+
+class TutorialNet(torch.nn.Module):
+    """A user model in the classic tutorial style: flattens with .view(), which needs contiguous input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 5)
+        self.fc = torch.nn.Linear(4 * 24 * 24, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        return self.fc(x.view(x.size(0), -1))
+
+
+def test_a_user_module_that_flattens_with_view_trains(digits):
+    history = polytrain.fit(TutorialNet(), digits, epochs=1, device="cpu", verbose=False)
+    assert history.last["val_acc"] > 0.2
+
+
+def test_the_watchdog_stops_when_fit_fails(digits, monkeypatch):
+    import threading
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")      # as in a worker started by an elastic agent
+    with pytest.raises(UserError):
+        polytrain.fit("lenet", digits, epochs=1, lr=1e5, momentum=0.0, hang_timeout=30, device="cpu",
+                      verbose=False)
+    deadline = time.monotonic() + 5
+    while any(t.name == "polytrain-watchdog" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the watchdog outlived a failed fit"
+        time.sleep(0.05)
+
+
+def test_a_run_trained_on_an_object_dataset_is_not_evaluated_on_a_guess(tmp_path, digits):
+    polytrain.fit("mlp", digits, epochs=1, out=str(tmp_path / "run"), device="cpu", verbose=False)
+    with pytest.raises(UserError, match="in-memory dataset"):
+        polytrain.evaluate(str(tmp_path / "run"))
+
+
+def test_more_than_ten_classes_from_tensors():
+    x = torch.randint(0, 255, (60, 1, 8, 8), dtype=torch.uint8)
+    y = torch.arange(60) % 12
+    history = polytrain.fit("mlp", (x, y, x[:24], y[:24]), epochs=1, device="cpu", verbose=False)
+    assert history.last["val_acc"] >= 0

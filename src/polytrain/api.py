@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -18,7 +18,7 @@ from .config import TrainConfig
 from .data import ArrayDataset, load_dataset
 from .data.loader import make_loaders
 from .errors import UserError
-from .launch import check_devices, run_job, under_torchrun
+from .launch import check_devices, launcher_env, run_job
 from .models import build_model
 from .run_dir import new_run_dir, read_config, write_config
 from .strategies import SingleDevice, resolve_strategy_name
@@ -26,7 +26,7 @@ from .trainer import History, Trainer
 from .worker import Job, choose_device
 
 
-def _dataset(data, config: TrainConfig) -> ArrayDataset:
+def as_dataset(data, config: TrainConfig) -> ArrayDataset:
     if isinstance(data, ArrayDataset):
         return data
     if isinstance(data, str):
@@ -34,7 +34,9 @@ def _dataset(data, config: TrainConfig) -> ArrayDataset:
                             synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
                             seed=config.seed)
     if isinstance(data, (tuple, list)) and len(data) == 4:
-        return ArrayDataset("custom", *(torch.as_tensor(part) for part in data))
+        train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
+        classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10
+        return ArrayDataset("custom", train_x, train_y, val_x, val_y, num_classes=max(10, classes))
     raise UserError("data must be a dataset name, an ArrayDataset, or (train_x, train_y, val_x, val_y) "
                     "with uint8 images of shape (N, C, H, W)")
 
@@ -45,26 +47,36 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
 
     Returns (history, model with the trained weights, run folder or None).
     """
-    if under_torchrun():
-        config.devices = int(os.environ["WORLD_SIZE"])
+    launcher = launcher_env()
+    if launcher is not None:            # under torchrun: its world size, revalidated (batch must divide)
+        config = replace(config, devices=launcher.world_size)
+        if launcher.max_restarts > 0 and config.out is None and resume_dir is None:
+            raise UserError("under torchrun --max-restarts, pass --out DIR so restarted workers find the run's "
+                            "checkpoint")
+        if launcher.restart_count > 0 and resume_dir is None:
+            resume_dir = config.out     # a restarted attempt continues the run its predecessor started
     strategy = resolve_strategy_name(config.strategy, config.devices)
-    check_devices(config.devices if not under_torchrun() else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                  config.device)
-    dataset = _dataset(data if data is not None else config.dataset, config)
+    check_devices(launcher.local_world_size if launcher else config.devices, config.device)
+    registry_data = data is None or isinstance(data, str)
+    dataset = as_dataset(data if data is not None else config.dataset, config)
     torch.manual_seed(config.seed)
-    module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) \
-        if model is None or isinstance(model, str) else model
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    registry_model = model is None or isinstance(model, str)
+    module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) if registry_model \
+        else model
+    channels_last = config.channels_last
+    if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
+        channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
     run_dir = None
     if resume_dir is not None:
         run_dir = Path(resume_dir)
-    elif keep_files and is_main:
+    elif keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
-        settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name)
+        settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
+                        custom_model=not registry_model, custom_data=not registry_data)
         write_config(run_dir, settings)
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
-              resume=resume_dir is not None, verbose=verbose)
+              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last)
     result = run_job(job)
     if result is not None:
         module.load_state_dict(result.weights)
@@ -74,22 +86,30 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
 
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "mnist-sample", *,
         epochs: int = 5, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
-        verbose: bool = True, **settings) -> History:
+        resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 
     Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...). The module is
     trained in place. With `devices > 1` the module and data are pickled to the worker processes: define
     model classes in an importable module (not a notebook cell) so the workers can unpickle them.
-    Files (config, metrics, checkpoints, curves) are written only when `out` is given.
+    Files (config, metrics, checkpoints, curves) are written only when `out` is given. `resume=RUN_DIR`
+    continues such a run from its checkpoint (give the same model, data and settings).
     """
-    config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out, **settings)
-    history, _, _ = train_run(config, model=model, data=data, keep_files=out is not None, verbose=verbose)
+    config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
+    history, _, _ = train_run(config, model=model, data=data, resume_dir=resume,
+                              keep_files=out is not None, verbose=verbose)
     return history
 
 
 def load_run(run_dir) -> tuple:
     """(config, dataset, model with the run's trained weights) of a finished run folder."""
     settings = read_config(run_dir)
+    if settings.get("custom_model"):
+        raise UserError(f"{run_dir} was trained on a custom model ({settings.get('model')}); evaluate it from "
+                        f"Python: polytrain.evaluate(model, data) after loading {run_dir}/model.pt into it")
+    if settings.get("custom_data"):
+        raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
+                        f"polytrain.evaluate(model, data)")
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k != "strategy"})
     dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=False,
                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
@@ -102,10 +122,11 @@ def load_run(run_dir) -> tuple:
 def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "auto") -> dict:
     """Validation loss and accuracy of a run folder's model (or of a module on `data`)."""
     if isinstance(run_or_model, nn.Module):
-        model, dataset = run_or_model, _dataset(data, TrainConfig())
+        model, dataset = run_or_model, as_dataset(data, TrainConfig())
     else:
         _, dataset, model = load_run(run_or_model)
-        dataset = _dataset(data, TrainConfig()) if data is not None else dataset
+        dataset = as_dataset(data, TrainConfig()) if data is not None else dataset
+    check_devices(1, device)
     strategy = SingleDevice(device=choose_device(device, 0))
     strategy.model = model.to(strategy.device)
     _, val = make_loaders(dataset, batch_size=batch_size, device=strategy.device)
@@ -116,6 +137,7 @@ def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "
 def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> dict:
     """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
     over the validation set (all of them when `count` is None)."""
+    check_devices(1, device)
     _, dataset, model = load_run(run_dir)
     dev = choose_device(device, 0)
     model = model.to(dev).eval()

@@ -111,8 +111,8 @@ class StepRecorder(Callback):
         self.previous = (0.0, 0.0)
 
     def on_step_end(self, trainer, step):
-        totals, count, _ = trainer._running
-        loss_sum, _, count = trainer._reduce(totals, count)
+        totals, count, _ = trainer.running
+        loss_sum, _, count = trainer.reduce_sums(totals, count)
         loss = (loss_sum - self.previous[0]) / (count - self.previous[1])
         self.previous = (loss_sum, count)
         parameters = torch.cat([p.detach().float().flatten().cpu() for p in trainer.strategy.model.parameters()])

@@ -107,14 +107,19 @@ class Checkpointer:
         if not self.is_main:
             return
         state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
-                     rng=torch.get_rng_state())
+                     rng=torch.get_rng_state(), batch_size=trainer.train_loader.batch_size,
+                     steps_per_epoch=trainer.steps_per_epoch)
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
 
-    def load(self, strategy) -> dict:
+    def load(self, strategy, *, batch_size: int, steps_per_epoch: int) -> dict:
         state = safe_load(self.path)
         if state.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not a polytrain checkpoint (format {state.get('format')!r})")
+        if (state.get("batch_size"), state.get("steps_per_epoch")) != (batch_size, steps_per_epoch):
+            raise CheckpointError(f"{self.path}: written with global batch {state.get('batch_size')} "
+                                  f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
+                                  f"({steps_per_epoch}); resume with the run's own batch size and data")
         check_model_state(state.get("model"), strategy.model, self.path)
         try:
             strategy.load_state_dict(state)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from .config import DEVICES, LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from .data import DATASETS
 from .errors import UserError
 from .models import MODELS
@@ -103,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="restart failed workers up to R times from the last checkpoint (default: 0)")
     evaluate = commands.add_parser("evaluate", help="validation loss and accuracy of a run's model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR")
-    evaluate.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}")
+    evaluate.add_argument("--device", default="auto", choices=DEVICES)
     predict = commands.add_parser("predict", help="predictions on validation images, optionally as a picture")
     predict.add_argument("run_dir", metavar="RUN_DIR")
     predict.add_argument("--show", type=int, default=0, metavar="N",
                          help="draw the first N validation images with predicted and true labels into "
                               "RUN_DIR/predictions.png (mistakes in red)")
-    predict.add_argument("--device", default="auto", metavar="{auto,cpu,cuda}")
+    predict.add_argument("--device", default="auto", choices=DEVICES)
     verify = commands.add_parser("verify", help="train a few steps on 1 and on N devices and compare",
                                  description="Runs a short training on one device and with --strategy on "
                                              "--devices devices; prints per-step losses and the largest "
@@ -128,7 +128,9 @@ def config_from_args(args) -> TrainConfig:
             raise UserError("give either --batch-size (global) or --per-device-batch-size, not both")
         if args.per_device_batch_size <= 0:
             raise UserError(f"--per-device-batch-size must be positive, got {args.per_device_batch_size}")
-        values["batch_size"] = args.per_device_batch_size * args.devices
+        from .launch import launcher_env
+        launcher = launcher_env()          # under torchrun the device count is its world size
+        values["batch_size"] = args.per_device_batch_size * (launcher.world_size if launcher else args.devices)
     return TrainConfig(**values)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .api import evaluate, load_run, predict, train_run, _dataset
+from .api import as_dataset, evaluate, predict, train_run
 from .cli import config_from_args
 from .config import TrainConfig
 from .data import ArrayDataset
@@ -90,7 +90,7 @@ def verify_command(args) -> int:
         raise UserError(f"--steps must be positive, got {args.steps}")
     strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
     check_devices(config.devices, config.device)
-    full = _dataset(config.dataset, config)
+    full = as_dataset(config.dataset, config)
     size = min(len(full.train_y), args.steps * config.batch_size)
     subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[:size]   # files may be sorted
     data = ArrayDataset(full.name, full.train_x[subset], full.train_y[subset], full.val_x, full.val_y,
@@ -100,9 +100,12 @@ def verify_command(args) -> int:
     model = build_model(config.model, data.input_shape, data.num_classes)
     print(f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
           f"1 device vs {config.devices} device(s) with strategy {strategy!r}")
+    channels_last = config.channels_last if config.channels_last is not None else \
+        any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    common = dict(verbose=False, record_steps=True, channels_last=channels_last)
     one = run_job(Job(TrainConfig.from_dict(dict(config.to_dict(), devices=1)), "single", data,
-                      copy.deepcopy(model), verbose=False, record_steps=True))
-    many = run_job(Job(config, strategy, data, copy.deepcopy(model), verbose=False, record_steps=True))
+                      copy.deepcopy(model), **common))
+    many = run_job(Job(config, strategy, data, copy.deepcopy(model), **common))
     worst = 0.0
     print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
           f"{'max |param diff|':>17}")

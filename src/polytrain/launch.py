@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import uuid
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -21,9 +24,28 @@ class WorkerFailed(Exception):
         self.user_error = user_error
 
 
+@dataclass(frozen=True)
+class LauncherEnv:
+    """What torchrun (or another torch elastic agent) tells the process it started."""
+    rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    max_restarts: int
+
+
+def launcher_env() -> Optional[LauncherEnv]:
+    """The launcher's settings inside a process started by torchrun; None in a plain process."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env:
+        return None
+    return LauncherEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1")),
+                       int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
 def under_torchrun() -> bool:
     """True inside a process started by torchrun (or any torch elastic agent)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+    return launcher_env() is not None
 
 
 def check_devices(devices: int, device: str) -> None:
@@ -37,33 +59,48 @@ def check_devices(devices: int, device: str) -> None:
 
 def run_job(job: Job) -> WorkerResult:
     """Run `job` on `job.config.devices` processes and return rank 0's result."""
-    if under_torchrun() or (job.strategy == "single" and job.config.devices == 1):
+    from .strategies import STRATEGIES
+    if under_torchrun() or (not STRATEGIES[job.strategy].needs_process_group and job.config.devices == 1):
         return train_worker(job)
     return spawn_workers(job)
 
 
 def spawn_workers(job: Job) -> WorkerResult:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = job.config
     loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=config.devices, run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=config.max_restarts,
-        monitor_interval=0.1, start_method="spawn", **loopback)
-    # polytrain reports a failed worker itself (one line, or its traceback); the agent's own log would
-    # print every traceback a second time.
-    quiet = logging.getLogger("torch.distributed.elastic")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
-    try:
-        results = elastic_launch(launch, train_worker)(job)
-    except ChildFailedError as failed:
-        raise worker_failure(failed) from None
-    finally:
-        quiet.setLevel(level)
+    with tempfile.TemporaryDirectory(prefix="polytrain-agent-") as agent_files:
+        launch = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=config.devices,
+            run_id=f"polytrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+            max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
+            **loopback, **_logs_in(agent_files))
+        # polytrain reports a failed worker itself (one line, or its traceback); the agent's own log would
+        # print every traceback a second time.
+        quiet = logging.getLogger("torch.distributed.elastic")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            results = elastic_launch(launch, train_worker)(job)
+        except ChildFailedError as failed:
+            raise worker_failure(failed) from None
+        except SignalException:
+            raise KeyboardInterrupt from None          # Ctrl-C or SIGTERM: the workers are already stopped
+        finally:
+            quiet.setLevel(level)
     return results[0]
+
+
+def _logs_in(folder: str) -> dict:
+    """The agent's per-run log and error files go into `folder` (removed afterwards), not /tmp."""
+    try:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    except ImportError:
+        return {}
+    return {"logs_specs": DefaultLogsSpecs(log_dir=folder)}
 
 
 def worker_failure(failed) -> WorkerFailed:

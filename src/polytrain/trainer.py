@@ -57,6 +57,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.max_steps = max_steps                # stop early after this many steps in all (0: never)
         self.stopped_early = False
+        self.running = None                       # (loss and correct sums on the device, count, start time)
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -64,6 +65,13 @@ class Trainer:
 
     def fit(self) -> History:
         self._emit("on_fit_start")
+        try:
+            self._run_epochs()
+        finally:
+            self._emit("on_fit_end")       # also on failure: e.g. the watchdog must stop watching
+        return self.history
+
+    def _run_epochs(self) -> None:
         while self.position.epoch < self.epochs:
             record = self._train_epoch(self.position.epoch)
             if record is None:
@@ -77,8 +85,6 @@ class Trainer:
             if finished and self.position.epoch < self.epochs:
                 self.stopped_early = True
                 break
-        self._emit("on_fit_end")
-        return self.history
 
     def _train_epoch(self, epoch: int) -> dict:
         start = self.position
@@ -97,7 +103,7 @@ class Trainer:
             correct_total += stats.correct
             count += stats.count
             self.position = Position(epoch, batch.step + 1)
-            self._running = (totals, count, began)
+            self.running = (totals, count, began)
             self._emit("on_step_end", batch.step)
             last_of_epoch = batch.step + 1 == self.steps_per_epoch
             stop = self.max_steps and epoch * self.steps_per_epoch + batch.step + 1 >= self.max_steps
@@ -109,7 +115,7 @@ class Trainer:
                 return None
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
-        loss_sum, correct, count = self._reduce(totals, count)
+        loss_sum, correct, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
@@ -119,13 +125,13 @@ class Trainer:
                 "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}
 
-    def _reduce(self, totals: torch.Tensor, count: float):
+    def reduce_sums(self, totals: torch.Tensor, count: float):
         """(loss_sum, correct, count) summed over all ranks: sums of counts, never means of means."""
         with_count = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)])
         return self.strategy.reduce(with_count).tolist()
 
     def _global_position(self, epoch, step, totals, count, began) -> Position:
-        loss_sum, correct, count = self._reduce(totals, count)
+        loss_sum, correct, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1} before step "
                                 f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32")
@@ -133,7 +139,7 @@ class Trainer:
 
     def running_totals(self):
         """(loss_sum, correct, count, seconds) of this rank's epoch so far; reads the device (a sync)."""
-        totals, count, began = self._running
+        totals, count, began = self.running
         loss_sum, correct = totals.tolist()
         return loss_sum, correct, count, time.perf_counter() - began
 
@@ -146,5 +152,5 @@ class Trainer:
             self._emit("on_eval_step", batch.step)
             totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
             count += stats.count
-        loss_sum, correct, count = self._reduce(totals, count)
+        loss_sum, correct, count = self.reduce_sums(totals, count)
         return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}

@@ -35,6 +35,7 @@ class Job:
     resume: bool = False
     verbose: bool = True
     record_steps: bool = False         # per-step global loss and parameters, for `polytrain verify`
+    channels_last: bool = False        # resolved by the caller: on for registry models with convolutions
 
 
 @dataclass
@@ -64,14 +65,6 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def uses_channels_last(model: nn.Module, device: torch.device, choice: Optional[bool] = None) -> bool:
-    """The user's choice, else channels-last for convolutional models: on CPUs the oneDNN convolutions
-    run LeNet 25% faster in this layout (docs/benchmarks.md), on GPUs it selects tensor-core kernels."""
-    if choice is not None:
-        return choice
-    return any(isinstance(m, nn.Conv2d) for m in model.modules())
-
-
 def join_process_group(backend: str, rank: int, world: int) -> None:
     """Join the group; after a restart by the elastic agent, under a fresh key prefix.
 
@@ -92,7 +85,7 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     config = job.config
     rank, world, local_rank, local_world = rank_and_world()
     device = choose_device(config.device, local_rank)
-    distributed = job.strategy != "single"
+    distributed = STRATEGIES[job.strategy].needs_process_group
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if under_agent():                      # a process of our own: tune it (never the caller's process)
@@ -113,7 +106,7 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
         device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=uses_channels_last(job.model, device, config.channels_last),
+        channels_last=job.channels_last,
         label_smoothing=config.label_smoothing)
     train_loader, val_loader = make_loaders(
         job.dataset, batch_size=config.batch_size, device=device, rank=rank, world_size=world, seed=config.seed,
@@ -132,7 +125,9 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
     position, history = Position(), History()
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
-        state = strategy.broadcast_object(checkpointer.load(strategy) if strategy.is_main else None)
+        loaded = checkpointer.load(strategy, batch_size=config.batch_size, steps_per_epoch=steps) \
+            if strategy.is_main else None
+        state = strategy.broadcast_object(loaded)
         if not strategy.is_main:
             strategy.load_state_dict(state)
         position, history = Position(**state["position"]), History(list(state["history"]))

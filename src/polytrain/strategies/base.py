@@ -24,6 +24,7 @@ class Strategy:
     """One process, one device: the reference every other strategy must reproduce."""
 
     name = "single"
+    needs_process_group = False        # True: every rank must join a torch.distributed group first
 
     def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
                  compile: bool = False, channels_last: bool = False, label_smoothing: float = 0.0):

@@ -11,6 +11,7 @@ from .base import Strategy
 
 class DataParallel(Strategy):
     name = "data"
+    needs_process_group = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not dist.is_initialized():

@@ -154,7 +154,10 @@ def test_sources_are_well_formed():
         assert source.mirror.endswith("/")
         for md5 in source.md5_by_file.values():
             assert len(md5) == 32 and set(md5) <= set("0123456789abcdef")
-    assert SOURCES["cifar10"].md5_by_file == {"cifar-10-binary.tar.gz": "c32a1d4ab5d03f1284b67883e8d87530"}
+    # what is downloaded is exactly what the readers look for
+    idx_files = {f"{p}-{k}-idx{n}-ubyte.gz" for p in ("train", "t10k") for k, n in (("images", 3), ("labels", 1))}
+    assert set(SOURCES["mnist"].md5_by_file) == idx_files == set(SOURCES["fashion-mnist"].md5_by_file)
+    assert set(SOURCES["cifar10"].md5_by_file) == {"cifar-10-binary.tar.gz"}
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):

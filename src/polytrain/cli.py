@@ -11,6 +11,7 @@ from .config import DEVICES, LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, Train
 from .data import DATASETS
 from .errors import UserError
 from .models import MODELS
+from .strategies import STRATEGIES
 
 DEFAULTS = TrainConfig()
 
@@ -71,7 +72,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                          help="auto: CUDA GPUs if present, else CPU processes (default: auto)")
     devices.add_argument("--devices", type=int, default=d.devices, metavar="N",
                          help="GPUs, or CPU processes sharing the cores (default: 1)")
-    devices.add_argument("--strategy", default=d.strategy, metavar="{auto,single,data}",
+    devices.add_argument("--strategy", default=d.strategy, metavar="{" + ",".join(("auto", *STRATEGIES)) + "}",
                          help="auto: single for one device, data (replicas + all-reduce) for several")
 
 

@@ -50,7 +50,7 @@ def test_fit_equals_a_hand_written_loop(optimizer, lr, n_train):
     losses = hand_written(reference, data, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
                           optimizer=optimizer)
     history = polytrain.fit(model, data, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
-                            optimizer=optimizer, schedule="constant", warmup_epochs=0, verbose=False)
+                            optimizer=optimizer, schedule="constant", warmup_epochs=0, device="cpu", verbose=False)
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(ours, theirs, atol=1e-6 if optimizer == "sgd" else 1e-5, rtol=0)
     assert history["train_loss"] == pytest.approx(losses, abs=1e-5)
@@ -60,7 +60,7 @@ def test_same_seed_same_weights_different_seed_different_weights(digits):
     def train(seed):
         torch.manual_seed(seed)
         model = build_model("mlp", digits.input_shape, 10)
-        polytrain.fit(model, digits, epochs=1, seed=seed, verbose=False)
+        polytrain.fit(model, digits, epochs=1, seed=seed, device="cpu", verbose=False)
         return torch.cat([p.flatten() for p in model.parameters()])
     assert torch.equal(train(3), train(3))
     assert not torch.equal(train(3), train(4))
@@ -77,7 +77,8 @@ def test_history_has_the_documented_keys_and_learns(digits):
 
 def test_validation_accuracy_counts_every_sample(digits):
     model = build_model("mlp", digits.input_shape, 10)
-    result = polytrain.evaluate(model, digits)
+    result = polytrain.evaluate(model, digits, device="cpu")
+    assert model.training                                  # the caller's module is left as it was
     mean, std = digits.channel_stats()
     x = (digits.val_x.float() / 255 - mean) / std
     with torch.no_grad():

@@ -128,9 +128,14 @@ def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "
         dataset = as_dataset(data, TrainConfig()) if data is not None else dataset
     check_devices(1, device)
     strategy = SingleDevice(device=choose_device(device, 0))
+    first = next(model.parameters(), None)
+    home, was_training = (first.device if first is not None else strategy.device), model.training
     strategy.model = model.to(strategy.device)
     _, val = make_loaders(dataset, batch_size=batch_size, device=strategy.device)
-    return Trainer(strategy, val, val, epochs=0).evaluate()
+    try:
+        return Trainer(strategy, val, val, epochs=0).evaluate()
+    finally:
+        model.to(home).train(was_training)         # leave the caller's module where and as it was
 
 
 @torch.no_grad()

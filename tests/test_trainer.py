@@ -112,7 +112,8 @@ def test_a_user_module_that_flattens_with_view_trains(digits):
 
 def test_the_watchdog_stops_when_fit_fails(digits, monkeypatch):
     import threading
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")      # as in a worker started by an elastic agent
+    for name, value in (("TORCHELASTIC_RUN_ID", "test"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)                      # as in a worker started by torchrun
     with pytest.raises(UserError):
         polytrain.fit("lenet", digits, epochs=1, lr=1e5, momentum=0.0, hang_timeout=30, device="cpu",
                       verbose=False)

@@ -18,7 +18,8 @@ from .config import TrainConfig
 from .data import ArrayDataset, load_dataset
 from .data.loader import make_loaders
 from .errors import UserError
-from .launch import check_devices, launcher_env, run_job
+from .hostenv import launcher_env
+from .launch import check_devices, run_job
 from .models import build_model
 from .run_dir import new_run_dir, read_config, write_config
 from .strategies import SingleDevice, resolve_strategy_name

@@ -129,7 +129,7 @@ def config_from_args(args) -> TrainConfig:
             raise UserError("give either --batch-size (global) or --per-device-batch-size, not both")
         if args.per_device_batch_size <= 0:
             raise UserError(f"--per-device-batch-size must be positive, got {args.per_device_batch_size}")
-        from .launch import launcher_env
+        from .hostenv import launcher_env
         launcher = launcher_env()          # under torchrun the device count is its world size
         values["batch_size"] = args.per_device_batch_size * (launcher.world_size if launcher else args.devices)
     return TrainConfig(**values)

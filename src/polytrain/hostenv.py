@@ -1,13 +1,36 @@
-"""Process-wide settings of a training process on the host: thread count and the C allocator."""
+"""The process's surroundings: what a launcher told it, its share of the cores, the C allocator."""
 from __future__ import annotations
 
 import ctypes
 import os
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """What torchrun (or another torch elastic agent) tells the process it started."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    restart_count: int
+    max_restarts: int
+
+
+def launcher_env() -> Optional[LauncherEnv]:
+    """The launcher's settings inside a process started by torchrun; None in a plain process."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env:
+        return None
+    return LauncherEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
+                       int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                       int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
 def usable_cores() -> int:

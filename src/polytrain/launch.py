@@ -7,12 +7,11 @@ import logging
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from .errors import ConfigError, UserError
+from .hostenv import launcher_env
 from .worker import Job, WorkerResult, train_worker
 
 
@@ -22,25 +21,6 @@ class WorkerFailed(Exception):
     def __init__(self, message: str, *, user_error: bool = False):
         super().__init__(message)
         self.user_error = user_error
-
-
-@dataclass(frozen=True)
-class LauncherEnv:
-    """What torchrun (or another torch elastic agent) tells the process it started."""
-    rank: int
-    world_size: int
-    local_world_size: int
-    restart_count: int
-    max_restarts: int
-
-
-def launcher_env() -> Optional[LauncherEnv]:
-    """The launcher's settings inside a process started by torchrun; None in a plain process."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env:
-        return None
-    return LauncherEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", "1")),
-                       int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")))
 
 
 def under_torchrun() -> bool:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
 from .checkpoint import Checkpointer
 from .config import TrainConfig
-from .hostenv import keep_freed_memory, share_cores
+from .hostenv import keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
 from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
@@ -45,20 +45,6 @@ class WorkerResult:
     steps: list = None     # with Job.record_steps: (global loss, flat parameters) after each step
 
 
-def rank_and_world():
-    """(rank, world size, local rank, local world size) from the launcher's environment, or one process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
-    return 0, 1, 0, 1
-
-
-def under_agent() -> bool:
-    """True in a process started by torch's elastic agent (ours or torchrun), where ending it is safe."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def choose_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
@@ -83,12 +69,14 @@ def join_process_group(backend: str, rank: int, world: int) -> None:
 
 def train_worker(job: Job) -> Optional[WorkerResult]:
     config = job.config
-    rank, world, local_rank, local_world = rank_and_world()
+    launcher = launcher_env()             # None: one process of its own (the caller's)
+    rank, world, local_rank, local_world = (launcher.rank, launcher.world_size, launcher.local_rank,
+                                            launcher.local_world_size) if launcher else (0, 1, 0, 1)
     device = choose_device(config.device, local_rank)
     distributed = STRATEGIES[job.strategy].needs_process_group
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if under_agent():                      # a process of our own: tune it (never the caller's process)
+    if launcher is not None:               # a process started for training: tune it (never the caller's)
         keep_freed_memory()
         if device.type == "cpu":
             share_cores(local_world)
@@ -136,7 +124,7 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
-    if world > 1 or under_agent():
+    if world > 1 or launcher_env() is not None:
         compiling = 10 if config.compile else 1
         callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
                                   first_step_timeout=config.hang_timeout * compiling + 30))

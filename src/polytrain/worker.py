@@ -15,7 +15,7 @@ import torch.nn as nn
 from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
 from .checkpoint import Checkpointer
 from .config import TrainConfig
-from .hostenv import keep_freed_memory, launcher_env, share_cores
+from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
 from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
@@ -51,7 +51,7 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def join_process_group(backend: str, rank: int, world: int) -> None:
+def join_process_group(backend: str, launcher: LauncherEnv) -> None:
     """Join the group; after a restart by the elastic agent, under a fresh key prefix.
 
     The agent's store outlives worker restarts, so a restarted worker would otherwise read the addresses
@@ -61,10 +61,9 @@ def join_process_group(backend: str, rank: int, world: int) -> None:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
         return
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"polytrain/attempt-{attempt}", store), rank=rank,
-                            world_size=world)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launcher.world_size, is_master=False)
+    prefixed = dist.PrefixStore(f"polytrain/attempt-{launcher.restart_count}", store)
+    dist.init_process_group(backend, store=prefixed, rank=launcher.rank, world_size=launcher.world_size)
 
 
 def train_worker(job: Job) -> Optional[WorkerResult]:
@@ -81,15 +80,15 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
         if device.type == "cpu":
             share_cores(local_world)
     if distributed and not dist.is_initialized():
-        join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world)
+        join_process_group("nccl" if device.type == "cuda" else "gloo", launcher)
     try:
-        return _train(job, device, rank, world)
+        return _train(job, device, rank, world, launcher)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
+def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv]) -> Optional[WorkerResult]:
     config = job.config
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
@@ -111,7 +110,7 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
     run_dir = strategy.broadcast_object(job.run_dir)
     checkpointer = Checkpointer(Path(run_dir), is_main=strategy.is_main) if run_dir else None
     position, history = Position(), History()
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = launcher is not None and launcher.restart_count > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
         loaded = checkpointer.load(strategy, batch_size=config.batch_size, steps_per_epoch=steps) \
             if strategy.is_main else None
@@ -124,7 +123,7 @@ def _train(job: Job, device, rank: int, world: int) -> Optional[WorkerResult]:
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
-    if world > 1 or launcher_env() is not None:
+    if launcher is not None:                # in a process of its own, ending it on a hang is safe
         compiling = 10 if config.compile else 1
         callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
                                   first_step_timeout=config.hang_timeout * compiling + 30))

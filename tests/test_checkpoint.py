@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import polytrain
 import torch
 
 from polytrain.api import train_run
@@ -116,3 +117,18 @@ def test_resume_refuses_settings_that_would_change_the_run(tmp_path, capsys):
     assert "drop --batch-size, --lr" in err and err.count("\n") == 1
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a polytrain run folder" in capsys.readouterr().err
+
+
+def test_a_run_of_a_custom_module_resumes_from_python_not_the_command_line(tmp_path, capsys):
+    data = tiny_digits(n_train=96)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    straight = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    straight.load_state_dict(model.state_dict())
+    settings = dict(epochs=2, batch_size=32, device="cpu", verbose=False)
+    polytrain.fit(model, data, out=str(tmp_path / "run"), max_steps=4, **settings)
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    assert "resume it there: polytrain.fit(model, data, resume=" in capsys.readouterr().err
+    polytrain.fit(model, data, resume=str(tmp_path / "run"), **settings)
+    polytrain.fit(straight, data, **settings)
+    for a, b in zip(model.state_dict().values(), straight.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

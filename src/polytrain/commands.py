@@ -34,6 +34,9 @@ def resume_config(args) -> TrainConfig:
         raise UserError(f"--resume continues a run with its own settings; drop {flags} (only "
                         f"{', '.join('--' + f.replace('_', '-') for f in RESUME_FLAGS)} may change)")
     settings = read_config(args.resume)
+    if settings.get("custom_model") or settings.get("custom_data"):
+        raise UserError(f"{args.resume} was trained from Python on a custom model or in-memory data; resume it "
+                        f"there: polytrain.fit(model, data, resume={str(args.resume)!r}, ...)")
     settings["strategy"] = "auto"
     settings.update({name: getattr(args, name) for name in RESUME_FLAGS if getattr(args, name) != defaults[name]})
     settings.update(devices=args.devices, max_steps=args.max_steps, max_restarts=args.max_restarts,

@@ -139,6 +139,13 @@ def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "
         model.to(home).train(was_training)         # leave the caller's module where and as it was
 
 
+def spread_indices(total: int, count: Optional[int]) -> torch.Tensor:
+    """`count` indices evenly spaced over 0..total-1 (all when None), so a class-sorted validation set
+    still shows every class."""
+    count = total if count is None else max(0, min(count, total))
+    return torch.linspace(0, total - 1, count).round().long() if count < total else torch.arange(total)
+
+
 @torch.no_grad()
 def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> dict:
     """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
@@ -149,9 +156,6 @@ def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> di
     model = model.to(dev).eval()
     _, val = make_loaders(dataset, batch_size=1024, device=dev)
     predicted = torch.cat([model(batch.x).argmax(1).cpu() for batch in val.eval_batches()])
-    total = len(predicted)
-    count = total if count is None else max(0, min(count, total))
-    # evenly spaced over the split, so a class-sorted validation set still shows every class
-    index = torch.linspace(0, total - 1, count).round().long() if count < total else torch.arange(total)
+    index = spread_indices(len(predicted), count)
     return {"index": index, "images": dataset.val_x[index], "predicted": predicted[index],
             "true": dataset.val_y[index]}

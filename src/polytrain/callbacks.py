@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import atomic_write_bytes
+from .report import save_figure
 
 
 class Callback:
@@ -93,11 +94,7 @@ def plot_curves(records, path: Path) -> None:
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.tight_layout()
-    temporary = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    figure.savefig(temporary, dpi=100)
-    plt.close(figure)
-    temporary.replace(path)
+    save_figure(figure, path)
 
 
 class StepRecorder(Callback):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .api import as_dataset, evaluate, predict, train_run
+from .api import as_dataset, evaluate, predict, spread_indices, train_run
 from .cli import config_from_args
 from .config import TrainConfig
 from .data import ArrayDataset
@@ -75,7 +75,8 @@ def predict_command(args) -> int:
     everything = predict(args.run_dir, device=args.device)
     wrong = int((everything["predicted"] != everything["true"]).sum())
     print(f"{len(everything['true'])} validation samples, {wrong} wrong")
-    shown = predict(args.run_dir, count=args.show or 10, device=args.device)
+    index = spread_indices(len(everything["true"]), args.show or 10)
+    shown = {key: value[index] for key, value in everything.items()}
     for i, sample in enumerate(shown["index"].tolist()):
         predicted, true = int(shown["predicted"][i]), int(shown["true"][i])
         print(f"sample {sample}: predicted {predicted}, true {true}" + ("  <- wrong" if predicted != true else ""))

@@ -23,11 +23,6 @@ class WorkerFailed(Exception):
         self.user_error = user_error
 
 
-def under_torchrun() -> bool:
-    """True inside a process started by torchrun (or any torch elastic agent)."""
-    return launcher_env() is not None
-
-
 def check_devices(devices: int, device: str) -> None:
     wants_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
@@ -40,7 +35,7 @@ def check_devices(devices: int, device: str) -> None:
 def run_job(job: Job) -> WorkerResult:
     """Run `job` on `job.config.devices` processes and return rank 0's result."""
     from .strategies import STRATEGIES
-    if under_torchrun() or (not STRATEGIES[job.strategy].needs_process_group and job.config.devices == 1):
+    if launcher_env() is not None or (not STRATEGIES[job.strategy].needs_process_group and job.config.devices == 1):
         return train_worker(job)
     return spawn_workers(job)
 
@@ -86,13 +81,9 @@ def _logs_in(folder: str) -> dict:
 def worker_failure(failed) -> WorkerFailed:
     """The first failing rank's error, as one line for a user mistake, else with its traceback."""
     rank, failure = failed.get_first_failure()
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    message = str(message or "").strip()
-    trace = ""
-    if isinstance(failure.message, dict):
-        trace = str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
+    record = failure.message if isinstance(failure.message, dict) else {"message": failure.message}
+    message = str(record.get("message") or "").strip()
+    trace = str(record.get("extraInfo", {}).get("py_callstack", ""))
     if message == "" or message.startswith("Signal") or message == "<N/A>":
         message = f"exited with code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.signal else "")
         return WorkerFailed(f"worker rank {rank} failed: {message}")

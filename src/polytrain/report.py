@@ -1,8 +1,11 @@
 """Pictures for people: a grid of images with predicted and true labels."""
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
+
+from .checkpoint import atomic_write_bytes
 
 
 def prediction_grid(images, predicted, true, path: Path) -> None:
@@ -30,8 +33,15 @@ def prediction_grid(images, predicted, true, path: Path) -> None:
             axis.axis("on")
             axis.set_xticks([])
             axis.set_yticks([])
+    save_figure(figure, path)
+
+
+def save_figure(figure, path: Path) -> None:
+    """Write `figure` as a PNG atomically (a crash leaves the previous picture) and close it."""
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
-    temporary = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    figure.savefig(temporary, dpi=100)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
     plt.close(figure)
-    temporary.replace(path)
+    atomic_write_bytes(Path(path), buffer.getvalue())

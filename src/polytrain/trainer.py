@@ -56,7 +56,6 @@ class Trainer:
         self.checkpointer = checkpointer          # called on every rank; writes on the main rank only
         self.checkpoint_every = checkpoint_every
         self.max_steps = max_steps                # stop early after this many steps in all (0: never)
-        self.stopped_early = False
         self.running = None                       # (loss and correct sums on the device, count, start time)
 
     def _emit(self, event: str, *args) -> None:
@@ -82,8 +81,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
             self._emit("on_epoch_end", record)
-            if finished and self.position.epoch < self.epochs:
-                self.stopped_early = True
+            if finished:
                 break
 
     def _train_epoch(self, epoch: int) -> dict:
@@ -111,7 +109,6 @@ class Trainer:
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
             if stop and not last_of_epoch:
-                self.stopped_early = True
                 return None
         self.strategy.synchronize()
         seconds = time.perf_counter() - began

@@ -24,7 +24,7 @@ from .models import build_model
 from .run_dir import new_run_dir, read_config, write_config
 from .strategies import SingleDevice, resolve_strategy_name
 from .trainer import History, Trainer
-from .worker import Job, choose_device
+from .worker import Job, choose_device, resolved_device_type
 
 
 def as_dataset(data, config: TrainConfig) -> ArrayDataset:
@@ -74,7 +74,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         run_dir = new_run_dir(config.out)
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
         settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
-                        custom_model=not registry_model, custom_data=not registry_data)
+                        device_type=resolved_device_type(config.device), custom_model=not registry_model,
+                        custom_data=not registry_data)
         write_config(run_dir, settings)
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
               resume=resume_dir is not None, verbose=verbose, channels_last=channels_last)

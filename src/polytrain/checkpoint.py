@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -103,11 +104,13 @@ class Checkpointer:
         return self.run_dir / "checkpoint.pt"
 
     def save(self, trainer, position) -> None:
-        state = trainer.strategy.state_dict()         # every rank takes part (sharded strategies gather)
+        strategy = trainer.strategy
+        state = strategy.state_dict()                 # every rank takes part (sharded strategies gather)
+        rng = strategy.gather_object(rng_state(strategy.device))      # each rank's own random streams
         if not self.is_main:
             return
         state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
-                     rng=torch.get_rng_state(), batch_size=trainer.train_loader.batch_size,
+                     rng=rng, batch_size=trainer.train_loader.batch_size,
                      steps_per_epoch=trainer.steps_per_epoch)
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
@@ -126,6 +129,56 @@ class Checkpointer:
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(f"{self.path}: optimizer or scheduler state does not fit this run "
                                   f"({str(error).splitlines()[0][:120]}); resume with the original settings") from None
-        if isinstance(state.get("rng"), torch.Tensor):
-            torch.set_rng_state(state["rng"])
         return state
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random streams: dropout and other random layers draw from them."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(saved, *, rank: int, device: torch.device) -> None:
+    """Give rank r the streams rank r had when the checkpoint was written (exact on the same device count;
+    on another count, rank r takes rank r mod the old count's streams)."""
+    if isinstance(saved, torch.Tensor):             # checkpoints of earlier versions held rank 0's CPU stream
+        saved = [{"cpu": saved}]
+    if not isinstance(saved, list) or not saved or not isinstance(saved[rank % len(saved)], dict):
+        return
+    mine = saved[rank % len(saved)]
+    if isinstance(mine.get("cpu"), torch.Tensor):
+        torch.set_rng_state(mine["cpu"])
+    if device.type == "cuda" and isinstance(mine.get("cuda"), torch.Tensor):
+        torch.cuda.set_rng_state(mine["cuda"], device)
+
+
+@dataclass
+class Progress:
+    """How far a run has come, read from its checkpoint without building anything."""
+    epoch: int                 # whole epochs done
+    step: int                  # steps done in the epoch after those
+    steps_per_epoch: int
+    history: list
+
+    @property
+    def steps_done(self) -> int:
+        return self.epoch * self.steps_per_epoch + self.step
+
+    def where(self) -> str:
+        return f"in epoch {self.epoch + 1} at step {self.step} of {self.steps_per_epoch}" if self.step else \
+            f"after epoch {self.epoch}"
+
+
+def read_progress(run_dir) -> Optional[Progress]:
+    """The run's progress, or None when it has no checkpoint yet."""
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.is_file():
+        return None
+    state = safe_load(path)
+    position = state.get("position")
+    if not isinstance(position, dict) or not isinstance(state.get("steps_per_epoch"), int):
+        raise CheckpointError(f"{path}: not a polytrain checkpoint (no position); it is damaged")
+    return Progress(int(position.get("epoch", 0)), int(position.get("step", 0)), state["steps_per_epoch"],
+                    list(state.get("history") or []))

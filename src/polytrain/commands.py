@@ -15,43 +15,82 @@ from .data.loader import global_batch_order
 from .errors import UserError
 from .launch import check_devices, run_job
 from .models import build_model
-from .run_dir import read_config
+from .checkpoint import read_progress
+from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import resolve_strategy_name
-from .worker import Job
+from .worker import Job, resolved_device_type
 
 
-# What may change when a run is resumed: where and how it runs, never what it computes.
+# What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
+# learning-rate schedule that does not depend on the run's length).
 RESUME_FLAGS = ("devices", "device", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
 
 
-def resume_config(args) -> TrainConfig:
-    from .cli import build_parser
-    defaults = vars(build_parser().parse_args(["train"]))
-    fixed = [name for name, value in vars(args).items()
-             if name not in RESUME_FLAGS + ("resume", "command") and value != defaults.get(name)]
+def _flags(names) -> str:
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
+def _where(config: TrainConfig) -> str:
+    if resolved_device_type(config.device) == "cuda":
+        return f"{config.devices} GPU{'s' if config.devices > 1 else ''}"
+    return f"{config.devices} CPU process{'es' if config.devices > 1 else ''}"
+
+
+def resume_plan(args):
+    """The config a `--resume` continues with, and what to say first; or None, with the message, when the
+    run has nothing left to do."""
+    run_dir = str(resolve_run_dir(args.resume))
+    fixed = sorted(args.given - set(RESUME_FLAGS) - {"epochs"})
+    fixed += ["per_device_batch_size"] if args.per_device_batch_size is not None else []
     if fixed:
-        flags = ", ".join("--" + name.replace("_", "-") for name in fixed)
-        raise UserError(f"--resume continues a run with its own settings; drop {flags} (only "
-                        f"{', '.join('--' + f.replace('_', '-') for f in RESUME_FLAGS)} may change)")
-    settings = read_config(args.resume)
+        raise UserError(f"--resume continues a run with its own settings; drop {_flags(fixed)} (only "
+                        f"{_flags(RESUME_FLAGS)} may change, and --epochs on a constant schedule)")
+    settings = read_config(run_dir)
     if settings.get("custom_model") or settings.get("custom_data"):
-        raise UserError(f"{args.resume} was trained from Python on a custom model or in-memory data; resume it "
-                        f"there: polytrain.fit(model, data, resume={str(args.resume)!r}, ...)")
-    settings["strategy"] = "auto"
-    settings.update({name: getattr(args, name) for name in RESUME_FLAGS if getattr(args, name) != defaults[name]})
-    settings.update(devices=args.devices, max_steps=args.max_steps, max_restarts=args.max_restarts,
-                    out=args.resume)
+        raise UserError(f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
+                        f"there: polytrain.fit(model, data, resume={run_dir!r}, ...)")
+    before = dict(settings)
+    settings["device"] = settings.get("device_type") or settings.get("device", "auto")    # the kind it ran on
+    settings["strategy"] = "auto" if "devices" in args.given else settings.get("strategy", "auto")
+    settings.update(max_steps=0, out=run_dir)
+    settings.update({name: getattr(args, name) for name in args.given})
     try:
-        return TrainConfig.from_dict(settings)
+        config = TrainConfig.from_dict(settings)
     except TypeError:
-        raise UserError(f"{args.resume}/config.json does not hold polytrain settings; restore it") from None
+        raise UserError(f"{run_dir}/config.json does not hold polytrain settings; restore it") from None
+    progress = read_progress(run_dir)
+    if config.epochs != before.get("epochs") and config.schedule != "constant":
+        raise UserError(f"--epochs: this run's {config.schedule} learning-rate schedule is laid out over its "
+                        f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
+                        f"a new run with --epochs {config.epochs} (runs on --schedule constant can be extended)")
+    if progress is not None and progress.epoch >= config.epochs:
+        last = progress.history[-1]["val_acc"] if progress.history else float("nan")
+        return None, (f"{run_dir} already finished its {progress.epoch} epochs (validation accuracy {last:.4f}); "
+                      f"nothing to resume. To train longer, start a new run"
+                      + (f", or pass --epochs N above {progress.epoch}" if config.schedule == "constant" else ""))
+    if progress is not None and config.max_steps and config.max_steps <= progress.steps_done:
+        raise UserError(f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
+                        f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")
+    was = dict(before, device=settings["device"])
+    changed = [f"--{name} {getattr(config, name)} (was {was.get(name)})" for name in ("devices", "device", "epochs")
+               if name in args.given and getattr(config, name) != was.get(name)]
+    at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
+    line = f"resuming {run_dir} {at} on {_where(config)}" + (f"; changed: {', '.join(changed)}" if changed else
+                                                              " as the run had")
+    record = dict(before, epochs=config.epochs, devices=config.devices, device=config.device,
+                  device_type=resolved_device_type(config.device))
+    return (config, run_dir, record), line
 
 
 def train_command(args) -> int:
     if args.resume:
-        config = resume_config(args)
-        print(f"resuming {args.resume} on {config.devices} device(s)")
-        history, _, run_dir = train_run(config, resume_dir=args.resume)
+        plan, line = resume_plan(args)
+        print(line)
+        if plan is None:
+            return 0
+        config, run_dir, record = plan
+        write_config(Path(run_dir), {k: v for k, v in record.items() if k != "versions"})
+        history, _, run_dir = train_run(config, resume_dir=run_dir)
     else:
         config = config_from_args(args)
         history, _, run_dir = train_run(config)
@@ -64,7 +103,7 @@ def train_command(args) -> int:
 
 
 def evaluate_command(args) -> int:
-    result = evaluate(args.run_dir, device=args.device)
+    result = evaluate(resolve_run_dir(args.run_dir), device=args.device)
     print(f"validation loss {result['loss']:.4f}  accuracy {result['acc']:.4f}  ({result['count']} samples)")
     return 0
 
@@ -72,6 +111,7 @@ def evaluate_command(args) -> int:
 def predict_command(args) -> int:
     if args.show < 0:
         raise UserError(f"--show must be 0 or more, got {args.show}")
+    args.run_dir = resolve_run_dir(args.run_dir)
     everything = predict(args.run_dir, device=args.device)
     wrong = int((everything["predicted"] != everything["true"]).sum())
     print(f"{len(everything['true'])} validation samples, {wrong} wrong")

@@ -11,7 +11,9 @@ import uuid
 import torch
 
 from .errors import ConfigError, UserError
+from .checkpoint import read_progress
 from .hostenv import launcher_env
+from .stopping import TrainingInterrupted, interrupted_message
 from .worker import Job, WorkerResult, train_worker
 
 
@@ -62,11 +64,19 @@ def spawn_workers(job: Job) -> WorkerResult:
             results = elastic_launch(launch, train_worker)(job)
         except ChildFailedError as failed:
             raise worker_failure(failed) from None
-        except SignalException:
-            raise KeyboardInterrupt from None          # Ctrl-C or SIGTERM: the workers are already stopped
+        except SignalException as caught:
+            # The agent passed the signal on to the workers and waited for them: they stopped at an agreed
+            # step and wrote a checkpoint there (see stopping.py).
+            raise interrupted(int(caught.sigval), job.run_dir) from None
         finally:
             quiet.setLevel(level)
     return results[0]
+
+
+def interrupted(signal_number: int, run_dir) -> TrainingInterrupted:
+    progress = read_progress(run_dir) if run_dir else None
+    where = progress.where() if progress is not None else None
+    return TrainingInterrupted(interrupted_message(signal_number, run_dir, where), signal_number=signal_number)
 
 
 def _logs_in(folder: str) -> dict:

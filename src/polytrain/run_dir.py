@@ -51,3 +51,14 @@ def read_config(run_dir) -> dict:
         raise UserError(f"{path} is damaged (not a JSON object); restore it or start a new run")
     settings.pop("versions", None)
     return settings
+
+
+def resolve_run_dir(text) -> Path:
+    """A run folder as given, or for `.../LATEST` (when no such folder exists) the newest run folder beside it."""
+    path = Path(text).expanduser()
+    if path.name != "LATEST" or path.exists():
+        return path
+    runs = [folder for folder in path.parent.glob("*") if (folder / "config.json").is_file()]
+    if not runs:
+        raise UserError(f"{path}: there is no run folder in {path.parent}/ yet; train one with polytrain train")
+    return max(runs, key=lambda folder: ((folder / "config.json").stat().st_mtime, folder.name))

@@ -45,7 +45,7 @@ class History:
 class Trainer:
     def __init__(self, strategy, train_loader, val_loader, *, epochs: int, callbacks=(),
                  position: Optional[Position] = None, history: Optional[History] = None,
-                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0):
+                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0, should_stop=None):
         self.strategy = strategy
         self.train_loader, self.val_loader = train_loader, val_loader
         self.epochs = epochs
@@ -57,6 +57,9 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.max_steps = max_steps                # stop early after this many steps in all (0: never)
         self.running = None                       # (loss and correct sums on the device, count, start time)
+        # asked on every rank after every step; True (on all ranks at once) ends training with a checkpoint
+        self.should_stop = should_stop or (lambda: False)
+        self.interrupted = False
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -81,7 +84,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
             self._emit("on_epoch_end", record)
-            if finished:
+            if finished or self.interrupted:
                 break
 
     def _train_epoch(self, epoch: int) -> dict:
@@ -104,7 +107,8 @@ class Trainer:
             self.running = (totals, count, began)
             self._emit("on_step_end", batch.step)
             last_of_epoch = batch.step + 1 == self.steps_per_epoch
-            stop = self.max_steps and epoch * self.steps_per_epoch + batch.step + 1 >= self.max_steps
+            self.interrupted = self.should_stop()
+            stop = self.interrupted or (self.max_steps and epoch * self.steps_per_epoch + batch.step + 1 >= self.max_steps)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -13,12 +14,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, read_progress, restore_rng
 from .config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
 from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
+from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .strategies import STRATEGIES
 from .trainer import History, Position, Trainer
 from .watchdog import Watchdog
@@ -51,6 +53,11 @@ def choose_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def resolved_device_type(kind: str) -> str:
+    """What `--device auto|cpu|cuda` means on this machine: "cuda" or "cpu"."""
+    return choose_device(kind, 0).type
+
+
 def join_process_group(backend: str, launcher: LauncherEnv) -> None:
     """Join the group; after a restart by the elastic agent, under a fresh key prefix.
 
@@ -81,14 +88,18 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
             share_cores(local_world)
     if distributed and not dist.is_initialized():
         join_process_group("nccl" if device.type == "cuda" else "gloo", launcher)
+    stop = StopSignal(exit_on_repeat=launcher is not None).install()
     try:
-        return _train(job, device, rank, world, launcher)
+        stop.connect(world)
+        return _train(job, device, rank, world, launcher, stop)
     finally:
+        stop.close()
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv]) -> Optional[WorkerResult]:
+def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv],
+           stop: StopSignal) -> Optional[WorkerResult]:
     config = job.config
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
@@ -117,6 +128,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         state = strategy.broadcast_object(loaded)
         if not strategy.is_main:
             strategy.load_state_dict(state)
+        restore_rng(state.get("rng"), rank=rank, device=device)
         position, history = Position(**state["position"]), History(list(state["history"]))
     callbacks = []
     if strategy.is_main and job.verbose:
@@ -132,8 +144,13 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         callbacks.append(recorder)
     trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
                       position=position, history=history, checkpointer=checkpointer,
-                      checkpoint_every=config.checkpoint_every, max_steps=config.max_steps)
+                      checkpoint_every=config.checkpoint_every, max_steps=config.max_steps,
+                      should_stop=stop.should_stop)
     history = trainer.fit()
+    if trainer.interrupted:
+        where = read_progress(run_dir).where() if run_dir and strategy.is_main else None
+        number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote
+        raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
     if not strategy.is_main:
         return None
     weights = {k: v.detach().to("cpu", copy=True) for k, v in strategy.model.state_dict().items()}

@@ -5,19 +5,33 @@ The registry is the single source of the names the command line offers (`polytra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import DataError, UserError
 from .arrays import ArrayDataset
 
 DATASETS: Dict[str, Callable[..., ArrayDataset]] = {}
+OPTIONS: Dict[str, Tuple[str, ...]] = {}          # the dataset settings each dataset reads
+DATASET_SETTINGS = ("data_dir", "download", "synthetic_size", "synthetic_shape")
 
 
-def register(name: str):
+def register(name: str, *, options: Tuple[str, ...] = ()):
     def add(loader):
         DATASETS[name] = loader
+        OPTIONS[name] = options
         return loader
     return add
+
+
+def unused_dataset_options(name: Optional[str], given) -> List[str]:
+    """The dataset settings in `given` that dataset `name` does not read (all of them when `name` is None:
+    data passed as objects), so that they are refused instead of silently ignored."""
+    used = OPTIONS.get(name, ()) if name is not None else ()
+    return [setting for setting in DATASET_SETTINGS if setting in given and setting not in used]
+
+
+def datasets_using(setting: str) -> List[str]:
+    return [name for name, options in OPTIONS.items() if setting in options]
 
 
 def load_dataset(name: str, *, data_dir: Optional[str] = None, download: bool = False,
@@ -65,27 +79,27 @@ def _idx(name: str, data_dir, download) -> ArrayDataset:
     return ArrayDataset.from_numpy(name, train_x, train_y, val_x, val_y, augment=False)
 
 
-@register("mnist")
+@register("mnist", options=("data_dir", "download"))
 def _mnist(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return _idx("mnist", data_dir, download)
 
 
-@register("fashion-mnist")
+@register("fashion-mnist", options=("data_dir", "download"))
 def _fashion(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return _idx("fashion-mnist", data_dir, download)
 
 
-@register("cifar10")
+@register("cifar10", options=("data_dir", "download"))
 def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     from .cifar import load_cifar10
     train_x, train_y, val_x, val_y = _load_files("cifar10", data_dir, download, load_cifar10)
     return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True, flip=True)
 
 
-@register("synthetic")
+@register("synthetic", options=("synthetic_size", "synthetic_shape"))
 def _synthetic(*, size=2048, shape=(1, 28, 28), seed=0, **_) -> ArrayDataset:
     from .arrays import synthetic_dataset
     return synthetic_dataset(size=size, shape=shape, seed=seed)
 
 
-__all__ = ["ArrayDataset", "DATASETS", "load_dataset", "register"]
+__all__ = ["ArrayDataset", "DATASETS", "datasets_using", "load_dataset", "register", "unused_dataset_options"]

@@ -100,6 +100,10 @@ class Strategy:
         """Rank 0's value on every rank."""
         return value
 
+    def gather_object(self, value) -> list:
+        """Every rank's value, in rank order, on rank 0 (None elsewhere)."""
+        return [value]
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -30,3 +30,8 @@ class DataParallel(Strategy):
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather_object(self, value) -> list:
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered

@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Union
@@ -15,12 +17,12 @@ import torch.nn as nn
 
 from .checkpoint import Checkpointer, load_weights
 from .config import TrainConfig
-from .data import ArrayDataset, load_dataset
+from .data import ArrayDataset, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .hostenv import launcher_env
 from .launch import check_devices, run_job
-from .models import build_model
+from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
 from .strategies import SingleDevice, resolve_strategy_name
 from .trainer import History, Trainer
@@ -57,13 +59,17 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         if launcher.restart_count > 0 and resume_dir is None:
             resume_dir = config.out     # a restarted attempt continues the run its predecessor started
     strategy = resolve_strategy_name(config.strategy, config.devices)
-    check_devices(launcher.local_world_size if launcher else config.devices, config.device)
+    # under srun each task may see only the GPU it is bound to
+    check_devices(config.devices if launcher is None else 1 if launcher.rendezvous else launcher.local_world_size,
+                  config.device)
     registry_data = data is None or isinstance(data, str)
     dataset = as_dataset(data if data is not None else config.dataset, config)
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
     module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) if registry_model \
         else model
+    # data given as tensors infers its classes from the labels: there the model may give more outputs
+    check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
     channels_last = config.channels_last
     if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
         channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
@@ -95,12 +101,54 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "m
     trained in place. With `devices > 1` the module and data are pickled to the worker processes: define
     model classes in an importable module (not a notebook cell) so the workers can unpickle them.
     Files (config, metrics, checkpoints, curves) are written only when `out` is given. `resume=RUN_DIR`
-    continues such a run from its checkpoint (give the same model, data and settings).
+    continues such a run from its checkpoint (give the same model, data and settings); a run that has
+    finished returns its history and weights without training.
     """
-    config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
-    history, _, _ = train_run(config, model=model, data=data, resume_dir=resume,
-                              keep_files=out is not None, verbose=verbose)
+    try:
+        check_keywords(settings)
+        per_device = settings.pop("per_device_batch_size", None)
+        if per_device is not None:
+            if "batch_size" in settings:
+                raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
+            settings["batch_size"] = per_device * devices
+        config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
+        unused = unused_dataset_options(data if isinstance(data, str) else None, settings)
+        if unused:
+            raise UserError(f"{', '.join(name + '=' for name in unused)} "
+                            f"{'is' if len(unused) == 1 else 'are'} not used with "
+                            f"{'dataset ' + repr(data) if isinstance(data, str) else 'data given as objects'}; "
+                            f"drop {'it' if len(unused) == 1 else 'them'}")
+        history, _, _ = train_run(config, model=model, data=data, resume_dir=resume,
+                                  keep_files=out is not None, verbose=verbose)
+    except UserError as error:
+        raise type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error \
+            from None
     return history
+
+
+FIT_KEYWORDS = ("model", "data", "epochs", "devices", "strategy", "out", "resume", "verbose", "per_device_batch_size")
+
+
+def check_keywords(settings: dict) -> None:
+    """Refuse a keyword `fit` does not take, naming the nearest one it does."""
+    known = sorted(set(TrainConfig.__dataclass_fields__) - {"dataset", "model"} | set(FIT_KEYWORDS))
+    for name in settings:
+        if name not in known:
+            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {nearest[0]}=?" if nearest else
+                              f"; it takes {', '.join(k + '=' for k in known)}"))
+
+
+def keyword_words(message: str) -> str:
+    """A message written for the command line, in the words of the Python API: `--batch-size 64` becomes
+    `batch_size=64` and a bare `--download` becomes `download=True`."""
+    def keyword(match):
+        name, value = match.group(1).replace("-", "_"), match.group(2)
+        if value is not None:
+            return f"{name}={value}"
+        field = TrainConfig.__dataclass_fields__.get(name)
+        return f"{name}=True" if field is not None and field.type in ("bool", bool) else f"{name}="
+    return re.sub(r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b))?", keyword, message)
 
 
 def load_run(run_dir) -> tuple:

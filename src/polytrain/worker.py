@@ -18,6 +18,7 @@ from .checkpoint import Checkpointer, read_progress, restore_rng
 from .config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
+from .errors import UserError
 from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
@@ -49,7 +50,8 @@ class WorkerResult:
 
 def choose_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
+        # a scheduler that binds each task to its own GPU leaves it fewer visible GPUs than local ranks
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -59,12 +61,21 @@ def resolved_device_type(kind: str) -> str:
 
 
 def join_process_group(backend: str, launcher: LauncherEnv) -> None:
-    """Join the group; after a restart by the elastic agent, under a fresh key prefix.
+    """Join the group: at srun's address, or through torchrun's environment; after a restart by the elastic
+    agent, under a fresh key prefix.
 
     The agent's store outlives worker restarts, so a restarted worker would otherwise read the addresses
     its dead predecessors published and fail to connect.
     """
     env = os.environ
+    if launcher.rendezvous is not None:
+        try:
+            dist.init_process_group(backend, init_method=launcher.rendezvous, rank=launcher.rank,
+                                    world_size=launcher.world_size)
+        except dist.DistNetworkError as error:
+            raise UserError(f"cannot meet the other tasks at {launcher.rendezvous[6:]} ({str(error).splitlines()[0][:160]}); "
+                            f"if the port is taken, set MASTER_PORT to a free one for every task") from None
+        return
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
         return

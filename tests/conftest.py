@@ -1,5 +1,6 @@
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -7,12 +8,14 @@ import torch
 import torch.distributed as dist
 
 from polytrain.data import ArrayDataset
+from processes import ENV, abort_tree
 
 
 @pytest.fixture(autouse=True)
 def clean_state():
     """Reset seeds, restore environment variables, and leave no process group behind."""
     saved_env = dict(os.environ)
+    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]     # processes a test starts can show stacks
     threads = torch.get_num_threads()
     torch.manual_seed(0)
     random.seed(0)
@@ -40,3 +43,19 @@ def tiny_digits(n_train: int = 256, n_val: int = 100, seed: int = 0, shape=(1, 2
 @pytest.fixture
 def digits() -> ArrayDataset:
     return tiny_digits()
+
+
+@pytest.fixture(autouse=True)
+def stacks_before_timeout(request):
+    """Shortly before pytest-timeout fails a test, every process the test started prints its stacks
+    (SIGABRT with PYTHONFAULTHANDLER), so a hang shows what each process was doing, not only pytest's."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if limit <= 0 or not os.path.isdir("/proc"):
+        yield
+        return
+    timer = threading.Timer(max(1.0, limit - 20), abort_tree, args=(os.getpid(),), kwargs={"include_root": False})
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()

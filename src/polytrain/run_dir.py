@@ -61,4 +61,4 @@ def resolve_run_dir(text) -> Path:
     runs = [folder for folder in path.parent.glob("*") if (folder / "config.json").is_file()]
     if not runs:
         raise UserError(f"{path}: there is no run folder in {path.parent}/ yet; train one with polytrain train")
-    return max(runs, key=lambda folder: ((folder / "config.json").stat().st_mtime, folder.name))
+    return max(runs, key=lambda folder: (folder / "config.json").stat().st_mtime_ns)

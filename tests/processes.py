@@ -1,0 +1,101 @@
+"""Running polytrain as users do (subprocesses), with timeouts that say what every process was doing.
+
+Every process started here runs with PYTHONFAULTHANDLER=1, so SIGABRT makes each one print the Python stack
+of all its threads before it ends. When a command outlives its timeout, every process of its tree gets
+SIGABRT, and the failure shows the stacks together with the command's output.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def children(parent: int) -> list:
+    """Process ids whose parent is `parent` (read from /proc; empty where there is none)."""
+    found = []
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def descendants(parent: int) -> list:
+    found, pending = [], [parent]
+    while pending:
+        for child in children(pending.pop()):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def command_line(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def abort_tree(root: int, *, include_root: bool = True) -> None:
+    """SIGABRT to `root` and all below it: with PYTHONFAULTHANDLER each prints its threads' stacks."""
+    for pid in descendants(root) + ([root] if include_root else []):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+
+
+def kill_tree(root: int) -> None:
+    for pid in descendants(root) + [root]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def start(argv, *, env=None) -> subprocess.Popen:
+    merged = dict(os.environ, **ENV, **(env or {}))
+    return subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=merged)
+
+
+def finish(process: subprocess.Popen, *, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for `process`; past `timeout`, fail with the stacks of every process in its tree."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        abort_tree(process.pid)
+        try:
+            out, err = process.communicate(timeout=20)
+        finally:
+            kill_tree(process.pid)
+        raise AssertionError(f"{' '.join(map(str, process.args))} ran past {timeout:.0f}s; its output and the "
+                             f"stack of each of its processes:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def polytrain(*args, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    """`python -m polytrain ARGS`, as a user runs it."""
+    return finish(start([sys.executable, "-m", "polytrain", *args], env=env), timeout=timeout)
+
+
+def wait_for(condition, *, timeout: float, what: str, process: subprocess.Popen = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process is not None and process.poll() is not None:
+            out, err = process.communicate()
+            raise AssertionError(f"the process ended before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            if process is not None:
+                finish(process, timeout=0.01)
+            raise AssertionError(f"no {what} within {timeout:.0f}s")
+        time.sleep(0.05)

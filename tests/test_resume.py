@@ -1,0 +1,78 @@
+"""`--resume` continues what the run had: its devices, its length; it says what it keeps and what it refuses."""
+import json
+
+import torch
+
+from polytrain.cli import main
+
+COMMON = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--batch-size", "32"]
+
+
+def train(capsys, *args):
+    code = main(["train", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(capsys, *COMMON, "--epochs", 1, "--out", out)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, stdout, err = train(capsys, "--resume", out)
+    assert code == 0 and err == ""
+    assert f"{out} already finished its 1 epochs" in stdout and "nothing to resume" in stdout
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_max_steps_below_the_steps_done_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(capsys, *COMMON, "--epochs", 2, "--max-steps", 5, "--out", out)[0] == 0
+    code, _, err = train(capsys, "--resume", out, "--max-steps", 4)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--max-steps 4: this run has already done 5 steps; give more than 5" in err
+
+
+def test_a_constant_schedule_is_extended_to_more_epochs_like_a_longer_run(tmp_path, capsys):
+    constant = [*COMMON, "--schedule", "constant", "--warmup-epochs", "0.5"]
+    assert train(capsys, *constant, "--epochs", 2, "--out", tmp_path / "short")[0] == 0
+    code, stdout, _ = train(capsys, "--resume", tmp_path / "short", "--epochs", 3)
+    assert code == 0, stdout
+    assert "after epoch 2" in stdout.splitlines()[0] and "changed: --epochs 3 (was 2)" in stdout.splitlines()[0]
+    assert train(capsys, *constant, "--epochs", 3, "--out", tmp_path / "long")[0] == 0
+    extended = torch.load(tmp_path / "short" / "model.pt", weights_only=True)
+    longer = torch.load(tmp_path / "long" / "model.pt", weights_only=True)
+    for key in longer:
+        torch.testing.assert_close(extended[key], longer[key], atol=1e-6, rtol=0)
+    assert json.loads((tmp_path / "short" / "config.json").read_text())["epochs"] == 3
+    assert len((tmp_path / "short" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_schedule_that_depends_on_the_length_is_not_extended(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(capsys, *COMMON, "--epochs", 1, "--out", out)[0] == 0
+    code, _, err = train(capsys, "--resume", out, "--epochs", 3)
+    assert code == 2 and err.count("\n") == 1
+    assert "onecycle learning-rate schedule is laid out over its 1 epochs" in err
+    assert "start a new run with --epochs 3" in err
+
+
+def test_the_first_line_says_where_the_run_continues(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(capsys, *COMMON, "--epochs", 2, "--max-steps", 4, "--out", out)[0] == 0
+    code, stdout, _ = train(capsys, "--resume", out, "--max-steps", 5)
+    assert code == 0
+    assert stdout.splitlines()[0] == f"resuming {out} in epoch 2 at step 1 of 3 on 1 CPU process as the run had"
+    record = json.loads((out / "config.json").read_text())
+    assert record["device_type"] == "cpu" and record["devices"] == 1
+
+
+def test_latest_names_the_newest_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train(capsys, *COMMON, "--epochs", 1, "--out", "runs/older")[0] == 0
+    assert train(capsys, *COMMON, "--epochs", 1, "--out", "runs/newer")[0] == 0
+    assert main(["evaluate", "runs/LATEST"]) == 0
+    assert "(19 samples)" in capsys.readouterr().out
+    code, stdout, _ = train(capsys, "--resume", "runs/LATEST")
+    assert code == 0 and "runs/newer already finished" in stdout
+    assert main(["evaluate", str(tmp_path / "empty" / "LATEST")]) == 2
+    assert "there is no run folder" in capsys.readouterr().err

@@ -1,7 +1,6 @@
 """Faults of multi-process training: a stalled rank, a killed worker, resuming on another device count."""
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -12,6 +11,7 @@ import polytrain
 from polytrain.launch import WorkerFailed
 from conftest import tiny_digits
 from distributed import MisbehavingModel
+from processes import children, command_line, finish, polytrain as run_polytrain, start, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,9 +20,7 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-size", "320", "--model", "lenet"
 
 
 def polytrain_cli(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "polytrain", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return run_polytrain(*args, timeout=timeout)
 
 
 def load(path):
@@ -57,46 +55,60 @@ def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, 
     assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
 
 
-def worker_pids(parent: int) -> list:
-    """The spawned training processes below `parent` (not multiprocessing's resource tracker)."""
-    return children(parent, b"spawn_main")
+def worker_pids(parent: int, marker: bytes = b"spawn_main") -> list:
+    """The training processes below `parent` (not multiprocessing's resource tracker)."""
+    return [pid for pid in children(parent) if marker in command_line(pid)]
+
+
+def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spawn_main", workers: int = 2):
+    job = start(argv)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), timeout=120, what="first checkpoint", process=job)
+    victims = []
+    wait_for(lambda: len(victims.extend(worker_pids(job.pid, marker)) or victims) >= workers or victims.clear(),
+             timeout=30, what=f"{workers} workers", process=job)
+    os.kill(sorted(victims)[-1], signal.SIGKILL)
+    return finish(job, timeout=240)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path):
     settings = [*TRAIN, "--epochs", 3, "--devices", 2, "--checkpoint-every", 3]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    job = subprocess.Popen([sys.executable, "-m", "polytrain", "train", *map(str, settings),
-                            "--max-restarts", "1", "--out", str(tmp_path / "killed")],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "killed" / "checkpoint.pt").exists():
-            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
-            time.sleep(0.05)
-        victims = worker_pids(job.pid)
-        assert len(victims) == 2
-        os.kill(victims[1], signal.SIGKILL)
-        output = job.communicate(timeout=240)[0]
-    finally:
-        job.kill()
-    assert job.returncode == 0, output
-    assert len(load(tmp_path / "killed" / "checkpoint.pt")["history"]) == 3
-    straight = polytrain_cli("train", *map(str, settings), "--out", tmp_path / "straight")
+    out = tmp_path / "killed"
+    killed = kill_a_worker_after_the_first_checkpoint(
+        [sys.executable, "-m", "polytrain", "train", *settings, "--max-restarts", 1, "--out", out], out)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "leaked" not in killed.stderr
+    assert len(load(out / "checkpoint.pt")["history"]) == 3
+    straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
-    assert_same_weights(load(tmp_path / "killed" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+    assert_same_weights(load(out / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
 
 
-def children(parent: int, marker: bytes) -> list:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmd:
-                cmdline = cmd.read()
-        except OSError:
-            continue
-        if ppid == parent and marker in cmdline:
-            found.append(int(entry))
-    return found
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
+def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_path):
+    settings = [*TRAIN, "--epochs", 3, "--checkpoint-every", 3]
+    out = tmp_path / "killed"
+    killed = kill_a_worker_after_the_first_checkpoint(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+         "--local-addr", "127.0.0.1", "-m", "polytrain", "train", *settings, "--out", out], out, marker=b"polytrain")
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "terminate called" not in killed.stderr and "leaked" not in killed.stderr
+    assert len(load(out / "checkpoint.pt")["history"]) == 3
+    straight = polytrain_cli("train", *settings, "--devices", 2, "--out", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    assert_same_weights(load(out / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+
+
+def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path):
+    """Every rank's random streams are in the checkpoint: dropout masks continue where they were."""
+    settings = ["--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-size", "160", "--model",
+                "cifar-cnn", "--augment", "--batch-size", "32", "--epochs", "2", "--devices", "2", "--seed", "11"]
+    straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr
+    part = polytrain_cli("train", *settings, "--max-steps", 7, "--out", tmp_path / "run")
+    assert part.returncode == 0, part.stderr
+    rest = polytrain_cli("train", "--resume", tmp_path / "run")
+    assert rest.returncode == 0, rest.stderr
+    assert "in epoch 2 at step 2 of 5 on 2 CPU processes as the run had" in rest.stdout
+    assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 0)

@@ -5,7 +5,7 @@ import torch
 
 from polytrain.cli import main
 
-COMMON = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--batch-size", "32"]
+COMMON = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--batch-size", "32", "--device", "cpu"]
 
 
 def train(capsys, *args):

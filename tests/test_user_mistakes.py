@@ -1,0 +1,95 @@
+"""Every user mistake gets a polytrain answer: one line naming the problem and the fix, never a traceback."""
+import pytest
+import torch
+
+import polytrain
+from polytrain.cli import main
+from polytrain.errors import ConfigError, UserError
+from conftest import tiny_digits
+
+
+def one_line_error(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_model_with_too_few_outputs_is_refused_before_training(tmp_path, devices):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 5))
+    with pytest.raises(UserError) as refused:      # before any worker starts: a UserError, not WorkerFailed
+        polytrain.fit(model, tiny_digits(), devices=devices, batch_size=32, device="cpu", out=str(tmp_path / "run"),
+                      verbose=False)
+    assert str(refused.value) == ("the model gives 5 outputs per image, but the dataset has 10 classes "
+                                  "(labels 0..9); make its last layer give 10 outputs")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_that_cannot_take_the_images_is_refused_in_one_line():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    with pytest.raises(UserError) as refused:
+        polytrain.fit(model, tiny_digits(), verbose=False)
+    message = str(refused.value)
+    assert message.startswith("the model cannot take the dataset's 1x28x28 images") and "\n" not in message
+
+
+def test_tensor_data_infers_its_classes_from_the_labels():
+    data = tiny_digits()
+    binary = tuple(t if i % 2 == 0 else t % 2 for i, t in
+                   enumerate((data.train_x, data.train_y, data.val_x, data.val_y)))
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 2))
+    history = polytrain.fit(model, binary, epochs=1, batch_size=32, verbose=False)
+    assert history.last["val_acc"] > 0.5
+
+
+@pytest.mark.parametrize("keyword, words", [
+    ({"epoch": 1}, "fit() has no keyword epoch=; did you mean epochs=?"),
+    ({"loss_fn": None}, "fit() has no keyword loss_fn=; it takes "),
+    ({"batchsize": 32}, "did you mean batch_size=?"),
+])
+def test_an_unknown_keyword_names_the_nearest_one(keyword, words):
+    with pytest.raises(ConfigError) as refused:
+        polytrain.fit("lenet", "synthetic", verbose=False, **keyword)
+    assert words in str(refused.value)
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(lr=-1), "lr= must be a finite number >= 0, got -1"),
+    (dict(batch_size=63, devices=2), "batch_size=63 (the global batch) does not divide evenly across devices=2"),
+    (dict(optimizer="adagrad"), "unknown optimizer='adagrad'"),
+])
+def test_errors_from_python_speak_of_keywords_not_flags(settings, words):
+    with pytest.raises(UserError) as refused:
+        polytrain.fit("lenet", "synthetic", verbose=False, **settings)
+    assert words in str(refused.value) and "--" not in str(refused.value)
+
+
+def test_dataset_options_the_dataset_does_not_read_are_refused(capsys):
+    err = one_line_error(capsys, ["train", "--data-dir", "/data/mnist"])
+    assert err == ("polytrain: error: --data-dir is not used by --dataset mnist-sample; drop it, or choose a "
+                   "dataset that uses it (mnist, fashion-mnist, cifar10)\n")
+    err = one_line_error(capsys, ["train", "--dataset", "mnist", "--synthetic-size", "10", "--download"])
+    assert "--synthetic-size is not used by --dataset mnist" in err
+    with pytest.raises(UserError, match="data_dir= is not used with dataset 'synthetic'"):
+        polytrain.fit("lenet", "synthetic", data_dir="/data", verbose=False)
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["train", "--epoch", "3"], "usage: polytrain train", "unrecognized argument --epoch; did you mean --epochs?"),
+    (["train", "--batch", "32"], "usage: polytrain train", "did you mean --batch-size?"),
+    (["verify", "--step", "3"], "usage: polytrain verify", "did you mean --steps?"),
+    (["predict", "runs/x", "--shw", "3"], "usage: polytrain predict", "did you mean --show?"),
+])
+def test_flags_match_exactly_and_unknown_ones_get_a_suggestion(capsys, argv, usage, hint):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(usage) and hint in err and "Traceback" not in err
+
+
+def test_help_says_what_models_and_data_must_be_and_its_paths_work(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "runs/LATEST" in text and "integer labels" in text and "(N, classes)" in text

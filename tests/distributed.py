@@ -50,8 +50,9 @@ def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S):
 
 
 class MisbehavingModel(torch.nn.Module):
-    """A linear classifier whose forward pass on `rank` misbehaves at its `call`-th call:
-    `raise` raises RuntimeError("boom on purpose"); `stall` sleeps (standing in for stuck data loading)."""
+    """A linear classifier whose training forward pass on `rank` misbehaves at its `call`-th call:
+    `raise` raises RuntimeError("boom on purpose"); `stall` sleeps (standing in for stuck data loading).
+    Calls in eval mode (polytrain's check of the model's output before training) are not counted."""
 
     def __init__(self, action: str, *, rank: int = 1, call: int = 3):
         super().__init__()
@@ -60,8 +61,8 @@ class MisbehavingModel(torch.nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        self.calls += 1
-        if dist.get_rank() == self.rank and self.calls == self.call:
+        self.calls += self.training
+        if self.training and dist.get_rank() == self.rank and self.calls == self.call:
             if self.action == "raise":
                 raise RuntimeError("boom on purpose")
             time.sleep(600)

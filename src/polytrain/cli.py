@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from . import __version__
@@ -178,6 +179,32 @@ def config_from_args(args) -> TrainConfig:
 
 
 def main(argv=None) -> int:
+    code = run_command(argv)
+    leave_without_teardown(code)
+    return code
+
+
+def leave_without_teardown(code: int) -> None:
+    """In a worker of torchrun or srun, end the process here, once its output is flushed.
+
+    DistributedDataParallel keeps the gloo process group alive after `destroy_process_group()`, so gloo's
+    threads still run while the interpreter tears down, which can abort the finished worker with "terminate
+    called without an active exception" (seen once after a torchrun restart on a loaded machine; upstream:
+    pytorch issue 190489, and PR 179291 for the teardown race). The worker's files are written and its
+    result reported: nothing is lost by skipping that teardown.
+    """
+    from .hostenv import launcher_env
+    try:
+        launched = launcher_env() is not None
+    except UserError:
+        launched = False
+    if launched:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_command(argv=None) -> int:
     parser, args = parse(argv)
     if args.command is None:
         parser.print_help()

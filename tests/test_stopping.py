@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from distributed import run_on_ranks
+from polytrain.stopping import MAX_VOTE_INTERVAL, StopSignal
 from processes import command_line, descendants, finish, polytrain, start, wait_for
 
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "640", "--model", "lenet", "--batch-size", "32",
@@ -18,6 +20,13 @@ NOISE = ("Traceback", "terminate called", "Fatal Python error", "leaked", "Abort
 
 def cli(*args):
     return start([sys.executable, "-m", "polytrain", "train", *args])
+
+
+def progress(out) -> str:
+    """Where the checkpoint in `out` stands, as polytrain says it."""
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    epoch, step = state["position"]["epoch"], state["position"]["step"]
+    return f"in epoch {epoch + 1} at step {step} of {state['steps_per_epoch']}" if step else f"after epoch {epoch}"
 
 
 def assert_all_gone(pids):
@@ -43,8 +52,8 @@ def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exact
     stopped = finish(job, timeout=60)
     assert time.monotonic() - started < 30
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stdout + stopped.stderr
-    assert f"stopped by SIGINT in epoch 1 at step" in stopped.stderr
-    assert f"checkpoint saved; continue with: polytrain train --resume {out}" in stopped.stderr
+    assert stopped.stderr == (f"polytrain: stopped by SIGINT {progress(out)}, checkpoint saved; continue with: "
+                              f"polytrain train --resume {out}\n")
     assert_quiet(stopped.stdout + stopped.stderr)
     assert_all_gone(workers)
     resumed = polytrain("train", "--resume", out)
@@ -100,3 +109,26 @@ def test_a_second_signal_stops_at_once(tmp_path):
     stopped = finish(job, timeout=60)
     assert time.monotonic() - started < 10
     assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr
+
+
+def _steps_until_stop(rank, world_size, signal_at):
+    stop = StopSignal(exit_on_repeat=False).install()
+    stop.connect(world_size)
+    try:
+        for step in range(1, 2000):
+            time.sleep(0.005)                                 # a 5 ms step
+            if rank == 1 and step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)          # only rank 1 hears it
+            if stop.should_stop():
+                return step, stop.interval
+        return None, stop.interval
+    finally:
+        stop.close()
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_on_the_step_to_stop_at_and_vote_only_every_few_steps():
+    (step0, interval0), (step1, interval1) = run_on_ranks(_steps_until_stop, 60)
+    assert step0 == step1 and interval0 == interval1          # the same step on every rank
+    assert 60 < step0 <= 60 + 2 * MAX_VOTE_INTERVAL
+    assert interval0 > 1                                      # 5 ms steps: a vote every several steps

@@ -167,8 +167,12 @@ class Progress:
         return self.epoch * self.steps_per_epoch + self.step
 
     def where(self) -> str:
-        return f"in epoch {self.epoch + 1} at step {self.step} of {self.steps_per_epoch}" if self.step else \
-            f"after epoch {self.epoch}"
+        return describe_position(self.epoch, self.step, self.steps_per_epoch)
+
+
+def describe_position(epoch: int, step: int, steps_per_epoch: int) -> str:
+    """Where a run stands, for people: "in epoch 2 at step 13 of 63" or "after epoch 1"."""
+    return f"in epoch {epoch + 1} at step {step} of {steps_per_epoch}" if step else f"after epoch {epoch}"
 
 
 def read_progress(run_dir) -> Optional[Progress]:

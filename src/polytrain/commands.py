@@ -30,7 +30,7 @@ def _flags(names) -> str:
     return ", ".join("--" + name.replace("_", "-") for name in names)
 
 
-def _where(config: TrainConfig) -> str:
+def _devices_phrase(config: TrainConfig) -> str:
     if resolved_device_type(config.device) == "cuda":
         return f"{config.devices} GPU{'s' if config.devices > 1 else ''}"
     return f"{config.devices} CPU process{'es' if config.devices > 1 else ''}"
@@ -75,7 +75,7 @@ def resume_plan(args):
     changed = [f"--{name} {getattr(config, name)} (was {was.get(name)})" for name in ("devices", "device", "epochs")
                if name in args.given and getattr(config, name) != was.get(name)]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
-    line = f"resuming {run_dir} {at} on {_where(config)}" + (f"; changed: {', '.join(changed)}" if changed else
+    line = f"resuming {run_dir} {at} on {_devices_phrase(config)}" + (f"; changed: {', '.join(changed)}" if changed else
                                                               " as the run had")
     record = dict(before, epochs=config.epochs, devices=config.devices, device=config.device,
                   device_type=resolved_device_type(config.device))

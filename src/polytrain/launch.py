@@ -55,11 +55,13 @@ def spawn_workers(job: Job) -> WorkerResult:
             run_id=f"polytrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
             max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
             **loopback, **_logs_in(agent_files))
-        # polytrain reports a failed worker itself (one line, or its traceback); the agent's own log would
-        # print every traceback a second time.
-        quiet = logging.getLogger("torch.distributed.elastic")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)
+        # polytrain reports a failed worker or a signal itself (one line, or its traceback); the agent's own
+        # log would say it a second time. Its loggers set their own levels, so each is quietened.
+        quiet = [logging.getLogger(name) for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]
+                 if name.startswith("torch.distributed.elastic")]
+        levels = [logger.level for logger in quiet]
+        for logger in quiet:
+            logger.setLevel(logging.CRITICAL)
         try:
             results = elastic_launch(launch, train_worker)(job)
         except ChildFailedError as failed:
@@ -69,7 +71,8 @@ def spawn_workers(job: Job) -> WorkerResult:
             # step and wrote a checkpoint there (see stopping.py).
             raise interrupted(int(caught.sigval), job.run_dir) from None
         finally:
-            quiet.setLevel(level)
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
     return results[0]
 
 

@@ -108,7 +108,8 @@ class Trainer:
             self._emit("on_step_end", batch.step)
             last_of_epoch = batch.step + 1 == self.steps_per_epoch
             self.interrupted = self.should_stop()
-            stop = self.interrupted or (self.max_steps and epoch * self.steps_per_epoch + batch.step + 1 >= self.max_steps)
+            done = epoch * self.steps_per_epoch + batch.step + 1
+            stop = self.interrupted or (self.max_steps and done >= self.max_steps)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))

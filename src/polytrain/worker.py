@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
-from .checkpoint import Checkpointer, read_progress, restore_rng
+from .checkpoint import Checkpointer, describe_position, restore_rng
 from .config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
@@ -73,8 +73,9 @@ def join_process_group(backend: str, launcher: LauncherEnv) -> None:
             dist.init_process_group(backend, init_method=launcher.rendezvous, rank=launcher.rank,
                                     world_size=launcher.world_size)
         except dist.DistNetworkError as error:
-            raise UserError(f"cannot meet the other tasks at {launcher.rendezvous[6:]} ({str(error).splitlines()[0][:160]}); "
-                            f"if the port is taken, set MASTER_PORT to a free one for every task") from None
+            reason = str(error).strip().splitlines()[0][:160]
+            raise UserError(f"cannot meet the other tasks at {launcher.rendezvous[6:]} ({reason}); if the port "
+                            f"is taken, set MASTER_PORT to a free one for every task") from None
         return
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
@@ -159,7 +160,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
                       should_stop=stop.should_stop)
     history = trainer.fit()
     if trainer.interrupted:
-        where = read_progress(run_dir).where() if run_dir and strategy.is_main else None
+        where = describe_position(trainer.position.epoch, trainer.position.step, steps)
         number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
     if not strategy.is_main:

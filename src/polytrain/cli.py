@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         return parser.commands[name]
 
     train = command("train", help="train a model and save a run folder",
-                    description="Train a model; writes config.json, metrics.jsonl, model.pt, checkpoint.pt and "
-                                "curves.png into the run folder.")
+                    description="Train an image classifier (images (N, C, H, W) with integer labels; the model "
+                                "gives (N, classes) scores, trained with cross-entropy); writes config.json, "
+                                "metrics.jsonl, model.pt, checkpoint.pt and curves.png into the run folder. "
+                                "Ctrl-C or SIGTERM stops at a checkpoint; --resume continues from it.")
     add_training_flags(train)
     run = train.add_argument_group("run folder")
     run.add_argument("--out", metavar="DIR", help="run folder (default: a new folder under runs/)")

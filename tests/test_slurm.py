@@ -122,6 +122,8 @@ def test_slurm_task_is_frozen():
     # a batch script's single step, or srun -n 1
     srun_env(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="1"),
     srun_env(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS=None, SLURM_NTASKS="1"),
+    # a batch script of an 8-task job that runs polytrain without srun: one process, not rank 0 of 8
+    srun_env(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS=None, SLURM_NTASKS="8", SLURM_STEP_NODELIST=None),
     # srun -n 1 inside an 8-task allocation: the step's count wins
     srun_env(SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1", SLURM_NTASKS="8"),
     # no task count at all
@@ -133,11 +135,10 @@ def test_slurm_task_none(env):
 
 def test_step_num_tasks_takes_precedence():
     assert slurm_task(srun_env(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="8")).world_size == 2
-    assert slurm_task(srun_env(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS=None, SLURM_NTASKS="8")).world_size == 8
 
 
 def test_minimal_env_uses_defaults():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n[3-4]", "SLURM_JOB_ID": "77"}
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "n[3-4]", "SLURM_JOB_ID": "77"}
     assert slurm_task(env) == SlurmTask(rank=1, world_size=2, local_rank=0, local_world_size=2, node_rank=0,
                                         master_addr="n3", master_port=15077, restart_count=0)
 
@@ -208,7 +209,6 @@ def test_env_is_not_modified():
     ({"SLURM_PROCID": "-1"}, ["SLURM_PROCID", "'-1'"]),
     ({"SLURM_PROCID": "8"}, ["SLURM_PROCID", "SLURM_STEP_NUM_TASKS"]),
     ({"SLURM_STEP_NUM_TASKS": "eight"}, ["SLURM_STEP_NUM_TASKS", "'eight'"]),
-    ({"SLURM_STEP_NUM_TASKS": None, "SLURM_NTASKS": "8.0"}, ["SLURM_NTASKS", "'8.0'"]),
     ({"SLURM_LOCALID": "one"}, ["SLURM_LOCALID"]),
     ({"SLURM_NODEID": ""}, ["SLURM_NODEID"]),
     ({"SLURM_RESTART_COUNT": "1.5"}, ["SLURM_RESTART_COUNT"]),

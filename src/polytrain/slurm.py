@@ -125,12 +125,15 @@ def _local_world_size(env: Mapping[str, str], node_rank: int, world_size: int) -
 
 
 def slurm_task(env: Mapping[str, str]) -> Optional[SlurmTask]:
-    """This task's settings inside a multi-task srun step; None anywhere else (no SLURM, salloc, one task)."""
-    if "SLURM_PROCID" not in env:
+    """This task's settings inside a multi-task srun step; None anywhere else (no SLURM, a batch script or an
+    salloc shell without srun, one task)."""
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks of a step; sbatch and salloc do not. A batch script run
+    # without srun sees SLURM_NTASKS of the whole allocation but is one process: it must not wait for peers.
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return None
-    count_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    # one task (a batch script, an interactive allocation) behaves as a plain machine
-    if count_var not in env or _int(env, count_var) <= 1:
+    count_var = "SLURM_STEP_NUM_TASKS"
+    # one task (srun -n 1) behaves as a plain machine: --devices N starts its own workers
+    if _int(env, count_var) <= 1:
         return None
     world_size, rank = _int(env, count_var), _int(env, "SLURM_PROCID")
     if rank >= world_size:

@@ -1,21 +1,16 @@
 """The command line end to end, as a user runs it (a subprocess), on small generated data."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from datafiles import write_mnist_folder
 from polytrain.cli import main
+from processes import polytrain as run_polytrain
 
 
 def polytrain(*args, timeout=180):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "polytrain", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_polytrain(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,5 @@
 """Data parallelism on 2 CPU processes (gloo) against one device: same samples, same steps, same weights."""
 import copy
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +14,7 @@ from polytrain.strategies import DataParallel, SingleDevice
 from polytrain.trainer import Trainer
 from conftest import tiny_digits
 from distributed import MisbehavingModel, run_on_ranks
+from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,9 +77,8 @@ def test_a_failing_worker_stops_every_worker_and_names_its_rank():
 
 
 def test_verify_command_passes_for_data_parallel():
-    result = subprocess.run([sys.executable, "-m", "polytrain", "verify", "--devices", "2", "--steps", "8",
-                             "--model", "lenet", "--dataset", "mnist-sample"],
-                            capture_output=True, text=True, timeout=180)
+    result = run_polytrain("verify", "--devices", "2", "--steps", "8", "--model", "lenet", "--dataset", "mnist-sample",
+                           timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]

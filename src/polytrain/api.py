@@ -15,7 +15,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from .checkpoint import Checkpointer, load_weights
+from .checkpoint import load_weights
 from .config import TrainConfig
 from .data import ArrayDataset, load_dataset, unused_dataset_options
 from .data.loader import make_loaders

@@ -4,7 +4,6 @@ agent (the machinery behind torchrun) on this machine. Strategies know nothing o
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 import uuid
 

@@ -145,9 +145,9 @@ def restore_rng(saved, *, rank: int, device: torch.device) -> None:
     on another count, rank r takes rank r mod the old count's streams)."""
     if isinstance(saved, torch.Tensor):             # checkpoints of earlier versions held rank 0's CPU stream
         saved = [{"cpu": saved}]
-    if not isinstance(saved, list) or not saved or not isinstance(saved[rank % len(saved)], dict):
+    mine = saved[rank % len(saved)] if isinstance(saved, list) and saved else None
+    if not isinstance(mine, dict):
         return
-    mine = saved[rank % len(saved)]
     if isinstance(mine.get("cpu"), torch.Tensor):
         torch.set_rng_state(mine["cpu"])
     if device.type == "cuda" and isinstance(mine.get("cuda"), torch.Tensor):

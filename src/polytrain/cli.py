@@ -159,6 +159,11 @@ def parse(argv=None):
     return parser, args
 
 
+def flag_list(names) -> str:
+    """Setting names as the command line spells them: `batch_size` -> `--batch-size`, comma-separated."""
+    return ", ".join("--" + name.replace("_", "-") for name in names)
+
+
 def config_from_args(args) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
     if args.per_device_batch_size is not None:
@@ -173,8 +178,8 @@ def config_from_args(args) -> TrainConfig:
     config = TrainConfig(**values)
     unused = unused_dataset_options(config.dataset, args.given)
     if unused:
-        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
-        raise UserError(f"{flags} {'is' if len(unused) == 1 else 'are'} not used by --dataset {config.dataset}; "
+        raise UserError(f"{flag_list(unused)} {'is' if len(unused) == 1 else 'are'} not used by --dataset "
+                        f"{config.dataset}; "
                         f"drop {'it' if len(unused) == 1 else 'them'}, or choose a dataset that uses "
                         f"{'it' if len(unused) == 1 else 'them'} ({', '.join(datasets_using(unused[0]))})")
     return config

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .api import as_dataset, evaluate, predict, spread_indices, train_run
-from .cli import config_from_args
+from .cli import config_from_args, flag_list
 from .config import TrainConfig
 from .data import ArrayDataset
 from .data.loader import global_batch_order
@@ -25,10 +25,6 @@ from .worker import Job, resolved_device_type
 RESUME_FLAGS = ("devices", "device", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
 
 
-def _flags(names) -> str:
-    return ", ".join("--" + name.replace("_", "-") for name in names)
-
-
 def _devices_phrase(config: TrainConfig) -> str:
     if resolved_device_type(config.device) == "cuda":
         return f"{config.devices} GPU{'s' if config.devices > 1 else ''}"
@@ -42,8 +38,8 @@ def resume_plan(args):
     fixed = sorted(args.given - set(RESUME_FLAGS) - {"epochs"})
     fixed += ["per_device_batch_size"] if args.per_device_batch_size is not None else []
     if fixed:
-        raise UserError(f"--resume continues a run with its own settings; drop {_flags(fixed)} (only "
-                        f"{_flags(RESUME_FLAGS)} may change, and --epochs on a constant schedule)")
+        raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
+                        f"{flag_list(RESUME_FLAGS)} may change, and --epochs on a constant schedule)")
     settings = read_config(run_dir)
     if settings.get("custom_model") or settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
@@ -74,8 +70,8 @@ def resume_plan(args):
     changed = [f"--{name} {getattr(config, name)} (was {was.get(name)})" for name in ("devices", "device", "epochs")
                if name in args.given and getattr(config, name) != was.get(name)]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
-    line = f"resuming {run_dir} {at} on {_devices_phrase(config)}" + (f"; changed: {', '.join(changed)}" if changed else
-                                                              " as the run had")
+    kept = f"; changed: {', '.join(changed)}" if changed else " as the run had"
+    line = f"resuming {run_dir} {at} on {_devices_phrase(config)}{kept}"
     record = dict(before, epochs=config.epochs, devices=config.devices, device=config.device,
                   device_type=resolved_device_type(config.device))
     return (config, run_dir, record), line

@@ -131,13 +131,11 @@ def slurm_task(env: Mapping[str, str]) -> Optional[SlurmTask]:
     # without srun sees SLURM_NTASKS of the whole allocation but is one process: it must not wait for peers.
     if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return None
-    count_var = "SLURM_STEP_NUM_TASKS"
-    # one task (srun -n 1) behaves as a plain machine: --devices N starts its own workers
-    if _int(env, count_var) <= 1:
+    world_size, rank = _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_PROCID")
+    if world_size <= 1:             # srun -n 1 behaves as a plain machine: --devices N starts its own workers
         return None
-    world_size, rank = _int(env, count_var), _int(env, "SLURM_PROCID")
     if rank >= world_size:
-        raise ValueError(f"SLURM_PROCID={rank} is not below {count_var}={world_size}: fix the srun options")
+        raise ValueError(f"SLURM_PROCID={rank} is not below SLURM_STEP_NUM_TASKS={world_size}: fix the srun options")
     node_rank = _int(env, "SLURM_NODEID", 0)
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")

@@ -24,7 +24,7 @@ from .hostenv import launcher_env
 from .launch import check_devices, run_job
 from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
-from .strategies import SingleDevice, resolve_strategy_name
+from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .trainer import History, Trainer
 from .worker import Job, choose_device, resolved_device_type
 
@@ -70,6 +70,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         else model
     # data given as tensors infers its classes from the labels: there the model may give more outputs
     check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
+    plan = make_plan(strategy, config, module, dataset,
+                     device=choose_device(config.device, launcher.local_rank if launcher else 0))
     channels_last = config.channels_last
     if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
         channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
@@ -84,7 +86,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
                         custom_data=not registry_data)
         write_config(run_dir, settings)
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
-              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last)
+              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan)
     result = run_job(job)
     if result is not None:
         module.load_state_dict(result.weights)

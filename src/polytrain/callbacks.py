@@ -5,7 +5,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from .checkpoint import atomic_write_bytes
 from .report import save_figure
@@ -112,5 +111,4 @@ class StepRecorder(Callback):
         loss_sum, _, count = trainer.reduce_sums(totals, count)
         loss = (loss_sum - self.previous[0]) / (count - self.previous[1])
         self.previous = (loss_sum, count)
-        parameters = torch.cat([p.detach().float().flatten().cpu() for p in trainer.strategy.model.parameters()])
-        self.steps.append((loss, parameters))
+        self.steps.append((loss, trainer.strategy.flat_parameters()))

@@ -64,11 +64,12 @@ def safe_load(path: Path) -> dict:
     return state
 
 
-def check_model_state(state, model: torch.nn.Module, path: Path) -> None:
-    """Refuse a state dict whose names or shapes differ from `model`'s, naming the first difference."""
+def check_model_state(state, model, path: Path) -> None:
+    """Refuse a state dict whose names or shapes differ from `model`'s (a module, or the state dict it
+    expects), naming the first difference."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: the model weights are missing or damaged")
-    expected = model.state_dict()
+    expected = model if isinstance(model, dict) else model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
@@ -123,7 +124,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.path}: written with global batch {state.get('batch_size')} "
                                   f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
                                   f"({steps_per_epoch}); resume with the run's own batch size and data")
-        check_model_state(state.get("model"), strategy.model, self.path)
+        check_model_state(state.get("model"), strategy.expected_state(), self.path)
         try:
             strategy.load_state_dict(state)
         except (KeyError, ValueError, RuntimeError, TypeError) as error:

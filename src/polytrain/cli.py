@@ -11,6 +11,7 @@ from .config import DEVICES, LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, Train
 from .data import DATASETS, datasets_using, unused_dataset_options
 from .errors import UserError
 from .models import MODELS
+from .plan.pipeline import DEFAULT_SCHEDULE as DEFAULT_PIPELINE_SCHEDULE, SCHEDULES as PIPELINE_SCHEDULES
 from .strategies import STRATEGIES
 
 DEFAULTS = TrainConfig()
@@ -73,7 +74,23 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     devices.add_argument("--devices", type=int, metavar="N",
                          help="GPUs, or CPU processes sharing the cores (default: 1)")
     devices.add_argument("--strategy", metavar="{" + ",".join(("auto", *STRATEGIES)) + "}",
-                         help="auto: single for one device, data (replicas + all-reduce) for several")
+                         help="auto: single for one device, data (replicas + all-reduce) for several; "
+                              "pipeline: the model split into stages over the devices")
+    pipe = parser.add_argument_group("pipeline (with --strategy pipeline)")
+    pipe.add_argument("--microbatches", type=int, metavar="M",
+                      help="micro-batches each step's batch is cut into; 1: plain model parallelism "
+                           "(default: 4 per stage, or fewer that divide the batch)")
+    pipe.add_argument("--pipeline-schedule", metavar="{" + ",".join(PIPELINE_SCHEDULES) + "}",
+                      help=f"order of forward and backward passes (default: {DEFAULT_PIPELINE_SCHEDULE})")
+    pipe.add_argument("--split", metavar="auto|I1,I2,...",
+                      help="auto: balance the stages by each layer's measured time; or the index of the first "
+                           "layer of every stage after the first (default: auto)")
+    pipe.add_argument("--pipeline-stages", type=int, metavar="S",
+                      help="stages per pipeline; --devices / S pipelines then run data-parallel on a 2-D mesh "
+                           "(default: --devices, one pipeline)")
+    pipe.add_argument("--timeline", action="store_true", default=None,
+                      help="record when each rank ran each micro-batch for a few steps; draws pipeline.png "
+                           "and prints the measured bubble")
 
 
 EXAMPLES = """examples:
@@ -83,6 +100,7 @@ EXAMPLES = """examples:
   polytrain predict runs/LATEST --show 25
   polytrain train --resume runs/LATEST     # continue an interrupted run where it stopped
   polytrain verify --devices 2             # prove N devices train like one
+  polytrain train --strategy pipeline --devices 2 --microbatches 1   # LeNet split over 2 devices
 
 polytrain trains classifiers of images: a model that maps (N, C, H, W) images to (N, classes) scores, on
 integer labels 0..classes-1."""

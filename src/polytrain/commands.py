@@ -16,8 +16,8 @@ from .launch import check_devices, run_job
 from .models import build_model
 from .checkpoint import read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
-from .strategies import resolve_strategy_name
-from .worker import Job, resolved_device_type
+from .strategies import make_plan, resolve_strategy_name
+from .worker import Job, choose_device, resolved_device_type
 
 
 # What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
@@ -142,9 +142,10 @@ def verify_command(args) -> int:
     channels_last = config.channels_last if config.channels_last is not None else \
         any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     common = dict(verbose=False, record_steps=True, channels_last=channels_last)
-    one = run_job(Job(TrainConfig.from_dict(dict(config.to_dict(), devices=1)), "single", data,
+    one = run_job(Job(config.with_strategy("single", devices=1), "single", data,
                       copy.deepcopy(model), **common))
-    many = run_job(Job(config, strategy, data, copy.deepcopy(model), **common))
+    plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
+    many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     worst = 0.0
     print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
           f"{'max |param diff|':>17}")

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from .errors import ConfigError
+from .plan.pipeline import SCHEDULES as PIPELINE_SCHEDULES, PipelineLayout, check_microbatches
 
 OPTIMIZERS = ("sgd", "adam", "rmsprop")
 SCHEDULES = ("constant", "cosine", "onecycle")
@@ -45,6 +46,11 @@ class TrainConfig:
     device: str = "auto"
     devices: int = 1
     strategy: str = "auto"
+    microbatches: Optional[int] = None     # pipeline only; None: four per pipeline stage, or fewer that divide
+    pipeline_schedule: Optional[str] = None   # pipeline only; None: 1f1b
+    split: Optional[str] = None            # pipeline only: "auto" (balanced by measured time) or "4,7"
+    pipeline_stages: Optional[int] = None  # pipeline only; None: every device is a stage (one replica)
+    timeline: bool = False                 # pipeline only: record a few steps and draw pipeline.png
     lr_scale: str = "none"
     augment: Optional[bool] = None
     out: Optional[str] = None
@@ -91,11 +97,54 @@ class TrainConfig:
         _need(self.synthetic_size > 0, f"--synthetic-size must be positive, got {self.synthetic_size!r}")
         _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
               f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
-        _need(self.batch_size % self.devices == 0,
+        self._check_pipeline()
+        shares, across = self.data_parallel_size, f"--devices {self.devices}"
+        if self.strategy == "pipeline":
+            across = f"the {shares} pipeline replicas"
+        _need(self.batch_size % shares == 0,
               f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
-              f"--devices {self.devices}; use a multiple of {self.devices}, e.g. "
-              f"--batch-size {self.devices * -(-self.batch_size // self.devices)}, or give "
+              f"{across}; use a multiple of {shares}, e.g. "
+              f"--batch-size {shares * -(-self.batch_size // shares)}, or give "
               f"--per-device-batch-size instead")
+        if self.strategy == "pipeline" and self.microbatches is not None:
+            check_microbatches(self.microbatches, per_replica_batch=self.batch_size // shares,
+                               replicas=shares, batch_size=self.batch_size)
+
+    PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "split", "pipeline_stages", "timeline")
+
+    def _check_pipeline(self) -> None:
+        if self.strategy != "pipeline":
+            given = [name for name in self.PIPELINE_OPTIONS if getattr(self, name) not in (None, False)]
+            _need(not given, f"--{given[0].replace('_', '-') if given else ''} applies to --strategy pipeline "
+                             f"only; add --strategy pipeline or drop it")
+            return
+        _need(self.pipeline_schedule in (None, *PIPELINE_SCHEDULES),
+              f"unknown --pipeline-schedule {self.pipeline_schedule!r}; choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        _need(self.pipeline_stages is None or (isinstance(self.pipeline_stages, int) and self.pipeline_stages > 0),
+              f"--pipeline-stages must be a positive whole number, got {self.pipeline_stages!r}")
+        _need(self.split is None or isinstance(self.split, str),
+              f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}")
+        _need(not self.compile, "--compile is not supported with --strategy pipeline yet; drop --compile")
+        PipelineLayout(self.devices, self.pipeline_ranks)      # validates the mesh
+
+    def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
+        """These settings under another strategy; options of the pipeline are dropped unless it stays."""
+        values = dict(self.to_dict(), strategy=strategy, **changes)
+        if strategy != "pipeline":
+            values.update({name: None for name in self.PIPELINE_OPTIONS}, timeline=False)
+        return TrainConfig.from_dict(values)
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline stages per replica (ranks each micro-batch passes through); 1 without a pipeline."""
+        if self.strategy != "pipeline":
+            return 1
+        return self.pipeline_stages or self.devices
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that split each global batch between them."""
+        return self.devices // self.pipeline_ranks
 
     @property
     def effective_lr(self) -> float:

@@ -39,6 +39,7 @@ class Job:
     verbose: bool = True
     record_steps: bool = False         # per-step global loss and parameters, for `polytrain verify`
     channels_last: bool = False        # resolved by the caller: on for registry models with convolutions
+    plan: object = None                # the strategy's plan, computed by the caller (Strategy.make_plan)
 
 
 @dataclass
@@ -103,6 +104,10 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     stop = StopSignal(exit_on_repeat=launcher is not None).install()
     try:
         stop.connect(world)
+        if distributed and job.plan is not None:     # under torchrun every rank planned: follow rank 0's plan
+            box = [job.plan]
+            dist.broadcast_object_list(box, src=0)
+            job.plan = box[0]
         return _train(job, device, rank, world, launcher, stop)
     finally:
         stop.close()
@@ -116,11 +121,11 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
         device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=job.channels_last,
-        label_smoothing=config.label_smoothing)
+        channels_last=job.channels_last, label_smoothing=config.label_smoothing, plan=job.plan)
     train_loader, val_loader = make_loaders(
-        job.dataset, batch_size=config.batch_size, device=device, rank=rank, world_size=world, seed=config.seed,
-        augment=config.augment, channels_last=strategy.channels_last)
+        job.dataset, batch_size=config.batch_size, device=device, rank=strategy.data_rank,
+        world_size=strategy.data_world, seed=config.seed, augment=config.augment,
+        channels_last=strategy.channels_last)
     steps = len(train_loader)
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
@@ -130,6 +135,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
                 weight_decay=config.weight_decay),
         partial(make_scheduler, kind=config.schedule, total_steps=config.epochs * steps,
                 warmup_steps=round(config.warmup_epochs * steps)))
+    if job.verbose and strategy.placement:
+        print("\n".join(strategy.placement), flush=True)
     run_dir = strategy.broadcast_object(job.run_dir)
     checkpointer = Checkpointer(Path(run_dir), is_main=strategy.is_main) if run_dir else None
     position, history = Position(), History()
@@ -163,9 +170,10 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         where = describe_position(trainer.position.epoch, trainer.position.step, steps)
         number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
+    weights = strategy.model_state()          # every rank takes part (split models gather)
     if not strategy.is_main:
         return None
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in strategy.model.state_dict().items()}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
     return WorkerResult(history, weights, recorder.steps if recorder else None)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import StepStats, Strategy
 from .data import DataParallel
+from .pipeline import Pipeline
 from .single import SingleDevice
 
-STRATEGIES = {"single": SingleDevice, "data": DataParallel}
+STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline}
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -17,7 +18,14 @@ def resolve_strategy_name(name: str, devices: int) -> str:
     if name == "single" and devices != 1:
         raise ConfigError(f"--strategy single runs on one device, but --devices is {devices}; "
                           f"use --strategy data or --devices 1")
+    if name == "pipeline" and devices < 2:
+        raise ConfigError("--strategy pipeline splits the model over --devices 2 or more; add --devices 2")
     return name
 
 
-__all__ = ["STRATEGIES", "StepStats", "Strategy", "resolve_strategy_name"]
+def make_plan(name: str, config, model, dataset, *, device):
+    """The strategy's plan for these settings, checked in the launching process (None: nothing to plan)."""
+    return STRATEGIES[name].make_plan(config, model, dataset, device=device)
+
+
+__all__ = ["STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]

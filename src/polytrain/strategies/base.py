@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -27,7 +28,7 @@ class Strategy:
     needs_process_group = False        # True: every rank must join a torch.distributed group first
 
     def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
-                 compile: bool = False, channels_last: bool = False, label_smoothing: float = 0.0):
+                 compile: bool = False, channels_last: bool = False, label_smoothing: float = 0.0, plan=None):
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.precision = precision
@@ -38,10 +39,28 @@ class Strategy:
         self.runner: nn.Module = None         # what the training step calls (compiled or wrapped)
         self.optimizer = None
         self.scheduler = None
+        self.parameter_names: list = []       # the whole model's, in `model.parameters()` order
+        self.placement: list = []             # lines that say where each part of the model runs (rank 0)
+
+    @classmethod
+    def make_plan(cls, config, model: nn.Module, dataset, *, device=None):
+        """Check this strategy's options and compute what its workers execute, in the launching process,
+        before any worker starts (None: nothing to plan)."""
+        return None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of each global batch this rank reads (ranks of one pipeline read the same)."""
+        return self.rank
+
+    @property
+    def data_world(self) -> int:
+        """Into how many slices each global batch is cut."""
+        return self.world_size
 
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
         """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it."""
@@ -49,6 +68,7 @@ class Strategy:
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
+        self.parameter_names = [name for name, _ in model.named_parameters()]
         self.runner = self.wrap(model)
         if self.compile:
             self.runner = torch.compile(self.runner)
@@ -108,11 +128,47 @@ class Strategy:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def model_state(self) -> dict:
+        """The whole model's state dict by its original names, on rank 0 ({} elsewhere); every rank calls it."""
+        return self.model.state_dict()
+
+    def expected_state(self) -> dict:
+        """Names and shapes a loaded state dict must have (tensors, possibly on the meta device)."""
+        return self.model.state_dict()
+
+    def flat_parameters(self):
+        """All parameters of the whole model as one CPU vector on rank 0 (None elsewhere); every rank calls it."""
+        state = self.model_state()
+        if not self.is_main:
+            return None
+        return torch.cat([state[name].detach().float().flatten().cpu() for name in self.parameter_names])
+
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.model_state(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+class Distributed(Strategy):
+    """A strategy whose ranks form one torch.distributed group: sums and objects go through it."""
+
+    needs_process_group = True
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_object(self, value) -> list:
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered

@@ -1,17 +1,15 @@
 """Data parallelism: the model replicated on every rank, gradients all-reduced by DistributedDataParallel."""
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Strategy
+from .base import Distributed
 
 
-class DataParallel(Strategy):
+class DataParallel(Distributed):
     name = "data"
-    needs_process_group = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not dist.is_initialized():
@@ -20,18 +18,3 @@ class DataParallel(Strategy):
         # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
         # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).
         return DistributedDataParallel(model, device_ids=device_ids)
-
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def broadcast_object(self, value):
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather_object(self, value) -> list:
-        gathered = [None] * self.world_size if self.is_main else None
-        dist.gather_object(value, gathered, dst=0)
-        return gathered

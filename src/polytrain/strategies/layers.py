@@ -1,0 +1,106 @@
+"""A model as a chain of layers: flattened from nested `nn.Sequential`s, cut into stages that keep each
+layer's name in the model, and timed layer by layer for balancing."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import UserError
+
+Layers = List[Tuple[str, nn.Module]]        # (name in the model, module), in the order data flows
+
+
+def _plain_sequential(module: nn.Module) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def flatten_layers(model: nn.Module) -> Layers:
+    """The layers of an `nn.Sequential`, nested Sequentials expanded, each named as in `model.state_dict()`."""
+    if not _plain_sequential(model):
+        raise UserError(f"the pipeline strategy splits an nn.Sequential, and {type(model).__name__} is not one; "
+                        f"write the model as nn.Sequential(layer, layer, ...) (nested Sequentials are "
+                        f"flattened; put code of forward() into small modules), or use --strategy data")
+    layers: Layers = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if _plain_sequential(child):
+                if child._parameters or child._buffers:
+                    raise UserError(f"the Sequential {path!r} holds its own parameters or buffers, which a split "
+                                    f"would lose; move them into a layer of their own")
+                visit(child, path + ".")
+            else:
+                layers.append((path, child))
+
+    visit(model, "")
+    if model._parameters or model._buffers:
+        raise UserError("the model holds parameters or buffers outside its layers, which a split would lose; "
+                        "move them into a layer of their own")
+    if not layers:
+        raise UserError("the model has no layers to split; give it at least as many layers as pipeline stages")
+    return layers
+
+
+class Stage(nn.Module):
+    """Some consecutive layers run one after another (the module a pipeline stage executes)."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def named_subset(layers: Layers) -> nn.Module:
+    """A module holding `layers` under their original dotted names, so its `state_dict()` keys are exactly
+    the model's keys for those layers (e.g. "stages.3.conv1.weight")."""
+    root = nn.Module()
+    for path, layer in layers:
+        *parents, leaf = path.split(".")
+        node = root
+        for part in parents:
+            if not hasattr(node, part):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        node.add_module(leaf, layer)
+    return root
+
+
+def describe_layers(layers: Layers, indices: range) -> str:
+    first, last = layers[indices[0]], layers[indices[-1]]
+    kind = lambda entry: type(entry[1]).__name__        # noqa: E731
+    if len(indices) == 1:
+        return f"{indices[0]} {kind(first)}"
+    return f"{indices[0]}-{indices[-1]} ({kind(first)} .. {kind(last)})"
+
+
+def time_layers(layers: Layers, sample: torch.Tensor, *, repeats: int = 5) -> List[float]:
+    """Seconds each layer takes for forward + backward on `sample` (a micro-batch, on the device the layers
+    are on): the median of `repeats` timed runs after one warm-up, each layer fed the previous one's output."""
+    device = sample.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    costs, x = [], sample
+    for _, layer in layers:
+        runs = []
+        for attempt in range(repeats + 1):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            sync()
+            began = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            sync()
+            if attempt:
+                runs.append(time.perf_counter() - began)
+        layer.zero_grad(set_to_none=True)
+        costs.append(statistics.median(runs))
+        x = out.detach()
+    return costs

@@ -1,0 +1,269 @@
+"""Pipeline parallelism: the model cut into stages on different devices, each global batch cut into
+micro-batches that flow through the stages (torch.distributed.pipelining runs the schedule).
+
+With `--pipeline-stages` below `--devices`, several pipelines (replicas) run side by side on a 2-D mesh
+and average their gradients stage by stage. The loss of each micro-batch is its summed cross-entropy over
+the whole global batch's size, and gradients are summed (never rescaled): the step is exactly the
+one-device step. Evaluation sends activations rank to rank without gradients; the model is never gathered
+except to save it.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..plan.balance import balance_by_time, parse_split
+from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, default_microbatches,
+                             microbatches_for, runnable_schedule, stages_per_rank)
+from .base import Distributed, StepStats
+from .layers import Stage, describe_layers, flatten_layers, named_subset, time_layers
+
+MINIMUM_TORCH = (2, 6)
+
+
+def _torch_version() -> tuple:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def check_torch() -> None:
+    if _torch_version() < MINIMUM_TORCH:
+        raise ConfigError(f"--strategy pipeline needs torch {'.'.join(map(str, MINIMUM_TORCH))} or newer "
+                          f"(this is {torch.__version__}); upgrade torch or use --strategy data")
+
+
+def _schedule_class(kind: str):
+    from torch.distributed import pipelining
+    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+            "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B}[kind]
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+class Pipeline(Distributed):
+    name = "pipeline"
+
+    def __init__(self, *, plan: PipelinePlan, **common):
+        super().__init__(**common)
+        self.plan = plan
+        self.replica, self.pipeline_rank = plan.layout.coords(self.rank)
+        self.my_stages = plan.stages_of_rank(self.pipeline_rank)
+        self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
+        self.channels_last = False            # activations cross processes as plain contiguous tensors
+        self.pp_group = self.dp_group = None
+        self.schedules = {}                   # (micro-batches, their size) -> schedule over this rank's stages
+
+    @property
+    def data_rank(self) -> int:
+        return self.replica
+
+    @property
+    def data_world(self) -> int:
+        return self.plan.layout.replicas
+
+    # -- planning, in the launching process -------------------------------------------------------------
+    @classmethod
+    def make_plan(cls, config, model: nn.Module, dataset, *, device=torch.device("cpu")) -> PipelinePlan:
+        check_torch()
+        layout = PipelineLayout(config.devices, config.pipeline_ranks)
+        schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
+        per_replica = config.batch_size // layout.replicas
+        microbatches = config.microbatches or default_microbatches(per_replica, layout.ranks)
+        layers = flatten_layers(model)
+        names = tuple(name for name, _ in layers)
+        stages = layout.ranks * stages_per_rank(schedule)
+        if stages > len(layers):
+            raise ConfigError(f"cannot split {len(layers)} layers into {stages} stages; use at most "
+                              f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model")
+        if config.split not in (None, "auto"):
+            return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
+                                                                            stages=stages), names)
+        timed = copy.deepcopy(model).to(device)        # timing runs must not touch the model's statistics
+        sample = dataset.train_x[:per_replica // microbatches].to(device=device, dtype=torch.float32) / 255
+        costs = tuple(time_layers(flatten_layers(timed), sample))
+        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names, costs)
+
+    # -- set-up on every rank ---------------------------------------------------------------------------
+    def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
+        layout = self.plan.layout
+        if layout.replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        layers = flatten_layers(model)
+        self.parameter_names = [name for name, _ in model.named_parameters()]
+        self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
+                              for s in self.my_stages]
+        self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
+        index = {name: i for i, name in enumerate(self.parameter_names)}
+        self.global_index = [index[name] for name, _ in self.model.named_parameters()]
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.scheduler = make_scheduler(self.optimizer)
+        self.placement = self._placement(layers)
+
+    def _placement(self, layers) -> list:
+        devices = self.gather_object((self.rank, str(self.device)))
+        if not self.is_main:
+            return []
+        plan, where = self.plan, dict(devices)
+        lines = [f"pipeline: {plan.model_stages} stages on {plan.layout.ranks} ranks x {plan.layout.replicas} "
+                 f"replica(s), {plan.microbatches} micro-batches per step, schedule {plan.schedule}"]
+        for stage in range(plan.model_stages):
+            span = plan.stage_layers(stage)
+            count = sum(p.numel() for i in span for p in layers[i][1].parameters())
+            timed = f", {sum(plan.costs[i] for i in span) * 1e3:.2f} ms per micro-batch" if plan.costs else ""
+            ranks = [plan.layout.ranks * r + stage % plan.layout.ranks for r in range(plan.layout.replicas)]
+            lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
+                         f"layers {describe_layers(layers, span)}, {count:,} parameters{timed}")
+        runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
+        if runs != plan.schedule:
+            lines.append(f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
+                         f"it runs as gpipe")
+        return lines
+
+    def _schedule(self, samples: int):
+        """The schedule for a batch of `samples`: stages infer the shapes they exchange once, so each size of
+        micro-batch (the smaller last batch of an epoch has its own) gets its own stages and schedule."""
+        microbatches = microbatches_for(samples, self.plan.microbatches, schedule=self.plan.schedule,
+                                        ranks=self.plan.layout.ranks)
+        key = (microbatches, samples // microbatches)
+        if key not in self.schedules:
+            from torch.distributed.pipelining import PipelineStage
+            kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
+            stages = [PipelineStage(module, s, self.plan.model_stages, self.device, group=self.pp_group)
+                      for s, module in zip(self.my_stages, self.stage_modules)]
+            schedule_class = _schedule_class(kind)
+            options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule_class).parameters else {}
+            self.schedules[key] = schedule_class(
+                stages if kind == "interleaved-1f1b" else stages[0], microbatches, loss_fn=self._loss, **options)
+        return self.schedules[key], microbatches
+
+    # -- steps ------------------------------------------------------------------------------------------
+    def _loss(self, logits, target):
+        loss_sum = F.cross_entropy(logits.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
+        self._sums.append(torch.stack([loss_sum.detach(), (logits.detach().argmax(1) == target).sum().float()]))
+        return loss_sum / self._global_count
+
+    def train_step(self, batch) -> StepStats:
+        if not self.model.training:
+            self.model.train()
+        self._sums, self._global_count = [], batch.global_count
+        schedule, microbatches = self._schedule(len(batch.y))
+        inputs = (batch.x,) if self.is_first else ()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            schedule.step(*inputs, target=batch.y if self.is_last else None)
+        if self.dp_group is not None:
+            self._sum_gradients_over_replicas()
+        self.optimizer.step()
+        self.scheduler.step()
+        # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
+        return self._stats(len(batch.y), last=microbatches)
+
+    def _sum_gradients_over_replicas(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                grad.copy_(summed)
+
+    def _stats(self, count: int, *, last: int = 0) -> StepStats:
+        if not self.is_last:
+            zero = torch.zeros((), device=self.device)
+            return StepStats(zero, zero, 0)
+        loss_sum, correct = torch.stack(self._sums[-last:]).sum(0)
+        return StepStats(loss_sum, correct, count)
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> StepStats:
+        if self.model.training:
+            self.model.eval()
+        ranks, base = self.plan.layout.ranks, self.replica * self.plan.layout.ranks
+        self._sums, pending = [], []
+        for chunk, target in zip(torch.tensor_split(batch.x, self.plan.microbatches),
+                                 torch.tensor_split(batch.y, self.plan.microbatches)):
+            x = chunk
+            for stage in range(self.plan.model_stages):
+                if stage % ranks != self.pipeline_rank:
+                    continue
+                if stage > 0:
+                    x = _receive(base + (stage - 1) % ranks, self.device)
+                with self.autocast():
+                    x = self.stage_modules[self.my_stages.index(stage)](x)
+                if stage < self.plan.model_stages - 1:
+                    pending.append(_send(x, base + (stage + 1) % ranks))
+                else:
+                    self._loss(x, target)
+        for works, _ in pending:           # the tensors stay referenced until their sends complete
+            for work in works:
+                work.wait()
+        return self._stats(len(batch.y))
+
+    # -- the whole model, by its original names ---------------------------------------------------------
+    def model_state(self) -> dict:
+        local = _to_cpu(self.model.state_dict()) if self.replica == 0 else {}
+        parts = self.gather_object(local)
+        if not self.is_main:
+            return {}
+        merged = {key: value for part in parts for key, value in part.items()}
+        return {key: merged[key] for key in self.full_meta}
+
+    def expected_state(self) -> dict:
+        return self.full_meta
+
+    def state_dict(self) -> dict:
+        local = self.optimizer.state_dict()
+        mine = {self.global_index[i]: _to_cpu(s) for i, s in local["state"].items()} if self.replica == 0 else {}
+        model, parts = self.model_state(), self.gather_object(mine)
+        if not self.is_main:
+            return {}
+        group = {key: value for key, value in local["param_groups"][0].items() if key != "params"}
+        state = dict(sorted((key, value) for part in parts for key, value in part.items()))
+        optimizer = {"state": state, "param_groups": [dict(group, params=list(range(len(self.parameter_names))))]}
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = self.model.state_dict()
+        self.model.load_state_dict({key: state["model"][key] for key in own})
+        saved = state["optimizer"]
+        group = dict(saved["param_groups"][0], params=list(range(len(self.global_index))))
+        local = {i: saved["state"][g] for i, g in enumerate(self.global_index) if g in saved["state"]}
+        self.optimizer.load_state_dict({"state": local, "param_groups": [group]})
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+# Evaluation passes activations of any shape: a fixed-size header (dtype, rank, sizes) goes first.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10
+
+
+def _send(x: torch.Tensor, dst: int) -> tuple:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2:2 + x.dim()] = torch.tensor(x.shape)
+    header, x = header.to(x.device), x.contiguous()
+    return [dist.isend(header, dst), dist.isend(x, dst)], (header, x)
+
+
+def _receive(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, dims = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2:2 + dims].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src)
+    return x

@@ -22,7 +22,18 @@ from .worker import Job, choose_device, resolved_device_type
 
 # What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
 # learning-rate schedule that does not depend on the run's length).
-RESUME_FLAGS = ("devices", "device", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
+RESUME_FLAGS = ("devices", "device", "strategy", "microbatches", "pipeline_schedule", "split", "pipeline_stages",
+                "timeline", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
+LAYOUT_FLAGS = ("devices", "strategy", "pipeline_stages", "pipeline_schedule")
+
+
+def _resumed_strategy(old: str, args) -> str:
+    """A resumed run keeps its strategy; new --devices pick one again (a pipeline stays a pipeline)."""
+    if "strategy" in args.given:
+        return args.strategy
+    if "devices" in args.given:
+        return "pipeline" if old == "pipeline" and args.devices > 1 else "auto"
+    return old
 
 
 def _devices_phrase(config: TrainConfig) -> str:
@@ -46,7 +57,10 @@ def resume_plan(args):
                         f"there: polytrain.fit(model, data, resume={run_dir!r}, ...)")
     before = dict(settings)
     settings["device"] = settings.get("device_type") or settings.get("device", "auto")    # the kind it ran on
-    settings["strategy"] = "auto" if "devices" in args.given else settings.get("strategy", "auto")
+    settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args)
+    if settings["strategy"] != "pipeline" or set(LAYOUT_FLAGS) & args.given:
+        # the split and micro-batches were chosen for the old layout: plan them anew unless given
+        settings.update({name: None for name in TrainConfig.PIPELINE_OPTIONS}, timeline=False)
     settings.update(max_steps=0, out=run_dir)
     settings.update({name: getattr(args, name) for name in args.given})
     try:
@@ -67,12 +81,15 @@ def resume_plan(args):
         raise UserError(f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
                         f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")
     was = dict(before, device=settings["device"])
-    changed = [f"--{name} {getattr(config, name)} (was {was.get(name)})" for name in ("devices", "device", "epochs")
+    changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
+               for name in ("devices", "device", "epochs", "strategy", *TrainConfig.PIPELINE_OPTIONS)
                if name in args.given and getattr(config, name) != was.get(name)]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
     kept = f"; changed: {', '.join(changed)}" if changed else " as the run had"
     line = f"resuming {run_dir} {at} on {_devices_phrase(config)}{kept}"
-    record = dict(before, epochs=config.epochs, devices=config.devices, device=config.device,
+    record = dict(before, **{name: getattr(config, name) for name in ("epochs", "devices", "device",
+                                                                      *TrainConfig.PIPELINE_OPTIONS)},
+                  strategy=resolve_strategy_name(config.strategy, config.devices),
                   device_type=resolved_device_type(config.device))
     return (config, run_dir, record), line
 

@@ -98,7 +98,8 @@ class PipelinePlan:
     microbatches: int
     points: Tuple[int, ...]                 # first layer of model stages 1..n-1
     layer_names: Tuple[str, ...]            # the flattened layers, by their names in the model
-    costs: Optional[Tuple[float, ...]] = None     # measured seconds per layer (forward + backward), if timed
+    costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
+    cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
 
     @property
     def model_stages(self) -> int:

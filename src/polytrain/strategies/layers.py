@@ -82,25 +82,56 @@ def describe_layers(layers: Layers, indices: range) -> str:
     return f"{indices[0]}-{indices[-1]} ({kind(first)} .. {kind(last)})"
 
 
+def _run(layer: nn.Module, x: torch.Tensor, *, first: bool) -> torch.Tensor:
+    inp = x.detach().requires_grad_(not first and x.is_floating_point())     # stage 0 needs no input grad
+    out = layer(inp)
+    if out.requires_grad:
+        out.backward(torch.ones_like(out))
+    return out.detach()
+
+
 def time_layers(layers: Layers, sample: torch.Tensor, *, repeats: int = 5) -> List[float]:
     """Seconds each layer takes for forward + backward on `sample` (a micro-batch, on the device the layers
-    are on): the median of `repeats` timed runs after one warm-up, each layer fed the previous one's output."""
+    are on): after two warm-up passes through the whole chain (first calls pay for kernel selection), the
+    median of `repeats` runs, each layer fed the previous one's output."""
     device = sample.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        x = sample
+        for i, (_, layer) in enumerate(layers):
+            x = _run(layer, x, first=i == 0)
     costs, x = [], sample
-    for _, layer in layers:
+    for i, (_, layer) in enumerate(layers):
         runs = []
-        for attempt in range(repeats + 1):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+        for _ in range(repeats):
             sync()
             began = time.perf_counter()
-            out = layer(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
+            out = _run(layer, x, first=i == 0)
             sync()
-            if attempt:
-                runs.append(time.perf_counter() - began)
-        layer.zero_grad(set_to_none=True)
+            runs.append(time.perf_counter() - began)
         costs.append(statistics.median(runs))
-        x = out.detach()
+        x = out
+    for _, layer in layers:
+        layer.zero_grad(set_to_none=True)
     return costs
+
+
+def layer_memory(layers: Layers, sample: torch.Tensor, *, optimizer_slots: int) -> List[float]:
+    """Bytes each layer holds during a step on `sample`: the tensors autograd saves for its backward (the
+    activations a stage keeps per micro-batch in flight), plus its parameters, their gradients and
+    `optimizer_slots` optimizer tensors per parameter (momentum: 1, Adam: 2)."""
+    sizes, x = [], sample
+    for i, (_, layer) in enumerate(layers):
+        saved = {}
+
+        def keep(tensor):
+            saved[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
+            out = layer(inp)
+        params = sum(p.numel() * p.element_size() for p in layer.parameters())
+        sizes.append(float(sum(saved.values()) + params * (2 + optimizer_slots)))
+        x = out.detach()
+    return sizes

@@ -22,19 +22,27 @@ from ..plan.balance import balance_by_time, parse_split
 from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, default_microbatches,
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
-from .layers import Stage, describe_layers, flatten_layers, named_subset, time_layers
+from .layers import Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers
 
-MINIMUM_TORCH = (2, 6)
-
-
-def _torch_version() -> tuple:
+def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def check_torch() -> None:
-    if _torch_version() < MINIMUM_TORCH:
-        raise ConfigError(f"--strategy pipeline needs torch {'.'.join(map(str, MINIMUM_TORCH))} or newer "
-                          f"(this is {torch.__version__}); upgrade torch or use --strategy data")
+def check_torch(version: tuple, *, device_type: str, fewest_microbatches: int, ranks: int) -> None:
+    """Refuse, in one line, what this torch's pipelining cannot run.
+
+    Before 2.8 a schedule waited on only one of gloo's send/recv handles and could hang (pytorch PR
+    152938); 2.7 to 2.10 refuse fewer micro-batches than stages in every single-stage schedule.
+    """
+    def need(release: str, why: str):
+        raise ConfigError(f"--strategy pipeline {why} needs torch {release} or newer (this is {torch.__version__}); "
+                          f"upgrade torch, or use --strategy data")
+    if version < (2, 6):
+        need("2.6", "")
+    if device_type == "cpu" and version < (2, 8):
+        need("2.8", "on CPU processes (gloo)")
+    if (2, 7) <= version < (2, 11) and fewest_microbatches < ranks:
+        need("2.11", f"with {fewest_microbatches} micro-batch(es) for {ranks} stages (also a smaller last batch)")
 
 
 def _schedule_class(kind: str):
@@ -76,12 +84,18 @@ class Pipeline(Distributed):
 
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
-    def make_plan(cls, config, model: nn.Module, dataset, *, device=torch.device("cpu")) -> PipelinePlan:
-        check_torch()
+    def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
         layout = PipelineLayout(config.devices, config.pipeline_ranks)
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
         microbatches = config.microbatches or default_microbatches(per_replica, layout.ranks)
+        last = len(dataset.train_y) % config.batch_size or config.batch_size
+        parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
+        if min(parts) == 0:
+            raise ConfigError(f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
+                              f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)")
+        fewest = min(microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts)
+        check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
         layers = flatten_layers(model)
         names = tuple(name for name, _ in layers)
         stages = layout.ranks * stages_per_rank(schedule)
@@ -91,10 +105,17 @@ class Pipeline(Distributed):
         if config.split not in (None, "auto"):
             return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
                                                                             stages=stages), names)
-        timed = copy.deepcopy(model).to(device)        # timing runs must not touch the model's statistics
+        measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
         sample = dataset.train_x[:per_replica // microbatches].to(device=device, dtype=torch.float32) / 255
-        costs = tuple(time_layers(flatten_layers(timed), sample))
-        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names, costs)
+        if microbatches == 1:
+            # One micro-batch: the stages run one after another whatever the split, so no split is faster
+            # than another; balance what each device must hold instead.
+            slots = {"sgd": 1 if config.momentum else 0, "adam": 2, "rmsprop": 2}[config.optimizer]
+            costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
+        else:
+            costs, unit = tuple(time_layers(measured, sample)), "seconds"
+        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names, costs,
+                            unit)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
@@ -125,7 +146,11 @@ class Pipeline(Distributed):
         for stage in range(plan.model_stages):
             span = plan.stage_layers(stage)
             count = sum(p.numel() for i in span for p in layers[i][1].parameters())
-            timed = f", {sum(plan.costs[i] for i in span) * 1e3:.2f} ms per micro-batch" if plan.costs else ""
+            timed = ""
+            if plan.costs and plan.cost_unit == "seconds":
+                timed = f", {sum(plan.costs[i] for i in span) * 1e3:.2f} ms per micro-batch (measured)"
+            elif plan.costs:
+                timed = f", {sum(plan.costs[i] for i in span) / 2**20:.1f} MiB held per step (measured)"
             ranks = [plan.layout.ranks * r + stage % plan.layout.ranks for r in range(plan.layout.replicas)]
             lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
                          f"layers {describe_layers(layers, span)}, {count:,} parameters{timed}")

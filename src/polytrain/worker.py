@@ -24,6 +24,7 @@ from .optim import make_optimizer, make_scheduler
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .strategies import STRATEGIES
 from .trainer import History, Position, Trainer
+from .timeline import Timeline
 from .watchdog import Watchdog
 
 
@@ -158,6 +159,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         compiling = 10 if config.compile else 1
         callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
                                   first_step_timeout=config.hang_timeout * compiling + 30))
+    if config.timeline and run_dir:
+        callbacks.append(Timeline(Path(run_dir) / "pipeline.png"))
     recorder = StepRecorder() if job.record_steps else None
     if recorder is not None:
         callbacks.append(recorder)

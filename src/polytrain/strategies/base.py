@@ -124,6 +124,17 @@ class Strategy:
         """Every rank's value, in rank order, on rank 0 (None elsewhere)."""
         return [value]
 
+    def start_trace(self) -> None:
+        """Begin recording when this rank runs what (strategies that have something to show)."""
+
+    def stop_trace(self) -> list:
+        """The events recorded since `start_trace`: (rank, step, kind, microbatch, stage, start, end)."""
+        return []
+
+    def trace_layout(self):
+        """(schedule, ranks per pipeline, micro-batches) the recorded events follow."""
+        return "single", 1, 1
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

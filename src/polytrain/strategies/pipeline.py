@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,6 +74,7 @@ class Pipeline(Distributed):
         self.channels_last = False            # activations cross processes as plain contiguous tensors
         self.pp_group = self.dp_group = None
         self.schedules = {}                   # (micro-batches, their size) -> schedule over this rank's stages
+        self.trace, self.tracing, self.traced_steps = [], False, 0
 
     @property
     def data_rank(self) -> int:
@@ -171,11 +173,40 @@ class Pipeline(Distributed):
             kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
             stages = [PipelineStage(module, s, self.plan.model_stages, self.device, group=self.pp_group)
                       for s, module in zip(self.my_stages, self.stage_modules)]
+            for stage, index in zip(stages, self.my_stages):
+                self._record_calls(stage, index)
             schedule_class = _schedule_class(kind)
             options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule_class).parameters else {}
             self.schedules[key] = schedule_class(
                 stages if kind == "interleaved-1f1b" else stages[0], microbatches, loss_fn=self._loss, **options)
         return self.schedules[key], microbatches
+
+    # -- what each rank ran when (--timeline) -----------------------------------------------------------
+    def _record_calls(self, stage, index: int) -> None:
+        for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+            run = getattr(stage, method)
+
+            def recorded(chunk, *args, _run=run, _kind=kind, **kwargs):
+                if not self.tracing:
+                    return _run(chunk, *args, **kwargs)
+                self.synchronize()
+                began = time.perf_counter() - self.trace_origin
+                result = _run(chunk, *args, **kwargs)
+                self.synchronize()
+                self.trace.append((self.rank, self.traced_steps, _kind, chunk, index, began,
+                                   time.perf_counter() - self.trace_origin))
+                return result
+            setattr(stage, method, recorded)
+
+    def start_trace(self) -> None:
+        self.trace, self.tracing = [], True
+
+    def stop_trace(self) -> list:
+        self.tracing = False
+        return self.trace
+
+    def trace_layout(self):
+        return self.plan.schedule, self.plan.layout.ranks, self.plan.microbatches
 
     # -- steps ------------------------------------------------------------------------------------------
     def _loss(self, logits, target):
@@ -190,6 +221,10 @@ class Pipeline(Distributed):
         schedule, microbatches = self._schedule(len(batch.y))
         inputs = (batch.x,) if self.is_first else ()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.tracing:                      # the ranks of a pipeline start the step's clock together
+            self.synchronize()
+            dist.barrier(group=self.pp_group)
+            self.trace_origin, self.traced_steps = time.perf_counter(), self.traced_steps + 1
         with self.autocast():
             schedule.step(*inputs, target=batch.y if self.is_last else None)
         if self.dp_group is not None:

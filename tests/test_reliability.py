@@ -43,6 +43,17 @@ def test_a_stalled_rank_is_named_with_its_step_and_stack():
     assert "time.sleep(600)" in message                     # where: the stalled line of code
 
 
+def test_a_stalled_pipeline_stage_is_named_with_its_step_and_stack():
+    started = time.monotonic()
+    model = torch.nn.Sequential(torch.nn.Flatten(), MisbehavingModel("stall", rank=1))   # stage 1 stalls
+    with pytest.raises(WorkerFailed) as failure:
+        polytrain.fit(model, tiny_digits(n_train=320), devices=2, strategy="pipeline", split="1", microbatches=2,
+                      epochs=2, batch_size=32, hang_timeout=4, verbose=False)
+    assert time.monotonic() - started < 120
+    message = str(failure.value)
+    assert "rank 1 made no progress" in message and "time.sleep(600)" in message
+
+
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
 def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, first, second):
     straight = polytrain_cli("train", *TRAIN, "--epochs", 2, "--devices", 1, "--out", tmp_path / "straight")
@@ -71,8 +82,9 @@ def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spa
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
-def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path):
-    settings = [*TRAIN, "--epochs", 3, "--devices", 2, "--checkpoint-every", 3]
+@pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "pipeline", "--microbatches", "2"]])
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy):
+    settings = [*TRAIN, "--epochs", 3, "--devices", 2, *strategy, "--checkpoint-every", 3]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
         [sys.executable, "-m", "polytrain", "train", *settings, "--max-restarts", 1, "--out", out], out)

@@ -73,8 +73,10 @@ class Watchdog(Callback):
                 continue
             stack = self.main_stack()
             waiting = any(marker in stack[-1] for marker in WAITING_IN)     # the innermost frame
-            if waiting and silent < self._limit() + max(5.0, self.timeout / 2):
-                continue            # probably waiting for the stuck rank: let that one report first
+            # probably waiting for the stuck rank: let that one report first, also when it is still in its
+            # first step (a pipeline's first stage can run a step ahead of a later stage)
+            if waiting and silent < max(self._limit(), self.first_step_timeout) + max(5.0, self.timeout / 2):
+                continue
             self.report(silent, stack, waiting)
 
     def main_stack(self) -> list:

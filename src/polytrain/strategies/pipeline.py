@@ -134,7 +134,8 @@ class Pipeline(Distributed):
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         index = {name: i for i, name in enumerate(self.parameter_names)}
         self.global_index = [index[name] for name, _ in self.model.named_parameters()]
-        self.optimizer = make_optimizer(self.model.parameters())
+        # a stage of parameter-free layers (Flatten, pooling) still keeps the learning-rate schedule's state
+        self.optimizer = make_optimizer(list(self.model.parameters()) or [nn.Parameter(torch.zeros(0))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement(layers)
 
@@ -301,7 +302,7 @@ class Pipeline(Distributed):
         own = self.model.state_dict()
         self.model.load_state_dict({key: state["model"][key] for key in own})
         saved = state["optimizer"]
-        group = dict(saved["param_groups"][0], params=list(range(len(self.global_index))))
+        group = dict(saved["param_groups"][0], params=list(range(len(self.optimizer.param_groups[0]["params"]))))
         local = {i: saved["state"][g] for i, g in enumerate(self.global_index) if g in saved["state"]}
         self.optimizer.load_state_dict({"state": local, "param_groups": [group]})
         self.scheduler.load_state_dict(state["scheduler"])

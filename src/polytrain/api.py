@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import load_weights
-from .config import TrainConfig
+from .config import TrainConfig, replicas
 from .data import ArrayDataset, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
@@ -112,7 +112,7 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "m
         if per_device is not None:
             if "batch_size" in settings:
                 raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
-            settings["batch_size"] = per_device * devices
+            settings["batch_size"] = per_device * replicas(devices, strategy, settings.get("pipeline_stages"))
         config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
         unused = unused_dataset_options(data if isinstance(data, str) else None, settings)
         if unused:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import __version__
-from .config import DEVICES, LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
+from .config import replicas, DEVICES, LR_SCALES, OPTIMIZERS, PRECISIONS, SCHEDULES, TrainConfig
 from .data import DATASETS, datasets_using, unused_dataset_options
 from .errors import UserError
 from .models import MODELS
@@ -46,7 +46,8 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--batch-size", type=int, default=None, metavar="N",
                        help=f"GLOBAL batch, split across --devices (default: {d.batch_size})")
     model.add_argument("--per-device-batch-size", type=int, default=None, metavar="N",
-                       help="alternatively, the batch of each device; the global batch is N x --devices")
+                       help="alternatively, the batch of each device; the global batch is N x --devices (with --strategy "
+                            "pipeline, N x the number of pipelines: the devices of one pipeline share a batch)")
     model.add_argument("--optimizer", metavar="{" + ",".join(OPTIMIZERS) + "}",
                        help=f"default: {d.optimizer}")
     model.add_argument("--lr", type=float, metavar="X", help=f"peak learning rate (default: {d.lr})")
@@ -191,8 +192,9 @@ def config_from_args(args) -> TrainConfig:
             raise UserError(f"--per-device-batch-size must be positive, got {args.per_device_batch_size}")
         from .hostenv import launcher_env
         launcher = launcher_env()          # under torchrun/srun the device count is its world size
-        values["batch_size"] = args.per_device_batch_size * (launcher.world_size if launcher else
-                                                             values.get("devices", DEFAULTS.devices))
+        devices = launcher.world_size if launcher else values.get("devices", DEFAULTS.devices)
+        values["batch_size"] = args.per_device_batch_size * replicas(devices, values.get("strategy", "auto"),
+                                                                     values.get("pipeline_stages"))
     config = TrainConfig(**values)
     unused = unused_dataset_options(config.dataset, args.given)
     if unused:

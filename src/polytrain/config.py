@@ -19,6 +19,15 @@ DEVICES = ("auto", "cpu", "cuda")
 LR_SCALES = ("none", "linear")
 
 
+def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None) -> int:
+    """How many replicas split each global batch: every device, except in a pipeline, where the devices of
+    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch)."""
+    if strategy != "pipeline" or not isinstance(devices, int):
+        return devices
+    stages = pipeline_stages or devices
+    return devices // stages if isinstance(stages, int) and stages > 0 else devices
+
+
 def _need(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -63,6 +72,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(self.synthetic_shape)
+        if isinstance(self.split, (list, tuple)):         # the Python API may give split=(4, 7)
+            self.split = ",".join(str(point) for point in self.split)
         _need(isinstance(self.epochs, int) and self.epochs > 0,
               f"--epochs must be a positive whole number, got {self.epochs!r}; try --epochs 5")
         _need(isinstance(self.batch_size, int) and self.batch_size > 0,
@@ -148,9 +159,9 @@ class TrainConfig:
 
     @property
     def effective_lr(self) -> float:
-        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per device."""
+        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per replica."""
         if self.lr_scale == "linear":
-            return self.lr * self.devices
+            return self.lr * self.data_parallel_size
         return self.lr
 
     def to_dict(self) -> dict:

@@ -159,9 +159,12 @@ def verify_command(args) -> int:
     channels_last = config.channels_last if config.channels_last is not None else \
         any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     common = dict(verbose=False, record_steps=True, channels_last=channels_last)
+    plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
+    if plan is not None:
+        print(f"  pipeline of {plan.layout.ranks} stages x {plan.layout.replicas} replica(s), schedule {plan.schedule}, "
+              f"{plan.microbatches} micro-batches, split before layers {', '.join(map(str, plan.points))}")
     one = run_job(Job(config.with_strategy("single", devices=1), "single", data,
                       copy.deepcopy(model), **common))
-    plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     worst = 0.0
     print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "

@@ -98,6 +98,7 @@ class PipelinePlan:
     microbatches: int
     points: Tuple[int, ...]                 # first layer of model stages 1..n-1
     layer_names: Tuple[str, ...]            # the flattened layers, by their names in the model
+    input_shape: Tuple[int, ...] = ()       # one sample (C, H, W), to work out the shapes stages exchange
     costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
     cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
 

@@ -106,7 +106,8 @@ class Pipeline(Distributed):
                               f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model")
         if config.split not in (None, "auto"):
             return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
-                                                                            stages=stages), names)
+                                                                            stages=stages), names,
+                                tuple(dataset.input_shape))
         measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
         sample = dataset.train_x[:per_replica // microbatches].to(device=device, dtype=torch.float32) / 255
         if microbatches == 1:
@@ -116,8 +117,8 @@ class Pipeline(Distributed):
             costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
-        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names, costs,
-                            unit)
+        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
+                            tuple(dataset.input_shape), costs, unit)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
@@ -126,7 +127,8 @@ class Pipeline(Distributed):
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=("dp", "pp"))
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        layers = flatten_layers(model)
+        layers = flatten_layers(model.to(self.device))
+        self.boundaries = self._boundary_shapes(layers)
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
         self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
@@ -138,6 +140,32 @@ class Pipeline(Distributed):
         self.optimizer = make_optimizer(list(self.model.parameters()) or [nn.Parameter(torch.zeros(0))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement(layers)
+
+    @torch.no_grad()
+    def _boundary_shapes(self, layers) -> list:
+        """(shape without the batch, dtype, whether it carries gradients) of what enters each layer, and of
+        the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
+        front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
+        statistics."""
+        x, grads = torch.zeros(1, *self.plan.input_shape, device=self.device), False
+        shapes = []
+        for _, layer in layers:
+            shapes.append((tuple(x.shape[1:]), x.dtype, grads))
+            was_training = layer.training
+            layer.eval()
+            with self.autocast():
+                x = layer(x)
+            layer.train(was_training)
+            grads = grads or any(p.requires_grad for p in layer.parameters())
+        return shapes + [(tuple(x.shape[1:]), x.dtype, grads)]
+
+    def _stage_tensors(self, stage: int, batch: int):
+        """Empty tensors like a micro-batch's input to and output of a model stage."""
+        span = self.plan.stage_layers(stage)
+
+        def make(shape, dtype, grads):
+            return torch.empty((batch, *shape), dtype=dtype, device=self.device, requires_grad=grads)
+        return make(*self.boundaries[span[0]]), make(*self.boundaries[span[-1] + 1])
 
     def _placement(self, layers) -> list:
         devices = self.gather_object((self.rank, str(self.device)))
@@ -172,8 +200,11 @@ class Pipeline(Distributed):
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
             kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
-            stages = [PipelineStage(module, s, self.plan.model_stages, self.device, group=self.pp_group)
-                      for s, module in zip(self.my_stages, self.stage_modules)]
+            stages = []
+            for s, module in zip(self.my_stages, self.stage_modules):
+                inputs, outputs = self._stage_tensors(s, samples // microbatches)
+                stages.append(PipelineStage(module, s, self.plan.model_stages, self.device, input_args=inputs,
+                                            output_args=outputs, group=self.pp_group))
             for stage, index in zip(stages, self.my_stages):
                 self._record_calls(stage, index)
             schedule_class = _schedule_class(kind)

@@ -162,7 +162,8 @@ def load_run(run_dir) -> tuple:
     if settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
                         f"polytrain.evaluate(model, data)")
-    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k != "strategy"})
+    how = ("strategy", *TrainConfig.PIPELINE_OPTIONS)       # how it trained does not matter to the weights
+    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=False,
                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
                            seed=config.seed)

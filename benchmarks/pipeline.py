@@ -53,20 +53,50 @@ def polytrain(*flags: str) -> str:
     return done.stdout
 
 
+# Equal layers, so that two stages take equal time: the case (p-1)/(m+p-1) describes.
+BALANCED = """
+import sys, tempfile, torch, polytrain
+if __name__ == "__main__":
+    width, schedule, m, device = 512, sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    body = [module for _ in range(8) for module in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, width), *body, torch.nn.Linear(width, 10))
+    with tempfile.TemporaryDirectory() as folder:
+        polytrain.fit(model, "mnist-sample", devices=2, strategy="pipeline", pipeline_schedule=schedule,
+                      microbatches=m, timeline=True, out=folder + "/run", max_steps=6, epochs=1,
+                      batch_size=int(sys.argv[4]), device=device)
+"""
+
+
+def balanced(schedule: str, m: int, args) -> str:
+    done = subprocess.run([sys.executable, "-c", BALANCED, schedule, str(m), args.device, str(args.batch_size)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise SystemExit(f"balanced model failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
 def bubble(args) -> None:
-    print(f"\nPart 1: bubble, gpipe on 2 stages, --model {args.model} --batch-size {args.batch_size}")
-    print(f"{'M':>3} {'measured':>9} {'theory':>7} {'ratio':>6}")
-    for m in (1, 2, 4, 8):
-        measured = []
-        for _ in range(args.repeats):
+    for model in ("balanced", args.model):
+        print(f"\nPart 1: bubble, gpipe on 2 stages, model {model}, batch {args.batch_size}")
+        print(f"{'M':>3} {'measured':>9} {'theory':>7} {'ratio':>6}")
+        for m in (1, 2, 4, 8):
+            bubble_row(model, m, args)
+
+
+def bubble_row(model: str, m: int, args) -> None:
+    measured = []
+    for _ in range(args.repeats):
+        if model == "balanced":
+            out = balanced("gpipe", m, args)
+        else:
             out = polytrain("--strategy", "pipeline", "--devices", "2", "--pipeline-schedule", "gpipe",
                             "--microbatches", str(m), "--timeline", "--max-steps", "6", "--epochs", "1",
-                            "--model", args.model, "--batch-size", str(args.batch_size), "--device", args.device)
-            found = TIMELINE.search(out)
-            measured.append(float(found.group(1)))
-            theory = float(found.group(2))
-        value = statistics.median(measured)
-        print(f"{m:>3} {value:>9.3f} {theory:>7.3f} {value / theory if theory else float('nan'):>6.2f}")
+                            "--model", model, "--batch-size", str(args.batch_size), "--device", args.device)
+        found = TIMELINE.search(out)
+        measured.append(float(found.group(1)))
+        theory = float(found.group(2))
+    value = statistics.median(measured)
+    print(f"{m:>3} {value:>9.3f} {theory:>7.3f} {value / theory if theory else float('nan'):>6.2f}", flush=True)
 
 
 def throughput(args) -> None:

@@ -184,15 +184,17 @@ def flag_list(names) -> str:
 
 
 def config_from_args(args) -> TrainConfig:
+    from .hostenv import launcher_env
     values = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
+    launcher = launcher_env()              # under torchrun/srun the device count is its world size
+    if launcher is not None:
+        values["devices"] = launcher.world_size
     if args.per_device_batch_size is not None:
         if args.batch_size is not None:
             raise UserError("give either --batch-size (global) or --per-device-batch-size, not both")
         if args.per_device_batch_size <= 0:
             raise UserError(f"--per-device-batch-size must be positive, got {args.per_device_batch_size}")
-        from .hostenv import launcher_env
-        launcher = launcher_env()          # under torchrun/srun the device count is its world size
-        devices = launcher.world_size if launcher else values.get("devices", DEFAULTS.devices)
+        devices = values.get("devices", DEFAULTS.devices)
         values["batch_size"] = args.per_device_batch_size * replicas(devices, values.get("strategy", "auto"),
                                                                      values.get("pipeline_stages"))
     config = TrainConfig(**values)

@@ -116,7 +116,8 @@ class Checkpointer:
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
 
-    def load(self, strategy, *, batch_size: int, steps_per_epoch: int) -> dict:
+    def read(self, strategy, *, batch_size: int, steps_per_epoch: int) -> dict:
+        """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
         state = safe_load(self.path)
         if state.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not a polytrain checkpoint (format {state.get('format')!r})")
@@ -125,12 +126,15 @@ class Checkpointer:
                                   f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
                                   f"({steps_per_epoch}); resume with the run's own batch size and data")
         check_model_state(state.get("model"), strategy.expected_state(), self.path)
+        return state
+
+    def apply(self, strategy, state: dict) -> None:
+        """Load a read checkpoint into `strategy`; every rank calls it (sharded strategies load collectively)."""
         try:
             strategy.load_state_dict(state)
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(f"{self.path}: optimizer or scheduler state does not fit this run "
                                   f"({str(error).splitlines()[0][:120]}); resume with the original settings") from None
-        return state
 
 
 def rng_state(device: torch.device) -> dict:

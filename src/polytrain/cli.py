@@ -76,7 +76,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                          help="GPUs, or CPU processes sharing the cores (default: 1)")
     devices.add_argument("--strategy", metavar="{" + ",".join(("auto", *STRATEGIES)) + "}",
                          help="auto: single for one device, data (replicas + all-reduce) for several; "
-                              "pipeline: the model split into stages over the devices")
+                              "pipeline: the model split into stages over the devices; sharded: each device holds a "
+                              "shard of the weights and optimizer state (FSDP2)")
+    sharded = parser.add_argument_group("sharded (with --strategy sharded)")
+    sharded.add_argument("--cpu-offload", action="store_true", default=None,
+                         help="keep parameter, gradient and optimizer shards in host memory; the GPU holds only "
+                              "the layer in use (FSDP2's offload policy)")
     pipe = parser.add_argument_group("pipeline (with --strategy pipeline)")
     pipe.add_argument("--microbatches", type=int, metavar="M",
                       help="micro-batches each step's batch is cut into; 1: plain model parallelism "

@@ -161,8 +161,7 @@ def verify_command(args) -> int:
     common = dict(verbose=False, record_steps=True, channels_last=channels_last)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
-        print(f"  pipeline of {plan.layout.ranks} stages x {plan.layout.replicas} replica(s), schedule {plan.schedule}, "
-              f"{plan.microbatches} micro-batches, split before layers {', '.join(map(str, plan.points))}")
+        print(f"  {plan.describe()}")
     one = run_job(Job(config.with_strategy("single", devices=1), "single", data,
                       copy.deepcopy(model), **common))
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))

@@ -60,6 +60,7 @@ class TrainConfig:
     split: Optional[str] = None            # pipeline only: "auto" (balanced by measured time) or "4,7"
     pipeline_stages: Optional[int] = None  # pipeline only; None: every device is a stage (one replica)
     timeline: bool = False                 # pipeline only: record a few steps and draw pipeline.png
+    cpu_offload: bool = False              # sharded only: keep the shards in host memory (GPUs)
     lr_scale: str = "none"
     augment: Optional[bool] = None
     out: Optional[str] = None
@@ -109,6 +110,8 @@ class TrainConfig:
         _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
               f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
         self._check_pipeline()
+        _need(not self.cpu_offload or self.strategy == "sharded",
+              "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")
         shares, across = self.data_parallel_size, f"--devices {self.devices}"
         if self.strategy == "pipeline":
             across = f"the {shares} pipeline replicas"

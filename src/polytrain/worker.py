@@ -143,11 +143,10 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     position, history = Position(), History()
     restarted = launcher is not None and launcher.restart_count > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
-        loaded = checkpointer.load(strategy, batch_size=config.batch_size, steps_per_epoch=steps) \
+        loaded = checkpointer.read(strategy, batch_size=config.batch_size, steps_per_epoch=steps) \
             if strategy.is_main else None
         state = strategy.broadcast_object(loaded)
-        if not strategy.is_main:
-            strategy.load_state_dict(state)
+        checkpointer.apply(strategy, state)
         restore_rng(state.get("rng"), rank=rank, device=device)
         position, history = Position(**state["position"]), History(list(state["history"]))
     callbacks = []

@@ -102,6 +102,11 @@ class PipelinePlan:
     costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
     cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
 
+    def describe(self) -> str:
+        return (f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
+                f"{self.schedule}, {self.microbatches} micro-batches, split before layers "
+                f"{', '.join(map(str, self.points))}")
+
     @property
     def model_stages(self) -> int:
         return self.layout.ranks * stages_per_rank(self.schedule)

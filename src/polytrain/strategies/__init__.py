@@ -5,9 +5,10 @@ from ..errors import ConfigError
 from .base import StepStats, Strategy
 from .data import DataParallel
 from .pipeline import Pipeline
+from .sharded import Sharded
 from .single import SingleDevice
 
-STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline}
+STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline, "sharded": Sharded}
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -28,4 +29,4 @@ def make_plan(name: str, config, model, dataset, *, device):
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
-__all__ = ["STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]
+__all__ = ["DataParallel", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]

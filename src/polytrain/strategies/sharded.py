@@ -1,0 +1,121 @@
+"""Sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`): every rank keeps only its shard
+of each layer's parameters, gradients and optimizer state, gathers a layer's full weights just before using
+it and frees them after; gradients are reduce-scattered (averaged) back into shards.
+
+The loss is scaled as in data parallelism, so the averaged gradient is exactly the one-device gradient.
+Checkpoints gather the whole model and optimizer state to rank 0 under the original parameter names and
+`torch.optim` numbering, so any strategy can resume them; loading slices the whole state into shards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..plan.sharded import ShardedPlan
+from .base import Distributed
+
+
+def _full(**extra):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **extra)
+
+
+def _bytes(tensors) -> int:
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+class Sharded(Distributed):
+    name = "sharded"
+
+    def __init__(self, *, plan=None, **common):
+        super().__init__(**common)
+        self.cpu_offload = bool(plan and plan.cpu_offload)
+        self.channels_last = False            # FSDP2 shards contiguous parameters only
+
+    @classmethod
+    def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> ShardedPlan:
+        if config.cpu_offload and device.type != "cuda":
+            raise ConfigError("--cpu-offload moves each GPU's shards to host memory; CPU processes keep them there "
+                              "already: drop --cpu-offload, or train on GPUs")
+        return ShardedPlan(cpu_offload=config.cpu_offload)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        options = {"mesh": mesh}
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        # one unit per layer that holds parameters: only one layer's full weights exist at a time
+        for module in list(model.modules())[1:]:
+            if module._parameters and any(p is not None for p in module._parameters.values()):
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        return model
+
+    def setup(self, model, make_optimizer, make_scheduler) -> None:
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        super().setup(model, make_optimizer, make_scheduler)
+        self.placement = self._memory_lines(full)
+
+    def _memory_lines(self, full: int) -> list:
+        """What each rank holds (parameters; gradients are the same size; optimizer state after its first
+        step, estimated here from the optimizer's per-parameter slots) next to a data-parallel replica."""
+        held = _bytes(self.model.parameters())
+        slots = _optimizer_slots(self.optimizer)
+        rows = self.gather_object((self.rank, str(self.device), held))
+        if not self.is_main:
+            return []
+        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
+        lines = [f"sharded: {self.world_size} ranks; per rank, parameters + gradients + optimizer state "
+                 f"({slots} slot{'s' if slots != 1 else ''} per parameter)"
+                 + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")]
+        for rank, device, size in rows:
+            lines.append(f"  rank {rank} ({device}): {mib(size)} + {mib(size)} + {mib(size * slots)}; "
+                         f"data parallel would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
+        return lines
+
+    def model_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        state = get_model_state_dict(self.model, options=_full(cpu_offload=True))
+        return state if self.is_main else {}
+
+    def expected_state(self) -> dict:
+        return self.full_meta
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        model = self.model_state()
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_full(cpu_offload=True))
+        if not self.is_main:
+            return {}
+        index = {name: i for i, name in enumerate(self.parameter_names)}
+        numbered = {"state": {index[name]: value for name, value in optimizer["state"].items()},
+                    "param_groups": [dict(group, params=[index[name] for name in group["params"]])
+                                     for group in optimizer["param_groups"]]}
+        return {"model": model, "optimizer": numbered, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        set_model_state_dict(self.model, state["model"], options=_full())
+        names, saved = self.parameter_names, state["optimizer"]
+        named = {"state": {names[i]: value for i, value in saved["state"].items()},
+                 "param_groups": [dict(group, params=[names[i] for i in group["params"]])
+                                  for group in saved["param_groups"]]}
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=named, options=_full())
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _optimizer_slots(optimizer) -> int:
+    group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.Adam):
+        return 2
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1 + bool(group.get("momentum"))
+    return 1 if group.get("momentum") else 0

@@ -22,7 +22,8 @@ class Callback:
 def summary_line(record: dict, epochs: int) -> str:
     return (f"epoch {record['epoch']}/{epochs}  train loss {record['train_loss']:.4f} "
             f"acc {record['train_acc']:.4f}  val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f}  "
-            f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s")
+            f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
+            + (f"  {record['note']}" if record.get("note") else ""))
 
 
 class ProgressBar(Callback):

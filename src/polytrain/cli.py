@@ -77,7 +77,14 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     devices.add_argument("--strategy", metavar="{" + ",".join(("auto", *STRATEGIES)) + "}",
                          help="auto: single for one device, data (replicas + all-reduce) for several; "
                               "pipeline: the model split into stages over the devices; sharded: each device holds a "
-                              "shard of the weights and optimizer state (FSDP2)")
+                              "shard of the weights and optimizer state (FSDP2); parameter-server: master weights on "
+                              "server ranks, workers push gradients and pull weights")
+    server = parser.add_argument_group("parameter server (with --strategy parameter-server)")
+    server.add_argument("--servers", type=int, metavar="K",
+                        help="server roles the parameters are split over by size, on ranks 0..K-1 (default: 1)")
+    server.add_argument("--server-device", metavar="{cpu,same}",
+                        help="where the master weights and optimizer state live: cpu (host memory, default) "
+                             "or same (the server rank's device)")
     sharded = parser.add_argument_group("sharded (with --strategy sharded)")
     sharded.add_argument("--cpu-offload", action="store_true", default=None,
                          help="keep parameter, gradient and optimizer shards in host memory; the GPU holds only "

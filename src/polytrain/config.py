@@ -61,6 +61,8 @@ class TrainConfig:
     pipeline_stages: Optional[int] = None  # pipeline only; None: every device is a stage (one replica)
     timeline: bool = False                 # pipeline only: record a few steps and draw pipeline.png
     cpu_offload: bool = False              # sharded only: keep the shards in host memory (GPUs)
+    servers: Optional[int] = None          # parameter-server only; None: 1
+    server_device: Optional[str] = None    # parameter-server only: "cpu" (default) or "same"
     lr_scale: str = "none"
     augment: Optional[bool] = None
     out: Optional[str] = None
@@ -112,6 +114,10 @@ class TrainConfig:
         self._check_pipeline()
         _need(not self.cpu_offload or self.strategy == "sharded",
               "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")
+        for name in ("servers", "server_device"):
+            _need(getattr(self, name) is None or self.strategy == "parameter-server",
+                  f"--{name.replace('_', '-')} applies to --strategy parameter-server only; add --strategy "
+                  f"parameter-server or drop it")
         shares, across = self.data_parallel_size, f"--devices {self.devices}"
         if self.strategy == "pipeline":
             across = f"the {shares} pipeline replicas"
@@ -146,6 +152,10 @@ class TrainConfig:
         values = dict(self.to_dict(), strategy=strategy, **changes)
         if strategy != "pipeline":
             values.update({name: None for name in self.PIPELINE_OPTIONS}, timeline=False)
+        if strategy != "sharded":
+            values.update(cpu_offload=False)
+        if strategy != "parameter-server":
+            values.update(servers=None, server_device=None)
         return TrainConfig.from_dict(values)
 
     @property

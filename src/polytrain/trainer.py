@@ -122,7 +122,8 @@ class Trainer:
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
         val = self.evaluate()
-        return {"epoch": epoch + 1, "train_loss": loss_sum / count, "train_acc": correct / count,
+        extras = self.strategy.epoch_extras()
+        return {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count, "train_acc": correct / count,
                 "val_loss": val["loss"], "val_acc": val["acc"], "epoch_seconds": seconds,
                 "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}

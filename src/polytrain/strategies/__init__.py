@@ -4,11 +4,13 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import StepStats, Strategy
 from .data import DataParallel
+from .parameter_server import ParameterServer
 from .pipeline import Pipeline
 from .sharded import Sharded
 from .single import SingleDevice
 
-STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline, "sharded": Sharded}
+STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline, "sharded": Sharded,
+              "parameter-server": ParameterServer}
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -29,4 +31,4 @@ def make_plan(name: str, config, model, dataset, *, device):
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
-__all__ = ["DataParallel", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]
+__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]

@@ -96,12 +96,23 @@ class Strategy:
             logits = self.runner(batch.x)
         loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum", label_smoothing=self.label_smoothing)
         loss = loss_sum / (batch.global_count / self.world_size)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         loss.backward()
-        self.optimizer.step()
-        self.scheduler.step()
+        self.apply_gradients()
         correct = (logits.detach().argmax(1) == batch.y).sum()
         return StepStats(loss_sum.detach(), correct, len(batch.y))
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def apply_gradients(self) -> None:
+        """Turn this rank's gradients into the step's new weights (here: the optimizer, then the schedule)."""
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def epoch_extras(self) -> dict:
+        """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed."""
+        return {}
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:

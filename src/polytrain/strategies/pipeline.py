@@ -23,6 +23,7 @@ from ..plan.balance import balance_by_time, parse_split
 from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, default_microbatches,
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
+from .optimizer_state import load_part, numbered_part, to_cpu, whole_state
 from .layers import Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers
 
 def torch_version() -> tuple:
@@ -50,16 +51,6 @@ def _schedule_class(kind: str):
     from torch.distributed import pipelining
     return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
             "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B}[kind]
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: _to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(item) for item in value)
-    return value
 
 
 class Pipeline(Distributed):
@@ -308,7 +299,7 @@ class Pipeline(Distributed):
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:
-        local = _to_cpu(self.model.state_dict()) if self.replica == 0 else {}
+        local = to_cpu(self.model.state_dict()) if self.replica == 0 else {}
         parts = self.gather_object(local)
         if not self.is_main:
             return {}
@@ -319,23 +310,17 @@ class Pipeline(Distributed):
         return self.full_meta
 
     def state_dict(self) -> dict:
-        local = self.optimizer.state_dict()
-        mine = {self.global_index[i]: _to_cpu(s) for i, s in local["state"].items()} if self.replica == 0 else {}
+        mine = numbered_part(self.optimizer, self.global_index) if self.replica == 0 else {}
         model, parts = self.model_state(), self.gather_object(mine)
         if not self.is_main:
             return {}
-        group = {key: value for key, value in local["param_groups"][0].items() if key != "params"}
-        state = dict(sorted((key, value) for part in parts for key, value in part.items()))
-        optimizer = {"state": state, "param_groups": [dict(group, params=list(range(len(self.parameter_names))))]}
+        optimizer = whole_state(self.optimizer, parts, parameters=len(self.parameter_names))
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         own = self.model.state_dict()
         self.model.load_state_dict({key: state["model"][key] for key in own})
-        saved = state["optimizer"]
-        group = dict(saved["param_groups"][0], params=list(range(len(self.optimizer.param_groups[0]["params"]))))
-        local = {i: saved["state"][g] for i, g in enumerate(self.global_index) if g in saved["state"]}
-        self.optimizer.load_state_dict({"state": local, "param_groups": [group]})
+        load_part(self.optimizer, state["optimizer"], self.global_index)
         self.scheduler.load_state_dict(state["scheduler"])
 
 

@@ -1,0 +1,115 @@
+"""A parameter server: the TF1 recipe of "variables on the CPU, towers on the GPUs", MXNet's kvstore.
+
+Every rank is a worker with a replica of the model for the forward and backward pass. The master weights
+and the optimizer state live with the servers, in host memory by default (`--server-device cpu`), split
+over `--servers K` roles by size (ranks 0..K-1 host them). Each step, for every server, the workers push
+their gradients (summed onto the server with `reduce`), the server averages them and applies its
+optimizer to its master weights, and the workers pull the new weights (`broadcast` from the server). This
+is synchronous: the step equals the one-device step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import TrainConfig
+from ..plan.servers import ServerPlan, check_servers, partition_by_size
+from .base import Distributed
+from .optimizer_state import load_part, numbered_part, whole_state
+
+
+class ParameterServer(Distributed):
+    name = "parameter-server"
+
+    def __init__(self, *, plan: ServerPlan, **common):
+        super().__init__(**common)
+        self.plan = plan
+        self.waited = 0.0                 # seconds this rank spent pushing, waiting and pulling this epoch
+
+    @classmethod
+    def make_plan(cls, config: TrainConfig, model: nn.Module, dataset, *, device: torch.device) -> ServerPlan:
+        servers = config.servers or 1
+        check_servers(servers, devices=config.devices)
+        sizes = [p.numel() for p in model.parameters()]
+        return ServerPlan(servers, config.server_device or "cpu", partition_by_size(sizes, servers=servers))
+
+    def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
+        self.model = self.runner = model.to(self.device)
+        self.parameter_names = [name for name, _ in model.named_parameters()]
+        self.replica = list(model.parameters())
+        self.owned = {k: self.plan.owned(k) for k in range(self.plan.servers)}
+        self.global_index = list(self.owned.get(self.rank, ()))
+        home = torch.device("cpu") if self.plan.server_device == "cpu" else self.device
+        self.master = [nn.Parameter(self.replica[i].detach().to(home, copy=True)) for i in self.global_index]
+        # a rank that serves nothing still keeps the learning-rate schedule's state
+        self.optimizer = make_optimizer(self.master or [nn.Parameter(torch.zeros(0))])
+        self.scheduler = make_scheduler(self.optimizer)
+        self.placement = self._placement()
+
+    def _placement(self) -> list:
+        if not self.is_main:
+            return []
+        lines = [f"parameter server: {self.plan.describe()}; every rank is a worker"]
+        for server, indices in self.owned.items():
+            count = sum(self.replica[i].numel() for i in indices)
+            lines.append(f"  server {server} (rank {server}): {len(indices)} tensors, {count:,} parameters")
+        return lines
+
+    def zero_grad(self) -> None:
+        for p in self.replica:
+            p.grad = None
+
+    def apply_gradients(self) -> None:
+        began = time.perf_counter()
+        for server, indices in self.owned.items():
+            self._push_and_pull(server, indices)
+        if not self.master:
+            self.optimizer.step()         # a no-op on the placeholder; keeps the schedule's order of calls
+        self.scheduler.step()
+        self.waited += time.perf_counter() - began
+
+    def _push_and_pull(self, server: int, indices) -> None:
+        params = [self.replica[i] for i in indices]
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        dist.reduce(grads, dst=server)                            # push: the sum lands on the server
+        if self.rank == server:
+            offset = 0
+            for weight in self.master:
+                size = weight.numel()
+                weight.grad = (grads[offset:offset + size] / self.world_size).view_as(weight).to(weight.device)
+                offset += size
+            self.optimizer.step()
+            flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device)
+        else:
+            flat = torch.empty_like(grads)
+        dist.broadcast(flat, src=server)                          # pull: every worker gets the new weights
+        with torch.no_grad():
+            for p, value in zip(params, torch._utils._unflatten_dense_tensors(flat, params)):
+                p.copy_(value)
+
+    def epoch_extras(self) -> dict:
+        """How long the workers waited on the servers this epoch (mean over ranks)."""
+        waited = self.reduce(torch.tensor([self.waited], dtype=torch.float64, device=self.device))
+        self.waited = 0.0
+        mean = float(waited) / self.world_size
+        return {"server_wait_seconds": mean, "note": f"waited {mean:.2f}s on the servers"}
+
+    # -- the whole model and its optimizer, as one device numbers them --------------------------------
+    def state_dict(self) -> dict:
+        model = self.model_state()
+        parts = self.gather_object(numbered_part(self.optimizer, self.global_index) if self.master else {})
+        if not self.is_main:
+            return {}
+        optimizer = whole_state(self.optimizer, parts, parameters=len(self.parameter_names))
+        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        with torch.no_grad():
+            for weight, i in zip(self.master, self.global_index):
+                weight.copy_(self.replica[i].detach())
+        load_part(self.optimizer, state["optimizer"], self.global_index)
+        self.scheduler.load_state_dict(state["scheduler"])

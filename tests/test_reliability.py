@@ -83,7 +83,7 @@ def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spa
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 @pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "pipeline", "--microbatches", "2"],
-                                      ["--strategy", "sharded"]])
+                                      ["--strategy", "sharded"], ["--strategy", "parameter-server"]])
 def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy):
     settings = [*TRAIN, "--epochs", 3, "--devices", 2, *strategy, "--checkpoint-every", 3]
     out = tmp_path / "killed"

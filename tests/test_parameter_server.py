@@ -1,0 +1,102 @@
+"""The parameter server on 2-3 CPU processes (gloo) against one device: the synchronous step equals the
+one-device step for one server and for parameters split over two; checkpoints resume under any strategy; a
+failing server ends the job with its rank named; mistakes get one line."""
+import copy
+import time
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.cli import main
+from polytrain.launch import WorkerFailed
+from polytrain.models import build_model
+from conftest import tiny_digits
+from distributed import MisbehavingModel
+from processes import polytrain as run_polytrain
+
+pytestmark = pytest.mark.multiprocess
+
+TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
+         "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
+         "--device", "cpu"]
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert list(got) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("devices, servers, server_device", [(2, 1, "cpu"), (3, 2, "same")])
+def test_twenty_synchronous_steps_equal_one_device(devices, servers, server_device):
+    data = tiny_digits(n_train=600, n_val=20)
+    torch.manual_seed(0)
+    start = build_model("lenet", data.input_shape, 10)
+    one, many = copy.deepcopy(start), copy.deepcopy(start)
+    settings = dict(epochs=1, batch_size=24, max_steps=20, device="cpu", verbose=False)
+    polytrain.fit(one, data, devices=1, **settings)
+    history = polytrain.fit(many, data, devices=devices, strategy="parameter-server", servers=servers,
+                            server_device=server_device, **settings)
+    assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), start.parameters())) > 1e-3
+    assert_same_weights(many.state_dict(), one.state_dict())
+    assert history is None or all(record["server_wait_seconds"] > 0 for record in history.epochs)
+
+
+def test_each_epoch_reports_how_long_the_workers_waited_on_the_servers(tmp_path):
+    result = run_polytrain("train", *TRAIN, "--epochs", "1", "--strategy", "parameter-server", "--devices", "2",
+                           "--out", tmp_path / "run")
+    assert result.returncode == 0, result.stderr
+    assert "server 0 (rank 0): 8 tensors" in result.stdout
+    assert "waited" in result.stdout and "on the servers" in result.stdout
+    record = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line][-1]
+    assert '"server_wait_seconds"' in record
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    result = run_polytrain("train", *TRAIN, "--devices", "1", "--out", out)
+    assert result.returncode == 0, result.stderr
+    return load(out / "model.pt")
+
+
+@pytest.mark.parametrize("first, then", [
+    (["--strategy", "parameter-server", "--devices", "2"], ["--devices", "1"]),             # server -> single
+    (["--strategy", "parameter-server", "--devices", "2"], ["--strategy", "sharded"]),      # server -> sharded
+    (["--strategy", "data", "--devices", "2"], ["--strategy", "parameter-server"]),         # data -> server
+])
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight, tmp_path, first, then):
+    out = tmp_path / "run"
+    part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)
+    assert part.returncode == 0, part.stderr
+    rest = run_polytrain("train", "--resume", out, *then)
+    assert rest.returncode == 0, rest.stderr
+    assert_same_weights(load(out / "model.pt"), straight)
+
+
+def test_a_failing_server_rank_ends_the_job_and_is_named():
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed) as failure:
+        polytrain.fit(MisbehavingModel("raise", rank=0), tiny_digits(n_train=320), devices=2, epochs=2,
+                      batch_size=32, strategy="parameter-server", verbose=False)
+    assert time.monotonic() - started < 90
+    assert "worker rank 0" in str(failure.value) and "boom on purpose" in str(failure.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategy", "parameter-server", "--devices", "2", "--servers", "2"], ["--servers 2", "between 1 and 1"]),
+    (["--strategy", "sharded", "--devices", "2", "--servers", "1"], ["--servers", "--strategy parameter-server"]),
+    (["--strategy", "data", "--devices", "2", "--server-device", "cpu"], ["--server-device", "parameter-server"]),
+    (["--strategy", "parameter-server", "--devices", "2", "--server-device", "gpu"], ["--server-device 'gpu'"]),
+])
+def test_parameter_server_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
+    code = main(["train", *argv, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("polytrain: error:") and "\n" not in err
+    assert all(word in err for word in words), err
+    assert not (tmp_path / "run").exists()

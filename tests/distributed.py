@@ -67,3 +67,17 @@ class MisbehavingModel(torch.nn.Module):
                 raise RuntimeError("boom on purpose")
             time.sleep(600)
         return self.linear(x.flatten(1))
+
+
+class SlowOnRank(torch.nn.Module):
+    """A linear classifier whose training forward pass sleeps `seconds` on `rank` (a slow worker)."""
+
+    def __init__(self, *, rank: int = 1, seconds: float = 0.02):
+        super().__init__()
+        self.linear = torch.nn.Linear(784, 10)
+        self.rank, self.seconds = rank, seconds
+
+    def forward(self, x):
+        if self.training and dist.is_initialized() and dist.get_rank() == self.rank:
+            time.sleep(self.seconds)
+        return self.linear(x.flatten(1))

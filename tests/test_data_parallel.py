@@ -76,9 +76,11 @@ def test_a_failing_worker_stops_every_worker_and_names_its_rank():
     assert "worker rank 1" in message and "boom on purpose" in message
 
 
-def test_verify_command_passes_for_data_parallel():
+@pytest.mark.parametrize("strategy", [[], ["--strategy", "sharded"], ["--strategy", "parameter-server"],
+                                      ["--strategy", "pipeline", "--microbatches", "4"]])
+def test_verify_command_passes_for_every_strategy(strategy):
     result = run_polytrain("verify", "--devices", "2", "--steps", "8", "--model", "lenet", "--dataset", "mnist-sample",
-                           timeout=180)
+                           *strategy, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]

@@ -12,7 +12,7 @@ from polytrain.cli import main
 from polytrain.launch import WorkerFailed
 from polytrain.models import build_model
 from conftest import tiny_digits
-from distributed import MisbehavingModel
+from distributed import MisbehavingModel, SlowOnRank
 from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
@@ -79,6 +79,24 @@ def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(stra
     assert_same_weights(load(out / "model.pt"), straight)
 
 
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_asynchronous_updates_keep_every_worker_within_the_staleness_bound(tmp_path, staleness):
+    """Rank 1 is slow: rank 0 runs ahead until the bound holds it back, and never further."""
+    import json
+    data = tiny_digits(n_train=480, n_val=40)
+    torch.manual_seed(0)
+    model = SlowOnRank(rank=1, seconds=0.03)
+    polytrain.fit(model, data, devices=2, strategy="parameter-server", staleness=staleness, epochs=2,
+                  batch_size=24, lr=0.01, out=str(tmp_path / "run"), verbose=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["updates"] for r in records] == [40, 40]                  # 20 steps x 2 workers, every one applied
+    assert max(r["lead_max"] for r in records) == staleness             # the fast worker reached the bound ...
+    assert all(r["lead_max"] <= staleness for r in records)             # ... and never passed it
+    assert max(r["version_lag_max"] for r in records) >= 1              # updates really were applied out of step
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert set(saved) == set(model.state_dict()) and records[-1]["val_acc"] > 0.5
+
+
 def test_a_failing_server_rank_ends_the_job_and_is_named():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
@@ -93,6 +111,8 @@ def test_a_failing_server_rank_ends_the_job_and_is_named():
     (["--strategy", "sharded", "--devices", "2", "--servers", "1"], ["--servers", "--strategy parameter-server"]),
     (["--strategy", "data", "--devices", "2", "--server-device", "cpu"], ["--server-device", "parameter-server"]),
     (["--strategy", "parameter-server", "--devices", "2", "--server-device", "gpu"], ["--server-device 'gpu'"]),
+    (["--strategy", "data", "--devices", "2", "--staleness", "2"], ["--staleness", "--strategy parameter-server"]),
+    (["--strategy", "parameter-server", "--devices", "2", "--staleness", "-1"], ["--staleness", ">= 0"]),
 ])
 def test_parameter_server_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
     code = main(["train", *argv, "--out", str(tmp_path / "run")])

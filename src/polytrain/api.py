@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import load_weights
-from .config import TrainConfig, replicas
+from .config import STRATEGY_FLAGS, TrainConfig, replicas
 from .data import ArrayDataset, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
@@ -162,7 +162,7 @@ def load_run(run_dir) -> tuple:
     if settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
                         f"polytrain.evaluate(model, data)")
-    how = ("strategy", *TrainConfig.PIPELINE_OPTIONS)       # how it trained does not matter to the weights
+    how = ("strategy", *STRATEGY_FLAGS)          # how it trained does not matter to the weights
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=False,
                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,

@@ -85,6 +85,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--server-device", metavar="{cpu,same}",
                         help="where the master weights and optimizer state live: cpu (host memory, default) "
                              "or same (the server rank's device)")
+    server.add_argument("--staleness", type=int, metavar="S",
+                        help="asynchronous: servers apply each worker's gradient as it arrives; a worker runs at "
+                             "most S updates ahead of the slowest (default: 0, synchronous, equal to one device)")
     sharded = parser.add_argument_group("sharded (with --strategy sharded)")
     sharded.add_argument("--cpu-offload", action="store_true", default=None,
                          help="keep parameter, gradient and optimizer shards in host memory; the GPU holds only "

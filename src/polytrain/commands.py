@@ -8,7 +8,7 @@ import torch
 
 from .api import as_dataset, evaluate, predict, spread_indices, train_run
 from .cli import config_from_args, flag_list
-from .config import TrainConfig
+from .config import STRATEGY_FLAGS, TrainConfig, options_of_other_strategies
 from .data import ArrayDataset
 from .data.loader import global_batch_order
 from .errors import UserError
@@ -22,8 +22,8 @@ from .worker import Job, choose_device, resolved_device_type
 
 # What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
 # learning-rate schedule that does not depend on the run's length).
-RESUME_FLAGS = ("devices", "device", "strategy", "microbatches", "pipeline_schedule", "split", "pipeline_stages",
-                "timeline", "max_restarts", "max_steps", "checkpoint_every", "hang_timeout")
+RESUME_FLAGS = ("devices", "device", "strategy", *STRATEGY_FLAGS, "max_restarts", "max_steps", "checkpoint_every",
+                "hang_timeout")
 LAYOUT_FLAGS = ("devices", "strategy", "pipeline_stages", "pipeline_schedule")
 
 
@@ -58,7 +58,8 @@ def resume_plan(args):
     before = dict(settings)
     settings["device"] = settings.get("device_type") or settings.get("device", "auto")    # the kind it ran on
     settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args)
-    if settings["strategy"] != "pipeline" or set(LAYOUT_FLAGS) & args.given:
+    settings.update(options_of_other_strategies(settings["strategy"]))
+    if set(LAYOUT_FLAGS) & args.given:
         # the split and micro-batches were chosen for the old layout: plan them anew unless given
         settings.update({name: None for name in TrainConfig.PIPELINE_OPTIONS}, timeline=False)
     settings.update(max_steps=0, out=run_dir)
@@ -82,13 +83,13 @@ def resume_plan(args):
                         f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")
     was = dict(before, device=settings["device"])
     changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
-               for name in ("devices", "device", "epochs", "strategy", *TrainConfig.PIPELINE_OPTIONS)
+               for name in ("devices", "device", "epochs", "strategy", *STRATEGY_FLAGS)
                if name in args.given and getattr(config, name) != was.get(name)]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
     kept = f"; changed: {', '.join(changed)}" if changed else " as the run had"
     line = f"resuming {run_dir} {at} on {_devices_phrase(config)}{kept}"
     record = dict(before, **{name: getattr(config, name) for name in ("epochs", "devices", "device",
-                                                                      *TrainConfig.PIPELINE_OPTIONS)},
+                                                                      *STRATEGY_FLAGS)},
                   strategy=resolve_strategy_name(config.strategy, config.devices),
                   device_type=resolved_device_type(config.device))
     return (config, run_dir, record), line

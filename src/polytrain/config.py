@@ -28,6 +28,20 @@ def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None)
     return devices // stages if isinstance(stages, int) and stages > 0 else devices
 
 
+STRATEGY_OPTIONS = {"pipeline": ("microbatches", "pipeline_schedule", "split", "pipeline_stages", "timeline"),
+                    "sharded": ("cpu_offload",),
+                    "parameter-server": ("servers", "server_device", "staleness")}
+
+
+STRATEGY_FLAGS = tuple(name for names in STRATEGY_OPTIONS.values() for name in names)
+
+
+def options_of_other_strategies(strategy: str) -> dict:
+    """The options of every strategy but `strategy`, at their unset values."""
+    return {name: (False if name in ("timeline", "cpu_offload") else None)
+            for owner, names in STRATEGY_OPTIONS.items() if owner != strategy for name in names}
+
+
 def _need(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -63,6 +77,7 @@ class TrainConfig:
     cpu_offload: bool = False              # sharded only: keep the shards in host memory (GPUs)
     servers: Optional[int] = None          # parameter-server only; None: 1
     server_device: Optional[str] = None    # parameter-server only: "cpu" (default) or "same"
+    staleness: Optional[int] = None        # parameter-server only; None or 0: synchronous
     lr_scale: str = "none"
     augment: Optional[bool] = None
     out: Optional[str] = None
@@ -114,7 +129,9 @@ class TrainConfig:
         self._check_pipeline()
         _need(not self.cpu_offload or self.strategy == "sharded",
               "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")
-        for name in ("servers", "server_device"):
+        _need(self.staleness is None or (isinstance(self.staleness, int) and self.staleness >= 0),
+              f"--staleness must be a whole number >= 0, got {self.staleness!r}")
+        for name in ("servers", "server_device", "staleness"):
             _need(getattr(self, name) is None or self.strategy == "parameter-server",
                   f"--{name.replace('_', '-')} applies to --strategy parameter-server only; add --strategy "
                   f"parameter-server or drop it")
@@ -130,7 +147,7 @@ class TrainConfig:
             check_microbatches(self.microbatches, per_replica_batch=self.batch_size // shares,
                                replicas=shares, batch_size=self.batch_size)
 
-    PIPELINE_OPTIONS = ("microbatches", "pipeline_schedule", "split", "pipeline_stages", "timeline")
+    PIPELINE_OPTIONS = STRATEGY_OPTIONS["pipeline"]
 
     def _check_pipeline(self) -> None:
         if self.strategy != "pipeline":
@@ -148,14 +165,9 @@ class TrainConfig:
         PipelineLayout(self.devices, self.pipeline_ranks)      # validates the mesh
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
-        """These settings under another strategy; options of the pipeline are dropped unless it stays."""
+        """These settings under another strategy; options of the others are dropped."""
         values = dict(self.to_dict(), strategy=strategy, **changes)
-        if strategy != "pipeline":
-            values.update({name: None for name in self.PIPELINE_OPTIONS}, timeline=False)
-        if strategy != "sharded":
-            values.update(cpu_offload=False)
-        if strategy != "parameter-server":
-            values.update(servers=None, server_device=None)
+        values.update(options_of_other_strategies(strategy))
         return TrainConfig.from_dict(values)
 
     @property

@@ -148,6 +148,7 @@ class Trainer:
 
     def evaluate(self, loader=None) -> dict:
         loader = loader or self.val_loader
+        self.strategy.before_evaluation()
         totals = torch.zeros(2, dtype=torch.float64, device=self.strategy.device)
         count = 0
         for batch in loader.eval_batches():

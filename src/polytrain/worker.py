@@ -168,6 +168,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
                       checkpoint_every=config.checkpoint_every, max_steps=config.max_steps,
                       should_stop=stop.should_stop)
     history = trainer.fit()
+    strategy.close()
     if trainer.interrupted:
         where = describe_position(trainer.position.epoch, trainer.position.step, steps)
         number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote

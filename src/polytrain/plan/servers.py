@@ -27,6 +27,7 @@ class ServerPlan:
     servers: int                       # server roles, hosted by ranks 0..servers-1
     server_device: str                 # "cpu": master weights in host memory; "same": on the rank's device
     owner: Tuple[int, ...]             # server of each parameter, in model.parameters() order
+    staleness: int = 0                 # 0: synchronous; S: a worker runs at most S updates ahead of the slowest
 
     def __post_init__(self) -> None:
         if self.server_device not in SERVER_DEVICES:
@@ -38,8 +39,9 @@ class ServerPlan:
 
     def describe(self) -> str:
         ranks = "rank 0" if self.servers == 1 else f"ranks 0-{self.servers - 1}"
+        mode = f"asynchronous, staleness at most {self.staleness}" if self.staleness else "synchronous"
         return (f"{self.servers} server{'s' if self.servers > 1 else ''} on {ranks}, master weights and optimizer "
-                f"state in {'host memory' if self.server_device == 'cpu' else 'device memory'}")
+                f"state in {'host memory' if self.server_device == 'cpu' else 'device memory'}, {mode}")
 
 
 def check_servers(servers: int, *, devices: int) -> None:

@@ -110,6 +110,12 @@ class Strategy:
         self.optimizer.step()
         self.scheduler.step()
 
+    def before_evaluation(self) -> None:
+        """Called on every rank before an evaluation pass (strategies whose replicas may lag catch up)."""
+
+    def close(self) -> None:
+        """Called on every rank after training finished normally (background work ends here)."""
+
     def epoch_extras(self) -> dict:
         """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed."""
         return {}

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..config import TrainConfig
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .base import Distributed
+from .async_server import ServerThread, push_remote, say_done
 from .optimizer_state import load_part, numbered_part, whole_state
 
 
@@ -34,7 +35,8 @@ class ParameterServer(Distributed):
         servers = config.servers or 1
         check_servers(servers, devices=config.devices)
         sizes = [p.numel() for p in model.parameters()]
-        return ServerPlan(servers, config.server_device or "cpu", partition_by_size(sizes, servers=servers))
+        return ServerPlan(servers, config.server_device or "cpu", partition_by_size(sizes, servers=servers),
+                          config.staleness or 0)
 
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         self.model = self.runner = model.to(self.device)
@@ -48,6 +50,16 @@ class ParameterServer(Distributed):
         self.optimizer = make_optimizer(self.master or [nn.Parameter(torch.zeros(0))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement()
+        self.server = None
+        if self.plan.staleness:
+            # one process group per server: on each rank, one thread uses it (the server's own thread on
+            # the server rank, the training thread elsewhere)
+            self.groups = [(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+                           for _ in range(self.plan.servers)]
+            if self.master:
+                self.server = ServerThread(rank=self.rank, world_size=self.world_size, groups=self.groups[self.rank],
+                                           master=self.master, optimizer=self.optimizer, scheduler=self.scheduler,
+                                           staleness=self.plan.staleness)
 
     def _placement(self) -> list:
         if not self.is_main:
@@ -65,11 +77,52 @@ class ParameterServer(Distributed):
     def apply_gradients(self) -> None:
         began = time.perf_counter()
         for server, indices in self.owned.items():
-            self._push_and_pull(server, indices)
+            if self.plan.staleness:
+                self._push_and_pull_async(server, indices)
+            else:
+                self._push_and_pull(server, indices)
         if not self.master:
             self.optimizer.step()         # a no-op on the placeholder; keeps the schedule's order of calls
-        self.scheduler.step()
+        if self.server is None:           # an asynchronous server steps its schedule with its updates
+            self.scheduler.step()
         self.waited += time.perf_counter() - began
+
+    def _push_and_pull_async(self, server: int, indices) -> None:
+        params = [self.replica[i] for i in indices]
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        if server == self.rank:
+            weights = self.server.push_local(grads)
+        else:
+            weights = push_remote(grads, server=server, groups=self.groups[server])
+        self._set(params, weights.to(self.device))
+
+    def _set(self, params, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, value in zip(params, torch._utils._unflatten_dense_tensors(flat, params)):
+                p.copy_(value)
+
+    def before_evaluation(self) -> None:
+        if self.plan.staleness:
+            self._pull_latest()
+
+    def _pull_latest(self) -> None:
+        """Every replica takes the servers' current weights (all updates are in: every worker has had the
+        answer to its last push)."""
+        for server, indices in self.owned.items():
+            params = [self.replica[i] for i in indices]
+            flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device) if server == self.rank \
+                else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+            dist.broadcast(flat, src=server)
+            self._set(params, flat)
+
+    def close(self) -> None:
+        if not self.plan.staleness:
+            return
+        for server in self.owned:
+            if server != self.rank:
+                say_done(server=server, groups=self.groups[server])
+        if self.server is not None:
+            self.server.stop()
 
     def _push_and_pull(self, server: int, indices) -> None:
         params = [self.replica[i] for i in indices]
@@ -86,18 +139,32 @@ class ParameterServer(Distributed):
         else:
             flat = torch.empty_like(grads)
         dist.broadcast(flat, src=server)                          # pull: every worker gets the new weights
-        with torch.no_grad():
-            for p, value in zip(params, torch._utils._unflatten_dense_tensors(flat, params)):
-                p.copy_(value)
+        self._set(params, flat)
 
     def epoch_extras(self) -> dict:
-        """How long the workers waited on the servers this epoch (mean over ranks)."""
-        waited = self.reduce(torch.tensor([self.waited], dtype=torch.float64, device=self.device))
+        """How long the workers waited on the servers this epoch (mean over ranks), and with --staleness,
+        how stale the applied updates were."""
+        waited = float(self.reduce(torch.tensor([self.waited], dtype=torch.float64, device=self.device)))
         self.waited = 0.0
-        mean = float(waited) / self.world_size
-        return {"server_wait_seconds": mean, "note": f"waited {mean:.2f}s on the servers"}
+        extras = {"server_wait_seconds": waited / self.world_size}
+        note = f"waited {waited / self.world_size:.2f}s on the servers"
+        if self.plan.staleness:
+            parts = self.gather_object(self.server.take_records() if self.server else [])
+            records = [record for part in parts for record in part] if self.is_main else []
+            if records:
+                lags, leads = [r[1] for r in records], [r[2] for r in records]
+                extras.update(updates=len(records), version_lag_mean=sum(lags) / len(lags),
+                              version_lag_max=max(lags), lead_max=max(leads))
+                note += (f"; {len(records)} updates, {sum(lags) / len(lags):.2f} behind on average (max {max(lags)}), "
+                         f"lead at most {max(leads)} of {self.plan.staleness}")
+        return dict(extras, note=note)
 
     # -- the whole model and its optimizer, as one device numbers them --------------------------------
+    def model_state(self) -> dict:
+        if self.plan.staleness:
+            self._pull_latest()
+        return super().model_state()
+
     def state_dict(self) -> dict:
         model = self.model_state()
         parts = self.gather_object(numbered_part(self.optimizer, self.global_index) if self.master else {})

@@ -1,11 +1,12 @@
-"""Data parallelism, parameter servers (K = 1 and K = 2) and sharded training at the same device count:
+"""Data parallelism, parameter servers (K = 1 and K = 2; K = 1 asynchronous with staleness 2) and sharded
+training at the same device count:
 throughput, bytes sent per step per rank, and memory per rank, beside what the alpha-beta model predicts.
 
 Run (about 3 minutes on a 2-core CPU; Linux, for /proc/net/dev):
 
     python benchmarks/strategies.py --devices 3 --device cpu
 
-Throughput: samples per second of the last of `--epochs` epochs of `polytrain train --devices N`, LeNet on
+Throughput and accuracy: samples per second of the last of `--epochs` epochs, and the final validation accuracy, of `polytrain train --devices N`, LeNet on
 mnist-sample, global batch `--batch-size`, median of `--repeats` interleaved rounds.
 
 Bytes: every process of a run talks over the loopback interface, so the growth of its transmit counter
@@ -35,6 +36,7 @@ from polytrain.models import build_model
 from polytrain.plan.servers import partition_by_size
 
 SPEED = re.compile(r"([0-9,]+) samples/s")
+ACCURACY = re.compile(r"done: validation accuracy ([0-9.]+)")
 
 
 def loopback_sent() -> int:
@@ -54,7 +56,7 @@ def run(flags, args):
         sent = loopback_sent() - before
     if done.returncode:
         raise SystemExit(f"{flags} failed:\n{done.stderr[-2000:]}")
-    return float(SPEED.findall(done.stdout)[-1].replace(",", "")), sent
+    return float(SPEED.findall(done.stdout)[-1].replace(",", "")), sent, float(ACCURACY.search(done.stdout).group(1))
 
 
 def main() -> None:
@@ -74,26 +76,31 @@ def main() -> None:
     ways = {"data": ["--strategy", "data"],
             "parameter server, K=1": ["--strategy", "parameter-server", "--servers", "1"],
             "parameter server, K=2": ["--strategy", "parameter-server", "--servers", "2"],
+            "parameter server, K=1, S=2": ["--strategy", "parameter-server", "--servers", "1", "--staleness", "2"],
             "sharded": ["--strategy", "sharded"]}
     # average bytes each rank sends per step (bandwidth term); a server's own link also carries (n-1) S_k out
     predicted = {"data": 2 * (n - 1) / n * total, "parameter server, K=1": 2 * (n - 1) / n * total,
-                 "parameter server, K=2": 2 * (n - 1) / n * total, "sharded": 3 * (n - 1) / n * total}
-    speeds, sent = {w: [] for w in ways}, {w: [] for w in ways}
+                 "parameter server, K=2": 2 * (n - 1) / n * total, "parameter server, K=1, S=2": 2 * (n - 1) / n * total,
+                 "sharded": 3 * (n - 1) / n * total}
+    speeds, sent, accuracy = {w: [] for w in ways}, {w: [] for w in ways}, {w: [] for w in ways}
     for _ in range(args.repeats):
         for way, flags in ways.items():
-            speed, nbytes = run(flags, args)
+            speed, nbytes, acc = run(flags, args)
             speeds[way].append(speed)
+            accuracy[way].append(acc)
             sent[way].append(nbytes / steps / n)
     print(f"lenet, {n} processes, batch {args.batch_size}, {steps} steps; gradients S = {total / 2**20:.2f} MiB")
-    print(f"{'strategy':<24} {'samples/s':>10} {'sent/step/rank':>15} {'alpha-beta':>11} {'busiest server sends':>21}")
+    print(f"{'strategy':<27} {'samples/s':>10} {'val acc':>8} {'sent/step/rank':>15} {'alpha-beta':>11} "
+          f"{'busiest server sends':>21}")
     for way in ways:
         link = ""
         if way.startswith("parameter server"):
-            servers = int(way[-1])
+            servers = int(way.split("K=")[1][0])
             owner = partition_by_size(sizes, servers=servers)
             busiest = max(sum(s for s, k in zip(sizes, owner) if k == server) for server in range(servers))
             link = f"{(n - 1) * busiest / 2**20:.2f} MiB"
-        print(f"{way:<24} {statistics.median(speeds[way]):>10,.0f} {statistics.median(sent[way]) / 2**20:>11.2f} MiB "
+        print(f"{way:<27} {statistics.median(speeds[way]):>10,.0f} {statistics.median(accuracy[way]):>8.4f} "
+              f"{statistics.median(sent[way]) / 2**20:>11.2f} MiB "
               f"{predicted[way] / 2**20:>7.2f} MiB {link:>21}")
     print("\nmemory per rank (MiB): weights + gradients + momentum")
     mib = lambda b: f"{b / 2**20:.2f}"           # noqa: E731

@@ -81,6 +81,16 @@ class Sharded(Distributed):
                          f"data parallel would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
         return lines
 
+    def epoch_extras(self) -> dict:
+        """On a GPU, the most device memory any rank had allocated this epoch."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        mib = float(peak) / 2**20
+        return {"peak_device_memory_mib": mib, "note": f"peak device memory {mib:,.0f} MiB (largest rank)"}
+
     def model_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         state = get_model_state_dict(self.model, options=_full(cpu_offload=True))

@@ -162,7 +162,7 @@ def verify_command(args) -> int:
     common = dict(verbose=False, record_steps=True, channels_last=channels_last)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
-        print(f"  {plan.describe()}")
+        print(f"  plan: {plan.describe()}")
     one = run_job(Job(config.with_strategy("single", devices=1), "single", data,
                       copy.deepcopy(model), **common))
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))

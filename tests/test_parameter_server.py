@@ -47,16 +47,6 @@ def test_twenty_synchronous_steps_equal_one_device(devices, servers, server_devi
     assert history is None or all(record["server_wait_seconds"] > 0 for record in history.epochs)
 
 
-def test_each_epoch_reports_how_long_the_workers_waited_on_the_servers(tmp_path):
-    result = run_polytrain("train", *TRAIN, "--epochs", "1", "--strategy", "parameter-server", "--devices", "2",
-                           "--out", tmp_path / "run")
-    assert result.returncode == 0, result.stderr
-    assert "server 0 (rank 0): 8 tensors" in result.stdout
-    assert "waited" in result.stdout and "on the servers" in result.stdout
-    record = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line][-1]
-    assert '"server_wait_seconds"' in record
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
@@ -66,7 +56,6 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.parametrize("first, then", [
-    (["--strategy", "parameter-server", "--devices", "2"], ["--devices", "1"]),             # server -> single
     (["--strategy", "parameter-server", "--devices", "2"], ["--strategy", "sharded"]),      # server -> sharded
     (["--strategy", "data", "--devices", "2"], ["--strategy", "parameter-server"]),         # data -> server
 ])
@@ -74,6 +63,10 @@ def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(stra
     out = tmp_path / "run"
     part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)
     assert part.returncode == 0, part.stderr
+    if "parameter-server" in first:             # each epoch says how long the workers waited on the servers
+        assert "server 0 (rank 0): 8 tensors" in part.stdout
+        assert "waited" in part.stdout and "on the servers" in part.stdout
+        assert '"server_wait_seconds"' in (out / "metrics.jsonl").read_text()
     rest = run_polytrain("train", "--resume", out, *then)
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)

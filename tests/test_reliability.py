@@ -81,10 +81,21 @@ def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spa
     return finish(job, timeout=240)
 
 
+@pytest.fixture(scope="module")
+def straight_three_epochs(tmp_path_factory):
+    """The uninterrupted run the pipeline, sharded and parameter-server strategies must end with: one device's
+    (each of them equals it within 1e-5 after 3 epochs)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    result = polytrain_cli("train", *TRAIN, "--epochs", 3, "--devices", 1, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return load(out / "model.pt")
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 @pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "pipeline", "--microbatches", "2"],
                                       ["--strategy", "sharded"], ["--strategy", "parameter-server"]])
-def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy):
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy,
+                                                                                   straight_three_epochs):
     settings = [*TRAIN, "--epochs", 3, "--devices", 2, *strategy, "--checkpoint-every", 3]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
@@ -92,9 +103,12 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identical
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
-    straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr
-    assert_same_weights(load(out / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+    reference = straight_three_epochs
+    if "data" in strategy:           # DDP's all-reduce order drifts from one device by ~4e-5 over 3 epochs
+        straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
+        assert straight.returncode == 0, straight.stderr
+        reference = load(tmp_path / "straight" / "model.pt")
+    assert_same_weights(load(out / "model.pt"), reference, 1e-5)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")

@@ -50,7 +50,6 @@ def straight(tmp_path_factory):
 
 @pytest.mark.parametrize("first, then", [
     (["--strategy", "sharded", "--devices", "2"], ["--devices", "1"]),                      # sharded -> single
-    (["--strategy", "sharded", "--devices", "2"], ["--strategy", "data"]),                  # sharded -> data
     (["--devices", "1"], ["--strategy", "sharded", "--devices", "2"]),                      # single -> sharded
 ])
 def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight, tmp_path, first, then):

@@ -59,3 +59,14 @@ def stacks_before_timeout(request):
     timer.start()
     yield
     timer.cancel()
+
+
+def load_weights(path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    """Same names in the same order, and every tensor within `atol`."""
+    assert list(got) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")

@@ -11,7 +11,7 @@ import polytrain
 from polytrain.cli import main
 from polytrain.launch import WorkerFailed
 from polytrain.models import build_model
-from conftest import tiny_digits
+from conftest import assert_same_weights, load_weights as load, tiny_digits
 from distributed import MisbehavingModel, SlowOnRank
 from processes import polytrain as run_polytrain
 
@@ -20,16 +20,6 @@ pytestmark = pytest.mark.multiprocess
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
          "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
          "--device", "cpu"]
-
-
-def load(path):
-    return torch.load(path, weights_only=True)
-
-
-def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
-    assert list(got) == list(expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("devices, servers, server_device", [(2, 1, "cpu"), (3, 2, "same")])

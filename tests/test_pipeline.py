@@ -18,7 +18,7 @@ from polytrain.models import build_model
 from polytrain.optim import make_optimizer, make_scheduler
 from polytrain.strategies import Pipeline, make_plan
 from polytrain.trainer import Trainer
-from conftest import tiny_digits
+from conftest import assert_same_weights, tiny_digits
 from distributed import run_on_ranks
 from processes import polytrain as run_polytrain
 
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.multiprocess
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 STEPS = dict(epochs=1, batch_size=16, max_steps=20, device="cpu", verbose=False)    # 20 of 25 steps: mid-epoch
-
-
-def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
-    assert list(got) == list(expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 def changed(after: torch.nn.Module, before: torch.nn.Module) -> float:

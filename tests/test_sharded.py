@@ -8,7 +8,7 @@ import torch
 import polytrain
 from polytrain.cli import main
 from polytrain.models import build_model
-from conftest import tiny_digits
+from conftest import assert_same_weights, load_weights as load, tiny_digits
 from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
@@ -16,16 +16,6 @@ pytestmark = pytest.mark.multiprocess
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
          "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
          "--device", "cpu"]
-
-
-def load(path):
-    return torch.load(path, weights_only=True)
-
-
-def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
-    assert list(got) == list(expected)
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
 def test_twenty_sharded_steps_equal_one_device():

@@ -23,6 +23,20 @@ import torch.distributed as dist
 DONE = -1
 
 
+def set_mean_gradients(master: list, summed: torch.Tensor, *, workers: int) -> None:
+    """Give each master weight its slice of a flat gradient, divided by the number of workers."""
+    offset = 0
+    for weight in master:
+        size = weight.numel()
+        weight.grad = (summed[offset:offset + size] / workers).view_as(weight).to(weight.device)
+        offset += size
+
+
+def flat_gradients(params: list) -> torch.Tensor:
+    """The gradients of `params` as one vector (zeros for a parameter that got none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
 class ServerThread:
     def __init__(self, *, rank: int, world_size: int, groups, master: list, optimizer, scheduler, staleness: int):
         self.rank, self.world_size = rank, world_size
@@ -72,11 +86,7 @@ class ServerThread:
 
     def _apply(self, worker: int, grads: torch.Tensor) -> None:
         with self.lock:
-            offset = 0
-            for weight in self.master:
-                size = weight.numel()
-                weight.grad = (grads[offset:offset + size] / self.world_size).view_as(weight).to(weight.device)
-                offset += size
+            set_mean_gradients(self.master, grads, workers=self.world_size)
             self.optimizer.step()
             self.version += 1
             if self.version % self.world_size == 0:      # the schedule counts global steps of W updates

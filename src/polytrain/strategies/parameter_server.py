@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..config import TrainConfig
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .base import Distributed
-from .async_server import ServerThread, push_remote, say_done
+from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
 from .optimizer_state import load_part, numbered_part, whole_state
 
 
@@ -89,7 +89,7 @@ class ParameterServer(Distributed):
 
     def _push_and_pull_async(self, server: int, indices) -> None:
         params = [self.replica[i] for i in indices]
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        grads = flat_gradients(params)
         if server == self.rank:
             weights = self.server.push_local(grads)
         else:
@@ -126,14 +126,10 @@ class ParameterServer(Distributed):
 
     def _push_and_pull(self, server: int, indices) -> None:
         params = [self.replica[i] for i in indices]
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        grads = flat_gradients(params)
         dist.reduce(grads, dst=server)                            # push: the sum lands on the server
         if self.rank == server:
-            offset = 0
-            for weight in self.master:
-                size = weight.numel()
-                weight.grad = (grads[offset:offset + size] / self.world_size).view_as(weight).to(weight.device)
-                offset += size
+            set_mean_gradients(self.master, grads, workers=self.world_size)
             self.optimizer.step()
             flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device)
         else:

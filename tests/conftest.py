@@ -70,3 +70,33 @@ def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
     assert list(got) == list(expected)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+# A short run that every strategy can stop and resume: 6 steps per epoch, the one-device run is the reference.
+RESUME_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
+                "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
+                "--device", "cpu"]
+
+
+@pytest.fixture(scope="session")
+def straight_resume_run(tmp_path_factory):
+    """model.pt of RESUME_TRAIN on one device, uninterrupted."""
+    from processes import polytrain as run_polytrain
+    out = tmp_path_factory.mktemp("straight") / "run"
+    result = run_polytrain("train", *RESUME_TRAIN, "--devices", "1", "--out", out)
+    assert result.returncode == 0, result.stderr
+    return load_weights(out / "model.pt")
+
+
+def assert_refused_in_one_line(capsys, out, argv, words) -> None:
+    """`polytrain train ARGV` exits 2 with one `polytrain: error:` line naming `words`, before any run folder
+    (so before any worker) exists."""
+    from polytrain.cli import main
+    code = main(["train", *argv, "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    assert captured.err.startswith("polytrain: error:") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    for word in words:
+        assert word in captured.err, captured.err
+    assert not out.exists()

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.cli import main
 from polytrain.launch import WorkerFailed
 from polytrain.models import build_model
-from conftest import assert_same_weights, load_weights as load, tiny_digits
+from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
+                      tiny_digits)
 from distributed import MisbehavingModel, SlowOnRank
 from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
-         "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
-         "--device", "cpu"]
+TRAIN = RESUME_TRAIN
 
 
 @pytest.mark.parametrize("devices, servers, server_device", [(2, 1, "cpu"), (3, 2, "same")])
@@ -37,19 +35,13 @@ def test_twenty_synchronous_steps_equal_one_device(devices, servers, server_devi
     assert history is None or all(record["server_wait_seconds"] > 0 for record in history.epochs)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight") / "run"
-    result = run_polytrain("train", *TRAIN, "--devices", "1", "--out", out)
-    assert result.returncode == 0, result.stderr
-    return load(out / "model.pt")
-
-
 @pytest.mark.parametrize("first, then", [
     (["--strategy", "parameter-server", "--devices", "2"], ["--strategy", "sharded"]),      # server -> sharded
     (["--strategy", "data", "--devices", "2"], ["--strategy", "parameter-server"]),         # data -> server
 ])
-def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight, tmp_path, first, then):
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path,
+                                                                            first, then):
+    straight = straight_resume_run
     out = tmp_path / "run"
     part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)
     assert part.returncode == 0, part.stderr
@@ -98,8 +90,4 @@ def test_a_failing_server_rank_ends_the_job_and_is_named():
     (["--strategy", "parameter-server", "--devices", "2", "--staleness", "-1"], ["--staleness", ">= 0"]),
 ])
 def test_parameter_server_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
-    code = main(["train", *argv, "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("polytrain: error:") and "\n" not in err
-    assert all(word in err for word in words), err
-    assert not (tmp_path / "run").exists()
+    assert_refused_in_one_line(capsys, tmp_path / "run", argv, words)

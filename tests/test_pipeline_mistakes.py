@@ -3,9 +3,8 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.cli import main
 from polytrain.errors import UserError
-from conftest import tiny_digits
+from conftest import assert_refused_in_one_line, tiny_digits
 
 DATA = ["--dataset", "synthetic", "--synthetic-size", "64", "--device", "cpu", "--epochs", "1"]
 PIPE = ["--strategy", "pipeline"]
@@ -35,15 +34,7 @@ PIPE = ["--strategy", "pipeline"]
     ([*PIPE, "--model", "mlp", "--devices", "1"], ["pipeline", "--devices 2"]),
 ])
 def test_pipeline_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
-    out = tmp_path / "run"
-    code = main(["train", *DATA, *argv, "--out", str(out)])
-    captured = capsys.readouterr()
-    assert code == 2, captured.out + captured.err
-    assert captured.err.startswith("polytrain: error:") and captured.err.count("\n") == 1, captured.err
-    assert "Traceback" not in captured.err and captured.out == ""
-    for word in words:
-        assert word in captured.err
-    assert not out.exists()                   # refused before the run folder, so before any worker
+    assert_refused_in_one_line(capsys, tmp_path / "run", [*DATA, *argv], words)
 
 
 class TwoLayers(torch.nn.Module):

@@ -6,16 +6,14 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.cli import main
 from polytrain.models import build_model
-from conftest import assert_same_weights, load_weights as load, tiny_digits
+from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
+                      tiny_digits)
 from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
-         "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--seed", "4",
-         "--device", "cpu"]
+TRAIN = RESUME_TRAIN
 
 
 def test_twenty_sharded_steps_equal_one_device():
@@ -30,19 +28,13 @@ def test_twenty_sharded_steps_equal_one_device():
     assert_same_weights(two.state_dict(), one.state_dict())
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight") / "run"
-    result = run_polytrain("train", *TRAIN, "--devices", "1", "--out", out)
-    assert result.returncode == 0, result.stderr
-    return load(out / "model.pt")
-
-
 @pytest.mark.parametrize("first, then", [
     (["--strategy", "sharded", "--devices", "2"], ["--devices", "1"]),                      # sharded -> single
     (["--devices", "1"], ["--strategy", "sharded", "--devices", "2"]),                      # single -> sharded
 ])
-def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight, tmp_path, first, then):
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path,
+                                                                            first, then):
+    straight = straight_resume_run
     out = tmp_path / "run"
     part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)      # mid-epoch 2 of 6+6
     assert part.returncode == 0, part.stderr
@@ -59,8 +51,4 @@ def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(stra
     (["--strategy", "sharded", "--devices", "2", "--cpu-offload", "--device", "cpu"], ["host memory", "drop"]),
 ])
 def test_sharded_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
-    code = main(["train", *argv, "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and err.startswith("polytrain: error:") and "\n" not in err
-    assert all(word in err for word in words), err
-    assert not (tmp_path / "run").exists()
+    assert_refused_in_one_line(capsys, tmp_path / "run", argv, words)

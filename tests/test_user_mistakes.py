@@ -45,7 +45,8 @@ def test_tensor_data_infers_its_classes_from_the_labels():
 
 @pytest.mark.parametrize("keyword, words", [
     ({"epoch": 1}, "fit() has no keyword epoch=; did you mean epochs=?"),
-    ({"loss_fn": None}, "fit() has no keyword loss_fn=; it takes "),
+    ({"loss_fn": None}, "fit() has no keyword loss_fn=; did you mean loss=?"),
+    ({"zzz": None}, "fit() has no keyword zzz=; it takes "),
     ({"batchsize": 32}, "did you mean batch_size=?"),
 ])
 def test_an_unknown_keyword_names_the_nearest_one(keyword, words):

@@ -22,30 +22,19 @@ from .data.loader import make_loaders
 from .errors import ConfigError, UserError
 from .hostenv import launcher_env
 from .launch import check_devices, run_job
+from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
+from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset, make_objective,
+                      split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .trainer import History, Trainer
 from .worker import Job, choose_device, resolved_device_type
 
 
-def as_dataset(data, config: TrainConfig) -> ArrayDataset:
-    if isinstance(data, ArrayDataset):
-        return data
-    if isinstance(data, str):
-        return load_dataset(data, data_dir=config.data_dir, download=config.download,
-                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
-                            seed=config.seed)
-    if isinstance(data, (tuple, list)) and len(data) == 4:
-        train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
-        classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10
-        return ArrayDataset("custom", train_x, train_y, val_x, val_y, num_classes=max(10, classes))
-    raise UserError("data must be a dataset name, an ArrayDataset, or (train_x, train_y, val_x, val_y) "
-                    "with uint8 images of shape (N, C, H, W)")
-
-
-def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None,
-              resume_dir: Optional[str] = None, keep_files: bool = True, verbose: bool = True):
+def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None, train=None,
+              val=None, loss=None, metrics=None, loggers=(), resume_dir: Optional[str] = None,
+              keep_files: bool = True, verbose: bool = True):
     """Validate everything, prepare the run folder, then train on `config.devices` devices.
 
     Returns (history, model with the trained weights, run folder or None).
@@ -62,14 +51,29 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     # under srun each task may see only the GPU it is bound to
     check_devices(config.devices if launcher is None else 1 if launcher.rendezvous else launcher.local_world_size,
                   config.device)
-    registry_data = data is None or isinstance(data, str)
-    dataset = as_dataset(data if data is not None else config.dataset, config)
+    data, train, val = split_data(data, train, val)
+    registry_data = train is None and (data is None or isinstance(data, str))
+    objective = make_objective(config, loss, metrics)
+    if config.num_workers is not None and train is None:
+        raise UserError("--num-workers applies to train= and val= Datasets; in-memory data is read on the device")
+    if config.augment and train is not None:
+        raise UserError("--augment applies to in-memory datasets; put augmentation in your Dataset's transforms")
+    if train is not None:
+        dataset = dataset_pair(train, val, model=model or config.model, objective=objective, config=config)
+    else:
+        dataset = as_dataset(data if data is not None else config.dataset, config)
+    check_sizes(dataset, config)
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
     module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) if registry_model \
         else model
-    # data given as tensors infers its classes from the labels: there the model may give more outputs
-    check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
+    if isinstance(dataset, ArrayDataset) and objective.classification:
+        # data given as tensors infers its classes from the labels: there the model may give more outputs
+        check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
+    check_objective(module, objective, dataset)
+    if config.devices > 1 and launcher is None:
+        check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
+                        logger=tuple(loggers) or None)
     plan = make_plan(strategy, config, module, dataset,
                      device=choose_device(config.device, launcher.local_rank if launcher else 0))
     channels_last = config.channels_last
@@ -83,10 +87,13 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
         settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
                         device_type=resolved_device_type(config.device), custom_model=not registry_model,
-                        custom_data=not registry_data)
+                        custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names))
+        if getattr(dataset, "classes", None):
+            settings["classes"] = list(dataset.classes)
         write_config(run_dir, settings)
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
-              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan)
+              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
+              objective=objective, loggers=tuple(loggers))
     result = run_job(job)
     if result is not None:
         module.load_state_dict(result.weights)
@@ -94,14 +101,22 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     return None, module, run_dir
 
 
-def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "mnist-sample", *,
+def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
+        train=None, val=None, loss=None, metrics=None, logger=None,
         epochs: int = 5, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
         resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 
+    `data` is a dataset name (default "mnist-sample"), an `ArrayDataset` or (train_x, train_y, val_x, val_y)
+    uint8 tensors, all kept on the device; or pass `train=` and `val=` `torch.utils.data.Dataset`s of
+    (input, target) pairs, read by `num_workers=` loader processes in the same global sample order.
+    `loss=fn(outputs, targets)` returns the batch *mean* (as PyTorch's losses do by default) for any
+    objective; without it the objective is classification (cross-entropy, with accuracy).
+    `metrics={"name": fn(outputs, targets)}` returns per-sample values or the batch mean.
+    `logger="tensorboard"`, `"csv"` (or a list, or objects with `log_metrics(metrics, step)`) add loggers.
     Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...). The module is
-    trained in place. With `devices > 1` the module and data are pickled to the worker processes: define
-    model classes in an importable module (not a notebook cell) so the workers can unpickle them.
+    trained in place. With `devices > 1` the module, data and loss are pickled to the worker processes:
+    define them in an importable module (not a notebook cell, not a lambda) so the workers can unpickle them.
     Files (config, metrics, checkpoints, curves) are written only when `out` is given. `resume=RUN_DIR`
     continues such a run from its checkpoint (give the same model, data and settings); a run that has
     finished returns its history and weights without training.
@@ -113,14 +128,19 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "m
             if "batch_size" in settings:
                 raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
             settings["batch_size"] = per_device * replicas(devices, strategy, settings.get("pipeline_stages"))
+        names, loggers = split_logger_argument(logger)
+        if names:
+            settings["logger"] = names
         config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
-        unused = unused_dataset_options(data if isinstance(data, str) else None, settings)
+        named = data if isinstance(data, str) else config.dataset if data is None and train is None else None
+        unused = unused_dataset_options(named, settings)
         if unused:
             raise UserError(f"{', '.join(name + '=' for name in unused)} "
                             f"{'is' if len(unused) == 1 else 'are'} not used with "
-                            f"{'dataset ' + repr(data) if isinstance(data, str) else 'data given as objects'}; "
+                            f"{'dataset ' + repr(named) if named else 'data given as objects'}; "
                             f"drop {'it' if len(unused) == 1 else 'them'}")
-        history, _, _ = train_run(config, model=model, data=data, resume_dir=resume,
+        history, _, _ = train_run(config, model=model, data=data, train=train, val=val, loss=loss, metrics=metrics,
+                                  loggers=loggers, resume_dir=resume,
                                   keep_files=out is not None, verbose=verbose)
     except UserError as error:
         raise type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error \
@@ -128,7 +148,8 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple] = "m
     return history
 
 
-FIT_KEYWORDS = ("model", "data", "epochs", "devices", "strategy", "out", "resume", "verbose", "per_device_batch_size")
+FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "epochs", "devices", "strategy", "out",
+                "resume", "verbose", "per_device_batch_size")
 
 
 def check_keywords(settings: dict) -> None:
@@ -172,15 +193,23 @@ def load_run(run_dir) -> tuple:
     return config, dataset, model
 
 
-def evaluate(run_or_model, data=None, *, batch_size: int = 1024, device: str = "auto") -> dict:
-    """Validation loss and accuracy of a run folder's model (or of a module on `data`)."""
+def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: int = 1024,
+             device: str = "auto", num_workers: int = 0) -> dict:
+    """Validation loss and metrics (accuracy for classification) of a run folder's model, or of a module on
+    `data`: a dataset name, an ArrayDataset, 4 tensors, or a `torch.utils.data.Dataset` to evaluate on."""
+    objective = make_objective(TrainConfig(), loss, metrics)
     if isinstance(run_or_model, nn.Module):
-        model, dataset = run_or_model, as_dataset(data, TrainConfig())
+        model, dataset = run_or_model, None
     else:
         _, dataset, model = load_run(run_or_model)
-        dataset = as_dataset(data, TrainConfig()) if data is not None else dataset
+    if is_torch_dataset(data):
+        config = TrainConfig(num_workers=num_workers)
+        dataset = dataset_pair(data, data, model=model, objective=objective, config=config)
+    elif data is not None or dataset is None:
+        dataset = as_dataset(data, TrainConfig())
     check_devices(1, device)
-    strategy = SingleDevice(device=choose_device(device, 0))
+    strategy = SingleDevice(device=choose_device(device, 0), objective=objective)
+    check_objective(model, objective, dataset)
     first = next(model.parameters(), None)
     home, was_training = (first.device if first is not None else strategy.device), model.training
     strategy.model = model.to(strategy.device)

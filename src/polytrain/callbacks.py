@@ -19,9 +19,18 @@ class Callback:
     def on_fit_end(self, trainer): ...
 
 
+def metric_names(record: dict) -> list:
+    """The metrics an epoch record holds besides the loss (acc for classification, the user's own)."""
+    return [key[4:] for key in record if key.startswith("val_") and key != "val_loss"]
+
+
 def summary_line(record: dict, epochs: int) -> str:
-    return (f"epoch {record['epoch']}/{epochs}  train loss {record['train_loss']:.4f} "
-            f"acc {record['train_acc']:.4f}  val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f}  "
+    names = metric_names(record)
+
+    def side(split: str) -> str:
+        return f"{split} loss {record[f'{split}_loss']:.4f}" + "".join(
+            f" {name} {record[f'{split}_{name}']:.4f}" for name in names)
+    return (f"epoch {record['epoch']}/{epochs}  {side('train')}  {side('val')}  "
             f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
             + (f"  {record['note']}" if record.get("note") else ""))
 
@@ -47,8 +56,9 @@ class ProgressBar(Callback):
 
     def on_step_end(self, trainer, step):
         if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
-            loss_sum, correct, count, _ = trainer.running_totals()
-            self.bar.set_postfix(loss=f"{loss_sum / max(count, 1):.4f}", acc=f"{correct / max(count, 1):.4f}")
+            loss_sum, metric_sums, count, _ = trainer.running_totals()
+            values = dict(loss=loss_sum, **dict(zip(trainer.metric_names, metric_sums)))
+            self.bar.set_postfix({name: f"{value / max(count, 1):.4f}" for name, value in values.items()})
             self.bar.update(step + 1 - self.bar.n)
 
     def on_epoch_end(self, trainer, record):
@@ -71,7 +81,7 @@ class MetricsLog(Callback):
 
 
 class Curves(Callback):
-    """Redraws `curves.png` (loss and accuracy per epoch, train and validation) after every epoch."""
+    """Redraws `curves.png` (loss and each metric per epoch, train and validation) after every epoch."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -86,8 +96,10 @@ def plot_curves(records, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     epochs = [r["epoch"] for r in records]
-    figure, (loss_axis, acc_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    for axis, key, title in ((loss_axis, "loss", "loss"), (acc_axis, "acc", "accuracy")):
+    keys = ["loss", *metric_names(records[-1])]
+    figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for axis, key in zip(axes[0], keys):
+        title = {"acc": "accuracy"}.get(key, key)
         axis.plot(epochs, [r[f"train_{key}"] for r in records], "o-", label="train")
         axis.plot(epochs, [r[f"val_{key}"] for r in records], "o-", label="validation")
         axis.set_xlabel("epoch")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .api import as_dataset, evaluate, predict, spread_indices, train_run
+from .api import evaluate, predict, spread_indices, train_run
+from .sources import as_dataset
 from .cli import config_from_args, flag_list
 from .config import STRATEGY_FLAGS, TrainConfig, options_of_other_strategies
 from .data import ArrayDataset

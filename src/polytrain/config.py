@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from .errors import ConfigError
+from .loggers import check_tensorboard, parse_loggers
 from .plan.pipeline import SCHEDULES as PIPELINE_SCHEDULES, PipelineLayout, check_microbatches
 
 OPTIMIZERS = ("sgd", "adam", "rmsprop")
@@ -87,6 +88,11 @@ class TrainConfig:
     hang_timeout: float = 60.0
     synthetic_size: int = 2048
     synthetic_shape: tuple = field(default=(1, 28, 28))
+    image_size: Optional[int] = None       # --dataset folder: resize every image to this square size
+    val_fraction: Optional[float] = None   # --dataset folder without train/ and val/: the share held out
+    skip_bad: bool = False                 # --dataset folder: skip unreadable images (counted), not fail
+    num_workers: Optional[int] = None      # loader processes per rank for Datasets; None: from the cores
+    logger: Optional[str] = None           # comma-separated: tensorboard, csv
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(self.synthetic_shape)
@@ -126,6 +132,14 @@ class TrainConfig:
         _need(self.synthetic_size > 0, f"--synthetic-size must be positive, got {self.synthetic_size!r}")
         _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
               f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
+        _need(self.image_size is None or (isinstance(self.image_size, int) and self.image_size > 0),
+              f"--image-size must be a positive whole number of pixels, got {self.image_size!r}; try --image-size 32")
+        _need(self.val_fraction is None or (isinstance(self.val_fraction, (int, float)) and 0 < self.val_fraction < 1),
+              f"--val-fraction must lie strictly between 0 and 1, got {self.val_fraction!r}; try --val-fraction 0.1")
+        _need(self.num_workers is None or (isinstance(self.num_workers, int) and self.num_workers >= 0),
+              f"--num-workers must be a whole number >= 0, got {self.num_workers!r} (0: load in the training process)")
+        if "tensorboard" in parse_loggers(self.logger):
+            check_tensorboard()
         self._check_pipeline()
         _need(not self.cpu_offload or self.strategy == "sharded",
               "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")

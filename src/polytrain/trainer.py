@@ -25,9 +25,17 @@ class Position:
     epoch: int = 0
     step: int = 0
     loss_sum: float = 0.0
-    correct: float = 0.0
+    metrics: tuple = ()           # the objective's metric sums, in the order of its names
     count: float = 0.0
     seconds: float = 0.0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Position":
+        values = dict(values)
+        if "correct" in values:        # checkpoints written before metrics were generalised
+            values["metrics"] = (values.pop("correct"),)
+        values["metrics"] = tuple(values.get("metrics", ()))
+        return cls(**values)
 
 
 @dataclass
@@ -60,6 +68,7 @@ class Trainer:
         # asked on every rank after every step; True (on all ranks at once) ends training with a checkpoint
         self.should_stop = should_stop or (lambda: False)
         self.interrupted = False
+        self.last_stats = None                    # the latest step's StepStats (on the device), for loggers
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -91,17 +100,19 @@ class Trainer:
         start = self.position
         # A resumed epoch's earlier sums are global (reduced when saved): only the main rank re-adds them.
         share = 1.0 if self.strategy.is_main else 0.0
-        totals = torch.tensor([start.loss_sum * share, start.correct * share], dtype=torch.float64,
-                              device=self.strategy.device)
-        loss_total, correct_total = totals[0], totals[1]          # views: updated in place, one kernel each
+        metrics = start.metrics or (0.0,) * len(self.metric_names)
+        totals = torch.tensor([start.loss_sum * share, *(value * share for value in metrics)],
+                              dtype=torch.float64, device=self.strategy.device)
+        loss_total, metric_totals = totals[0], totals[1:]        # views: updated in place, one kernel each
         count = start.count * share
         self._emit("on_epoch_start", epoch)
         self.strategy.synchronize()
         began = time.perf_counter() - start.seconds
         for batch in self.train_loader.train_batches(epoch, start_step=start.step):
             stats = self.strategy.train_step(batch)
+            self.last_stats = stats
             loss_total += stats.loss_sum
-            correct_total += stats.correct
+            metric_totals += stats.metrics
             count += stats.count
             self.position = Position(epoch, batch.step + 1)
             self.running = (totals, count, began)
@@ -117,44 +128,52 @@ class Trainer:
                 return None
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
-        loss_sum, correct, count = self.reduce_sums(totals, count)
+        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
         val = self.evaluate()
         extras = self.strategy.epoch_extras()
-        return {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count, "train_acc": correct / count,
-                "val_loss": val["loss"], "val_acc": val["acc"], "epoch_seconds": seconds,
-                "samples_per_second": count / seconds if seconds > 0 else float("inf"),
+        return {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count,
+                **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
+                "val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names},
+                "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}
 
+    @property
+    def metric_names(self) -> tuple:
+        return self.strategy.objective.names
+
     def reduce_sums(self, totals: torch.Tensor, count: float):
-        """(loss_sum, correct, count) summed over all ranks: sums of counts, never means of means."""
+        """(loss_sum, metric sums, count) summed over all ranks: sums of counts, never means of means."""
         with_count = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)])
-        return self.strategy.reduce(with_count).tolist()
+        values = self.strategy.reduce(with_count).tolist()
+        return values[0], tuple(values[1:-1]), values[-1]
 
     def _global_position(self, epoch, step, totals, count, began) -> Position:
-        loss_sum, correct, count = self.reduce_sums(totals, count)
+        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1} before step "
                                 f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32")
-        return Position(epoch, step, loss_sum, correct, count, time.perf_counter() - began)
+        return Position(epoch, step, loss_sum, metric_sums, count, time.perf_counter() - began)
 
     def running_totals(self):
-        """(loss_sum, correct, count, seconds) of this rank's epoch so far; reads the device (a sync)."""
+        """(loss_sum, metric sums, count, seconds) of this rank's epoch so far; reads the device (a sync)."""
         totals, count, began = self.running
-        loss_sum, correct = totals.tolist()
-        return loss_sum, correct, count, time.perf_counter() - began
+        loss_sum, *metric_sums = totals.tolist()
+        return loss_sum, tuple(metric_sums), count, time.perf_counter() - began
 
     def evaluate(self, loader=None) -> dict:
         loader = loader or self.val_loader
         self.strategy.before_evaluation()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.strategy.device)
+        totals = torch.zeros(1 + len(self.metric_names), dtype=torch.float64, device=self.strategy.device)
         count = 0
         for batch in loader.eval_batches():
             stats = self.strategy.eval_step(batch)
             self._emit("on_eval_step", batch.step)
-            totals += torch.stack([stats.loss_sum.double(), stats.correct.double()])
+            totals[0] += stats.loss_sum.double()
+            totals[1:] += stats.metrics.double()
             count += stats.count
-        loss_sum, correct, count = self.reduce_sums(totals, count)
-        return {"loss": loss_sum / count, "acc": correct / count, "count": int(count)}
+        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
+        return {"loss": loss_sum / count, **{name: value / count for name, value in zip(self.metric_names, metric_sums)},
+                "count": int(count)}

@@ -19,6 +19,8 @@ from .config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from .data import ArrayDataset
 from .errors import UserError
+from .loggers import make_loggers, parse_loggers
+from .objective import Objective
 from .data.loader import make_loaders
 from .optim import make_optimizer, make_scheduler
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
@@ -41,6 +43,8 @@ class Job:
     record_steps: bool = False         # per-step global loss and parameters, for `polytrain verify`
     channels_last: bool = False        # resolved by the caller: on for registry models with convolutions
     plan: object = None                # the strategy's plan, computed by the caller (Strategy.make_plan)
+    objective: Objective = None        # the loss and metrics; None: classification with --label-smoothing
+    loggers: tuple = ()                # logger objects given to fit(logger=...), called on the main rank
 
 
 @dataclass
@@ -122,7 +126,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
         device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=job.channels_last, label_smoothing=config.label_smoothing, plan=job.plan)
+        channels_last=job.channels_last, plan=job.plan,
+        objective=job.objective or Objective(label_smoothing=config.label_smoothing))
     train_loader, val_loader = make_loaders(
         job.dataset, batch_size=config.batch_size, device=device, rank=strategy.data_rank,
         world_size=strategy.data_world, seed=config.seed, augment=config.augment,
@@ -148,12 +153,15 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         state = strategy.broadcast_object(loaded)
         checkpointer.apply(strategy, state)
         restore_rng(state.get("rng"), rank=rank, device=device)
-        position, history = Position(**state["position"]), History(list(state["history"]))
+        position, history = Position.from_dict(state["position"]), History(list(state["history"]))
     callbacks = []
     if strategy.is_main and job.verbose:
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
+    if strategy.is_main:
+        callbacks += make_loggers(parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None,
+                                  start_step=position.epoch * steps + position.step)
     if launcher is not None:                # in a process of its own, ending it on a hang is safe
         compiling = 10 if config.compile else 1
         callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,

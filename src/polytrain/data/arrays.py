@@ -43,6 +43,18 @@ class ArrayDataset:
     def input_shape(self) -> Tuple[int, int, int]:
         return tuple(self.train_x.shape[1:])
 
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_val(self) -> int:
+        return len(self.val_y)
+
+    def sample_inputs(self, count: int) -> torch.Tensor:
+        """The first `count` training images as floats in 0..1 (to probe a model's shapes and speed)."""
+        return self.train_x[:count].float() / 255
+
     @classmethod
     def from_numpy(cls, name, train_x, train_y, val_x, val_y, *, augment=False, flip=False, num_classes=10):
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))

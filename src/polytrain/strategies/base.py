@@ -11,13 +11,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+
+from ..objective import Objective
 
 
 @dataclass
 class StepStats:
     loss_sum: torch.Tensor     # summed over this rank's samples, detached, still on the device
-    correct: torch.Tensor      # correctly classified samples on this rank, on the device
+    metrics: torch.Tensor      # one sum over this rank's samples per metric of the objective, on the device
     count: int                 # this rank's samples
 
 
@@ -28,13 +29,13 @@ class Strategy:
     needs_process_group = False        # True: every rank must join a torch.distributed group first
 
     def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
-                 compile: bool = False, channels_last: bool = False, label_smoothing: float = 0.0, plan=None):
+                 compile: bool = False, channels_last: bool = False, objective: Objective = None, plan=None):
         self.device = torch.device(device)
         self.rank, self.world_size = rank, world_size
         self.precision = precision
         self.compile = compile
         self.channels_last = channels_last
-        self.label_smoothing = label_smoothing
+        self.objective = objective or Objective()
         self.model: nn.Module = None          # the plain module: its state_dict is what gets saved
         self.runner: nn.Module = None         # what the training step calls (compiled or wrapped)
         self.optimizer = None
@@ -94,13 +95,12 @@ class Strategy:
             self.runner.train()
         with self.autocast():
             logits = self.runner(batch.x)
-        loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum", label_smoothing=self.label_smoothing)
+        loss_sum = self.objective.loss_sum(logits, batch.y)
         loss = loss_sum / (batch.global_count / self.world_size)
         self.zero_grad()
         loss.backward()
         self.apply_gradients()
-        correct = (logits.detach().argmax(1) == batch.y).sum()
-        return StepStats(loss_sum.detach(), correct, len(batch.y))
+        return StepStats(loss_sum.detach(), self.objective.metric_sums(logits, batch.y), len(batch.y))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -126,8 +126,8 @@ class Strategy:
             self.model.eval()
         with self.autocast():
             logits = self.model(batch.x)
-        loss_sum = F.cross_entropy(logits.float(), batch.y, reduction="sum")
-        return StepStats(loss_sum, (logits.argmax(1) == batch.y).sum(), len(batch.y))
+        loss_sum = self.objective.loss_sum(logits, batch.y, training=False)
+        return StepStats(loss_sum, self.objective.metric_sums(logits, batch.y), len(batch.y))
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (one rank: unchanged)."""

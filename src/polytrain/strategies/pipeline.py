@@ -16,7 +16,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..plan.balance import balance_by_time, parse_split
@@ -82,7 +81,7 @@ class Pipeline(Distributed):
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
         microbatches = config.microbatches or default_microbatches(per_replica, layout.ranks)
-        last = len(dataset.train_y) % config.batch_size or config.batch_size
+        last = dataset.num_train % config.batch_size or config.batch_size
         parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
         if min(parts) == 0:
             raise ConfigError(f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
@@ -100,7 +99,7 @@ class Pipeline(Distributed):
                                                                             stages=stages), names,
                                 tuple(dataset.input_shape))
         measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
-        sample = dataset.train_x[:per_replica // microbatches].to(device=device, dtype=torch.float32) / 255
+        sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
             # One micro-batch: the stages run one after another whatever the split, so no split is faster
             # than another; balance what each device must hold instead.
@@ -233,8 +232,9 @@ class Pipeline(Distributed):
 
     # -- steps ------------------------------------------------------------------------------------------
     def _loss(self, logits, target):
-        loss_sum = F.cross_entropy(logits.float(), target, reduction="sum", label_smoothing=self.label_smoothing)
-        self._sums.append(torch.stack([loss_sum.detach(), (logits.detach().argmax(1) == target).sum().float()]))
+        loss_sum = self.objective.loss_sum(logits, target, training=self.model.training)
+        metrics = self.objective.metric_sums(logits, target)
+        self._sums.append(torch.cat([loss_sum.detach().reshape(1), metrics.to(loss_sum.dtype)]))
         return loss_sum / self._global_count
 
     def train_step(self, batch) -> StepStats:
@@ -266,11 +266,11 @@ class Pipeline(Distributed):
                 grad.copy_(summed)
 
     def _stats(self, count: int, *, last: int = 0) -> StepStats:
-        if not self.is_last:
-            zero = torch.zeros((), device=self.device)
-            return StepStats(zero, zero, 0)
-        loss_sum, correct = torch.stack(self._sums[-last:]).sum(0)
-        return StepStats(loss_sum, correct, count)
+        if not self.is_last:               # sums, not means: stages that compute no loss add zeros
+            return StepStats(torch.zeros((), device=self.device),
+                             torch.zeros(len(self.objective.names), device=self.device), 0)
+        sums = torch.stack(self._sums[-last:]).sum(0)
+        return StepStats(sums[0], sums[1:], count)
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:

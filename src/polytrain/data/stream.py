@@ -1,0 +1,261 @@
+"""Your own `torch.utils.data.Dataset`s, loaded in the same global sample order as the device-resident path.
+
+A batch sampler cuts each epoch's `global_batch_order` into global batches and yields this rank's slice of
+each, so one device and N devices read the same samples in the same steps, and a resumed epoch continues at
+its step. `DataLoader` worker processes read and collate the samples ahead of the step (pinned memory on a
+GPU); one pool per rank serves both the training and the validation set. Every collated batch is checked in
+the worker: a sample of the wrong type or shape, or a label out of range, comes back as one line naming the
+dataset and the index, never as a traceback from a worker process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..errors import DataError
+from .loader import Batch, global_batch_order, rank_slice
+
+SPLITS = ("train", "val")
+
+
+@dataclass
+class SampleSpec:
+    """What every sample must look like: the first training sample's input and target."""
+    x_shape: Tuple[int, ...]
+    x_dtype: torch.dtype
+    y_shape: Tuple[int, ...]
+    y_dtype: torch.dtype
+    num_classes: Optional[int] = None      # classification: labels must lie in 0..num_classes-1
+
+
+@dataclass
+class DatasetPair:
+    """A training and a validation `Dataset` of (input, target) pairs, with what polytrain learned of them."""
+    train: Dataset
+    val: Dataset
+    spec: SampleSpec
+    num_workers: int = 0
+    name: str = "dataset"
+    classes: Optional[List[str]] = None
+    augment: bool = False              # augmentation belongs in the Dataset's own transforms
+    flip: bool = False
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        return self.spec.x_shape
+
+    @property
+    def num_classes(self) -> Optional[int]:
+        return self.spec.num_classes
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def num_val(self) -> int:
+        return len(self.val)
+
+    def sample_inputs(self, count: int) -> torch.Tensor:
+        """The first `count` training inputs as one float batch (to probe a model's shapes and speed)."""
+        return self.sample_batch(count)[0].float()
+
+    def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The first `count` training samples, collated and checked like every batch."""
+        batch = collate_checked([(("train", i), self.train[i]) for i in range(min(count, len(self.train)))],
+                                self.spec)
+        if isinstance(batch, Problem):
+            raise DataError(batch.message)
+        return batch.x, batch.y
+
+
+def default_workers(processes: int = 1) -> int:
+    """Loader processes per rank: the cores this rank's share leaves beside itself, at least 1, at most 4."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores // max(1, processes) - 1))
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    kind = type(value)
+    return f"a {kind.__qualname__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
+
+
+def as_tensor(value, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        import numpy as np
+        if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
+            return torch.as_tensor(value)
+    except ImportError:                         # numpy is a dependency; kept defensive for the message
+        pass
+    raise DataError(f"{what} is {describe(value)}; a Dataset must return tensors, arrays or numbers "
+                    f"(add a transform such as torchvision.transforms.ToTensor())")
+
+
+def spec_of(dataset: Dataset, *, num_classes: Optional[int], what: str = "train") -> SampleSpec:
+    """Read sample 0 of `dataset` (the caller's `train=`) and describe it; one line if it is unusable."""
+    if len(dataset) == 0:
+        raise DataError(f"{what}= is empty (0 samples); pass a Dataset with samples")
+    x, y = unpack(dataset[0], what, 0)
+    x, y = as_tensor(x, f"{what}[0]'s input"), as_tensor(y, f"{what}[0]'s target")
+    if num_classes is not None and (y.dim() != 0 or y.dtype.is_floating_point or y.dtype == torch.bool):
+        raise DataError(f"{what}[0]'s target is {describe(y)}; classification needs one whole-number class "
+                        f"index per sample (or pass loss= for another objective)")
+    return SampleSpec(tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, num_classes)
+
+
+def unpack(sample, what: str, index):
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise DataError(f"{what}[{index}] returned {describe(sample)}; a Dataset must return (input, target)")
+    return sample
+
+
+@dataclass
+class Collated:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def pin_memory(self) -> "Collated":         # called by the DataLoader's pinning thread on a GPU
+        return Collated(self.x.pin_memory(), self.y.pin_memory())
+
+
+@dataclass
+class Problem:
+    """A bad sample found in a loader worker, carried to the training process as data, not as an exception."""
+    message: str
+
+
+def collate_checked(samples, spec: SampleSpec):
+    """Stack ((split, index), (input, target)) pairs into one batch, or say which sample is wrong."""
+    xs, ys = [], []
+    try:
+        for (split, index), sample in samples:
+            what = f"{split}[{index}]"
+            x, y = unpack(sample, split, index)
+            x, y = as_tensor(x, f"{what}'s input"), as_tensor(y, f"{what}'s target")
+            if tuple(x.shape) != spec.x_shape or x.dtype != spec.x_dtype:
+                raise DataError(f"{what}'s input is {describe(x)}, but train[0]'s is {describe_spec(spec)}; every "
+                                f"sample must have the same shape and type (resize or pad them)")
+            if tuple(y.shape) != spec.y_shape:
+                raise DataError(f"{what}'s target has shape {tuple(y.shape)}, but train[0]'s has {spec.y_shape}")
+            if spec.num_classes is not None and not 0 <= int(y) < spec.num_classes:
+                raise DataError(f"{what} has label {int(y)}, outside 0..{spec.num_classes - 1} (the model gives "
+                                f"{spec.num_classes} class scores)")
+            xs.append(x)
+            ys.append(y.to(spec.y_dtype) if spec.num_classes is None else y.long())
+    except DataError as error:
+        return Problem(str(error))
+    if not xs:                                   # this rank's slice of a short last batch
+        return Collated(torch.empty((0, *spec.x_shape), dtype=spec.x_dtype),
+                        torch.empty((0, *spec.y_shape), dtype=torch.long if spec.num_classes else spec.y_dtype))
+    return Collated(torch.stack(xs), torch.stack(ys))
+
+
+def describe_spec(spec: SampleSpec) -> str:
+    return f"a {str(spec.x_dtype).replace('torch.', '')} tensor of shape {spec.x_shape}"
+
+
+class _Indexed(Dataset):
+    """Both splits behind one index space of (split, index) keys, so one worker pool serves both."""
+
+    def __init__(self, train: Dataset, val: Dataset):
+        self.splits = {"train": train, "val": val}
+
+    def __getitem__(self, key):
+        split, index = key
+        return key, self.splits[split][index]
+
+    def __len__(self) -> int:
+        return sum(len(split) for split in self.splits.values())
+
+
+class _Plan:
+    """The batch sampler: the (split, index) keys of each of this rank's batches, for the current pass."""
+
+    def __init__(self):
+        self.batches: List[List[tuple]] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class StreamLoader:
+    """Training or evaluation batches of one rank from a `DatasetPair`, in the global sample order."""
+
+    def __init__(self, data: DatasetPair, split: str, *, batch_size: int, device, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, channels_last: bool = False, pool=None):
+        self.data, self.split = data, split
+        self.dataset = data.train if split == "train" else data.val
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.memory_format = torch.channels_last if channels_last and len(data.spec.x_shape) == 3 \
+            else torch.contiguous_format
+        self.pool = pool or _Pool(data, self.device)
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
+        order = global_batch_order(len(self.dataset), epoch=epoch, seed=self.seed)
+        steps = range(start_step, len(self))
+        globals_ = [order[step * self.batch_size:(step + 1) * self.batch_size] for step in steps]
+        keys = [[(self.split, int(i)) for i in rank_slice(g, rank=self.rank, world_size=self.world_size)]
+                for g in globals_]
+        for step, global_batch, batch in zip(steps, globals_, self.pool.run(keys)):
+            yield self._batch(batch, len(global_batch), step)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        shard = rank_slice(torch.arange(len(self.dataset)), rank=self.rank, world_size=self.world_size)
+        keys = [[(self.split, int(i)) for i in shard[start:start + self.batch_size]]
+                for start in range(0, len(shard), self.batch_size)]
+        for step, batch in enumerate(self.pool.run(keys)):
+            yield self._batch(batch, len(batch.y), step)
+
+    def _batch(self, batch: Collated, global_count: int, step: int) -> Batch:
+        x = batch.x.to(self.device, non_blocking=True)
+        if x.dtype.is_floating_point and x.dim() == 4:
+            x = x.contiguous(memory_format=self.memory_format)
+        return Batch(x, batch.y.to(self.device, non_blocking=True), global_count, step)
+
+
+class _Pool:
+    """One `DataLoader` (and its persistent workers) per rank, fed a new list of batches each pass."""
+
+    def __init__(self, data: DatasetPair, device: torch.device):
+        self.plan = _Plan()
+        workers = data.num_workers
+        self.loader = DataLoader(
+            _Indexed(data.train, data.val), batch_sampler=self.plan, num_workers=workers,
+            collate_fn=partial(collate_checked, spec=data.spec), pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0, **({"prefetch_factor": 4} if workers > 0 else {}))
+
+    def run(self, batches: List[List[tuple]]) -> Iterator[Collated]:
+        self.plan.batches = batches
+        for batch in self.loader:
+            if isinstance(batch, Problem):
+                raise DataError(batch.message)
+            yield batch
+
+
+def make_stream_loaders(data: DatasetPair, *, batch_size: int, device, rank: int = 0, world_size: int = 1,
+                        seed: int = 0, channels_last: bool = False, eval_batch_size: Optional[int] = None):
+    common = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
+    train = StreamLoader(data, "train", batch_size=batch_size, **common)
+    val = StreamLoader(data, "val", batch_size=eval_batch_size or max(batch_size, 256), pool=train.pool, **common)
+    return train, val

@@ -1,0 +1,144 @@
+"""Loggers people already use, beside `metrics.jsonl` and `curves.png`: TensorBoard, CSV, or any object with
+Lightning's `log_metrics(metrics, step)`.
+
+Per-epoch scalars are the exact global figures of the epoch record. Per-step scalars are the main rank's
+share of each global batch (the whole batch on one device): reducing every step across ranks would add a
+collective to each step. They are read from the device every `every` steps, in one copy, so logging adds no
+host synchronisation to the steps in between.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+from .callbacks import Callback
+from .checkpoint import atomic_write_bytes
+from .errors import ConfigError, UserError
+
+LOGGERS = ("tensorboard", "csv")
+
+
+def parse_loggers(text: Optional[str]) -> Tuple[str, ...]:
+    """`--logger tensorboard,csv` as names, each checked."""
+    names = tuple(name.strip() for name in (text or "").split(",") if name.strip())
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(f"unknown --logger {name!r}; choose from {', '.join(LOGGERS)} (comma-separated)")
+    return names
+
+
+def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:
+    """`fit(logger=...)`: names go into the run's settings (and are resumed), objects are called directly."""
+    items = [] if logger is None else [logger] if isinstance(logger, str) or not isinstance(logger, (list, tuple)) \
+        else list(logger)
+    names = [item for item in items if isinstance(item, str)]
+    objects = tuple(item for item in items if not isinstance(item, str))
+    for item in objects:
+        if not callable(getattr(item, "log_metrics", None)):
+            raise UserError(f"logger= takes {', '.join(map(repr, LOGGERS))} or objects with a log_metrics(metrics, "
+                            f"step) method; got {type(item).__name__}")
+    return (",".join(names) or None), objects
+
+
+def make_loggers(names: Iterable[str], objects: Iterable, run_dir: Optional[Path], *, start_step: int = 0) -> list:
+    callbacks: List[Callback] = []
+    for name in names:
+        if run_dir is None:
+            raise UserError(f"--logger {name} writes into the run folder; pass --out DIR")
+        callbacks.append(TensorBoard(run_dir / "tensorboard", start_step=start_step) if name == "tensorboard"
+                         else CSVLog(run_dir / "metrics.csv"))
+    callbacks += [StepLogger(obj) for obj in objects]
+    return callbacks
+
+
+def check_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ConfigError("--logger tensorboard needs the tensorboard package; run: pip install "
+                          "'polytrain[tensorboard]' (or pip install tensorboard)") from None
+
+
+class StepLogger(Callback):
+    """Buffers each step's loss and metric sums on the device; hands `log` a dict per step and per epoch."""
+
+    every = 20
+
+    def __init__(self, target=None):
+        self.target = target
+        self.pending: list = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.target.log_metrics(metrics, step)
+
+    def on_step_end(self, trainer, step):
+        stats = trainer.last_stats
+        values = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()])
+        global_step = trainer.position.epoch * trainer.steps_per_epoch + step + 1
+        lr = trainer.strategy.optimizer.param_groups[0]["lr"]
+        self.pending.append((global_step, values, stats.count, lr))
+        if len(self.pending) >= self.every or step + 1 == trainer.steps_per_epoch:
+            self.flush(trainer.metric_names)
+
+    def flush(self, names) -> None:
+        if not self.pending:
+            return
+        rows = torch.stack([values for _, values, _, _ in self.pending]).tolist()    # one copy from the device
+        for (global_step, _, count, lr), row in zip(self.pending, rows):
+            if count:
+                metrics = {"train/step_loss": row[0] / count, "lr": lr}
+                metrics.update({f"train/step_{name}": value / count for name, value in zip(names, row[1:])})
+                self.log(metrics, global_step)
+        self.pending = []
+
+    def on_epoch_end(self, trainer, record):
+        self.flush(trainer.metric_names)
+        numbers = {key: value for key, value in record.items()
+                   if isinstance(value, (int, float)) and key != "epoch" and not isinstance(value, bool)}
+        self.log({f"epoch/{key}": value for key, value in numbers.items()}, record["epoch"])
+
+    def on_fit_end(self, trainer):
+        self.pending = []
+
+
+class TensorBoard(StepLogger):
+    """Event files under `RUN_DIR/tensorboard` (view with `tensorboard --logdir RUN_DIR`)."""
+
+    def __init__(self, folder: Path, *, start_step: int = 0):
+        super().__init__()
+        check_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+        # a resumed run drops what its predecessor logged after the checkpoint it continues from
+        self.writer = SummaryWriter(str(folder), purge_step=start_step or None)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def on_epoch_end(self, trainer, record):
+        super().on_epoch_end(trainer, record)
+        self.writer.flush()
+
+    def on_fit_end(self, trainer):
+        super().on_fit_end(trainer)
+        self.writer.close()
+
+
+class CSVLog(Callback):
+    """`metrics.csv`: one row per epoch, rewritten whole (atomically) from the history, like metrics.jsonl."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def on_epoch_end(self, trainer, record):
+        records = trainer.history.epochs
+        columns = list(dict.fromkeys(key for r in records for key in r))
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        atomic_write_bytes(self.path, text.getvalue().encode())

@@ -1,0 +1,159 @@
+"""What the user hands `fit`: a dataset name, an `ArrayDataset`, four tensors, or `torch.utils.data.Dataset`s,
+with a loss and metrics; turned into what the workers load, and checked on a sample before any process
+starts, so that a mistake is one line here rather than an error deep inside a training step.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from .config import TrainConfig
+from .data import ArrayDataset, load_dataset
+from .data.stream import DatasetPair, default_workers, spec_of
+from .errors import DataError, UserError
+from .objective import Objective
+
+
+def is_torch_dataset(value) -> bool:
+    return isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__")
+                                          and not isinstance(value, (str, bytes, tuple, list, torch.Tensor)))
+
+
+def split_data(data, train, val):
+    """(data, train, val) with `data=(train_ds, val_ds)` read as train= and val=; one form at a time."""
+    if train is None and val is None:
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(map(is_torch_dataset, data)):
+            return None, data[0], data[1]
+        if is_torch_dataset(data):
+            raise UserError("a single Dataset was given as data; pass train=DATASET and val=DATASET (a validation "
+                            "set is needed, e.g. from torch.utils.data.random_split)")
+        return data, None, None
+    if data is not None:
+        raise UserError("give data either as data= (a name, an ArrayDataset or 4 tensors) or as train= and val=, "
+                        "not both")
+    if train is None or val is None:
+        raise UserError(f"{'val' if val is None else 'train'}= is missing; pass both train= and val= Datasets")
+    for name, value in (("train", train), ("val", val)):
+        if not is_torch_dataset(value):
+            raise UserError(f"{name}= must be a torch.utils.data.Dataset (with __getitem__ and __len__), "
+                            f"got {type(value).__name__}")
+    return None, train, val
+
+
+def as_dataset(data, config: TrainConfig) -> ArrayDataset:
+    """A name, an `ArrayDataset` or four tensors as the in-memory dataset the device-resident path loads."""
+    if isinstance(data, ArrayDataset):
+        return data
+    if isinstance(data, str):
+        return load_dataset(data, data_dir=config.data_dir, download=config.download,
+                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
+                            seed=config.seed)
+    if isinstance(data, (tuple, list)) and len(data) == 4:
+        train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
+        classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10
+        return ArrayDataset("custom", train_x, train_y, val_x, val_y, num_classes=max(10, classes))
+    raise UserError("data must be a dataset name, an ArrayDataset, (train_x, train_y, val_x, val_y) with uint8 "
+                    "images of shape (N, C, H, W), or train= and val= Datasets")
+
+
+def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig) -> DatasetPair:
+    """Two `Dataset`s as a `DatasetPair`; the classes come from `train.classes`, else from the model."""
+    spec = spec_of(train, num_classes=None)
+    spec_of(val, num_classes=None, what="val")
+    classes = getattr(train, "classes", None)
+    if objective.classification:
+        if classes is not None:
+            spec.num_classes = len(classes)
+        elif isinstance(model, nn.Module):
+            spec.num_classes = output_width(model, DatasetPair(train, val, spec))
+        else:
+            raise UserError(f"model {model!r} needs the number of classes: give train= a .classes list (as "
+                            f"torchvision's datasets have), or pass your own nn.Module")
+        spec = spec_of(train, num_classes=spec.num_classes)
+    workers = config.num_workers if config.num_workers is not None else default_workers(config.devices)
+    return DatasetPair(train, val, spec, num_workers=workers,
+                       classes=[str(c) for c in classes] if classes is not None else None)
+
+
+def output_width(model: nn.Module, pair: DatasetPair) -> int:
+    """How many class scores the user's module gives per sample (its output's last dimension)."""
+    output = run_model(model, pair.sample_batch(2)[0], pair.input_shape)
+    if output.dim() != 2:
+        raise UserError(f"the model must return one row of class scores per sample, shape (N, classes); it "
+                        f"returned shape {tuple(output.shape)} (pass loss= for another objective)")
+    return output.shape[1]
+
+
+@torch.no_grad()
+def run_model(model: nn.Module, x: torch.Tensor, input_shape) -> torch.Tensor:
+    first = next(model.parameters(), None)
+    if first is not None:
+        x = x.to(device=first.device, dtype=first.dtype if x.dtype.is_floating_point else x.dtype)
+    was_training = model.training
+    try:
+        model.eval()
+        output = model(x)
+    except Exception as error:           # the user's module on the user's data: one line, not a traceback
+        line = (str(error).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"the model cannot take samples of shape {tuple(input_shape)}: {type(error).__name__}: "
+                        f"{line}; make its first layers fit that shape") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(output, torch.Tensor) or output.shape[:1] != x.shape[:1]:
+        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise UserError(f"the model must return one output row per sample; for {len(x)} samples it returned {got}")
+    return output
+
+
+def check_objective(model: nn.Module, objective: Objective, data) -> None:
+    """Run the loss and the metrics on the model's outputs for two training samples."""
+    if isinstance(data, DatasetPair):
+        x, y = data.sample_batch(2)
+    else:
+        x, y = data.sample_inputs(2), data.train_y[:2]
+    output = run_model(model, x, data.input_shape)
+    y = y.to(output.device)
+    for what, call in (("loss=", lambda: objective.loss_sum(output, y)),
+                       ("metrics=", lambda: objective.metric_sums(output, y))):
+        try:
+            call()
+        except UserError:
+            raise
+        except Exception as error:
+            line = (str(error).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
+                            f"{tuple(y.shape)}: {type(error).__name__}: {line}") from None
+
+
+def check_sizes(data, config: TrainConfig) -> None:
+    """Refuse data too small for the run: empty splits, or fewer validation samples than devices."""
+    if data.num_train == 0:
+        raise DataError("the training set is empty (0 samples)")
+    if data.num_val < config.devices:
+        raise DataError(f"the validation set has {data.num_val} sample{'s' * (data.num_val != 1)}, fewer than "
+                        f"--devices {config.devices}: every device evaluates a share; give at least "
+                        f"{config.devices} validation samples")
+
+
+def make_objective(config: TrainConfig, loss=None, metrics=None) -> Optional[Objective]:
+    if loss is not None and config.label_smoothing:
+        raise UserError("label_smoothing= applies to the built-in cross-entropy; drop it or build it into loss=")
+    return Objective(loss, metrics, label_smoothing=config.label_smoothing)
+
+
+def check_picklable(**parts) -> None:
+    """Refuse, in one line, a user object that spawned worker processes could not receive."""
+    for name, value in parts.items():
+        if value is None:
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception as error:           # PicklingError, AttributeError or TypeError, depending on the object
+            reason = (str(error).strip().splitlines() or [""])[0][:160]
+            raise UserError(f"{name}= cannot be sent to the worker processes ({reason}); define it with def/class "
+                            f"at the top level of an importable module (not a lambda or a notebook cell), or use "
+                            f"devices=1") from None

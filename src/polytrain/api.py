@@ -15,9 +15,9 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from .checkpoint import load_weights
+from .checkpoint import atomic_write_bytes, load_weights
 from .config import STRATEGY_FLAGS, TrainConfig, replicas
-from .data import ArrayDataset, load_dataset, unused_dataset_options
+from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
 from .hostenv import launcher_env
@@ -63,6 +63,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
     check_sizes(dataset, config)
+    if verbose and getattr(dataset, "skipped", None):
+        print(f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}")
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
     module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) if registry_model \
@@ -90,7 +92,12 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
                         custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names))
         if getattr(dataset, "classes", None):
             settings["classes"] = list(dataset.classes)
+        skipped = getattr(dataset, "skipped", None)
+        if skipped:
+            settings["skipped_files"] = len(skipped)
         write_config(run_dir, settings)
+        if skipped:
+            atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
               resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
               objective=objective, loggers=tuple(loggers))
@@ -183,11 +190,9 @@ def load_run(run_dir) -> tuple:
     if settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
                         f"polytrain.evaluate(model, data)")
-    how = ("strategy", *STRATEGY_FLAGS)          # how it trained does not matter to the weights
+    how = ("strategy", *STRATEGY_FLAGS, "logger")      # how it trained does not matter to the weights
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
-    dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=False,
-                           synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
-                           seed=config.seed)
+    dataset = load_dataset(config.dataset, **dict(dataset_settings(config), download=False))
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
     load_weights(Path(run_dir) / "model.pt", model)
     return config, dataset, model
@@ -239,4 +244,4 @@ def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> di
     predicted = torch.cat([model(batch.x).argmax(1).cpu() for batch in val.eval_batches()])
     index = spread_indices(len(predicted), count)
     return {"index": index, "images": dataset.val_x[index], "predicted": predicted[index],
-            "true": dataset.val_y[index]}
+            "true": dataset.val_y[index], "classes": getattr(dataset, "classes", None)}

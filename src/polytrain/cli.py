@@ -29,7 +29,16 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", metavar="NAME",
                       help=f"one of {', '.join(DATASETS)} (default: {d.dataset}, 5,000 real digits, no download)")
-    data.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files (IDX or CIFAR binary)")
+    data.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files (IDX or CIFAR binary), or "
+                                                        "the image folder of --dataset folder")
+    data.add_argument("--image-size", type=int, metavar="S",
+                      help="--dataset folder: resize every image to S x S (default: keep, all must share one size)")
+    data.add_argument("--val-fraction", type=float, metavar="F",
+                      help="--dataset folder with <class>/ folders only: hold out the last F of each class's "
+                           "sorted files for validation")
+    data.add_argument("--skip-bad", action="store_true", default=None,
+                      help="--dataset folder: skip unreadable images and report how many (default: stop, naming "
+                           "the file)")
     data.add_argument("--download", action="store_true", default=None,
                       help="fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)")
     data.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
@@ -69,6 +78,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                        help="channels-last memory format (default: on for convolutional models)")
     model.add_argument("--seed", type=int, metavar="N", help=f"default: {d.seed}")
+    model.add_argument("--logger", metavar="tensorboard,csv",
+                       help="also log to TensorBoard (RUN_DIR/tensorboard; pip install 'polytrain[tensorboard]') "
+                            "and/or RUN_DIR/metrics.csv, beside metrics.jsonl")
     devices = parser.add_argument_group("devices")
     devices.add_argument("--device", metavar="{auto,cpu,cuda}",
                          help="auto: CUDA GPUs if present, else CPU processes (default: auto)")

@@ -113,6 +113,10 @@ def train_command(args) -> int:
             print(f"stopped after {config.max_steps} steps; continue with: polytrain train --resume {run_dir}")
         elif history.epochs:
             print(f"done: validation accuracy {history.last['val_acc']:.4f}; run folder {run_dir}")
+        skipped = read_config(run_dir).get("skipped_files", 0)
+        if skipped:
+            print(f"skipped {skipped} unreadable image file{'s' * (skipped != 1)} (--skip-bad); they are listed "
+                  f"in {Path(run_dir) / 'skipped.txt'}")
     return 0
 
 
@@ -127,17 +131,22 @@ def predict_command(args) -> int:
         raise UserError(f"--show must be 0 or more, got {args.show}")
     args.run_dir = resolve_run_dir(args.run_dir)
     everything = predict(args.run_dir, device=args.device)
+    classes = everything.pop("classes") or read_config(args.run_dir).get("classes")
+
+    def name(label: int):
+        return classes[label] if classes else label
     wrong = int((everything["predicted"] != everything["true"]).sum())
     print(f"{len(everything['true'])} validation samples, {wrong} wrong")
     index = spread_indices(len(everything["true"]), args.show or 10)
     shown = {key: value[index] for key, value in everything.items()}
     for i, sample in enumerate(shown["index"].tolist()):
         predicted, true = int(shown["predicted"][i]), int(shown["true"][i])
-        print(f"sample {sample}: predicted {predicted}, true {true}" + ("  <- wrong" if predicted != true else ""))
+        print(f"sample {sample}: predicted {name(predicted)}, true {name(true)}"
+              + ("  <- wrong" if predicted != true else ""))
     if args.show:
         from .report import prediction_grid
         path = Path(args.run_dir) / "predictions.png"
-        prediction_grid(shown["images"], shown["predicted"], shown["true"], path)
+        prediction_grid(shown["images"], shown["predicted"], shown["true"], path, classes=classes)
         print(f"wrote {path}")
     return 0
 

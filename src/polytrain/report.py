@@ -8,7 +8,7 @@ from pathlib import Path
 from .checkpoint import atomic_write_bytes
 
 
-def prediction_grid(images, predicted, true, path: Path) -> None:
+def prediction_grid(images, predicted, true, path: Path, *, classes=None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -23,7 +23,9 @@ def prediction_grid(images, predicted, true, path: Path) -> None:
         image = images[i].permute(1, 2, 0).numpy()
         axis.imshow(image.squeeze(-1) if image.shape[-1] == 1 else image, cmap="gray")
         mistake = int(predicted[i]) != int(true[i])
-        axis.set_title(f"{int(predicted[i])} (true {int(true[i])})" if mistake else f"{int(predicted[i])}",
+        guess, label = (classes[int(predicted[i])], classes[int(true[i])]) if classes else (int(predicted[i]),
+                                                                                            int(true[i]))
+        axis.set_title(f"{guess} (true {label})" if mistake else f"{guess}",
                        color="red" if mistake else "black", fontsize=9)
         if mistake:
             for spine in axis.spines.values():

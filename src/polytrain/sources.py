@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from .config import TrainConfig
-from .data import ArrayDataset, load_dataset
+from .data import ArrayDataset, dataset_settings, load_dataset
 from .data.stream import DatasetPair, default_workers, spec_of
 from .errors import DataError, UserError
 from .objective import Objective
@@ -49,9 +49,7 @@ def as_dataset(data, config: TrainConfig) -> ArrayDataset:
     if isinstance(data, ArrayDataset):
         return data
     if isinstance(data, str):
-        return load_dataset(data, data_dir=config.data_dir, download=config.download,
-                            synthetic_size=config.synthetic_size, synthetic_shape=config.synthetic_shape,
-                            seed=config.seed)
+        return load_dataset(data, **dataset_settings(config))
     if isinstance(data, (tuple, list)) and len(data) == 4:
         train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
         classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10

@@ -12,7 +12,8 @@ from .arrays import ArrayDataset
 
 DATASETS: Dict[str, Callable[..., ArrayDataset]] = {}
 OPTIONS: Dict[str, Tuple[str, ...]] = {}          # the dataset settings each dataset reads
-DATASET_SETTINGS = ("data_dir", "download", "synthetic_size", "synthetic_shape")
+DATASET_SETTINGS = ("data_dir", "download", "synthetic_size", "synthetic_shape", "image_size", "val_fraction",
+                    "skip_bad")
 
 
 def register(name: str, *, options: Tuple[str, ...] = ()):
@@ -35,12 +36,22 @@ def datasets_using(setting: str) -> List[str]:
 
 
 def load_dataset(name: str, *, data_dir: Optional[str] = None, download: bool = False,
-                 synthetic_size: int = 2048, synthetic_shape=(1, 28, 28), seed: int = 0) -> ArrayDataset:
+                 synthetic_size: int = 2048, synthetic_shape=(1, 28, 28), seed: int = 0,
+                 image_size: Optional[int] = None, val_fraction: Optional[float] = None,
+                 skip_bad: bool = False) -> ArrayDataset:
     """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
     return DATASETS[name](data_dir=data_dir, download=download, size=synthetic_size,
-                          shape=tuple(synthetic_shape), seed=seed)
+                          shape=tuple(synthetic_shape), seed=seed, image_size=image_size,
+                          val_fraction=val_fraction, skip_bad=skip_bad)
+
+
+def dataset_settings(config) -> dict:
+    """The keywords of `load_dataset` from a TrainConfig."""
+    return dict(data_dir=config.data_dir, download=config.download, synthetic_size=config.synthetic_size,
+                synthetic_shape=config.synthetic_shape, seed=config.seed, image_size=config.image_size,
+                val_fraction=config.val_fraction, skip_bad=config.skip_bad)
 
 
 def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callable):
@@ -96,10 +107,20 @@ def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True, flip=True)
 
 
+@register("folder", options=("data_dir", "image_size", "val_fraction", "skip_bad"))
+def _folder(*, data_dir=None, image_size=None, val_fraction=None, skip_bad=False, **_) -> ArrayDataset:
+    from .folder import load_image_folder
+    if data_dir is None:
+        raise DataError("--dataset folder needs --data-dir DIR: a folder with train/<class>/ and val/<class>/ "
+                        "image folders, or <class>/ folders and --val-fraction 0.1")
+    return load_image_folder(data_dir, image_size=image_size, val_fraction=val_fraction, skip_bad=skip_bad)
+
+
 @register("synthetic", options=("synthetic_size", "synthetic_shape"))
 def _synthetic(*, size=2048, shape=(1, 28, 28), seed=0, **_) -> ArrayDataset:
     from .arrays import synthetic_dataset
     return synthetic_dataset(size=size, shape=shape, seed=seed)
 
 
-__all__ = ["ArrayDataset", "DATASETS", "datasets_using", "load_dataset", "register", "unused_dataset_options"]
+__all__ = ["ArrayDataset", "DATASETS", "dataset_settings", "datasets_using", "load_dataset", "register",
+           "unused_dataset_options"]

@@ -4,7 +4,7 @@ Run (about 4 minutes on a 2-core CPU; with 2 GPUs add --device cuda):
 
     python benchmarks/data_parallel.py --repeats 6 --epochs 4 --device cpu
 
-Part 1, polytrain versus plain DDP. LeNet on the 4,000 training digits of `mnist-sample`, global batch 64
+Part 1, polytrain versus plain DDP. LeNet on the 8,000 training digits of `mnist-sample` (4,000 before 2026-11-23), global batch 64
 (`--batch-size`), two processes on this machine, interleaved A, B, A, B, ...:
   polytrain  `polytrain.fit(model, dataset, devices=2, strategy="data", ...)`: epoch time from
              `history["epoch_seconds"]` of rank 0.

@@ -4,7 +4,7 @@ Run (about 1 minute on a 2-core CPU; on a GPU add --device cuda):
 
     python benchmarks/single_device.py --repeats 10 --epochs 2 --batch-size 64 --device cpu
 
-LeNet (`build_model("lenet", (1, 28, 28), 10)`) is trained on the 4,000 training digits of `mnist-sample`
+LeNet (`build_model("lenet", (1, 28, 28), 10)`) is trained on the 8,000 training digits of `mnist-sample` (4,000 before 2026-11-23)
 three ways, interleaved A, B, C, A, B, C, ... so that other load on the machine hits all three alike:
 
   polytrain  `polytrain.fit(...)`; the epoch time is `history["epoch_seconds"]` (the training pass only).

@@ -28,7 +28,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", metavar="NAME",
-                      help=f"one of {', '.join(DATASETS)} (default: {d.dataset}, 5,000 real digits, no download)")
+                      help=f"one of {', '.join(DATASETS)} (default: {d.dataset}, 10,000 real MNIST digits shipped with polytrain)")
     data.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files (IDX or CIFAR binary), or "
                                                         "the image folder of --dataset folder")
     data.add_argument("--image-size", type=int, metavar="S",
@@ -122,7 +122,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 
 
 EXAMPLES = """examples:
-  polytrain train                          # LeNet on 5,000 real MNIST digits, run folder under runs/
+  polytrain train                          # LeNet on 10,000 real MNIST digits, run folder under runs/
   polytrain train --devices 2              # the same, data-parallel on 2 processes/GPUs
   polytrain evaluate runs/LATEST           # runs/LATEST: the newest run folder under runs/
   polytrain predict runs/LATEST --show 25

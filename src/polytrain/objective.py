@@ -81,7 +81,3 @@ def per_sample_sum(name: str, value, count: int, device) -> torch.Tensor:
     raise UserError(f"metric {name!r} returned shape {tuple(value.shape)} for {count} samples; return one value "
                     f"per sample, shape ({count},), or the batch mean (a scalar)")
 
-
-def record_keys(names, prefix: str) -> Tuple[str, ...]:
-    """The epoch record's keys of the metrics `names`: train_acc, val_mae, ..."""
-    return tuple(f"{prefix}_{name}" for name in names)

@@ -227,3 +227,20 @@ def test_evaluate_takes_a_dataset_and_a_loss():
     with torch.no_grad():
         assert result["loss"] == pytest.approx(F.mse_loss(model(x), y).item(), rel=1e-5)
     assert result["count"] == 30 and "acc" not in result
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_on_datasets_with_a_custom_loss_equals_one_device():
+    """The pipeline computes the loss on its last stage, micro-batch by micro-batch: still the global mean."""
+    x, y = regression(70)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    common = dict(train=Pairs(x[:54], y[:54]), val=Pairs(x[54:], y[54:]), epochs=1, batch_size=16, num_workers=1,
+                  metrics={"mae": mean_absolute_error}, **REGRESSION)
+    one, split = copy.deepcopy(model), copy.deepcopy(model)
+    history_one = polytrain.fit(one, **common)
+    history_split = polytrain.fit(split, devices=2, strategy="pipeline", microbatches=2, **common)
+    for got, want in zip(split.state_dict().values(), one.state_dict().values()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for key in ("train_loss", "train_mae", "val_loss", "val_mae"):
+        assert history_split[key] == pytest.approx(history_one[key], rel=1e-5)

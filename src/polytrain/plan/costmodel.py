@@ -1,0 +1,140 @@
+"""Predicted step time of each strategy on n devices, from one device's measured compute and an alpha-beta link.
+
+Pure arithmetic (no torch.distributed), tested against values worked out by hand. The inputs are what one
+device and one measured link can tell:
+
+- `Workload.compute_seconds`: one optimizer step of the whole global batch on one device (forward, backward,
+  update); `update_seconds` of it is the optimizer update, which every replica repeats in full;
+- `parameter_bytes` S: the gradients (= weights) exchanged per step;
+- `boundary_bytes`: activation bytes per sample crossing each possible pipeline cut, and `layers`: the
+  number of parameter-holding layers (FSDP2 gathers each layer's shard separately);
+- `Link(alpha, beta)`: seconds per message and bytes per second, fitted to measured transfers.
+
+Models (n devices, compute split evenly, the update not split except where sharded):
+
+- data parallel: compute/n + ring all-reduce 2(n-1)/n S/B + 2(n-1) alpha;
+- parameter server (K servers, S split evenly between them): each server's link carries the pushes of the
+  n-1 other ranks in and their pulls out, one after the other: 2 (n-1) S / (K B) + 2 (n-1) alpha;
+- sharded (FSDP2): weights all-gathered in forward and backward and gradients reduce-scattered:
+  3 (n-1)/n S/B + 3 (n-1) alpha per layer; the update is split n ways;
+- pipeline (p stages, m micro-batches, perfectly balanced): each slot is compute/(p m) plus one forward and
+  one backward transfer of a micro-batch's activations at a cut; a step is (m + p - 1) slots, so the idle
+  share (the bubble) is (p - 1)/(m + p - 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float          # seconds per message (latency)
+    beta: float           # bytes per second (bandwidth)
+
+    def seconds(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.alpha + nbytes / self.beta
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> "Link":
+        """Least-squares alpha and 1/beta from (bytes, seconds) of measured messages (at least two sizes)."""
+        if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+            raise ValueError("fitting a link needs messages of at least two different sizes")
+        count = len(sizes)
+        mean_x, mean_y = sum(sizes) / count, sum(seconds) / count
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / \
+            sum((x - mean_x) ** 2 for x in sizes)
+        slope = max(slope, 1e-15)                      # noise must not give an infinite or negative bandwidth
+        return cls(alpha=max(0.0, mean_y - slope * mean_x), beta=1.0 / slope)
+
+
+@dataclass(frozen=True)
+class Workload:
+    compute_seconds: float          # one global batch on one device: forward + backward + update
+    parameter_bytes: float          # S
+    batch_size: int                 # the global batch
+    update_seconds: float = 0.0     # the optimizer update's part of compute_seconds
+    layers: int = 1                 # parameter-holding layers (messages per collective under FSDP2)
+    boundary_bytes: Tuple[float, ...] = ()    # activation bytes per sample at each cut between layers
+
+    @property
+    def pass_seconds(self) -> float:
+        """Forward + backward: the part of a step that splits across devices."""
+        return self.compute_seconds - self.update_seconds
+
+
+@dataclass(frozen=True)
+class Prediction:
+    strategy: str
+    devices: int
+    compute: float            # seconds of a step spent computing
+    communication: float      # seconds of a step spent moving bytes (not overlapped)
+    idle: float = 0.0         # seconds of a step waiting (pipeline bubble)
+    note: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute + self.communication + self.idle
+
+    def speedup(self, one_device_seconds: float) -> float:
+        return one_device_seconds / self.step_seconds
+
+
+def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
+    if devices == 1:
+        return 0.0
+    return 2 * (devices - 1) / devices * nbytes / link.beta + 2 * (devices - 1) * link.alpha
+
+
+def data_parallel(work: Workload, devices: int, link: Link) -> Prediction:
+    compute = work.pass_seconds / devices + work.update_seconds
+    return Prediction("data", devices, compute, ring_allreduce(devices, work.parameter_bytes, link))
+
+
+def parameter_server(work: Workload, devices: int, link: Link, *, servers: int = 1) -> Prediction:
+    compute = work.pass_seconds / devices + work.update_seconds / servers
+    others = devices - 1
+    communication = 2 * others * work.parameter_bytes / (servers * link.beta) + 2 * others * link.alpha
+    return Prediction("parameter-server", devices, compute, communication if devices > 1 else 0.0)
+
+
+def sharded(work: Workload, devices: int, link: Link) -> Prediction:
+    compute = work.pass_seconds / devices + work.update_seconds / devices
+    if devices == 1:
+        return Prediction("sharded", devices, compute, 0.0)
+    communication = 3 * (devices - 1) / devices * work.parameter_bytes / link.beta \
+        + 3 * (devices - 1) * link.alpha * work.layers
+    return Prediction("sharded", devices, compute, communication)
+
+
+def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> Prediction:
+    if stages > 1 and len(work.boundary_bytes) < stages - 1:
+        return Prediction("pipeline", stages, 0.0, 0.0, float("inf"),
+                          note=f"{stages} stages need {stages - 1} cuts; the model has {len(work.boundary_bytes)}")
+    slots = microbatches + stages - 1
+    work_per_slot = work.pass_seconds / (stages * microbatches)
+    per_sample = max(work.boundary_bytes) if stages > 1 else 0.0
+    transfer = 2 * link.seconds(per_sample * work.batch_size / microbatches) if stages > 1 else 0.0
+    compute = microbatches * work_per_slot + work.update_seconds / stages
+    return Prediction("pipeline", stages, compute, slots * transfer, (stages - 1) * work_per_slot)
+
+
+def bubble(stages: int, microbatches: int) -> float:
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4,
+                servers: int = 1) -> Dict[str, Prediction]:
+    """Every strategy's prediction at `devices`; one device is `single`, the reference."""
+    if devices == 1:
+        return {"single": Prediction("single", 1, work.compute_seconds, 0.0)}
+    return {"data": data_parallel(work, devices, link),
+            "parameter-server": parameter_server(work, devices, link, servers=servers),
+            "sharded": sharded(work, devices, link),
+            "pipeline": pipeline(work, devices, link, microbatches=microbatches)}
+
+
+def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:
+    """The fastest prediction among the strategies that fit in memory (all, when `fits` is None)."""
+    candidates = [p for name, p in predictions.items() if fits is None or fits.get(name, False)]
+    return min(candidates, key=lambda p: p.step_seconds, default=None)

@@ -1,0 +1,73 @@
+"""The cost model against step times worked out by hand."""
+import pytest
+
+from polytrain.plan.costmodel import (Link, Workload, bubble, choose, data_parallel, parameter_server, pipeline,
+                                      predict_all, ring_allreduce, sharded)
+
+LINK = Link(alpha=1e-4, beta=1e9)          # 0.1 ms per message, 1 GB/s
+WORK = Workload(compute_seconds=0.1, parameter_bytes=4e6, batch_size=64, update_seconds=0.01, layers=4,
+                boundary_bytes=(1000.0, 4000.0, 500.0))
+
+
+def test_ring_allreduce_is_two_n_minus_one_over_n_bytes_and_two_n_minus_one_messages():
+    assert ring_allreduce(1, 4e6, LINK) == 0.0
+    # n = 4: 2 * 3/4 * 4e6 / 1e9 = 6 ms, plus 2 * 3 * 0.1 ms = 0.6 ms
+    assert ring_allreduce(4, 4e6, LINK) == pytest.approx(0.0066)
+
+
+def test_data_parallel_splits_the_passes_and_repeats_the_update():
+    p = data_parallel(WORK, 4, LINK)
+    assert p.compute == pytest.approx(0.09 / 4 + 0.01)                  # 32.5 ms
+    assert p.communication == pytest.approx(0.0066)
+    assert p.step_seconds == pytest.approx(0.0391)
+    assert p.speedup(0.1) == pytest.approx(0.1 / 0.0391)
+
+
+def test_parameter_server_link_carries_every_other_ranks_push_and_pull():
+    p = parameter_server(WORK, 4, LINK)
+    # 2 * 3 * 4e6 / 1e9 = 24 ms, plus 2 * 3 * 0.1 ms
+    assert p.communication == pytest.approx(0.0246)
+    assert p.compute == pytest.approx(0.0225 + 0.01)
+    two = parameter_server(WORK, 4, LINK, servers=2)
+    assert two.communication == pytest.approx(0.012 + 0.0006)
+    assert two.compute == pytest.approx(0.0225 + 0.005)
+
+
+def test_sharded_pays_three_collectives_per_layer_and_splits_the_update():
+    p = sharded(WORK, 4, LINK)
+    # 3 * 3/4 * 4 ms = 9 ms; 3 * 3 * 0.1 ms * 4 layers = 3.6 ms
+    assert p.communication == pytest.approx(0.0126)
+    assert p.compute == pytest.approx(0.09 / 4 + 0.01 / 4)
+
+
+def test_pipeline_step_is_m_plus_p_minus_one_slots():
+    p = pipeline(WORK, 2, LINK, microbatches=4)
+    slot = 0.09 / 8                                       # passes split over 2 stages and 4 micro-batches
+    transfer = 2 * (1e-4 + 4000 * 16 / 1e9)               # forward + backward, 16 samples, widest cut
+    assert p.compute == pytest.approx(4 * slot + 0.005)
+    assert p.idle == pytest.approx(slot)
+    assert p.communication == pytest.approx(5 * transfer)
+    assert p.idle / (p.compute - 0.005 + p.idle) == pytest.approx(bubble(2, 4)) == pytest.approx(0.2)
+
+
+def test_a_pipeline_with_more_stages_than_cuts_is_impossible_and_says_why():
+    p = pipeline(WORK, 5, LINK, microbatches=4)
+    assert p.step_seconds == float("inf") and "5 stages need 4 cuts; the model has 3" in p.note
+
+
+def test_choose_the_fastest_that_fits():
+    predictions = predict_all(WORK, 4, LINK)
+    assert set(predictions) == {"data", "parameter-server", "sharded", "pipeline"}
+    fastest = min(predictions.values(), key=lambda p: p.step_seconds)
+    assert choose(predictions) is fastest
+    assert choose(predictions, fits={"parameter-server": True}).strategy == "parameter-server"
+    assert choose(predictions, fits={}) is None
+    assert predict_all(WORK, 1, LINK)["single"].step_seconds == 0.1
+
+
+def test_link_fit_recovers_alpha_and_beta():
+    sizes = [1e3, 1e5, 1e6, 1e7]
+    link = Link.fit(sizes, [LINK.seconds(s) for s in sizes])
+    assert link.alpha == pytest.approx(1e-4) and link.beta == pytest.approx(1e9)
+    with pytest.raises(ValueError):
+        Link.fit([5.0, 5.0], [1.0, 2.0])

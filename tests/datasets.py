@@ -77,3 +77,16 @@ class Recorder:
 
     def log_metrics(self, metrics, step):
         self.calls.append((dict(metrics), step))
+
+
+class RaisesAt(Pairs):
+    """Like Pairs, but reading sample `index` raises, as a bug in a user's __getitem__ would."""
+
+    def __init__(self, x, y, *, index):
+        super().__init__(x, y)
+        self.bad_index = index
+
+    def __getitem__(self, index):
+        if index == self.bad_index:
+            raise KeyError(f"no file for sample {index}")
+        return super().__getitem__(index)

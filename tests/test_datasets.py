@@ -10,7 +10,7 @@ from polytrain.data.loader import global_batch_order, rank_slice
 from polytrain.data.stream import DatasetPair, make_stream_loaders, spec_of
 from polytrain.errors import UserError
 
-from datasets import BadAt, Indices, Pairs, Recorder, Regressor, batch_rmse, mean_absolute_error, regression
+from datasets import BadAt, Indices, Pairs, RaisesAt, Recorder, Regressor, batch_rmse, mean_absolute_error, regression
 
 REGRESSION = dict(loss=torch.nn.MSELoss(), schedule="constant", warmup_epochs=0, weight_decay=0.0, lr=0.05,
                   momentum=0.9, device="cpu", verbose=False)
@@ -244,3 +244,13 @@ def test_a_pipeline_on_datasets_with_a_custom_loss_equals_one_device():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     for key in ("train_loss", "train_mae", "val_loss", "val_mae"):
         assert history_split[key] == pytest.approx(history_one[key], rel=1e-5)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataset_that_raises_is_one_line_naming_the_index_and_the_line(workers):
+    with pytest.raises(UserError) as refused:
+        polytrain.fit(Regressor(), train=RaisesAt(X, Y, index=13), val=Pairs(X, Y), epochs=1, batch_size=4,
+                      num_workers=workers, device="cpu", verbose=False, **{"loss": torch.nn.MSELoss()})
+    message = str(refused.value)
+    assert "train[13] raised KeyError: 'no file for sample 13' (" in message and "datasets.py:" in message
+    assert "\n" not in message

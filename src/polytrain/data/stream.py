@@ -67,8 +67,8 @@ class DatasetPair:
 
     def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first `count` training samples, collated and checked like every batch."""
-        batch = collate_checked([(("train", i), self.train[i]) for i in range(min(count, len(self.train)))],
-                                self.spec)
+        batch = collate_checked([(("train", i), fetch(self.train, "train", i))
+                                 for i in range(min(count, len(self.train)))], self.spec)
         if isinstance(batch, Problem):
             raise DataError(batch.message)
         return batch.x, batch.y
@@ -104,7 +104,10 @@ def spec_of(dataset: Dataset, *, num_classes: Optional[int], what: str = "train"
     """Read sample 0 of `dataset` (the caller's `train=`) and describe it; one line if it is unusable."""
     if len(dataset) == 0:
         raise DataError(f"{what}= is empty (0 samples); pass a Dataset with samples")
-    x, y = unpack(dataset[0], what, 0)
+    sample = fetch(dataset, what, 0)
+    if isinstance(sample, Failed):
+        raise DataError(sample.message)
+    x, y = unpack(sample, what, 0)
     x, y = as_tensor(x, f"{what}[0]'s input"), as_tensor(y, f"{what}[0]'s target")
     if num_classes is not None and (y.dim() != 0 or y.dtype.is_floating_point or y.dtype == torch.bool):
         raise DataError(f"{what}[0]'s target is {describe(y)}; classification needs one whole-number class "
@@ -128,6 +131,28 @@ class Collated:
 
 
 @dataclass
+class Failed:
+    """A sample whose `__getitem__` raised, with the one line that says so."""
+    message: str
+
+
+def fetch(dataset: Dataset, split: str, index: int):
+    """`dataset[index]`, or a `Failed` that names the index and where the user's `__getitem__` raised."""
+    try:
+        return dataset[index]
+    except Exception as error:
+        return Failed(f"{split}[{index}] raised {type(error).__name__}: "
+                      f"{(str(error).strip().splitlines() or [''])[0][:160]} ({where(error)})")
+
+
+def where(error: BaseException) -> str:
+    """file:line of the innermost frame of `error`'s traceback."""
+    import traceback
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "no traceback"
+
+
+@dataclass
 class Problem:
     """A bad sample found in a loader worker, carried to the training process as data, not as an exception."""
     message: str
@@ -139,6 +164,8 @@ def collate_checked(samples, spec: SampleSpec):
     try:
         for (split, index), sample in samples:
             what = f"{split}[{index}]"
+            if isinstance(sample, Failed):
+                raise DataError(sample.message)
             x, y = unpack(sample, split, index)
             x, y = as_tensor(x, f"{what}'s input"), as_tensor(y, f"{what}'s target")
             if tuple(x.shape) != spec.x_shape or x.dtype != spec.x_dtype:
@@ -171,7 +198,7 @@ class _Indexed(Dataset):
 
     def __getitem__(self, key):
         split, index = key
-        return key, self.splits[split][index]
+        return key, fetch(self.splits[split], split, index)
 
     def __len__(self) -> int:
         return sum(len(split) for split in self.splits.values())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -90,12 +91,8 @@ def describe(value) -> str:
 def as_tensor(value, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
-    try:
-        import numpy as np
-        if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
-            return torch.as_tensor(value)
-    except ImportError:                         # numpy is a dependency; kept defensive for the message
-        pass
+    if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
+        return torch.as_tensor(value)
     raise DataError(f"{what} is {describe(value)}; a Dataset must return tensors, arrays or numbers "
                     f"(add a transform such as torchvision.transforms.ToTensor())")
 

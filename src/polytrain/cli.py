@@ -130,8 +130,9 @@ EXAMPLES = """examples:
   polytrain verify --devices 2             # prove N devices train like one
   polytrain train --strategy pipeline --devices 2 --microbatches 1   # LeNet split over 2 devices
 
-polytrain trains classifiers of images: a model that maps (N, C, H, W) images to (N, classes) scores, on
-integer labels 0..classes-1."""
+polytrain train trains classifiers of images: a model that maps (N, C, H, W) images to (N, classes) scores,
+on integer labels 0..classes-1 (--dataset folder: your own images in class folders). From Python,
+polytrain.fit also takes torch Datasets and any loss (regression, multi-label, segmentation)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 FORMAT = "polytrain-checkpoint-1"
 
@@ -56,8 +56,7 @@ def safe_load(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:      # weights_only loading runs no code; any failure means a damaged file
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise CheckpointError(f"{path}: not a loadable polytrain checkpoint ({first_line}); it is damaged or "
+        raise CheckpointError(f"{path}: not a loadable polytrain checkpoint ({first_line(error)}); it is damaged or "
                               f"was not written by polytrain") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a polytrain checkpoint")

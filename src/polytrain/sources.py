@@ -14,7 +14,8 @@ from torch.utils.data import Dataset
 from .config import TrainConfig
 from .data import ArrayDataset, dataset_settings, load_dataset
 from .data.stream import DatasetPair, default_workers, spec_of
-from .errors import DataError, UserError
+from .models import run_on_sample
+from .errors import DataError, UserError, first_line
 from .objective import Objective
 
 
@@ -88,19 +89,7 @@ def output_width(model: nn.Module, pair: DatasetPair) -> int:
 
 @torch.no_grad()
 def run_model(model: nn.Module, x: torch.Tensor, input_shape) -> torch.Tensor:
-    first = next(model.parameters(), None)
-    if first is not None:
-        x = x.to(device=first.device, dtype=first.dtype if x.dtype.is_floating_point else x.dtype)
-    was_training = model.training
-    try:
-        model.eval()
-        output = model(x)
-    except Exception as error:           # the user's module on the user's data: one line, not a traceback
-        line = (str(error).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"the model cannot take samples of shape {tuple(input_shape)}: {type(error).__name__}: "
-                        f"{line}; make its first layers fit that shape") from None
-    finally:
-        model.train(was_training)
+    output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}")
     if not isinstance(output, torch.Tensor) or output.shape[:1] != x.shape[:1]:
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise UserError(f"the model must return one output row per sample; for {len(x)} samples it returned {got}")
@@ -122,9 +111,8 @@ def check_objective(model: nn.Module, objective: Objective, data) -> None:
         except UserError:
             raise
         except Exception as error:
-            line = (str(error).strip().splitlines() or [""])[0][:200]
             raise UserError(f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
-                            f"{tuple(y.shape)}: {type(error).__name__}: {line}") from None
+                            f"{tuple(y.shape)}: {type(error).__name__}: {first_line(error)}") from None
 
 
 def check_sizes(data, config: TrainConfig) -> None:
@@ -151,7 +139,6 @@ def check_picklable(**parts) -> None:
         try:
             pickle.dumps(value)
         except Exception as error:           # PicklingError, AttributeError or TypeError, depending on the object
-            reason = (str(error).strip().splitlines() or [""])[0][:160]
-            raise UserError(f"{name}= cannot be sent to the worker processes ({reason}); define it with def/class "
+            raise UserError(f"{name}= cannot be sent to the worker processes ({first_line(error, 160)}); define it with def/class "
                             f"at the top level of an importable module (not a lambda or a notebook cell), or use "
                             f"devices=1") from None

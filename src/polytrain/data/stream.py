@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..errors import DataError
+from ..errors import DataError, first_line
 from .loader import Batch, global_batch_order, rank_slice
 
 SPLITS = ("train", "val")
@@ -138,8 +138,7 @@ def fetch(dataset: Dataset, split: str, index: int):
     try:
         return dataset[index]
     except Exception as error:
-        return Failed(f"{split}[{index}] raised {type(error).__name__}: "
-                      f"{(str(error).strip().splitlines() or [''])[0][:160]} ({where(error)})")
+        return Failed(f"{split}[{index}] raised {type(error).__name__}: {first_line(error, 160)} ({where(error)})")
 
 
 def where(error: BaseException) -> str:

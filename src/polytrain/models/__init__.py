@@ -6,7 +6,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.nn as nn
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .cifar_cnn import CifarCNN
 from .lenet import LeNet, LeNet5
 from .mlp import MLP
@@ -28,23 +28,29 @@ def build_model(name: str, input_shape: Tuple[int, int, int], num_classes: int) 
 
 
 @torch.no_grad()
-def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None:
-    """Run `model` on two training images and refuse, in one line, a model that cannot take them or whose
-    output does not give one score per class: before any process starts, not as an error deep in a step."""
+def run_on_sample(model: nn.Module, x: torch.Tensor, what: str):
+    """`model(x)` in eval mode on the model's device (mode restored); one line naming `what` if it fails."""
     first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
-    sample = dataset.train_x[:2].to(device=device, dtype=first.dtype if first is not None else torch.float32) / 255
-    shape = "x".join(map(str, dataset.input_shape))
+    if first is not None:
+        x = x.to(device=first.device, dtype=first.dtype if x.dtype.is_floating_point else x.dtype)
     was_training = model.training
     try:
         model.eval()
-        output = model(sample)
-    except Exception as error:           # the user's module on our data: say what went wrong, in one line
-        line = (str(error).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"the model cannot take the dataset's {shape} images (C x H x W): {type(error).__name__}: "
-                        f"{line}; make its first layers fit that shape") from None
+        return model(x)
+    except Exception as error:           # the user's module on the data: say what went wrong, in one line
+        raise UserError(f"the model cannot take {what}: {type(error).__name__}: {first_line(error)}; make its "
+                        f"first layers fit that shape") from None
     finally:
         model.train(was_training)
+
+
+@torch.no_grad()
+def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None:
+    """Run `model` on two training images and refuse, in one line, a model that cannot take them or whose
+    output does not give one score per class: before any process starts, not as an error deep in a step."""
+    sample = dataset.sample_inputs(2)
+    shape = "x".join(map(str, dataset.input_shape))
+    output = run_on_sample(model, sample, f"the dataset's {shape} images (C x H x W)")
     needed = int(max(dataset.train_y.max(), dataset.val_y.max())) + 1
     classes = dataset.num_classes if exact else needed
     if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != len(sample):
@@ -56,4 +62,4 @@ def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None
                         f"classes (labels 0..{classes - 1}); make its last layer give {classes} outputs")
 
 
-__all__ = ["MODELS", "build_model", "check_model_output"]
+__all__ = ["MODELS", "build_model", "check_model_output", "run_on_sample"]

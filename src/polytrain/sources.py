@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from .config import TrainConfig
 from .data import ArrayDataset, dataset_settings, load_dataset
-from .data.stream import DatasetPair, default_workers, spec_of
+from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
 from .models import run_on_sample
 from .errors import DataError, UserError, first_line
 from .objective import Objective
@@ -65,6 +65,7 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
     spec_of(val, num_classes=None, what="val")
     classes = getattr(train, "classes", None)
     if objective.classification:
+        check_class_targets(spec)
         if classes is not None:
             spec.num_classes = len(classes)
         elif isinstance(model, nn.Module):
@@ -72,7 +73,6 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
         else:
             raise UserError(f"model {model!r} needs the number of classes: give train= a .classes list (as "
                             f"torchvision's datasets have), or pass your own nn.Module")
-        spec = spec_of(train, num_classes=spec.num_classes)
     workers = config.num_workers if config.num_workers is not None else default_workers(config.devices)
     return DatasetPair(train, val, spec, num_workers=workers,
                        classes=[str(c) for c in classes] if classes is not None else None)
@@ -87,7 +87,6 @@ def output_width(model: nn.Module, pair: DatasetPair) -> int:
     return output.shape[1]
 
 
-@torch.no_grad()
 def run_model(model: nn.Module, x: torch.Tensor, input_shape) -> torch.Tensor:
     output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}")
     if not isinstance(output, torch.Tensor) or output.shape[:1] != x.shape[:1]:

@@ -21,9 +21,6 @@ from torch.utils.data import DataLoader, Dataset
 from ..errors import DataError, first_line
 from .loader import Batch, global_batch_order, rank_slice
 
-SPLITS = ("train", "val")
-
-
 @dataclass
 class SampleSpec:
     """What every sample must look like: the first training sample's input and target."""
@@ -81,9 +78,13 @@ def default_workers(processes: int = 1) -> int:
     return max(1, min(4, cores // max(1, processes) - 1))
 
 
+def tensor_words(dtype: torch.dtype, shape) -> str:
+    return f"a {str(dtype).replace('torch.', '')} tensor of shape {tuple(shape)}"
+
+
 def describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+        return tensor_words(value.dtype, value.shape)
     kind = type(value)
     return f"a {kind.__qualname__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
 
@@ -102,14 +103,21 @@ def spec_of(dataset: Dataset, *, num_classes: Optional[int], what: str = "train"
     if len(dataset) == 0:
         raise DataError(f"{what}= is empty (0 samples); pass a Dataset with samples")
     sample = fetch(dataset, what, 0)
-    if isinstance(sample, Failed):
+    if isinstance(sample, Problem):
         raise DataError(sample.message)
     x, y = unpack(sample, what, 0)
     x, y = as_tensor(x, f"{what}[0]'s input"), as_tensor(y, f"{what}[0]'s target")
-    if num_classes is not None and (y.dim() != 0 or y.dtype.is_floating_point or y.dtype == torch.bool):
-        raise DataError(f"{what}[0]'s target is {describe(y)}; classification needs one whole-number class "
-                        f"index per sample (or pass loss= for another objective)")
-    return SampleSpec(tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, num_classes)
+    spec = SampleSpec(tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, num_classes)
+    if num_classes is not None:
+        check_class_targets(spec, what)
+    return spec
+
+
+def check_class_targets(spec: SampleSpec, what: str = "train") -> None:
+    """Classification needs targets that are single class indices."""
+    if spec.y_shape != () or spec.y_dtype.is_floating_point or spec.y_dtype == torch.bool:
+        raise DataError(f"{what}[0]'s target is {tensor_words(spec.y_dtype, spec.y_shape)}; classification needs "
+                        f"one whole-number class index per sample (or pass loss= for another objective)")
 
 
 def unpack(sample, what: str, index):
@@ -127,18 +135,12 @@ class Collated:
         return Collated(self.x.pin_memory(), self.y.pin_memory())
 
 
-@dataclass
-class Failed:
-    """A sample whose `__getitem__` raised, with the one line that says so."""
-    message: str
-
-
 def fetch(dataset: Dataset, split: str, index: int):
-    """`dataset[index]`, or a `Failed` that names the index and where the user's `__getitem__` raised."""
+    """`dataset[index]`, or a `Problem` that names the index and where the user's `__getitem__` raised."""
     try:
         return dataset[index]
     except Exception as error:
-        return Failed(f"{split}[{index}] raised {type(error).__name__}: {first_line(error, 160)} ({where(error)})")
+        return Problem(f"{split}[{index}] raised {type(error).__name__}: {first_line(error, 160)} ({where(error)})")
 
 
 def where(error: BaseException) -> str:
@@ -150,7 +152,8 @@ def where(error: BaseException) -> str:
 
 @dataclass
 class Problem:
-    """A bad sample found in a loader worker, carried to the training process as data, not as an exception."""
+    """A bad sample (or one whose `__getitem__` raised), carried from a loader worker to the training process
+    as data, not as an exception."""
     message: str
 
 
@@ -160,12 +163,13 @@ def collate_checked(samples, spec: SampleSpec):
     try:
         for (split, index), sample in samples:
             what = f"{split}[{index}]"
-            if isinstance(sample, Failed):
-                raise DataError(sample.message)
+            if isinstance(sample, Problem):
+                return sample
             x, y = unpack(sample, split, index)
             x, y = as_tensor(x, f"{what}'s input"), as_tensor(y, f"{what}'s target")
             if tuple(x.shape) != spec.x_shape or x.dtype != spec.x_dtype:
-                raise DataError(f"{what}'s input is {describe(x)}, but train[0]'s is {describe_spec(spec)}; every "
+                raise DataError(f"{what}'s input is {describe(x)}, but train[0]'s is "
+                                f"{tensor_words(spec.x_dtype, spec.x_shape)}; every "
                                 f"sample must have the same shape and type (resize or pad them)")
             if tuple(y.shape) != spec.y_shape:
                 raise DataError(f"{what}'s target has shape {tuple(y.shape)}, but train[0]'s has {spec.y_shape}")
@@ -180,10 +184,6 @@ def collate_checked(samples, spec: SampleSpec):
         return Collated(torch.empty((0, *spec.x_shape), dtype=spec.x_dtype),
                         torch.empty((0, *spec.y_shape), dtype=torch.long if spec.num_classes else spec.y_dtype))
     return Collated(torch.stack(xs), torch.stack(ys))
-
-
-def describe_spec(spec: SampleSpec) -> str:
-    return f"a {str(spec.x_dtype).replace('torch.', '')} tensor of shape {spec.x_shape}"
 
 
 class _Indexed(Dataset):

@@ -189,5 +189,25 @@ def verify_command(args) -> int:
     return 0 if ok else 1
 
 
+def bench_command(args) -> int:
+    import time
+    from .bench import BenchOptions, run_bench
+    from .benchreport import draw, report, write_json
+    kinds = args.device or (("cuda",) if torch.cuda.is_available() else ("cpu",))
+    options = BenchOptions(model=args.model, dataset=args.dataset, data_dir=args.data_dir, devices=args.devices,
+                           strategies=args.strategies, batch_sizes=args.batch_sizes, device_kinds=kinds,
+                           warmup=args.warmup, steps=args.steps, predict=args.predict, seed=args.seed)
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder for bench.json and bench.png")
+    result = run_bench(options, progress=lambda line: print(line, flush=True))
+    print("\n".join(report(result)))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(result, out / "bench.json")
+    draw(result, out / "bench.png")
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
 COMMANDS = {"train": train_command, "evaluate": evaluate_command, "predict": predict_command,
-            "verify": verify_command}
+            "verify": verify_command, "bench": bench_command}

@@ -69,6 +69,8 @@ class Trainer:
         self.should_stop = should_stop or (lambda: False)
         self.interrupted = False
         self.last_stats = None                    # the latest step's StepStats (on the device), for loggers
+        self.data_seconds = 0.0                   # host time the latest batch took to arrive from the loader
+        self.batch = None                         # the latest batch
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -108,7 +110,14 @@ class Trainer:
         self._emit("on_epoch_start", epoch)
         self.strategy.synchronize()
         began = time.perf_counter() - start.seconds
-        for batch in self.train_loader.train_batches(epoch, start_step=start.step):
+        batches = self.train_loader.train_batches(epoch, start_step=start.step)
+        while True:
+            fetching = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self.data_seconds, self.batch = time.perf_counter() - fetching, batch
+            self._emit("on_step_start", batch.step)
             stats = self.strategy.train_step(batch)
             self.last_stats = stats
             loss_total += stats.loss_sum

@@ -26,6 +26,7 @@ from .optim import make_optimizer, make_scheduler
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .strategies import STRATEGIES
 from .trainer import History, Position, Trainer
+from .stepclock import StepClock
 from .timeline import Timeline
 from .watchdog import Watchdog
 
@@ -45,6 +46,7 @@ class Job:
     plan: object = None                # the strategy's plan, computed by the caller (Strategy.make_plan)
     objective: Objective = None        # the loss and metrics; None: classification with --label-smoothing
     loggers: tuple = ()                # logger objects given to fit(logger=...), called on the main rank
+    bench: Optional[tuple] = None      # (warm-up steps, measured steps): time each step (`polytrain bench`)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class WorkerResult:
     history: History
     weights: dict          # the trained state dict, on the CPU
     steps: list = None     # with Job.record_steps: (global loss, flat parameters) after each step
+    timings: list = None   # with Job.bench: every rank's measured steps and memory (stepclock.StepClock)
 
 
 def choose_device(kind: str, local_rank: int) -> torch.device:
@@ -171,6 +174,9 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     recorder = StepRecorder() if job.record_steps else None
     if recorder is not None:
         callbacks.append(recorder)
+    clock = StepClock(warmup=job.bench[0], steps=job.bench[1], model=job.model) if job.bench else None
+    if clock is not None:
+        callbacks.append(clock)
     trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
                       position=position, history=history, checkpointer=checkpointer,
                       checkpoint_every=config.checkpoint_every, max_steps=config.max_steps,
@@ -185,7 +191,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     if not strategy.is_main:
         return None
     weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
-    return WorkerResult(history, weights, recorder.steps if recorder else None)
+    return WorkerResult(history, weights, recorder.steps if recorder else None, clock.result if clock else None)
 
 
 def _has_checkpoint(checkpointer: Checkpointer, strategy) -> bool:

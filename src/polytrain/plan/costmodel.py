@@ -10,7 +10,12 @@ device and one measured link can tell:
   number of parameter-holding layers (FSDP2 gathers each layer's shard separately);
 - `Link(alpha, beta)`: seconds per message and bytes per second, fitted to measured transfers.
 
-Models (n devices, compute split evenly, the update not split except where sharded):
+Where the devices share one machine's cores (CPU processes), compute does not split evenly: a rank's pass
+over its 1/n of the batch on its 1/n of the cores is measured instead and given as `replica_seconds[n]`
+(and `microbatch_seconds[p]` for one micro-batch through the whole model on a pipeline rank's share). Without
+them the pass splits evenly (compute/n), as on separate GPUs.
+
+Models (n devices, the update not split except where sharded):
 
 - data parallel: compute/n + ring all-reduce 2(n-1)/n S/B + 2(n-1) alpha;
 - parameter server (K servers, S split evenly between them): each server's link carries the pushes of the
@@ -23,8 +28,8 @@ Models (n devices, compute split evenly, the update not split except where shard
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,19 @@ class Workload:
     update_seconds: float = 0.0     # the optimizer update's part of compute_seconds
     layers: int = 1                 # parameter-holding layers (messages per collective under FSDP2)
     boundary_bytes: Tuple[float, ...] = ()    # activation bytes per sample at each cut between layers
+    # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
+    replica_seconds: Mapping[int, float] = field(default_factory=dict)
+    # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
+    microbatch_seconds: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def pass_seconds(self) -> float:
         """Forward + backward: the part of a step that splits across devices."""
         return self.compute_seconds - self.update_seconds
+
+    def replica_pass(self, devices: int) -> float:
+        """Forward + backward of one rank's slice when `devices` ranks split the batch."""
+        return self.replica_seconds.get(devices, self.pass_seconds / devices)
 
 
 @dataclass(frozen=True)
@@ -87,19 +100,19 @@ def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
 
 
 def data_parallel(work: Workload, devices: int, link: Link) -> Prediction:
-    compute = work.pass_seconds / devices + work.update_seconds
+    compute = work.replica_pass(devices) + work.update_seconds
     return Prediction("data", devices, compute, ring_allreduce(devices, work.parameter_bytes, link))
 
 
 def parameter_server(work: Workload, devices: int, link: Link, *, servers: int = 1) -> Prediction:
-    compute = work.pass_seconds / devices + work.update_seconds / servers
+    compute = work.replica_pass(devices) + work.update_seconds / servers
     others = devices - 1
     communication = 2 * others * work.parameter_bytes / (servers * link.beta) + 2 * others * link.alpha
     return Prediction("parameter-server", devices, compute, communication if devices > 1 else 0.0)
 
 
 def sharded(work: Workload, devices: int, link: Link) -> Prediction:
-    compute = work.pass_seconds / devices + work.update_seconds / devices
+    compute = work.replica_pass(devices) + work.update_seconds / devices
     if devices == 1:
         return Prediction("sharded", devices, compute, 0.0)
     communication = 3 * (devices - 1) / devices * work.parameter_bytes / link.beta \
@@ -112,7 +125,8 @@ def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> P
         return Prediction("pipeline", stages, 0.0, 0.0, float("inf"),
                           note=f"{stages} stages need {stages - 1} cuts; the model has {len(work.boundary_bytes)}")
     slots = microbatches + stages - 1
-    work_per_slot = work.pass_seconds / (stages * microbatches)
+    work_per_slot = work.microbatch_seconds[stages] / stages if stages in work.microbatch_seconds \
+        else work.pass_seconds / (stages * microbatches)
     per_sample = max(work.boundary_bytes) if stages > 1 else 0.0
     transfer = 2 * link.seconds(per_sample * work.batch_size / microbatches) if stages > 1 else 0.0
     compute = microbatches * work_per_slot + work.update_seconds / stages

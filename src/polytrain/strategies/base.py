@@ -42,12 +42,24 @@ class Strategy:
         self.scheduler = None
         self.parameter_names: list = []       # the whole model's, in `model.parameters()` order
         self.placement: list = []             # lines that say where each part of the model runs (rank 0)
+        # seconds of the latest train_step that this strategy can attribute ("communication", "idle": waiting
+        # on other ranks); `polytrain bench` clears it before each step and calls the rest compute
+        self.phases: dict = {}
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device=None):
         """Check this strategy's options and compute what its workers execute, in the launching process,
         before any worker starts (None: nothing to plan)."""
         return None
+
+    @classmethod
+    def settle_phases(cls, ranks: list) -> list:
+        """Every rank's `phases` of each measured step (`ranks[r][i]`), completed with what only the ranks
+        together know (e.g. how long a worker waited for another rank's work)."""
+        return ranks
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
     @property
     def is_main(self) -> bool:

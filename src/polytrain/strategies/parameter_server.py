@@ -127,15 +127,33 @@ class ParameterServer(Distributed):
     def _push_and_pull(self, server: int, indices) -> None:
         params = [self.replica[i] for i in indices]
         grads = flat_gradients(params)
+        began = time.perf_counter()
         dist.reduce(grads, dst=server)                            # push: the sum lands on the server
+        pushing = time.perf_counter() - began
         if self.rank == server:
             set_mean_gradients(self.master, grads, workers=self.world_size)
             self.optimizer.step()
             flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device)
+            self.add_phase("server_update", time.perf_counter() - began - pushing)
         else:
             flat = torch.empty_like(grads)
+        pulling = time.perf_counter()
         dist.broadcast(flat, src=server)                          # pull: every worker gets the new weights
+        self.add_phase("communication", pushing + time.perf_counter() - pulling)
         self._set(params, flat)
+
+    @classmethod
+    def settle_phases(cls, ranks: list) -> list:
+        """A worker's pull waits while the servers update: that share of its communication is idle time
+        (waiting on a server). `ranks[r][i]` is rank r's phases in measured step i."""
+        settled = [[dict(step) for step in steps] for steps in ranks]
+        for rank, steps in enumerate(settled):
+            for i, step in enumerate(steps):
+                waiting = sum(other[i].get("server_update", 0.0) for k, other in enumerate(ranks) if k != rank)
+                moved = min(waiting, step.get("communication", 0.0))
+                step["communication"] = step.get("communication", 0.0) - moved
+                step["idle"] = step.get("idle", 0.0) + moved
+        return settled
 
     def epoch_extras(self) -> dict:
         """How long the workers waited on the servers this epoch (mean over ranks), and with --staleness,

@@ -248,10 +248,17 @@ class Pipeline(Distributed):
             self.synchronize()
             dist.barrier(group=self.pp_group)
             self.trace_origin, self.traced_steps = time.perf_counter(), self.traced_steps + 1
+        began = time.perf_counter()
         with self.autocast():
             schedule.step(*inputs, target=batch.y if self.is_last else None)
+        if self.tracing:                      # what the schedule did besides this rank's passes: waiting
+            self.synchronize()
+            busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)
+            self.phases["idle"] = max(0.0, time.perf_counter() - began - busy)
         if self.dp_group is not None:
+            summing = time.perf_counter()
             self._sum_gradients_over_replicas()
+            self.phases["communication"] = time.perf_counter() - summing
         self.optimizer.step()
         self.scheduler.step()
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes

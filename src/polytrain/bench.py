@@ -1,0 +1,237 @@
+"""`polytrain bench`: every combination of device kind, global batch, strategy and device count runs a fixed
+number of steps after a warm-up; each rank times what it spent each step on (stepclock.py). The rows, the
+cost model's prediction for each, and projections to larger counts go to benchreport.py for the table, the
+explanations, bench.json and bench.png.
+
+Any strategy in the registry can be benchmarked: the bench only asks it to train, and reads the phases it
+reports (`Strategy.phases`, `Strategy.settle_phases`).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .config import TrainConfig
+from .errors import ConfigError, UserError, first_line
+from .launch import WorkerFailed, check_devices, run_job
+from .models import MODELS, build_model
+from .objective import Objective
+from .plan import costmodel
+from .plan.pipeline import default_microbatches
+from .sources import as_dataset
+from .strategies import STRATEGIES, make_plan
+from .worker import Job, choose_device
+from .workload import measure_link, measure_workload
+
+PHASES = ("compute", "communication", "data", "idle")
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str = "lenet"
+    dataset: str = "mnist-sample"
+    data_dir: Optional[str] = None
+    devices: Tuple[int, ...] = (1, 2)
+    strategies: Tuple[str, ...] = ("single", "data")
+    batch_sizes: Tuple[int, ...] = (64,)
+    device_kinds: Tuple[str, ...] = ("cpu",)
+    warmup: int = 5
+    steps: int = 20
+    predict: Tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ConfigError(f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        if self.model not in MODELS:
+            raise ConfigError(f"--model: unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        bad = [k for k in self.device_kinds if k not in DEVICE_KINDS]
+        if bad:
+            raise ConfigError(f"--device: unknown device kind {bad[0]!r}; give cpu, cuda or cpu,cuda")
+        for flag, values in (("--devices", self.devices), ("--batch-sizes", self.batch_sizes),
+                             ("--predict", self.predict)):
+            if any(not isinstance(v, int) or v < 1 for v in values):
+                raise ConfigError(f"{flag} takes positive whole numbers separated by commas, got "
+                                  f"{','.join(map(str, values))}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})")
+        if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
+
+
+@dataclass
+class Row:
+    device: str
+    strategy: str
+    devices: int
+    batch_size: int
+    skipped: str = ""                          # why this combination did not run
+    step_seconds: float = math.nan             # median over measured steps, data and waiting included
+    samples_per_second: float = math.nan
+    speedup: float = math.nan                  # against `single` on one device of the same kind and batch
+    efficiency: float = math.nan               # speedup / devices
+    phases: Dict[str, float] = field(default_factory=dict)      # seconds per step, mean over ranks
+    held_bytes: int = 0                        # most any rank keeps between steps (weights, grads, optimizer)
+    peak_bytes: Optional[int] = None           # most any GPU rank allocated (CUDA only)
+    predicted_seconds: float = math.nan        # the cost model's step time for this combination
+    ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
+
+    @property
+    def key(self) -> Tuple[str, int]:
+        return self.device, self.batch_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def combinations(options: BenchOptions) -> List[Row]:
+    """Every row the bench runs, baseline (`single` on 1 device) first within each device kind and batch."""
+    rows = []
+    for kind in options.device_kinds:
+        for batch in options.batch_sizes:
+            rows.append(Row(kind, "single", 1, batch))
+            for strategy in options.strategies:
+                for n in options.devices:
+                    if strategy == "single" or n == 1:
+                        continue                   # one device is the baseline row
+                    rows.append(Row(kind, strategy, n, batch))
+    return rows
+
+
+def summarize(row: Row, timings: list) -> None:
+    """Fill `row` from every rank's StepClock records."""
+    strategy = STRATEGIES[row.strategy]
+    settled = strategy.settle_phases([rank["steps"] for rank in timings])
+    per_rank, totals = [], []
+    for rank, steps in zip(timings, settled):
+        sums = dict.fromkeys(PHASES, 0.0)
+        for record in steps:
+            idle = record.get("idle", 0.0)
+            if rank["reference"] is not None:
+                compute = min(record["step"], rank["reference"])
+                communication = max(0.0, record["step"] - compute - idle)
+            else:
+                communication = record.get("communication", 0.0)
+                compute = max(0.0, record["step"] - communication - idle)
+            for phase, value in zip(PHASES, (compute, communication, record["data"], idle + record["waiting"])):
+                sums[phase] += value
+        per_rank.append({phase: value / len(steps) for phase, value in sums.items()})
+        if rank["rank"] == 0:
+            totals = [r["data"] + r["step"] + r["waiting"] for r in steps]
+    row.step_seconds = statistics.median(totals)
+    row.samples_per_second = row.batch_size / row.step_seconds
+    mean = {phase: sum(r[phase] for r in per_rank) / len(per_rank) for phase in PHASES}
+    scale = row.step_seconds / (sum(mean.values()) or 1.0)      # shares of the mean, on the median step
+    row.phases = {phase: value * scale for phase, value in mean.items()}
+    row.held_bytes = max(rank["held_bytes"] for rank in timings)
+    peaks = [rank["peak_bytes"] for rank in timings if rank["peak_bytes"] is not None]
+    row.peak_bytes = max(peaks) if peaks else None
+    row.ranks = [{key: rank[key] for key in ("rank", "device", "threads", "reference", "held_bytes", "peak_bytes")}
+                 | {"phases": phases} for rank, phases in zip(timings, per_rank)]
+
+
+def convolutional(model) -> bool:
+    """Registry models with convolutions train channels-last, as `polytrain train` does."""
+    return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+
+
+def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
+    """Train the combination for warm-up + measured steps and time it; a combination that cannot run here
+    gets the reason instead."""
+    if row.device == "cuda" and not torch.cuda.is_available():
+        row.skipped = "no CUDA GPU here"
+        return
+    steps = options.warmup + options.steps
+    per_epoch = -(-len(dataset.train_y) // row.batch_size) if hasattr(dataset, "train_y") else steps
+    try:
+        config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir,
+                             batch_size=row.batch_size, strategy=row.strategy, devices=row.devices,
+                             device=row.device, epochs=-(-steps // per_epoch), max_steps=steps,
+                             schedule="constant", warmup_epochs=0, seed=options.seed)
+        check_devices(row.devices, row.device)
+        plan = make_plan(row.strategy, config, model, dataset, device=choose_device(row.device, 0))
+        result = run_job(Job(config, row.strategy, dataset, model, verbose=False, channels_last=convolutional(model),
+                             plan=plan, bench=(options.warmup, options.steps)))
+    except (UserError, WorkerFailed) as error:
+        row.skipped = first_line(error)
+        return
+    summarize(row, result.timings)
+
+
+def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
+    """The cost model's step time beside each measured row."""
+    for row in rows:
+        if row.key not in workloads or row.skipped:
+            continue
+        work, link = workloads[row.key], links[row.device]
+        if row.strategy == "single":
+            row.predicted_seconds = work.compute_seconds
+            continue
+        m = default_microbatches(row.batch_size, row.devices)
+        predictions = costmodel.predict_all(work, row.devices, link, microbatches=m)
+        if row.strategy in predictions:
+            row.predicted_seconds = predictions[row.strategy].step_seconds
+
+
+def fill_speedups(rows: List[Row]) -> None:
+    base = {row.key: row.step_seconds for row in rows if row.strategy == "single" and not row.skipped}
+    for row in rows:
+        if not row.skipped and row.key in base:
+            row.speedup = base[row.key] / row.step_seconds
+            row.efficiency = row.speedup / row.devices
+
+
+@dataclass
+class BenchResult:
+    options: BenchOptions
+    rows: List[Row]
+    workloads: dict          # (device, batch) -> costmodel.Workload
+    links: dict              # device kind -> (Link, how it was obtained)
+    projections: list        # (device, batch, devices, {strategy: Prediction}, chosen name)
+
+
+def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
+    config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir, seed=options.seed)
+    dataset = as_dataset(options.dataset, config)
+    torch.manual_seed(options.seed)
+    model = build_model(options.model, dataset.input_shape, dataset.num_classes)
+    rows = combinations(options)
+    for index, row in enumerate(rows, 1):
+        run_row(row, options, dataset, model)
+        what = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+        outcome = f"skipped: {row.skipped}" if row.skipped else \
+            f"{row.samples_per_second:,.0f} samples/s, {row.step_seconds * 1e3:.1f} ms/step"
+        progress(f"bench {index}/{len(rows)}: {what}: {outcome}")
+    workloads, links = {}, {}
+    counts = sorted(set(options.devices) | set(options.predict))
+    for kind in options.device_kinds:
+        if kind == "cuda" and not torch.cuda.is_available():
+            continue
+        device = choose_device(kind, 0)
+        links[kind] = measure_link(device)
+        for batch in options.batch_sizes:
+            workloads[(kind, batch)] = measure_workload(model, dataset, Objective(), batch_size=batch, device=device,
+                                                        devices=counts, channels_last=convolutional(model))
+    predict_rows(rows, workloads, {kind: link for kind, (link, _) in links.items()})
+    fill_speedups(rows)
+    projections = project(options, workloads, {kind: link for kind, (link, _) in links.items()})
+    return BenchResult(options, rows, workloads, links, projections)
+
+
+def project(options: BenchOptions, workloads: dict, links: dict) -> list:
+    """For each `--predict` count: every strategy's predicted step, and the fastest."""
+    projections = []
+    for (kind, batch), work in workloads.items():
+        for n in options.predict:
+            if n == 1 or batch % n:
+                continue
+            predictions = costmodel.predict_all(work, n, links[kind], microbatches=default_microbatches(batch, n))
+            best = costmodel.choose(predictions)
+            projections.append((kind, batch, n, predictions, best.strategy if best else None))
+    return projections

@@ -1,0 +1,204 @@
+"""What `polytrain bench` prints and writes: the table, one line of explanation for every combination that
+loses to fewer devices, the projections to larger counts, bench.json and bench.png.
+
+Everything here reads numbers only (rows, workloads, links), so it is tested on rows made by hand.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+from dataclasses import asdict
+from pathlib import Path
+from typing import List
+
+import torch
+
+from .bench import PHASES, BenchResult, Row
+from .checkpoint import atomic_write_bytes
+from .hostenv import usable_cores
+from .plan.costmodel import bubble
+from .plan.pipeline import default_microbatches
+from .report import save_figure
+
+MB = 1e6
+
+
+def _mib(nbytes) -> str:
+    return "" if not nbytes else f"{nbytes / 2**20:.2f}"
+
+
+def table(rows: List[Row]) -> List[str]:
+    header = (f"{'device':<6} {'strategy':<16} {'n':>2} {'batch':>5} {'samples/s':>10} {'ms/step':>8} "
+              f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'data':>5} {'idle':>5} "
+              f"{'predicted':>13}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        what = f"{row.device:<6} {row.strategy:<16} {row.devices:>2} {row.batch_size:>5} "
+        if row.skipped:
+            lines.append(what + f"skipped: {row.skipped}")
+            continue
+        shares = "  ".join(f"{row.phases[p] / row.step_seconds:>5.0%}" for p in PHASES)
+        predicted = ""
+        if math.isfinite(row.predicted_seconds):
+            error = row.predicted_seconds / row.step_seconds - 1
+            predicted = f"{row.predicted_seconds * 1e3:.1f} ({error:+.0%})"
+        memory = row.peak_bytes or row.held_bytes
+        lines.append(what + f"{row.samples_per_second:>10,.0f} {row.step_seconds * 1e3:>8.2f} {row.speedup:>6.2f}x "
+                            f"{row.efficiency:>5.0%} {_mib(memory):>8}  {shares} {predicted:>13}")
+    return lines
+
+
+def _losing(rows: List[Row]):
+    """Rows on several devices that are slower than the same device kind and batch on fewer devices (the
+    same strategy, or one device), with the fastest such row."""
+    done = [r for r in rows if not r.skipped]
+    for row in done:
+        if row.devices < 2:
+            continue
+        fewer = [r for r in done if r.key == row.key and r.devices < row.devices
+                 and (r.strategy == row.strategy or r.devices == 1)]
+        best = min(fewer, key=lambda r: r.step_seconds, default=None)
+        if best is not None and best.step_seconds < row.step_seconds:
+            yield row, best
+
+
+def _bigger_batch(row: Row, target: float = 0.2):
+    """The smallest global batch (the current one times 2, 4, ... 64) at which communication would be at
+    most `target` of a step, if the other phases grow with the batch; and that share."""
+    comm = row.phases["communication"]
+    rest = row.step_seconds - comm - row.phases["idle"]
+    for factor in (2, 4, 8, 16, 32, 64):
+        share = comm / (comm + rest * factor + row.phases["idle"])
+        if share <= target or factor == 64:
+            return row.batch_size * factor, share
+
+
+def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
+    """One line per combination that loses to fewer devices: the phase that grew, in numbers, and what to
+    change."""
+    lines = []
+    cores = cores or usable_cores()
+    for row, best in _losing(rows):
+        work = workloads.get(row.key)
+        share = {p: row.phases[p] / row.step_seconds for p in PHASES}
+        label = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+        against = f"({row.step_seconds * 1e3:.1f} ms/step against {best.step_seconds * 1e3:.1f} ms on " \
+                  f"{best.devices} device{'s' * (best.devices > 1)})"
+        overhead = max(("communication", "idle", "data"), key=lambda p: share[p])
+        slice_ = row.batch_size // row.devices
+        if overhead == "communication" and share["communication"] >= 0.15:
+            nbytes = f"{work.parameter_bytes / MB:.1f} MB of {'weights and gradients' if row.strategy == 'sharded' else 'gradients'}" \
+                if work else "the exchanged tensors"
+            batch, after = _bigger_batch(row)
+            reason = (f"communication is {share['communication']:.0%} of each step: {nbytes} per {slice_}-sample "
+                      f"slice; a global batch of {batch} would make it {after:.0%}")
+        elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "pipeline":
+            m = default_microbatches(row.batch_size, row.devices)
+            more = next((c for c in (4 * m, 2 * m) if row.batch_size % c == 0), m)
+            reason = (f"idle is {share['idle']:.0%} of each step: the pipeline bubble (p-1)/(m+p-1) is "
+                      f"{bubble(row.devices, m):.2f} with {m} micro-batches, and stages wait for activations; "
+                      + (f"--microbatches {more} would make the bubble {bubble(row.devices, more):.2f}" if more != m
+                         else "a larger batch allows more micro-batches"))
+        elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "parameter-server":
+            reason = (f"waiting on the server is {share['idle']:.0%} of each step: every worker's pull waits for "
+                      f"the server's update; --servers {row.devices} spreads it, or --strategy data has no server")
+        elif overhead == "idle" and share["idle"] >= 0.15:
+            reason = (f"idle is {share['idle']:.0%} of each step: ranks wait for the slowest one; look for a rank "
+                      f"with more work or a busier core")
+        elif overhead == "data" and share["data"] >= 0.15:
+            reason = (f"loading data is {share['data']:.0%} of each step; keep the data in memory (an ArrayDataset "
+                      f"or a registry dataset) or give the loader more workers (num_workers=)")
+        else:
+            one = best.phases["compute"] if best.devices == 1 else math.nan
+            compute = row.phases["compute"] * 1e3
+            if row.device == "cpu":
+                reason = (f"compute is {compute:.1f} ms per step against {one * 1e3:.1f} ms on one device: "
+                          f"{row.devices} processes share {cores} cores, so each computes its 1/{row.devices} of "
+                          f"the batch on at most 1/{min(row.devices, cores)} of them; more processes help only with "
+                          f"more cores or GPUs")
+            else:
+                reason = (f"compute is {compute:.1f} ms per step against {one * 1e3:.1f} ms on one device: a "
+                          f"{slice_}-sample slice keeps a GPU busy no shorter than the whole batch (launch-bound); "
+                          f"a global batch of {row.batch_size * row.devices} keeps each slice at {row.batch_size}")
+        lines.append(f"  {label} is slower {against}: {reason}")
+    return lines
+
+
+def projection_lines(result: BenchResult) -> List[str]:
+    lines = []
+    for kind, batch, n, predictions, chosen in result.projections:
+        work = result.workloads[(kind, batch)]
+        finite = {name: p for name, p in predictions.items() if math.isfinite(p.step_seconds)}
+        parts = ", ".join(f"{name} {work.compute_seconds / p.step_seconds:.2f}x" for name, p in finite.items())
+        where = "processes sharing this machine's cores" if kind == "cpu" else "GPUs like this one"
+        pick = f"would pick {chosen}" if chosen else "nothing fits"
+        slower = " (slower than one device)" if chosen and finite[chosen].step_seconds > work.compute_seconds else ""
+        lines.append(f"  {n} {kind} ({where}), batch {batch}: {pick}{slower}; speedup {parts}")
+    return lines
+
+
+def report(result: BenchResult) -> List[str]:
+    lines = table(result.rows)
+    why = explain(result.rows, result.workloads)
+    if why:
+        lines += ["", "where more devices lose:"] + why
+    for kind, (link, how) in result.links.items():
+        lines.append(f"link ({kind}): {link.alpha * 1e6:.0f} us per message, {link.beta / 1e9:.2f} GB/s; {how}")
+    if result.projections:
+        lines += ["", "predicted (cost model, from the measurements above):"] + projection_lines(result)
+    return lines
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    document = {
+        "options": asdict(result.options),
+        "machine": {"cores": usable_cores(), "torch": torch.__version__, "python": platform.python_version(),
+                    "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
+        "links": {kind: {"alpha": link.alpha, "beta": link.beta, "how": how}
+                  for kind, (link, how) in result.links.items()},
+        "workloads": [dict(asdict(work), device=kind, replica_seconds={str(k): v for k, v in work.replica_seconds.items()},
+                           microbatch_seconds={str(k): v for k, v in work.microbatch_seconds.items()})
+                      for (kind, _), work in result.workloads.items()],
+        "rows": [row.to_dict() for row in result.rows],
+        "projections": [{"device": kind, "batch_size": batch, "devices": n, "chosen": chosen,
+                         "step_seconds": {name: p.step_seconds for name, p in predictions.items()
+                                          if math.isfinite(p.step_seconds)}}
+                        for kind, batch, n, predictions, chosen in result.projections],
+    }
+    atomic_write_bytes(path, (json.dumps(document, indent=1, default=str) + "\n").encode())
+
+
+def draw(result: BenchResult, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in result.rows if not r.skipped]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.32 * len(done) + 3.5))
+    lines = {}
+    for row in done:
+        series = "single" if row.strategy == "single" else row.strategy
+        lines.setdefault((row.device, row.batch_size, series), []).append((row.devices, row.speedup))
+    most = max([r.devices for r in done], default=1)
+    for (kind, batch, strategy), points in lines.items():
+        base = [(1, 1.0)] if strategy != "single" else []
+        xs, ys = zip(*sorted(base + points))
+        left.plot(xs, ys, "o-", label=f"{strategy}, {kind}, batch {batch}")
+    left.plot([1, most], [1, most], "k--", label="ideal")
+    left.set_xlabel("devices")
+    left.set_ylabel("speedup over one device")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    colours = {"compute": "#4c72b0", "communication": "#dd8452", "data": "#55a868", "idle": "#c7c7c7"}
+    labels = [f"{r.strategy} x{r.devices} {r.device} b{r.batch_size}" for r in done]
+    starts = [0.0] * len(done)
+    for phase in PHASES:
+        widths = [r.phases[phase] * 1e3 for r in done]
+        right.barh(range(len(done)), widths, left=starts, color=colours[phase], label=phase)
+        starts = [s + w for s, w in zip(starts, widths)]
+    right.set_yticks(range(len(done)), labels, fontsize=7)
+    right.invert_yaxis()
+    right.set_xlabel("milliseconds per step (mean over ranks)")
+    right.legend(fontsize=7)
+    save_figure(figure, path)

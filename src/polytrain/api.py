@@ -76,11 +76,17 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     if config.devices > 1 and launcher is None:
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
                         logger=tuple(loggers) or None)
-    plan = make_plan(strategy, config, module, dataset,
-                     device=choose_device(config.device, launcher.local_rank if launcher else 0))
+    device = choose_device(config.device, launcher.local_rank if launcher else 0)
     channels_last = config.channels_last
     if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
         channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
+    if config.strategy == "auto" and config.devices > 1:
+        strategy, line = auto_strategy(config, module, dataset, objective, device=device,
+                                       channels_last=channels_last, launched=launcher is not None)
+        config = config.with_strategy(strategy, plan=None)
+        if verbose and (launcher is None or launcher.rank == 0):
+            print(line, flush=True)
+    plan = make_plan(strategy, config, module, dataset, device=device)
     run_dir = None
     if resume_dir is not None:
         run_dir = Path(resume_dir)
@@ -106,6 +112,21 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         module.load_state_dict(result.weights)
         return result.history, module, run_dir
     return None, module, run_dir
+
+
+def auto_strategy(config, module, dataset, objective, *, device, channels_last: bool, launched: bool):
+    """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
+    rank would measure for itself and might choose differently, so there only a --plan file chooses."""
+    from .autostrategy import choose_strategy
+    if launched and not config.plan:
+        return "data", ("--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
+                        "--plan bench.json from polytrain bench to choose by measurement)")
+    strategy, line = choose_strategy(config, module, dataset, objective, device=device, channels_last=channels_last)
+    try:
+        config.with_strategy(strategy, plan=None)
+    except UserError as error:
+        return "data", f"{line}; but {error}, so data"
+    return strategy, line
 
 
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,

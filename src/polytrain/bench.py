@@ -25,7 +25,7 @@ from .plan.pipeline import default_microbatches
 from .sources import as_dataset
 from .strategies import STRATEGIES, make_plan
 from .worker import Job, choose_device
-from .workload import measure_link, measure_workload
+from .workload import link_for, measure_link, measure_workload
 
 PHASES = ("compute", "communication", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -81,6 +81,7 @@ class Row:
     peak_bytes: Optional[int] = None           # most any GPU rank allocated (CUDA only)
     predicted_seconds: float = math.nan        # the cost model's step time for this combination
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
+    link: dict = field(default_factory=dict)   # message bytes -> seconds of an all-reduce over the ranks
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -108,7 +109,7 @@ def summarize(row: Row, timings: list) -> None:
     """Fill `row` from every rank's StepClock records."""
     strategy = STRATEGIES[row.strategy]
     settled = strategy.settle_phases([rank["steps"] for rank in timings])
-    per_rank, totals = [], []
+    per_rank = []
     for rank, steps in zip(timings, settled):
         sums = dict.fromkeys(PHASES, 0.0)
         for record in steps:
@@ -119,21 +120,35 @@ def summarize(row: Row, timings: list) -> None:
             else:
                 communication = record.get("communication", 0.0)
                 compute = max(0.0, record["step"] - communication - idle)
-            for phase, value in zip(PHASES, (compute, communication, record["data"], idle + record["waiting"])):
+            for phase, value in zip(PHASES, (compute, communication, record["data"], idle)):
                 sums[phase] += value
+        outside = rank["window"] - sum(r["step"] + r["data"] for r in steps)    # between steps, closing barrier
+        sums["idle"] += max(0.0, outside)
         per_rank.append({phase: value / len(steps) for phase, value in sums.items()})
-        if rank["rank"] == 0:
-            totals = [r["data"] + r["step"] + r["waiting"] for r in steps]
-    row.step_seconds = statistics.median(totals)
+    row.step_seconds = timings[0]["window"] / len(timings[0]["steps"])
     row.samples_per_second = row.batch_size / row.step_seconds
     mean = {phase: sum(r[phase] for r in per_rank) / len(per_rank) for phase in PHASES}
-    scale = row.step_seconds / (sum(mean.values()) or 1.0)      # shares of the mean, on the median step
+    scale = row.step_seconds / (sum(mean.values()) or 1.0)      # a GPU's steps are timed on the device
     row.phases = {phase: value * scale for phase, value in mean.items()}
     row.held_bytes = max(rank["held_bytes"] for rank in timings)
     peaks = [rank["peak_bytes"] for rank in timings if rank["peak_bytes"] is not None]
     row.peak_bytes = max(peaks) if peaks else None
+    links = [rank["link"] for rank in timings if rank.get("link")]
+    row.link = {size: max(link[size] for link in links) for size in links[0]} if links else {}
     row.ranks = [{key: rank[key] for key in ("rank", "device", "threads", "reference", "held_bytes", "peak_bytes")}
                  | {"phases": phases} for rank, phases in zip(timings, per_rank)]
+
+
+def link_of(rows: List[Row], kind: str) -> Optional[Tuple[costmodel.Link, str]]:
+    """The link fitted to the all-reduces timed by the fewest processes that trained on `kind`."""
+    timed = sorted((r for r in rows if r.device == kind and r.link and not r.skipped), key=lambda r: r.devices)
+    if not timed:
+        return None
+    n, samples = timed[0].devices, timed[0].link
+    fitted = costmodel.Link.fit(list(samples), list(samples.values()))
+    # a ring all-reduce over n ranks takes 2(n-1)/n S/B + 2(n-1) alpha
+    link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)), beta=fitted.beta * 2 * (n - 1) / n)
+    return link, f"measured: all-reduces between the {n} {kind} processes of the {timed[0].strategy} run"
 
 
 def convolutional(model) -> bool:
@@ -174,7 +189,8 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
             row.predicted_seconds = work.compute_seconds
             continue
         m = default_microbatches(row.batch_size, row.devices)
-        predictions = costmodel.predict_all(work, row.devices, link, microbatches=m)
+        predictions = costmodel.predict_all(work, row.devices, link_for(link, row.devices, device_type=row.device),
+                                            microbatches=m)
         if row.strategy in predictions:
             row.predicted_seconds = predictions[row.strategy].step_seconds
 
@@ -214,7 +230,7 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
         if kind == "cuda" and not torch.cuda.is_available():
             continue
         device = choose_device(kind, 0)
-        links[kind] = measure_link(device)
+        links[kind] = link_of(rows, kind) or measure_link(device)
         for batch in options.batch_sizes:
             workloads[(kind, batch)] = measure_workload(model, dataset, Objective(), batch_size=batch, device=device,
                                                         devices=counts, channels_last=convolutional(model))
@@ -231,7 +247,8 @@ def project(options: BenchOptions, workloads: dict, links: dict) -> list:
         for n in options.predict:
             if n == 1 or batch % n:
                 continue
-            predictions = costmodel.predict_all(work, n, links[kind], microbatches=default_microbatches(batch, n))
+            predictions = costmodel.predict_all(work, n, link_for(links[kind], n, device_type=kind),
+                                                microbatches=default_microbatches(batch, n))
             best = costmodel.choose(predictions)
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

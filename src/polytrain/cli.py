@@ -87,10 +87,14 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
     devices.add_argument("--devices", type=int, metavar="N",
                          help="GPUs, or CPU processes sharing the cores (default: 1)")
     devices.add_argument("--strategy", metavar="{" + ",".join(("auto", *STRATEGIES)) + "}",
-                         help="auto: single for one device, data (replicas + all-reduce) for several; "
+                         help="auto: single for one device; for several, the one the cost model predicts fastest "
+                              "that fits in memory (a few seconds of measurement, or --plan); data: replicas + "
+                              "all-reduce; "
                               "pipeline: the model split into stages over the devices; sharded: each device holds a "
                               "shard of the weights and optimizer state (FSDP2); parameter-server: master weights on "
                               "server ranks, workers push gradients and pull weights")
+    devices.add_argument("--plan", metavar="BENCH_JSON",
+                         help="with --strategy auto: choose from this polytrain bench result instead of measuring")
     server = parser.add_argument_group("parameter server (with --strategy parameter-server)")
     server.add_argument("--servers", type=int, metavar="K",
                         help="server roles the parameters are split over by size, on ranks 0..K-1 (default: 1)")

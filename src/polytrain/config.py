@@ -93,6 +93,7 @@ class TrainConfig:
     skip_bad: bool = False                 # --dataset folder: skip unreadable images (counted), not fail
     num_workers: Optional[int] = None      # loader processes per rank for Datasets; None: from the cores
     logger: Optional[str] = None           # comma-separated: tensorboard, csv
+    plan: Optional[str] = None             # --strategy auto: a bench.json to choose from instead of measuring
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(self.synthetic_shape)
@@ -141,6 +142,8 @@ class TrainConfig:
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
         self._check_pipeline()
+        _need(self.plan is None or self.strategy == "auto",
+              f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
         _need(not self.cpu_offload or self.strategy == "sharded",
               "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")
         _need(self.staleness is None or (isinstance(self.staleness, int) and self.staleness >= 0),

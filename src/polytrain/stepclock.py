@@ -1,18 +1,21 @@
 """What each rank spent each step on, for `polytrain bench`: a callback that runs on every rank.
 
-After `warmup` steps it times `steps` steps. Every measured step starts after a barrier, so all ranks start
-it together, and ends with the device synchronised and a second barrier, whose wait is time this rank was
-idle while a slower rank finished. A step's time is split into
+After `warmup` steps it times a window of `steps` steps, which all ranks start together after a barrier and
+end together at a second one; the window's wall-clock time over its steps is the step time. Inside it each
+rank times every step (host clock; CUDA events on a GPU) without further barriers: a barrier per step cost
+3.7 ms of a 17 ms data-parallel step on 2 CPU processes, far more than it would measure. A step is split into
 
 - data: the loader handing over the batch (the trainer times it);
 - communication and idle: what the strategy attributes itself (`Strategy.phases`: a parameter server's push
-  and pull, a pipeline's waits between its passes), plus the wait at the closing barrier (idle);
+  and pull, a pipeline's waits between its passes); time of the window outside the steps is idle too
+  (waiting for the slowest rank at the closing barrier, callbacks);
 - compute: the rest.
 
 A strategy that attributes nothing on several ranks hides its communication inside forward and backward
 (DDP's bucket all-reduces, FSDP2's gathers). For it the clock also times a plain replica of the model on
-the same slice, on every rank at once, after the measured steps: its median is the compute, and the rest
-of the step is communication. On a GPU the barriers synchronise the device, so host clocks time GPU work.
+the same slice, on every rank at once, after the window: its median is the compute, and the rest of the
+step is communication. Every rank with others also times all-reduces of a few sizes over its process group,
+the link the cost model needs, measured between the processes that train.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from .callbacks import Callback
 
@@ -50,7 +54,8 @@ class StepClock(Callback):
         self.model = model                      # the untouched model, for the compute reference
         self.reference_repeats = reference_repeats
         self.started = 0
-        self.records = []                        # per measured step: phases, step, data, waiting (seconds)
+        self.records = []                        # per measured step: phases, step, data (seconds)
+        self.paused, self.excluded = None, 0.0   # between epochs (evaluation) inside the window
         self.result = None                       # on rank 0 at the end: every rank's records and memory
 
     def _measuring(self) -> bool:
@@ -70,38 +75,69 @@ class StepClock(Callback):
             strategy.start_trace()
             if strategy.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(strategy.device)
+            self._barrier(strategy)
+            self.window = time.perf_counter()
+        if self.paused is not None:             # an epoch ended inside the window: its evaluation is no step
+            self.excluded += time.perf_counter() - self.paused
+            self.paused = None
         strategy.phases = {}
-        self._barrier(strategy)
         self.data = trainer.data_seconds
+        self.events = None
+        if strategy.device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
         self.began = time.perf_counter()
 
     def on_step_end(self, trainer, step):
         if not self._measuring():
             return
         strategy = trainer.strategy
-        strategy.synchronize()
-        ended = time.perf_counter()
-        self._barrier(strategy)
-        self.records.append(dict(strategy.phases, step=ended - self.began, data=self.data,
-                                 waiting=time.perf_counter() - ended))
+        if self.events is not None:
+            self.events[1].record()
+        self.records.append(dict(strategy.phases, step=time.perf_counter() - self.began, data=self.data,
+                                 events=self.events))
         if self.started == self.warmup + self.steps:
+            self._barrier(strategy)
+            self.window = time.perf_counter() - self.window - self.excluded
             self._finish(trainer)
+        elif step + 1 == trainer.steps_per_epoch:
+            self.paused = time.perf_counter()
 
     def _finish(self, trainer) -> None:
         strategy = trainer.strategy
         strategy.stop_trace()
+        for record in self.records:              # GPU steps: the device's time between the events
+            events = record.pop("events")
+            if events is not None:
+                record["step"] = events[0].elapsed_time(events[1]) / 1e3
         attributed = strategy.reduce(torch.tensor([float(any("communication" in r or "idle" in r
                                                               for r in self.records))], device=strategy.device))
         reference = None
         if strategy.world_size > 1 and float(attributed) == 0:
             reference = self._reference(trainer)
+        link = self._link(strategy) if strategy.world_size > 1 else None
         peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else None
-        mine = {"rank": strategy.rank, "device": str(strategy.device), "steps": self.records,
+        mine = {"rank": strategy.rank, "device": str(strategy.device), "steps": self.records, "window": self.window,
                 "reference": reference, "held_bytes": held_bytes(strategy), "peak_bytes": peak,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "link": link}
         gathered = strategy.gather_object(mine)
         if strategy.is_main:
             self.result = gathered
+
+    def _link(self, strategy, sizes=(4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20), repeats: int = 6) -> dict:
+        """Median seconds of an all-reduce over all ranks, by message bytes."""
+        timings = {}
+        for size in sizes:
+            tensor = torch.ones(size // 4, device=strategy.device)
+            times = []
+            for _ in range(repeats + 1):
+                self._barrier(strategy)
+                began = time.perf_counter()
+                dist.all_reduce(tensor)
+                strategy.synchronize()
+                times.append(time.perf_counter() - began)
+            timings[size] = statistics.median(times[1:])
+        return timings
 
     def _reference(self, trainer) -> float:
         """Median seconds of a plain replica's forward, backward and update on this rank's slice, every rank

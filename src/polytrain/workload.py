@@ -3,8 +3,8 @@ forward + backward at the slice sizes N devices would run, the optimizer update,
 ranks (gloo over loopback between two process groups of this process; on GPUs, a copy between two GPUs).
 
 Where the N "devices" are CPU processes of this machine they share its cores: each gets cores/N threads
-(polytrain's workers do the same), and beyond one process per core they take turns. The slices are timed
-under those conditions, so the prediction for N processes is for this machine.
+(polytrain's workers do the same), and beyond one process per core they take turns. The N slices are timed
+at once, in N threads, under those conditions, so the prediction for N processes is for this machine.
 """
 from __future__ import annotations
 
@@ -78,10 +78,9 @@ def threads(count: int):
         torch.set_num_threads(before)
 
 
-def cpu_share(devices: int, cores: Optional[int] = None) -> Tuple[int, float]:
-    """(threads each of `devices` processes gets, how many times slower it runs for taking turns)."""
-    cores = cores or usable_cores()
-    return max(1, cores // devices), max(1.0, devices / cores)
+def cpu_threads(devices: int, cores: Optional[int] = None) -> int:
+    """Threads each of `devices` worker processes on this machine gets (as hostenv.share_cores gives)."""
+    return max(1, (cores or usable_cores()) // devices)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -90,15 +89,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *, device: torch.device,
-                repeats: int = 5, channels_last: bool = False) -> Tuple[float, float]:
-    """Median seconds of (forward + backward, SGD-with-momentum update) of `model` on one batch."""
+                repeats: int = 5, channels_last: bool = False, warm: bool = True) -> Tuple[float, float]:
+    """Median seconds of (forward + backward, SGD-with-momentum update) of `model` on one batch, after one
+    untimed step (`warm`)."""
     model = model.to(device)
     x, y = x.to(device), y.to(device)
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     passes, updates = [], []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + (1 if warm else 0) or 1):
         _synchronize(device)
         began = time.perf_counter()
         loss = objective.loss_sum(model(x), y) / len(y)
@@ -110,34 +110,79 @@ def time_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *
         _synchronize(device)
         passes.append(middle - began)
         updates.append(time.perf_counter() - middle)
-    return statistics.median(passes[1:]), statistics.median(updates[1:])
+    skip = 1 if warm else 0
+    return statistics.median(passes[skip:]), statistics.median(updates[skip:])
+
+
+def time_concurrently(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *, copies: int,
+                      repeats: int = 5, channels_last: bool = False) -> float:
+    """Forward + backward of `copies` replicas at once, each in its own thread on its own batch, as that many
+    CPU processes would run them on this machine's shared cores (contending for cores, caches and memory
+    bandwidth, and taking turns beyond one per core): the slowest replica's median, which a synchronous step
+    waits for. Torch's operators release the GIL, so the threads compute in parallel."""
+    import copy
+    start, times, errors = threading.Barrier(copies), [None] * copies, []
+
+    def replica(index: int) -> None:
+        try:
+            own = copy.deepcopy(model)
+            for _ in range(repeats + 1):
+                start.wait(timeout=120)
+                times[index] = times[index] or []
+                times[index].append(time_passes(own, x, y, objective, device=torch.device("cpu"), repeats=0,
+                                                channels_last=channels_last, warm=False)[0])
+        except Exception as error:              # reported below, in the measuring thread
+            errors.append(error)
+            start.abort()
+
+    workers = [threading.Thread(target=replica, args=(i,), daemon=True) for i in range(copies)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return max(statistics.median(t[1:]) for t in times)
 
 
 def measure_workload(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
                      devices: Iterable[int], repeats: int = 5, channels_last: bool = False) -> Workload:
-    """One device's step at `batch_size`, and each count's replica slice and pipeline micro-batch, timed on
-    the share of the machine they would get."""
+    """One device's step at `batch_size`, and each count's replica slice and pipeline micro-batch, timed as
+    they would run: on CPU processes, all slices at once on the cores they share."""
     import copy
     model = copy.deepcopy(model)
     x, y = sample_batch(dataset, batch_size)
-    cpu = device.type == "cpu"
-    timed = partial(time_passes, model, objective=objective, device=device, repeats=repeats,
-                    channels_last=channels_last)
-    whole, update = timed(x, y)
+    whole, update = time_passes(model, x, y, objective, device=device, repeats=repeats, channels_last=channels_last)
     replica, micro = {}, {}
     for n in sorted(set(devices)):
         if n < 2:
             continue
-        count, slow = cpu_share(n) if cpu else (torch.get_num_threads(), 1.0)
-        with threads(count):
+        m = default_microbatches(batch_size, n)
+        if device.type == "cpu":
+            with threads(cpu_threads(n)):
+                timed = partial(time_concurrently, model, objective=objective, copies=n, repeats=repeats,
+                                channels_last=channels_last)
+                if batch_size % n == 0:
+                    replica[n] = timed(x[:batch_size // n], y[:batch_size // n])
+                micro[n] = timed(x[:batch_size // m], y[:batch_size // m])
+        else:                                  # each GPU computes alone
+            timed = partial(time_passes, model, objective=objective, device=device, repeats=repeats,
+                            channels_last=channels_last)
             if batch_size % n == 0:
-                replica[n] = slow * timed(x[:batch_size // n], y[:batch_size // n])[0]
-            m = default_microbatches(batch_size, n)
-            micro[n] = slow * timed(x[:batch_size // m], y[:batch_size // m])[0]
+                replica[n] = timed(x[:batch_size // n], y[:batch_size // n])[0]
+            micro[n] = timed(x[:batch_size // m], y[:batch_size // m])[0]
     return Workload(compute_seconds=whole + update, parameter_bytes=parameter_bytes(model), batch_size=batch_size,
                     update_seconds=update, layers=parameter_layers(model),
                     boundary_bytes=boundary_bytes(model.to("cpu", memory_format=torch.contiguous_format), x[:1].cpu()),
                     replica_seconds=replica, microbatch_seconds=micro)
+
+
+def link_for(link: Link, devices: int, *, device_type: str, cores: Optional[int] = None) -> Link:
+    """The link as `devices` ranks see it: CPU processes beyond one per core take turns on the cores, so each
+    message waits for its receiver to be scheduled (latency grows by devices / cores)."""
+    if device_type != "cpu":
+        return link
+    return Link(alpha=link.alpha * max(1.0, devices / (cores or usable_cores())), beta=link.beta)
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

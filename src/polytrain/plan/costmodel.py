@@ -152,3 +152,29 @@ def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]
     """The fastest prediction among the strategies that fit in memory (all, when `fits` is None)."""
     candidates = [p for name, p in predictions.items() if fits is None or fits.get(name, False)]
     return min(candidates, key=lambda p: p.step_seconds, default=None)
+
+
+def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_slots: int = 1,
+                    servers: int = 1) -> float:
+    """Bytes the busiest rank holds: weights, gradients and `optimizer_slots` tensors of optimizer state per
+    weight, plus the activations kept for backward (each cut's bytes per sample, for its slice).
+
+    data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
+    share of the master weights and their state; sharded: 1/n of everything plus one layer gathered whole
+    (taken as the whole model here, an upper bound); pipeline: about 1/p of the weights, and activations
+    for as many micro-batches as stages in flight.
+    """
+    weights = work.parameter_bytes
+    per_sample = sum(work.boundary_bytes) or 0.0
+    if strategy == "single" or devices == 1:
+        return weights * (2 + optimizer_slots) + per_sample * work.batch_size
+    slice_activations = per_sample * work.batch_size / devices
+    if strategy == "data":
+        return weights * (2 + optimizer_slots) + slice_activations
+    if strategy == "parameter-server":
+        return weights * 2 + weights / servers * (1 + optimizer_slots) + slice_activations
+    if strategy == "sharded":
+        return weights * (2 + optimizer_slots) / devices + weights + slice_activations
+    if strategy == "pipeline":
+        return weights * (2 + optimizer_slots) / devices + per_sample / devices * work.batch_size
+    return weights * (2 + optimizer_slots) + slice_activations

@@ -1,0 +1,141 @@
+"""`--strategy auto` on several devices: every synchronous strategy trains the same model, so the choice
+is only about speed and memory. The cost model predicts each one's step from a few seconds of measurement in
+this process (or from a `polytrain bench` file given with `--plan`), and the fastest that fits is used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .errors import ConfigError
+from .plan import costmodel
+from .plan.pipeline import default_microbatches
+
+SLOTS = {"sgd": 1, "adam": 2, "rmsprop": 1}      # optimizer state tensors per weight (sgd: with momentum)
+
+
+def available_bytes(device: torch.device, devices: int) -> float:
+    """What one rank may hold: a GPU's free memory, or a 1/n share of the host's available memory."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / devices
+    except (ValueError, OSError, AttributeError):
+        return math.inf
+
+
+def candidates(model, work: costmodel.Workload, devices: int) -> Dict[str, str]:
+    """Strategies that could run this model on `devices` ranks; the others with the reason."""
+    from .strategies.layers import flatten_layers
+    refused = {}
+    try:
+        flatten_layers(model)
+        if len(work.boundary_bytes) < devices - 1:
+            refused["pipeline"] = f"{devices} stages need {devices - 1} cuts, the model has {len(work.boundary_bytes)}"
+    except Exception:
+        refused["pipeline"] = "the model is not an nn.Sequential"
+    return refused
+
+
+def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device_type: str, refused: dict,
+         available: float, optimizer: str = "sgd") -> Tuple[Optional[costmodel.Prediction], dict, dict]:
+    """(the fastest prediction that can run and fits, every prediction, which fit) — pure numbers."""
+    from .workload import link_for
+    predictions = costmodel.predict_all(work, devices, link_for(link, devices, device_type=device_type),
+                                        microbatches=default_microbatches(work.batch_size, devices))
+    fits = {name: name not in refused and costmodel.memory_per_rank(
+        work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
+    return costmodel.choose(predictions, fits=fits), predictions, fits
+
+
+def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
+    others = ", ".join(f"{name} {p.step_seconds * 1e3:.1f}" for name, p in predictions.items()
+                       if name != best.strategy and math.isfinite(p.step_seconds))
+    line = (f"--strategy auto: {best.strategy} on {devices} {kind} device(s), predicted {best.step_seconds * 1e3:.1f} "
+            f"ms/step (others, ms: {others}; one device {one_device * 1e3:.1f}), from {source}")
+    if best.step_seconds > one_device:
+        line += f"; one device would be faster ({one_device / best.step_seconds:.2f}x of its speed on {devices})"
+    return line
+
+
+def choose_strategy(config, model, dataset, objective, *, device: torch.device, channels_last: bool) -> Tuple[str, str]:
+    """(strategy name, the line that says why) for `--strategy auto` with several devices."""
+    from .workload import measure_link, measure_workload
+    n = config.devices
+    if config.plan:
+        work, link, source = read_plan(config.plan, device_type=device.type, batch_size=config.batch_size)
+        measured = measured_choice(config.plan, device_type=device.type, devices=n, batch_size=config.batch_size)
+        if measured:
+            return measured
+    else:
+        work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device, devices=[n],
+                                repeats=3, channels_last=channels_last)
+        (link, how), source = measure_link(device), "a few seconds of measurement"
+    refused = candidates(model, work, n)
+    best, predictions, _ = pick(work, link, devices=n, device_type=device.type, refused=refused,
+                                available=available_bytes(device, n), optimizer=config.optimizer)
+    if best is None:
+        return "data", "--strategy auto: no strategy is predicted to fit in memory; trying data"
+    return best.strategy, describe(best, {k: v for k, v in predictions.items() if k not in refused},
+                                   work.compute_seconds, devices=n, kind=device.type, source=source)
+
+
+def _load(path: str) -> dict:
+    try:
+        document = json.loads(Path(path).expanduser().read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--plan {path}: no such file; give the bench.json that polytrain bench wrote") from None
+    except (OSError, ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--plan {path} is not a bench.json written by polytrain bench ({type(error).__name__}); "
+                          f"run polytrain bench --out DIR and pass DIR/bench.json") from None
+    if not isinstance(document, dict) or not isinstance(document.get("rows"), list) or \
+            not isinstance(document.get("workloads"), list) or not isinstance(document.get("links"), dict):
+        raise ConfigError(f"--plan {path} is not a bench.json written by polytrain bench (no rows, workloads or "
+                          f"links); run polytrain bench --out DIR and pass DIR/bench.json")
+    return document
+
+
+def measured_choice(path: str, *, device_type: str, devices: int, batch_size: int) -> Optional[Tuple[str, str]]:
+    """The fastest strategy the bench file measured at exactly this device kind, count and batch."""
+    rows = [r for r in _load(path)["rows"] if isinstance(r, dict) and r.get("device") == device_type
+            and r.get("devices") == devices and r.get("batch_size") == batch_size and not r.get("skipped")
+            and r.get("strategy") != "single"]
+    try:
+        best = min(rows, key=lambda r: float(r["step_seconds"]), default=None)
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain "
+                          f"bench") from None
+    if best is None:
+        return None
+    return best["strategy"], (f"--strategy auto: {best['strategy']} on {devices} {device_type} device(s), measured "
+                              f"fastest at {best['step_seconds'] * 1e3:.1f} ms/step in {path}")
+
+
+def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmodel.Workload, costmodel.Link, str]:
+    """The workload measured nearest this batch size, and the link, on this device kind, from a bench file."""
+    document = _load(path)
+    try:
+        works = [w for w in document["workloads"] if w["device"] == device_type]
+        link = document["links"][device_type]
+        link = costmodel.Link(alpha=float(link["alpha"]), beta=float(link["beta"]))
+        if not works:
+            raise KeyError(device_type)
+        nearest = min(works, key=lambda w: abs(math.log(int(w["batch_size"]) / batch_size)))
+        fields = {name: nearest[name] for name in ("compute_seconds", "parameter_bytes", "update_seconds", "layers")}
+        scale = batch_size / int(nearest["batch_size"])       # compute grows with the batch, the rest does not
+        work = costmodel.Workload(
+            compute_seconds=(fields["compute_seconds"] - fields["update_seconds"]) * scale + fields["update_seconds"],
+            parameter_bytes=float(fields["parameter_bytes"]), batch_size=batch_size,
+            update_seconds=float(fields["update_seconds"]), layers=int(fields["layers"]),
+            boundary_bytes=tuple(float(b) for b in nearest["boundary_bytes"]),
+            replica_seconds={int(k): v * scale for k, v in nearest["replica_seconds"].items()},
+            microbatch_seconds={int(k): v * scale for k, v in nearest["microbatch_seconds"].items()})
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ConfigError(f"--plan {path} holds no measurement on {device_type}; run polytrain bench --device "
+                          f"{device_type} and pass its bench.json") from None
+    return work, link, f"{path} (batch {nearest['batch_size']}, scaled to {batch_size})"

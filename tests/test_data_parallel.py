@@ -39,7 +39,7 @@ def test_whole_epochs_on_real_digits_agree_within_rounding():
     data = load_dataset("mnist-sample")
     settings = dict(epochs=2, batch_size=64, verbose=False)
     one = polytrain.fit("lenet", data, devices=1, **settings)
-    two = polytrain.fit("lenet", data, devices=2, **settings)
+    two = polytrain.fit("lenet", data, devices=2, strategy="data", **settings)
     assert two["train_loss"] == pytest.approx(one["train_loss"], abs=1e-3)
     assert abs(two.last["val_acc"] - one.last["val_acc"]) <= 0.002
     assert one.last["val_acc"] > 0.9
@@ -69,8 +69,8 @@ def test_sharded_evaluation_equals_one_device_exactly():
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(MisbehavingModel("raise"), tiny_digits(n_train=320), devices=2, epochs=3, batch_size=32,
-                      verbose=False)
+        polytrain.fit(MisbehavingModel("raise"), tiny_digits(n_train=320), devices=2, strategy="data", epochs=3,
+                      batch_size=32, verbose=False)
     assert time.monotonic() - started < 90
     message = str(failure.value)
     assert "worker rank 1" in message and "boom on purpose" in message

@@ -35,8 +35,8 @@ def assert_same_weights(a, b, atol):
 def test_a_stalled_rank_is_named_with_its_step_and_stack():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(MisbehavingModel("stall"), tiny_digits(n_train=320), devices=2, epochs=2, batch_size=32,
-                      hang_timeout=4, verbose=False)
+        polytrain.fit(MisbehavingModel("stall"), tiny_digits(n_train=320), devices=2, strategy="data", epochs=2,
+                      batch_size=32, hang_timeout=4, verbose=False)
     assert time.monotonic() - started < 60
     message = str(failure.value)
     assert "rank 1 made no progress" in message and "epoch 1, step 3" in message
@@ -113,7 +113,7 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identical
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_path):
-    settings = [*TRAIN, "--epochs", 3, "--checkpoint-every", 3]
+    settings = [*TRAIN, "--epochs", 3, "--checkpoint-every", 3, "--strategy", "data"]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -130,7 +130,8 @@ def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_pa
 def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path):
     """Every rank's random streams are in the checkpoint: dropout masks continue where they were."""
     settings = ["--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-size", "160", "--model",
-                "cifar-cnn", "--augment", "--batch-size", "32", "--epochs", "2", "--devices", "2", "--seed", "11"]
+                "cifar-cnn", "--augment", "--batch-size", "32", "--epochs", "2", "--devices", "2", "--seed", "11",
+                "--strategy", "data"]
     straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     part = polytrain_cli("train", *settings, "--max-steps", 7, "--out", tmp_path / "run")

@@ -36,7 +36,7 @@ def test_two_srun_tasks_equal_a_two_process_run(tmp_path):
     assert all(r.returncode == 0 for r in results), "\n".join(r.stdout + r.stderr for r in results)
     assert sum("done: validation accuracy" in r.stdout for r in results) == 1      # only rank 0 reports
     # The reference runs inside a one-task allocation (salloc): there --devices 2 starts its own 2 workers.
-    local = polytrain(*TRAIN, "--devices", "2", "--out", tmp_path / "local",
+    local = polytrain(*TRAIN, "--devices", "2", "--strategy", "data", "--out", tmp_path / "local",
                       env={"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
                            "SLURM_JOB_NODELIST": "localhost"})
     assert local.returncode == 0, local.stderr

@@ -44,7 +44,7 @@ def assert_quiet(text):
 @pytest.mark.multiprocess
 def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exactly(tmp_path):
     out = tmp_path / "stopped"
-    job = cli(*TRAIN, "--devices", 2, "--out", out)
+    job = cli(*TRAIN, "--devices", 2, "--strategy", "data", "--out", out)
     wait_for(lambda: (out / "checkpoint.pt").exists(), timeout=120, what="first checkpoint", process=job)
     workers = descendants(job.pid)
     started = time.monotonic()
@@ -59,7 +59,7 @@ def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exact
     resumed = polytrain("train", "--resume", out)
     assert resumed.returncode == 0, resumed.stderr
     assert "on 2 CPU processes as the run had" in resumed.stdout.splitlines()[0]
-    straight = polytrain("train", *TRAIN, "--devices", 2, "--out", tmp_path / "straight")
+    straight = polytrain("train", *TRAIN, "--devices", 2, "--strategy", "data", "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     a = torch.load(out / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)

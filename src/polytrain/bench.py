@@ -17,6 +17,7 @@ import torch
 
 from .config import TrainConfig
 from .errors import ConfigError, UserError, first_line
+from .hostenv import usable_cores
 from .launch import WorkerFailed, check_devices, run_job
 from .models import MODELS, build_model
 from .objective import Objective
@@ -61,6 +62,11 @@ class BenchOptions:
                                   f"{','.join(map(str, values))}")
         if self.steps < 1 or self.warmup < 0:
             raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})")
+        most = max(4, 4 * usable_cores())
+        if "cpu" in self.device_kinds and max(self.devices) > most:
+            raise ConfigError(f"--devices {max(self.devices)}: this machine has {usable_cores()} cores, and more than "
+                              f"{most} CPU processes would only take turns on them; project larger counts with "
+                              f"--predict {max(self.devices)}")
         if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
             raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
 

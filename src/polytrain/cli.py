@@ -203,39 +203,39 @@ BENCH_DESCRIPTION = (
     "projects larger counts with the cost model and names the strategy it would pick.")
 
 
-def _names(text: str) -> tuple:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected names separated by commas, got {text!r}")
-    return names
-
-
-def _counts(text: str) -> tuple:
+def parse_list(text, flag: str, *, counts: bool = False) -> tuple:
+    """`--devices 1,2,4` as (1, 2, 4), `--strategies data,sharded` as names; a malformed list is one line."""
+    if isinstance(text, tuple):
+        return text
+    parts = tuple(part.strip() for part in str(text).split(",") if part.strip())
+    if not counts:
+        if not parts:
+            raise UserError(f"{flag} takes names separated by commas, got {text!r}")
+        return parts
     try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
+        numbers = tuple(int(part) for part in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole numbers separated by commas such as 1,2,4, got "
-                                         f"{text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive whole numbers such as 1,2,4, got {text!r}")
-    return counts
+        numbers = ()
+    if not numbers or min(numbers) < 1:
+        raise UserError(f"{flag} takes positive whole numbers separated by commas such as 1,2,4, got {text!r}")
+    return numbers
 
 
 def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--model", default=DEFAULTS.model, metavar="NAME", help=f"one of {', '.join(MODELS)}")
     bench.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME", help=f"one of {', '.join(DATASETS)}")
     bench.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files")
-    bench.add_argument("--devices", type=_counts, default=(1, 2), metavar="N,M,...",
+    bench.add_argument("--devices", default=(1, 2), metavar="N,M,...",
                        help="device counts to run (default: 1,2); one device always runs as the baseline")
-    bench.add_argument("--strategies", type=_names, default=tuple(STRATEGIES), metavar="S,T,...",
+    bench.add_argument("--strategies", default=tuple(STRATEGIES), metavar="S,T,...",
                        help=f"default: all of {','.join(STRATEGIES)}")
-    bench.add_argument("--batch-sizes", type=_counts, default=(64,), metavar="B,C,...",
+    bench.add_argument("--batch-sizes", default=(64,), metavar="B,C,...",
                        help="global batch sizes (default: 64)")
-    bench.add_argument("--device", type=_names, default=None, metavar="cpu,cuda",
+    bench.add_argument("--device", default=None, metavar="cpu,cuda",
                        help="device kinds, side by side (default: cuda if a GPU is present, else cpu)")
     bench.add_argument("--steps", type=int, default=20, metavar="N", help="measured steps (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, metavar="N", help="steps before measuring (default: 5)")
-    bench.add_argument("--predict", type=_counts, default=(), metavar="N,M,...",
+    bench.add_argument("--predict", default=(), metavar="N,M,...",
                        help="also predict these device counts with the cost model and name the pick")
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")
     bench.add_argument("--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)")

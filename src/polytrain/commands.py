@@ -8,7 +8,7 @@ import torch
 
 from .api import evaluate, predict, spread_indices, train_run
 from .sources import as_dataset
-from .cli import config_from_args, flag_list
+from .cli import config_from_args, flag_list, parse_list
 from .config import STRATEGY_FLAGS, TrainConfig, options_of_other_strategies
 from .data import ArrayDataset
 from .data.loader import global_batch_order
@@ -24,7 +24,7 @@ from .worker import Job, choose_device, resolved_device_type
 # What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
 # learning-rate schedule that does not depend on the run's length).
 RESUME_FLAGS = ("devices", "device", "strategy", *STRATEGY_FLAGS, "max_restarts", "max_steps", "checkpoint_every",
-                "hang_timeout")
+                "hang_timeout", "plan")
 LAYOUT_FLAGS = ("devices", "strategy", "pipeline_stages", "pipeline_schedule")
 
 
@@ -193,10 +193,15 @@ def bench_command(args) -> int:
     import time
     from .bench import BenchOptions, run_bench
     from .benchreport import draw, report, write_json
-    kinds = args.device or (("cuda",) if torch.cuda.is_available() else ("cpu",))
-    options = BenchOptions(model=args.model, dataset=args.dataset, data_dir=args.data_dir, devices=args.devices,
-                           strategies=args.strategies, batch_sizes=args.batch_sizes, device_kinds=kinds,
-                           warmup=args.warmup, steps=args.steps, predict=args.predict, seed=args.seed)
+    kinds = parse_list(args.device, "--device") if args.device else \
+        (("cuda",) if torch.cuda.is_available() else ("cpu",))
+    options = BenchOptions(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
+                           devices=parse_list(args.devices, "--devices", counts=True),
+                           strategies=parse_list(args.strategies, "--strategies"),
+                           batch_sizes=parse_list(args.batch_sizes, "--batch-sizes", counts=True), device_kinds=kinds,
+                           warmup=args.warmup, steps=args.steps,
+                           predict=parse_list(args.predict, "--predict", counts=True) if args.predict else (),
+                           seed=args.seed)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for bench.json and bench.png")

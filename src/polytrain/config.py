@@ -144,6 +144,8 @@ class TrainConfig:
         self._check_pipeline()
         _need(self.plan is None or self.strategy == "auto",
               f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
+        _need(self.plan is None or self.devices > 1,
+              "--plan chooses a strategy for several devices; add --devices N (2 or more) or drop --plan")
         _need(not self.cpu_offload or self.strategy == "sharded",
               "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it")
         _need(self.staleness is None or (isinstance(self.staleness, int) and self.staleness >= 0),

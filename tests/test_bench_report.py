@@ -1,0 +1,211 @@
+"""The bench's arithmetic on rows and timings made by hand: the split of a step, the link fit, speedups,
+explanations, the pick of --strategy auto, and the files it writes and reads back."""
+import json
+import math
+
+import pytest
+
+from polytrain.autostrategy import describe, measured_choice, pick, read_plan
+from polytrain.bench import BenchOptions, BenchResult, Row, combinations, fill_speedups, link_of, summarize
+from polytrain.benchreport import draw, explain, report, table, write_json
+from polytrain.cli import main
+from polytrain.errors import ConfigError
+from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank
+from polytrain.strategies.parameter_server import ParameterServer
+
+MS = 1e-3
+WORK = Workload(compute_seconds=10 * MS, parameter_bytes=1.76e6, batch_size=64, update_seconds=1 * MS, layers=4,
+                boundary_bytes=(1000.0, 500.0), replica_seconds={2: 8 * MS}, microbatch_seconds={2: 2 * MS})
+
+
+def rank(number, steps, *, window, reference=None, held=100, link=None):
+    return {"rank": number, "device": "cpu", "steps": steps, "window": window, "reference": reference,
+            "held_bytes": held, "peak_bytes": None, "threads": 1, "link": link}
+
+
+def test_a_strategy_that_reports_nothing_is_split_by_the_replica_reference():
+    # two steps of 20 ms train_step + 1 ms data; the replica alone takes 12 ms; 2 ms between steps
+    steps = [{"step": 20 * MS, "data": 1 * MS}, {"step": 20 * MS, "data": 1 * MS}]
+    row = Row("cpu", "data", 2, 64)
+    summarize(row, [rank(0, steps, window=46 * MS, reference=12 * MS), rank(1, steps, window=46 * MS, reference=12 * MS)])
+    assert row.step_seconds == pytest.approx(23 * MS)
+    assert row.samples_per_second == pytest.approx(64 / 0.023)
+    assert row.phases == pytest.approx({"compute": 12 * MS, "communication": 8 * MS, "data": 1 * MS, "idle": 2 * MS})
+
+
+def test_phases_a_strategy_reports_are_taken_as_they_are_and_the_rest_is_compute():
+    steps = [{"step": 30 * MS, "data": 0.0, "idle": 10 * MS, "communication": 5 * MS}]
+    row = Row("cpu", "pipeline", 2, 64)
+    summarize(row, [rank(0, steps, window=30 * MS, held=300), rank(1, steps, window=30 * MS, held=500)])
+    assert row.phases == pytest.approx({"compute": 15 * MS, "communication": 5 * MS, "data": 0.0, "idle": 10 * MS})
+    assert row.held_bytes == 500
+
+
+def test_a_workers_pull_waits_while_the_server_updates_which_is_idle_time():
+    server = [{"step": 20 * MS, "data": 0.0, "communication": 4 * MS, "server_update": 3 * MS}]
+    worker = [{"step": 20 * MS, "data": 0.0, "communication": 5 * MS}]
+    settled = ParameterServer.settle_phases([server, worker])
+    assert settled[0][0]["communication"] == pytest.approx(4 * MS) and "idle" not in server[0]
+    assert settled[1][0]["communication"] == pytest.approx(2 * MS)
+    assert settled[1][0]["idle"] == pytest.approx(3 * MS)
+    row = Row("cpu", "parameter-server", 2, 64)
+    summarize(row, [rank(0, server, window=20 * MS), rank(1, worker, window=20 * MS)])
+    # rank 0: 16 compute + 4 comm; rank 1: 15 compute + 2 comm + 3 idle
+    assert row.phases == pytest.approx({"compute": 15.5 * MS, "communication": 3 * MS, "data": 0.0, "idle": 1.5 * MS})
+
+
+def test_the_link_is_fitted_to_a_ring_all_reduce_over_the_ranks_that_timed_it():
+    alpha, beta, n = 100e-6, 1e9, 4
+    timings = {size: 2 * (n - 1) / n * size / beta + 2 * (n - 1) * alpha for size in (4096, 65536, 1 << 20, 8 << 20)}
+    rows = [Row("cpu", "data", n, 64, link=timings), Row("cpu", "data", 8, 64, link={1: 1.0, 2: 5.0})]
+    link, how = link_of(rows, "cpu")
+    assert link.alpha == pytest.approx(alpha) and link.beta == pytest.approx(beta)
+    assert "4 cpu processes of the data run" in how
+    assert link_of(rows, "cuda") is None
+
+
+def test_one_device_is_the_baseline_of_every_kind_and_batch_and_speedups_are_against_it():
+    rows = combinations(BenchOptions(devices=(1, 2, 4), strategies=("data", "single", "pipeline"),
+                                     batch_sizes=(64, 512), device_kinds=("cpu",)))
+    assert [(r.strategy, r.devices, r.batch_size) for r in rows[:5]] == [
+        ("single", 1, 64), ("data", 2, 64), ("data", 4, 64), ("pipeline", 2, 64), ("pipeline", 4, 64)]
+    assert len(rows) == 10
+    base, two, lost = Row("cpu", "single", 1, 64, step_seconds=0.010), Row("cpu", "data", 2, 64, step_seconds=0.004), \
+        Row("cpu", "data", 4, 64, skipped="why")
+    fill_speedups([base, two, lost])
+    assert two.speedup == pytest.approx(2.5) and two.efficiency == pytest.approx(1.25)
+    assert math.isnan(lost.speedup)
+
+
+def test_a_combination_that_cannot_run_is_a_row_that_says_why():
+    lines = table([Row("cuda", "data", 2, 64, skipped="no CUDA GPU here")])
+    assert lines[-1].split() == ["cuda", "data", "2", "64", "skipped:", "no", "CUDA", "GPU", "here"]
+
+
+def phases(compute, communication=0.0, data=0.0, idle=0.0):
+    return {"compute": compute, "communication": communication, "data": data, "idle": idle}
+
+
+def test_communication_that_makes_more_devices_lose_is_explained_with_the_batch_that_fixes_it():
+    base = Row("cpu", "single", 1, 64, step_seconds=10 * MS, phases=phases(10 * MS))
+    # 20 ms: 8 compute, 12 communication (60%); 8x the batch: 12 / (12 + 64) = 16% <= 20%
+    slow = Row("cpu", "data", 2, 64, step_seconds=20 * MS, phases=phases(8 * MS, 12 * MS))
+    lines = explain([base, slow], {("cpu", 64): WORK}, cores=2)
+    assert lines == ["  data on 2 cpu, batch 64 is slower (20.0 ms/step against 10.0 ms on 1 device): communication "
+                     "is 60% of each step: 1.8 MB of gradients per 32-sample slice; a global batch of 512 would make "
+                     "it 16%"]
+    fast = Row("cpu", "data", 2, 64, step_seconds=6 * MS, phases=phases(4 * MS, 2 * MS))
+    assert explain([base, fast], {("cpu", 64): WORK}) == []
+
+
+def test_a_pipeline_bubble_and_compute_that_does_not_split_are_explained():
+    base = Row("cpu", "single", 1, 64, step_seconds=10 * MS, phases=phases(10 * MS))
+    pipe = Row("cpu", "pipeline", 2, 64, step_seconds=20 * MS, phases=phases(10 * MS, 0, 0, 10 * MS))
+    shared = Row("cpu", "data", 4, 64, step_seconds=12 * MS, phases=phases(11 * MS, 1 * MS))
+    gpu_base = Row("cuda", "single", 1, 64, step_seconds=1 * MS, phases=phases(1 * MS))
+    gpu = Row("cuda", "data", 2, 64, step_seconds=1.2 * MS, phases=phases(1.1 * MS, 0.1 * MS))
+    pipe_line, shared_line, gpu_line = explain([base, pipe, shared, gpu_base, gpu], {}, cores=2)
+    assert "idle is 50% of each step: the pipeline bubble (p-1)/(m+p-1) is 0.11 with 8 micro-batches" in pipe_line
+    assert "--microbatches 32 would make the bubble 0.03" in pipe_line
+    assert ("compute is 11.0 ms per step against 10.0 ms on one device: 4 processes share 2 cores" in shared_line)
+    assert "a 32-sample slice keeps a GPU busy no shorter than the whole batch" in gpu_line
+
+
+def test_auto_picks_the_fastest_that_can_run_and_fits_in_memory():
+    link = Link(alpha=1e-4, beta=1e9)
+    best, predictions, fits = pick(WORK, link, devices=2, device_type="cuda", refused={}, available=1e12)
+    assert best.strategy == min(predictions.values(), key=lambda p: p.step_seconds).strategy
+    # memory too small for a whole replica: only the sharded strategy fits
+    need = {name: memory_per_rank(WORK, name, 2) for name in predictions}
+    assert need["sharded"] < min(need["data"], need["parameter-server"])
+    best, _, fits = pick(WORK, link, devices=2, device_type="cuda", refused={"pipeline": "no"},
+                         available=need["sharded"])
+    assert best.strategy == "sharded" and not fits["data"] and not fits["pipeline"]
+
+
+def test_memory_per_rank_by_hand():
+    # S = 1.76e6 bytes, SGD with momentum: weights + gradients + 1 slot; activations 1500 bytes per sample
+    assert memory_per_rank(WORK, "data", 2) == pytest.approx(3 * 1.76e6 + 1500 * 32)
+    assert memory_per_rank(WORK, "parameter-server", 2) == pytest.approx(2 * 1.76e6 + 2 * 1.76e6 + 1500 * 32)
+    assert memory_per_rank(WORK, "sharded", 2) == pytest.approx(1.5 * 1.76e6 + 1.76e6 + 1500 * 32)
+    assert memory_per_rank(WORK, "pipeline", 2, optimizer_slots=2) == pytest.approx(2 * 1.76e6 + 750 * 64)
+
+
+def test_auto_says_when_one_device_would_be_faster():
+    predictions = {"data": Prediction("data", 2, 9 * MS, 3 * MS), "sharded": Prediction("sharded", 2, 9 * MS, 9 * MS)}
+    line = describe(predictions["data"], predictions, 10 * MS, devices=2, kind="cpu", source="a test")
+    assert line == ("--strategy auto: data on 2 cpu device(s), predicted 12.0 ms/step (others, ms: sharded 18.0; one "
+                    "device 10.0), from a test; one device would be faster: 2 are predicted at 0.83x its speed")
+
+
+def result_with(rows):
+    options = BenchOptions(devices=(1, 2), strategies=("data",), batch_sizes=(64,), predict=(4,))
+    return BenchResult(options, rows, {("cpu", 64): WORK}, {"cpu": (Link(2e-4, 1e9), "measured: a test")},
+                       [("cpu", 64, 4, {"data": Prediction("data", 4, 4 * MS, 1 * MS)}, "data")])
+
+
+def test_bench_json_round_trips_into_the_plan_that_auto_reads(tmp_path):
+    rows = [Row("cpu", "single", 1, 64, step_seconds=10 * MS, samples_per_second=6400, phases=phases(10 * MS)),
+            Row("cpu", "data", 2, 64, step_seconds=8 * MS, samples_per_second=8000, phases=phases(6 * MS, 2 * MS)),
+            Row("cpu", "sharded", 2, 64, step_seconds=7 * MS, samples_per_second=9000, phases=phases(5 * MS, 2 * MS)),
+            Row("cpu", "pipeline", 2, 64, skipped="why")]
+    fill_speedups(rows)
+    result = result_with(rows)
+    write_json(result, tmp_path / "bench.json")
+    draw(result, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    document = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["strategy"] for r in document["rows"]] == ["single", "data", "sharded", "pipeline"]
+    assert document["projections"][0]["chosen"] == "data"
+    name, line = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
+    assert name == "sharded" and "measured fastest at 7.0 ms/step" in line
+    assert measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64) is None
+    work, link, source = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=128)
+    assert work.batch_size == 128 and work.pass_seconds == pytest.approx(2 * WORK.pass_seconds)
+    assert work.replica_seconds == {2: pytest.approx(16 * MS)} and link == Link(2e-4, 1e9)
+    assert "batch 64, scaled to 128" in source
+    text = "\n".join(report(result))
+    assert "4 cpu (processes sharing this machine's cores), batch 64: would pick data" in text
+    assert "link (cpu): 200 us per message, 1.00 GB/s; measured: a test" in text
+
+
+@pytest.mark.parametrize("content, words", [
+    ("not json", "is not a bench.json written by polytrain bench (JSONDecodeError)"),
+    ('{"rows": 3}', "no rows, workloads or links"),
+    ('{"rows": [], "workloads": [], "links": {}}', "holds no measurement on cpu"),
+])
+def test_a_malformed_plan_is_one_line(tmp_path, content, words):
+    path = tmp_path / "bench.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as refused:
+        read_plan(str(path), device_type="cpu", batch_size=64)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategies", "data,nope"], "--strategies: unknown strategy 'nope'"),
+    (["--model", "vgg"], "--model: unknown model 'vgg'"),
+    (["--devices", "0,2"], "--devices takes positive whole numbers"),
+    (["--batch-sizes", "sixty"], "--batch-sizes takes positive whole numbers"),
+    (["--device", "tpu"], "--device: unknown device kind 'tpu'"),
+    (["--devices", "1,500"], "CPU processes would only take turns"),
+])
+def test_bench_mistakes_are_one_line(capsys, tmp_path, argv, words):
+    code = main(["bench", "--device", "cpu", *argv, "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("polytrain: error:") and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_auto_keeps_data_parallelism_unless_another_is_clearly_faster():
+    link = Link(alpha=1e-4, beta=1e9)
+    _, predictions, _ = pick(WORK, link, devices=2, device_type="cuda", refused={}, available=1e12)
+    data = predictions["data"].step_seconds
+    close = Workload(**{**WORK.__dict__, "update_seconds": 0.0})     # no update to split: sharded only pays more
+    assert pick(close, link, devices=2, device_type="cuda", refused={}, available=1e12)[0].strategy == "data"
+    # a large update that sharding splits 2 ways makes sharded clearly faster
+    heavy = Workload(**{**WORK.__dict__, "compute_seconds": 0.1, "update_seconds": 0.09})
+    best, predictions, _ = pick(heavy, link, devices=2, device_type="cuda", refused={"pipeline": "no"},
+                                available=1e12)
+    assert best.strategy == "sharded" and best.step_seconds * 1.1 < predictions["data"].step_seconds
+    assert data > 0

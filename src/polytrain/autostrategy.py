@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 from .plan import costmodel
 from .plan.pipeline import default_microbatches
 
@@ -32,16 +32,20 @@ def available_bytes(device: torch.device, devices: int) -> float:
         return math.inf
 
 
-def candidates(model, work: costmodel.Workload, devices: int) -> Dict[str, str]:
-    """Strategies that could run this model on `devices` ranks; the others with the reason."""
+def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
+    """The strategies that cannot run this model on `devices` ranks here, with the reason."""
+    from .errors import UserError
     from .strategies.layers import flatten_layers
+    from .strategies.pipeline import check_torch, torch_version
     refused = {}
     try:
         flatten_layers(model)
+        check_torch(torch_version(), device_type=device_type, ranks=devices,
+                    fewest_microbatches=default_microbatches(work.batch_size, devices))
         if len(work.boundary_bytes) < devices - 1:
             refused["pipeline"] = f"{devices} stages need {devices - 1} cuts, the model has {len(work.boundary_bytes)}"
-    except Exception:
-        refused["pipeline"] = "the model is not an nn.Sequential"
+    except UserError as error:
+        refused["pipeline"] = str(error)
     return refused
 
 
@@ -80,10 +84,14 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
         if measured:
             return measured
     else:
-        work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device, devices=[n],
-                                repeats=3, channels_last=channels_last)
-        (link, how), source = measure_link(device), "a few seconds of measurement"
-    refused = candidates(model, work, n)
+        try:
+            work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device,
+                                    devices=[n], repeats=3, channels_last=channels_last)
+            (link, how), source = measure_link(device), "a few seconds of measurement"
+        except Exception as error:          # a model the probe cannot drive: train as before, say why
+            return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
+                            f"--strategy to choose)")
+    refused = candidates(model, work, n, device_type=device.type)
     best, predictions, _ = pick(work, link, devices=n, device_type=device.type, refused=refused,
                                 available=available_bytes(device, n), optimizer=config.optimizer)
     if best is None:

@@ -130,7 +130,7 @@ def projection_lines(result: BenchResult) -> List[str]:
     for kind, batch, n, predictions, chosen in result.projections:
         work = result.workloads[(kind, batch)]
         finite = {name: p for name, p in predictions.items() if math.isfinite(p.step_seconds)}
-        parts = ", ".join(f"{name} {work.compute_seconds / p.step_seconds:.2f}x" for name, p in finite.items())
+        parts = ", ".join(f"{name} {work.compute_seconds / p.step_seconds:.3g}x" for name, p in finite.items())
         where = "processes sharing this machine's cores" if kind == "cpu" else "GPUs like this one"
         pick = f"would pick {chosen}" if chosen else "nothing fits"
         slower = " (slower than one device)" if chosen and finite[chosen].step_seconds > work.compute_seconds else ""
@@ -178,14 +178,14 @@ def draw(result: BenchResult, path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.32 * len(done) + 3.5))
     lines = {}
     for row in done:
-        series = "single" if row.strategy == "single" else row.strategy
-        lines.setdefault((row.device, row.batch_size, series), []).append((row.devices, row.speedup))
+        if row.strategy != "single" and math.isfinite(row.speedup):      # one device: the point (1, 1) of each
+            lines.setdefault((row.device, row.batch_size, row.strategy), []).append((row.devices, row.speedup))
     most = max([r.devices for r in done], default=1)
     for (kind, batch, strategy), points in lines.items():
-        base = [(1, 1.0)] if strategy != "single" else []
-        xs, ys = zip(*sorted(base + points))
+        xs, ys = zip(*sorted([(1, 1.0)] + points))
         left.plot(xs, ys, "o-", label=f"{strategy}, {kind}, batch {batch}")
     left.plot([1, most], [1, most], "k--", label="ideal")
+    left.set_xticks(sorted({1, *(r.devices for r in done)}))
     left.set_xlabel("devices")
     left.set_ylabel("speedup over one device")
     left.grid(alpha=0.3)

@@ -209,3 +209,20 @@ def test_auto_keeps_data_parallelism_unless_another_is_clearly_faster():
                                 available=1e12)
     assert best.strategy == "sharded" and best.step_seconds * 1.1 < predictions["data"].step_seconds
     assert data > 0
+
+
+def test_the_median_round_is_kept():
+    from polytrain.bench import median_row
+    runs = [Row("cpu", "data", 2, 64, step_seconds=s) for s in (0.03, 0.01, 0.02)]
+    assert median_row(runs).step_seconds == 0.02
+    assert median_row(runs[:2]).step_seconds == 0.01
+    assert median_row([Row("cpu", "data", 2, 64, skipped="why")]).skipped == "why"
+
+
+def test_a_relative_fit_lets_small_messages_set_the_latency():
+    # 8 MB messages 3% faster than the line: an unweighted fit moves alpha by 10%
+    sizes = [4096, 65536, 1 << 20, 8 << 20]
+    seconds = [1e-4 + s / 1e9 for s in sizes]
+    seconds[-1] *= 0.97
+    assert Link.fit(sizes, seconds, relative=True).alpha == pytest.approx(1e-4, rel=0.01)
+    assert Link.fit(sizes, seconds).alpha > 1.05e-4

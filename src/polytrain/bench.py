@@ -41,10 +41,11 @@ class BenchOptions:
     strategies: Tuple[str, ...] = ("single", "data")
     batch_sizes: Tuple[int, ...] = (64,)
     device_kinds: Tuple[str, ...] = ("cpu",)
-    warmup: int = 5
+    warmup: int = 10
     steps: int = 20
     predict: Tuple[int, ...] = ()
     seed: int = 0
+    repeats: int = 1             # interleaved rounds; each row keeps its median round
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -60,6 +61,8 @@ class BenchOptions:
             if any(not isinstance(v, int) or v < 1 for v in values):
                 raise ConfigError(f"{flag} takes positive whole numbers separated by commas, got "
                                   f"{','.join(map(str, values))}")
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be at least 1, got {self.repeats}")
         if self.steps < 1 or self.warmup < 0:
             raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})")
         most = max(4, 4 * usable_cores())
@@ -151,7 +154,7 @@ def link_of(rows: List[Row], kind: str) -> Optional[Tuple[costmodel.Link, str]]:
     if not timed:
         return None
     n, samples = timed[0].devices, timed[0].link
-    fitted = costmodel.Link.fit(list(samples), list(samples.values()))
+    fitted = costmodel.Link.fit(list(samples), list(samples.values()), relative=True)
     # a ring all-reduce over n ranks takes 2(n-1)/n S/B + 2(n-1) alpha
     link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)), beta=fitted.beta * 2 * (n - 1) / n)
     return link, f"measured: all-reduces between the {n} {kind} processes of the {timed[0].strategy} run"
@@ -183,6 +186,12 @@ def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
         row.skipped = first_line(error)
         return
     summarize(row, result.timings)
+
+
+def median_row(runs: List[Row]) -> Row:
+    """The round whose step time is the median (the lower one of an even count)."""
+    done = sorted((r for r in runs if not r.skipped), key=lambda r: r.step_seconds)
+    return done[(len(done) - 1) // 2] if done else runs[0]
 
 
 def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
@@ -223,13 +232,19 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     dataset = as_dataset(options.dataset, config)
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes)
-    rows = combinations(options)
-    for index, row in enumerate(rows, 1):
-        run_row(row, options, dataset, model)
-        what = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
-        outcome = f"skipped: {row.skipped}" if row.skipped else \
-            f"{row.samples_per_second:,.0f} samples/s, {row.step_seconds * 1e3:.1f} ms/step"
-        progress(f"bench {index}/{len(rows)}: {what}: {outcome}")
+    rounds = [combinations(options) for _ in range(options.repeats)]
+    for number, rows in enumerate(rounds, 1):            # interleaved: a burst of outside load hits all alike
+        for index, row in enumerate(rows, 1):
+            if number > 1 and rounds[0][index - 1].skipped:
+                row.skipped = rounds[0][index - 1].skipped
+                continue
+            run_row(row, options, dataset, model)
+            what = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+            outcome = f"skipped: {row.skipped}" if row.skipped else \
+                f"{row.samples_per_second:,.0f} samples/s, {row.step_seconds * 1e3:.1f} ms/step"
+            where = f" (round {number}/{options.repeats})" if options.repeats > 1 else ""
+            progress(f"bench {index}/{len(rows)}{where}: {what}: {outcome}")
+    rows = [median_row(list(runs)) for runs in zip(*rounds)]
     workloads, links = {}, {}
     counts = sorted(set(options.devices) | set(options.predict))
     for kind in options.device_kinds:

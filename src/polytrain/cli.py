@@ -127,11 +127,12 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 
 EXAMPLES = """examples:
   polytrain train                          # LeNet on 10,000 real MNIST digits, run folder under runs/
-  polytrain train --devices 2              # the same, data-parallel on 2 processes/GPUs
+  polytrain train --devices 2              # the same on 2 processes/GPUs, the strategy predicted fastest
   polytrain evaluate runs/LATEST           # runs/LATEST: the newest run folder under runs/
   polytrain predict runs/LATEST --show 25
   polytrain train --resume runs/LATEST     # continue an interrupted run where it stopped
   polytrain verify --devices 2             # prove N devices train like one
+  polytrain bench --devices 1,2,4          # what each device spent its time on, and what N would do
   polytrain train --strategy pipeline --devices 2 --microbatches 1   # LeNet split over 2 devices
 
 polytrain train trains classifiers of images: a model that maps (N, C, H, W) images to (N, classes) scores,
@@ -234,7 +235,9 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--device", default=None, metavar="cpu,cuda",
                        help="device kinds, side by side (default: cuda if a GPU is present, else cpu)")
     bench.add_argument("--steps", type=int, default=20, metavar="N", help="measured steps (default: 20)")
-    bench.add_argument("--warmup", type=int, default=5, metavar="N", help="steps before measuring (default: 5)")
+    bench.add_argument("--warmup", type=int, default=10, metavar="N", help="steps before measuring (default: 10)")
+    bench.add_argument("--repeats", type=int, default=1, metavar="R",
+                       help="run every combination R times, interleaved, and keep each one's median (default: 1)")
     bench.add_argument("--predict", default=(), metavar="N,M,...",
                        help="also predict these device counts with the cost model and name the pick")
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")

@@ -124,7 +124,7 @@ class StepClock(Callback):
         if strategy.is_main:
             self.result = gathered
 
-    def _link(self, strategy, sizes=(4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20), repeats: int = 6) -> dict:
+    def _link(self, strategy, sizes=(4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20), repeats: int = 10) -> dict:
         """Median seconds of an all-reduce over all ranks, by message bytes."""
         timings = {}
         for size in sizes:

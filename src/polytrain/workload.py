@@ -195,7 +195,7 @@ def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:
 
 
 def _fit(samples: Dict[int, float], *, two_rank_allreduce: bool = False) -> Link:
-    fitted = Link.fit(list(samples), list(samples.values()))
+    fitted = Link.fit(list(samples), list(samples.values()), relative=True)
     # a two-rank ring all-reduce takes S/B + 2 alpha: the fitted intercept is two messages' latency
     return Link(alpha=fitted.alpha / 2, beta=fitted.beta) if two_rank_allreduce else fitted
 

@@ -41,14 +41,19 @@ class Link:
         return messages * self.alpha + nbytes / self.beta
 
     @classmethod
-    def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> "Link":
-        """Least-squares alpha and 1/beta from (bytes, seconds) of measured messages (at least two sizes)."""
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float], *, relative: bool = False) -> "Link":
+        """Least-squares alpha and 1/beta from (bytes, seconds) of measured messages (at least two sizes).
+
+        `relative`: minimise relative errors (weights 1/seconds^2), so that the microseconds of small messages
+        set alpha instead of vanishing beside the milliseconds' noise of large ones, which set beta."""
         if len(sizes) != len(seconds) or len(set(sizes)) < 2:
             raise ValueError("fitting a link needs messages of at least two different sizes")
-        count = len(sizes)
-        mean_x, mean_y = sum(sizes) / count, sum(seconds) / count
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / \
-            sum((x - mean_x) ** 2 for x in sizes)
+        weights = [1.0 / max(y, 1e-12) ** 2 if relative else 1.0 for y in seconds]
+        total = sum(weights)
+        mean_x = sum(w * x for w, x in zip(weights, sizes)) / total
+        mean_y = sum(w * y for w, y in zip(weights, seconds)) / total
+        slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, sizes, seconds)) / \
+            sum(w * (x - mean_x) ** 2 for w, x in zip(weights, sizes))
         slope = max(slope, 1e-15)                      # noise must not give an infinite or negative bandwidth
         return cls(alpha=max(0.0, mean_y - slope * mean_x), beta=1.0 / slope)
 

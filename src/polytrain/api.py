@@ -90,6 +90,10 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     run_dir = None
     if resume_dir is not None:
         run_dir = Path(resume_dir)
+        recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
+        if recorded and recorded.get("strategy") != strategy:
+            recorded.pop("versions", None)           # --strategy auto chose anew for the new device count
+            write_config(run_dir, dict(recorded, strategy=strategy))
     elif keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__

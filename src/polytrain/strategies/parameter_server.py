@@ -39,7 +39,10 @@ class ParameterServer(Distributed):
                           config.staleness or 0)
 
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
-        self.model = self.runner = model.to(self.device)
+        model = model.to(self.device)
+        if self.channels_last:            # the loader hands over channels-last images: match them (as base does)
+            model = model.to(memory_format=torch.channels_last)
+        self.model = self.runner = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.replica = list(model.parameters())
         self.owned = {k: self.plan.owned(k) for k in range(self.plan.servers)}

@@ -226,3 +226,39 @@ def test_a_relative_fit_lets_small_messages_set_the_latency():
     seconds[-1] *= 0.97
     assert Link.fit(sizes, seconds, relative=True).alpha == pytest.approx(1e-4, rel=0.01)
     assert Link.fit(sizes, seconds).alpha > 1.05e-4
+
+
+def test_measured_slices_replace_the_even_split():
+    from polytrain.plan.costmodel import data_parallel, pipeline
+    link = Link(alpha=1e-4, beta=1e9)
+    even = Workload(compute_seconds=WORK.compute_seconds, parameter_bytes=WORK.parameter_bytes, batch_size=64,
+                    update_seconds=WORK.update_seconds, boundary_bytes=WORK.boundary_bytes)
+    assert data_parallel(even, 2, link).compute == pytest.approx(9 * MS / 2 + 1 * MS)
+    assert data_parallel(WORK, 2, link).compute == pytest.approx(8 * MS + 1 * MS)      # replica_seconds[2]
+    # a pipeline slot is one micro-batch's pass over one stage: 2 ms / 2 stages
+    assert pipeline(WORK, 2, link, microbatches=8).idle == pytest.approx(1 * MS)
+
+
+def test_auto_measures_in_this_process_and_names_its_pick():
+    import torch
+    from polytrain.autostrategy import choose_strategy
+    from polytrain.config import TrainConfig
+    from polytrain.objective import Objective
+    from conftest import tiny_digits
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    config = TrainConfig(devices=2, batch_size=32, device="cpu")
+    name, line = choose_strategy(config, model, tiny_digits(), Objective(), device=torch.device("cpu"),
+                                 channels_last=False)
+    assert name in ("data", "parameter-server", "sharded", "pipeline")
+    assert line.startswith(f"--strategy auto: {name} on 2 cpu device(s), predicted ") and "a few seconds" in line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--devices", "2", "--strategy", "data", "--plan", "x.json"], "--plan chooses for --strategy auto"),
+    (["--plan", "x.json"], "--plan chooses a strategy for several devices"),
+    (["--devices", "2", "--plan", "missing.json"], "--plan missing.json: no such file"),
+])
+def test_plan_mistakes_are_one_line(capsys, tmp_path, argv, words):
+    from conftest import assert_refused_in_one_line
+    assert_refused_in_one_line(capsys, tmp_path / "run", [*argv, "--device", "cpu", "--dataset", "synthetic",
+                                                          "--synthetic-size", "64"], [words])

@@ -104,7 +104,9 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identical
     assert "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
     reference = straight_three_epochs
-    if "data" in strategy:           # DDP's all-reduce order drifts from one device by ~4e-5 over 3 epochs
+    # DDP's all-reduce order, and the parameter server's channels-last replicas on half batches, drift from one
+    # device by ~4e-5 over 3 epochs: those are compared with a straight run of their own strategy
+    if "data" in strategy or "parameter-server" in strategy:
         straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
         assert straight.returncode == 0, straight.stderr
         reference = load(tmp_path / "straight" / "model.pt")

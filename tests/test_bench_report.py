@@ -104,9 +104,15 @@ def test_a_pipeline_bubble_and_compute_that_does_not_split_are_explained():
     shared = Row("cpu", "data", 4, 64, step_seconds=12 * MS, phases=phases(11 * MS, 1 * MS))
     gpu_base = Row("cuda", "single", 1, 64, step_seconds=1 * MS, phases=phases(1 * MS))
     gpu = Row("cuda", "data", 2, 64, step_seconds=1.2 * MS, phases=phases(1.1 * MS, 0.1 * MS))
+    # the bubble with 8 micro-batches is 1/9 = 0.11: idle at 20% of a step is the bubble, at 50% mostly waits
+    bubbly = Row("cpu", "pipeline", 2, 64, step_seconds=20 * MS, phases=phases(16 * MS, 0, 0, 4 * MS))
     pipe_line, shared_line, gpu_line = explain([base, pipe, shared, gpu_base, gpu], {}, cores=2)
-    assert "idle is 50% of each step: the pipeline bubble (p-1)/(m+p-1) is 0.11 with 8 micro-batches" in pipe_line
-    assert "--microbatches 32 would make the bubble 0.03" in pipe_line
+    assert ("idle is 50% of each step against a pipeline bubble (p-1)/(m+p-1) of 0.11 with 8 micro-batches: the rest "
+            "is stages waiting for each other's activations" in pipe_line)
+    assert "fewer (--microbatches 2) remove some" in pipe_line
+    [bubble_line] = explain([base, bubbly], {}, cores=2)
+    assert ("idle is 20% of each step: the pipeline bubble (p-1)/(m+p-1) is 0.11 with 8 micro-batches; "
+            "--microbatches 32 would make it 0.03") in bubble_line
     assert ("compute is 11.0 ms per step against 10.0 ms on one device: 4 processes share 2 cores" in shared_line)
     assert "a 32-sample slice keeps a GPU busy no shorter than the whole batch" in gpu_line
 
@@ -167,6 +173,35 @@ def test_bench_json_round_trips_into_the_plan_that_auto_reads(tmp_path):
     text = "\n".join(report(result))
     assert "4 cpu (processes sharing this machine's cores), batch 64: would pick data" in text
     assert "link (cpu): 200 us per message, 1.00 GB/s; measured: a test" in text
+
+
+def test_a_plan_keeps_the_default_format_measurement_and_reads_files_without_it(tmp_path):
+    from dataclasses import replace
+    plain = replace(WORK, compute_seconds=15 * MS, replica_seconds={2: 12 * MS}, microbatch_seconds={2: 3 * MS})
+    result = result_with([Row("cpu", "single", 1, 64, step_seconds=10 * MS, phases=phases(10 * MS))])
+    result.workloads[("cpu", 64)] = replace(WORK, plain=plain)
+    write_json(result, tmp_path / "bench.json")
+    work, _, _ = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=128)
+    assert work.plain.pass_seconds == pytest.approx(2 * plain.pass_seconds)
+    assert work.plain.replica_seconds == {2: pytest.approx(24 * MS)} and work.plain.batch_size == 128
+    assert work.in_format(True) is work.plain and work.in_format(False) is work
+    document = json.loads((tmp_path / "bench.json").read_text())
+    del document["workloads"][0]["plain"]                          # a file from before the plain measurement
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    old, _, _ = read_plan(str(tmp_path / "old.json"), device_type="cpu", batch_size=64)
+    assert old.plain is None and old.in_format(True) is old
+
+
+def test_strategies_that_cannot_train_channels_last_say_so_and_do_not():
+    import torch
+    from polytrain.strategies import STRATEGIES, contiguous_strategies
+    assert set(contiguous_strategies()) == {"pipeline", "sharded"}
+    for name in ("single", "data", "parameter-server"):
+        assert STRATEGIES[name].keeps_channels_last
+    asked = STRATEGIES["single"](device=torch.device("cpu"), channels_last=True)
+    assert asked.channels_last
+    from polytrain.strategies.sharded import Sharded
+    assert not Sharded(device=torch.device("cpu"), channels_last=True).channels_last
 
 
 @pytest.mark.parametrize("content, words", [
@@ -262,3 +297,18 @@ def test_plan_mistakes_are_one_line(capsys, tmp_path, argv, words):
     from conftest import assert_refused_in_one_line
     assert_refused_in_one_line(capsys, tmp_path / "run", [*argv, "--device", "cpu", "--dataset", "synthetic",
                                                           "--synthetic-size", "64"], [words])
+
+
+def test_a_convolutional_workload_is_measured_in_both_memory_formats():
+    import torch
+    from polytrain.objective import Objective
+    from polytrain.workload import measure_workload
+    from conftest import tiny_digits
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 26 * 26, 10))
+    common = dict(batch_size=16, device=torch.device("cpu"), devices=[2], repeats=1)
+    work = measure_workload(model, tiny_digits(), Objective(), channels_last=True, plain=True, **common)
+    assert work.plain is not None and work.plain.plain is None
+    assert set(work.plain.replica_seconds) == {2} and work.plain.compute_seconds > 0
+    assert work.plain.parameter_bytes == work.parameter_bytes and work.plain.boundary_bytes == work.boundary_bytes
+    assert measure_workload(model, tiny_digits(), Objective(), channels_last=False, plain=True, **common).plain is None

@@ -71,3 +71,18 @@ def test_link_fit_recovers_alpha_and_beta():
     assert link.alpha == pytest.approx(1e-4) and link.beta == pytest.approx(1e9)
     with pytest.raises(ValueError):
         Link.fit([5.0, 5.0], [1.0, 2.0])
+
+
+def test_strategies_that_train_contiguous_are_predicted_from_the_plain_measurement():
+    from dataclasses import replace
+    plain = replace(WORK, compute_seconds=0.15, update_seconds=0.01)          # default memory format: slower passes
+    work = replace(WORK, plain=plain)
+    mixed = predict_all(work, 2, LINK, contiguous=("sharded", "pipeline"))
+    alike = predict_all(WORK, 2, LINK)
+    assert mixed["data"] == alike["data"] and mixed["parameter-server"] == alike["parameter-server"]
+    assert mixed["sharded"] == sharded(plain, 2, LINK)
+    assert mixed["sharded"].compute == pytest.approx(0.14 / 2 + 0.01 / 2)
+    assert mixed["pipeline"] == pipeline(plain, 2, LINK, microbatches=4)
+    # no plain measurement (a model without convolutions): every strategy uses the one there is
+    assert predict_all(WORK, 2, LINK, contiguous=("sharded",)) == alike
+    assert predict_all(work, 1, LINK, contiguous=("single",))["single"].step_seconds == 0.15

@@ -53,8 +53,10 @@ def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device
          available: float, optimizer: str = "sgd") -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the fastest prediction that can run and fits, every prediction, which fit) — pure numbers."""
     from .workload import link_for
+    from .strategies import contiguous_strategies
     predictions = costmodel.predict_all(work, devices, link_for(link, devices, device_type=device_type),
-                                        microbatches=default_microbatches(work.batch_size, devices))
+                                        microbatches=default_microbatches(work.batch_size, devices),
+                                        contiguous=contiguous_strategies())
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
     best = costmodel.choose(predictions, fits=fits)
@@ -86,7 +88,7 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
     else:
         try:
             work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device,
-                                    devices=[n], repeats=3, channels_last=channels_last)
+                                    devices=[n], repeats=3, channels_last=channels_last, plain=channels_last)
             (link, how), source = measure_link(device), "a few seconds of measurement"
         except Exception as error:          # a model the probe cannot drive: train as before, say why
             return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
@@ -141,16 +143,24 @@ def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmode
         if not works:
             raise KeyError(device_type)
         nearest = min(works, key=lambda w: abs(math.log(int(w["batch_size"]) / batch_size)))
-        fields = {name: nearest[name] for name in ("compute_seconds", "parameter_bytes", "update_seconds", "layers")}
-        scale = batch_size / int(nearest["batch_size"])       # compute grows with the batch, the rest does not
-        work = costmodel.Workload(
-            compute_seconds=(fields["compute_seconds"] - fields["update_seconds"]) * scale + fields["update_seconds"],
-            parameter_bytes=float(fields["parameter_bytes"]), batch_size=batch_size,
-            update_seconds=float(fields["update_seconds"]), layers=int(fields["layers"]),
-            boundary_bytes=tuple(float(b) for b in nearest["boundary_bytes"]),
-            replica_seconds={int(k): v * scale for k, v in nearest["replica_seconds"].items()},
-            microbatch_seconds={int(k): v * scale for k, v in nearest["microbatch_seconds"].items()})
+        work = _scaled_workload(nearest, batch_size)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         raise ConfigError(f"--plan {path} holds no measurement on {device_type}; run polytrain bench --device "
                           f"{device_type} and pass its bench.json") from None
     return work, link, f"{path} (batch {nearest['batch_size']}, scaled to {batch_size})"
+
+
+def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
+    """A bench file's workload, its compute scaled from the batch it was measured at to `batch_size` (compute
+    grows with the batch; sizes and the update do not)."""
+    scale = batch_size / int(measured["batch_size"])
+    pass_seconds = float(measured["compute_seconds"]) - float(measured["update_seconds"])
+    plain = measured.get("plain")                     # absent in files written before it was measured
+    return costmodel.Workload(
+        compute_seconds=pass_seconds * scale + float(measured["update_seconds"]),
+        parameter_bytes=float(measured["parameter_bytes"]), batch_size=batch_size,
+        update_seconds=float(measured["update_seconds"]), layers=int(measured["layers"]),
+        boundary_bytes=tuple(float(b) for b in measured["boundary_bytes"]),
+        replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
+        microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
+        plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None)

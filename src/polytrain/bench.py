@@ -24,7 +24,7 @@ from .objective import Objective
 from .plan import costmodel
 from .plan.pipeline import default_microbatches
 from .sources import as_dataset
-from .strategies import STRATEGIES, make_plan
+from .strategies import STRATEGIES, contiguous_strategies, make_plan
 from .worker import Job, choose_device
 from .workload import link_for, measure_link, measure_workload
 
@@ -205,7 +205,7 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
             continue
         m = default_microbatches(row.batch_size, row.devices)
         predictions = costmodel.predict_all(work, row.devices, link_for(link, row.devices, device_type=row.device),
-                                            microbatches=m)
+                                            microbatches=m, contiguous=contiguous_strategies())
         if row.strategy in predictions:
             row.predicted_seconds = predictions[row.strategy].step_seconds
 
@@ -253,8 +253,10 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
         device = choose_device(kind, 0)
         links[kind] = link_of(rows, kind) or measure_link(device)
         for batch in options.batch_sizes:
-            workloads[(kind, batch)] = measure_workload(model, dataset, Objective(), batch_size=batch, device=device,
-                                                        devices=counts, channels_last=convolutional(model))
+            workloads[(kind, batch)] = measure_workload(
+                model, dataset, Objective(), batch_size=batch, device=device, devices=counts,
+                channels_last=convolutional(model),
+                plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())))
     predict_rows(rows, workloads, {kind: link for kind, (link, _) in links.items()})
     fill_speedups(rows)
     projections = project(options, workloads, {kind: link for kind, (link, _) in links.items()})
@@ -269,7 +271,8 @@ def project(options: BenchOptions, workloads: dict, links: dict) -> list:
             if n == 1 or batch % n:
                 continue
             predictions = costmodel.predict_all(work, n, link_for(links[kind], n, device_type=kind),
-                                                microbatches=default_microbatches(batch, n))
+                                                microbatches=default_microbatches(batch, n),
+                                                contiguous=contiguous_strategies())
             best = costmodel.choose(predictions)
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

@@ -95,11 +95,19 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
                       f"slice; a global batch of {batch} would make it {after:.0%}")
         elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "pipeline":
             m = default_microbatches(row.batch_size, row.devices)
-            more = next((c for c in (4 * m, 2 * m) if row.batch_size % c == 0), m)
-            reason = (f"idle is {share['idle']:.0%} of each step: the pipeline bubble (p-1)/(m+p-1) is "
-                      f"{bubble(row.devices, m):.2f} with {m} micro-batches, and stages wait for activations; "
-                      + (f"--microbatches {more} would make the bubble {bubble(row.devices, more):.2f}" if more != m
-                         else "a larger batch allows more micro-batches"))
+            gap = bubble(row.devices, m)
+            if share["idle"] <= 2 * gap:           # the schedule's bubble is the waiting: more micro-batches shrink it
+                more = next((c for c in (4 * m, 2 * m) if row.batch_size % c == 0), m)
+                reason = (f"idle is {share['idle']:.0%} of each step: the pipeline bubble (p-1)/(m+p-1) is "
+                          f"{gap:.2f} with {m} micro-batches; "
+                          + (f"--microbatches {more} would make it {bubble(row.devices, more):.2f}" if more != m
+                             else "a larger batch allows more micro-batches"))
+            else:                                  # waiting on transfers, one per micro-batch: more would add to it
+                reason = (f"idle is {share['idle']:.0%} of each step against a pipeline bubble (p-1)/(m+p-1) of "
+                          f"{gap:.2f} with {m} micro-batches: the rest is stages waiting for each other's activations "
+                          f"and gradients, exchanged once per micro-batch, so more micro-batches add waits and fewer "
+                          f"(--microbatches {max(1, m // 4)}) remove some; a pipeline pays off where a stage's compute "
+                          f"outweighs its transfers (a larger model or batch)")
         elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "parameter-server":
             reason = (f"waiting on the server is {share['idle']:.0%} of each step: every worker's pull waits for "
                       f"the server's update; --servers {row.devices} spreads it, or --strategy data has no server")
@@ -150,6 +158,12 @@ def report(result: BenchResult) -> List[str]:
     return lines
 
 
+def _workload_dict(work) -> dict:
+    return dict(asdict(work), replica_seconds={str(k): v for k, v in work.replica_seconds.items()},
+                microbatch_seconds={str(k): v for k, v in work.microbatch_seconds.items()},
+                plain=_workload_dict(work.plain) if work.plain is not None else None)
+
+
 def write_json(result: BenchResult, path: Path) -> None:
     document = {
         "options": asdict(result.options),
@@ -157,9 +171,7 @@ def write_json(result: BenchResult, path: Path) -> None:
                     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
         "links": {kind: {"alpha": link.alpha, "beta": link.beta, "how": how}
                   for kind, (link, how) in result.links.items()},
-        "workloads": [dict(asdict(work), device=kind, replica_seconds={str(k): v for k, v in work.replica_seconds.items()},
-                           microbatch_seconds={str(k): v for k, v in work.microbatch_seconds.items()})
-                      for (kind, _), work in result.workloads.items()],
+        "workloads": [dict(_workload_dict(work), device=kind) for (kind, _), work in result.workloads.items()],
         "rows": [row.to_dict() for row in result.rows],
         "projections": [{"device": kind, "batch_size": batch, "devices": n, "chosen": chosen,
                          "step_seconds": {name: p.step_seconds for name, p in predictions.items()

@@ -8,6 +8,7 @@ at once, in N threads, under those conditions, so the prediction for N processes
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import threading
@@ -145,9 +146,19 @@ def time_concurrently(model: nn.Module, x: torch.Tensor, y: torch.Tensor, object
 
 
 def measure_workload(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
-                     devices: Iterable[int], repeats: int = 5, channels_last: bool = False) -> Workload:
+                     devices: Iterable[int], repeats: int = 5, channels_last: bool = False,
+                     plain: bool = False) -> Workload:
     """One device's step at `batch_size`, and each count's replica slice and pipeline micro-batch, timed as
-    they would run: on CPU processes, all slices at once on the cores they share."""
+    they would run: on CPU processes, all slices at once on the cores they share. With `channels_last` and
+    `plain`, the same again in the default memory format (`Workload.plain`), for the strategies that train in it."""
+    measure = partial(_measure_format, model, dataset, objective, batch_size=batch_size, device=device,
+                      devices=list(devices), repeats=repeats)
+    work = measure(channels_last=channels_last)
+    return dataclasses.replace(work, plain=measure(channels_last=False)) if channels_last and plain else work
+
+
+def _measure_format(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
+                    devices: Iterable[int], repeats: int, channels_last: bool) -> Workload:
     import copy
     model = copy.deepcopy(model)
     x, y = sample_batch(dataset, batch_size)

@@ -15,6 +15,9 @@ over its 1/n of the batch on its 1/n of the cores is measured instead and given 
 (and `microbatch_seconds[p]` for one micro-batch through the whole model on a pipeline rank's share). Without
 them the pass splits evenly (compute/n), as on separate GPUs.
 
+A convolutional model trains channels-last where the strategy allows it; strategies that cannot (`contiguous`
+names them) are predicted from `Workload.plain`, the same model measured in the default memory format.
+
 Models (n devices, the update not split except where sharded):
 
 - data parallel: compute/n + ring all-reduce 2(n-1)/n S/B + 2(n-1) alpha;
@@ -29,7 +32,7 @@ Models (n devices, the update not split except where sharded):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ class Workload:
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
     microbatch_seconds: Mapping[int, float] = field(default_factory=dict)
+    # the same measurements in the default memory format, where the ones above are channels-last
+    plain: Optional["Workload"] = None
+
+    def in_format(self, contiguous: bool) -> "Workload":
+        """The measurements in the default memory format (`contiguous`) or the one they were taken in."""
+        return self.plain if contiguous and self.plain is not None else self
 
     @property
     def pass_seconds(self) -> float:
@@ -142,15 +151,18 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4,
-                servers: int = 1) -> Dict[str, Prediction]:
-    """Every strategy's prediction at `devices`; one device is `single`, the reference."""
+def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
+                contiguous: Collection[str] = ()) -> Dict[str, Prediction]:
+    """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
+    in `contiguous` train in the default memory format (`work.plain`)."""
+    def of(name: str) -> Workload:
+        return work.in_format(name in contiguous)
     if devices == 1:
-        return {"single": Prediction("single", 1, work.compute_seconds, 0.0)}
-    return {"data": data_parallel(work, devices, link),
-            "parameter-server": parameter_server(work, devices, link, servers=servers),
-            "sharded": sharded(work, devices, link),
-            "pipeline": pipeline(work, devices, link, microbatches=microbatches)}
+        return {"single": Prediction("single", 1, of("single").compute_seconds, 0.0)}
+    return {"data": data_parallel(of("data"), devices, link),
+            "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
+            "sharded": sharded(of("sharded"), devices, link),
+            "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
 
 
 def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:

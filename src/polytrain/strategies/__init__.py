@@ -26,9 +26,14 @@ def resolve_strategy_name(name: str, devices: int) -> str:
     return name
 
 
+def contiguous_strategies() -> tuple:
+    """The strategies that train in the default memory format even where channels-last is asked for."""
+    return tuple(name for name, strategy in STRATEGIES.items() if not strategy.keeps_channels_last)
+
+
 def make_plan(name: str, config, model, dataset, *, device):
     """The strategy's plan for these settings, checked in the launching process (None: nothing to plan)."""
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
-__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "make_plan", "resolve_strategy_name"]
+__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "contiguous_strategies", "make_plan", "resolve_strategy_name"]

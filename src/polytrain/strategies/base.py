@@ -27,6 +27,7 @@ class Strategy:
 
     name = "single"
     needs_process_group = False        # True: every rank must join a torch.distributed group first
+    keeps_channels_last = True         # False: trains in the default memory format even when asked otherwise
 
     def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
                  compile: bool = False, channels_last: bool = False, objective: Objective = None, plan=None):
@@ -34,7 +35,7 @@ class Strategy:
         self.rank, self.world_size = rank, world_size
         self.precision = precision
         self.compile = compile
-        self.channels_last = channels_last
+        self.channels_last = channels_last and self.keeps_channels_last
         self.objective = objective or Objective()
         self.model: nn.Module = None          # the plain module: its state_dict is what gets saved
         self.runner: nn.Module = None         # what the training step calls (compiled or wrapped)

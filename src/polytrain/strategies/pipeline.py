@@ -54,6 +54,7 @@ def _schedule_class(kind: str):
 
 class Pipeline(Distributed):
     name = "pipeline"
+    keeps_channels_last = False           # activations cross processes as plain contiguous tensors
 
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
@@ -61,7 +62,6 @@ class Pipeline(Distributed):
         self.replica, self.pipeline_rank = plan.layout.coords(self.rank)
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
         self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
-        self.channels_last = False            # activations cross processes as plain contiguous tensors
         self.pp_group = self.dp_group = None
         self.schedules = {}                   # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0

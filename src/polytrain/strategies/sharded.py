@@ -31,11 +31,11 @@ def _bytes(tensors) -> int:
 
 class Sharded(Distributed):
     name = "sharded"
+    keeps_channels_last = False           # FSDP2 shards contiguous parameters only
 
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
         self.cpu_offload = bool(plan and plan.cpu_offload)
-        self.channels_last = False            # FSDP2 shards contiguous parameters only
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> ShardedPlan:

@@ -312,3 +312,29 @@ def test_a_convolutional_workload_is_measured_in_both_memory_formats():
     assert set(work.plain.replica_seconds) == {2} and work.plain.compute_seconds > 0
     assert work.plain.parameter_bytes == work.parameter_bytes and work.plain.boundary_bytes == work.boundary_bytes
     assert measure_workload(model, tiny_digits(), Objective(), channels_last=False, plain=True, **common).plain is None
+
+
+def test_fewer_micro_batches_are_advised_only_as_a_count_that_divides_the_batch_and_every_torch_runs():
+    base = Row("cpu", "single", 1, 100, step_seconds=10 * MS, phases=phases(10 * MS))
+    # 3 stages, batch 100: 10 micro-batches by default; 3 does not divide 100, 4 does
+    pipe = Row("cpu", "pipeline", 3, 100, step_seconds=50 * MS, phases=phases(20 * MS, 0, 0, 30 * MS))
+    [line] = explain([base, pipe], {}, cores=2)
+    assert "idle is 60% of each step against a pipeline bubble (p-1)/(m+p-1) of 0.17 with 10 micro-batches" in line
+    assert "fewer (--microbatches 4) remove some" in line
+
+
+def test_a_count_the_batch_does_not_split_into_is_a_line_that_says_so():
+    result = result_with([Row("cpu", "single", 1, 64, step_seconds=10 * MS, phases=phases(10 * MS))])
+    result.projections.append(("cpu", 64, 3, {}, None))
+    text = "\n".join(report(result))
+    assert ("  3 cpu, batch 64: not projected: a global batch of 64 does not split into 3 equal slices; give "
+            "--batch-sizes a multiple of 3") in text
+    assert "4 cpu (processes sharing this machine's cores), batch 64: would pick data" in text
+
+
+def test_projections_cover_every_count_asked_for():
+    from polytrain.bench import project
+    options = BenchOptions(devices=(1, 2), strategies=("data",), batch_sizes=(64,), predict=(1, 3, 4))
+    projected = project(options, {("cpu", 64): WORK}, {"cpu": Link(2e-4, 1e9)})
+    assert [(n, chosen) for _, _, n, _, chosen in projected] == [(3, None), (4, "data")]
+    assert projected[0][3] == {} and set(projected[1][3]) == {"data", "parameter-server", "sharded", "pipeline"}

@@ -268,7 +268,10 @@ def project(options: BenchOptions, workloads: dict, links: dict) -> list:
     projections = []
     for (kind, batch), work in workloads.items():
         for n in options.predict:
-            if n == 1 or batch % n:
+            if n == 1:
+                continue
+            if batch % n:                      # no slice was timed, and no strategy here would run it
+                projections.append((kind, batch, n, {}, None))
                 continue
             predictions = costmodel.predict_all(work, n, link_for(links[kind], n, device_type=kind),
                                                 microbatches=default_microbatches(batch, n),

@@ -103,11 +103,14 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
                           + (f"--microbatches {more} would make it {bubble(row.devices, more):.2f}" if more != m
                              else "a larger batch allows more micro-batches"))
             else:                                  # waiting on transfers, one per micro-batch: more would add to it
+                # as few as one per stage (every torch runs that), dividing the batch
+                fewer = next((c for c in range(row.devices, m) if row.batch_size % c == 0), None)
                 reason = (f"idle is {share['idle']:.0%} of each step against a pipeline bubble (p-1)/(m+p-1) of "
                           f"{gap:.2f} with {m} micro-batches: the rest is stages waiting for each other's activations "
-                          f"and gradients, exchanged once per micro-batch, so more micro-batches add waits and fewer "
-                          f"(--microbatches {max(1, m // 4)}) remove some; a pipeline pays off where a stage's compute "
-                          f"outweighs its transfers (a larger model or batch)")
+                          f"and gradients, exchanged once per micro-batch, so more micro-batches add waits"
+                          + (f" and fewer (--microbatches {fewer}) remove some" if fewer else "")
+                          + "; a pipeline pays off where a stage's compute outweighs its transfers (a larger model "
+                          "or batch)")
         elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "parameter-server":
             reason = (f"waiting on the server is {share['idle']:.0%} of each step: every worker's pull waits for "
                       f"the server's update; --servers {row.devices} spreads it, or --strategy data has no server")
@@ -136,6 +139,10 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
 def projection_lines(result: BenchResult) -> List[str]:
     lines = []
     for kind, batch, n, predictions, chosen in result.projections:
+        if not predictions:
+            lines.append(f"  {n} {kind}, batch {batch}: not projected: a global batch of {batch} does not split into "
+                         f"{n} equal slices; give --batch-sizes a multiple of {n}")
+            continue
         work = result.workloads[(kind, batch)]
         finite = {name: p for name, p in predictions.items() if math.isfinite(p.step_seconds)}
         parts = ", ".join(f"{name} {work.compute_seconds / p.step_seconds:.3g}x" for name, p in finite.items())

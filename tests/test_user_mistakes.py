@@ -94,3 +94,37 @@ def test_help_says_what_models_and_data_must_be_and_its_paths_work(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     assert "runs/LATEST" in text and "integer labels" in text and "(N, classes)" in text
+
+
+SCRIPT = '''\
+import polytrain
+from polytrain.launch import unguarded_main_call
+
+
+def where():
+    return unguarded_main_call()
+
+
+print("top level:", where())
+if __name__ == "__main__":
+    print("guarded:", where())
+print("data:", polytrain.load_dataset("synthetic", synthetic_size=64).name)
+polytrain.fit("mlp", "synthetic", devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
+'''
+
+
+def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path):
+    """Workers are spawned: they import the user's script again, and a top-level fit() would train again in
+    each of them. The call is refused in the script's own process, naming its line, before any worker starts."""
+    from processes import finish, start
+    import sys
+    script = tmp_path / "train_me.py"
+    script.write_text(SCRIPT)
+    done = finish(start([sys.executable, str(script)]), timeout=120)
+    assert done.returncode == 1
+    assert "top level: train_me.py:9\nguarded: None\n" in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == ("polytrain.errors.UserError: polytrain trains on devices=2 in worker processes that import your "
+                    "script again, and train_me.py:13 would start training again in each of them; put the code "
+                    "that trains under `if __name__ == \"__main__\":`")
+    assert "bootstrapping phase" not in done.stderr and "worker rank" not in done.stderr

@@ -3,9 +3,13 @@ agent (the machinery behind torchrun) on this machine. Strategies know nothing o
 """
 from __future__ import annotations
 
+import ast
 import logging
+import sys
 import tempfile
 import uuid
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -31,6 +35,42 @@ def check_devices(devices: int, device: str) -> None:
     if wants_cuda and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
                           f"use --devices {torch.cuda.device_count()} or fewer")
+
+
+def check_main_guard(devices: int) -> None:
+    """Refuse, before anything starts, a call from the top level of the script that Python runs (outside
+    `if __name__ == "__main__":`): every spawned worker imports that script again and would start training
+    again inside it, which ends in a page of multiprocessing tracebacks."""
+    where = unguarded_main_call()
+    if where is not None:
+        raise UserError(f"polytrain trains on devices={devices} in worker processes that import your script again, "
+                        f"and {where} would start training again in each of them; put the code that trains under "
+                        f"`if __name__ == \"__main__\":`")
+
+
+def unguarded_main_call() -> Optional[str]:
+    """'script.py:LINE' where the running `__main__` script, at its top level and outside an `if __name__ ...`
+    block, made the call that led here; None if there is none or spawned processes would not re-run it."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
+        return None              # `python -m package`: multiprocessing does not re-run a package's __main__
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return None              # an interactive session or notebook: nothing is imported again
+    try:
+        tree = ast.parse(Path(frame.f_code.co_filename).read_text(), frame.f_code.co_filename)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    around = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+              and node.lineno <= line <= (node.end_lineno or node.lineno)]
+    if any(isinstance(name, ast.Name) and name.id == "__name__" for node in around for name in ast.walk(node.test)):
+        return None
+    return f"{Path(frame.f_code.co_filename).name}:{line}"
 
 
 def run_job(job: Job) -> WorkerResult:

@@ -247,6 +247,17 @@ def test_lenet_in_two_stages_puts_convolutions_on_one_device_and_dense_layers_on
     assert kinds == {torch.nn.Conv2d: {0}, torch.nn.Linear: {1}}, out
 
 
+def test_the_run_folder_records_which_layers_each_stage_held(lenet_run):
+    out, run_dir = lenet_run
+    plan = json.loads((run_dir / "config.json").read_text())["plan"]
+    names = [name for name, _ in build_model("lenet", (1, 28, 28), 10).named_children()]
+    assert [stage["pipeline_rank"] for stage in plan["stages"]] == [0, 1]
+    assert [name for stage in plan["stages"] for name in stage["layers"]] == names     # each layer once, in order
+    first = len(plan["stages"][0]["layers"])
+    assert plan["summary"].startswith("pipeline of 2 stages x 1 replica(s), schedule ")
+    assert plan["summary"].endswith(f"split before layers {first}")
+
+
 def test_a_lenet_checkpoint_loads_into_the_unsplit_model(lenet_run):
     _, run_dir = lenet_run
     saved = torch.load(run_dir / "model.pt", weights_only=True)

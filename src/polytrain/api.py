@@ -92,15 +92,17 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
-        if recorded and recorded.get("strategy") != strategy:
-            recorded.pop("versions", None)           # --strategy auto chose anew for the new device count
-            write_config(run_dir, dict(recorded, strategy=strategy))
+        now = dict(strategy=strategy, plan=plan_record(plan))
+        if recorded and any(recorded.get(key) != value for key, value in now.items()):
+            recorded.pop("versions", None)           # --strategy auto chose anew, or the layout changed
+            write_config(run_dir, dict(recorded, **now))
     elif keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
         settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
                         device_type=resolved_device_type(config.device), custom_model=not registry_model,
-                        custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names))
+                        custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names),
+                        plan=plan_record(plan))
         if getattr(dataset, "classes", None):
             settings["classes"] = list(dataset.classes)
         skipped = getattr(dataset, "skipped", None)
@@ -132,6 +134,14 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     except UserError as error:
         return "data", f"{line}; but {error}, so data"
     return strategy, line
+
+
+def plan_record(plan) -> Optional[dict]:
+    """What config.json records of a strategy's plan: its one-line summary, and where the strategy says more
+    (the pipeline: which layers each stage holds)."""
+    if plan is None:
+        return None
+    return dict(summary=plan.describe(), **(plan.record() if hasattr(plan, "record") else {}))
 
 
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,

@@ -87,6 +87,7 @@ def spawn_workers(job: Job) -> WorkerResult:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = job.config
+    check_main_guard(config.devices)          # fit() checked it before writing anything; bench and verify here
     loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     with tempfile.TemporaryDirectory(prefix="polytrain-agent-") as agent_files:
         launch = LaunchConfig(

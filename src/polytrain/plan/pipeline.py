@@ -107,6 +107,12 @@ class PipelinePlan:
                 f"{self.schedule}, {self.microbatches} micro-batches, split before layers "
                 f"{', '.join(map(str, self.points))}")
 
+    def record(self) -> dict:
+        """The placement, for config.json: each model stage's layers by name, and the pipeline rank holding it."""
+        return {"stages": [{"stage": stage, "pipeline_rank": stage % self.layout.ranks,
+                            "layers": [self.layer_names[i] for i in self.stage_layers(stage)]}
+                           for stage in range(self.model_stages)]}
+
     @property
     def model_stages(self) -> int:
         return self.layout.ranks * stages_per_rank(self.schedule)

@@ -40,6 +40,16 @@ def test_sharded_pays_three_collectives_per_layer_and_splits_the_update():
     assert p.compute == pytest.approx(0.09 / 4 + 0.01 / 4)
 
 
+def test_sharded_on_a_backend_that_reduce_scatters_by_all_reducing_pays_a_whole_all_reduce_for_the_gradients():
+    p = sharded(WORK, 4, LINK, scatter_by_allreduce=True)
+    # two all-gathers (3/4 * 4 ms and 3 messages each) and an all-reduce (2 * 3/4 * 4 ms, 6 messages) per
+    # step: 12 ms; (3 + 3 + 6) * 0.1 ms * 4 layers = 4.8 ms
+    assert p.communication == pytest.approx(0.0168)
+    assert p.compute == sharded(WORK, 4, LINK).compute
+    gloo = predict_all(WORK, 4, LINK, scatter_by_allreduce=True)
+    assert gloo["sharded"] == p and gloo["data"] == predict_all(WORK, 4, LINK)["data"]
+
+
 def test_pipeline_step_is_m_plus_p_minus_one_slots():
     p = pipeline(WORK, 2, LINK, microbatches=4)
     slot = 0.09 / 8                                       # passes split over 2 stages and 4 micro-batches

@@ -56,7 +56,7 @@ def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device
     from .strategies import contiguous_strategies
     predictions = costmodel.predict_all(work, devices, link_for(link, devices, device_type=device_type),
                                         microbatches=default_microbatches(work.batch_size, devices),
-                                        contiguous=contiguous_strategies())
+                                        contiguous=contiguous_strategies(), scatter_by_allreduce=device_type == "cpu")
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
     best = costmodel.choose(predictions, fits=fits)

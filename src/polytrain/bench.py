@@ -205,7 +205,8 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
             continue
         m = default_microbatches(row.batch_size, row.devices)
         predictions = costmodel.predict_all(work, row.devices, link_for(link, row.devices, device_type=row.device),
-                                            microbatches=m, contiguous=contiguous_strategies())
+                                            microbatches=m, contiguous=contiguous_strategies(),
+                                            scatter_by_allreduce=row.device == "cpu")
         if row.strategy in predictions:
             row.predicted_seconds = predictions[row.strategy].step_seconds
 
@@ -275,7 +276,7 @@ def project(options: BenchOptions, workloads: dict, links: dict) -> list:
                 continue
             predictions = costmodel.predict_all(work, n, link_for(links[kind], n, device_type=kind),
                                                 microbatches=default_microbatches(batch, n),
-                                                contiguous=contiguous_strategies())
+                                                contiguous=contiguous_strategies(), scatter_by_allreduce=kind == "cpu")
             best = costmodel.choose(predictions)
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

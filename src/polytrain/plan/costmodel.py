@@ -24,7 +24,9 @@ Models (n devices, the update not split except where sharded):
 - parameter server (K servers, S split evenly between them): each server's link carries the pushes of the
   n-1 other ranks in and their pulls out, one after the other: 2 (n-1) S / (K B) + 2 (n-1) alpha;
 - sharded (FSDP2): weights all-gathered in forward and backward and gradients reduce-scattered:
-  3 (n-1)/n S/B + 3 (n-1) alpha per layer; the update is split n ways;
+  3 (n-1)/n S/B + 3 (n-1) alpha per layer; the update is split n ways. Gloo (CPU processes) runs FSDP2's
+  reduce-scatter as an all-reduce (the profiler shows `gloo:all_reduce`, one per layer and step), which moves
+  twice the bytes in twice the messages: 4 (n-1)/n S/B + 4 (n-1) alpha per layer there (`scatter_by_allreduce`);
 - pipeline (p stages, m micro-batches, perfectly balanced): each slot is compute/(p m) plus one forward and
   one backward transfer of a micro-batch's activations at a cut; a step is (m + p - 1) slots, so the idle
   share (the bubble) is (p - 1)/(m + p - 1).
@@ -125,12 +127,13 @@ def parameter_server(work: Workload, devices: int, link: Link, *, servers: int =
     return Prediction("parameter-server", devices, compute, communication if devices > 1 else 0.0)
 
 
-def sharded(work: Workload, devices: int, link: Link) -> Prediction:
+def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: bool = False) -> Prediction:
     compute = work.replica_pass(devices) + work.update_seconds / devices
     if devices == 1:
         return Prediction("sharded", devices, compute, 0.0)
-    communication = 3 * (devices - 1) / devices * work.parameter_bytes / link.beta \
-        + 3 * (devices - 1) * link.alpha * work.layers
+    rings = 2 + (2 if scatter_by_allreduce else 1)        # two all-gathers, then the gradient's reduction
+    communication = rings * (devices - 1) / devices * work.parameter_bytes / link.beta \
+        + rings * (devices - 1) * link.alpha * work.layers
     return Prediction("sharded", devices, compute, communication)
 
 
@@ -152,16 +155,17 @@ def bubble(stages: int, microbatches: int) -> float:
 
 
 def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
-                contiguous: Collection[str] = ()) -> Dict[str, Prediction]:
+                contiguous: Collection[str] = (), scatter_by_allreduce: bool = False) -> Dict[str, Prediction]:
     """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
-    in `contiguous` train in the default memory format (`work.plain`)."""
+    in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
+    reduce-scatters by all-reducing (gloo)."""
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
     if devices == 1:
         return {"single": Prediction("single", 1, of("single").compute_seconds, 0.0)}
     return {"data": data_parallel(of("data"), devices, link),
             "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
-            "sharded": sharded(of("sharded"), devices, link),
+            "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
             "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
 
 

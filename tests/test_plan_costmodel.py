@@ -1,8 +1,8 @@
 """The cost model against step times worked out by hand."""
 import pytest
 
-from polytrain.plan.costmodel import (Link, Workload, bubble, choose, data_parallel, parameter_server, pipeline,
-                                      predict_all, ring_allreduce, sharded)
+from polytrain.plan.costmodel import (Link, Workload, bubble, choose, data_parallel, fit_message_cost, parameter_server,
+                                      pipeline, predict_all, ring_allreduce, sharded, with_message_cost)
 
 LINK = Link(alpha=1e-4, beta=1e9)          # 0.1 ms per message, 1 GB/s
 WORK = Workload(compute_seconds=0.1, parameter_bytes=4e6, batch_size=64, update_seconds=0.01, layers=4,
@@ -96,3 +96,30 @@ def test_strategies_that_train_contiguous_are_predicted_from_the_plain_measureme
     # no plain measurement (a model without convolutions): every strategy uses the one there is
     assert predict_all(WORK, 2, LINK, contiguous=("sharded",)) == alike
     assert predict_all(work, 1, LINK, contiguous=("single",))["single"].step_seconds == 0.15
+
+
+def test_each_strategy_counts_the_messages_of_its_step():
+    assert data_parallel(WORK, 4, LINK).messages == 6                   # ring all-reduce: 2 (n-1)
+    assert parameter_server(WORK, 4, LINK).messages == 6                # 3 pushes in, 3 pulls out
+    assert sharded(WORK, 4, LINK).messages == 3 * 3 * 4                 # 3 rings of n-1 per layer, 4 layers
+    assert sharded(WORK, 4, LINK, scatter_by_allreduce=True).messages == 4 * 3 * 4
+    assert pipeline(WORK, 2, LINK, microbatches=4).messages == 2 * 5    # forward and backward in each of 5 slots
+    assert data_parallel(WORK, 1, LINK).messages == 0 and sharded(WORK, 1, LINK).messages == 0
+    # alpha is paid once per message
+    for p in (data_parallel(WORK, 4, LINK), sharded(WORK, 4, LINK)):
+        slower = {"data": data_parallel, "sharded": sharded}[p.strategy](WORK, 4, Link(alpha=2e-4, beta=1e9))
+        assert slower.communication - p.communication == pytest.approx(p.messages * 1e-4)
+
+
+def test_a_cost_per_message_fitted_to_one_step_predicts_another():
+    two = sharded(WORK, 2, LINK)                     # 3 * 1/2 * 4 ms + 3 * 0.1 ms * 4 layers = 7.2 ms; 12 messages
+    assert two.communication == pytest.approx(0.0072) and two.messages == 12
+    measured = two.step_seconds + 12 * 1.5e-3       # the step took 1.5 ms more per message than the link says
+    cost = fit_message_cost(measured, two)
+    assert cost == pytest.approx(1.5e-3)
+    assert with_message_cost(two, cost).step_seconds == pytest.approx(measured)
+    four = predict_all(WORK, 4, LINK, message_costs={"sharded": cost})
+    assert four["sharded"].communication == pytest.approx(0.0126 + 36 * 1.5e-3)
+    assert four["data"] == predict_all(WORK, 4, LINK)["data"]                  # no cost given: unchanged
+    assert fit_message_cost(two.step_seconds / 2, two) == 0.0                   # never negative
+    assert fit_message_cost(1.0, predict_all(WORK, 1, LINK)["single"]) == 0.0   # no messages, nothing to fit

@@ -50,13 +50,11 @@ def candidates(model, work: costmodel.Workload, devices: int, *, device_type: st
 
 
 def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device_type: str, refused: dict,
-         available: float, optimizer: str = "sgd") -> Tuple[Optional[costmodel.Prediction], dict, dict]:
+         available: float, optimizer: str = "sgd",
+         message_costs: Optional[dict] = None) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the fastest prediction that can run and fits, every prediction, which fit) — pure numbers."""
-    from .workload import link_for
-    from .strategies import contiguous_strategies
-    predictions = costmodel.predict_all(work, devices, link_for(link, devices, device_type=device_type),
-                                        microbatches=default_microbatches(work.batch_size, devices),
-                                        contiguous=contiguous_strategies(), scatter_by_allreduce=device_type == "cpu")
+    from .workload import predictions_for
+    predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
     best = costmodel.choose(predictions, fits=fits)
@@ -80,8 +78,10 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
     """(strategy name, the line that says why) for `--strategy auto` with several devices."""
     from .workload import measure_link, measure_workload
     n = config.devices
+    costs = None
     if config.plan:
         work, link, source = read_plan(config.plan, device_type=device.type, batch_size=config.batch_size)
+        costs = read_message_costs(config.plan, device_type=device.type)
         measured = measured_choice(config.plan, device_type=device.type, devices=n, batch_size=config.batch_size)
         if measured:
             return measured
@@ -95,7 +95,7 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
                             f"--strategy to choose)")
     refused = candidates(model, work, n, device_type=device.type)
     best, predictions, _ = pick(work, link, devices=n, device_type=device.type, refused=refused,
-                                available=available_bytes(device, n), optimizer=config.optimizer)
+                                available=available_bytes(device, n), optimizer=config.optimizer, message_costs=costs)
     if best is None:
         return "data", "--strategy auto: no strategy is predicted to fit in memory; trying data"
     return best.strategy, describe(best, {k: v for k, v in predictions.items() if k not in refused},
@@ -148,6 +148,17 @@ def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmode
         raise ConfigError(f"--plan {path} holds no measurement on {device_type}; run polytrain bench --device "
                           f"{device_type} and pass its bench.json") from None
     return work, link, f"{path} (batch {nearest['batch_size']}, scaled to {batch_size})"
+
+
+def read_message_costs(path: str, *, device_type: str) -> Dict[str, float]:
+    """Each strategy's cost per message that the bench file fitted on this device kind (none in older files)."""
+    document = _load(path)
+    try:
+        costs = document["links"][device_type].get("message_costs") or {}
+        return {str(name): float(seconds) for name, seconds in costs.items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ConfigError(f"--plan {path}: its message_costs are not numbers by strategy; write the file again "
+                          f"with polytrain bench") from None
 
 
 def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:

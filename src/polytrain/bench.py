@@ -9,7 +9,6 @@ reports (`Strategy.phases`, `Strategy.settle_phases`).
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -22,11 +21,10 @@ from .launch import WorkerFailed, check_devices, run_job
 from .models import MODELS, build_model
 from .objective import Objective
 from .plan import costmodel
-from .plan.pipeline import default_microbatches
 from .sources import as_dataset
 from .strategies import STRATEGIES, contiguous_strategies, make_plan
 from .worker import Job, choose_device
-from .workload import link_for, measure_link, measure_workload
+from .workload import measure_link, measure_workload, predictions_for
 
 PHASES = ("compute", "communication", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -89,6 +87,7 @@ class Row:
     held_bytes: int = 0                        # most any rank keeps between steps (weights, grads, optimizer)
     peak_bytes: Optional[int] = None           # most any GPU rank allocated (CUDA only)
     predicted_seconds: float = math.nan        # the cost model's step time for this combination
+    fitted: bool = False                       # its strategy's cost per message was fitted to this row
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
     link: dict = field(default_factory=dict)   # message bytes -> seconds of an all-reduce over the ranks
 
@@ -194,7 +193,23 @@ def median_row(runs: List[Row]) -> Row:
     return done[(len(done) - 1) // 2] if done else runs[0]
 
 
-def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
+def fit_message_costs(rows: List[Row], workloads: dict, links: dict) -> Dict[str, Dict[str, float]]:
+    """Per device kind, each strategy's cost per message, fitted to its row on the fewest devices (then the
+    smallest batch), which is marked `fitted`; the strategy's other rows are then predictions."""
+    costs: Dict[str, Dict[str, float]] = {}
+    first = {}
+    for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
+        if row.devices > 1 and not row.skipped and row.key in workloads:
+            first.setdefault((row.device, row.strategy), row)
+    for (kind, strategy), row in first.items():
+        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(strategy)
+        if prediction is not None and prediction.messages:
+            costs.setdefault(kind, {})[strategy] = costmodel.fit_message_cost(row.step_seconds, prediction)
+            row.fitted = True
+    return costs
+
+
+def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: Optional[dict] = None) -> None:
     """The cost model's step time beside each measured row."""
     for row in rows:
         if row.key not in workloads or row.skipped:
@@ -203,10 +218,8 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict) -> None:
         if row.strategy == "single":
             row.predicted_seconds = work.compute_seconds
             continue
-        m = default_microbatches(row.batch_size, row.devices)
-        predictions = costmodel.predict_all(work, row.devices, link_for(link, row.devices, device_type=row.device),
-                                            microbatches=m, contiguous=contiguous_strategies(),
-                                            scatter_by_allreduce=row.device == "cpu")
+        predictions = predictions_for(work, link, devices=row.devices, kind=row.device,
+                                      message_costs=(message_costs or {}).get(row.device))
         if row.strategy in predictions:
             row.predicted_seconds = predictions[row.strategy].step_seconds
 
@@ -226,6 +239,7 @@ class BenchResult:
     workloads: dict          # (device, batch) -> costmodel.Workload
     links: dict              # device kind -> (Link, how it was obtained)
     projections: list        # (device, batch, devices, {strategy: Prediction}, chosen name)
+    message_costs: dict = field(default_factory=dict)    # device kind -> {strategy: seconds per message}
 
 
 def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
@@ -254,17 +268,21 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
         device = choose_device(kind, 0)
         links[kind] = link_of(rows, kind) or measure_link(device)
         for batch in options.batch_sizes:
+            # as many passes as the rows' measured steps, at least 5: with 5, one slow pass of the replicas timed
+            # side by side put the 2-process slice at 156 ms against 98 ms for 4 processes and 88 ms in the rows
             workloads[(kind, batch)] = measure_workload(
                 model, dataset, Objective(), batch_size=batch, device=device, devices=counts,
-                channels_last=convolutional(model),
+                repeats=max(5, options.steps), channels_last=convolutional(model),
                 plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())))
-    predict_rows(rows, workloads, {kind: link for kind, (link, _) in links.items()})
+    fitted_links = {kind: link for kind, (link, _) in links.items()}
+    costs = fit_message_costs(rows, workloads, fitted_links)
+    predict_rows(rows, workloads, fitted_links, costs)
     fill_speedups(rows)
-    projections = project(options, workloads, {kind: link for kind, (link, _) in links.items()})
-    return BenchResult(options, rows, workloads, links, projections)
+    projections = project(options, workloads, fitted_links, costs)
+    return BenchResult(options, rows, workloads, links, projections, costs)
 
 
-def project(options: BenchOptions, workloads: dict, links: dict) -> list:
+def project(options: BenchOptions, workloads: dict, links: dict, message_costs: Optional[dict] = None) -> list:
     """For each `--predict` count: every strategy's predicted step, and the fastest."""
     projections = []
     for (kind, batch), work in workloads.items():
@@ -274,9 +292,8 @@ def project(options: BenchOptions, workloads: dict, links: dict) -> list:
             if batch % n:                      # no slice was timed, and no strategy here would run it
                 projections.append((kind, batch, n, {}, None))
                 continue
-            predictions = costmodel.predict_all(work, n, link_for(links[kind], n, device_type=kind),
-                                                microbatches=default_microbatches(batch, n),
-                                                contiguous=contiguous_strategies(), scatter_by_allreduce=kind == "cpu")
+            predictions = predictions_for(work, links[kind], devices=n, kind=kind,
+                                          message_costs=(message_costs or {}).get(kind))
             best = costmodel.choose(predictions)
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

@@ -42,7 +42,7 @@ def table(rows: List[Row]) -> List[str]:
         predicted = ""
         if math.isfinite(row.predicted_seconds):
             error = row.predicted_seconds / row.step_seconds - 1
-            predicted = f"{row.predicted_seconds * 1e3:.1f} ({error:+.0%})"
+            predicted = f"{row.predicted_seconds * 1e3:.1f} ({'fitted' if row.fitted else f'{error:+.0%}'})"
         memory = row.peak_bytes or row.held_bytes
         lines.append(what + f"{row.samples_per_second:>10,.0f} {row.step_seconds * 1e3:>8.2f} {row.speedup:>6.2f}x "
                             f"{row.efficiency:>5.0%} {_mib(memory):>8}  {shares} {predicted:>13}")
@@ -160,6 +160,11 @@ def report(result: BenchResult) -> List[str]:
         lines += ["", "where more devices lose:"] + why
     for kind, (link, how) in result.links.items():
         lines.append(f"link ({kind}): {link.alpha * 1e6:.0f} us per message, {link.beta / 1e9:.2f} GB/s; {how}")
+        costs = result.message_costs.get(kind)
+        if costs:
+            each = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in costs.items())
+            lines.append(f"  and per message inside a step ({kind}), fitted to each strategy's row marked "
+                         f"'fitted': {each}")
     if result.projections:
         lines += ["", "predicted (cost model, from the measurements above):"] + projection_lines(result)
     return lines
@@ -176,7 +181,8 @@ def write_json(result: BenchResult, path: Path) -> None:
         "options": asdict(result.options),
         "machine": {"cores": usable_cores(), "torch": torch.__version__, "python": platform.python_version(),
                     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
-        "links": {kind: {"alpha": link.alpha, "beta": link.beta, "how": how}
+        "links": {kind: {"alpha": link.alpha, "beta": link.beta, "how": how,
+                         "message_costs": result.message_costs.get(kind, {})}
                   for kind, (link, how) in result.links.items()},
         "workloads": [dict(_workload_dict(work), device=kind) for (kind, _), work in result.workloads.items()],
         "rows": [row.to_dict() for row in result.rows],

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from .hostenv import usable_cores
-from .plan.costmodel import Link, Workload
+from .plan.costmodel import Link, Prediction, Workload, predict_all
 from .plan.pipeline import default_microbatches
 
 LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -193,6 +193,15 @@ def link_for(link: Link, devices: int, *, device_type: str, cores: Optional[int]
     if device_type != "cpu":
         return link
     return Link(alpha=link.alpha * max(1.0, devices / (cores or usable_cores())), beta=link.beta)
+
+
+def predictions_for(work: Workload, link: Link, *, devices: int, kind: str,
+                    message_costs: Optional[dict] = None) -> Dict[str, Prediction]:
+    """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it."""
+    from .strategies import contiguous_strategies
+    return predict_all(work, devices, link_for(link, devices, device_type=kind),
+                       microbatches=default_microbatches(work.batch_size, devices), contiguous=contiguous_strategies(),
+                       scatter_by_allreduce=kind == "cpu", message_costs=message_costs)
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

@@ -15,6 +15,11 @@ over its 1/n of the batch on its 1/n of the cores is measured instead and given 
 (and `microbatch_seconds[p]` for one micro-batch through the whole model on a pipeline rank's share). Without
 them the pass splits evenly (compute/n), as on separate GPUs.
 
+Each message also costs something inside a training step that back-to-back messages do not show: the
+transport's thread waking after compute, a strategy's copies and hooks around each collective (FSDP2 copies
+every layer in and out). `Prediction.messages` counts a step's sequential messages, and `message_costs` adds a
+per-strategy cost per message, fitted (`fit_message_cost`) to one measured step of that strategy.
+
 A convolutional model trains channels-last where the strategy allows it; strategies that cannot (`contiguous`
 names them) are predicted from `Workload.plain`, the same model measured in the default memory format.
 
@@ -33,7 +38,8 @@ Models (n devices, the update not split except where sharded):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 
@@ -100,6 +106,7 @@ class Prediction:
     communication: float      # seconds of a step spent moving bytes (not overlapped)
     idle: float = 0.0         # seconds of a step waiting (pipeline bubble)
     note: str = ""
+    messages: float = 0.0     # sequential messages a step sends (each pays alpha, and any per-message cost)
 
     @property
     def step_seconds(self) -> float:
@@ -117,14 +124,17 @@ def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
 
 def data_parallel(work: Workload, devices: int, link: Link) -> Prediction:
     compute = work.replica_pass(devices) + work.update_seconds
-    return Prediction("data", devices, compute, ring_allreduce(devices, work.parameter_bytes, link))
+    return Prediction("data", devices, compute, ring_allreduce(devices, work.parameter_bytes, link),
+                      messages=2 * (devices - 1))
 
 
 def parameter_server(work: Workload, devices: int, link: Link, *, servers: int = 1) -> Prediction:
     compute = work.replica_pass(devices) + work.update_seconds / servers
-    others = devices - 1
-    communication = 2 * others * work.parameter_bytes / (servers * link.beta) + 2 * others * link.alpha
-    return Prediction("parameter-server", devices, compute, communication if devices > 1 else 0.0)
+    if devices == 1:
+        return Prediction("parameter-server", devices, compute, 0.0)
+    messages = 2 * (devices - 1)                          # every other rank's push in and pull out
+    communication = messages * work.parameter_bytes / (servers * link.beta) + messages * link.alpha
+    return Prediction("parameter-server", devices, compute, communication, messages=messages)
 
 
 def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: bool = False) -> Prediction:
@@ -132,9 +142,9 @@ def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: b
     if devices == 1:
         return Prediction("sharded", devices, compute, 0.0)
     rings = 2 + (2 if scatter_by_allreduce else 1)        # two all-gathers, then the gradient's reduction
-    communication = rings * (devices - 1) / devices * work.parameter_bytes / link.beta \
-        + rings * (devices - 1) * link.alpha * work.layers
-    return Prediction("sharded", devices, compute, communication)
+    messages = rings * (devices - 1) * work.layers
+    communication = rings * (devices - 1) / devices * work.parameter_bytes / link.beta + messages * link.alpha
+    return Prediction("sharded", devices, compute, communication, messages=messages)
 
 
 def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> Prediction:
@@ -147,26 +157,46 @@ def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> P
     per_sample = max(work.boundary_bytes) if stages > 1 else 0.0
     transfer = 2 * link.seconds(per_sample * work.batch_size / microbatches) if stages > 1 else 0.0
     compute = microbatches * work_per_slot + work.update_seconds / stages
-    return Prediction("pipeline", stages, compute, slots * transfer, (stages - 1) * work_per_slot)
+    return Prediction("pipeline", stages, compute, slots * transfer, (stages - 1) * work_per_slot,
+                      messages=2 * slots if stages > 1 else 0)
 
 
 def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
+    """The prediction with `per_message` seconds more communication for each of its messages."""
+    if not per_message or not prediction.messages:
+        return prediction
+    return replace(prediction, communication=prediction.communication + prediction.messages * per_message)
+
+
+def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
+    """The cost per message that makes `prediction` (made without one) take the measured step: what the link
+    alone does not account for, shared over the step's messages; never negative."""
+    if not prediction.messages or not math.isfinite(prediction.step_seconds):
+        return 0.0
+    return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.messages)
+
+
 def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
-                contiguous: Collection[str] = (), scatter_by_allreduce: bool = False) -> Dict[str, Prediction]:
+                contiguous: Collection[str] = (), scatter_by_allreduce: bool = False,
+                message_costs: Optional[Mapping[str, float]] = None) -> Dict[str, Prediction]:
     """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
     in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
-    reduce-scatters by all-reducing (gloo)."""
+    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy."""
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
     if devices == 1:
         return {"single": Prediction("single", 1, of("single").compute_seconds, 0.0)}
-    return {"data": data_parallel(of("data"), devices, link),
-            "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
-            "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
-            "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
+    predictions = {
+        "data": data_parallel(of("data"), devices, link),
+        "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
+        "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
+        "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
+    costs = message_costs or {}
+    return {name: with_message_cost(p, costs.get(name, 0.0)) for name, p in predictions.items()}
 
 
 def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:

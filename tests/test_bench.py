@@ -3,7 +3,6 @@ import json
 
 import pytest
 
-from polytrain.cli import main
 from processes import polytrain
 
 pytestmark = pytest.mark.multiprocess

@@ -90,8 +90,6 @@ def test_tampered_files_are_refused_without_running_code(tmp_path, tamper):
     elif tamper == "garbage":
         data = bytearray(os.urandom(500))
     else:
-        import pickle
-
         class Evil:
             def __reduce__(self):
                 return (os.system, (f"touch {tmp_path / 'pwned'}",))

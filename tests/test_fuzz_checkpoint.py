@@ -1,7 +1,6 @@
 """Fuzzing checkpoint loading: any bytes give loaded weights or a one-line CheckpointError, never code
 execution, another exception, or a hang."""
 import io
-import os
 
 import torch
 from hypothesis import HealthCheck, given, settings

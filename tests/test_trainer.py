@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import polytrain
-from polytrain.data.loader import global_batch_order
 from polytrain.errors import UserError
 from polytrain.models import build_model
 from conftest import tiny_digits

@@ -89,7 +89,7 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
         try:
             work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device,
                                     devices=[n], repeats=3, channels_last=channels_last, plain=channels_last)
-            (link, how), source = measure_link(device), "a few seconds of measurement"
+            (link, _), source = measure_link(device), "a few seconds of measurement"
         except Exception as error:          # a model the probe cannot drive: train as before, say why
             return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
                             f"--strategy to choose)")

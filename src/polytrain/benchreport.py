@@ -31,7 +31,7 @@ def _mib(nbytes) -> str:
 def table(rows: List[Row]) -> List[str]:
     header = (f"{'device':<6} {'strategy':<16} {'n':>2} {'batch':>5} {'samples/s':>10} {'ms/step':>8} "
               f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'data':>5} {'idle':>5} "
-              f"{'predicted':>13}")
+              f"{'predicted':>14}")
     lines = [header, "-" * len(header)]
     for row in rows:
         what = f"{row.device:<6} {row.strategy:<16} {row.devices:>2} {row.batch_size:>5} "
@@ -45,7 +45,7 @@ def table(rows: List[Row]) -> List[str]:
             predicted = f"{row.predicted_seconds * 1e3:.1f} ({'fitted' if row.fitted else f'{error:+.0%}'})"
         memory = row.peak_bytes or row.held_bytes
         lines.append(what + f"{row.samples_per_second:>10,.0f} {row.step_seconds * 1e3:>8.2f} {row.speedup:>6.2f}x "
-                            f"{row.efficiency:>5.0%} {_mib(memory):>8}  {shares} {predicted:>13}")
+                            f"{row.efficiency:>5.0%} {_mib(memory):>8}  {shares} {predicted:>14}")
     return lines
 
 

@@ -249,7 +249,7 @@ def test_lenet_in_two_stages_puts_convolutions_on_one_device_and_dense_layers_on
 
 def test_the_run_folder_records_which_layers_each_stage_held(lenet_run):
     out, run_dir = lenet_run
-    plan = json.loads((run_dir / "config.json").read_text())["plan"]
+    plan = json.loads((run_dir / "config.json").read_text())["strategy_plan"]
     names = [name for name, _ in build_model("lenet", (1, 28, 28), 10).named_children()]
     assert [stage["pipeline_rank"] for stage in plan["stages"]] == [0, 1]
     assert [name for stage in plan["stages"] for name in stage["layers"]] == names     # each layer once, in order

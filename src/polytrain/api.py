@@ -92,7 +92,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
-        now = dict(strategy=strategy, plan=plan_record(plan))
+        now = dict(strategy=strategy, strategy_plan=plan_record(plan))
         if recorded and any(recorded.get(key) != value for key, value in now.items()):
             recorded.pop("versions", None)           # --strategy auto chose anew, or the layout changed
             write_config(run_dir, dict(recorded, **now))
@@ -102,7 +102,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
                         device_type=resolved_device_type(config.device), custom_model=not registry_model,
                         custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names),
-                        plan=plan_record(plan))
+                        strategy_plan=plan_record(plan))
         if getattr(dataset, "classes", None):
             settings["classes"] = list(dataset.classes)
         skipped = getattr(dataset, "skipped", None)

@@ -13,6 +13,7 @@ from polytrain.cli import main
 from polytrain.errors import ConfigError
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank
 from polytrain.strategies.parameter_server import ParameterServer
+from polytrain.workload import link_for
 
 MS = 1e-3
 WORK = Workload(compute_seconds=10 * MS, parameter_bytes=1.76e6, batch_size=64, update_seconds=1 * MS, layers=4,
@@ -59,10 +60,15 @@ def test_the_link_is_fitted_to_a_ring_all_reduce_over_the_ranks_that_timed_it():
     alpha, beta, n = 100e-6, 1e9, 4
     timings = {size: 2 * (n - 1) / n * size / beta + 2 * (n - 1) * alpha for size in (4096, 65536, 1 << 20, 8 << 20)}
     rows = [Row("cpu", "data", n, 64, link=timings), Row("cpu", "data", 8, 64, link={1: 1.0, 2: 5.0})]
-    link, how = link_of(rows, "cpu")
+    link, how = link_of(rows, "cpu", cores=4)
     assert link.alpha == pytest.approx(alpha) and link.beta == pytest.approx(beta)
     assert "4 cpu processes of the data run" in how
     assert link_of(rows, "cuda") is None
+    # 4 processes on 2 cores took turns while they timed it: the link is what one rank per core sees, and
+    # the cost model adds the turns back for 4 processes, not twice
+    shared, _ = link_of(rows, "cpu", cores=2)
+    assert shared.alpha == pytest.approx(alpha / 2) and shared.beta == pytest.approx(beta)
+    assert link_for(shared, 4, device_type="cpu", cores=2).alpha == pytest.approx(alpha)
 
 
 def test_one_device_is_the_baseline_of_every_kind_and_batch_and_speedups_are_against_it():
@@ -353,6 +359,7 @@ def test_each_strategy_is_fitted_on_its_fewest_devices_and_predicted_elsewhere(t
     rows.insert(5, Row("cpu", "data", 2, 64, skipped="why"))
     costs = fit_message_costs(rows, works, {"cpu": link})
     fitted = [(r.strategy, r.devices, r.batch_size) for r in rows if r.fitted]
+    assert costs["cpu"]["data"] > 0 and costs["cpu"]["sharded"] > 0
     assert fitted == [("sharded", 2, 64), ("data", 4, 512)]     # fewest devices, then the smallest batch; ran
     alone = predictions_for(WORK, link, devices=2, kind="cpu")["sharded"]       # gloo: 16 messages
     assert alone.messages == 16
@@ -386,3 +393,12 @@ def test_plans_without_message_costs_read_as_none_and_malformed_ones_are_one_lin
     with pytest.raises(ConfigError) as refused:
         read_message_costs(str(path), device_type="cpu")
     assert "its message_costs are not numbers by strategy" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_row_the_model_already_predicts_too_slow_fits_no_cost_and_shows_its_error():
+    link = Link(2e-4, 1e9)
+    slow = Row("cpu", "sharded", 2, 64, step_seconds=1 * MS, phases=phases(1 * MS))      # faster than the link allows
+    costs = fit_message_costs([slow], {("cpu", 64): WORK}, {"cpu": link})
+    assert costs == {"cpu": {"sharded": 0.0}} and not slow.fitted
+    predict_rows([slow], {("cpu", 64): WORK}, {"cpu": link}, costs)
+    assert table([slow])[2].endswith("%)") and "fitted" not in table([slow])[2]

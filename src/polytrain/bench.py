@@ -147,15 +147,17 @@ def summarize(row: Row, timings: list) -> None:
                  | {"phases": phases} for rank, phases in zip(timings, per_rank)]
 
 
-def link_of(rows: List[Row], kind: str) -> Optional[Tuple[costmodel.Link, str]]:
-    """The link fitted to the all-reduces timed by the fewest processes that trained on `kind`."""
+def link_of(rows: List[Row], kind: str, *, cores: Optional[int] = None) -> Optional[Tuple[costmodel.Link, str]]:
+    """The link fitted to the all-reduces timed by the fewest processes that trained on `kind`: as one rank per
+    core would see it (`link_for` adds the turns that more CPU processes than cores take)."""
     timed = sorted((r for r in rows if r.device == kind and r.link and not r.skipped), key=lambda r: r.devices)
     if not timed:
         return None
     n, samples = timed[0].devices, timed[0].link
     fitted = costmodel.Link.fit(list(samples), list(samples.values()), relative=True)
     # a ring all-reduce over n ranks takes 2(n-1)/n S/B + 2(n-1) alpha
-    link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)), beta=fitted.beta * 2 * (n - 1) / n)
+    turns = max(1.0, n / (cores or usable_cores())) if kind == "cpu" else 1.0
+    link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)) / turns, beta=fitted.beta * 2 * (n - 1) / n)
     return link, f"measured: all-reduces between the {n} {kind} processes of the {timed[0].strategy} run"
 
 
@@ -204,8 +206,8 @@ def fit_message_costs(rows: List[Row], workloads: dict, links: dict) -> Dict[str
     for (kind, strategy), row in first.items():
         prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(strategy)
         if prediction is not None and prediction.messages:
-            costs.setdefault(kind, {})[strategy] = costmodel.fit_message_cost(row.step_seconds, prediction)
-            row.fitted = True
+            costs.setdefault(kind, {})[strategy] = cost = costmodel.fit_message_cost(row.step_seconds, prediction)
+            row.fitted = cost > 0          # a model already slower than the row fits nothing: its error shows
     return costs
 
 

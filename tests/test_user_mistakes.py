@@ -108,23 +108,28 @@ def where():
 print("top level:", where())
 if __name__ == "__main__":
     print("guarded:", where())
-print("data:", polytrain.load_dataset("synthetic", synthetic_size=64).name)
-polytrain.fit("mlp", "synthetic", devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
+if __name__ != "__main__":
+    pass
+else:
+    print("not a guard:", where())
+polytrain.fit("mlp", "synthetic", devices=DEVICES, strategy="data", epochs=1, batch_size=32, verbose=False, out=OUT)
 '''
 
 
-def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path):
+@pytest.mark.parametrize("devices", [2, 1])       # one device under --strategy data is a spawned worker too
+def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path, devices):
     """Workers are spawned: they import the user's script again, and a top-level fit() would train again in
     each of them. The call is refused in the script's own process, naming its line, before any worker starts."""
     from processes import finish, start
     import sys
     script = tmp_path / "train_me.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT.replace("DEVICES", str(devices)).replace("OUT", repr(str(tmp_path / "run"))))
     done = finish(start([sys.executable, str(script)]), timeout=120)
     assert done.returncode == 1
-    assert "top level: train_me.py:9\nguarded: None\n" in done.stdout
+    assert "top level: train_me.py:9\nguarded: None\nnot a guard: train_me.py:15\n" in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert last == ("polytrain.errors.UserError: polytrain trains on devices=2 in worker processes that import your "
-                    "script again, and train_me.py:13 would start training again in each of them; put the code "
-                    "that trains under `if __name__ == \"__main__\":`")
+    assert not (tmp_path / "run").exists()
+    assert last == (f"polytrain.errors.UserError: polytrain trains on devices={devices} in worker processes that "
+                    "import your script again, and train_me.py:16 would start training again in each of them; put "
+                    "the code that trains under `if __name__ == \"__main__\":`")
     assert "bootstrapping phase" not in done.stderr and "worker rank" not in done.stderr

@@ -21,7 +21,7 @@ from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_o
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
 from .hostenv import launcher_env
-from .launch import check_devices, check_main_guard, run_job
+from .launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
@@ -73,7 +73,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
     check_objective(module, objective, dataset)
-    if config.devices > 1 and launcher is None:
+    if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
                         logger=tuple(loggers) or None)

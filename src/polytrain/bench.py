@@ -17,7 +17,7 @@ import torch
 from .config import TrainConfig
 from .errors import ConfigError, UserError, first_line
 from .hostenv import usable_cores
-from .launch import WorkerFailed, check_devices, run_job
+from .launch import WorkerFailed, check_devices, check_main_guard, run_job
 from .models import MODELS, build_model
 from .objective import Objective
 from .plan import costmodel
@@ -245,6 +245,8 @@ class BenchResult:
 
 
 def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
+    if max(options.devices) > 1:
+        check_main_guard(max(options.devices))      # once, not as the reason on every multi-device row
     config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir, seed=options.seed)
     dataset = as_dataset(options.dataset, config)
     torch.manual_seed(options.seed)

@@ -61,24 +61,35 @@ def unguarded_main_call() -> Optional[str]:
         frame = frame.f_back
     if path is None or frame is None:
         return None              # an interactive session or notebook: nothing is imported again
-    try:
-        tree = ast.parse(Path(frame.f_code.co_filename).read_text(), frame.f_code.co_filename)
+    try:                         # bytes: the parser honours the script's own coding line
+        tree = ast.parse(Path(frame.f_code.co_filename).read_bytes(), frame.f_code.co_filename)
     except (OSError, SyntaxError, ValueError):
         return None
     line = frame.f_lineno
-    around = [node for node in ast.walk(tree) if isinstance(node, ast.If)
-              and node.lineno <= line <= (node.end_lineno or node.lineno)]
-    if any(isinstance(name, ast.Name) and name.id == "__name__" for node in around for name in ast.walk(node.test)):
+    if any(_is_main_guard(node.test) and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
+           for node in ast.walk(tree) if isinstance(node, ast.If)):
         return None
     return f"{Path(frame.f_code.co_filename).name}:{line}"
 
 
+def _is_main_guard(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = (test.left, test.comparators[0])
+    return any(isinstance(a, ast.Name) and a.id == "__name__" and isinstance(b, ast.Constant) and b.value == "__main__"
+               for a, b in (sides, sides[::-1]))
+
+
+def spawns_workers(strategy: str, devices: int) -> bool:
+    """Whether training `strategy` on `devices` starts worker processes here (not under torchrun or srun)."""
+    from .strategies import STRATEGIES
+    return launcher_env() is None and (devices > 1 or STRATEGIES[strategy].needs_process_group)
+
+
 def run_job(job: Job) -> WorkerResult:
     """Run `job` on `job.config.devices` processes and return rank 0's result."""
-    from .strategies import STRATEGIES
-    if launcher_env() is not None or (not STRATEGIES[job.strategy].needs_process_group and job.config.devices == 1):
-        return train_worker(job)
-    return spawn_workers(job)
+    return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
 def spawn_workers(job: Job) -> WorkerResult:

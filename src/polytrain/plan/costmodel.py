@@ -106,7 +106,9 @@ class Prediction:
     communication: float      # seconds of a step spent moving bytes (not overlapped)
     idle: float = 0.0         # seconds of a step waiting (pipeline bubble)
     note: str = ""
-    messages: float = 0.0     # sequential messages a step sends (each pays alpha, and any per-message cost)
+    # sequential messages of a step (each pays alpha, and any per-message cost); counted for one collective of
+    # the whole tensor where the strategy may split it (DDP's buckets): a fitted cost per message absorbs that
+    messages: float = 0.0
 
     @property
     def step_seconds(self) -> float:

@@ -24,7 +24,7 @@ from .plan import costmodel
 from .sources import as_dataset
 from .strategies import STRATEGIES, contiguous_strategies, make_plan
 from .worker import Job, choose_device
-from .workload import measure_link, measure_workload, predictions_for
+from .workload import measure_link, measure_workload, predictions_for, turns
 
 PHASES = ("compute", "communication", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -156,8 +156,8 @@ def link_of(rows: List[Row], kind: str, *, cores: Optional[int] = None) -> Optio
     n, samples = timed[0].devices, timed[0].link
     fitted = costmodel.Link.fit(list(samples), list(samples.values()), relative=True)
     # a ring all-reduce over n ranks takes 2(n-1)/n S/B + 2(n-1) alpha
-    turns = max(1.0, n / (cores or usable_cores())) if kind == "cpu" else 1.0
-    link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)) / turns, beta=fitted.beta * 2 * (n - 1) / n)
+    shared = turns(n, device_type=kind, cores=cores)
+    link = costmodel.Link(alpha=fitted.alpha / (2 * (n - 1)) / shared, beta=fitted.beta * 2 * (n - 1) / n)
     return link, f"measured: all-reduces between the {n} {kind} processes of the {timed[0].strategy} run"
 
 

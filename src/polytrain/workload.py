@@ -187,12 +187,16 @@ def _measure_format(model: nn.Module, dataset, objective, *, batch_size: int, de
                     replica_seconds=replica, microbatch_seconds=micro)
 
 
+def turns(devices: int, *, device_type: str, cores: Optional[int] = None) -> float:
+    """How many CPU processes take turns on each core (1 where there are no more processes than cores, and on
+    GPUs)."""
+    return max(1.0, devices / (cores or usable_cores())) if device_type == "cpu" else 1.0
+
+
 def link_for(link: Link, devices: int, *, device_type: str, cores: Optional[int] = None) -> Link:
     """The link as `devices` ranks see it: CPU processes beyond one per core take turns on the cores, so each
     message waits for its receiver to be scheduled (latency grows by devices / cores)."""
-    if device_type != "cpu":
-        return link
-    return Link(alpha=link.alpha * max(1.0, devices / (cores or usable_cores())), beta=link.beta)
+    return Link(alpha=link.alpha * turns(devices, device_type=device_type, cores=cores), beta=link.beta)
 
 
 def predictions_for(work: Workload, link: Link, *, devices: int, kind: str,

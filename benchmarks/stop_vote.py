@@ -1,4 +1,4 @@
-"""What the Ctrl-C/SIGTERM agreement costs a training step (polytrain.stopping.StopSignal).
+"""What the Ctrl-C/SIGTERM agreement costs a training step (polytrain.runtime.stopping.StopSignal).
 
 Run (about 30 seconds on a 2-core CPU):
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from polytrain.stopping import StopSignal
+from polytrain.runtime.stopping import StopSignal
 
 
 def run(rank: int, world_size: int, init_file: str, steps: int, repeats: int) -> None:

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from polytrain.autostrategy import read_message_costs
-from polytrain.bench import BenchOptions, BenchResult, Row, fit_message_costs, predict_rows
-from polytrain.benchreport import report, table, write_json
+from polytrain.scaling.auto import read_message_costs
+from polytrain.scaling.bench import BenchOptions, BenchResult, Row, fit_message_costs, predict_rows
+from polytrain.scaling.report import report, table, write_json
 from polytrain.errors import ConfigError
 from polytrain.plan.costmodel import Link, Workload
-from polytrain.workload import predictions_for
+from polytrain.scaling.workload import predictions_for
 from test_bench_report import MS, WORK, phases
 
 

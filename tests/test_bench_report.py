@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from polytrain.autostrategy import describe, measured_choice, pick, read_plan
-from polytrain.bench import BenchOptions, BenchResult, Row, combinations, fill_speedups, link_of, summarize
-from polytrain.benchreport import draw, explain, report, table, write_json
+from polytrain.scaling.auto import describe, measured_choice, pick, read_plan
+from polytrain.scaling.bench import BenchOptions, BenchResult, Row, combinations, fill_speedups, link_of, summarize
+from polytrain.scaling.report import draw, explain, report, table, write_json
 from polytrain.cli import main
 from polytrain.errors import ConfigError
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank
 from polytrain.strategies.parameter_server import ParameterServer
-from polytrain.workload import link_for
+from polytrain.scaling.workload import link_for
 
 MS = 1e-3
 WORK = Workload(compute_seconds=10 * MS, parameter_bytes=1.76e6, batch_size=64, update_seconds=1 * MS, layers=4,
@@ -253,7 +253,7 @@ def test_auto_keeps_data_parallelism_unless_another_is_clearly_faster():
 
 
 def test_the_median_round_is_kept():
-    from polytrain.bench import median_row
+    from polytrain.scaling.bench import median_row
     runs = [Row("cpu", "data", 2, 64, step_seconds=s) for s in (0.03, 0.01, 0.02)]
     assert median_row(runs).step_seconds == 0.02
     assert median_row(runs[:2]).step_seconds == 0.01
@@ -282,7 +282,7 @@ def test_measured_slices_replace_the_even_split():
 
 def test_auto_measures_in_this_process_and_names_its_pick():
     import torch
-    from polytrain.autostrategy import choose_strategy
+    from polytrain.scaling.auto import choose_strategy
     from polytrain.config import TrainConfig
     from polytrain.objective import Objective
     from conftest import tiny_digits
@@ -308,7 +308,7 @@ def test_plan_mistakes_are_one_line(capsys, tmp_path, argv, words):
 def test_a_convolutional_workload_is_measured_in_both_memory_formats():
     import torch
     from polytrain.objective import Objective
-    from polytrain.workload import measure_workload
+    from polytrain.scaling.workload import measure_workload
     from conftest import tiny_digits
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
                                 torch.nn.Linear(4 * 26 * 26, 10))
@@ -339,7 +339,7 @@ def test_a_count_the_batch_does_not_split_into_is_a_line_that_says_so():
 
 
 def test_projections_cover_every_count_asked_for():
-    from polytrain.bench import project
+    from polytrain.scaling.bench import project
     options = BenchOptions(devices=(1, 2), strategies=("data",), batch_sizes=(64,), predict=(1, 3, 4))
     projected = project(options, {("cpu", 64): WORK}, {"cpu": Link(2e-4, 1e9)})
     assert [(n, chosen) for _, _, n, _, chosen in projected] == [(3, None), (4, "data")]

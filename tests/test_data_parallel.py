@@ -8,7 +8,7 @@ import torch
 import polytrain
 from polytrain.data import load_dataset
 from polytrain.data.loader import make_loaders
-from polytrain.launch import WorkerFailed
+from polytrain.runtime.launch import WorkerFailed
 from polytrain.models import build_model
 from polytrain.strategies import DataParallel, SingleDevice
 from polytrain.trainer import Trainer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.launch import WorkerFailed
+from polytrain.runtime.launch import WorkerFailed
 from polytrain.models import build_model
 from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
                       tiny_digits)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import polytrain
-from polytrain.launch import WorkerFailed
+from polytrain.runtime.launch import WorkerFailed
 from conftest import tiny_digits
 from distributed import MisbehavingModel
 from processes import children, command_line, finish, polytrain as run_polytrain, start, wait_for

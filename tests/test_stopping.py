@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_on_ranks
-from polytrain.stopping import MAX_VOTE_INTERVAL, StopSignal
+from polytrain.runtime.stopping import MAX_VOTE_INTERVAL, StopSignal
 from processes import command_line, descendants, finish, polytrain, start, wait_for
 
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "640", "--model", "lenet", "--batch-size", "32",

@@ -98,7 +98,7 @@ def test_help_says_what_models_and_data_must_be_and_its_paths_work(capsys):
 
 SCRIPT = '''\
 import polytrain
-from polytrain.launch import unguarded_main_call
+from polytrain.runtime.launch import unguarded_main_call
 
 
 def where():

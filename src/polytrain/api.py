@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -16,12 +15,14 @@ import torch
 import torch.nn as nn
 
 from .checkpoint import atomic_write_bytes, load_weights
-from .config import STRATEGY_FLAGS, TrainConfig, replicas
+from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig, replicas
+from .config.names import nearest
+from .config.settings import INPUTS
 from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
-from .hostenv import launcher_env
-from .launch import check_devices, check_main_guard, run_job, spawns_workers
+from .runtime.hostenv import launcher_env
+from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
@@ -29,7 +30,7 @@ from .sources import (as_dataset, check_objective, check_picklable, check_sizes,
                       split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .trainer import History, Trainer
-from .worker import Job, choose_device, resolved_device_type
+from .runtime.worker import Job, choose_device, resolved_device_type
 
 
 def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None, train=None,
@@ -124,7 +125,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
 def auto_strategy(config, module, dataset, objective, *, device, channels_last: bool, launched: bool):
     """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
     rank would measure for itself and might choose differently, so there only a --plan file chooses."""
-    from .autostrategy import choose_strategy
+    from .scaling.auto import choose_strategy
     if launched and not config.plan:
         return "data", ("--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
                         "--plan bench.json from polytrain bench to choose by measurement)")
@@ -191,17 +192,18 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     return history
 
 
+# fit()'s own parameters; every other keyword is a declared setting (config/settings.py).
 FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "epochs", "devices", "strategy", "out",
-                "resume", "verbose", "per_device_batch_size")
+                "resume", "verbose")
 
 
 def check_keywords(settings: dict) -> None:
     """Refuse a keyword `fit` does not take, naming the nearest one it does."""
-    known = sorted(set(TrainConfig.__dataclass_fields__) - {"dataset", "model"} | set(FIT_KEYWORDS))
+    known = sorted(set(SETTINGS) - {"dataset", "model"} | set(INPUTS) | set(FIT_KEYWORDS))
     for name in settings:
         if name not in known:
-            nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-            raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {nearest[0]}=?" if nearest else
+            close = nearest(name, known)
+            raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {close}=?" if close else
                               f"; it takes {', '.join(k + '=' for k in known)}"))
 
 

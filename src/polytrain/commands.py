@@ -8,24 +8,18 @@ import torch
 
 from .api import evaluate, predict, spread_indices, train_run
 from .sources import as_dataset
-from .cli import config_from_args, flag_list, parse_list
-from .config import STRATEGY_FLAGS, TrainConfig, options_of_other_strategies
+from .config import (REPLANNING, RESUMABLE, STRATEGY_FLAGS, STRATEGY_OPTIONS, TrainConfig, options_of_other_strategies,
+                     unset_value)
+from .config.flags import config_from_args, flag_list, parse_list
 from .data import ArrayDataset
-from .data.loader import global_batch_order
+from .data.order import global_batch_order
 from .errors import UserError
-from .launch import check_devices, run_job
+from .runtime.launch import check_devices, run_job
 from .models import build_model
 from .checkpoint import read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
-from .worker import Job, choose_device, resolved_device_type
-
-
-# What may change when a run is resumed: where and how it runs, never what it computes (and --epochs, on a
-# learning-rate schedule that does not depend on the run's length).
-RESUME_FLAGS = ("devices", "device", "strategy", *STRATEGY_FLAGS, "max_restarts", "max_steps", "checkpoint_every",
-                "hang_timeout", "plan")
-LAYOUT_FLAGS = ("devices", "strategy", "pipeline_stages", "pipeline_schedule")
+from .runtime.worker import Job, choose_device, resolved_device_type
 
 
 def _resumed_strategy(old: str, args) -> str:
@@ -47,11 +41,11 @@ def resume_plan(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
-    fixed = sorted(args.given - set(RESUME_FLAGS) - {"epochs"})
+    fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
     fixed += ["per_device_batch_size"] if args.per_device_batch_size is not None else []
     if fixed:
         raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
-                        f"{flag_list(RESUME_FLAGS)} may change, and --epochs on a constant schedule)")
+                        f"{flag_list(RESUMABLE)} may change, and --epochs on a constant schedule)")
     settings = read_config(run_dir)
     if settings.get("custom_model") or settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
@@ -60,9 +54,9 @@ def resume_plan(args):
     settings["device"] = settings.get("device_type") or settings.get("device", "auto")    # the kind it ran on
     settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args)
     settings.update(options_of_other_strategies(settings["strategy"]))
-    if set(LAYOUT_FLAGS) & args.given:
+    if set(REPLANNING) & args.given:
         # the split and micro-batches were chosen for the old layout: plan them anew unless given
-        settings.update({name: None for name in TrainConfig.PIPELINE_OPTIONS}, timeline=False)
+        settings.update({name: unset_value(name) for name in STRATEGY_OPTIONS["pipeline"]})
     settings.update(max_steps=0, out=run_dir)
     settings.update({name: getattr(args, name) for name in args.given})
     try:
@@ -191,8 +185,8 @@ def verify_command(args) -> int:
 
 def bench_command(args) -> int:
     import time
-    from .bench import BenchOptions, run_bench
-    from .benchreport import draw, report, write_json
+    from .scaling.bench import BenchOptions, run_bench
+    from .scaling.report import draw, report, write_json
     kinds = parse_list(args.device, "--device") if args.device else \
         (("cuda",) if torch.cuda.is_available() else ("cpu",))
     options = BenchOptions(model=args.model, dataset=args.dataset, data_dir=args.data_dir,

@@ -11,6 +11,7 @@ import torch
 
 from .checkpoint import atomic_write_bytes
 from .errors import UserError
+from .version import __version__
 
 
 def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:
@@ -32,7 +33,6 @@ def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:
 
 
 def write_config(run_dir: Path, settings: dict) -> None:
-    from . import __version__
     record = dict(settings, versions={"polytrain": __version__, "torch": torch.__version__,
                                       "python": platform.python_version()})
     run_dir.mkdir(parents=True, exist_ok=True)

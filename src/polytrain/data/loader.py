@@ -7,31 +7,15 @@ seed alone, which is what makes mid-epoch resume exact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
 from .augment import crop_and_flip
+from .order import Batch, global_batch_order, rank_slice
+from .stream import DatasetPair, make_stream_loaders
 
-
-def global_batch_order(num_samples: int, *, epoch: int, seed: int) -> torch.Tensor:
-    """The permutation of sample indices for one epoch, identical on every rank and every device count."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=generator)
-
-
-def rank_slice(global_batch: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's share of a global batch: contiguous, sizes differing by at most one."""
-    return torch.tensor_split(global_batch, world_size)[rank]
-
-
-@dataclass
-class Batch:
-    x: torch.Tensor            # float, normalised, this rank's slice
-    y: torch.Tensor            # int64
-    global_count: int          # samples in the whole global batch (all ranks)
-    step: int                  # index of the batch within the epoch
+__all__ = ["Batch", "DeviceLoader", "global_batch_order", "make_loaders", "rank_slice"]
 
 
 class DeviceLoader:
@@ -99,7 +83,6 @@ def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size:
                  augment: Optional[bool] = None, channels_last: bool = False, eval_batch_size: Optional[int] = None):
     """Training and validation loaders: device-resident for an in-memory dataset (normalised with the training
     set's per-channel statistics), loader processes for `Dataset`s (see stream.py)."""
-    from .stream import DatasetPair, make_stream_loaders
     if isinstance(dataset, DatasetPair):
         return make_stream_loaders(dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size,
                                    seed=seed, channels_last=channels_last, eval_batch_size=eval_batch_size)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import DataError, first_line
-from .loader import Batch, global_batch_order, rank_slice
+from .order import Batch, global_batch_order, rank_slice
 
 @dataclass
 class SampleSpec:

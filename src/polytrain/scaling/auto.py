@@ -12,9 +12,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .errors import ConfigError, first_line
-from .plan import costmodel
-from .plan.pipeline import default_microbatches
+from ..errors import ConfigError, first_line
+from ..plan import costmodel
+from ..plan.pipeline import default_microbatches
 
 SLOTS = {"sgd": 1, "adam": 2, "rmsprop": 1}      # optimizer state tensors per weight (sgd: with momentum)
 # Another strategy replaces data parallelism only when predicted this much faster: measurements move by
@@ -34,9 +34,9 @@ def available_bytes(device: torch.device, devices: int) -> float:
 
 def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
     """The strategies that cannot run this model on `devices` ranks here, with the reason."""
-    from .errors import UserError
-    from .strategies.layers import flatten_layers
-    from .strategies.pipeline import check_torch, torch_version
+    from ..errors import UserError
+    from ..strategies.layers import flatten_layers
+    from ..strategies.pipeline import check_torch, torch_version
     refused = {}
     try:
         flatten_layers(model)

@@ -1,6 +1,6 @@
 """`polytrain bench`: every combination of device kind, global batch, strategy and device count runs a fixed
 number of steps after a warm-up; each rank times what it spent each step on (stepclock.py). The rows, the
-cost model's prediction for each, and projections to larger counts go to benchreport.py for the table, the
+cost model's prediction for each, and projections to larger counts go to report.py for the table, the
 explanations, bench.json and bench.png.
 
 Any strategy in the registry can be benchmarked: the bench only asks it to train, and reads the phases it
@@ -14,16 +14,16 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .config import TrainConfig
-from .errors import ConfigError, UserError, first_line
-from .hostenv import usable_cores
-from .launch import WorkerFailed, check_devices, check_main_guard, run_job
-from .models import MODELS, build_model
-from .objective import Objective
-from .plan import costmodel
-from .sources import as_dataset
-from .strategies import STRATEGIES, contiguous_strategies, make_plan
-from .worker import Job, choose_device
+from ..config import TrainConfig
+from ..errors import ConfigError, UserError, first_line
+from ..runtime.hostenv import usable_cores
+from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
+from ..models import MODELS, build_model
+from ..objective import Objective
+from ..plan import costmodel
+from ..sources import as_dataset
+from ..strategies import STRATEGIES, contiguous_strategies, make_plan
+from ..runtime.worker import Job, choose_device
 from .workload import measure_link, measure_workload, predictions_for, turns
 
 PHASES = ("compute", "communication", "data", "idle")

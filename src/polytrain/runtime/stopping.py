@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from ..errors import UserError
 
 REPEAT_WINDOW = 2.0
 VOTE_SECONDS = 0.2

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 
-from .callbacks import Callback
+from ..callbacks import Callback
 
 WAITING_IN = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/")
 

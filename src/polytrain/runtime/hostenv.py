@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 from .slurm import slurm_task
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3

@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .errors import ConfigError, UserError
-from .checkpoint import read_progress
+from ..errors import ConfigError, UserError
+from ..checkpoint import read_progress
 from .hostenv import launcher_env
 from .stopping import TrainingInterrupted, interrupted_message
 from .worker import Job, WorkerResult, train_worker
@@ -83,7 +83,7 @@ def _is_main_guard(test: ast.expr) -> bool:
 
 def spawns_workers(strategy: str, devices: int) -> bool:
     """Whether training `strategy` on `devices` starts worker processes here (not under torchrun or srun)."""
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
     return launcher_env() is None and (devices > 1 or STRATEGIES[strategy].needs_process_group)
 
 

@@ -15,11 +15,11 @@ from typing import List
 import torch
 
 from .bench import PHASES, BenchResult, Row
-from .checkpoint import atomic_write_bytes
-from .hostenv import usable_cores
-from .plan.costmodel import bubble
-from .plan.pipeline import default_microbatches
-from .report import save_figure
+from ..checkpoint import atomic_write_bytes
+from ..runtime.hostenv import usable_cores
+from ..plan.costmodel import bubble
+from ..plan.pipeline import default_microbatches
+from ..report import save_figure
 
 MB = 1e6
 

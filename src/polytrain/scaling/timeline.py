@@ -11,10 +11,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, List, Tuple
 
-from .callbacks import Callback
-from .report import save_figure
-from .plan.pipeline import stages_per_rank
-from .plan.schedule import bubble_fraction, rank_orders, simulate, theoretical_bubble
+from ..callbacks import Callback
+from ..report import save_figure
+from ..plan.pipeline import stages_per_rank
+from ..plan.schedule import bubble_fraction, rank_orders, simulate, theoretical_bubble
 
 Event = Tuple[int, int, str, int, int, float, float]
 

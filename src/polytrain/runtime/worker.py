@@ -13,21 +13,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
-from .checkpoint import Checkpointer, describe_position, restore_rng
-from .config import TrainConfig
+from ..callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
+from ..checkpoint import Checkpointer, describe_position, restore_rng
+from ..config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
-from .data import ArrayDataset
-from .errors import UserError
-from .loggers import make_loggers, parse_loggers
-from .objective import Objective
-from .data.loader import make_loaders
-from .optim import make_optimizer, make_scheduler
+from ..data import ArrayDataset
+from ..errors import UserError
+from ..loggers import make_loggers, parse_loggers
+from ..objective import Objective
+from ..data.loader import make_loaders
+from ..optim import make_optimizer, make_scheduler
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
-from .strategies import STRATEGIES
-from .trainer import History, Position, Trainer
-from .stepclock import StepClock
-from .timeline import Timeline
+from ..strategies import STRATEGIES
+from ..trainer import History, Position, Trainer
+from ..scaling.stepclock import StepClock
+from ..scaling.timeline import Timeline
 from .watchdog import Watchdog
 
 

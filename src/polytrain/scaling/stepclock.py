@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .callbacks import Callback
+from ..callbacks import Callback
 
 
 def held_bytes(strategy) -> int:

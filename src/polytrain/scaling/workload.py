@@ -20,9 +20,9 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .hostenv import usable_cores
-from .plan.costmodel import Link, Prediction, Workload, predict_all
-from .plan.pipeline import default_microbatches
+from ..runtime.hostenv import usable_cores
+from ..plan.costmodel import Link, Prediction, Workload, predict_all
+from ..plan.pipeline import default_microbatches
 
 LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 ASSUMED_GPU_LINK = Link(alpha=10e-6, beta=100e9)        # NVLink-class; used only where no link can be measured
@@ -51,7 +51,7 @@ def parameter_layers(model: nn.Module) -> int:
 def boundary_bytes(model: nn.Module, sample: torch.Tensor) -> Tuple[float, ...]:
     """Bytes per sample of the activations crossing each cut between consecutive layers of a Sequential
     (empty for a model the pipeline cannot split)."""
-    from .strategies.layers import flatten_layers
+    from ..strategies.layers import flatten_layers
     try:
         layers = flatten_layers(model)
     except Exception:
@@ -202,7 +202,7 @@ def link_for(link: Link, devices: int, *, device_type: str, cores: Optional[int]
 def predictions_for(work: Workload, link: Link, *, devices: int, kind: str,
                     message_costs: Optional[dict] = None) -> Dict[str, Prediction]:
     """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it."""
-    from .strategies import contiguous_strategies
+    from ..strategies import contiguous_strategies
     return predict_all(work, devices, link_for(link, devices, device_type=kind),
                        microbatches=default_microbatches(work.batch_size, devices), contiguous=contiguous_strategies(),
                        scatter_by_allreduce=kind == "cpu", message_costs=message_costs)

@@ -1,0 +1,90 @@
+"""Settings from a file: `polytrain train --config FILE`, TOML (the standard library's `tomllib`) or JSON.
+
+The keys are the settings' names (`batch_size`, or `batch-size` as flags spell them), at the top level or in
+tables named for their groups (`[optimisation]`, `[pipeline]`); values as in `fit()`. A run's `config.json`
+is such a file: it also records what ran (versions, the resolved device, the plan), which is read past, and
+its run folder, which is not reused, so `--config runs/X/config.json` repeats run X into a new folder.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
+from .declare import GROUPS
+from .names import nearest
+from .settings import INPUTS
+from .train import SETTINGS
+
+# What a run folder's config.json records beside the settings (run_dir.write_config and api.train_run).
+RUN_RECORD = ("versions", "device_type", "custom_model", "custom_data", "loss", "metrics", "classes",
+              "skipped_files", "strategy_plan")
+
+
+def _load(path: Path) -> dict:
+    text = path.read_bytes()
+    if path.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:                     # Python < 3.11
+            try:
+                import tomli as tomllib
+            except ModuleNotFoundError:
+                raise UserError(f"--config {path}: reading TOML needs Python 3.11 or 'pip install tomli'; or "
+                                f"write the settings as JSON") from None
+        try:
+            return tomllib.loads(text.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise UserError(f"--config {path} is not valid TOML: {error}") from None
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise UserError(f"--config {path} is not valid JSON: {error}") from None
+    raise UserError(f"--config {path}: give a .toml or .json file of settings (e.g. a run's config.json)")
+
+
+def read_config_file(path) -> dict:
+    """name -> value of every setting the file gives; anything else in it is one line naming key and file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"--config {path}: no such file; give a TOML or JSON file of settings")
+    raw = _load(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {path} holds no table of settings; write name = value pairs")
+    record = "versions" in raw
+    if record and (raw.get("custom_model") or raw.get("custom_data")):
+        raise UserError(f"--config {path}: that run was trained from Python on a custom model or in-memory data; "
+                        f"repeat it from Python with polytrain.fit")
+    known = (*SETTINGS, *INPUTS)
+    values = {}
+    for key, value in _flatten(raw, path):
+        name = key.replace("-", "_")
+        if record and name in RUN_RECORD:
+            continue
+        if name not in known:
+            close = nearest(name, known)
+            raise UserError(f"--config {path}: unknown setting {key!r}; " +
+                            (f"did you mean {close!r}?" if close else
+                             "no setting is near it; see polytrain train --help for the settings"))
+        values[name] = value
+    if record:
+        values.pop("out", None)           # that run's folder: the repetition gets a new one
+    return values
+
+
+def _flatten(raw: dict, path: Path):
+    """(key, value) pairs, with the tables named for a group (`[optimisation]`) opened."""
+    tables = {name.replace("-", "_") for name in GROUPS}
+    for key, value in raw.items():
+        if isinstance(value, dict) and key.replace("-", "_") in tables:
+            for inner, inner_value in value.items():
+                if isinstance(inner_value, dict):
+                    raise UserError(f"--config {path}: [{key}.{inner}] nests too deep; settings sit at the top "
+                                    f"level or in one table per group")
+                yield inner, inner_value
+        elif isinstance(value, dict):
+            raise UserError(f"--config {path}: [{key}] is not a group of settings; the groups are "
+                            f"{', '.join(GROUPS)}")
+        else:
+            yield key, value

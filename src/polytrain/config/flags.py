@@ -1,0 +1,146 @@
+"""The command-line flags of every setting, derived from the declarations, and settings from parsed flags.
+
+cli.py builds the parser and calls this; nothing else turns arguments into a `TrainConfig`. Precedence:
+flags given on the command line, then a `--config` file, then the declared defaults.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from ..data import DATASETS, datasets_using, unused_dataset_options
+from ..errors import UserError
+from ..models import MODELS
+from ..strategies import STRATEGIES
+from .declare import GROUPS, Setting, check_value, flag_name
+from .files import read_config_file
+from .names import nearest
+from .settings import INPUTS
+from .train import DEFAULTS, SETTINGS, TrainConfig, replicas
+
+REGISTRIES = {"datasets": ", ".join(DATASETS), "models": ", ".join(MODELS), "strategies": ",".join(STRATEGIES)}
+
+
+def _fill(text: str) -> str:
+    """A declared text with the registries' names where it says `{datasets}`, `{models}` or `{strategies}`."""
+    for key, names in REGISTRIES.items():
+        text = text.replace("{" + key + "}", names)
+    return text
+
+
+def _value_type(name: str):
+    """How the command line reads a value: the declared parser, else the type of the declared field."""
+    annotation = str(TrainConfig.__dataclass_fields__[name].type) if name in SETTINGS else "int"
+    return int if "int" in annotation else float if "float" in annotation else str
+
+
+def _add_flag(group, name: str, meta: Setting) -> None:
+    default = getattr(DEFAULTS, name, None)
+    kwargs = dict(default=None, help=_fill(meta.help) % {"default": default})
+    if meta.flag == "switch":
+        kwargs.update(action="store_true")
+    elif meta.flag == "toggle":
+        kwargs.update(action=argparse.BooleanOptionalAction)
+    else:
+        parse = meta.parse or _value_type(name)
+        kwargs.update(type=_argparse_type(parse),
+                      metavar=_fill(meta.metavar or "{" + ",".join(meta.choices) + "}"))
+    group.add_argument(flag_name(name), **kwargs)
+
+
+def _argparse_type(parse):
+    def read(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    read.__name__ = getattr(parse, "__name__", "value")     # argparse names it in "invalid int value"
+    return read
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per declared setting that `command` takes, in the groups of settings.py, plus `--config`."""
+    groups = {}
+    for name, meta in (*SETTINGS.items(), *INPUTS.items()):
+        if meta.flag == "none" or command not in meta.commands:
+            continue
+        if meta.group not in groups:
+            groups[meta.group] = parser.add_argument_group(GROUPS[meta.group])
+        _add_flag(groups[meta.group], name, meta)
+    parser.add_argument("--config", metavar="FILE",
+                        help="read settings from a TOML or JSON file (a run's config.json repeats that run); "
+                             "flags given beside it override it")
+
+
+def given_settings(args) -> dict:
+    """The settings and inputs given as flags: name -> value."""
+    known = (*SETTINGS, *INPUTS)
+    return {name: value for name, value in vars(args).items() if name in known and value is not None}
+
+
+def settings_of(args) -> dict:
+    """The file's settings under the flags given beside it; `args.given` becomes every name either set."""
+    values = given_settings(args)
+    if getattr(args, "config", None):
+        from_file = read_config_file(args.config)
+        values = dict(from_file, **values)
+        args.given = frozenset(args.given | {name for name, value in from_file.items()
+                                             if value != getattr(DEFAULTS, name, None)})
+    return values
+
+
+def flag_list(names) -> str:
+    """Setting names as the command line spells them: `batch_size` -> `--batch-size`, comma-separated."""
+    return ", ".join(flag_name(name) for name in names)
+
+
+def config_from_args(args) -> TrainConfig:
+    from ..runtime.hostenv import launcher_env
+    values = settings_of(args)
+    launcher = launcher_env()              # under torchrun/srun the device count is its world size
+    if launcher is not None:
+        values["devices"] = launcher.world_size
+    per_device = values.pop("per_device_batch_size", None)
+    if per_device is not None:
+        if "batch_size" in values and "batch_size" in given_settings(args):
+            raise UserError("give either --batch-size (global) or --per-device-batch-size, not both")
+        check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
+        devices = values.get("devices", DEFAULTS.devices)
+        values["batch_size"] = per_device * replicas(devices, values.get("strategy", "auto"),
+                                                     values.get("pipeline_stages"))
+    config = TrainConfig(**values)
+    unused = unused_dataset_options(config.dataset, args.given)
+    if unused:
+        raise UserError(f"{flag_list(unused)} {'is' if len(unused) == 1 else 'are'} not used by --dataset "
+                        f"{config.dataset}; "
+                        f"drop {'it' if len(unused) == 1 else 'them'}, or choose a dataset that uses "
+                        f"{'it' if len(unused) == 1 else 'them'} ({', '.join(datasets_using(unused[0]))})")
+    return config
+
+
+def unknown_flag(flag: str, known_flags, command: Optional[str]) -> str:
+    """The one line for a flag the command does not take: the nearest real one, only if it is near."""
+    bare = flag.split("=", 1)[0]
+    close = nearest(bare, known_flags)
+    if close:
+        return f"unrecognized argument {bare}; did you mean {close}?"
+    return f"unrecognized argument {bare}: polytrain has no such setting; see polytrain {command or ''} --help".replace(
+        "  ", " ")
+
+
+def parse_list(text, flag: str, *, counts: bool = False) -> tuple:
+    """`--devices 1,2,4` as (1, 2, 4), `--strategies data,sharded` as names; a malformed list is one line."""
+    if isinstance(text, tuple):
+        return text
+    parts = tuple(part.strip() for part in str(text).split(",") if part.strip())
+    if not counts:
+        if not parts:
+            raise UserError(f"{flag} takes names separated by commas, got {text!r}")
+        return parts
+    try:
+        numbers = tuple(int(part) for part in parts)
+    except ValueError:
+        numbers = ()
+    if not numbers or min(numbers) < 1:
+        raise UserError(f"{flag} takes positive whole numbers separated by commas such as 1,2,4, got {text!r}")
+    return numbers

@@ -1,0 +1,47 @@
+"""The nearest valid name to a mistyped one, offered only when it is genuinely near.
+
+`difflib`'s ratio suggested `--skip-bad` for `--clip-grad` and `momentum=` for `monitor=`: names that share a
+few letters are not near. A name is suggested when it is a typo away (an edit distance of one per four
+letters, at least one: `epoch`, `batchsize`, `--shw`) or when one name's words are a run of the other's
+and at least half its length (`loss_fn` and `loss`, `--batch` and `--batch-size`); otherwise nothing is.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+
+def _bare(name: str) -> str:
+    return name.lstrip("-").lower().replace("-", "_")
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that turn `a` into `b`."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def _words_within(short: str, long: str) -> bool:
+    words, within = short.split("_"), long.split("_")
+    return len(short) >= 3 and 2 * len(short) >= len(long) and any(within[i:i + len(words)] == words for i in range(len(within) - len(words) + 1))
+
+
+def nearest(name: str, known: Iterable[str]) -> Optional[str]:
+    """The known name nearest to `name` if one is near enough to be what was meant, else None."""
+    word, best = _bare(name), None
+    for candidate in known:
+        other = _bare(candidate)
+        if not other or other == word:
+            continue
+        distance = edit_distance(word, other)
+        short, long = sorted((word, other), key=len)
+        if distance <= max(1, len(other) // 4) or _words_within(short, long):
+            if best is None or distance < best[0]:
+                best = (distance, candidate)
+    return best[1] if best else None

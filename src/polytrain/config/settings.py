@@ -1,0 +1,180 @@
+"""Every setting of a training run, declared once, grouped by concern.
+
+A new setting is one field in its group here (see `declare.setting`) plus the code that reads it: the flag,
+`fit()`'s keyword, the check, the resume rule and `config.json` follow from the declaration. Help texts may
+name `{datasets}`, `{models}` and `{strategies}`, filled in from the registries when the flags are built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..plan.pipeline import DEFAULT_SCHEDULE, SCHEDULES as PIPELINE_SCHEDULES
+from .declare import setting
+
+
+def shape_text(text: str) -> tuple:
+    """`3,32,32` as (3, 32, 32), for --synthetic-shape."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected C,H,W such as 3,32,32, got {text!r}") from None
+
+
+@dataclass
+class DataSettings:
+    dataset: str = setting("mnist-sample", "one of {datasets} (default: %(default)s, 10,000 real MNIST digits "
+                           "shipped with polytrain)", group="data", metavar="NAME")
+    data_dir: Optional[str] = setting(None, "folder holding the dataset files (IDX or CIFAR binary), or the image "
+                                      "folder of --dataset folder", group="data", metavar="DIR")
+    image_size: Optional[int] = setting(None, "--dataset folder: resize every image to S x S (default: keep, all "
+                                        "must share one size)", group="data", metavar="S", check="count", example=32)
+    val_fraction: Optional[float] = setting(None, "--dataset folder with <class>/ folders only: hold out the last F "
+                                            "of each class's sorted files for validation", group="data", metavar="F",
+                                            check="fraction", example=0.1)
+    skip_bad: bool = setting(False, "--dataset folder: skip unreadable images and report how many (default: stop, "
+                             "naming the file)", group="data", flag="switch")
+    download: bool = setting(False, "fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)",
+                             group="data", flag="switch")
+    augment: Optional[bool] = setting(None, "random crop (4-pixel shifts), plus mirroring for cifar10, as batched "
+                                      "ops on the device (default: on for cifar10, off for digits)", group="data",
+                                      flag="toggle")
+    synthetic_size: int = setting(2048, "training samples of --dataset synthetic (default: %(default)s)",
+                                  group="data", metavar="N", check="count")
+    synthetic_shape: tuple = setting((1, 28, 28), "image shape of --dataset synthetic (default: 1,28,28)",
+                                     group="data", metavar="C,H,W", parse=shape_text)
+    num_workers: Optional[int] = setting(None, "loader processes per rank for train=/val= Datasets (default: from "
+                                         "the cores; 0: load in the training process)", group="data",
+                                         check="count0", flag="none")
+
+
+@dataclass
+class ModelSettings:
+    model: str = setting("lenet", "one of {models} (default: %(default)s)", group="model", metavar="NAME")
+    precision: str = setting("fp32", "bf16 runs the forward pass under autocast (use on GPUs); default: %(default)s",
+                             group="model", choices=("fp32", "bf16"))
+    compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
+    channels_last: Optional[bool] = setting(None, "channels-last memory format (default: on for convolutional "
+                                            "models)", group="model", flag="toggle")
+
+
+@dataclass
+class OptimisationSettings:
+    epochs: int = setting(5, "default: %(default)s", group="optimisation", metavar="N", check="count", example=5,
+                          resume="extend")
+    batch_size: int = setting(64, "GLOBAL batch, split across --devices (default: %(default)s)",
+                              group="optimisation", metavar="N", check="count", example=64)
+    optimizer: str = setting("sgd", "default: %(default)s", group="optimisation", choices=("sgd", "adam", "rmsprop"))
+    lr: float = setting(0.05, "peak learning rate (default: %(default)s)", group="optimisation", metavar="X",
+                        check="nonneg")
+    lr_scale: str = setting("none", "linear: multiply --lr by --devices (the linear scaling rule, for a global "
+                            "batch that grows with the devices); default: %(default)s", group="optimisation",
+                            choices=("none", "linear"))
+    momentum: float = setting(0.9, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
+    weight_decay: float = setting(5e-4, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
+    schedule: str = setting("onecycle", "learning-rate schedule after warm-up (default: %(default)s)",
+                            group="optimisation", choices=("constant", "cosine", "onecycle"))
+    warmup_epochs: float = setting(0.5, "linear warm-up length (default: %(default)s)", group="optimisation",
+                                   metavar="X", check="nonneg")
+    label_smoothing: float = setting(0.0, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
+    seed: int = setting(0, "same seed, same batches and weights (default: %(default)s)", group="optimisation",
+                        metavar="N")
+
+
+@dataclass
+class DeviceSettings:
+    device: str = setting("auto", "auto: CUDA GPUs if present, else CPU processes (default: %(default)s)",
+                          group="devices", choices=("auto", "cpu", "cuda"), resume="change")
+    devices: int = setting(1, "GPUs, or CPU processes sharing the cores (default: %(default)s)", group="devices",
+                           metavar="N", check="count", example=1, resume="change", replans=True)
+    strategy: str = setting("auto", "auto: single for one device; for several, the one the cost model predicts "
+                            "fastest that fits in memory (a few seconds of measurement, or --plan); data: replicas "
+                            "+ all-reduce; pipeline: the model split into stages over the devices; sharded: each "
+                            "device holds a shard of the weights and optimizer state (FSDP2); parameter-server: "
+                            "master weights on server ranks, workers push gradients and pull weights",
+                            group="devices", metavar="{auto,{strategies}}", resume="change", replans=True)
+    plan: Optional[str] = setting(None, "with --strategy auto: choose from this polytrain bench result instead of "
+                                  "measuring", group="devices", metavar="BENCH_JSON", resume="change")
+
+
+@dataclass
+class PipelineSettings:
+    microbatches: Optional[int] = setting(
+        None, "micro-batches each step's batch is cut into; 1: plain model parallelism (default: 4 per stage, or "
+        "fewer that divide the batch)", group="pipeline", metavar="M", strategies=("pipeline",), resume="change")
+    pipeline_schedule: Optional[str] = setting(
+        None, f"order of forward and backward passes (default: {DEFAULT_SCHEDULE})", group="pipeline",
+        choices=PIPELINE_SCHEDULES, strategies=("pipeline",), resume="change", replans=True)
+    split: Optional[str] = setting(
+        None, "auto: balance the stages by each layer's measured time; or the index of the first layer of every "
+        "stage after the first (default: auto)", group="pipeline", metavar="auto|I1,I2,...",
+        strategies=("pipeline",), resume="change")
+    pipeline_stages: Optional[int] = setting(
+        None, "stages per pipeline; --devices / S pipelines then run data-parallel on a 2-D mesh (default: "
+        "--devices, one pipeline)", group="pipeline", metavar="S", check="count", strategies=("pipeline",),
+        resume="change", replans=True)
+    timeline: bool = setting(
+        False, "record when each rank ran each micro-batch for a few steps; draws pipeline.png and prints the "
+        "measured bubble", group="pipeline", flag="switch", strategies=("pipeline",), resume="change")
+
+
+@dataclass
+class ShardedSettings:
+    cpu_offload: bool = setting(
+        False, "keep parameter, gradient and optimizer shards in host memory; the GPU holds only the layer in use "
+        "(FSDP2's offload policy)", group="sharded", flag="switch", strategies=("sharded",), resume="change")
+
+
+@dataclass
+class ServerSettings:
+    servers: Optional[int] = setting(
+        None, "server roles the parameters are split over by size, on ranks 0..K-1 (default: 1)",
+        group="parameter-server", metavar="K", strategies=("parameter-server",), resume="change")
+    server_device: Optional[str] = setting(
+        None, "where the master weights and optimizer state live: cpu (host memory, default) or same (the server "
+        "rank's device)", group="parameter-server", metavar="{cpu,same}", strategies=("parameter-server",),
+        resume="change")
+    staleness: Optional[int] = setting(
+        None, "asynchronous: servers apply each worker's gradient as it arrives; a worker runs at most S updates "
+        "ahead of the slowest (default: 0, synchronous, equal to one device)", group="parameter-server",
+        metavar="S", check="count0", strategies=("parameter-server",), resume="change")
+
+
+@dataclass
+class ReliabilitySettings:
+    out: Optional[str] = setting(None, "run folder (default: a new folder under runs/)", group="reliability",
+                                 metavar="DIR", commands=("train",))
+    checkpoint_every: int = setting(0, "also checkpoint every STEPS steps (always at each epoch end, and on "
+                                    "Ctrl-C/SIGTERM)", group="reliability", metavar="STEPS", check="count0",
+                                    resume="change", commands=("train",))
+    max_steps: int = setting(0, "stop after N steps in all, with a checkpoint to --resume from (default: 0, all "
+                             "epochs)", group="reliability", metavar="N", check="count0", resume="change",
+                             commands=("train",))
+    hang_timeout: float = setting(60.0, "with several devices, report the rank that makes no progress for this "
+                                  "long, with its stack, and stop (default: %(default)g)", group="reliability",
+                                  metavar="SECONDS", check="nonneg", resume="change", commands=("train",))
+    max_restarts: int = setting(0, "restart failed workers up to R times from the last checkpoint (default: "
+                                "%(default)s)", group="reliability", metavar="R", check="count0", resume="change",
+                                commands=("train",))
+
+
+@dataclass
+class LoggingSettings:
+    logger: Optional[str] = setting(None, "also log to TensorBoard (RUN_DIR/tensorboard; pip install "
+                                    "'polytrain[tensorboard]') and/or RUN_DIR/metrics.csv, beside metrics.jsonl",
+                                    group="logging", metavar="tensorboard,csv")
+
+
+# The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the
+# last base to the first, hence reversed there).
+GROUP_CLASSES = (DataSettings, ModelSettings, OptimisationSettings, DeviceSettings, PipelineSettings,
+                 ShardedSettings, ServerSettings, ReliabilitySettings, LoggingSettings)
+
+# Ways to give a setting in other terms: accepted as flags and keywords, turned into the setting they stand
+# for (config.json records that one), never stored themselves.
+INPUTS = {
+    "per_device_batch_size": setting(None, "alternatively, the batch of each device; the global batch is N x "
+                                     "--devices (with --strategy pipeline, N x the number of pipelines: the devices "
+                                     "of one pipeline share a batch)", group="optimisation", metavar="N",
+                                     check="count").metadata["setting"],
+}

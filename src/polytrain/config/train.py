@@ -1,0 +1,138 @@
+"""`TrainConfig`: the whole of one run's settings (every group of settings.py), validated at construction.
+
+Every check raises `ConfigError` with a message that names the flag and the fix, so the command line can
+print it on one line. The per-value checks (choices, ranges, which strategy owns an option) come from the
+declarations; what is left here relates settings to each other.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+from ..errors import ConfigError
+from ..loggers import check_tensorboard, parse_loggers
+from ..plan.pipeline import PipelineLayout, check_microbatches
+from .declare import check_value, declared, flag_name, unset
+from .settings import GROUP_CLASSES
+
+
+def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None) -> int:
+    """How many replicas split each global batch: every device, except in a pipeline, where the devices of
+    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch)."""
+    if strategy != "pipeline" or not isinstance(devices, int):
+        return devices
+    stages = pipeline_stages or devices
+    return devices // stages if isinstance(stages, int) and stages > 0 else devices
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class TrainConfig(*reversed(GROUP_CLASSES)):
+    """All settings of a run, flat (`config.batch_size`), as `config.json` records them."""
+
+    def __post_init__(self) -> None:
+        self.synthetic_shape = tuple(self.synthetic_shape)
+        if isinstance(self.split, (list, tuple)):         # the Python API may give split=(4, 7)
+            self.split = ",".join(str(point) for point in self.split)
+        for name, meta in SETTINGS.items():
+            if meta.strategies and self.strategy not in meta.strategies and not unset(getattr(self, name)):
+                owner = meta.strategies[0]
+                raise ConfigError(f"{flag_name(name)} applies to --strategy {owner} only; add --strategy {owner} "
+                                  f"or drop it")
+            check_value(name, meta, getattr(self, name))
+        _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
+        _need(self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
+        _need(self.momentum < 1, f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
+        _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
+        _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
+        _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
+              f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
+        if "tensorboard" in parse_loggers(self.logger):
+            check_tensorboard()
+        if self.strategy == "pipeline":
+            self._check_pipeline()
+        _need(self.plan is None or self.strategy == "auto",
+              f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
+        _need(self.plan is None or self.devices > 1,
+              "--plan chooses a strategy for several devices; add --devices N (2 or more) or drop --plan")
+        shares, across = self.data_parallel_size, f"--devices {self.devices}"
+        if self.strategy == "pipeline":
+            across = f"the {shares} pipeline replicas"
+        _need(self.batch_size % shares == 0,
+              f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
+              f"{across}; use a multiple of {shares}, e.g. "
+              f"--batch-size {shares * -(-self.batch_size // shares)}, or give "
+              f"--per-device-batch-size instead")
+        if self.strategy == "pipeline" and self.microbatches is not None:
+            check_microbatches(self.microbatches, per_replica_batch=self.batch_size // shares,
+                               replicas=shares, batch_size=self.batch_size)
+
+    def _check_pipeline(self) -> None:
+        _need(self.split is None or isinstance(self.split, str),
+              f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}")
+        _need(not self.compile, "--compile is not supported with --strategy pipeline yet; drop --compile")
+        PipelineLayout(self.devices, self.pipeline_ranks)      # validates the mesh
+
+    def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
+        """These settings under another strategy; options of the others are dropped."""
+        values = dict(self.to_dict(), strategy=strategy, **changes)
+        values.update(options_of_other_strategies(strategy))
+        return TrainConfig.from_dict(values)
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline stages per replica (ranks each micro-batch passes through); 1 without a pipeline."""
+        if self.strategy != "pipeline":
+            return 1
+        return self.pipeline_stages or self.devices
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that split each global batch between them."""
+        return self.devices // self.pipeline_ranks
+
+    @property
+    def effective_lr(self) -> float:
+        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per replica."""
+        if self.lr_scale == "linear":
+            return self.lr * self.data_parallel_size
+        return self.lr
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        """Settings from a mapping that may hold more (a run's config.json records what ran, too)."""
+        return cls(**{k: v for k, v in values.items() if k in SETTINGS})
+
+
+# Derived from the declarations: nothing below names a setting.
+SETTINGS = {name: meta for group in GROUP_CLASSES for name, meta in declared(group).items()}
+DEFAULTS = TrainConfig()
+STRATEGY_OPTIONS = {}                       # strategy -> the options only it reads
+for _name, _meta in SETTINGS.items():
+    for _owner in _meta.strategies:
+        STRATEGY_OPTIONS[_owner] = (*STRATEGY_OPTIONS.get(_owner, ()), _name)
+STRATEGY_FLAGS = tuple(name for name, meta in SETTINGS.items() if meta.strategies)
+RESUMABLE = tuple(name for name, meta in SETTINGS.items() if meta.resume == "change")
+REPLANNING = tuple(name for name, meta in SETTINGS.items() if meta.replans)
+
+
+def options_of_other_strategies(strategy: str) -> dict:
+    """The options of every strategy but `strategy`, at their unset values."""
+    return {name: unset_value(name) for name, meta in SETTINGS.items()
+            if meta.strategies and strategy not in meta.strategies}
+
+
+def unset_value(name: str):
+    """What a setting holds when nobody set it: its default where that is unset (None, False)."""
+    value = getattr(DEFAULTS, name)
+    return value if unset(value) else None
+
+
+assert [f.name for f in fields(TrainConfig)] == list(SETTINGS), "TrainConfig lists its groups' settings in order"

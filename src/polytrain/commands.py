@@ -42,7 +42,6 @@ def resume_plan(args):
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
     fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
-    fixed += ["per_device_batch_size"] if args.per_device_batch_size is not None else []
     if fixed:
         raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
                         f"{flag_list(RESUMABLE)} may change, and --epochs on a constant schedule)")
@@ -92,6 +91,9 @@ def resume_plan(args):
 
 def train_command(args) -> int:
     if args.resume:
+        if args.config:
+            raise UserError("--resume continues a run with its own settings, so it reads no --config file; give "
+                            "what may change (--devices, --strategy, ...) as flags")
         plan, line = resume_plan(args)
         print(line)
         if plan is None:

@@ -56,12 +56,12 @@ def read_config_file(path) -> dict:
     if record and (raw.get("custom_model") or raw.get("custom_data")):
         raise UserError(f"--config {path}: that run was trained from Python on a custom model or in-memory data; "
                         f"repeat it from Python with polytrain.fit")
+    if record:
+        raw = {key: value for key, value in raw.items() if key not in RUN_RECORD}
     known = (*SETTINGS, *INPUTS)
     values = {}
     for key, value in _flatten(raw, path):
         name = key.replace("-", "_")
-        if record and name in RUN_RECORD:
-            continue
         if name not in known:
             close = nearest(name, known)
             raise UserError(f"--config {path}: unknown setting {key!r}; " +

@@ -1,0 +1,88 @@
+"""The package's shape: no import circles, small modules, a short top level. Read from the source (ast), so a
+circle hidden inside a function's import is found too."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "polytrain"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict:
+    """module -> the polytrain modules it imports anywhere in its text (top level or inside functions)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module] if node.module else
+                                package[:len(package) - node.level + 1]) if node.level else node.module
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else base)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def circles(graph: dict) -> list:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_through_three_modules():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_reads_relative_imports_and_imports_inside_functions():
+    graph = import_graph()
+    assert "polytrain.commands" in graph["polytrain.cli"]           # imported inside run_command
+    assert "polytrain.config.train" in graph["polytrain.config"]    # `from .train import ...` in __init__
+    assert "polytrain.errors" in graph["polytrain.runtime.launch"]   # `from ..errors import ...`
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert circles(import_graph()) == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {module_name(path): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_the_top_level_holds_at_most_14_modules():
+    top = sorted(path.name for path in PACKAGE.glob("*.py") if path.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 14, top

@@ -1,0 +1,202 @@
+"""One declaration per setting (config/settings.py): what is derived from it, "did you mean" only when near,
+and settings from a TOML or JSON file with --config."""
+import json
+from dataclasses import fields
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.cli import main, parse
+from polytrain.config import RESUMABLE, SETTINGS, STRATEGY_OPTIONS, TrainConfig
+from polytrain.config.declare import GROUPS, flag_name
+from polytrain.config.flags import config_from_args
+from polytrain.config.names import edit_distance, nearest
+from polytrain.errors import ConfigError, UserError
+from processes import polytrain as run_polytrain
+
+
+def config_of(argv):
+    _, args = parse(["train", *map(str, argv)])
+    return config_from_args(args)
+
+
+def one_line_error(capsys, argv) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# --- what the declarations give ---
+
+def test_train_config_is_exactly_the_declared_settings_in_group_order():
+    assert [f.name for f in fields(TrainConfig)] == list(SETTINGS)
+    order = [SETTINGS[name].group for name in SETTINGS]
+    assert order == sorted(order, key=list(GROUPS).index)          # each group's settings together, in order
+
+
+def test_help_shows_every_flag_under_its_group(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name, meta in SETTINGS.items():
+        if meta.flag == "none":
+            continue
+        title = text.index(f"\n{GROUPS[meta.group]}:\n")
+        following = text.find(":\n\n", title + 1)
+        section = text[title:following if following > 0 else len(text)]
+        assert f"  {flag_name(name)}" in section, (name, meta.group)
+    assert "--num-workers" not in text          # declared Python-only: a keyword of fit(), no flag
+
+
+def test_every_setting_is_a_keyword_of_fit():
+    from polytrain.api import check_keywords
+    check_keywords({name: None for name in SETTINGS if name not in ("dataset", "model")})
+
+
+def test_the_resume_rules_come_from_the_declarations():
+    assert set(RESUMABLE) == {"devices", "device", "strategy", "plan", "max_restarts", "max_steps",
+                              "checkpoint_every", "hang_timeout", *[n for names in STRATEGY_OPTIONS.values()
+                                                                    for n in names]}
+    assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "pipeline_stages",
+                                             "timeline"),
+                                "sharded": ("cpu_offload",), "parameter-server": ("servers", "server_device",
+                                                                                   "staleness")}
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(epochs=0), "--epochs must be a positive whole number, got 0; try --epochs 5"),
+    (dict(optimizer="adamw"), "unknown --optimizer 'adamw'; choose one of sgd, adam, rmsprop"),
+    (dict(val_fraction=1.5), "--val-fraction must be a number strictly between 0 and 1, got 1.5; try --val-fraction"),
+    (dict(cpu_offload=True), "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it"),
+    (dict(staleness=2, strategy="data"), "--staleness applies to --strategy parameter-server only"),
+    (dict(staleness=-1, strategy="parameter-server"), "--staleness must be a whole number >= 0, got -1"),
+])
+def test_declared_checks_name_the_flag_and_the_fix(values, message):
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(**values)
+    assert str(error.value).startswith(message)
+
+
+# --- "did you mean" only when near ---
+
+def test_edit_distance_counts_a_swap_as_one():
+    assert edit_distance("epoch", "epochs") == 1 and edit_distance("bacth", "batch") == 1
+    assert edit_distance("", "abc") == 3 and edit_distance("kitten", "sitting") == 3
+
+
+@pytest.mark.parametrize("typed, suggested", [
+    ("epoch", "epochs"), ("batchsize", "batch_size"), ("loss_fn", "loss"), ("weight_decy", "weight_decay"),
+    ("lr_schedule", "schedule"), ("max_epochs", "epochs"), ("microbatch", "microbatches"),
+    ("clip_grad", None), ("patience", None), ("monitor", None), ("accumulate_grad_batches", None),
+    ("gradient_clip_val", None), ("zzz", None),
+])
+def test_a_name_is_suggested_only_when_near(typed, suggested):
+    known = [*SETTINGS, "loss", "metrics", "val", "train", "resume"]
+    assert nearest(typed, known) == suggested
+
+
+@pytest.mark.parametrize("keyword", ["patience", "monitor", "accumulate_grad_batches"])
+def test_fit_says_a_far_keyword_does_not_exist(keyword):
+    with pytest.raises(ConfigError) as error:
+        polytrain.fit("lenet", **{keyword: 1})
+    assert "did you mean" not in str(error.value) and str(error.value).startswith(f"fit() has no keyword {keyword}=")
+
+
+def test_a_far_flag_is_said_not_to_exist(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--clip-grad", "1"])
+    err = capsys.readouterr().err
+    assert "unrecognized argument --clip-grad: polytrain has no such setting; see polytrain train --help" in err
+    assert "did you mean" not in err
+
+
+# --- --config FILE ---
+
+def test_a_toml_file_with_group_tables_sets_and_flags_override_it(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "mlp"\n[optimisation]\nlr = 0.01\nbatch-size = 32\nepochs = 2\n'
+                    '[devices]\ndevices = 2\nstrategy = "parameter-server"\n[parameter-server]\nstaleness = 1\n')
+    config = config_of(["--config", path, "--lr", "0.2"])
+    assert (config.model, config.lr, config.batch_size, config.epochs) == ("mlp", 0.2, 32, 2)
+    assert (config.devices, config.strategy, config.staleness) == (2, "parameter-server", 1)
+    assert config.momentum == TrainConfig().momentum                 # neither given: the default
+
+
+def test_a_json_file_sets_and_per_device_batch_size_beside_it_overrides_its_batch(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"batch_size": 64, "devices": 2, "synthetic_shape": [1, 8, 8],
+                                "dataset": "synthetic"}))
+    config = config_of(["--config", path, "--per-device-batch-size", 16])
+    assert (config.batch_size, config.synthetic_shape) == (32, (1, 8, 8))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bacth_size = 32\n", "unknown setting 'bacth_size'; did you mean 'batch_size'?"),
+    ("[optimisation]\nclip_grad = 1.0\n", "unknown setting 'clip_grad'; no setting is near it; see polytrain train "
+                                          "--help"),
+    ("lr = \n", "is not valid TOML"),
+    ("[runs]\nlr = 0.1\n", "[runs] is not a group of settings; the groups are data, model,"),
+])
+def test_a_wrong_file_is_one_line_naming_the_key_and_the_file(capsys, tmp_path, text, message):
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    err = one_line_error(capsys, ["train", "--config", path])
+    assert f"--config {path}" in err and message in err
+
+
+def test_a_missing_or_unknown_kind_of_file_is_one_line(capsys, tmp_path):
+    assert "no such file" in one_line_error(capsys, ["train", "--config", tmp_path / "none.toml"])
+    (tmp_path / "settings.yaml").write_text("lr: 0.1\n")
+    assert "give a .toml or .json file" in one_line_error(capsys, ["train", "--config", tmp_path / "settings.yaml"])
+
+
+def test_resume_reads_no_config_file(capsys, tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text("devices = 2\n")
+    assert "reads no --config file" in one_line_error(capsys, ["train", "--resume", tmp_path, "--config", path])
+
+
+def test_a_file_value_is_checked_like_a_flag(capsys, tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text('{"epochs": 0}')
+    assert "--epochs must be a positive whole number, got 0" in one_line_error(capsys, ["train", "--config", path])
+
+
+def test_a_run_of_a_custom_model_cannot_be_repeated_from_the_command_line(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TrainConfig().to_dict(), custom_model=True, versions={})))
+    assert "repeat it from Python" in one_line_error(capsys, ["train", "--config", path])
+
+
+def repeat_and_compare(tmp_path, *flags, timeout=240):
+    first, second = tmp_path / "first", tmp_path / "second"
+    common = ["--dataset", "synthetic", "--synthetic-size", 192, "--synthetic-shape", "1,12,12", "--model", "mlp",
+              "--epochs", 2, "--batch-size", 32, "--seed", 3, "--schedule", "cosine", *flags]
+    result = run_polytrain("train", *common, "--out", first, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    result = run_polytrain("train", "--config", first / "config.json", "--out", second, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    recorded = [json.loads((folder / "config.json").read_text()) for folder in (first, second)]
+    for record in recorded:
+        record.pop("out")
+    assert recorded[0] == recorded[1]
+    weights = [torch.load(folder / "model.pt", weights_only=True) for folder in (first, second)]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_a_run_config_json_repeats_the_run_with_the_same_weights(tmp_path):
+    repeat_and_compare(tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_run_repeats_from_its_config_json(tmp_path):
+    repeat_and_compare(tmp_path, "--devices", 2, "--strategy", "data", timeout=300)
+
+
+def test_fit_refuses_per_device_and_global_batch_together():
+    with pytest.raises(UserError, match="give either batch_size="):
+        polytrain.fit("lenet", batch_size=64, per_device_batch_size=32)

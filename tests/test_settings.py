@@ -56,7 +56,7 @@ def test_every_setting_is_a_keyword_of_fit():
 
 
 def test_the_resume_rules_come_from_the_declarations():
-    assert set(RESUMABLE) == {"devices", "device", "strategy", "plan", "max_restarts", "max_steps",
+    assert set(RESUMABLE) == {"devices", "device", "strategy", "plan", "max_restarts", "max_steps", "eval_batch_size",
                               "checkpoint_every", "hang_timeout", *[n for names in STRATEGY_OPTIONS.values()
                                                                     for n in names]}
     assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "pipeline_stages",
@@ -77,6 +77,24 @@ def test_declared_checks_name_the_flag_and_the_fix(values, message):
     with pytest.raises(ConfigError) as error:
         TrainConfig(**values)
     assert str(error.value).startswith(message)
+
+
+def test_the_validation_batch_changes_no_result_but_its_rounding(digits, monkeypatch):
+    from polytrain.runtime import worker
+    batches = []
+
+    def counted(*args, **kwargs):
+        train, val = make_loaders(*args, **kwargs)
+        batches.append(len(list(val.eval_batches())))
+        return train, val
+    make_loaders = worker.make_loaders
+    monkeypatch.setattr(worker, "make_loaders", counted)
+    runs = [polytrain.fit("mlp", digits, epochs=1, batch_size=32, verbose=False, **extra).last
+            for extra in ({}, {"eval_batch_size": 7})]
+    assert batches == [1, 15]                      # 100 validation samples: one batch of 1024, or 15 of 7
+    assert runs[0]["val_loss"] == pytest.approx(runs[1]["val_loss"], rel=1e-5)
+    assert runs[0]["val_acc"] == runs[1]["val_acc"]
+    assert config_of(["--eval-batch-size", 7]).eval_batch_size == 7
 
 
 # --- "did you mean" only when near ---

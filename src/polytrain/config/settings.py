@@ -43,6 +43,9 @@ class DataSettings:
                                   group="data", metavar="N", check="count")
     synthetic_shape: tuple = setting((1, 28, 28), "image shape of --dataset synthetic (default: 1,28,28)",
                                      group="data", metavar="C,H,W", parse=shape_text)
+    eval_batch_size: Optional[int] = setting(None, "validation batch per device (default: the larger of --batch-size "
+                                             "and 1024; of --batch-size and 256 for train=/val= Datasets)",
+                                             group="data", metavar="N", check="count", resume="change")
     num_workers: Optional[int] = setting(None, "loader processes per rank for train=/val= Datasets (default: from "
                                          "the cores; 0: load in the training process)", group="data",
                                          check="count0", flag="none")

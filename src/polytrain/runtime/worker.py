@@ -134,7 +134,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     train_loader, val_loader = make_loaders(
         job.dataset, batch_size=config.batch_size, device=device, rank=strategy.data_rank,
         world_size=strategy.data_world, seed=config.seed, augment=config.augment,
-        channels_last=strategy.channels_last)
+        channels_last=strategy.channels_last, eval_batch_size=config.eval_batch_size)
     steps = len(train_loader)
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.

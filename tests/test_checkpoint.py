@@ -130,3 +130,13 @@ def test_a_run_of_a_custom_module_resumes_from_python_not_the_command_line(tmp_p
     polytrain.fit(straight, data, **settings)
     for a, b in zip(model.state_dict().values(), straight.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_resuming_on_a_dataset_of_another_size_names_the_sizes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    settings = dict(epochs=2, batch_size=32, device="cpu", verbose=False)
+    polytrain.fit(model, tiny_digits(n_train=96), out=str(tmp_path / "run"), max_steps=2, **settings)
+    with pytest.raises(CheckpointError) as refused:
+        polytrain.fit(model, tiny_digits(n_train=90), resume=str(tmp_path / "run"), **settings)
+    assert str(refused.value).endswith("written for 96 training samples, but this run's training set has 90: the "
+                                       "dataset changed; resume with the data the run had")

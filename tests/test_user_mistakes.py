@@ -133,3 +133,46 @@ def test_an_unguarded_script_is_refused_before_any_worker_starts(tmp_path, devic
                     "import your script again, and train_me.py:16 would start training again in each of them; put "
                     "the code that trains under `if __name__ == \"__main__\":`")
     assert "bootstrapping phase" not in done.stderr and "worker rank" not in done.stderr
+
+
+class Squares(torch.utils.data.Dataset):
+    """A small Dataset of (image, label) pairs whose `classes` is whatever the test gives."""
+
+    def __init__(self, classes, n=64):
+        self.data, self.classes = tiny_digits(n_train=n, n_val=4), classes
+
+    def __len__(self):
+        return len(self.data.train_y)
+
+    def __getitem__(self, i):
+        return self.data.train_x[i].float() / 255, int(self.data.train_y[i])
+
+
+def test_a_dataset_may_give_its_classes_as_a_count():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    history = polytrain.fit(model, train=Squares(10), val=Squares(10), epochs=1, batch_size=32, num_workers=0,
+                            verbose=False)
+    assert history.last["val_acc"] >= 0
+    with pytest.raises(UserError, match="train.classes is a float; give a list of class names or their count"):
+        polytrain.fit(model, train=Squares(3.0), val=Squares(3.0), epochs=1, batch_size=32, num_workers=0,
+                      verbose=False)
+
+
+def test_a_batch_larger_than_the_training_set_is_said_in_one_line(capsys, tmp_path):
+    assert main(["train", "--batch-size", "100000", "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: --batch-size 100000 is larger than the 8,000 training samples, so each epoch is one "
+                          "step of 8,000; give --batch-size 8000 or less to train as asked\n")
+
+
+def test_more_cpu_processes_than_the_cores_can_take_are_refused(capsys, monkeypatch):
+    from polytrain.runtime import hostenv, launch
+    for module in (hostenv, launch):
+        monkeypatch.setattr(module, "usable_cores", lambda: 2)
+    err = one_line_error(capsys, ["train", "--devices", "64", "--device", "cpu"])
+    assert err.startswith("polytrain: error: --devices 64: this machine has 2 cores, and more than 8 CPU processes "
+                          "would only take turns on them; use --devices 8 or fewer")
+
+
+def test_a_split_point_may_be_a_whole_number():
+    assert polytrain.TrainConfig(strategy="pipeline", devices=2, split=3).split == "3"

@@ -27,7 +27,7 @@ from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset, make_objective,
-                      split_data)
+                      oversized_batch_note, split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .trainer import History, Trainer
 from .runtime.worker import Job, choose_device, resolved_device_type
@@ -64,6 +64,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
     check_sizes(dataset, config)
+    note = oversized_batch_note(dataset, config)
+    if verbose and note and (launcher is None or launcher.rank == 0):
+        print(note, flush=True)
     if verbose and getattr(dataset, "skipped", None):
         print(f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}")
     torch.manual_seed(config.seed)

@@ -111,15 +111,19 @@ class Checkpointer:
             return
         state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
                      rng=rng, batch_size=trainer.train_loader.batch_size,
-                     steps_per_epoch=trainer.steps_per_epoch)
+                     steps_per_epoch=trainer.steps_per_epoch, train_samples=trainer.train_loader.num_samples)
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
 
-    def read(self, strategy, *, batch_size: int, steps_per_epoch: int) -> dict:
+    def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
         state = safe_load(self.path)
         if state.get("format") != FORMAT:
             raise CheckpointError(f"{self.path}: not a polytrain checkpoint (format {state.get('format')!r})")
+        written = state.get("train_samples")
+        if written is not None and written != train_samples:
+            raise CheckpointError(f"{self.path}: written for {written:,} training samples, but this run's training "
+                                  f"set has {train_samples:,}: the dataset changed; resume with the data the run had")
         if (state.get("batch_size"), state.get("steps_per_epoch")) != (batch_size, steps_per_epoch):
             raise CheckpointError(f"{self.path}: written with global batch {state.get('batch_size')} "
                                   f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "

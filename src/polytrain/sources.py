@@ -64,6 +64,12 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
     spec = spec_of(train, num_classes=None)
     spec_of(val, num_classes=None, what="val")
     classes = getattr(train, "classes", None)
+    if isinstance(classes, int) and not isinstance(classes, bool):
+        if classes < 1:
+            raise UserError(f"train.classes is {classes}; give the number of classes (1 or more) or a list of names")
+        classes = [str(label) for label in range(classes)]      # a count, as some datasets give it
+    elif classes is not None and not hasattr(classes, "__len__"):
+        raise UserError(f"train.classes is a {type(classes).__name__}; give a list of class names or their count")
     if objective.classification:
         check_class_targets(spec)
         if classes is not None:
@@ -122,6 +128,14 @@ def check_sizes(data, config: TrainConfig) -> None:
         raise DataError(f"the validation set has {data.num_val} sample{'s' * (data.num_val != 1)}, fewer than "
                         f"--devices {config.devices}: every device evaluates a share; give at least "
                         f"{config.devices} validation samples")
+
+
+def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:
+    """The line that says a global batch is larger than the training set (each epoch is then one smaller step)."""
+    if config.batch_size <= data.num_train:
+        return None
+    return (f"note: --batch-size {config.batch_size} is larger than the {data.num_train:,} training samples, so each "
+            f"epoch is one step of {data.num_train:,}; give --batch-size {data.num_train} or less to train as asked")
 
 
 def make_objective(config: TrainConfig, loss=None, metrics=None) -> Optional[Objective]:

@@ -36,8 +36,10 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(self.synthetic_shape)
-        if isinstance(self.split, (list, tuple)):         # the Python API may give split=(4, 7)
+        if isinstance(self.split, (list, tuple)):         # the Python API may give split=(4, 7), or split=3
             self.split = ",".join(str(point) for point in self.split)
+        elif isinstance(self.split, int) and not isinstance(self.split, bool):
+            self.split = str(self.split)
         for name, meta in SETTINGS.items():
             if meta.strategies and self.strategy not in meta.strategies and not unset(getattr(self, name)):
                 owner = meta.strategies[0]

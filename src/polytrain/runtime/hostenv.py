@@ -55,6 +55,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def most_cpu_processes() -> int:
+    """The most CPU worker processes worth starting here: beyond 4 per core they only take turns on the cores,
+    and every synchronous step waits for the last of them."""
+    return max(4, 4 * usable_cores())
+
+
 def share_cores(processes_on_this_machine: int) -> int:
     """Give this worker its share of the usable cores as torch intra-op threads; return the count."""
     threads = max(1, usable_cores() // processes_on_this_machine)

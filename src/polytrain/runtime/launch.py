@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, UserError
 from ..checkpoint import read_progress
-from .hostenv import launcher_env
+from .hostenv import launcher_env, most_cpu_processes, usable_cores
 from .stopping import TrainingInterrupted, interrupted_message
 from .worker import Job, WorkerResult, train_worker
 
@@ -35,6 +35,10 @@ def check_devices(devices: int, device: str) -> None:
     if wants_cuda and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
                           f"use --devices {torch.cuda.device_count()} or fewer")
+    if not wants_cuda and devices > most_cpu_processes():
+        raise ConfigError(f"--devices {devices}: this machine has {usable_cores()} cores, and more than "
+                          f"{most_cpu_processes()} CPU processes would only take turns on them; use --devices "
+                          f"{most_cpu_processes()} or fewer (polytrain bench --predict {devices} projects larger counts)")
 
 
 def check_main_guard(devices: int) -> None:

@@ -151,7 +151,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     position, history = Position(), History()
     restarted = launcher is not None and launcher.restart_count > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
-        loaded = checkpointer.read(strategy, batch_size=config.batch_size, steps_per_epoch=steps) \
+        loaded = checkpointer.read(strategy, batch_size=config.batch_size, steps_per_epoch=steps,
+                                   train_samples=train_loader.num_samples) \
             if strategy.is_main else None
         state = strategy.broadcast_object(loaded)
         checkpointer.apply(strategy, state)

@@ -16,7 +16,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError, UserError, first_line
-from ..runtime.hostenv import usable_cores
+from ..runtime.hostenv import most_cpu_processes, usable_cores
 from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
 from ..models import MODELS, build_model
 from ..objective import Objective
@@ -63,7 +63,7 @@ class BenchOptions:
             raise ConfigError(f"--repeats must be at least 1, got {self.repeats}")
         if self.steps < 1 or self.warmup < 0:
             raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})")
-        most = max(4, 4 * usable_cores())
+        most = most_cpu_processes()
         if "cpu" in self.device_kinds and max(self.devices) > most:
             raise ConfigError(f"--devices {max(self.devices)}: this machine has {usable_cores()} cores, and more than "
                               f"{most} CPU processes would only take turns on them; project larger counts with "

@@ -176,3 +176,44 @@ def test_more_cpu_processes_than_the_cores_can_take_are_refused(capsys, monkeypa
 
 def test_a_split_point_may_be_a_whole_number():
     assert polytrain.TrainConfig(strategy="pipeline", devices=2, split=3).split == "3"
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_can_be_retried(tmp_path, monkeypatch):
+    from polytrain import api
+    out = tmp_path / "run"
+
+    def fails(job):
+        assert (out / "config.json").is_file()              # the folder was written before the workers started
+        raise RuntimeError("a worker died before its first step")
+    with monkeypatch.context() as patched:
+        patched.setattr(api, "run_job", fails)
+        with pytest.raises(RuntimeError):
+            polytrain.fit("mlp", tiny_digits(), epochs=1, batch_size=32, out=str(out), verbose=False)
+    assert not out.exists()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the user's own file")
+    with monkeypatch.context() as patched:
+        patched.setattr(api, "run_job", lambda job: (_ for _ in ()).throw(RuntimeError("again")))
+        with pytest.raises(RuntimeError):
+            polytrain.fit("mlp", tiny_digits(), epochs=1, batch_size=32, out=str(kept), verbose=False)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]       # a folder it did not make keeps the rest
+    history = polytrain.fit("mlp", tiny_digits(), epochs=1, batch_size=32, out=str(out), verbose=False)
+    assert len(history.epochs) == 1 and (out / "model.pt").is_file()
+
+
+def test_evaluate_names_its_data_and_a_module_without_forward_is_told_so():
+    class FloatTargets(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 28, 28), torch.zeros(3)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    with pytest.raises(UserError, match=r"^data\[0\]'s target is a float32 tensor of shape \(3,\)"):
+        polytrain.evaluate(model, FloatTargets())
+
+    class NoForward(torch.nn.Module):
+        pass
+    with pytest.raises(UserError, match="^NoForward has no forward method; define forward"):
+        polytrain.fit(NoForward(), tiny_digits(), verbose=False)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Union
@@ -92,7 +93,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         if verbose and (launcher is None or launcher.rank == 0):
             print(line, flush=True)
     plan = make_plan(strategy, config, module, dataset, device=device)
-    run_dir = None
+    run_dir, fresh = None, False
     if resume_dir is not None:
         run_dir = Path(resume_dir)
         recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
@@ -102,6 +103,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
             write_config(run_dir, dict(recorded, **now))
     elif keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)
+        fresh = not run_dir.exists()
         model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
         settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
                         device_type=resolved_device_type(config.device), custom_model=not registry_model,
@@ -118,11 +120,28 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
               resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
               objective=objective, loggers=tuple(loggers))
-    result = run_job(job)
+    try:
+        result = run_job(job)
+    except BaseException:
+        if resume_dir is None and run_dir is not None and launcher is None:   # torchrun restarts keep it
+            forget_unstarted_run(run_dir, whole_folder=fresh)
+        raise
     if result is not None:
         module.load_state_dict(result.weights)
         return result.history, module, run_dir
     return None, module, run_dir
+
+
+def forget_unstarted_run(run_dir: Path, *, whole_folder: bool) -> None:
+    """After a run failed before its first checkpoint, remove what it wrote (the folder, if it made it), so
+    that the same command can be tried again; a run with a checkpoint is kept for --resume."""
+    if (run_dir / "checkpoint.pt").exists():
+        return
+    if whole_folder:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in ("config.json", "skipped.txt"):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def auto_strategy(config, module, dataset, objective, *, device, channels_last: bool, launched: bool):
@@ -250,7 +269,7 @@ def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: in
         _, dataset, model = load_run(run_or_model)
     if is_torch_dataset(data):
         config = TrainConfig(num_workers=num_workers)
-        dataset = dataset_pair(data, data, model=model, objective=objective, config=config)
+        dataset = dataset_pair(data, data, model=model, objective=objective, config=config, names=("data", "data"))
     elif data is not None or dataset is None:
         dataset = as_dataset(data, TrainConfig())
     check_devices(1, device)

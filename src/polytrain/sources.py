@@ -59,10 +59,12 @@ def as_dataset(data, config: TrainConfig) -> ArrayDataset:
                     "images of shape (N, C, H, W), or train= and val= Datasets")
 
 
-def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig) -> DatasetPair:
-    """Two `Dataset`s as a `DatasetPair`; the classes come from `train.classes`, else from the model."""
-    spec = spec_of(train, num_classes=None)
-    spec_of(val, num_classes=None, what="val")
+def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig,
+                 names=("train", "val")) -> DatasetPair:
+    """Two `Dataset`s as a `DatasetPair`; the classes come from `train.classes`, else from the model.
+    `names` are the caller's words for them in errors (`evaluate` has one `data`)."""
+    spec = spec_of(train, num_classes=None, what=names[0])
+    spec_of(val, num_classes=None, what=names[1])
     classes = getattr(train, "classes", None)
     if isinstance(classes, int) and not isinstance(classes, bool):
         if classes < 1:
@@ -71,7 +73,7 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
     elif classes is not None and not hasattr(classes, "__len__"):
         raise UserError(f"train.classes is a {type(classes).__name__}; give a list of class names or their count")
     if objective.classification:
-        check_class_targets(spec)
+        check_class_targets(spec, names[0])
         if classes is not None:
             spec.num_classes = len(classes)
         elif isinstance(model, nn.Module):

@@ -30,6 +30,9 @@ def build_model(name: str, input_shape: Tuple[int, int, int], num_classes: int) 
 @torch.no_grad()
 def run_on_sample(model: nn.Module, x: torch.Tensor, what: str):
     """`model(x)` in eval mode on the model's device (mode restored); one line naming `what` if it fails."""
+    if type(model).forward is nn.Module.forward:
+        raise UserError(f"{type(model).__name__} has no forward method; define forward(self, x) returning the "
+                        f"model's outputs")
     first = next(model.parameters(), None)
     if first is not None:
         x = x.to(device=first.device, dtype=first.dtype if x.dtype.is_floating_point else x.dtype)

@@ -68,7 +68,9 @@ def test_the_resume_rules_come_from_the_declarations():
 @pytest.mark.parametrize("values, message", [
     (dict(epochs=0), "--epochs must be a positive whole number, got 0; try --epochs 5"),
     (dict(optimizer="adamw"), "unknown --optimizer 'adamw'; choose one of sgd, adam, rmsprop"),
-    (dict(val_fraction=1.5), "--val-fraction must be a number strictly between 0 and 1, got 1.5; try --val-fraction"),
+    (dict(val_fraction=1.5), "--val-fraction must lie strictly between 0 and 1, got 1.5; try --val-fraction 0.1"),
+    (dict(image_size=0), "--image-size must be a positive whole number of pixels, got 0; try --image-size 32"),
+    (dict(num_workers=-1), "--num-workers must be a whole number >= 0, got -1 (0: load in the training process)"),
     (dict(cpu_offload=True), "--cpu-offload applies to --strategy sharded only; add --strategy sharded or drop it"),
     (dict(staleness=2, strategy="data"), "--staleness applies to --strategy parameter-server only"),
     (dict(staleness=-1, strategy="parameter-server"), "--staleness must be a whole number >= 0, got -1"),
@@ -218,3 +220,48 @@ def test_a_two_process_run_repeats_from_its_config_json(tmp_path):
 def test_fit_refuses_per_device_and_global_batch_together():
     with pytest.raises(UserError, match="give either batch_size="):
         polytrain.fit("lenet", batch_size=64, per_device_batch_size=32)
+
+
+def test_a_replayed_registry_run_keeps_its_data_flags_unset_and_may_move_to_more_devices(tmp_path):
+    first = tmp_path / "first"
+    assert main(["train", "--max-steps", "2", "--epochs", "1", "--out", str(first)]) == 0
+    config = config_of(["--config", first / "config.json"])          # mnist-sample: its recorded [1, 28, 28]
+    assert (config.dataset, config.max_steps, config.strategy) == ("mnist-sample", 2, "auto")
+    assert config_of(["--config", first / "config.json", "--devices", 2]).devices == 2
+
+
+@pytest.mark.parametrize("text, flags, expected", [
+    ('per_device_batch_size = 16\n', ["--batch-size", 48], 48),       # a flag replaces the file's other way
+    ('batch_size = 64\n', ["--per-device-batch-size", 8, "--devices", 2], 16),
+    ('[data]\nsynthetic_shape = "1,8,8"\ndataset = "synthetic"\n', [], 64),
+])
+def test_the_batch_from_a_flag_replaces_the_files_and_file_strings_parse_like_flags(tmp_path, text, flags, expected):
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    config = config_of(["--config", path, *flags])
+    assert config.batch_size == expected
+    if "synthetic_shape" in text:
+        assert config.synthetic_shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("batch_size = 64\nper_device_batch_size = 8\n", "gives both batch_size and per_device_batch_size; keep one"),
+    ("[data]\ndevices = 2\n", "devices belongs in [devices], not [data]"),
+])
+def test_a_file_that_contradicts_itself_is_one_line(capsys, tmp_path, text, message):
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    assert message in one_line_error(capsys, ["train", "--config", path])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--Epochs", "2"], "did you mean --epochs?"),
+    (["train", "--batch_size", "2"], "did you mean --batch-size?"),
+    (["train", "--optim", "sgd"], "did you mean --optimizer?"),
+    (["train", "-v"], "unrecognized argument -v: polytrain has no such setting"),
+    (["train", "stray"], "unexpected argument 'stray'; see polytrain train --help"),
+])
+def test_flag_suggestions_ignore_case_and_strays_get_none(capsys, argv, words):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert words in capsys.readouterr().err

@@ -8,7 +8,7 @@ import torch
 
 from .api import evaluate, predict, spread_indices, train_run
 from .sources import as_dataset
-from .config import (REPLANNING, RESUMABLE, STRATEGY_FLAGS, STRATEGY_OPTIONS, TrainConfig, options_of_other_strategies,
+from .config import (REPLANNING, RESUMABLE, SETTINGS, STRATEGY_OPTIONS, TrainConfig, options_of_other_strategies,
                      unset_value)
 from .config.flags import config_from_args, flag_list, parse_list
 from .data import ArrayDataset
@@ -20,6 +20,12 @@ from .checkpoint import read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
 from .runtime.worker import Job, choose_device, resolved_device_type
+
+
+# What a resume may change about how the run trains, recorded in its config.json (the run folder and
+# reliability settings belong to this invocation only; --plan is spent on choosing the recorded strategy).
+RECORDED_ON_RESUME = ("epochs", *(name for name in RESUMABLE
+                                  if SETTINGS[name].group != "reliability" and name != "plan"))
 
 
 def _resumed_strategy(old: str, args) -> str:
@@ -77,14 +83,12 @@ def resume_plan(args):
                         f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")
     was = dict(before, device=settings["device"])
     changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
-               for name in ("devices", "device", "epochs", "strategy", *STRATEGY_FLAGS)
-               if name in args.given and getattr(config, name) != was.get(name)]
+               for name in RECORDED_ON_RESUME if name in args.given and getattr(config, name) != was.get(name)]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
     kept = f"; changed: {', '.join(changed)}" if changed else " as the run had"
     line = f"resuming {run_dir} {at} on {_devices_phrase(config)}{kept}"
-    record = dict(before, **{name: getattr(config, name) for name in ("epochs", "devices", "device",
-                                                                      *STRATEGY_FLAGS)},
-                  strategy=resolve_strategy_name(config.strategy, config.devices),
+    record = dict(before, **{name: getattr(config, name) for name in RECORDED_ON_RESUME})
+    record.update(strategy=resolve_strategy_name(config.strategy, config.devices),
                   device_type=resolved_device_type(config.device))
     return (config, run_dir, record), line
 

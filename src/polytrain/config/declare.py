@@ -42,6 +42,8 @@ class Setting:
     choices: Tuple[str, ...] = ()          # a closed set of values: the flag's metavar and the check
     check: Optional[str] = None            # a value check by kind (see CHECKS)
     example: Any = None                    # the value an error suggests ("try --epochs 5")
+    must: Optional[str] = None             # the check's words in its error, where the kind's are not precise
+    hint: Optional[str] = None             # what the error adds after the value, instead of "; try ..."
     strategies: Tuple[str, ...] = ()       # the strategies that read it; () for every strategy
     resume: str = "keep"
     replans: bool = False                  # changing it on resume plans the pipeline's split anew
@@ -92,9 +94,10 @@ def check_value(name: str, meta: Setting, value) -> None:
     if meta.check is not None:
         test, words = CHECKS[meta.check]
         if not test(value):
-            hint = (f"; try {flag} {meta.example}" if meta.example is not None
-                    else "; see polytrain train --help for the default" if meta.check == "nonneg" else "")
-            raise ConfigError(f"{flag} must be {words}, got {value!r}{hint}")
+            hint = meta.hint or (f"; try {flag} {meta.example}" if meta.example is not None
+                                 else "; see polytrain train --help for the default" if meta.check == "nonneg"
+                                 else "")
+            raise ConfigError(f"{flag} {meta.must or 'must be ' + words}, got {value!r}{hint}")
 
 
 def declared(cls) -> dict:

@@ -67,9 +67,12 @@ def read_config_file(path) -> dict:
             raise UserError(f"--config {path}: unknown setting {key!r}; " +
                             (f"did you mean {close!r}?" if close else
                              "no setting is near it; see polytrain train --help for the settings"))
-        values[name] = value
+        parse = (SETTINGS.get(name) or INPUTS[name]).parse
+        values[name] = parse(value) if parse is not None and isinstance(value, str) else value
     if record:
         values.pop("out", None)           # that run's folder: the repetition gets a new one
+        if values.get("strategy") == "single":
+            values["strategy"] = "auto"   # what it resolved to on one device; --devices N may change it
     return values
 
 
@@ -82,6 +85,9 @@ def _flatten(raw: dict, path: Path):
                 if isinstance(inner_value, dict):
                     raise UserError(f"--config {path}: [{key}.{inner}] nests too deep; settings sit at the top "
                                     f"level or in one table per group")
+                meta = SETTINGS.get(inner.replace("-", "_")) or INPUTS.get(inner.replace("-", "_"))
+                if meta is not None and meta.group.replace("-", "_") != key.replace("-", "_"):
+                    raise UserError(f"--config {path}: {inner} belongs in [{meta.group}], not [{key}]")
                 yield inner, inner_value
         elif isinstance(value, dict):
             raise UserError(f"--config {path}: [{key}] is not a group of settings; the groups are "

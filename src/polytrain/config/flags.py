@@ -42,8 +42,7 @@ def _add_flag(group, name: str, meta: Setting) -> None:
     elif meta.flag == "toggle":
         kwargs.update(action=argparse.BooleanOptionalAction)
     else:
-        parse = meta.parse or _value_type(name)
-        kwargs.update(type=_argparse_type(parse),
+        kwargs.update(type=_argparse_type(meta.parse) if meta.parse else _value_type(name),
                       metavar=_fill(meta.metavar or "{" + ",".join(meta.choices) + "}"))
     group.add_argument(flag_name(name), **kwargs)
 
@@ -79,14 +78,29 @@ def given_settings(args) -> dict:
 
 
 def settings_of(args) -> dict:
-    """The file's settings under the flags given beside it; `args.given` becomes every name either set."""
-    values = given_settings(args)
-    if getattr(args, "config", None):
-        from_file = read_config_file(args.config)
-        values = dict(from_file, **values)
-        args.given = frozenset(args.given | {name for name, value in from_file.items()
-                                             if value != getattr(DEFAULTS, name, None)})
-    return values
+    """The file's settings under the flags given beside it; `args.given` becomes every name either set.
+
+    The global and the per-device batch are two ways to say one setting: a flag for either replaces the
+    file's, and one source giving both is a mistake."""
+    flags = given_settings(args)
+    _one_batch(flags, "give either --batch-size (global) or --per-device-batch-size, not both")
+    if not getattr(args, "config", None):
+        return flags
+    from_file = read_config_file(args.config)
+    _one_batch(from_file, f"--config {args.config} gives both batch_size and per_device_batch_size; keep one")
+    if {"batch_size", "per_device_batch_size"} & set(flags):
+        from_file.pop("batch_size", None)
+        from_file.pop("per_device_batch_size", None)
+    # JSON has no tuples: [1, 28, 28] is the default (1, 28, 28), so it was not given
+    args.given = frozenset(args.given | {name for name, value in from_file.items()
+                                         if (tuple(value) if isinstance(value, list) else value)
+                                         != getattr(DEFAULTS, name, None)})
+    return dict(from_file, **flags)
+
+
+def _one_batch(values: dict, message: str) -> None:
+    if "batch_size" in values and "per_device_batch_size" in values:
+        raise UserError(message)
 
 
 def flag_list(names) -> str:
@@ -102,8 +116,6 @@ def config_from_args(args) -> TrainConfig:
         values["devices"] = launcher.world_size
     per_device = values.pop("per_device_batch_size", None)
     if per_device is not None:
-        if "batch_size" in values and "batch_size" in given_settings(args):
-            raise UserError("give either --batch-size (global) or --per-device-batch-size, not both")
         check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
         devices = values.get("devices", DEFAULTS.devices)
         values["batch_size"] = per_device * replicas(devices, values.get("strategy", "auto"),
@@ -118,10 +130,12 @@ def config_from_args(args) -> TrainConfig:
     return config
 
 
-def unknown_flag(flag: str, known_flags, command: Optional[str]) -> str:
-    """The one line for a flag the command does not take: the nearest real one, only if it is near."""
-    bare = flag.split("=", 1)[0]
-    close = nearest(bare, known_flags)
+def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:
+    """The one line for an argument the command does not take: the nearest real flag, only if it is near."""
+    if not word.startswith("-"):
+        return f"unexpected argument {word!r}; see polytrain {command or ''} --help".replace("  ", " ")
+    bare = word.split("=", 1)[0]
+    close = nearest(bare, [flag for flag in known_flags if flag not in ("-h", "--help")])
     if close:
         return f"unrecognized argument {bare}; did you mean {close}?"
     return f"unrecognized argument {bare}: polytrain has no such setting; see polytrain {command or ''} --help".replace(

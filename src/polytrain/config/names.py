@@ -2,11 +2,15 @@
 
 `difflib`'s ratio suggested `--skip-bad` for `--clip-grad` and `momentum=` for `monitor=`: names that share a
 few letters are not near. A name is suggested when it is a typo away (an edit distance of one per four
-letters, at least one: `epoch`, `batchsize`, `--shw`) or when one name's words are a run of the other's
-and at least half its length (`loss_fn` and `loss`, `--batch` and `--batch-size`); otherwise nothing is.
+letters, at least one: `epoch`, `batchsize`, `--shw`), when the two begin alike for three quarters of the
+shorter and at least three letters, not just in a whole first word (`--optim`, `--strategy` for
+`--strategies`, but not `val` for `val_every`), or when one
+name's words are a run of the other's and at least half its length (`loss_fn` and `loss`, `lr_schedule` and
+`schedule`); otherwise nothing is. Case and `-`/`_` do not count.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable, Optional
 
 
@@ -29,19 +33,30 @@ def edit_distance(a: str, b: str) -> int:
 
 def _words_within(short: str, long: str) -> bool:
     words, within = short.split("_"), long.split("_")
-    return len(short) >= 3 and 2 * len(short) >= len(long) and any(within[i:i + len(words)] == words for i in range(len(within) - len(words) + 1))
+    return len(short) >= 3 and 2 * len(short) >= len(long) and any(
+        within[i:i + len(words)] == words for i in range(len(within) - len(words) + 1))
+
+
+def _begin_alike(short: str, long: str) -> bool:
+    common = len(os.path.commonprefix([short, long]))
+    ends_a_word = common < len(long) and long[common] == "_" and common == len(short)   # `val` of `val_every`
+    return common >= 3 and 4 * common >= 3 * len(short) and not ends_a_word
 
 
 def nearest(name: str, known: Iterable[str]) -> Optional[str]:
     """The known name nearest to `name` if one is near enough to be what was meant, else None."""
     word, best = _bare(name), None
+    if len(word) < 2:
+        return None
     for candidate in known:
         other = _bare(candidate)
-        if not other or other == word:
+        if other == word:
+            return candidate                 # the same name in another case or spelling of `-`/`_`
+        if not other:
             continue
         distance = edit_distance(word, other)
         short, long = sorted((word, other), key=len)
-        if distance <= max(1, len(other) // 4) or _words_within(short, long):
+        if distance <= max(1, len(other) // 4) or _begin_alike(short, long) or _words_within(short, long):
             if best is None or distance < best[0]:
                 best = (distance, candidate)
     return best[1] if best else None

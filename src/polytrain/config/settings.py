@@ -28,10 +28,12 @@ class DataSettings:
     data_dir: Optional[str] = setting(None, "folder holding the dataset files (IDX or CIFAR binary), or the image "
                                       "folder of --dataset folder", group="data", metavar="DIR")
     image_size: Optional[int] = setting(None, "--dataset folder: resize every image to S x S (default: keep, all "
-                                        "must share one size)", group="data", metavar="S", check="count", example=32)
+                                        "must share one size)", group="data", metavar="S", check="count", example=32,
+                                        must="must be a positive whole number of pixels")
     val_fraction: Optional[float] = setting(None, "--dataset folder with <class>/ folders only: hold out the last F "
                                             "of each class's sorted files for validation", group="data", metavar="F",
-                                            check="fraction", example=0.1)
+                                            check="fraction", example=0.1,
+                                            must="must lie strictly between 0 and 1")
     skip_bad: bool = setting(False, "--dataset folder: skip unreadable images and report how many (default: stop, "
                              "naming the file)", group="data", flag="switch")
     download: bool = setting(False, "fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)",
@@ -48,7 +50,7 @@ class DataSettings:
                                              group="data", metavar="N", check="count", resume="change")
     num_workers: Optional[int] = setting(None, "loader processes per rank for train=/val= Datasets (default: from "
                                          "the cores; 0: load in the training process)", group="data",
-                                         check="count0", flag="none")
+                                         check="count0", flag="none", hint=" (0: load in the training process)")
 
 
 @dataclass

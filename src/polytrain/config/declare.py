@@ -10,7 +10,7 @@ in `flags.py`; this module is pure (no argparse, no torch).
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Tuple
 
 from ..errors import ConfigError
@@ -79,7 +79,6 @@ CHECKS = {
     "count": (lambda v: _whole(v) and v > 0, "a positive whole number"),
     "count0": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
     "nonneg": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "positive": (lambda v: _finite(v) and v > 0, "a finite number greater than 0"),
     "fraction": (lambda v: _finite(v) and 0 < v < 1, "a number strictly between 0 and 1"),
 }
 
@@ -103,13 +102,6 @@ def check_value(name: str, meta: Setting, value) -> None:
 def declared(cls) -> dict:
     """name -> Setting for every declared field of a settings dataclass, in declaration order."""
     return {f.name: f.metadata["setting"] for f in fields(cls) if "setting" in f.metadata}
-
-
-def default_of(cls, name: str):
-    for f in fields(cls):
-        if f.name == name:
-            return f.default_factory() if f.default is MISSING else f.default
-    raise KeyError(name)
 
 
 def unset(value) -> bool:

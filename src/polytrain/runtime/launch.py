@@ -35,10 +35,11 @@ def check_devices(devices: int, device: str) -> None:
     if wants_cuda and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
                           f"use --devices {torch.cuda.device_count()} or fewer")
-    if not wants_cuda and devices > most_cpu_processes():
-        raise ConfigError(f"--devices {devices}: this machine has {usable_cores()} cores, and more than "
-                          f"{most_cpu_processes()} CPU processes would only take turns on them; use --devices "
-                          f"{most_cpu_processes()} or fewer (polytrain bench --predict {devices} projects larger counts)")
+    most = most_cpu_processes()
+    if not wants_cuda and devices > most:
+        raise ConfigError(f"--devices {devices}: this machine has {usable_cores()} cores, and more than {most} CPU "
+                          f"processes would only take turns on them; use --devices {most} or fewer (polytrain bench "
+                          f"--predict {devices} projects larger counts)")
 
 
 def check_main_guard(devices: int) -> None:

@@ -264,7 +264,7 @@ def step_seconds(model, *, batch_size: int, threads: int, iterations: int = 30) 
 
 def part_communication(base, args) -> dict:
     numel = sum(p.numel() for p in base.parameters())
-    print(f"\n== part 3: communication and compute of one step ==")
+    print("\n== part 3: communication and compute of one step ==")
     seconds = elastic_launch(launch_config(2, "allreduce"), allreduce_worker)(numel, 200, args.device)[0]
     print(f"one all-reduce of the LeNet gradient ({numel:,} float32, {numel * 4 / 2**20:.2f} MiB) between 2 "
           f"processes ({'nccl' if args.device == 'cuda' else 'gloo'}): median {1e3 * seconds:.2f} ms")
@@ -272,7 +272,7 @@ def part_communication(base, args) -> dict:
     if args.device != "cpu":
         return result
     cores = os.cpu_count() or 1
-    print(f"compute of one step in one process (median of 30), and what 2 processes would need at best:")
+    print("compute of one step in one process (median of 30), and what 2 processes would need at best:")
     print(f"{'global batch':>12} {f'1 process, {cores} threads':>22} {f'per process: B/2, {cores // 2} thread(s)':>28} "
           f"{'+ all-reduce':>13}")
     for batch_size in args.scaling_batch_sizes:

@@ -71,7 +71,7 @@ def test_help_lists_flags_and_defaults():
 @pytest.mark.parametrize("args, words", [
     (["--dataset", "imagenet"], "unknown --dataset 'imagenet'"),
     (["--model", "vgg"], "unknown --model 'vgg'"),
-    (["--optimizer", "adagrad"], "unknown --optimizer 'adagrad'"),
+    (["--optimizer", "lion"], "unknown --optimizer 'lion'"),
     (["--batch-size", "0"], "--batch-size must be a positive"),
     (["--epochs", "0"], "--epochs must be a positive"),
     (["--lr", "nan"], "--lr must be a finite number"),

@@ -10,9 +10,9 @@ from polytrain.errors import ConfigError
     (dict(epochs=0), "--epochs"), (dict(epochs=-3), "--epochs"),
     (dict(batch_size=0), "--batch-size"), (dict(batch_size=-1), "--batch-size"),
     (dict(lr=math.nan), "--lr"), (dict(lr=-0.1), "--lr"), (dict(lr=0), "--lr"), (dict(lr=math.inf), "--lr"),
-    (dict(optimizer="adagrad"), "--optimizer"), (dict(momentum=1.5), "--momentum"),
+    (dict(optimizer="lion"), "--optimizer"), (dict(momentum=1.5), "--momentum"),
     (dict(devices=0), "--devices"), (dict(batch_size=63, devices=2), "--batch-size"),
-    (dict(precision="fp16"), "--precision"), (dict(schedule="step"), "--schedule"),
+    (dict(precision="fp8"), "--precision"), (dict(schedule="step"), "--schedule"),
     (dict(device="tpu"), "--device"), (dict(weight_decay=-1), "--weight-decay"),
 ])
 def test_bad_settings_name_the_flag(settings, flag):

@@ -20,7 +20,7 @@ def test_cosine_and_constant():
 
 def test_scheduler_sets_the_optimizer_learning_rate_per_step():
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = make_optimizer([p], name="sgd", lr=0.2, momentum=0.9)
+    opt = make_optimizer([("p", p)], name="sgd", lr=0.2, momentum=0.9)
     sched = make_scheduler(opt, kind="onecycle", total_steps=4, warmup_steps=2)
     seen = []
     for _ in range(4):
@@ -33,5 +33,266 @@ def test_scheduler_sets_the_optimizer_learning_rate_per_step():
 @pytest.mark.parametrize("name, cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
                                        ("rmsprop", torch.optim.RMSprop)])
 def test_optimizers_come_from_torch_optim(name, cls):
-    opt = make_optimizer([torch.nn.Parameter(torch.zeros(2))], name=name, lr=0.01, weight_decay=1e-4)
+    opt = make_optimizer([("w", torch.nn.Parameter(torch.zeros(2)))], name=name, lr=0.01, weight_decay=1e-4)
     assert isinstance(opt, cls) and opt.defaults["weight_decay"] == 1e-4
+
+
+# -- any torch.optim class by name, its keyword arguments ---------------------------------------------------
+
+from functools import partial  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
+from polytrain.config import TrainConfig  # noqa: E402
+from polytrain.errors import ConfigError, UserError  # noqa: E402
+from polytrain.optim import (Recipe, make_recipe, parse_args, plan_groups,  # noqa: E402
+                             step_per_epoch, take_objects)
+from polytrain.strategies.optimizer_state import (load_part, numbered_part, positions, state_slots,  # noqa: E402
+                                                  whole_state)
+
+
+class Small(nn.Module):
+    """Weights of 2 and 4 dimensions, biases and a norm's weight and bias (one dimension)."""
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.conv(x).flatten(1)[:, :8]))
+
+
+def small(seed=0) -> Small:
+    torch.manual_seed(seed)
+    return Small()
+
+
+def train_steps(model, optimizer, steps=3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(4, 1, 4, 4, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("name, cls", [("AdamW", torch.optim.AdamW), ("ADADELTA", torch.optim.Adadelta),
+                                       ("nadam", torch.optim.NAdam), ("r-adam", torch.optim.RAdam),
+                                       ("adagrad", torch.optim.Adagrad), ("RMSprop", torch.optim.RMSprop)])
+def test_any_torch_optimizer_by_name_in_any_case(name, cls):
+    config = TrainConfig(optimizer=name, lr=0.01, weight_decay=0.001)
+    opt = make_optimizer([("w", nn.Parameter(torch.zeros(2)))], name=config.optimizer, lr=0.01, weight_decay=0.001,
+                         momentum=config.momentum)
+    assert type(opt) is cls and opt.defaults["lr"] == 0.01 and opt.defaults["weight_decay"] == 0.001
+    assert opt.defaults.get("foreach") is True          # the multi-tensor kernels on the CPU
+    assert ("momentum" in opt.defaults) == (cls is torch.optim.RMSprop)   # passed only where the class takes it
+
+
+def test_an_unknown_or_unsuitable_optimizer_is_one_line_with_the_nearest_name():
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(optimizer="adamx")
+    message = str(error.value)
+    assert message.startswith("unknown --optimizer 'adamx' (did you mean adam?); choose one of ")
+    assert "adamw" in message and "nadam" in message and "\n" not in message
+    with pytest.raises(ConfigError, match="LBFGS calls the model again inside step"):
+        TrainConfig(optimizer="lbfgs")
+
+
+def test_keyword_arguments_parse_as_bool_int_float_str_and_tuples():
+    assert parse_args("nesterov=true,dampening=0, eps=1e-6,name=abc,betas=0.9,0.95,x=none", "--a") == dict(
+        nesterov=True, dampening=0, eps=1e-6, name="abc", betas=(0.9, 0.95), x=None)
+    assert parse_args({"a": 1}, "--a") == {"a": 1} and parse_args(None, "--a") == {}
+    with pytest.raises(ConfigError, match="'oops' is not key=value"):
+        parse_args("oops", "--optimizer-args")
+
+
+def test_betas_eps_and_more_arguments_reach_the_optimizer_or_are_refused_in_one_line():
+    config = TrainConfig(optimizer="adamw", betas=(0.8, 0.95), eps=1e-6, optimizer_args="amsgrad=true")
+    opt = make_recipe(config).optimizer_factory()([("w", nn.Parameter(torch.zeros(2)))])
+    assert opt.defaults["betas"] == (0.8, 0.95) and opt.defaults["eps"] == 1e-6 and opt.defaults["amsgrad"] is True
+    sgd = make_recipe(TrainConfig(optimizer="sgd", optimizer_args="nesterov=true")).optimizer_factory()(
+        [("w", nn.Parameter(torch.zeros(2)))])
+    assert sgd.defaults["nesterov"] is True and sgd.defaults["momentum"] == 0.9
+    with pytest.raises(ConfigError, match="^--betas does not apply to SGD, which takes no betas; drop --betas$"):
+        TrainConfig(optimizer="sgd", betas=(0.9, 0.99))
+    with pytest.raises(ConfigError) as error:
+        TrainConfig(optimizer="sgd", optimizer_args="nesterof=true")
+    assert str(error.value).startswith("--optimizer-args: SGD takes no keyword 'nesterof'; its keywords: lr, ")
+
+
+# -- parameter groups against hand-built torch optimizers -----------------------------------------------------
+
+def test_no_decay_groups_update_like_a_hand_built_adamw():
+    ours, theirs = small(), small()
+    groups = plan_groups(ours.named_parameters(), no_decay=True)
+    assert groups[0] == [{}, {"weight_decay": 0.0}]
+    assert [name for name, g in groups[1].items() if g == 1] == ["conv.bias", "norm.weight", "norm.bias", "fc.bias"]
+    mine = make_optimizer(list(ours.named_parameters()), name="adamw", lr=0.01, weight_decay=0.1, groups=groups)
+    decay = [p for p in theirs.parameters() if p.dim() > 1]
+    rest = [p for p in theirs.parameters() if p.dim() <= 1]
+    reference = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=0.01,
+                                  weight_decay=0.1)
+    train_steps(ours, mine)
+    train_steps(theirs, reference)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_param_groups_function_shares_groups_of_equal_options():
+    ours, theirs = small(), small()
+
+    def options(name, parameter):
+        return {"lr": 0.001} if name.startswith("norm") else {"weight_decay": 0.0} if name.endswith("bias") else None
+    groups = plan_groups(ours.named_parameters(), options_of=options)
+    assert groups[0] == [{}, {"weight_decay": 0.0}, {"lr": 0.001}]
+    mine = make_optimizer(list(ours.named_parameters()), name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01,
+                          groups=groups)
+    named = dict(theirs.named_parameters())
+    reference = torch.optim.SGD([{"params": [named["conv.weight"], named["fc.weight"]]},
+                                 {"params": [named["conv.bias"], named["fc.bias"]], "weight_decay": 0.0},
+                                 {"params": [named["norm.weight"], named["norm.bias"]], "lr": 0.001}],
+                                lr=0.1, momentum=0.9, weight_decay=0.01)
+    train_steps(ours, mine)
+    train_steps(theirs, reference)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_group_a_rank_does_not_hold_gets_a_placeholder_so_every_rank_has_the_same_groups():
+    model = small()
+    groups = plan_groups(model.named_parameters(), no_decay=True)
+    weights_only = [(n, p) for n, p in model.named_parameters() if p.dim() > 1]
+    opt = make_optimizer(weights_only, name="adamw", lr=0.01, groups=groups)
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert [p.numel() for p in opt.param_groups[1]["params"]] == [0]
+    nothing = make_optimizer([("", nn.Parameter(torch.zeros(0)))], name="adamw", lr=0.01, groups=groups)
+    assert [[p.numel() for p in g["params"]] for g in nothing.param_groups] == [[0], [0]]
+
+
+# -- the whole-model numbering of the optimizer state --------------------------------------------------------
+
+def test_state_is_numbered_by_model_position_and_moves_between_splits_of_the_model():
+    """One device with two groups -> two 'ranks' (halves of the model, placeholders where a group is missing)
+    -> back: the numbering round-trips, and every layout continues with the same updates."""
+    one, split, reference = small(), small(), small()
+    groups = plan_groups(one.named_parameters(), no_decay=True)
+    build = partial(make_optimizer, name="adamw", lr=0.01, weight_decay=0.1, groups=groups)
+    whole_opt, ref_opt = build(list(one.named_parameters())), build(list(reference.named_parameters()))
+    train_steps(one, whole_opt, steps=2)
+    train_steps(reference, ref_opt, steps=2)
+    saved = whole_state(whole_opt, [numbered_part(whole_opt, positions(one.parameters()))])
+    assert sorted(saved["state"]) == list(range(6))
+    assert [g["params"] for g in saved["param_groups"]] == [[0, 4], [1, 2, 3, 5]]     # model order, by group
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]
+    split.load_state_dict(one.state_dict())
+    named = list(split.named_parameters())
+    halves = [[0, 1, 2], [3, 4, 5]]                          # rank 1 holds norm.bias, fc.weight, fc.bias
+    ranks = [build([named[i] for i in half]) for half in halves]
+    for opt, half in zip(ranks, halves):
+        load_part(opt, saved, positions([named[i][1] for i in half], half))
+    parts = [numbered_part(opt, positions([named[i][1] for i in half], half)) for opt, half in zip(ranks, halves)]
+    merged = whole_state(ranks[0], parts)
+    assert [g["params"] for g in merged["param_groups"]] == [[0, 4], [1, 2, 3, 5]]
+    for key, state in saved["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(merged["state"][key][name], value, atol=0, rtol=0)
+
+    class Both(torch.optim.Optimizer):                       # the two ranks stepping as one
+        def __init__(self):
+            self.param_groups = []
+
+        def zero_grad(self):
+            for opt in ranks:
+                opt.zero_grad()
+
+        def step(self):
+            for opt in ranks:
+                opt.step()
+    train_steps(split, Both(), steps=2, seed=5)
+    train_steps(reference, ref_opt, steps=2, seed=5)
+    for a, b in zip(split.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_one_group_is_numbered_as_torch_numbers_it_so_earlier_checkpoints_load():
+    model = small()
+    opt = make_optimizer(list(model.named_parameters()), name="adam", lr=0.01)
+    train_steps(model, opt, steps=1)
+    ours = whole_state(opt, [numbered_part(opt, positions(model.parameters()))])
+    torchs = opt.state_dict()
+    assert [g["params"] for g in torchs["param_groups"]] == [g["params"] for g in ours["param_groups"]] == [
+        list(range(6))]
+    fresh = small()
+    again = make_optimizer(list(fresh.named_parameters()), name="adam", lr=0.01)
+    load_part(again, torchs, positions(fresh.parameters()))       # a checkpoint written before groups
+    assert again.state_dict()["state"].keys() == torchs["state"].keys()
+    with pytest.raises(ValueError, match="1 parameter group"):
+        grouped = make_optimizer(list(fresh.named_parameters()), name="adam", lr=0.01,
+                                 groups=plan_groups(fresh.named_parameters(), no_decay=True))
+        load_part(grouped, torchs, positions(fresh.parameters()))
+
+
+@pytest.mark.parametrize("cls, kwargs, slots", [(torch.optim.SGD, dict(lr=0.1), 0),
+                                                (torch.optim.SGD, dict(lr=0.1, momentum=0.9), 1),
+                                                (torch.optim.AdamW, dict(lr=0.1), 2),
+                                                (torch.optim.RMSprop, dict(lr=0.1, momentum=0.9), 2)])
+def test_optimizer_state_slots_are_counted_on_a_probe(cls, kwargs, slots):
+    assert state_slots(cls, kwargs) == slots
+
+
+# -- schedules: polytrain's, any lr_scheduler, factories, per step or per epoch ------------------------------
+
+def test_a_torch_scheduler_by_name_with_arguments_steps_per_epoch_by_default():
+    recipe = make_recipe(TrainConfig(schedule="StepLR", schedule_args="step_size=1,gamma=0.5", lr=0.2))
+    assert recipe.interval == "epoch" and not recipe.per_step
+    opt = recipe.optimizer_factory()([("w", nn.Parameter(torch.zeros(2)))])
+    scheduler = recipe.scheduler_factory(10)(opt)
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    for _ in range(2):
+        opt.step()                                 # an epoch of steps (no gradients: no change)
+        step_per_epoch(scheduler, {"val_loss": 1.0})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert make_recipe(TrainConfig(schedule="cosine")).interval == "step"
+    with pytest.raises(ConfigError, match="^StepLR needs step_size: pass --schedule-args 'step_size=...'$"):
+        TrainConfig(schedule="steplr")
+
+
+def test_reduce_on_plateau_steps_on_the_epochs_validation_loss_and_never_per_step():
+    recipe = make_recipe(TrainConfig(schedule="reducelronplateau", schedule_args="patience=0,factor=0.5", lr=0.2))
+    opt = recipe.optimizer_factory()([("w", nn.Parameter(torch.zeros(2)))])
+    scheduler = recipe.scheduler_factory(10)(opt)
+    for loss in (1.0, 0.5, 0.7):                 # the third epoch is worse: halve
+        step_per_epoch(scheduler, {"val_loss": loss})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="^ReduceLROnPlateau steps once per epoch"):
+        TrainConfig(schedule="reducelronplateau", schedule_interval="step")
+
+
+def lightning_style(optimizer):
+    return {"scheduler": torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9), "interval": "step"}
+
+
+def test_python_objects_are_labelled_checked_and_a_factory_says_its_interval():
+    settings = {}
+    optimizer, scheduler = take_objects(settings, torch.optim.AdamW, lightning_style)
+    assert settings == {"optimizer": "AdamW (from Python)", "schedule": "lightning_style (from Python)"}
+    config = TrainConfig(**settings)
+    recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler).checked(small())
+    assert recipe.interval == "step" and recipe.optimizer is torch.optim.AdamW
+    assert isinstance(recipe.scheduler_factory(5)(recipe.optimizer_factory()([("w", nn.Parameter(torch.zeros(2)))])),
+                      torch.optim.lr_scheduler.ExponentialLR)
+    with pytest.raises(UserError, match="pass optimizer= to fit\\(\\) again"):
+        make_recipe(config)                        # a replayed config.json without the object
+    with pytest.raises(ConfigError, match="functools.partial\\(torch.optim.lr_scheduler.StepLR, step_size=...\\)"):
+        make_recipe(TrainConfig(), scheduler=torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(ConfigError, match="^--staleness: "):
+        TrainConfig(strategy="parameter-server", staleness=1, schedule="exponentiallr", schedule_args="gamma=0.5")
+    with pytest.raises(ConfigError, match="^--staleness: "):         # a factory's interval, learnt: epoch
+        make_recipe(TrainConfig(strategy="parameter-server", staleness=1),
+                    scheduler=partial(torch.optim.lr_scheduler.ExponentialLR, gamma=0.5)).checked(small(), staleness=1)
+    with pytest.raises(UserError, match="^param_groups=: AdamW has no group option 'weight_decy'"):
+        make_recipe(TrainConfig(), optimizer=torch.optim.AdamW,
+                    param_groups=lambda n, p: {"weight_decy": 0}).checked(small())
+    factory = Recipe(optimizer=lambda params: torch.optim.SGD(params, lr=0.3), schedule="constant", interval="step")
+    assert factory.checked(small()).optimizer_factory()([("w", nn.Parameter(torch.zeros(1)))]).defaults["lr"] == 0.3

@@ -58,7 +58,8 @@ def test_an_unknown_keyword_names_the_nearest_one(keyword, words):
 @pytest.mark.parametrize("settings, words", [
     (dict(lr=-1), "lr= must be a finite number >= 0, got -1"),
     (dict(batch_size=63, devices=2), "batch_size=63 (the global batch) does not divide evenly across devices=2"),
-    (dict(optimizer="adagrad"), "unknown optimizer='adagrad'"),
+    (dict(optimizer="lion"), "unknown optimizer='lion'"),
+    (dict(schedule="steplr"), "StepLR needs step_size: pass schedule_args='step_size=...'"),
 ])
 def test_errors_from_python_speak_of_keywords_not_flags(settings, words):
     with pytest.raises(UserError) as refused:

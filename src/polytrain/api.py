@@ -15,9 +15,11 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from .callbacks import check_callbacks, check_monitor
 from .checkpoint import atomic_write_bytes, load_weights
 from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig, replicas
-from .config.names import nearest
+from .config.train import apply_micro_batch_size
+from .config.names import foreign, nearest
 from .config.settings import INPUTS
 from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
@@ -26,17 +28,20 @@ from .runtime.hostenv import launcher_env
 from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output
+from .optim import defaults_line, make_recipe, take_objects
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset, make_objective,
                       oversized_batch_note, split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
+from .strategies.gradients import check_fp16
 from .trainer import History, Trainer
 from .runtime.worker import Job, choose_device, resolved_device_type
 
 
 def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None, train=None,
               val=None, loss=None, metrics=None, loggers=(), resume_dir: Optional[str] = None,
-              keep_files: bool = True, verbose: bool = True):
+              keep_files: bool = True, verbose: bool = True, callbacks=(), optimizer=None, scheduler=None,
+              param_groups=None):
     """Validate everything, prepare the run folder, then train on `config.devices` devices.
 
     Returns (history, model with the trained weights, run folder or None).
@@ -56,6 +61,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     data, train, val = split_data(data, train, val)
     registry_data = train is None and (data is None or isinstance(data, str))
     objective = make_objective(config, loss, metrics)
+    check_monitor(config.monitor, objective.names)
     if config.num_workers is not None and train is None:
         raise UserError("--num-workers applies to train= and val= Datasets; in-memory data is read on the device")
     if config.augment and train is not None:
@@ -78,11 +84,16 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
     check_objective(module, objective, dataset)
+    recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler,
+                         param_groups=param_groups).checked(module, staleness=config.staleness or 0)
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
-                        logger=tuple(loggers) or None)
+                        logger=tuple(loggers) or None, callbacks=tuple(callbacks) or None,
+                        optimizer=recipe.optimizer, scheduler=recipe.schedule)
     device = choose_device(config.device, launcher.local_rank if launcher else 0)
+    if config.precision == "fp16":
+        check_fp16(device.type)
     channels_last = config.channels_last
     if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
         channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
@@ -119,7 +130,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
             atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())
     job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
               resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
-              objective=objective, loggers=tuple(loggers))
+              objective=objective, loggers=tuple(loggers), callbacks=tuple(callbacks), optim=recipe)
     try:
         result = run_job(job)
     except BaseException:
@@ -128,6 +139,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         raise
     if result is not None:
         module.load_state_dict(result.weights)
+        if verbose and result.history.stopped:      # early stopping, or a callback
+            print(result.history.stopped + (f"; run folder {run_dir}" if run_dir else ""), flush=True)
         return result.history, module, run_dir
     return None, module, run_dir
 
@@ -168,7 +181,8 @@ def plan_record(plan) -> Optional[dict]:
 
 
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
-        train=None, val=None, loss=None, metrics=None, logger=None,
+        train=None, val=None, loss=None, metrics=None, logger=None, callbacks=None,
+        optimizer=None, scheduler=None, param_groups=None,
         epochs: int = 5, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
         resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
@@ -180,24 +194,44 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     objective; without it the objective is classification (cross-entropy, with accuracy).
     `metrics={"name": fn(outputs, targets)}` returns per-sample values or the batch mean.
     `logger="tensorboard"`, `"csv"` (or a list, or objects with `log_metrics(metrics, step)`) add loggers.
-    Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...). The module is
+    Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...). `optimizer=` also
+    takes a torch.optim class or fn(params_or_groups) -> Optimizer, `scheduler=` an lr_scheduler class or
+    fn(optimizer) -> scheduler (or {"scheduler": s, "interval": "step"|"epoch"}), `param_groups=fn(name,
+    parameter) -> dict` of group options (equal dicts share a group). The module is
     trained in place. With `devices > 1` the module, data and loss are pickled to the worker processes:
     define them in an importable module (not a notebook cell, not a lambda) so the workers can unpickle them.
+    `callbacks=[obj, ...]`: objects with any of `on_fit_start`, `on_epoch_start`, `on_step_end`,
+    `on_validation_end`, `on_epoch_end`, `on_fit_end`, each called as `hook(trainer)` on the main rank;
+    `trainer.epoch` (from 1), `trainer.step` (optimizer steps done), `trainer.metrics` (the latest validation's
+    figures, and after a step `step_loss`), `trainer.model`, `trainer.history`; setting `trainer.should_stop =
+    True` ends training on every rank at the same step with a checkpoint (on several devices, the step the
+    ranks agree on, within about 0.2 s plus a step, as for Ctrl-C; at once at a validation or an epoch end).
+    With `devices > 1` the callbacks run on a pickled copy in the rank-0 worker process: what they change on
+    themselves is not seen by the caller (write what you need to a file).
     Files (config, metrics, checkpoints, curves) are written only when `out` is given. `resume=RUN_DIR`
     continues such a run from its checkpoint (give the same model, data and settings); a run that has
     finished returns its history and weights without training.
     """
     try:
         check_keywords(settings)
+        optimizer, scheduler = take_objects(settings, optimizer, scheduler)     # objects out, names in
         per_device = settings.pop("per_device_batch_size", None)
         if per_device is not None:
             if "batch_size" in settings:
                 raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
             settings["batch_size"] = per_device * replicas(devices, strategy, settings.get("pipeline_stages"))
+        micro = settings.pop("micro_batch_size", None)
+        if micro is not None:
+            values = dict(settings, devices=devices, strategy=strategy)
+            apply_micro_batch_size(values, micro)
+            settings.update({key: values[key] for key in ("accumulate", "microbatches") if key in values})
         names, loggers = split_logger_argument(logger)
         if names:
             settings["logger"] = names
         config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
+        if verbose and isinstance(model, nn.Module) and not {"optimizer", "lr", "weight_decay", "schedule"} & \
+                set(settings) and (launcher_env() is None or launcher_env().rank == 0):
+            print(defaults_line(config), flush=True)      # a ported recipe is never changed silently
         named = data if isinstance(data, str) else config.dataset if data is None and train is None else None
         unused = unused_dataset_options(named, settings)
         if unused:
@@ -206,8 +240,9 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
                             f"{'dataset ' + repr(named) if named else 'data given as objects'}; "
                             f"drop {'it' if len(unused) == 1 else 'them'}")
         history, _, _ = train_run(config, model=model, data=data, train=train, val=val, loss=loss, metrics=metrics,
-                                  loggers=loggers, resume_dir=resume,
-                                  keep_files=out is not None, verbose=verbose)
+                                  loggers=loggers, resume_dir=resume, callbacks=check_callbacks(callbacks),
+                                  keep_files=out is not None, verbose=verbose, optimizer=optimizer,
+                                  scheduler=scheduler, param_groups=param_groups)
     except UserError as error:
         raise type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error \
             from None
@@ -215,14 +250,17 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
 
 
 # fit()'s own parameters; every other keyword is a declared setting (config/settings.py).
-FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "epochs", "devices", "strategy", "out",
-                "resume", "verbose")
+FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "callbacks", "epochs", "devices",
+                "strategy", "out", "resume", "verbose", "optimizer", "scheduler", "param_groups")
 
 
 def check_keywords(settings: dict) -> None:
     """Refuse a keyword `fit` does not take, naming the nearest one it does."""
     known = sorted(set(SETTINGS) - {"dataset", "model"} | set(INPUTS) | set(FIT_KEYWORDS))
     for name in settings:
+        said = foreign(name, lambda setting: f"{setting}=") if name not in known else None
+        if said:
+            raise ConfigError(f"fit() has no keyword {name}=; {said}")
         if name not in known:
             close = nearest(name, known)
             raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {close}=?" if close else
@@ -241,12 +279,29 @@ def keyword_words(message: str) -> str:
     return re.sub(r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b))?", keyword, message)
 
 
-def load_run(run_dir) -> tuple:
-    """(config, dataset, model with the run's trained weights) of a finished run folder."""
+# The weights a run folder keeps: --weights NAME reads the file.
+WEIGHTS = {"final": "model.pt", "best": "best.pt"}
+
+
+def weights_file(run_dir, weights: str = "final") -> Path:
+    """The file of the run's `weights`: final (model.pt, the last weights) or best (best.pt)."""
+    if weights not in WEIGHTS:
+        raise UserError(f"unknown weights {weights!r}; choose final (model.pt) or best (best.pt)")
+    path = Path(run_dir) / WEIGHTS[weights]
+    if weights == "best" and not path.is_file() and (Path(run_dir) / "model.pt").is_file():
+        raise UserError(f"{run_dir} has no best.pt (a run writes it at its first validation; runs of earlier "
+                        f"versions have none); use --weights final")
+    return path
+
+
+def load_run(run_dir, *, weights: str = "final") -> tuple:
+    """(config, dataset, model with the run's trained weights) of a finished run folder; `weights="best"`
+    loads best.pt, the weights of the best validation of the run's --monitor."""
     settings = read_config(run_dir)
+    path = weights_file(run_dir, weights)
     if settings.get("custom_model"):
         raise UserError(f"{run_dir} was trained on a custom model ({settings.get('model')}); evaluate it from "
-                        f"Python: polytrain.evaluate(model, data) after loading {run_dir}/model.pt into it")
+                        f"Python: polytrain.evaluate(model, data) after loading {path} into it")
     if settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
                         f"polytrain.evaluate(model, data)")
@@ -254,19 +309,20 @@ def load_run(run_dir) -> tuple:
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     dataset = load_dataset(config.dataset, **dict(dataset_settings(config), download=False))
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
-    load_weights(Path(run_dir) / "model.pt", model)
+    load_weights(path, model)
     return config, dataset, model
 
 
 def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: int = 1024,
-             device: str = "auto", num_workers: int = 0) -> dict:
-    """Validation loss and metrics (accuracy for classification) of a run folder's model, or of a module on
-    `data`: a dataset name, an ArrayDataset, 4 tensors, or a `torch.utils.data.Dataset` to evaluate on."""
+             device: str = "auto", num_workers: int = 0, weights: str = "final") -> dict:
+    """Validation loss and metrics (accuracy for classification) of a run folder's model (`weights="best"`:
+    its best.pt), or of a module on `data`: a dataset name, an ArrayDataset, 4 tensors, or a
+    `torch.utils.data.Dataset` to evaluate on."""
     objective = make_objective(TrainConfig(), loss, metrics)
     if isinstance(run_or_model, nn.Module):
         model, dataset = run_or_model, None
     else:
-        _, dataset, model = load_run(run_or_model)
+        _, dataset, model = load_run(run_or_model, weights=weights)
     if is_torch_dataset(data):
         config = TrainConfig(num_workers=num_workers)
         dataset = dataset_pair(data, data, model=model, objective=objective, config=config, names=("data", "data"))
@@ -293,11 +349,11 @@ def spread_indices(total: int, count: Optional[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def predict(run_dir, *, count: Optional[int] = None, device: str = "auto") -> dict:
+def predict(run_dir, *, count: Optional[int] = None, device: str = "auto", weights: str = "final") -> dict:
     """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
-    over the validation set (all of them when `count` is None)."""
+    over the validation set (all of them when `count` is None); `weights="best"` uses its best.pt."""
     check_devices(1, device)
-    _, dataset, model = load_run(run_dir)
+    _, dataset, model = load_run(run_dir, weights=weights)
     dev = choose_device(device, 0)
     model = model.to(dev).eval()
     _, val = make_loaders(dataset, batch_size=1024, device=dev)

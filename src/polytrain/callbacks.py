@@ -1,23 +1,145 @@
 """What happens around the training loop on the main rank: progress, summaries, metrics file, plots."""
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-
+from typing import Optional
 
 from .checkpoint import atomic_write_bytes
+from .errors import ConfigError, UserError
 from .report import save_figure
 
 
 class Callback:
+    """polytrain's own callbacks (user callbacks are plain objects, see `UserCallbacks`)."""
     def on_fit_start(self, trainer): ...
     def on_epoch_start(self, trainer, epoch): ...
     def on_step_start(self, trainer, step): ...
     def on_step_end(self, trainer, step): ...
     def on_eval_step(self, trainer, step): ...
+    def on_validation_end(self, trainer, record): ...
     def on_epoch_end(self, trainer, record): ...
     def on_fit_end(self, trainer): ...
+
+
+# The hooks a user's callback object may have (Keras' and Lightning's names); each is called as hook(trainer).
+HOOKS = ("on_fit_start", "on_epoch_start", "on_step_end", "on_validation_end", "on_epoch_end", "on_fit_end")
+
+
+def check_callbacks(callbacks) -> tuple:
+    """`fit(callbacks=...)`: one object or a list of them, each with at least one hook taking (trainer)."""
+    items = () if callbacks is None else tuple(callbacks) if isinstance(callbacks, (list, tuple)) else (callbacks,)
+    for item in items:
+        name = getattr(item, "__name__", type(item).__name__)
+        if isinstance(item, type):
+            raise UserError(f"callbacks= takes objects; got the class {name}: pass {name}()")
+        hooks = [hook for hook in HOOKS if callable(getattr(item, hook, None))]
+        if not hooks:
+            raise UserError(f"callbacks=: {name} has none of the methods {', '.join(HOOKS)}; name its methods so")
+        for hook in hooks:
+            try:
+                inspect.signature(getattr(item, hook)).bind(None)
+            except TypeError:
+                raise UserError(f"callbacks=: {name}.{hook} must take one argument, the trainer (read "
+                                f"trainer.epoch, trainer.step, trainer.metrics, trainer.model)") from None
+            except ValueError:         # no signature to read (a builtin): let the call say
+                pass
+    return items
+
+
+class UserCallbacks(Callback):
+    """The user's callback objects, on the main rank: each hook it has is called as hook(trainer)."""
+
+    def __init__(self, objects):
+        self.objects = tuple(objects)
+
+    def _call(self, hook: str, trainer) -> None:
+        for item in self.objects:
+            method = getattr(item, hook, None)
+            if method is not None:
+                method(trainer)
+
+    def on_fit_start(self, trainer): self._call("on_fit_start", trainer)
+    def on_epoch_start(self, trainer, epoch): self._call("on_epoch_start", trainer)
+    def on_step_end(self, trainer, step): self._call("on_step_end", trainer)
+    def on_validation_end(self, trainer, record): self._call("on_validation_end", trainer)
+    def on_epoch_end(self, trainer, record): self._call("on_epoch_end", trainer)
+    def on_fit_end(self, trainer): self._call("on_fit_end", trainer)
+
+
+def monitor_names(metric_names) -> list:
+    """The figures `--monitor` may name: those of every validation record."""
+    return ["val_loss", *(f"val_{name}" for name in metric_names)]
+
+
+def check_monitor(metric: str, metric_names) -> None:
+    available = monitor_names(metric_names)
+    if metric not in available:
+        raise ConfigError(f"--monitor {metric!r} is not a validation figure of this run; choose one of "
+                          f"{', '.join(available)}")
+
+
+@dataclass
+class Monitor:
+    """The best value of the monitored validation figure so far, where it was, and the patience spent.
+
+    Every rank keeps one and updates it with the same reduced figures, so every rank takes the same
+    decisions (best.pt, early stopping) without talking to the others."""
+    metric: str = "val_loss"
+    mode: Optional[str] = None       # min or max; None: min for names containing "loss", max otherwise
+    patience: int = 0                # stop after this many validations in a row without improvement (0: never)
+    best: Optional[float] = None
+    epoch: int = 0                   # the epoch (from 1) of the best validation
+    within: int = 0                  # its step within that epoch (0: at the epoch's end)
+    step: int = 0                    # optimizer steps done in all at the best validation
+    bad: int = 0                     # validations since the best, none better
+    stopped: bool = False            # training stopped early here (kept, so a resume says so)
+
+    def __post_init__(self):
+        self.mode = self.mode or ("min" if "loss" in self.metric else "max")
+
+    def update(self, value: float, *, epoch: int, within: int, step: int) -> bool:
+        """Count one validation's value; True when it is the best so far (NaN never is)."""
+        better = math.isfinite(value) and (self.best is None or
+                                           (value < self.best if self.mode == "min" else value > self.best))
+        if better:
+            self.best, self.epoch, self.within, self.step, self.bad = float(value), epoch, within, step, 0
+        else:
+            self.bad += 1
+        return better
+
+    @property
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.bad >= self.patience
+
+    def where(self) -> str:
+        return f"epoch {self.epoch}" + (f", step {self.within}" if self.within else "")
+
+    def early_stop_line(self) -> str:
+        return (f"early stop: {self.metric} has not improved for {self.bad} validation{'s' * (self.bad != 1)} "
+                f"(best {self.best:.4g} at {self.where()})")
+
+    def summary(self) -> dict:
+        """What the history says of the best: the metric, whether lower or higher is better, value and place."""
+        if self.best is None:
+            return {}
+        return dict(metric=self.metric, mode=self.mode, value=self.best, epoch=self.epoch,
+                    step=self.within or None, global_step=self.step)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps, so that a resume goes on with the same best and patience."""
+        return dict(best=self.best, epoch=self.epoch, within=self.within, step=self.step, bad=self.bad,
+                    stopped=self.stopped)
+
+    def restore(self, state) -> None:
+        if isinstance(state, dict):
+            for key, value in state.items():
+                if key in self.state():
+                    setattr(self, key, value)
 
 
 def metric_names(record: dict) -> list:
@@ -62,6 +184,17 @@ class ProgressBar(Callback):
             self.bar.set_postfix({name: f"{value / max(count, 1):.4f}" for name, value in values.items()})
             self.bar.update(step + 1 - self.bar.n)
 
+    def on_validation_end(self, trainer, record):
+        if "step" not in record:              # the epoch's own: its summary line follows
+            return
+        figures = "".join(f" {name} {record[f'val_{name}']:.4f}" for name in metric_names(record))
+        line = (f"epoch {record['epoch']}/{trainer.epochs} step {record['step']}/{trainer.steps_per_epoch}  "
+                f"val loss {record['val_loss']:.4f}{figures}")
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
     def on_epoch_end(self, trainer, record):
         if self.bar is not None:
             self.bar.close()
@@ -71,14 +204,36 @@ class ProgressBar(Callback):
 
 class MetricsLog(Callback):
     """`metrics.jsonl`: one JSON object per epoch, rewritten whole (atomically) from the history, so a
-    resumed run never repeats or loses a line."""
+    resumed run never repeats or loses a line. With --val-every, the validations within epochs come in order
+    between them, told apart by their `step` (within the epoch) and `global_step`; the record of the best
+    validation of --monitor carries `"best": true`."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
+    def on_validation_end(self, trainer, record):
+        self.write(trainer)
+
     def on_epoch_end(self, trainer, record):
-        lines = "".join(json.dumps(r) + "\n" for r in trainer.history.epochs)
+        self.write(trainer)
+
+    def write(self, trainer) -> None:
+        lines = "".join(json.dumps(r) + "\n" for r in metrics_lines(trainer.history))
         atomic_write_bytes(self.path, lines.encode())
+
+
+def metrics_lines(history) -> list:
+    """The records of `metrics.jsonl`: epoch records and validations within epochs in the order they ran."""
+    within = {(r["epoch"], r["step"]): r for r in history.validations}
+    best = history.best or {}
+    place = (best.get("epoch"), best.get("step") or None)
+    ordered = []
+    for record in history.epochs:
+        ordered += [r for key, r in sorted(within.items()) if key[0] == record["epoch"]]
+        ordered.append(record)
+    done = history.epochs[-1]["epoch"] if history.epochs else 0
+    ordered += [r for key, r in sorted(within.items()) if key[0] > done]
+    return [dict(r, best=True) if (r["epoch"], r.get("step")) == place else r for r in ordered]
 
 
 class Curves(Callback):

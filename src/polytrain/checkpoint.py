@@ -93,7 +93,8 @@ def load_weights(path: Path, model: torch.nn.Module) -> None:
 
 
 class Checkpointer:
-    """Writes `checkpoint.pt` (everything needed to resume) and `model.pt` (weights) into a run folder."""
+    """Writes `checkpoint.pt` (everything needed to resume), `model.pt` (weights) and `best.pt` (the weights
+    of the best validation) into a run folder."""
 
     def __init__(self, run_dir: Path, *, is_main: bool):
         self.run_dir = Path(run_dir)
@@ -109,11 +110,21 @@ class Checkpointer:
         rng = strategy.gather_object(rng_state(strategy.device))      # each rank's own random streams
         if not self.is_main:
             return
+        state["gradients"] = strategy.gradients.state_dict()         # fp16's loss scale: the same on every rank
         state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
+                     validations=list(trainer.history.validations), monitor=trainer.monitor.state(),
                      rng=rng, batch_size=trainer.train_loader.batch_size,
                      steps_per_epoch=trainer.steps_per_epoch, train_samples=trainer.train_loader.num_samples)
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
+
+    def save_best(self, trainer) -> None:
+        """`best.pt`: the whole model by its original names, as `model.pt` holds it, after a validation that
+        improved the monitored figure. Every rank calls it (split strategies gather the model)."""
+        weights = trainer.strategy.model_state()
+        if self.is_main:
+            atomic_torch_save({name: tensor.detach().cpu() for name, tensor in weights.items()},
+                              self.run_dir / "best.pt")
 
     def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
@@ -135,6 +146,7 @@ class Checkpointer:
         """Load a read checkpoint into `strategy`; every rank calls it (sharded strategies load collectively)."""
         try:
             strategy.load_state_dict(state)
+            strategy.gradients.load_state_dict(state.get("gradients", {}))
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(f"{self.path}: optimizer or scheduler state does not fit this run "
                                   f"({str(error).splitlines()[0][:120]}); resume with the original settings") from None

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = command("evaluate", help="validation loss and accuracy of a run's model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
     evaluate.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
+    evaluate.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     predict = command("predict", help="predictions on validation images, optionally as a picture")
     predict.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
     predict.add_argument("--show", type=int, default=0, metavar="N",
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "by class shows every class) with predicted and true labels into "
                               "RUN_DIR/predictions.png, mistakes in red; without it, 10 are listed")
     predict.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
+    predict.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     verify = command("verify", help="train a few steps on 1 and on N devices and compare",
                      description="Runs a short training on one device and with --strategy on --devices devices; "
                                  "prints per-step losses and the largest parameter difference; exits 1 if they "
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description=BENCH_DESCRIPTION))
     return parser
 
+
+WEIGHTS_HELP = ("final: the run's last weights (model.pt); best: those of its best validation of --monitor "
+                "(best.pt); default: %(default)s")
 
 BENCH_DESCRIPTION = (
     "Runs each combination of --device, --batch-sizes, --strategies and --devices for --steps steps after "

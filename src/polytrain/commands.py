@@ -109,10 +109,16 @@ def train_command(args) -> int:
         config = config_from_args(args)
         history, _, run_dir = train_run(config)
     if history is not None and run_dir is not None:
-        if config.max_steps and len(history.epochs) < config.epochs:
+        if history.stopped:
+            pass                                    # said already: early stopping, or a callback
+        elif config.max_steps and len(history.epochs) < config.epochs:
             print(f"stopped after {config.max_steps} steps; continue with: polytrain train --resume {run_dir}")
         elif history.epochs:
-            print(f"done: validation accuracy {history.last['val_acc']:.4f}; run folder {run_dir}")
+            best, said = history.best, ""
+            if best:
+                at = f"epoch {best['epoch']}" + (f", step {best['step']}" if best.get("step") else "")
+                said = f"; best {best['metric']} {best['value']:.4g} at {at} (best.pt)"
+            print(f"done: validation accuracy {history.last['val_acc']:.4f}{said}; run folder {run_dir}")
         skipped = read_config(run_dir).get("skipped_files", 0)
         if skipped:
             print(f"skipped {skipped} unreadable image file{'s' * (skipped != 1)} (--skip-bad); they are listed "
@@ -121,8 +127,9 @@ def train_command(args) -> int:
 
 
 def evaluate_command(args) -> int:
-    result = evaluate(resolve_run_dir(args.run_dir), device=args.device)
-    print(f"validation loss {result['loss']:.4f}  accuracy {result['acc']:.4f}  ({result['count']} samples)")
+    result = evaluate(resolve_run_dir(args.run_dir), device=args.device, weights=args.weights)
+    print(f"validation loss {result['loss']:.4f}  accuracy {result['acc']:.4f}  ({result['count']} samples"
+          + (", best.pt)" if args.weights == "best" else ")"))
     return 0
 
 
@@ -130,7 +137,7 @@ def predict_command(args) -> int:
     if args.show < 0:
         raise UserError(f"--show must be 0 or more, got {args.show}")
     args.run_dir = resolve_run_dir(args.run_dir)
-    everything = predict(args.run_dir, device=args.device)
+    everything = predict(args.run_dir, device=args.device, weights=args.weights)
     classes = everything.pop("classes") or read_config(args.run_dir).get("classes")
 
     def name(label: int):
@@ -173,7 +180,8 @@ def verify_command(args) -> int:
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
         print(f"  plan: {plan.describe()}")
-    one = run_job(Job(config.with_strategy("single", devices=1), "single", data,
+    # accumulation never changes the trajectory: the reference takes each step in one pass
+    one = run_job(Job(config.with_strategy("single", devices=1, accumulate=1), "single", data,
                       copy.deepcopy(model), **common))
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     worst = 0.0

@@ -80,6 +80,8 @@ class StepLogger(Callback):
         values = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()])
         global_step = trainer.position.epoch * trainer.steps_per_epoch + step + 1
         lr = trainer.strategy.optimizer.param_groups[0]["lr"]
+        if stats.grad_norm is not None:                # with clipping: the global norm before clipping
+            values = torch.cat([values, stats.grad_norm.detach().reshape(1).double().to(values.device)])
         self.pending.append((global_step, values, stats.count, lr))
         if len(self.pending) >= self.every or step + 1 == trainer.steps_per_epoch:
             self.flush(trainer.metric_names)
@@ -92,6 +94,8 @@ class StepLogger(Callback):
             if count:
                 metrics = {"train/step_loss": row[0] / count, "lr": lr}
                 metrics.update({f"train/step_{name}": value / count for name, value in zip(names, row[1:])})
+                if len(row) == len(names) + 2:
+                    metrics["train/grad_norm"] = row[-1]
                 self.log(metrics, global_step)
         self.pending = []
 

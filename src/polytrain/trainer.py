@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 
+from .callbacks import Monitor, check_monitor
 from .errors import UserError
 
 
@@ -40,7 +41,13 @@ class Position:
 
 @dataclass
 class History:
+    """What training produced: one record per epoch (`epochs`), the records of validations within epochs
+    (`validations`, with `--val-every`: their epoch, step in it and global step), the monitored figure's best
+    (`best`: metric, mode, value, epoch, step) and, when it ended before its epochs, why (`stopped`, one line)."""
     epochs: List[dict] = field(default_factory=list)
+    validations: List[dict] = field(default_factory=list)
+    best: dict = field(default_factory=dict)
+    stopped: Optional[str] = None
 
     def __getitem__(self, key: str) -> list:
         return [record[key] for record in self.epochs]
@@ -51,9 +58,14 @@ class History:
 
 
 class Trainer:
+    """Runs the epochs. Callbacks see it as `trainer`: `epoch` (the epoch in progress or just ended, from 1),
+    `step` (optimizer steps done in all), `metrics` (the latest figures), `model`, `history`, and
+    `should_stop`, which a callback sets to True to end training with a checkpoint (as in Lightning)."""
+
     def __init__(self, strategy, train_loader, val_loader, *, epochs: int, callbacks=(),
                  position: Optional[Position] = None, history: Optional[History] = None,
-                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0, should_stop=None):
+                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0, stop_vote=None,
+                 val_every: int = 0, monitor: Optional[Monitor] = None):
         self.strategy = strategy
         self.train_loader, self.val_loader = train_loader, val_loader
         self.epochs = epochs
@@ -65,38 +77,105 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.max_steps = max_steps                # stop early after this many steps in all (0: never)
         self.running = None                       # (loss and correct sums on the device, count, start time)
-        # asked on every rank after every step; True (on all ranks at once) ends training with a checkpoint
-        self.should_stop = should_stop or (lambda: False)
-        self.interrupted = False
+        # asked on every rank after every step with whether this rank wants a stop (a callback set should_stop);
+        # True (on all ranks at once: a signal, or a request) ends training with a checkpoint
+        self.stop_vote = stop_vote or (lambda requested=False: requested)
+        self.should_stop = False                  # a callback's request to stop (set on the main rank)
+        self.interrupted = False                  # the stop vote ended training
+        self.val_every = val_every                # also validate every this many optimizer steps (0: never)
+        self.monitor = monitor or Monitor()       # the best validation so far and the patience spent
+        self.epoch = self.position.epoch + (self.position.step > 0)
+        self.latest: dict = {}                    # the latest validation's record
         self.last_stats = None                    # the latest step's StepStats (on the device), for loggers
         self.data_seconds = 0.0                   # host time the latest batch took to arrive from the loader
         self.batch = None                         # the latest batch
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
-            getattr(callback, event)(self, *args)
+            method = getattr(callback, event, None)
+            if method is not None:
+                method(self, *args)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done in all (also those before a resume)."""
+        return self.position.epoch * self.steps_per_epoch + self.position.step
+
+    @property
+    def model(self):
+        """The plain module this rank trains (with split strategies: this rank's part of it)."""
+        return self.strategy.model
+
+    @property
+    def metrics(self) -> dict:
+        """The latest validation's record (the epoch's, after an epoch) and, after a step, `step_loss` and
+        `step_<metric>`: that step's figures on this rank's share of the batch (read from the device here)."""
+        values = dict(self.latest)
+        stats = self.last_stats
+        if stats is not None and stats.count:
+            row = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()]).tolist()
+            values.update({f"step_{name}": value / stats.count
+                           for name, value in zip(("loss", *self.metric_names), row)})
+        return values
 
     def fit(self) -> History:
+        check_monitor(self.monitor.metric, self.metric_names)
+        self.history.best = self.monitor.summary()
         self._emit("on_fit_start")
         try:
-            self._run_epochs()
+            if self.monitor.stopped and self.monitor.exhausted:      # a resumed run that had stopped early
+                self.history.stopped = (f"{self.monitor.early_stop_line()}; it had stopped there: resume with "
+                                        f"--patience above {self.monitor.bad} (patience= from Python) to train on")
+            else:
+                self._run_epochs()
         finally:
             self._emit("on_fit_end")       # also on failure: e.g. the watchdog must stop watching
         return self.history
 
+    def _agreed(self, wanted: bool) -> bool:
+        """A callback's request on the main rank, known to every rank (at epoch ends and validations)."""
+        return bool(self.strategy.broadcast_object(bool(wanted)))
+
     def _run_epochs(self) -> None:
         while self.position.epoch < self.epochs:
+            self.epoch = self.position.epoch + 1
             record = self._train_epoch(self.position.epoch)
             if record is None:
                 break
             self.history.epochs.append(record)
             self.position = Position(epoch=self.position.epoch + 1)
+            self._emit("on_validation_end", record)
             finished = self.max_steps and self.position.epoch * self.steps_per_epoch >= self.max_steps
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
             self._emit("on_epoch_end", record)
-            if finished or self.interrupted:
+            self.should_stop = self._agreed(self.should_stop)
+            if finished or self.interrupted or self.should_stop or self.history.stopped:
                 break
+
+    def _judge(self, record: dict) -> None:
+        """Every rank, after a validation: track the best (writing best.pt) and the patience."""
+        self.latest = dict(record)
+        improved = self.monitor.update(record[self.monitor.metric], epoch=record["epoch"],
+                                       within=record.get("step", 0), step=self.step)
+        if improved and self.checkpointer is not None:
+            self.checkpointer.save_best(self)
+        self.history.best = self.monitor.summary()
+        self.monitor.stopped = self.monitor.exhausted and self.step < self.epochs * self.steps_per_epoch
+        if self.monitor.stopped:
+            self.history.stopped = self.monitor.early_stop_line()
+
+    def _validate_within_epoch(self, epoch: int) -> bool:
+        """A validation after the step just taken (--val-every); True when training is to stop here."""
+        val = self.evaluate()
+        record = {"epoch": epoch + 1, "step": self.position.step, "global_step": self.step, "val_loss": val["loss"],
+                  **{f"val_{name}": val[name] for name in self.metric_names},
+                  "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        self.history.validations.append(record)
+        self._judge(record)
+        self._emit("on_validation_end", record)
+        self.should_stop = self._agreed(self.should_stop)
+        return self.should_stop or self.history.stopped is not None
 
     def _train_epoch(self, epoch: int) -> dict:
         start = self.position
@@ -127,9 +206,18 @@ class Trainer:
             self.running = (totals, count, began)
             self._emit("on_step_end", batch.step)
             last_of_epoch = batch.step + 1 == self.steps_per_epoch
-            self.interrupted = self.should_stop()
             done = epoch * self.steps_per_epoch + batch.step + 1
-            stop = self.interrupted or (self.max_steps and done >= self.max_steps)
+            stop = False
+            if self.val_every and done % self.val_every == 0 and not last_of_epoch:
+                batches.close()                   # (a Dataset's loader processes serve the validation too)
+                paused = time.perf_counter()
+                stop = self._validate_within_epoch(epoch)
+                began += time.perf_counter() - paused          # the epoch's time is training time
+                self.running = (totals, count, began)
+                batches = self.train_loader.train_batches(epoch, start_step=batch.step + 1)
+            if self.stop_vote(self.should_stop):  # a signal, or a callback's request, on any rank
+                self.interrupted = self.should_stop = True
+            stop = stop or self.interrupted or (self.max_steps and done >= self.max_steps)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
@@ -142,12 +230,15 @@ class Trainer:
             raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
         val = self.evaluate()
-        extras = self.strategy.epoch_extras()
-        return {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count,
+        extras = self.strategy.epoch_figures()
+        record = {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count,
                 **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
                 "val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names},
                 "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        self.strategy.end_of_epoch(record)
+        self._judge(record)
+        return record
 
     @property
     def metric_names(self) -> tuple:

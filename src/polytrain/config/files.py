@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .declare import GROUPS
-from .names import nearest
+from .names import foreign, nearest
 from .settings import INPUTS
 from .train import SETTINGS
 
@@ -62,6 +62,9 @@ def read_config_file(path) -> dict:
     values = {}
     for key, value in _flatten(raw, path):
         name = key.replace("-", "_")
+        said = foreign(name, repr) if name not in known else None
+        if said:
+            raise UserError(f"--config {path}: unknown setting {key!r}; {said}")
         if name not in known:
             close = nearest(name, known)
             raise UserError(f"--config {path}: unknown setting {key!r}; " +

@@ -14,9 +14,9 @@ from ..models import MODELS
 from ..strategies import STRATEGIES
 from .declare import GROUPS, Setting, check_value, flag_name
 from .files import read_config_file
-from .names import nearest
+from .names import foreign, nearest
 from .settings import INPUTS
-from .train import DEFAULTS, SETTINGS, TrainConfig, replicas
+from .train import DEFAULTS, SETTINGS, TrainConfig, apply_micro_batch_size, replicas
 
 REGISTRIES = {"datasets": ", ".join(DATASETS), "models": ", ".join(MODELS), "strategies": ",".join(STRATEGIES)}
 
@@ -120,6 +120,9 @@ def config_from_args(args) -> TrainConfig:
         devices = values.get("devices", DEFAULTS.devices)
         values["batch_size"] = per_device * replicas(devices, values.get("strategy", "auto"),
                                                      values.get("pipeline_stages"))
+    micro = values.pop("micro_batch_size", None)
+    if micro is not None:
+        apply_micro_batch_size(values, micro)
     config = TrainConfig(**values)
     unused = unused_dataset_options(config.dataset, args.given)
     if unused:
@@ -135,6 +138,9 @@ def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:
     if not word.startswith("-"):
         return f"unexpected argument {word!r}; see polytrain {command or ''} --help".replace("  ", " ")
     bare = word.split("=", 1)[0]
+    said = foreign(bare, flag_name)
+    if said:
+        return f"unrecognized argument {bare}: {said}"
     close = nearest(bare, [flag for flag in known_flags if flag not in ("-h", "--help")])
     if close:
         return f"unrecognized argument {bare}; did you mean {close}?"

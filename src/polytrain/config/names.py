@@ -60,3 +60,27 @@ def nearest(name: str, known: Iterable[str]) -> Optional[str]:
             if best is None or distance < best[0]:
                 best = (distance, candidate)
     return best[1] if best else None
+
+
+# Other trainers' names for polytrain's settings: (the setting, what to know besides the name).
+FOREIGN = {
+    "accumulate_grad_batches": ("accumulate", "polytrain's batch size is the batch per optimizer step (Lightning's "
+                                "batch size x accumulate_grad_batches x devices), so accumulating saves memory and "
+                                "never changes the training"),
+    "gradient_accumulation_steps": ("accumulate", "polytrain's batch size is the batch per optimizer step, so "
+                                    "accumulating saves memory and never changes the training"),
+    "gradient_clip_val": ("clip_grad_norm", "or clip_grad_value for Lightning's gradient_clip_algorithm='value'"),
+    "max_grad_norm": ("clip_grad_norm", ""),
+    "early_stopping_patience": ("patience", ""),
+    "fp16": ("precision", "precision='fp16'"),
+}
+
+
+def foreign(name: str, spell) -> Optional[str]:
+    """What to say of another trainer's name for a setting (`spell` writes a polytrain name as a flag or a
+    keyword), or None."""
+    known = FOREIGN.get(_bare(name))
+    if known is None:
+        return None
+    setting, words = known
+    return f"polytrain calls it {spell(setting)}" + (f"; {words}" if words else "")

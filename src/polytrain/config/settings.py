@@ -13,6 +13,14 @@ from ..plan.pipeline import DEFAULT_SCHEDULE, SCHEDULES as PIPELINE_SCHEDULES
 from .declare import setting
 
 
+def numbers_text(text: str) -> tuple:
+    """`0.9,0.95` as (0.9, 0.95), for --betas."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected numbers separated by commas such as 0.9,0.95, got {text!r}") from None
+
+
 def shape_text(text: str) -> tuple:
     """`3,32,32` as (3, 32, 32), for --synthetic-shape."""
     try:
@@ -56,8 +64,10 @@ class DataSettings:
 @dataclass
 class ModelSettings:
     model: str = setting("lenet", "one of {models} (default: %(default)s)", group="model", metavar="NAME")
-    precision: str = setting("fp32", "bf16 runs the forward pass under autocast (use on GPUs); default: %(default)s",
-                             group="model", choices=("fp32", "bf16"))
+    precision: str = setting("fp32", "bf16 runs the forward pass under autocast (use on GPUs); fp16 also scales "
+                             "the loss dynamically (torch.amp.GradScaler), every rank skipping the same step when "
+                             "any gradient overflows; default: %(default)s", group="model",
+                             choices=("fp32", "bf16", "fp16"))
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
     channels_last: Optional[bool] = setting(None, "channels-last memory format (default: on for convolutional "
                                             "models)", group="model", flag="toggle")
@@ -69,7 +79,18 @@ class OptimisationSettings:
                           resume="extend")
     batch_size: int = setting(64, "GLOBAL batch, split across --devices (default: %(default)s)",
                               group="optimisation", metavar="N", check="count", example=64)
-    optimizer: str = setting("sgd", "default: %(default)s", group="optimisation", choices=("sgd", "adam", "rmsprop"))
+    optimizer: str = setting("sgd", "any torch.optim class by name, any case: sgd, adam, adamw, rmsprop, adadelta, "
+                             "... (default: %(default)s)", group="optimisation", metavar="NAME")
+    optimizer_args: Optional[str] = setting(None, "more keyword arguments of the optimizer as key=value pairs, e.g. "
+                                            "nesterov=true,dampening=0", group="optimisation",
+                                            metavar="K=V,...")
+    betas: Optional[tuple] = setting(None, "Adam-family betas, e.g. 0.9,0.95 (default: the optimizer's)",
+                                     group="optimisation", metavar="B1,B2", parse=numbers_text)
+    eps: Optional[float] = setting(None, "the optimizer's epsilon (default: the optimizer's)", group="optimisation",
+                                   metavar="X", check="nonneg")
+    no_decay_norms_and_biases: bool = setting(False, "two parameter groups: no weight decay on biases and "
+                                              "normalisation weights (every tensor of one dimension)",
+                                              group="optimisation", flag="switch")
     lr: float = setting(0.05, "peak learning rate (default: %(default)s)", group="optimisation", metavar="X",
                         check="nonneg")
     lr_scale: str = setting("none", "linear: multiply --lr by --devices (the linear scaling rule, for a global "
@@ -77,8 +98,24 @@ class OptimisationSettings:
                             choices=("none", "linear"))
     momentum: float = setting(0.9, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
     weight_decay: float = setting(5e-4, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
-    schedule: str = setting("onecycle", "learning-rate schedule after warm-up (default: %(default)s)",
-                            group="optimisation", choices=("constant", "cosine", "onecycle"))
+    schedule: str = setting("onecycle", "learning-rate schedule after warm-up: constant, cosine, onecycle, or any "
+                            "torch.optim.lr_scheduler class by name (steplr, ...) with --schedule-args "
+                            "(default: %(default)s)", group="optimisation", metavar="NAME")
+    schedule_args: Optional[str] = setting(None, "keyword arguments of a torch.optim.lr_scheduler class, e.g. "
+                                           "step_size=2,gamma=0.5", group="optimisation", metavar="K=V,...")
+    schedule_interval: Optional[str] = setting(None, "step the schedule after every optimizer step or every "
+                                               "epoch (default: step for constant/cosine/onecycle, epoch for "
+                                               "torch.optim.lr_scheduler classes, as Lightning does)",
+                                               group="optimisation", choices=("step", "epoch"))
+    accumulate: int = setting(1, "compute each optimizer step's batch in K passes per replica, synchronising "
+                              "gradients on the last only: K-fold less activation memory, the same training "
+                              "(default: %(default)s)", group="optimisation", metavar="K", check="count",
+                              example=4, resume="change")
+    clip_grad_norm: Optional[float] = setting(None, "scale the gradients so that their global L2 norm (over the "
+                                              "whole model, on every strategy) is at most X", group="optimisation",
+                                              metavar="X", check="nonneg", example=1.0)
+    clip_grad_value: Optional[float] = setting(None, "clamp every gradient element to [-X, X]",
+                                               group="optimisation", metavar="X", check="nonneg", example=1.0)
     warmup_epochs: float = setting(0.5, "linear warm-up length (default: %(default)s)", group="optimisation",
                                    metavar="X", check="nonneg")
     label_smoothing: float = setting(0.0, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
@@ -146,6 +183,20 @@ class ServerSettings:
 
 
 @dataclass
+class ValidationSettings:
+    val_every: int = setting(0, "also validate every STEPS optimizer steps within an epoch (default: 0, at epoch "
+                             "ends only)", group="validation", metavar="STEPS", check="count0", resume="change")
+    monitor: str = setting("val_loss", "the validation figure that decides the best weights (best.pt) and early "
+                           "stopping: val_loss, val_acc, val_<metric> (default: %(default)s)", group="validation",
+                           metavar="METRIC")
+    monitor_mode: Optional[str] = setting(None, "whether lower or higher --monitor is better (default: min for "
+                                          "names containing 'loss', max otherwise)", group="validation",
+                                          choices=("min", "max"))
+    patience: int = setting(0, "stop after N validations in a row without improving --monitor (default: 0, never "
+                            "stop early)", group="validation", metavar="N", check="count0", resume="change")
+
+
+@dataclass
 class ReliabilitySettings:
     out: Optional[str] = setting(None, "run folder (default: a new folder under runs/)", group="reliability",
                                  metavar="DIR", commands=("train",))
@@ -173,7 +224,7 @@ class LoggingSettings:
 # The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the
 # last base to the first, hence reversed there).
 GROUP_CLASSES = (DataSettings, ModelSettings, OptimisationSettings, DeviceSettings, PipelineSettings,
-                 ShardedSettings, ServerSettings, ReliabilitySettings, LoggingSettings)
+                 ShardedSettings, ServerSettings, ValidationSettings, ReliabilitySettings, LoggingSettings)
 
 # Ways to give a setting in other terms: accepted as flags and keywords, turned into the setting they stand
 # for (config.json records that one), never stored themselves.
@@ -182,4 +233,7 @@ INPUTS = {
                                      "--devices (with --strategy pipeline, N x the number of pipelines: the devices "
                                      "of one pipeline share a batch)", group="optimisation", metavar="N",
                                      check="count").metadata["setting"],
+    "micro_batch_size": setting(None, "alternatively to --accumulate: the samples of one pass per replica; "
+                                "--accumulate is then the replica's batch / N", group="optimisation", metavar="N",
+                                check="count").metadata["setting"],
 }

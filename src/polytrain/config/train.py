@@ -11,9 +11,10 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..loggers import check_tensorboard, parse_loggers
+from ..optim import check_settings
 from ..plan.pipeline import PipelineLayout, check_microbatches
 from .declare import check_value, declared, flag_name, unset
-from .settings import GROUP_CLASSES
+from .settings import GROUP_CLASSES, INPUTS
 
 
 def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None) -> int:
@@ -23,6 +24,30 @@ def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None)
         return devices
     stages = pipeline_stages or devices
     return devices // stages if isinstance(stages, int) and stages > 0 else devices
+
+
+def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=lambda name: f"--{name.replace('_', '-')}")\
+        -> None:
+    """`--micro-batch-size N` (samples per pass per replica) said as --accumulate, or for a pipeline as its
+    micro-batches; refused in one line where the settings do not multiply out."""
+    check_value("micro_batch_size", INPUTS["micro_batch_size"], micro_batch_size)
+    batch = values.get("batch_size", DEFAULTS.batch_size)
+    shares = replicas(values.get("devices", DEFAULTS.devices), values.get("strategy", "auto"),
+                      values.get("pipeline_stages"))
+    per_replica, pipeline = batch // shares, values.get("strategy") == "pipeline"
+    per_pass = per_replica // (values.get("microbatches") or 1) if pipeline else per_replica
+    if per_replica * shares != batch or micro_batch_size > per_pass or per_pass % micro_batch_size:
+        raise ConfigError(f"{flag('micro_batch_size')} {micro_batch_size} does not divide the {per_pass} samples "
+                          f"each replica computes per step ({flag('batch_size')} {batch} over {shares} "
+                          f"replica{'s' * (shares != 1)}); use a divisor of {per_pass}")
+    passes = per_pass // micro_batch_size
+    if "accumulate" in values and values["accumulate"] != passes:
+        raise ConfigError(f"{flag('micro_batch_size')} {micro_batch_size} means {flag('accumulate')} {passes} "
+                          f"with {flag('batch_size')} {batch}, not {values['accumulate']}; give only one of them")
+    if pipeline and not values.get("microbatches"):
+        values["microbatches"] = passes       # a pipeline's passes are its micro-batches
+    else:
+        values["accumulate"] = passes
 
 
 def _need(condition: bool, message: str) -> None:
@@ -49,6 +74,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
         _need(self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
         _need(self.momentum < 1, f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
+        check_settings(self)          # the optimizer and schedule by name, their arguments, the interval
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
         _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
@@ -69,9 +95,24 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
               f"{across}; use a multiple of {shares}, e.g. "
               f"--batch-size {shares * -(-self.batch_size // shares)}, or give "
               f"--per-device-batch-size instead")
+        self._check_gradient_knobs(self.batch_size // shares)
         if self.strategy == "pipeline" and self.microbatches is not None:
             check_microbatches(self.microbatches, per_replica_batch=self.batch_size // shares,
                                replicas=shares, batch_size=self.batch_size)
+
+    def _check_gradient_knobs(self, per_replica: int) -> None:
+        _need(self.accumulate <= per_replica,
+              f"--accumulate {self.accumulate} makes more passes than the {per_replica} samples each replica gets "
+              f"of --batch-size {self.batch_size}; use at most --accumulate {per_replica}")
+        _need(self.clip_grad_norm is None or self.clip_grad_value is None,
+              "give either --clip-grad-norm or --clip-grad-value, not both")
+        for name in ("clip_grad_norm", "clip_grad_value"):
+            _need(getattr(self, name) != 0, f"{flag_name(name)} 0 would zero every gradient; give a positive "
+                                            f"bound such as {flag_name(name)} 1.0, or leave it out")
+        asynchronous = self.strategy == "parameter-server" and self.staleness
+        _need(not (asynchronous and (self.clip_grad_norm or self.clip_grad_value or self.precision == "fp16")),
+              "--staleness applies each worker's gradient on its own, so there is no global gradient to clip or "
+              "to check for fp16 overflow; drop --staleness (synchronous servers), or the clipping / fp16")
 
     def _check_pipeline(self) -> None:
         _need(self.split is None or isinstance(self.split, str),

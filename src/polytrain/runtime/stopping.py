@@ -9,6 +9,9 @@ every step: each vote also carries the time since the last one, and every rank d
 steps to the next vote from the reduced sum. A stop therefore lands within about 2 x `VOTE_SECONDS` plus
 a step.
 
+A callback's request (`trainer.should_stop = True`, on the main rank) travels with the same vote and stops
+every rank the same way, without the signal's exit.
+
 A second signal stops at once. A Ctrl-C reaches every process of the terminal's group and the launcher
 passes it on once more, so a repeat within `REPEAT_WINDOW` seconds counts as the same request.
 """
@@ -69,6 +72,7 @@ class StopSignal:
         self.interval = 1            # steps from one vote to the next; the same on every rank
         self.steps = 0
         self.voted_at = 0.0
+        self.signalled = False       # the agreed stop came from a signal (not only from a request)
 
     def install(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
@@ -99,23 +103,28 @@ class StopSignal:
             self.world_size = world_size
             self.voted_at = time.monotonic()
 
-    def should_stop(self) -> bool:
-        """Called by every rank after every step: True on all ranks at the same step."""
+    def should_stop(self, requested: bool = False) -> bool:
+        """Called by every rank after every step: True on all ranks at the same step. `requested`: this rank
+        asks for a stop without a signal (a callback set `trainer.should_stop`); `signalled` then says whether
+        a signal was part of the stop."""
         if self.group is None:
-            return self.received is not None
+            self.signalled = self.received is not None
+            return self.signalled or bool(requested)
         self.steps += 1
         if self.steps < self.interval:
             return False
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            wanted, seconds = self.vote.tolist()          # identical on every rank, so are the decisions
-            if wanted > 0:
+            wanted, asked, seconds = self.vote.tolist()   # identical on every rank, so are the decisions
+            if wanted > 0 or asked > 0:
+                self.signalled = wanted > 0
                 return True
             step_seconds = seconds / self.world_size / self.covered
             self.interval = max(1, min(MAX_VOTE_INTERVAL, int(VOTE_SECONDS / max(step_seconds, 1e-6))))
         now = time.monotonic()
-        self.vote = torch.tensor([0.0 if self.received is None else 1.0, now - self.voted_at], dtype=torch.float64)
+        signalled = 0.0 if self.received is None else 1.0
+        self.vote = torch.tensor([signalled, float(bool(requested)), now - self.voted_at], dtype=torch.float64)
         self.pending = dist.all_reduce(self.vote, group=self.group, async_op=True)
         self.covered, self.steps, self.voted_at = self.steps, 0, now
         return False

@@ -5,7 +5,6 @@ import copy
 import os
 import signal
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..callbacks import Curves, MetricsLog, ProgressBar, StepRecorder
+from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder, UserCallbacks
 from ..checkpoint import Checkpointer, describe_position, restore_rng
 from ..config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
@@ -22,7 +21,7 @@ from ..errors import UserError
 from ..loggers import make_loggers, parse_loggers
 from ..objective import Objective
 from ..data.loader import make_loaders
-from ..optim import make_optimizer, make_scheduler
+from ..optim import make_recipe
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from ..strategies import STRATEGIES
 from ..trainer import History, Position, Trainer
@@ -46,7 +45,9 @@ class Job:
     plan: object = None                # the strategy's plan, computed by the caller (Strategy.make_plan)
     objective: Objective = None        # the loss and metrics; None: classification with --label-smoothing
     loggers: tuple = ()                # logger objects given to fit(logger=...), called on the main rank
+    callbacks: tuple = ()              # the user's callback objects (fit(callbacks=...)), called on the main rank
     bench: Optional[tuple] = None      # (warm-up steps, measured steps): time each step (`polytrain bench`)
+    optim: object = None               # optim.Recipe checked by the caller; None: made from the config
 
 
 @dataclass
@@ -129,7 +130,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
         device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=job.channels_last, plan=job.plan,
+        channels_last=job.channels_last, plan=job.plan, accumulate=config.accumulate,
+        clip_grad_norm=config.clip_grad_norm, clip_grad_value=config.clip_grad_value,
         objective=job.objective or Objective(label_smoothing=config.label_smoothing))
     train_loader, val_loader = make_loaders(
         job.dataset, batch_size=config.batch_size, device=device, rank=strategy.data_rank,
@@ -138,17 +140,15 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     steps = len(train_loader)
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
-    strategy.setup(
-        copy.deepcopy(job.model),
-        partial(make_optimizer, name=config.optimizer, lr=config.effective_lr, momentum=config.momentum,
-                weight_decay=config.weight_decay),
-        partial(make_scheduler, kind=config.schedule, total_steps=config.epochs * steps,
-                warmup_steps=round(config.warmup_epochs * steps)))
+    recipe = (job.optim or make_recipe(config)).planned(job.model)     # groups laid out over the whole model
+    strategy.schedule_per_step = recipe.per_step
+    strategy.setup(copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps))
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)
     run_dir = strategy.broadcast_object(job.run_dir)
     checkpointer = Checkpointer(Path(run_dir), is_main=strategy.is_main) if run_dir else None
     position, history = Position(), History()
+    monitor = Monitor(config.monitor, config.monitor_mode, config.patience)
     restarted = launcher is not None and launcher.restart_count > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
         loaded = checkpointer.read(strategy, batch_size=config.batch_size, steps_per_epoch=steps,
@@ -157,7 +157,9 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         state = strategy.broadcast_object(loaded)
         checkpointer.apply(strategy, state)
         restore_rng(state.get("rng"), rank=rank, device=device)
-        position, history = Position.from_dict(state["position"]), History(list(state["history"]))
+        position, history = Position.from_dict(state["position"]), History(list(state["history"]),
+                                                                           list(state.get("validations") or []))
+        monitor.restore(state.get("monitor"))
     callbacks = []
     if strategy.is_main and job.verbose:
         callbacks.append(ProgressBar())
@@ -166,6 +168,8 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     if strategy.is_main:
         callbacks += make_loggers(parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None,
                                   start_step=position.epoch * steps + position.step)
+        if job.callbacks:
+            callbacks.append(UserCallbacks(job.callbacks))
     if launcher is not None:                # in a process of its own, ending it on a hang is safe
         compiling = 10 if config.compile else 1
         callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
@@ -181,11 +185,14 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
                       position=position, history=history, checkpointer=checkpointer,
                       checkpoint_every=config.checkpoint_every, max_steps=config.max_steps,
-                      should_stop=stop.should_stop)
+                      stop_vote=stop.should_stop, val_every=config.val_every, monitor=monitor)
     history = trainer.fit()
     strategy.close()
-    if trainer.interrupted:
-        where = describe_position(trainer.position.epoch, trainer.position.step, steps)
+    where = describe_position(trainer.position.epoch, trainer.position.step, steps)
+    if trainer.should_stop and not (trainer.interrupted and stop.signalled):
+        history.stopped = f"stopped by a callback (trainer.should_stop) {where}" + \
+            (", checkpoint saved" if run_dir else "; nothing was saved (no run folder: give out=DIR)")
+    elif trainer.interrupted:
         number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
     weights = strategy.model_state()          # every rank takes part (split models gather)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..objective import Objective
+from ..optim import step_per_epoch
+from .optimizer_state import load_part, numbered_part, positions, whole_state
+from .gradients import Gradients
 
 
 @dataclass
@@ -20,6 +23,7 @@ class StepStats:
     loss_sum: torch.Tensor     # summed over this rank's samples, detached, still on the device
     metrics: torch.Tensor      # one sum over this rank's samples per metric of the objective, on the device
     count: int                 # this rank's samples
+    grad_norm: Optional[torch.Tensor] = None   # with clipping: the global gradient norm before clipping
 
 
 class Strategy:
@@ -28,10 +32,15 @@ class Strategy:
     name = "single"
     needs_process_group = False        # True: every rank must join a torch.distributed group first
     keeps_channels_last = True         # False: trains in the default memory format even when asked otherwise
+    schedule_per_step = True           # False: the schedule steps once per epoch (end_of_epoch), not per step
 
     def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
-                 compile: bool = False, channels_last: bool = False, objective: Objective = None, plan=None):
+                 compile: bool = False, channels_last: bool = False, objective: Objective = None, plan=None,
+                 accumulate: int = 1, clip_grad_norm=None, clip_grad_value=None):
         self.device = torch.device(device)
+        # fp16 loss scaling, clipping and their figures; `accumulate` passes per optimizer step
+        self.gradients = Gradients(device=self.device, accumulate=accumulate, clip_norm=clip_grad_norm,
+                                   clip_value=clip_grad_value, fp16=precision == "fp16")
         self.rank, self.world_size = rank, world_size
         self.precision = precision
         self.compile = compile
@@ -86,42 +95,74 @@ class Strategy:
         self.runner = self.wrap(model)
         if self.compile:
             self.runner = torch.compile(self.runner)
-        self.optimizer = make_optimizer(self.model.parameters())
+        self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
     def autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision in ("bf16", "fp16"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else
+                                  torch.float16)
         return contextlib.nullcontext()
 
     def train_step(self, batch) -> StepStats:
-        """One optimizer step on the global batch; this rank computes its slice.
+        """One optimizer step on the global batch; this rank computes its slice, in `accumulate` passes.
 
-        The loss is this rank's summed loss over the global batch's mean share, so that averaging the
-        gradients of W ranks gives exactly the gradient of the mean loss over the whole global batch,
-        also when the last batch splits unevenly.
+        Each pass's loss is its summed loss over the global batch's mean share, so that summing the passes'
+        gradients and averaging those of W ranks gives exactly the gradient of the mean loss over the whole
+        global batch, also when the last batch splits unevenly. Every rank makes the same number of passes
+        (some may be empty in a short last batch): sharded ranks gather weights together in each.
         """
         if not self.model.training:           # only after an evaluation: train() walks every submodule
             self.runner.train()
-        with self.autocast():
-            logits = self.runner(batch.x)
-        loss_sum = self.objective.loss_sum(logits, batch.y)
-        loss = loss_sum / (batch.global_count / self.world_size)
         self.zero_grad()
-        loss.backward()
+        share = batch.global_count / self.world_size
+        passes = self.gradients.accumulate
+        loss_total, metric_total = None, None
+        for i, (x, y) in enumerate(zip(torch.tensor_split(batch.x, passes), torch.tensor_split(batch.y, passes))):
+            with self.gradient_sync(last=i == passes - 1):
+                with self.autocast():
+                    logits = self.runner(x)
+                loss_sum = self.objective.loss_sum(logits, y)
+                self.gradients.scale(loss_sum / share).backward()
+            metrics = self.objective.metric_sums(logits, y)
+            loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
+            metric_total = metrics if metric_total is None else metric_total + metrics
         self.apply_gradients()
-        return StepStats(loss_sum.detach(), self.objective.metric_sums(logits, batch.y), len(batch.y))
+        return StepStats(loss_total, metric_total, len(batch.y), self.gradients.last_norm)
+
+    def gradient_sync(self, *, last: bool):
+        """A context for one pass of an accumulated step: gradients are synchronised across ranks only in the
+        last (here: nothing to synchronise)."""
+        return contextlib.nullcontext()
+
+    # The ranks over which local gradients are parts of the whole model's, and those that must agree on an
+    # fp16 overflow (see gradients.py); None: every rank already holds the whole, identical gradient.
+    norm_group = None
+    overflow_group = None
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def apply_gradients(self) -> None:
-        """Turn this rank's gradients into the step's new weights (here: the optimizer, then the schedule)."""
-        self.optimizer.step()
-        self.scheduler.step()
+        """Turn this rank's gradients into the step's new weights: unscale and clip them where asked, the
+        optimizer (skipped after an fp16 overflow), then the schedule."""
+        self.gradients.step(self.optimizer, list(self.model.parameters()), norm_group=self.norm_group,
+                            overflow_group=self.overflow_group)
+        if self.schedule_per_step: self.scheduler.step()  # noqa: E701
+
+    def epoch_figures(self) -> dict:
+        """The epoch record's figures of this strategy and of clipping and loss scaling (every rank calls it)."""
+        extras, figures = self.epoch_extras(), self.gradients.epoch_figures()
+        notes = "; ".join(note for note in (extras.pop("note", ""), figures.pop("note", "")) if note)
+        return dict(extras, **figures, **({"note": notes} if notes else {}))
+
+    def end_of_epoch(self, record: dict) -> None:
+        """Called on every rank after an epoch's validation, with its record (per-epoch schedules step here)."""
+        if not self.schedule_per_step:
+            step_per_epoch(self.scheduler, record)
 
     def before_evaluation(self) -> None:
         """Called on every rank before an evaluation pass (strategies whose replicas may lag catch up)."""
@@ -185,12 +226,13 @@ class Strategy:
         return torch.cat([state[name].detach().float().flatten().cpu() for name in self.parameter_names])
 
     def state_dict(self) -> dict:
-        return {"model": self.model_state(), "optimizer": self.optimizer.state_dict(),
+        mine = numbered_part(self.optimizer, positions(self.model.parameters()))
+        return {"model": self.model_state(), "optimizer": whole_state(self.optimizer, [mine]),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_part(self.optimizer, state["optimizer"], positions(self.model.parameters()))
         self.scheduler.load_state_dict(state["scheduler"])
 
 

@@ -1,6 +1,8 @@
 """Data parallelism: the model replicated on every rank, gradients all-reduced by DistributedDataParallel."""
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
@@ -17,4 +19,9 @@ class DataParallel(Distributed):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
         # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).
-        return DistributedDataParallel(model, device_ids=device_ids)
+        self.replicated = DistributedDataParallel(model, device_ids=device_ids)
+        return self.replicated
+
+    def gradient_sync(self, *, last: bool):
+        """DDP all-reduces in the last pass of an accumulated step only."""
+        return contextlib.nullcontext() if last else self.replicated.no_sync()

@@ -19,7 +19,7 @@ from ..config import TrainConfig
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .base import Distributed
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
-from .optimizer_state import load_part, numbered_part, whole_state
+from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 
 class ParameterServer(Distributed):
@@ -50,7 +50,8 @@ class ParameterServer(Distributed):
         home = torch.device("cpu") if self.plan.server_device == "cpu" else self.device
         self.master = [nn.Parameter(self.replica[i].detach().to(home, copy=True)) for i in self.global_index]
         # a rank that serves nothing still keeps the learning-rate schedule's state
-        self.optimizer = make_optimizer(self.master or [nn.Parameter(torch.zeros(0))])
+        named = [(self.parameter_names[i], weight) for i, weight in zip(self.global_index, self.master)]
+        self.optimizer = make_optimizer(named or [("", nn.Parameter(torch.zeros(0)))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement()
         self.server = None
@@ -79,14 +80,18 @@ class ParameterServer(Distributed):
 
     def apply_gradients(self) -> None:
         began = time.perf_counter()
+        if self.gradients.active and not self.plan.staleness:
+            self._push_step_pull()
         for server, indices in self.owned.items():
+            if self.gradients.active and not self.plan.staleness:
+                break
             if self.plan.staleness:
                 self._push_and_pull_async(server, indices)
             else:
                 self._push_and_pull(server, indices)
-        if not self.master:
+        if not self.master and not self.gradients.active:
             self.optimizer.step()         # a no-op on the placeholder; keeps the schedule's order of calls
-        if self.server is None:           # an asynchronous server steps its schedule with its updates
+        if self.server is None and self.schedule_per_step:   # an asynchronous server steps it with its updates
             self.scheduler.step()
         self.waited += time.perf_counter() - began
 
@@ -145,6 +150,36 @@ class ParameterServer(Distributed):
         self.add_phase("communication", pushing + time.perf_counter() - pulling)
         self._set(params, flat)
 
+    @property
+    def norm_group(self):
+        """Every rank: each server holds a part of the whole gradient (a worker that serves nothing, none)."""
+        return dist.group.WORLD
+
+    overflow_group = norm_group
+
+    def _push_step_pull(self) -> None:
+        """With clipping or fp16: every server first receives its mean gradient, then all ranks agree on the
+        global norm and on an overflow (one all-reduce; workers that serve nothing add zeros), the servers
+        step, and the workers pull the new weights."""
+        began = time.perf_counter()
+        for server, indices in self.owned.items():
+            grads = flat_gradients([self.replica[i] for i in indices])
+            dist.reduce(grads, dst=server)
+            if self.rank == server:
+                set_mean_gradients(self.master, grads, workers=self.world_size)
+        pushed = time.perf_counter()
+        self.gradients.step(self.optimizer, self.master, norm_group=self.norm_group,
+                            overflow_group=self.overflow_group)
+        updated = time.perf_counter()
+        for server, indices in self.owned.items():
+            params = [self.replica[i] for i in indices]
+            flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device) if self.rank == server \
+                else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+            dist.broadcast(flat, src=server)
+            self._set(params, flat)
+        self.add_phase("server_update", updated - pushed)
+        self.add_phase("communication", pushed - began + time.perf_counter() - updated)
+
     @classmethod
     def settle_phases(cls, ranks: list) -> list:
         """A worker's pull waits while the servers update: that share of its communication is idle time
@@ -184,10 +219,11 @@ class ParameterServer(Distributed):
 
     def state_dict(self) -> dict:
         model = self.model_state()
-        parts = self.gather_object(numbered_part(self.optimizer, self.global_index) if self.master else {})
+        numbers = positions(self.master, self.global_index)
+        parts = self.gather_object(numbered_part(self.optimizer, numbers) if self.master else {})
         if not self.is_main:
             return {}
-        optimizer = whole_state(self.optimizer, parts, parameters=len(self.parameter_names))
+        optimizer = whole_state(self.optimizer, parts)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -195,5 +231,5 @@ class ParameterServer(Distributed):
         with torch.no_grad():
             for weight, i in zip(self.master, self.global_index):
                 weight.copy_(self.replica[i].detach())
-        load_part(self.optimizer, state["optimizer"], self.global_index)
+        load_part(self.optimizer, state["optimizer"], positions(self.master, self.global_index))
         self.scheduler.load_state_dict(state["scheduler"])

@@ -22,7 +22,7 @@ from ..plan.balance import balance_by_time, parse_split
 from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, default_microbatches,
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
-from .optimizer_state import load_part, numbered_part, to_cpu, whole_state
+from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
 from .layers import Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers
 
 def torch_version() -> tuple:
@@ -67,6 +67,11 @@ class Pipeline(Distributed):
         self.trace, self.tracing, self.traced_steps = [], False, 0
 
     @property
+    def norm_group(self):
+        """The ranks of this pipeline: each holds some stages' gradients (replicas have summed theirs)."""
+        return self.pp_group if self.pp_group is not None else dist.group.WORLD
+
+    @property
     def data_rank(self) -> int:
         return self.replica
 
@@ -103,7 +108,7 @@ class Pipeline(Distributed):
         if microbatches == 1:
             # One micro-batch: the stages run one after another whatever the split, so no split is faster
             # than another; balance what each device must hold instead.
-            slots = {"sgd": 1 if config.momentum else 0, "adam": 2, "rmsprop": 2}[config.optimizer]
+            slots = state_slots_of(config)
             costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
@@ -127,7 +132,7 @@ class Pipeline(Distributed):
         index = {name: i for i, name in enumerate(self.parameter_names)}
         self.global_index = [index[name] for name, _ in self.model.named_parameters()]
         # a stage of parameter-free layers (Flatten, pooling) still keeps the learning-rate schedule's state
-        self.optimizer = make_optimizer(list(self.model.parameters()) or [nn.Parameter(torch.zeros(0))])
+        self.optimizer = make_optimizer(list(self.model.named_parameters()) or [("", nn.Parameter(torch.zeros(0)))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement(layers)
 
@@ -184,8 +189,10 @@ class Pipeline(Distributed):
     def _schedule(self, samples: int):
         """The schedule for a batch of `samples`: stages infer the shapes they exchange once, so each size of
         micro-batch (the smaller last batch of an epoch has its own) gets its own stages and schedule."""
-        microbatches = microbatches_for(samples, self.plan.microbatches, schedule=self.plan.schedule,
-                                        ranks=self.plan.layout.ranks)
+        # accumulation multiplies the micro-batches of one schedule step: several step() calls would each
+        # rescale the whole accumulated gradient
+        microbatches = microbatches_for(samples, self.plan.microbatches * self.gradients.accumulate,
+                                        schedule=self.plan.schedule, ranks=self.plan.layout.ranks)
         key = (microbatches, samples // microbatches)
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
@@ -235,7 +242,7 @@ class Pipeline(Distributed):
         loss_sum = self.objective.loss_sum(logits, target, training=self.model.training)
         metrics = self.objective.metric_sums(logits, target)
         self._sums.append(torch.cat([loss_sum.detach().reshape(1), metrics.to(loss_sum.dtype)]))
-        return loss_sum / self._global_count
+        return self.gradients.scale(loss_sum / self._global_count)
 
     def train_step(self, batch) -> StepStats:
         if not self.model.training:
@@ -259,8 +266,9 @@ class Pipeline(Distributed):
             summing = time.perf_counter()
             self._sum_gradients_over_replicas()
             self.phases["communication"] = time.perf_counter() - summing
-        self.optimizer.step()
-        self.scheduler.step()
+        self.gradients.step(self.optimizer, list(self.model.parameters()), norm_group=self.norm_group,
+                            overflow_group=self.norm_group)
+        if self.schedule_per_step: self.scheduler.step()  # noqa: E701
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
         return self._stats(len(batch.y), last=microbatches)
 
@@ -277,7 +285,7 @@ class Pipeline(Distributed):
             return StepStats(torch.zeros((), device=self.device),
                              torch.zeros(len(self.objective.names), device=self.device), 0)
         sums = torch.stack(self._sums[-last:]).sum(0)
-        return StepStats(sums[0], sums[1:], count)
+        return StepStats(sums[0], sums[1:], count, self.gradients.last_norm)
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
@@ -317,17 +325,18 @@ class Pipeline(Distributed):
         return self.full_meta
 
     def state_dict(self) -> dict:
-        mine = numbered_part(self.optimizer, self.global_index) if self.replica == 0 else {}
+        numbers = positions(self.model.parameters(), self.global_index)
+        mine = numbered_part(self.optimizer, numbers) if self.replica == 0 else {}
         model, parts = self.model_state(), self.gather_object(mine)
         if not self.is_main:
             return {}
-        optimizer = whole_state(self.optimizer, parts, parameters=len(self.parameter_names))
+        optimizer = whole_state(self.optimizer, parts)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         own = self.model.state_dict()
         self.model.load_state_dict({key: state["model"][key] for key in own})
-        load_part(self.optimizer, state["optimizer"], self.global_index)
+        load_part(self.optimizer, state["optimizer"], positions(self.model.parameters(), self.global_index))
         self.scheduler.load_state_dict(state["scheduler"])
 
 

@@ -8,12 +8,16 @@ Checkpoints gather the whole model and optimizer state to rank 0 under the origi
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
 from ..plan.sharded import ShardedPlan
 from .base import Distributed
+from .optimizer_state import keep_speed, state_slots
 
 
 def _full(**extra):
@@ -57,6 +61,22 @@ class Sharded(Distributed):
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model
+
+    @property
+    def overflow_group(self):
+        """Every rank unscales its own shards, so all must agree on an overflow."""
+        return dist.group.WORLD
+
+    @contextlib.contextmanager
+    def gradient_sync(self, *, last: bool):
+        """FSDP2 reduce-scatters in the last pass of an accumulated step only."""
+        if not last:
+            self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            if not last:
+                self.model.set_requires_gradient_sync(True)
 
     def setup(self, model, make_optimizer, make_scheduler) -> None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -115,17 +135,17 @@ class Sharded(Distributed):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
         set_model_state_dict(self.model, state["model"], options=_full())
         names, saved = self.parameter_names, state["optimizer"]
+        if len(saved["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"it has {len(saved['param_groups'])} parameter group(s), this run "
+                             f"{len(self.optimizer.param_groups)} (--no-decay-norms-and-biases or param_groups= "
+                             f"differ)")
         named = {"state": {names[i]: value for i, value in saved["state"].items()},
-                 "param_groups": [dict(group, params=[names[i] for i in group["params"]])
-                                  for group in saved["param_groups"]]}
+                 "param_groups": [dict(group, params=[names[i] for i in group["params"]], **keep_speed(mine))
+                                  for group, mine in zip(saved["param_groups"], self.optimizer.param_groups)]}
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=named, options=_full())
         self.scheduler.load_state_dict(state["scheduler"])
 
 
 def _optimizer_slots(optimizer) -> int:
-    group = optimizer.param_groups[0]
-    if isinstance(optimizer, torch.optim.Adam):
-        return 2
-    if isinstance(optimizer, torch.optim.RMSprop):
-        return 1 + bool(group.get("momentum"))
-    return 1 if group.get("momentum") else 0
+    """State tensors per parameter, counted on a probe of the same class and settings."""
+    return state_slots(type(optimizer), optimizer.defaults)

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from polytrain.scaling.auto import steady_name
 from processes import polytrain
 
 pytestmark = pytest.mark.multiprocess
@@ -54,9 +55,9 @@ def test_auto_takes_the_fastest_strategy_the_bench_measured(bench_run, tmp_path)
     _, document, out = bench_run
     measured = {r["strategy"]: r["step_seconds"] for r in document["rows"]
                 if r["device"] == "cpu" and r["devices"] == 2 and not r["skipped"]}
-    fastest = min(measured, key=measured.get)
+    fastest = steady_name(measured)               # or the simpler of two within 10% of each other
     result = polytrain("train", "--model", "mlp", "--devices", "2", "--batch-size", "30", "--epochs", "1",
                        "--max-steps", "2", "--device", "cpu", "--plan", out / "bench.json", "--out", tmp_path / "run")
     assert result.returncode == 0, result.stderr
-    assert f"--strategy auto: {fastest} on 2 cpu device(s), measured fastest" in result.stdout
+    assert f"--strategy auto: {fastest} on 2 cpu device(s), measured " in result.stdout
     assert json.loads((tmp_path / "run" / "config.json").read_text())["strategy"] == fastest

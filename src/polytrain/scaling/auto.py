@@ -1,6 +1,7 @@
 """`--strategy auto` on several devices: every synchronous strategy trains the same model, so the choice
 is only about speed and memory. The cost model predicts each one's step from a few seconds of measurement in
-this process (or from a `polytrain bench` file given with `--plan`), and the fastest that fits is used.
+this process (or from a `polytrain bench` file given with `--plan`), and the fastest that fits is used, unless
+a simpler one is predicted within 10% of it (data parallelism first): the same machine chooses the same way.
 """
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ from ..errors import ConfigError, first_line
 from ..plan import costmodel
 from ..plan.pipeline import default_microbatches
 
-SLOTS = {"sgd": 1, "adam": 2, "rmsprop": 1}      # optimizer state tensors per weight (sgd: with momentum)
-# Another strategy replaces data parallelism only when predicted this much faster: measurements move by
+SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}   # optimizer state tensors per weight (sgd: momentum)
+# A strategy replaces a simpler one only when predicted at least this much faster: measurements move by
 # several percent from run to run, and the same settings should choose the same strategy.
 PREFER_DATA = 1.10
+# Each quantity auto needs is timed in at least this many rounds, interleaved, over at least this many seconds,
+# and keeps its fastest (timing.py): the longer the rounds span, the likelier each meets a quiet moment. On a
+# loaded 2-core machine 2 s chose data parallelism for LeNet in 19 of 20 runs (the median of 3 steps in a row:
+# 8 of 12), at the cost of 2 s before the workers start.
+AUTO_REPEATS, AUTO_SECONDS = 3, 2.0
+SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline")    # ties go to the earlier
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -52,16 +59,34 @@ def candidates(model, work: costmodel.Workload, devices: int, *, device_type: st
 def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device_type: str, refused: dict,
          available: float, optimizer: str = "sgd",
          message_costs: Optional[dict] = None) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
-    """(the fastest prediction that can run and fits, every prediction, which fit) — pure numbers."""
+    """(the prediction `steady_choice` takes among those that can run and fit, every prediction, which fit) —
+    pure numbers."""
     from .workload import predictions_for
     predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
-    best = costmodel.choose(predictions, fits=fits)
-    data = predictions["data"]
-    if best is not None and fits["data"] and best.step_seconds * PREFER_DATA > data.step_seconds:
-        best = data                      # a near tie: the common choice, and the same one run after run
-    return best, predictions, fits
+    return steady_choice(predictions, fits=fits), predictions, fits
+
+
+def steady_choice(predictions: Dict[str, costmodel.Prediction], *, fits: Optional[Dict[str, bool]] = None,
+                  margin: float = PREFER_DATA) -> Optional[costmodel.Prediction]:
+    """The simplest strategy (data parallelism first, `SIMPLEST_FIRST`) that fits and that no fitting strategy
+    is predicted to beat by `margin`: a near tie goes to the common choice, and the same one run after run."""
+    name = steady_name({name: p.step_seconds for name, p in predictions.items()
+                        if fits is None or fits.get(name, False)}, margin=margin)
+    return predictions[name] if name is not None else None
+
+
+def steady_name(seconds: Dict[str, float], *, margin: float = PREFER_DATA) -> Optional[str]:
+    """Of strategies and their step times, the first in `SIMPLEST_FIRST` order that none is `margin` faster
+    than (None for none)."""
+    finite = {name: value for name, value in seconds.items() if not math.isnan(value)}
+    if not finite:
+        return None
+    fastest = min(finite.values())
+    order = sorted(finite, key=lambda name: SIMPLEST_FIRST.index(name) if name in SIMPLEST_FIRST
+                   else len(SIMPLEST_FIRST))
+    return next((name for name in order if finite[name] < fastest * margin), min(finite, key=finite.get))
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
@@ -76,7 +101,7 @@ def describe(best, predictions: dict, one_device: float, *, devices: int, kind: 
 
 def choose_strategy(config, model, dataset, objective, *, device: torch.device, channels_last: bool) -> Tuple[str, str]:
     """(strategy name, the line that says why) for `--strategy auto` with several devices."""
-    from .workload import measure_link, measure_workload
+    from .workload import measure
     n = config.devices
     costs = None
     if config.plan:
@@ -87,9 +112,10 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
             return measured
     else:
         try:
-            work = measure_workload(model, dataset, objective, batch_size=config.batch_size, device=device,
-                                    devices=[n], repeats=3, channels_last=channels_last, plain=channels_last)
-            (link, _), source = measure_link(device), "a few seconds of measurement"
+            work, (link, _) = measure(model, dataset, objective, batch_size=config.batch_size, device=device,
+                                      devices=[n], repeats=AUTO_REPEATS, channels_last=channels_last,
+                                      plain=channels_last, link=True, min_seconds=AUTO_SECONDS)
+            source = "a few seconds of measurement"
         except Exception as error:          # a model the probe cannot drive: train as before, say why
             return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
                             f"--strategy to choose)")
@@ -118,19 +144,25 @@ def _load(path: str) -> dict:
 
 
 def measured_choice(path: str, *, device_type: str, devices: int, batch_size: int) -> Optional[Tuple[str, str]]:
-    """The fastest strategy the bench file measured at exactly this device kind, count and batch."""
+    """The strategy the bench file measured fastest at exactly this device kind, count and batch (a simpler one
+    within `PREFER_DATA` of it, as `steady_choice` takes)."""
     rows = [r for r in _load(path)["rows"] if isinstance(r, dict) and r.get("device") == device_type
             and r.get("devices") == devices and r.get("batch_size") == batch_size and not r.get("skipped")
             and r.get("strategy") != "single"]
     try:
-        best = min(rows, key=lambda r: float(r["step_seconds"]), default=None)
+        seconds = {str(r["strategy"]): float(r["step_seconds"]) for r in rows}
     except (KeyError, TypeError, ValueError):
         raise ConfigError(f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain "
                           f"bench") from None
-    if best is None:
+    name = steady_name(seconds)
+    if name is None:
         return None
-    return best["strategy"], (f"--strategy auto: {best['strategy']} on {devices} {device_type} device(s), measured "
-                              f"fastest at {best['step_seconds'] * 1e3:.1f} ms/step in {path}")
+    fastest = min(seconds, key=seconds.get)
+    line = f"--strategy auto: {name} on {devices} {device_type} device(s), measured "
+    if name == fastest:
+        return name, line + f"fastest at {seconds[name] * 1e3:.1f} ms/step in {path}"
+    return name, line + (f"at {seconds[name] * 1e3:.1f} ms/step in {path}, within {PREFER_DATA - 1:.0%} of "
+                         f"{fastest} ({seconds[fastest] * 1e3:.1f}), the simpler kept")
 
 
 def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmodel.Workload, costmodel.Link, str]:

@@ -24,6 +24,7 @@ from ..plan import costmodel
 from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
 from ..runtime.worker import Job, choose_device
+from .auto import steady_choice
 from .workload import measure_link, measure_workload, predictions_for, turns
 
 PHASES = ("compute", "communication", "data", "idle")
@@ -90,6 +91,7 @@ class Row:
     fitted: bool = False                       # its strategy's cost per message was fitted to this row
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
     link: dict = field(default_factory=dict)   # message bytes -> seconds of an all-reduce over the ranks
+    warning: str = ""                          # why its figures cannot be right (see `impossible`)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -232,6 +234,18 @@ def fill_speedups(rows: List[Row]) -> None:
         if not row.skipped and row.key in base:
             row.speedup = base[row.key] / row.step_seconds
             row.efficiency = row.speedup / row.devices
+            row.warning = impossible(row)
+
+
+def impossible(row: Row) -> str:
+    """Why a row's efficiency cannot be right, or "": CPU processes share the cores one device already had, so
+    n of them cannot run a step more than n times faster; above 100% the one-device row was slowed (most likely
+    by other programs on the machine while it ran)."""
+    if row.device != "cpu" or row.devices < 2 or not row.efficiency > 1.0:
+        return ""
+    return (f"efficiency {row.efficiency:.0%} cannot be a real speed-up: {row.devices} CPU processes share the "
+            f"cores that one device had to itself, so the one-device row (the baseline) was slowed, most likely by "
+            f"other load; run again on an idle machine, or with --repeats 3")
 
 
 @dataclass
@@ -298,6 +312,6 @@ def project(options: BenchOptions, workloads: dict, links: dict, message_costs: 
                 continue
             predictions = predictions_for(work, links[kind], devices=n, kind=kind,
                                           message_costs=(message_costs or {}).get(kind))
-            best = costmodel.choose(predictions)
+            best = steady_choice(predictions)              # as --strategy auto would
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

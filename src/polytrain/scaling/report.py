@@ -45,7 +45,13 @@ def table(rows: List[Row]) -> List[str]:
             predicted = f"{row.predicted_seconds * 1e3:.1f} ({'fitted' if row.fitted else f'{error:+.0%}'})"
         memory = row.peak_bytes or row.held_bytes
         lines.append(what + f"{row.samples_per_second:>10,.0f} {row.step_seconds * 1e3:>8.2f} {row.speedup:>6.2f}x "
-                            f"{row.efficiency:>5.0%} {_mib(memory):>8}  {shares} {predicted:>14}")
+                            f"{row.efficiency:>5.0%}{'!' if row.warning else ' '}{_mib(memory):>8}  {shares} "
+                            f"{predicted:>14}")
+    flagged = [row for row in rows if row.warning and not row.skipped]
+    if flagged:
+        lines.append("")
+    for row in flagged:
+        lines.append(f"! {row.strategy} on {row.devices} {row.device}, batch {row.batch_size}: {row.warning}")
     return lines
 
 

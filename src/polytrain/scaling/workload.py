@@ -5,17 +5,15 @@ ranks (gloo over loopback between two process groups of this process; on GPUs, a
 Where the N "devices" are CPU processes of this machine they share its cores: each gets cores/N threads
 (polytrain's workers do the same), and beyond one process per core they take turns. The N slices are timed
 at once, in N threads, under those conditions, so the prediction for N processes is for this machine.
+Every quantity is timed in rounds interleaved with the others' and keeps its fastest round (timing.py): load
+from other programs only adds time, and a busy machine should predict, and choose, as an idle one does.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import statistics
-import threading
-import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,6 +21,7 @@ import torch.nn as nn
 from ..runtime.hostenv import usable_cores
 from ..plan.costmodel import Link, Prediction, Workload, predict_all
 from ..plan.pipeline import default_microbatches
+from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 
 LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 ASSUMED_GPU_LINK = Link(alpha=10e-6, beta=100e9)        # NVLink-class; used only where no link can be measured
@@ -83,108 +82,103 @@ def cpu_threads(devices: int, cores: Optional[int] = None) -> int:
     return max(1, (cores or usable_cores()) // devices)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_passes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *, device: torch.device,
-                repeats: int = 5, channels_last: bool = False, warm: bool = True) -> Tuple[float, float]:
-    """Median seconds of (forward + backward, SGD-with-momentum update) of `model` on one batch, after one
-    untimed step (`warm`)."""
-    model = model.to(device)
-    x, y = x.to(device), y.to(device)
-    if channels_last:
-        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
-    passes, updates = [], []
-    for _ in range(repeats + (1 if warm else 0) or 1):
-        _synchronize(device)
-        began = time.perf_counter()
-        loss = objective.loss_sum(model(x), y) / len(y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        _synchronize(device)
-        middle = time.perf_counter()
-        optimizer.step()
-        _synchronize(device)
-        passes.append(middle - began)
-        updates.append(time.perf_counter() - middle)
-    skip = 1 if warm else 0
-    return statistics.median(passes[skip:]), statistics.median(updates[skip:])
-
-
-def time_concurrently(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *, copies: int,
-                      repeats: int = 5, channels_last: bool = False) -> float:
-    """Forward + backward of `copies` replicas at once, each in its own thread on its own batch, as that many
-    CPU processes would run them on this machine's shared cores (contending for cores, caches and memory
-    bandwidth, and taking turns beyond one per core): the slowest replica's median, which a synchronous step
-    waits for. Torch's operators release the GIL, so the threads compute in parallel."""
-    import copy
-    start, times, errors = threading.Barrier(copies), [None] * copies, []
-
-    def replica(index: int) -> None:
-        try:
-            own = copy.deepcopy(model)
-            for _ in range(repeats + 1):
-                start.wait(timeout=120)
-                times[index] = times[index] or []
-                times[index].append(time_passes(own, x, y, objective, device=torch.device("cpu"), repeats=0,
-                                                channels_last=channels_last, warm=False)[0])
-        except Exception as error:              # reported below, in the measuring thread
-            errors.append(error)
-            start.abort()
-
-    workers = [threading.Thread(target=replica, args=(i,), daemon=True) for i in range(copies)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if errors:
-        raise errors[0]
-    return max(statistics.median(t[1:]) for t in times)
-
-
 def measure_workload(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
                      devices: Iterable[int], repeats: int = 5, channels_last: bool = False,
                      plain: bool = False) -> Workload:
     """One device's step at `batch_size`, and each count's replica slice and pipeline micro-batch, timed as
     they would run: on CPU processes, all slices at once on the cores they share. With `channels_last` and
     `plain`, the same again in the default memory format (`Workload.plain`), for the strategies that train in it."""
-    measure = partial(_measure_format, model, dataset, objective, batch_size=batch_size, device=device,
-                      devices=list(devices), repeats=repeats)
-    work = measure(channels_last=channels_last)
-    return dataclasses.replace(work, plain=measure(channels_last=False)) if channels_last and plain else work
+    return measure(model, dataset, objective, batch_size=batch_size, device=device, devices=devices,
+                   repeats=repeats, channels_last=channels_last, plain=plain)[0]
 
 
-def _measure_format(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
-                    devices: Iterable[int], repeats: int, channels_last: bool) -> Workload:
-    import copy
-    model = copy.deepcopy(model)
+def measure(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device, devices: Iterable[int],
+            repeats: int = 5, channels_last: bool = False, plain: bool = False, link: bool = False,
+            min_seconds: float = 0.0) -> Tuple[Workload, Optional[Tuple[Link, str]]]:
+    """`measure_workload`, and with `link` the link as `measure_link` gives it, every quantity timed in at least
+    `repeats` interleaved rounds spanning at least `min_seconds`, each count's apart; each keeps its fastest."""
+    formats = (channels_last, False) if channels_last and plain else (channels_last,)
     x, y = sample_batch(dataset, batch_size)
-    whole, update = time_passes(model, x, y, objective, device=device, repeats=repeats, channels_last=channels_last)
-    replica, micro = {}, {}
-    for n in sorted(set(devices)):
-        if n < 2:
-            continue
-        m = default_microbatches(batch_size, n)
-        if device.type == "cpu":
-            with threads(cpu_threads(n)):
-                timed = partial(time_concurrently, model, objective=objective, copies=n, repeats=repeats,
-                                channels_last=channels_last)
-                if batch_size % n == 0:
-                    replica[n] = timed(x[:batch_size // n], y[:batch_size // n])
-                micro[n] = timed(x[:batch_size // m], y[:batch_size // m])
-        else:                                  # each GPU computes alone
-            timed = partial(time_passes, model, objective=objective, device=device, repeats=repeats,
-                            channels_last=channels_last)
-            if batch_size % n == 0:
-                replica[n] = timed(x[:batch_size // n], y[:batch_size // n])[0]
-            micro[n] = timed(x[:batch_size // m], y[:batch_size // m])[0]
-    return Workload(compute_seconds=whole + update, parameter_bytes=parameter_bytes(model), batch_size=batch_size,
-                    update_seconds=update, layers=parameter_layers(model),
-                    boundary_bytes=boundary_bytes(model.to("cpu", memory_format=torch.contiguous_format), x[:1].cpu()),
-                    replica_seconds=replica, microbatch_seconds=micro)
+    samples: Dict[tuple, list] = {}
+    with ExitStack() as whole_run:
+        probes, how = {}, None
+        if link:
+            link_probe, how = _link_probe(device, whole_run)
+            if link_probe is not None:
+                probes["link"] = link_probe
+        for n in sorted(n for n in set(devices) if n >= 2) or [None]:
+            with ExitStack() as group:
+                for memory_format in formats:
+                    probes.update(_probes(model, x, y, objective, n, device=device, channels_last=memory_format,
+                                          stack=group))
+                found = interleave(probes, rounds=repeats, min_seconds=min_seconds)
+                for key, values in found.items():
+                    samples.setdefault(key, []).extend(values)
+            probes = {key: probe for key, probe in probes.items() if key == "link"}
+    works = [_workload(samples, memory_format, model=model, x=x, batch_size=batch_size) for memory_format in formats]
+    work = dataclasses.replace(works[0], plain=works[1]) if len(works) == 2 else works[0]
+    if not link:
+        return work, None
+    if "link" not in samples:
+        return work, (ASSUMED_GPU_LINK, how)
+    return work, (_fit(low_by_key(samples["link"]), two_rank_allreduce=device.type == "cpu"), how)
+
+
+def _probes(model: nn.Module, x, y, objective, n: Optional[int], *, device: torch.device, channels_last: bool,
+            stack: ExitStack) -> Dict[tuple, Callable]:
+    """What one round times in one memory format: one device's whole batch, and for `n` devices the replica
+    slice (where the batch divides) and the pipeline's micro-batch, side by side on CPUs."""
+    import copy
+    own = copy.deepcopy(model)
+    whole = Step(own, x, y, objective, device=device, channels_last=channels_last)
+    probes: Dict[tuple, Callable] = {(channels_last, "whole"): whole}
+    if n is None:
+        return probes
+    sizes = {"micro": len(x) // default_microbatches(len(x), n)}
+    if len(x) % n == 0:
+        sizes["replica"] = len(x) // n
+    if device.type == "cpu":                   # n processes at once on the cores they share
+        side = stack.enter_context(_side_by_side(model, x, y, objective, list(sizes.values()), copies=n,
+                                                 channels_last=channels_last))
+        for which, what in enumerate(sizes):
+            probes[(channels_last, what, n)] = partial(_slowest, side, which, cpu_threads(n))
+    else:                                      # each GPU computes alone
+        for what, size in sizes.items():
+            step = Step(own, x[:size], y[:size], objective, device=device, channels_last=channels_last)
+            probes[(channels_last, what, n)] = partial(lambda step: step()[0], step)
+    return probes
+
+
+def _side_by_side(model: nn.Module, x, y, objective, sizes: List[int], *, copies: int,
+                  channels_last: bool) -> Together:
+    """`copies` replicas, each in its own thread on its own copy: a call `side(i)` steps all of them at once on
+    the first `sizes[i]` samples, as that many CPU processes would on this machine's shared cores."""
+    import copy
+
+    def setup(_):
+        own = copy.deepcopy(model)
+        steps = [Step(own, x[:size], y[:size], objective, device=torch.device("cpu"), channels_last=channels_last)
+                 for size in sizes]
+        return lambda which: steps[which]()[0]
+    return Together(copies, setup)
+
+
+def _slowest(side: Together, which: int, count: int) -> float:
+    """The slowest replica's pass, which a synchronous step waits for, with each replica on `count` threads."""
+    with threads(count):
+        return max(side(which))
+
+
+def _workload(samples: Dict[tuple, list], memory_format: bool, *, model: nn.Module, x, batch_size: int) -> Workload:
+    import copy
+    passes, updates = zip(*samples[(memory_format, "whole")])
+    timed = {what: {key[2]: low(values) for key, values in samples.items()
+                    if key != "link" and key[0] == memory_format and key[1] == what} for what in ("replica", "micro")}
+    plain_model = copy.deepcopy(model).to("cpu", memory_format=torch.contiguous_format)
+    return Workload(compute_seconds=low(passes) + low(updates), parameter_bytes=parameter_bytes(model),
+                    batch_size=batch_size, update_seconds=low(updates), layers=parameter_layers(model),
+                    boundary_bytes=boundary_bytes(plain_model, x[:1].cpu()),
+                    replica_seconds=timed["replica"], microbatch_seconds=timed["micro"])
 
 
 def turns(devices: int, *, device_type: str, cores: Optional[int] = None) -> float:
@@ -209,63 +203,30 @@ def predictions_for(work: Workload, link: Link, *, devices: int, kind: str,
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:
-    """The link between two ranks, fitted to timed messages, and how it was obtained."""
+    """The link between two ranks, fitted to timed messages (each size's fastest of `repeats`), and how it was
+    obtained."""
+    with ExitStack() as stack:
+        probe, how = _link_probe(device, stack)
+        if probe is None:
+            return ASSUMED_GPU_LINK, how
+        timed = interleave({"link": probe}, rounds=repeats)["link"]
+    return _fit(low_by_key(timed), two_rank_allreduce=device.type == "cpu"), how
+
+
+def _link_probe(device: torch.device, stack: ExitStack) -> Tuple[Optional[Callable], str]:
+    """A callable timing one message of each of LINK_SIZES (None where no link can be measured), and what it
+    measures."""
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
-            return ASSUMED_GPU_LINK, ("assumed (one GPU here, no link to measure): "
-                                      f"{ASSUMED_GPU_LINK.alpha * 1e6:.0f} us, {ASSUMED_GPU_LINK.beta / 1e9:.0f} GB/s")
-        return _fit(_gpu_copies(repeats)), "measured: copies between GPU 0 and GPU 1"
-    return _fit(_gloo_allreduces(repeats), two_rank_allreduce=True), "measured: gloo all-reduce over loopback"
+            return None, ("assumed (one GPU here, no link to measure): "
+                          f"{ASSUMED_GPU_LINK.alpha * 1e6:.0f} us, {ASSUMED_GPU_LINK.beta / 1e9:.0f} GB/s")
+        return gpu_copies(LINK_SIZES), "measured: copies between GPU 0 and GPU 1"
+    pair = stack.enter_context(gloo_pair(LINK_SIZES))
+    return (lambda: {size: max(r[size] for r in pair()) for size in LINK_SIZES}), \
+        "measured: gloo all-reduce over loopback"
 
 
 def _fit(samples: Dict[int, float], *, two_rank_allreduce: bool = False) -> Link:
     fitted = Link.fit(list(samples), list(samples.values()), relative=True)
     # a two-rank ring all-reduce takes S/B + 2 alpha: the fitted intercept is two messages' latency
     return Link(alpha=fitted.alpha / 2, beta=fitted.beta) if two_rank_allreduce else fitted
-
-
-def _gloo_allreduces(repeats: int) -> Dict[int, float]:
-    import torch.distributed as dist
-    store, results, errors = dist.HashStore(), {}, []
-
-    def rank(index: int) -> None:
-        try:
-            group = dist.ProcessGroupGloo(store, index, 2, datetime.timedelta(seconds=60))
-            timings = {}
-            for size in LINK_SIZES:
-                tensor = torch.ones(size // 4)
-                for _ in range(2):
-                    group.allreduce([tensor]).wait()
-                times = []
-                for _ in range(repeats):
-                    began = time.perf_counter()
-                    group.allreduce([tensor]).wait()
-                    times.append(time.perf_counter() - began)
-                timings[size] = statistics.median(times)
-            results[index] = timings
-        except Exception as error:          # reported below, in the measuring thread
-            errors.append(error)
-
-    workers = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(2)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    if errors or len(results) < 2:
-        raise RuntimeError(f"measuring the loopback link failed: {errors[0] if errors else 'timed out'}")
-    return {size: max(results[0][size], results[1][size]) for size in LINK_SIZES}
-
-
-def _gpu_copies(repeats: int) -> Dict[int, float]:
-    timings = {}
-    for size in LINK_SIZES:
-        source = torch.ones(size // 4, device="cuda:0")
-        times = []
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize("cuda:0")
-            began = time.perf_counter()
-            source.to("cuda:1")
-            torch.cuda.synchronize("cuda:1")
-            times.append(time.perf_counter() - began)
-        timings[size] = statistics.median(times[1:])
-    return timings

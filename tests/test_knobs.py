@@ -179,3 +179,44 @@ def test_a_resume_may_change_the_accumulation_and_continues_the_same_training(tm
     polytrain.fit(stopped, data, out=str(tmp_path / "run"), max_steps=7, **settings)    # epoch 2, step 2
     polytrain.fit(resumed, data, resume=str(tmp_path / "run"), accumulate=4, **settings)
     assert_same_weights(resumed, straight, 1e-5)
+
+
+def test_fp16_with_parameters_that_got_no_gradient_steps_without_them():
+    frozen, used = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([frozen], lr=0.1)            # e.g. a pipeline stage of frozen layers
+    gradients = Gradients(device=torch.device("cpu"), fp16=True, clip_norm=1.0)
+    scale = gradients.scaler.get_scale()
+    gradients.step(optimizer, [frozen])
+    assert torch.equal(frozen.detach(), torch.ones(2)) and gradients.scaler.get_scale() == scale
+    assert used.grad is None
+
+
+def test_the_epochs_figures_and_the_scale_survive_a_checkpoint():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    before = Gradients(device=torch.device("cpu"), fp16=True, clip_norm=0.1)
+    for grad in ([float("inf"), 1.0], [3.0, 4.0]):
+        weight.grad = torch.tensor(grad) * before.scaler.get_scale()
+        before.step(optimizer, [weight])
+    after = Gradients(device=torch.device("cpu"), fp16=True, clip_norm=0.1)
+    after.load_state_dict(before.state_dict())
+    assert after.scaler.get_scale() == before.scaler.get_scale()
+    assert after.epoch_figures() == before.epoch_figures()
+
+
+@pytest.mark.parametrize("metric, mode", [("val_loss", "min"), ("val_mae", "min"), ("val_rmse", "min"),
+                                          ("val_perplexity", "min"), ("val_acc", "max"), ("val_f1", "max")])
+def test_the_monitor_minimises_losses_and_errors_and_maximises_scores(metric, mode):
+    from polytrain.callbacks import monitor_mode
+    assert monitor_mode(metric) == mode
+
+
+@pytest.mark.parametrize("settings, words", [
+    (dict(optimizer="adamw", momentum=0.5), "momentum= does not apply to AdamW"),
+    (dict(schedule="steplr", schedule_args="step_size=1", warmup_epochs=1.0), "warmup_epochs= belongs to"),
+    (dict(strategy="pipeline", devices=2, accumulate=3), "accumulate=3 runs 8 x 3 = 24 micro-batches"),
+])
+def test_settings_the_optimizer_schedule_or_pipeline_would_not_honour_are_one_line(settings, words):
+    with pytest.raises(UserError, match=words) as error:
+        polytrain.fit("lenet", "mnist-sample", verbose=False, **settings)
+    assert "\n" not in str(error.value)

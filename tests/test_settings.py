@@ -62,7 +62,8 @@ def test_the_resume_rules_come_from_the_declarations():
     assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "pipeline_stages",
                                              "timeline"),
                                 "sharded": ("cpu_offload",), "parameter-server": ("servers", "server_device",
-                                                                                   "staleness")}
+                                                                                   "staleness"),
+                                "tensor": ("tensor_plan",)}
 
 
 @pytest.mark.parametrize("values, message", [

@@ -48,7 +48,8 @@ def test_fit_equals_a_hand_written_loop(optimizer, lr, n_train):
     epochs = 2 if optimizer == "sgd" else 1
     losses = hand_written(reference, data, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
                           optimizer=optimizer)
-    history = polytrain.fit(model, data, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
+    momentum = {"momentum": 0.9} if optimizer == "sgd" else {}       # Adam takes none: refused if given
+    history = polytrain.fit(model, data, epochs=epochs, batch_size=32, lr=lr, weight_decay=5e-4, **momentum,
                             optimizer=optimizer, schedule="constant", warmup_epochs=0, device="cpu", verbose=False)
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(ours, theirs, atol=1e-6 if optimizer == "sgd" else 1e-5, rtol=0)

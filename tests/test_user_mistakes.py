@@ -70,7 +70,7 @@ def test_errors_from_python_speak_of_keywords_not_flags(settings, words):
 def test_dataset_options_the_dataset_does_not_read_are_refused(capsys):
     err = one_line_error(capsys, ["train", "--data-dir", "/data/mnist"])
     assert err == ("polytrain: error: --data-dir is not used by --dataset mnist-sample; drop it, or choose a "
-                   "dataset that uses it (mnist, fashion-mnist, cifar10, folder)\n")
+                   "dataset that uses it (mnist, fashion-mnist, cifar10, folder, text)\n")
     err = one_line_error(capsys, ["train", "--dataset", "mnist", "--synthetic-size", "10", "--download"])
     assert "--synthetic-size is not used by --dataset mnist" in err
     with pytest.raises(UserError, match="data_dir= is not used with dataset 'synthetic'"):

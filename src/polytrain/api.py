@@ -18,6 +18,7 @@ import torch.nn as nn
 from .callbacks import check_callbacks, check_monitor
 from .checkpoint import atomic_write_bytes, load_weights
 from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig, replicas
+from .config.flags import refuse_ignored
 from .config.train import apply_micro_batch_size
 from .config.names import foreign, nearest
 from .config.settings import INPUTS
@@ -28,7 +29,8 @@ from .runtime.hostenv import launcher_env
 from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output
-from .optim import defaults_line, make_recipe, take_objects
+from .models.defaults import apply_model_defaults, defaults_words
+from .optim import FROM_PYTHON, defaults_line, describe, make_recipe, take_objects
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset, make_objective,
                       oversized_batch_note, split_data)
@@ -70,6 +72,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         dataset = dataset_pair(train, val, model=model or config.model, objective=objective, config=config)
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
+    if getattr(dataset, "kind", "classification") != "classification":      # text: next-token cross-entropy
+        objective = make_objective(config, loss, metrics, kind=dataset.kind)
+        check_monitor(config.monitor, objective.names)
     check_sizes(dataset, config)
     note = oversized_batch_note(dataset, config)
     if verbose and note and (launcher is None or launcher.rank == 0):
@@ -78,8 +83,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         print(f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}")
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
-    module = build_model(model or config.model, dataset.input_shape, dataset.num_classes) if registry_model \
-        else model
+    module = build_model(model or config.model, dataset.input_shape, dataset.num_classes, config) \
+        if registry_model else model
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
@@ -120,8 +125,12 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
                         device_type=resolved_device_type(config.device), custom_model=not registry_model,
                         custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names),
                         strategy_plan=plan_record(plan))
+        if callable(settings.get("tensor_plan")):       # a function from Python: recorded by its name
+            settings["tensor_plan"] = describe(settings["tensor_plan"]) + FROM_PYTHON
         if getattr(dataset, "classes", None):
             settings["classes"] = list(dataset.classes)
+        if getattr(dataset, "vocab", None):
+            settings["vocab"] = "".join(dataset.vocab)      # `polytrain generate` decodes with it
         skipped = getattr(dataset, "skipped", None)
         if skipped:
             settings["skipped_files"] = len(skipped)
@@ -183,21 +192,23 @@ def plan_record(plan) -> Optional[dict]:
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
         train=None, val=None, loss=None, metrics=None, logger=None, callbacks=None,
         optimizer=None, scheduler=None, param_groups=None,
-        epochs: int = 5, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
+        epochs: Optional[int] = None, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
         resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 
-    `data` is a dataset name (default "mnist-sample"), an `ArrayDataset` or (train_x, train_y, val_x, val_y)
-    uint8 tensors, all kept on the device; or pass `train=` and `val=` `torch.utils.data.Dataset`s of
-    (input, target) pairs, read by `num_workers=` loader processes in the same global sample order.
+    `data` is a dataset name (default "mnist-sample"; "shakespeare" or "text" for a language model such as
+    "gpt"), an `ArrayDataset` or (train_x, train_y, val_x, val_y) uint8 tensors, all kept on the device;
+    or pass `train=` and `val=` `torch.utils.data.Dataset`s of (input, target) pairs, read by `num_workers=`
+    loader processes in the same global sample order.
     `loss=fn(outputs, targets)` returns the batch *mean* (as PyTorch's losses do by default) for any
     objective; without it the objective is classification (cross-entropy, with accuracy).
     `metrics={"name": fn(outputs, targets)}` returns per-sample values or the batch mean.
     `logger="tensorboard"`, `"csv"` (or a list, or objects with `log_metrics(metrics, step)`) add loggers.
-    Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...). `optimizer=` also
-    takes a torch.optim class or fn(params_or_groups) -> Optimizer, `scheduler=` an lr_scheduler class or
-    fn(optimizer) -> scheduler (or {"scheduler": s, "interval": "step"|"epoch"}), `param_groups=fn(name,
-    parameter) -> dict` of group options (equal dicts share a group). The module is
+    Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...); a registry model may
+    bring its own defaults for those not given (`"gpt"`: AdamW, cosine, ...; printed; `epochs=` is 5 otherwise).
+    `optimizer=` also takes a torch.optim class or fn(params_or_groups) -> Optimizer, `scheduler=` an
+    lr_scheduler class or fn(optimizer) -> scheduler (or {"scheduler": s, "interval": "step"|"epoch"}),
+    `param_groups=fn(name, parameter) -> dict` of group options (equal dicts share a group). The module is
     trained in place. With `devices > 1` the module, data and loss are pickled to the worker processes:
     define them in an importable module (not a notebook cell, not a lambda) so the workers can unpickle them.
     `callbacks=[obj, ...]`: objects with any of `on_fit_start`, `on_epoch_start`, `on_step_end`,
@@ -228,7 +239,13 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
         names, loggers = split_logger_argument(logger)
         if names:
             settings["logger"] = names
-        config = TrainConfig(epochs=epochs, devices=devices, strategy=strategy, out=out or resume, **settings)
+        if epochs is not None:
+            settings["epochs"] = epochs
+        applied = apply_model_defaults(settings, set(settings), model if isinstance(model, str) else None)
+        if verbose and applied and not resume and (launcher_env() is None or launcher_env().rank == 0):
+            print(defaults_words(model, applied), flush=True)
+        config = TrainConfig(devices=devices, strategy=strategy, out=out or resume, **settings)
+        refuse_ignored(config, settings)
         if verbose and isinstance(model, nn.Module) and not {"optimizer", "lr", "weight_decay", "schedule"} & \
                 set(settings) and (launcher_env() is None or launcher_env().rank == 0):
             print(defaults_line(config), flush=True)      # a ported recipe is never changed silently
@@ -308,7 +325,7 @@ def load_run(run_dir, *, weights: str = "final") -> tuple:
     how = ("strategy", *STRATEGY_FLAGS, "logger")      # how it trained does not matter to the weights
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     dataset = load_dataset(config.dataset, **dict(dataset_settings(config), download=False))
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
+    model = build_model(config.model, dataset.input_shape, dataset.num_classes, config)
     load_weights(path, model)
     return config, dataset, model
 
@@ -323,6 +340,8 @@ def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: in
         model, dataset = run_or_model, None
     else:
         _, dataset, model = load_run(run_or_model, weights=weights)
+        if getattr(dataset, "kind", "classification") != "classification" and loss is None:
+            objective = make_objective(TrainConfig(), loss, metrics, kind=dataset.kind)
     if is_torch_dataset(data):
         config = TrainConfig(num_workers=num_workers)
         dataset = dataset_pair(data, data, model=model, objective=objective, config=config, names=("data", "data"))

@@ -83,6 +83,17 @@ def check_monitor(metric: str, metric_names) -> None:
                           f"{', '.join(available)}")
 
 
+# Figures where lower is better besides losses: errors and perplexity (Keras' `auto` mode minimises all but
+# accuracies; the rule here also maximises a user's own score, such as val_f1 or val_iou).
+LOWER_IS_BETTER = ("loss", "error", "err", "mae", "mse", "rmse", "perplexity", "ppl", "cer", "wer")
+
+
+def monitor_mode(metric: str) -> str:
+    """min for losses, errors and perplexity; max for everything else (accuracy, F1, IoU, ...)."""
+    words = metric.lower().replace("-", "_").split("_")
+    return "min" if "loss" in metric or any(word in LOWER_IS_BETTER for word in words) else "max"
+
+
 @dataclass
 class Monitor:
     """The best value of the monitored validation figure so far, where it was, and the patience spent.
@@ -100,7 +111,7 @@ class Monitor:
     stopped: bool = False            # training stopped early here (kept, so a resume says so)
 
     def __post_init__(self):
-        self.mode = self.mode or ("min" if "loss" in self.metric else "max")
+        self.mode = self.mode or monitor_mode(self.metric)
 
     def update(self, value: float, *, epoch: int, within: int, step: int) -> bool:
         """Count one validation's value; True when it is the best so far (NaN never is)."""
@@ -153,6 +164,10 @@ def summary_line(record: dict, epochs: int) -> str:
     def side(split: str) -> str:
         return f"{split} loss {record[f'{split}_loss']:.4f}" + "".join(
             f" {name} {record[f'{split}_{name}']:.4f}" for name in names)
+    if "tokens_per_second" in record:     # a language model: loss in nats per token
+        return (f"epoch {record['epoch']}/{epochs}  {side('train')}  {side('val')} perplexity "
+                f"{record['perplexity']:.2f}  {record['epoch_seconds']:.2f}s  "
+                f"{record['tokens_per_second']:,.0f} tokens/s" + (f"  {record['note']}" if record.get("note") else ""))
     return (f"epoch {record['epoch']}/{epochs}  {side('train')}  {side('val')}  "
             f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
             + (f"  {record['note']}" if record.get("note") else ""))

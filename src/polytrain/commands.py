@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from .api import evaluate, predict, spread_indices, train_run
-from .sources import as_dataset
-from .config import (REPLANNING, RESUMABLE, SETTINGS, STRATEGY_OPTIONS, TrainConfig, options_of_other_strategies,
-                     unset_value)
+from .api import evaluate, predict, spread_indices, train_run, weights_file
+from .checkpoint import load_weights
+from .sources import as_dataset, make_objective
+from .config import (REPLANNING, RESUMABLE, SETTINGS, STRATEGY_FLAGS, STRATEGY_OPTIONS, TrainConfig,
+                     options_of_other_strategies, unset_value)
 from .config.flags import config_from_args, flag_list, parse_list
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
 from .runtime.launch import check_devices, run_job
 from .models import build_model
+from .models.gpt import generate
+from .models.defaults import defaults_words
 from .checkpoint import read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
@@ -74,8 +79,8 @@ def resume_plan(args):
                         f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
                         f"a new run with --epochs {config.epochs} (runs on --schedule constant can be extended)")
     if progress is not None and progress.epoch >= config.epochs:
-        last = progress.history[-1]["val_acc"] if progress.history else float("nan")
-        return None, (f"{run_dir} already finished its {progress.epoch} epochs (validation accuracy {last:.4f}); "
+        last = final_figures(progress.history[-1]) if progress.history else "no validation recorded"
+        return None, (f"{run_dir} already finished its {progress.epoch} epochs ({last}); "
                       f"nothing to resume. To train longer, start a new run"
                       + (f", or pass --epochs N above {progress.epoch}" if config.schedule == "constant" else ""))
     if progress is not None and config.max_steps and config.max_steps <= progress.steps_done:
@@ -93,6 +98,14 @@ def resume_plan(args):
     return (config, run_dir, record), line
 
 
+def final_figures(record: dict) -> str:
+    """How a run's last validation reads: its accuracy, or a language model's loss and perplexity."""
+    if "val_acc" in record:
+        return f"validation accuracy {record['val_acc']:.4f}"
+    words = f"validation loss {record['val_loss']:.4f}"
+    return words + (f" (perplexity {record['perplexity']:.2f})" if "perplexity" in record else "")
+
+
 def train_command(args) -> int:
     if args.resume:
         if args.config:
@@ -107,6 +120,8 @@ def train_command(args) -> int:
         history, _, run_dir = train_run(config, resume_dir=run_dir)
     else:
         config = config_from_args(args)
+        if args.model_defaults:
+            print(defaults_words(config.model, args.model_defaults), flush=True)
         history, _, run_dir = train_run(config)
     if history is not None and run_dir is not None:
         if history.stopped:
@@ -118,7 +133,7 @@ def train_command(args) -> int:
             if best:
                 at = f"epoch {best['epoch']}" + (f", step {best['step']}" if best.get("step") else "")
                 said = f"; best {best['metric']} {best['value']:.4g} at {at} (best.pt)"
-            print(f"done: validation accuracy {history.last['val_acc']:.4f}{said}; run folder {run_dir}")
+            print(f"done: {final_figures(history.last)}{said}; run folder {run_dir}")
         skipped = read_config(run_dir).get("skipped_files", 0)
         if skipped:
             print(f"skipped {skipped} unreadable image file{'s' * (skipped != 1)} (--skip-bad); they are listed "
@@ -128,7 +143,8 @@ def train_command(args) -> int:
 
 def evaluate_command(args) -> int:
     result = evaluate(resolve_run_dir(args.run_dir), device=args.device, weights=args.weights)
-    print(f"validation loss {result['loss']:.4f}  accuracy {result['acc']:.4f}  ({result['count']} samples"
+    figures = f"accuracy {result['acc']:.4f}" if "acc" in result else f"perplexity {math.exp(result['loss']):.2f}"
+    print(f"validation loss {result['loss']:.4f}  {figures}  ({result['count']} samples"
           + (", best.pt)" if args.weights == "best" else ")"))
     return 0
 
@@ -165,18 +181,22 @@ def verify_command(args) -> int:
     strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
     check_devices(config.devices, config.device)
     full = as_dataset(config.dataset, config)
-    size = min(len(full.train_y), args.steps * config.batch_size)
-    subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[:size]   # files may be sorted
-    data = ArrayDataset(full.name, full.train_x[subset], full.train_y[subset], full.val_x, full.val_y,
-                        num_classes=full.num_classes, augment=full.augment)
+    if hasattr(full, "head"):               # text: the windows of the first --steps batches
+        data = full.head(args.steps * config.batch_size)
+    else:
+        size = min(len(full.train_y), args.steps * config.batch_size)
+        subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[:size]   # files may be sorted
+        data = ArrayDataset(full.name, full.train_x[subset], full.train_y[subset], full.val_x, full.val_y,
+                            num_classes=full.num_classes, augment=full.augment)
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)
-    model = build_model(config.model, data.input_shape, data.num_classes)
+    model = build_model(config.model, data.input_shape, data.num_classes, config)
+    objective = make_objective(config, kind=getattr(data, "kind", "classification"))
     print(f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
           f"1 device vs {config.devices} device(s) with strategy {strategy!r}")
     channels_last = config.channels_last if config.channels_last is not None else \
         any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
-    common = dict(verbose=False, record_steps=True, channels_last=channels_last)
+    common = dict(verbose=False, record_steps=True, channels_last=channels_last, objective=objective)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
         print(f"  plan: {plan.describe()}")
@@ -222,5 +242,45 @@ def bench_command(args) -> int:
     return 0
 
 
+def generate_text(run_dir, *, prompt: str = "\n", tokens: int = 300, temperature: float = 1.0,
+                  top_k: Optional[int] = None, seed: int = 0, device: str = "auto", weights: str = "final") -> str:
+    """The prompt followed by `tokens` characters sampled from the run's model (`temperature` 0: always the
+    likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
+    settings = read_config(run_dir)
+    vocab = settings.get("vocab")
+    if not vocab or settings.get("custom_model"):
+        raise UserError(f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
+                        f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
+                        f"--dataset shakespeare or text")
+    if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise UserError(f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
+                        f"{tokens}, --temperature {temperature}, --top-k {top_k}")
+    unknown = sorted(set(prompt) - set(vocab))
+    if unknown:
+        raise UserError(f"the prompt holds {''.join(unknown)!r}, not in the {len(vocab)} characters this run "
+                        f"learnt; use only those (its config.json lists them under 'vocab')")
+    if not prompt:
+        prompt = "\n" if "\n" in vocab else vocab[0]
+    how = ("strategy", *STRATEGY_FLAGS, "logger")
+    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
+    check_devices(1, device)
+    dev = choose_device(device, 0)
+    model = build_model(config.model, (config.context or 64,), len(vocab), config)
+    load_weights(weights_file(run_dir, weights), model)
+    model = model.to(dev)
+    index = {char: i for i, char in enumerate(vocab)}
+    idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    out = generate(model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return prompt + "".join(vocab[i] for i in out[0, idx.shape[1]:].tolist())
+
+
+def generate_command(args) -> int:
+    print(generate_text(resolve_run_dir(args.run_dir), prompt=args.prompt, tokens=args.tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device,
+                        weights=args.weights))
+    return 0
+
+
 COMMANDS = {"train": train_command, "evaluate": evaluate_command, "predict": predict_command,
-            "verify": verify_command, "bench": bench_command}
+            "verify": verify_command, "bench": bench_command, "generate": generate_command}

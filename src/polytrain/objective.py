@@ -7,7 +7,9 @@ sums and counts, never means of means. Metrics follow the same rule: `fn(outputs
 per sample (shape (n,)) or the batch mean (a scalar); polytrain sums them over samples, ranks and steps and
 reports sum / count.
 
-Without `loss=` the objective is classification: cross-entropy on class scores, with accuracy.
+Without `loss=` the objective is classification: cross-entropy on class scores, with accuracy; or, for text
+(`kind="language"`, chosen by the dataset), next-token cross-entropy: outputs (N, T, vocab) and targets (N, T),
+each sample's loss the mean over its T tokens, so that the mean over samples is exactly the mean per token.
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import torch.nn.functional as F
 from .errors import UserError
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KINDS = ("classification", "language")
 
 
 class Objective:
     def __init__(self, loss: Optional[Callable] = None, metrics: Optional[Dict[str, Metric]] = None, *,
-                 label_smoothing: float = 0.0):
+                 label_smoothing: float = 0.0, kind: str = "classification"):
         if loss is not None and not callable(loss):
             raise UserError(f"loss= must be a callable loss(outputs, targets) -> scalar, got {type(loss).__name__}")
         metrics = dict(metrics or {})
@@ -31,19 +34,28 @@ class Objective:
             if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
                 raise UserError(f"metrics= must map names (letters, digits, _) to callables fn(outputs, targets); "
                                 f"got {name!r}: {type(fn).__name__}")
+        if kind not in KINDS:
+            raise UserError(f"unknown objective kind {kind!r}; choose one of {', '.join(KINDS)}")
         self.loss = loss
         self.label_smoothing = label_smoothing
-        self.classification = loss is None
+        self.language = loss is None and kind == "language"      # next-token cross-entropy, no accuracy
+        self.classification = loss is None and not self.language
         if self.classification and "acc" in metrics:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
         self.names: Tuple[str, ...] = (("acc",) if self.classification else ()) + tuple(metrics)
 
     def describe_loss(self) -> str:
+        if self.language:
+            return "next-token cross-entropy"
         return "cross-entropy" if self.loss is None else getattr(self.loss, "__name__", type(self.loss).__name__)
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor, *, training: bool = True) -> torch.Tensor:
         """The loss summed over the samples of `outputs` (differentiable)."""
+        if self.language:                 # each sample's mean over its tokens, summed over the samples
+            tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
+            return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="sum",
+                                   label_smoothing=self.label_smoothing if training else 0.0) / tokens
         if self.loss is None:
             return F.cross_entropy(outputs.float(), targets, reduction="sum",
                                    label_smoothing=self.label_smoothing if training else 0.0)

@@ -105,12 +105,17 @@ def run_model(model: nn.Module, x: torch.Tensor, input_shape) -> torch.Tensor:
 
 def check_objective(model: nn.Module, objective: Objective, data) -> None:
     """Run the loss and the metrics on the model's outputs for two training samples."""
-    if isinstance(data, DatasetPair):
+    if isinstance(data, DatasetPair) or hasattr(data, "sample_batch"):
         x, y = data.sample_batch(2)
     else:
         x, y = data.sample_inputs(2), data.train_y[:2]
     output = run_model(model, x, data.input_shape)
     y = y.to(output.device)
+    if objective.language and (output.dim() != 3 or output.shape[1] != y.shape[1]
+                               or output.shape[2] < data.num_classes):
+        raise UserError(f"--dataset {data.name} is text for a language model: the model must return scores over "
+                        f"the {data.num_classes} characters for every position, shape (N, {y.shape[1]}, "
+                        f"{data.num_classes}); it returned {tuple(output.shape)}; use --model gpt")
     for what, call in (("loss=", lambda: objective.loss_sum(output, y)),
                        ("metrics=", lambda: objective.metric_sums(output, y))):
         try:
@@ -140,10 +145,12 @@ def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:
             f"epoch is one step of {data.num_train:,}; give --batch-size {data.num_train} or less to train as asked")
 
 
-def make_objective(config: TrainConfig, loss=None, metrics=None) -> Optional[Objective]:
+def make_objective(config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification") \
+        -> Optional[Objective]:
+    """The objective: the user's loss, else the built-in one of the data's `kind` (a dataset's `.kind`)."""
     if loss is not None and config.label_smoothing:
         raise UserError("label_smoothing= applies to the built-in cross-entropy; drop it or build it into loss=")
-    return Objective(loss, metrics, label_smoothing=config.label_smoothing)
+    return Objective(loss, metrics, label_smoothing=config.label_smoothing, kind=kind)
 
 
 def check_picklable(**parts) -> None:

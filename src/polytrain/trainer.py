@@ -236,6 +236,10 @@ class Trainer:
                 "val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names},
                 "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        tokens = getattr(self.train_loader, "tokens_per_sample", None)
+        if tokens:                        # a language model: nats per token, perplexity, tokens per second
+            record.update(perplexity=math.exp(min(val["loss"], 700.0)),
+                          tokens_per_second=record["samples_per_second"] * tokens)
         self.strategy.end_of_epoch(record)
         self._judge(record)
         return record

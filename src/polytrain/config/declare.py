@@ -24,6 +24,7 @@ GROUPS = {
     "pipeline": "pipeline (with --strategy pipeline)",
     "sharded": "sharded (with --strategy sharded)",
     "parameter-server": "parameter server (with --strategy parameter-server)",
+    "tensor": "tensor parallelism (with --strategy tensor)",
     "validation": "validation, early stopping and the best weights",
     "reliability": "run folder and reliability",
     "logging": "logging",

@@ -11,6 +11,7 @@ from typing import Optional
 from ..data import DATASETS, datasets_using, unused_dataset_options
 from ..errors import UserError
 from ..models import MODELS
+from ..models.defaults import apply_model_defaults
 from ..strategies import STRATEGIES
 from .declare import GROUPS, Setting, check_value, flag_name
 from .files import read_config_file
@@ -123,7 +124,11 @@ def config_from_args(args) -> TrainConfig:
     micro = values.pop("micro_batch_size", None)
     if micro is not None:
         apply_micro_batch_size(values, micro)
+    # a model's own defaults (config.json records them) for what was not given; the caller may say them
+    args.model_defaults = apply_model_defaults(values, set(args.given) | set(values),
+                                               values.get("model", DEFAULTS.model))
     config = TrainConfig(**values)
+    refuse_ignored(config, args.given)
     unused = unused_dataset_options(config.dataset, args.given)
     if unused:
         raise UserError(f"{flag_list(unused)} {'is' if len(unused) == 1 else 'are'} not used by --dataset "
@@ -131,6 +136,19 @@ def config_from_args(args) -> TrainConfig:
                         f"drop {'it' if len(unused) == 1 else 'them'}, or choose a dataset that uses "
                         f"{'it' if len(unused) == 1 else 'them'} ({', '.join(datasets_using(unused[0]))})")
     return config
+
+
+def refuse_ignored(config: TrainConfig, given) -> None:
+    """Settings given on purpose that the chosen optimizer or schedule would not use: one line, never ignored."""
+    from ..optim import OPTIMIZERS, SCHEDULES, _key, keywords
+    cls = OPTIMIZERS.get(_key(config.optimizer)) if isinstance(config.optimizer, str) else None
+    if cls is not None and "momentum" in given and "momentum" not in keywords(cls):
+        raise UserError(f"--momentum does not apply to {cls.__name__}, which takes no momentum; drop --momentum"
+                        + (" (set its betas with --betas 0.9,0.999)" if "betas" in keywords(cls) else ""))
+    if "warmup_epochs" in given and isinstance(config.schedule, str) and _key(config.schedule) not in SCHEDULES:
+        raise UserError(f"--warmup-epochs belongs to polytrain's {', '.join(SCHEDULES)} schedules, not to "
+                        f"--schedule {config.schedule}; drop --warmup-epochs (a warm-up before a torch schedule: "
+                        f"fit(scheduler=...) with torch's SequentialLR)")
 
 
 def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:

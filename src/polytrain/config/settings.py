@@ -31,10 +31,11 @@ def shape_text(text: str) -> tuple:
 
 @dataclass
 class DataSettings:
-    dataset: str = setting("mnist-sample", "one of {datasets} (default: %(default)s, 10,000 real MNIST digits "
-                           "shipped with polytrain)", group="data", metavar="NAME")
-    data_dir: Optional[str] = setting(None, "folder holding the dataset files (IDX or CIFAR binary), or the image "
-                                      "folder of --dataset folder", group="data", metavar="DIR")
+    dataset: str = setting("mnist-sample", "default: %(default)s (10,000 real MNIST digits shipped with "
+                           "polytrain); one of {datasets}", group="data", metavar="NAME")
+    data_dir: Optional[str] = setting(None, "folder holding the dataset files (IDX or CIFAR binary), the image "
+                                      "folder of --dataset folder, or the UTF-8 text file or folder of .txt files "
+                                      "of --dataset text", group="data", metavar="DIR")
     image_size: Optional[int] = setting(None, "--dataset folder: resize every image to S x S (default: keep, all "
                                         "must share one size)", group="data", metavar="S", check="count", example=32,
                                         must="must be a positive whole number of pixels")
@@ -68,6 +69,15 @@ class ModelSettings:
                              "the loss dynamically (torch.amp.GradScaler), every rank skipping the same step when "
                              "any gradient overflows; default: %(default)s", group="model",
                              choices=("fp32", "bf16", "fp16"))
+    layers: Optional[int] = setting(None, "--model gpt: transformer blocks (default: 4)", group="model",
+                                    metavar="L", check="count", example=4)
+    heads: Optional[int] = setting(None, "--model gpt: attention heads, dividing --width (default: 4)",
+                                   group="model", metavar="H", check="count", example=4)
+    width: Optional[int] = setting(None, "--model gpt: embedding width (default: 128)", group="model",
+                                   metavar="C", check="count", example=128)
+    context: Optional[int] = setting(None, "--model gpt: tokens the model sees at once, the length of each "
+                                     "training sequence (default: 64)", group="model", metavar="T",
+                                     check="count", example=64)
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
     channels_last: Optional[bool] = setting(None, "channels-last memory format (default: on for convolutional "
                                             "models)", group="model", flag="toggle")
@@ -133,7 +143,8 @@ class DeviceSettings:
                             "fastest that fits in memory (a few seconds of measurement, or --plan); data: replicas "
                             "+ all-reduce; pipeline: the model split into stages over the devices; sharded: each "
                             "device holds a shard of the weights and optimizer state (FSDP2); parameter-server: "
-                            "master weights on server ranks, workers push gradients and pull weights",
+                            "master weights on server ranks, workers push gradients and pull weights; tensor: "
+                            "every layer split across the devices (DTensor; gpt, mlp, or fit(tensor_plan=))",
                             group="devices", metavar="{auto,{strategies}}", resume="change", replans=True)
     plan: Optional[str] = setting(None, "with --strategy auto: choose from this polytrain bench result instead of "
                                   "measuring", group="devices", metavar="BENCH_JSON", resume="change")
@@ -190,8 +201,8 @@ class ValidationSettings:
                            "stopping: val_loss, val_acc, val_<metric> (default: %(default)s)", group="validation",
                            metavar="METRIC")
     monitor_mode: Optional[str] = setting(None, "whether lower or higher --monitor is better (default: min for "
-                                          "names containing 'loss', max otherwise)", group="validation",
-                                          choices=("min", "max"))
+                                          "losses, errors (mae, mse, error, ...) and perplexity, max otherwise)",
+                                          group="validation", choices=("min", "max"))
     patience: int = setting(0, "stop after N validations in a row without improving --monitor (default: 0, never "
                             "stop early)", group="validation", metavar="N", check="count0", resume="change")
 
@@ -221,10 +232,20 @@ class LoggingSettings:
                                     group="logging", metavar="tensorboard,csv")
 
 
+@dataclass
+class TensorSettings:
+    tensor_plan: Optional[dict] = setting(
+        None, "which layers --strategy tensor splits: {module name or fnmatch pattern: colwise | rowwise | "
+        "replicate | colwise:K (K fused parts)}, or a function fn(model, mesh) that splits the model itself "
+        "(default: the built-in plan of --model mlp and gpt)", group="tensor", flag="none", strategies=("tensor",),
+        resume="change")
+
+
 # The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the
 # last base to the first, hence reversed there).
 GROUP_CLASSES = (DataSettings, ModelSettings, OptimisationSettings, DeviceSettings, PipelineSettings,
-                 ShardedSettings, ServerSettings, ValidationSettings, ReliabilitySettings, LoggingSettings)
+                 ShardedSettings, ServerSettings, TensorSettings, ValidationSettings, ReliabilitySettings,
+                 LoggingSettings)
 
 # Ways to give a setting in other terms: accepted as flags and keywords, turned into the setting they stand
 # for (config.json records that one), never stored themselves.

@@ -19,7 +19,10 @@ from .settings import GROUP_CLASSES, INPUTS
 
 def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None) -> int:
     """How many replicas split each global batch: every device, except in a pipeline, where the devices of
-    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch)."""
+    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch); tensor parallelism: one,
+    every device reads the whole batch."""
+    if strategy == "tensor":
+        return 1
     if strategy != "pipeline" or not isinstance(devices, int):
         return devices
     stages = pipeline_stages or devices
@@ -136,7 +139,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
     @property
     def data_parallel_size(self) -> int:
         """Replicas that split each global batch between them."""
-        return self.devices // self.pipeline_ranks
+        return 1 if self.strategy == "tensor" else self.devices // self.pipeline_ranks    # tensor: each reads all
 
     @property
     def effective_lr(self) -> float:

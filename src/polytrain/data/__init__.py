@@ -1,4 +1,5 @@
-"""Datasets by name. Each loader returns an `ArrayDataset` of uint8 images held in memory.
+"""Datasets by name. Each loader returns an `ArrayDataset` of uint8 images held in memory, or for text a
+`TokenDataset` of token ids (text.py).
 
 The registry is the single source of the names the command line offers (`polytrain train --dataset`).
 """
@@ -38,20 +39,20 @@ def datasets_using(setting: str) -> List[str]:
 def load_dataset(name: str, *, data_dir: Optional[str] = None, download: bool = False,
                  synthetic_size: int = 2048, synthetic_shape=(1, 28, 28), seed: int = 0,
                  image_size: Optional[int] = None, val_fraction: Optional[float] = None,
-                 skip_bad: bool = False) -> ArrayDataset:
+                 skip_bad: bool = False, context: Optional[int] = None) -> ArrayDataset:
     """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
     return DATASETS[name](data_dir=data_dir, download=download, size=synthetic_size,
                           shape=tuple(synthetic_shape), seed=seed, image_size=image_size,
-                          val_fraction=val_fraction, skip_bad=skip_bad)
+                          val_fraction=val_fraction, skip_bad=skip_bad, context=context)
 
 
 def dataset_settings(config) -> dict:
     """The keywords of `load_dataset` from a TrainConfig."""
     return dict(data_dir=config.data_dir, download=config.download, synthetic_size=config.synthetic_size,
                 synthetic_shape=config.synthetic_shape, seed=config.seed, image_size=config.image_size,
-                val_fraction=config.val_fraction, skip_bad=config.skip_bad)
+                val_fraction=config.val_fraction, skip_bad=config.skip_bad, context=config.context)
 
 
 def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callable):
@@ -120,6 +121,18 @@ def _folder(*, data_dir=None, image_size=None, val_fraction=None, skip_bad=False
 def _synthetic(*, size=2048, shape=(1, 28, 28), seed=0, **_) -> ArrayDataset:
     from .arrays import synthetic_dataset
     return synthetic_dataset(size=size, shape=shape, seed=seed)
+
+
+@register("shakespeare")
+def _shakespeare(*, context=None, **_):
+    from .text import DEFAULT_CONTEXT, load_shakespeare
+    return load_shakespeare(context=context or DEFAULT_CONTEXT)
+
+
+@register("text", options=("data_dir",))
+def _text(*, data_dir=None, context=None, **_):
+    from .text import DEFAULT_CONTEXT, load_text
+    return load_text(data_dir, context=context or DEFAULT_CONTEXT)
 
 
 __all__ = ["ArrayDataset", "DATASETS", "dataset_settings", "datasets_using", "load_dataset", "register",

@@ -82,7 +82,12 @@ class DeviceLoader:
 def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size: int = 1, seed: int = 0,
                  augment: Optional[bool] = None, channels_last: bool = False, eval_batch_size: Optional[int] = None):
     """Training and validation loaders: device-resident for an in-memory dataset (normalised with the training
-    set's per-channel statistics), loader processes for `Dataset`s (see stream.py)."""
+    set's per-channel statistics) and for text (token windows, text.py), loader processes for `Dataset`s (see
+    stream.py)."""
+    if getattr(dataset, "kind", None) == "language":
+        from .text import make_token_loaders
+        return make_token_loaders(dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size,
+                                  seed=seed, eval_batch_size=eval_batch_size)
     if isinstance(dataset, DatasetPair):
         return make_stream_loaders(dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size,
                                    seed=seed, channels_last=channels_last, eval_batch_size=eval_batch_size)

@@ -1,13 +1,16 @@
-"""Models by name. Each builder takes the dataset's input shape (C, H, W) and number of classes."""
+"""Models by name. Each builder takes the dataset's input shape ((C, H, W) for images, (context,) for text) and
+number of classes (the vocabulary size for text), plus the model's own settings (`MODEL_OPTIONS`)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import UserError, first_line
 from .cifar_cnn import CifarCNN
+from .defaults import MODEL_OPTIONS, model_options_of
+from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .mlp import MLP
 from .resnet import ResNet20
@@ -18,13 +21,20 @@ MODELS: Dict[str, Callable[[Tuple[int, int, int], int], nn.Module]] = {
     "mlp": MLP,
     "cifar-cnn": CifarCNN,
     "resnet": ResNet20,
+    "gpt": build_gpt,
 }
 
 
-def build_model(name: str, input_shape: Tuple[int, int, int], num_classes: int) -> nn.Module:
+def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None) \
+        -> nn.Module:
+    """The registry's model `name`; `options` (a TrainConfig or a dict) gives its own settings (`--layers`, ...
+    of --model gpt), refused in one line for a model that does not read them."""
     if name not in MODELS:
         raise UserError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name](tuple(input_shape), num_classes)
+    if len(input_shape) == 1 and name != "gpt":
+        raise UserError(f"--model {name} reads images, and this dataset is text (windows of {input_shape[0]} "
+                        f"token ids); use --model gpt")
+    return MODELS[name](tuple(input_shape), num_classes, **model_options_of(name, options))
 
 
 @torch.no_grad()
@@ -65,4 +75,4 @@ def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None
                         f"classes (labels 0..{classes - 1}); make its last layer give {classes} outputs")
 
 
-__all__ = ["MODELS", "build_model", "check_model_output", "run_on_sample"]
+__all__ = ["MODEL_OPTIONS", "MODELS", "build_model", "check_model_output", "run_on_sample"]

@@ -101,6 +101,7 @@ class PipelinePlan:
     input_shape: Tuple[int, ...] = ()       # one sample (C, H, W), to work out the shapes stages exchange
     costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
     cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
+    input_dtype: str = "float32"            # of the model's input: token ids reach the first stage as int64
 
     def describe(self) -> str:
         return (f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "

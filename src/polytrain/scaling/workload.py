@@ -29,8 +29,8 @@ ASSUMED_GPU_LINK = Link(alpha=10e-6, beta=100e9)        # NVLink-class; used onl
 
 def sample_batch(dataset, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """`count` training samples as model input (floats) and targets, repeating the set if it is smaller."""
-    if hasattr(dataset, "sample_batch"):             # a Dataset: its inputs as the model gets them
-        x, y = dataset.sample_batch(min(count, len(dataset.train)))
+    if hasattr(dataset, "sample_batch"):             # a Dataset or text: its inputs as the model gets them
+        x, y = dataset.sample_batch(min(count, len(dataset.train) if hasattr(dataset, "train") else dataset.num_train))
     else:
         x, y = dataset.sample_inputs(count), dataset.train_y[:count]
     repeats = -(-count // len(x))

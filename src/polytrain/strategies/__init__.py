@@ -8,9 +8,10 @@ from .parameter_server import ParameterServer
 from .pipeline import Pipeline
 from .sharded import Sharded
 from .single import SingleDevice
+from .tensor import TensorParallel
 
 STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline, "sharded": Sharded,
-              "parameter-server": ParameterServer}
+              "parameter-server": ParameterServer, "tensor": TensorParallel}
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -36,4 +37,4 @@ def make_plan(name: str, config, model, dataset, *, device):
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
-__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "contiguous_strategies", "make_plan", "resolve_strategy_name"]
+__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "TensorParallel", "contiguous_strategies", "make_plan", "resolve_strategy_name"]

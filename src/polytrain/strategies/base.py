@@ -85,6 +85,12 @@ class Strategy:
         """Into how many slices each global batch is cut."""
         return self.world_size
 
+    @property
+    def replicas(self) -> int:
+        """Over how many ranks' gradients the one-device gradient is the average: each rank's loss is divided
+        by the global batch over this (tensor parallelism: 1, every rank computes the whole batch's loss)."""
+        return self.world_size
+
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
         """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it."""
         model = model.to(self.device)
@@ -118,7 +124,7 @@ class Strategy:
         if not self.model.training:           # only after an evaluation: train() walks every submodule
             self.runner.train()
         self.zero_grad()
-        share = batch.global_count / self.world_size
+        share = batch.global_count / self.replicas
         passes = self.gradients.accumulate
         loss_total, metric_total = None, None
         for i, (x, y) in enumerate(zip(torch.tensor_split(batch.x, passes), torch.tensor_split(batch.y, passes))):

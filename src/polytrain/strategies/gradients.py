@@ -128,6 +128,8 @@ class Gradients:
 
     def _found_inf(self, optimizer) -> torch.Tensor:
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found:           # parameters, none with a gradient (frozen layers): nothing overflowed here
+            found[self.device] = torch.zeros((), dtype=torch.float32, device=self.device)
         return sum(value.to(self.device) for value in found.values()).reshape(())
 
     def _set_found_inf(self, optimizer, found: torch.Tensor) -> None:
@@ -156,11 +158,16 @@ class Gradients:
         return dict(figures, note="; ".join(notes))
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        """The loss scale and the epoch's figures so far (the same on every rank), for a checkpoint."""
+        state = {"figures": self.figures.tolist(), "steps": self.steps}
+        return dict(state, scaler=self.scaler.state_dict()) if self.scaler is not None else state
 
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if state and "figures" in state:
+            self.figures.copy_(torch.tensor(state["figures"], dtype=torch.float64))
+            self.steps = state["steps"]
 
 
 def check_fp16(device_type: str) -> None:

@@ -46,6 +46,17 @@ def flatten_layers(model: nn.Module) -> Layers:
     return layers
 
 
+def shared_between(layers: Layers) -> List[Tuple[int, int, str]]:
+    """(first layer, later layer, parameter name in the first) for every parameter two layers share."""
+    owner, shared = {}, []
+    for i, (path, layer) in enumerate(layers):
+        for name, parameter in layer.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(parameter), (i, f"{path}.{name}"))
+            if first[0] != i:
+                shared.append((first[0], i, first[1]))
+    return shared
+
+
 class Stage(nn.Module):
     """Some consecutive layers run one after another (the module a pipeline stage executes)."""
 

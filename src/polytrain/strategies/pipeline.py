@@ -23,7 +23,8 @@ from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, def
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
-from .layers import Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers
+from .layers import (Stage, describe_layers, flatten_layers, layer_memory, named_subset, shared_between,
+                     time_layers)
 
 def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -85,7 +86,16 @@ class Pipeline(Distributed):
         layout = PipelineLayout(config.devices, config.pipeline_ranks)
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
-        microbatches = config.microbatches or default_microbatches(per_replica, layout.ranks)
+        # with --accumulate K, each of the K passes is cut into the micro-batches
+        whole = per_replica // config.accumulate if per_replica % config.accumulate == 0 else per_replica
+        microbatches = config.microbatches or default_microbatches(whole, layout.ranks)
+        passes = microbatches * config.accumulate
+        if config.accumulate > 1 and per_replica % passes:
+            fitting = [k for k in range(2, per_replica // microbatches + 1) if per_replica % (microbatches * k) == 0]
+            raise ConfigError(f"--accumulate {config.accumulate} runs {microbatches} x {config.accumulate} = {passes} "
+                              f"micro-batches in each step, which do not cut the {per_replica} samples each pipeline "
+                              f"gets into equal parts; use --accumulate "
+                              f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches")
         last = dataset.num_train % config.batch_size or config.batch_size
         parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
         if min(parts) == 0:
@@ -99,10 +109,12 @@ class Pipeline(Distributed):
         if stages > len(layers):
             raise ConfigError(f"cannot split {len(layers)} layers into {stages} stages; use at most "
                               f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model")
+        dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")      # token ids stay integers
         if config.split not in (None, "auto"):
-            return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
-                                                                            stages=stages), names,
-                                tuple(dataset.input_shape))
+            return refuse_shared_across_stages(
+                PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
+                                                                         stages=stages), names,
+                             tuple(dataset.input_shape), input_dtype=dtype), layers)
         measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
@@ -112,8 +124,9 @@ class Pipeline(Distributed):
             costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
-        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
-                            tuple(dataset.input_shape), costs, unit)
+        return refuse_shared_across_stages(
+            PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
+                         tuple(dataset.input_shape), costs, unit, dtype), layers)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
@@ -142,7 +155,8 @@ class Pipeline(Distributed):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        x, grads = torch.zeros(1, *self.plan.input_shape, device=self.device), False
+        x = torch.zeros(1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device)
+        grads = False
         shapes = []
         for _, layer in layers:
             shapes.append((tuple(x.shape[1:]), x.dtype, grads))
@@ -360,3 +374,15 @@ def _receive(src: int, device: torch.device) -> torch.Tensor:
     x = torch.empty(header[2:2 + dims].tolist(), dtype=dtype, device=device)
     dist.recv(x, src)
     return x
+
+
+def refuse_shared_across_stages(plan: PipelinePlan, layers) -> PipelinePlan:
+    """`plan`, unless a parameter is shared by layers on different stages (tied input and output embeddings):
+    each stage would train its own copy, so refuse in one line before any worker starts."""
+    stage_of = {i: s for s in range(plan.model_stages) for i in plan.stage_layers(s)}
+    for first, second, name in shared_between(layers):
+        if stage_of[first] != stage_of[second]:
+            raise ConfigError(f"layers {layers[first][0]} and {layers[second][0]} share the weight {name} (tied "
+                              f"embeddings), and the pipeline would put them on different stages, which cannot "
+                              f"share it yet; use --strategy data or sharded for this model")
+    return plan

@@ -55,9 +55,16 @@ class Sharded(Distributed):
         options = {"mesh": mesh}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        # one unit per layer that holds parameters: only one layer's full weights exist at a time
+        # one unit per layer that holds parameters: only one layer's full weights exist at a time; layers that
+        # share a parameter (tied embeddings) stay in the root's unit, which FSDP2 requires of shared weights
+        holders = {}
+        for module in model.modules():
+            for parameter in module._parameters.values():
+                if parameter is not None:
+                    holders[id(parameter)] = holders.get(id(parameter), 0) + 1
         for module in list(model.modules())[1:]:
-            if module._parameters and any(p is not None for p in module._parameters.values()):
+            mine = [p for p in module._parameters.values() if p is not None]
+            if mine and all(holders[id(p)] == 1 for p in mine):
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model

@@ -1,0 +1,275 @@
+"""Tensor parallelism (Megatron-style, on PyTorch's DTensor): every layer a plan names is split across the
+T ranks of a 1-D device mesh, column-wise (its outputs) or row-wise (its inputs, partial outputs summed by
+an all-reduce); every other parameter is a replicated DTensor on the same mesh.
+
+    polytrain train --model gpt --dataset shakespeare --strategy tensor --devices 2
+    polytrain verify --model mlp --strategy tensor --devices 2
+
+There is no data-parallel dimension: every rank reads the whole global batch and computes the same loss, so
+the loss is divided by the whole batch (`replicas` is 1) and the epoch's sums are the one replica's. DTensor
+sums the split layers' gradients itself. Checkpoints hold the whole model by its original names and the
+whole-model optimizer numbering (as `sharded`), so `--resume` moves runs between any strategies.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..plan.tensor import BUILTIN_PLANS, Layer, TensorPlan, resolve
+from .optimizer_state import state_slots
+from .sharded import Sharded, _bytes
+
+NEEDS = "2.5"        # torch.distributed.tensor (public DTensor) and its parallel styles
+
+
+def check_torch() -> None:
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: F401
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa
+    except ImportError:
+        raise ConfigError(f"--strategy tensor needs torch {NEEDS} or newer (DTensor tensor parallelism); this is "
+                          f"{torch.__version__}: upgrade torch, or use --strategy sharded or data") from None
+
+
+def model_layers(model: nn.Module) -> dict:
+    """name -> Layer for every module, in model order (the plan's view of the model)."""
+    layers = {}
+    for name, module in model.named_modules():
+        holds = any(p is not None for p in module._parameters.values())
+        if isinstance(module, nn.Linear):
+            layers[name] = Layer("linear", module.in_features, module.out_features, holds)
+        elif isinstance(module, nn.Embedding):
+            layers[name] = Layer("embedding", module.num_embeddings, module.embedding_dim, holds)
+        else:
+            layers[name] = Layer("other", holds_parameters=holds)
+    return layers
+
+
+def _heads(model: nn.Module):
+    """The attention heads of polytrain's GPT (a fused q/k/v Linear and `head_dim`), else None."""
+    for module in model.modules():
+        qkv = getattr(module, "qkv", None)
+        if isinstance(qkv, nn.Linear) and getattr(module, "head_dim", None):
+            return qkv.out_features // 3 // module.head_dim
+    return None
+
+
+def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
+    """Parameters a split layer shares with another module, or a module whose own parameters sit beside
+    children that hold theirs, cannot be split or replicated layer by layer: one line each."""
+    owners = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                owners.setdefault(id(parameter), set()).add(name)
+    for name, style, _ in plan.styles:
+        if style != "replicate":
+            for parameter in model.get_submodule(name)._parameters.values():
+                if parameter is not None and len(owners[id(parameter)]) > 1:
+                    others = sorted(owners[id(parameter)] - {name})
+                    raise ConfigError(f"tensor_plan splits {name}, whose weight is shared with {others[0]} (tied); "
+                                      f"replicate both, or untie them")
+    for name, module in model.named_modules():
+        if any(b is not None for b in module._buffers.values()):
+            raise ConfigError(f"--strategy tensor: {name or 'the model'} ({type(module).__name__}) keeps buffers "
+                              f"such as running statistics, which tensor parallelism does not handle yet; use "
+                              f"--strategy data or sharded")
+        if any(p is not None for p in module._parameters.values()) and \
+                any(p is not None for child in module.children() for p in child.parameters()):
+            raise ConfigError(f"--strategy tensor: {name or 'the model'} holds parameters of its own beside layers "
+                              f"that hold theirs; move them into a layer (e.g. an nn.Embedding) so each layer "
+                              f"can be split or replicated on its own")
+
+
+def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
+    """The plan from `tensor_plan` (a dict, or a function fn(model, mesh) that applies its own) or the
+    built-in one for polytrain's mlp and gpt; one line for a model that has none."""
+    given = getattr(config, "tensor_plan", None)
+    kind = f"{type(model).__module__}.{type(model).__qualname__}"
+    name = type(model).__name__
+    if callable(given):
+        return TensorPlan(devices, (), name, apply=given)
+    if isinstance(given, str):
+        raise ConfigError(f"this run's tensor_plan was a function given from Python ({given}); pass it again: "
+                          f"polytrain.fit(..., tensor_plan=fn, resume=RUN_DIR)")
+    patterns = given if given is not None else BUILTIN_PLANS.get(kind)
+    if patterns is None:
+        raise ConfigError(f"--strategy tensor needs a plan for {name}: pass fit(tensor_plan={{'layer.name': "
+                          f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
+                          f"function fn(model, mesh) that calls parallelize_module")
+    heads = _heads(model) if given is None else None
+    plan = resolve(patterns, model_layers(model), devices=devices, model=name, heads=heads)
+    _check_shapes(model, plan)
+    return plan
+
+
+def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
+    """Rows of a fused `parts`-part output reordered so that rank r's contiguous slice is its rows of every
+    part: [part 0 of rank 0, part 1 of rank 0, ..., part 0 of rank 1, ...]."""
+    part, share = size // parts, size // parts // devices
+    return torch.tensor([k * part + r * share + j for r in range(devices) for k in range(parts)
+                         for j in range(share)])
+
+
+class TensorParallel(Sharded):
+    """Its parameters are DTensors, as sharded's are: the whole-model state dicts (gathered and loaded through
+    torch.distributed.checkpoint, numbered as on one device) are sharded's; the step is the base class's."""
+
+    name = "tensor"
+
+    def __init__(self, *, plan: TensorPlan = None, **common):
+        super().__init__(plan=None, **common)
+        self.plan = plan
+        self.mesh = None
+        # parameter name -> row order of a fused (colwise:K) layer's weight and bias as the ranks hold them
+        self.fused = {}
+
+    @classmethod
+    def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> TensorPlan:
+        check_torch()
+        if config.devices < 2:
+            raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
+        return plan_for(config, model, devices=config.devices)
+
+    @property
+    def data_rank(self) -> int:
+        return 0                          # every rank reads the whole batch
+
+    @property
+    def data_world(self) -> int:
+        return 1
+
+    @property
+    def replicas(self) -> int:
+        """Every rank computes the whole batch's loss: its gradient is the one replica's, not a share."""
+        return 1
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The one replica's sums: every rank holds the same, so MAX keeps them exact (and still waits for all)."""
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def gradient_sync(self, *, last: bool):
+        return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
+
+    @property
+    def overflow_group(self):
+        """Each rank unscales its own slices of the split layers, so all must agree on an overflow."""
+        return dist.group.WORLD
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        if self.plan.apply is not None:
+            self.plan.apply(model, self.mesh)
+        else:
+            self._split(model)
+        self._replicate_rest(model)
+        return model
+
+    def _split(self, model: nn.Module) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        styles = {}
+        for name, style, parts in self.plan.styles:
+            if style == "colwise":
+                styles[name] = ColwiseParallel()
+                if parts > 1:
+                    self._interleave(model, name, parts)
+            elif style == "rowwise":
+                styles[name] = RowwiseParallel()
+        parallelize_module(model, self.mesh, styles)
+
+    @torch.no_grad()
+    def _interleave(self, model: nn.Module, name: str, parts: int) -> None:
+        module = model.get_submodule(name)
+        order = _permutation(module.out_features, parts, self.world_size)
+        for key, parameter in module.named_parameters(recurse=False):
+            parameter.copy_(parameter[order.to(parameter.device)])
+            self.fused[f"{name}.{key}"] = order
+
+    def _replicate_rest(self, model: nn.Module) -> None:
+        """Every parameter the plan did not split becomes a replicated DTensor (tied ones stay tied), and its
+        module takes and gives local tensors: the optimizer and the global norm see one kind of tensor."""
+        from torch.distributed.tensor import DTensor, Replicate
+        made = {}
+        for module in model.modules():
+            own = [(key, p) for key, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+            for key, parameter in own:
+                if id(parameter) not in made:
+                    made[id(parameter)] = nn.Parameter(DTensor.from_local(parameter.data, self.mesh, [Replicate()],
+                                                                          run_check=False),
+                                                       requires_grad=parameter.requires_grad)
+                module._parameters[key] = made[id(parameter)]
+            if own:
+                module.register_forward_pre_hook(self._to_replicated)
+                module.register_forward_hook(_to_local)
+
+    def _to_replicated(self, module, inputs):
+        from torch.distributed.tensor import DTensor, Replicate
+        return tuple(DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def _memory_lines(self, full: int) -> list:
+        """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)
+        next to a replica of the whole model."""
+        held = _bytes(self.model.parameters())
+        slots = state_slots(type(self.optimizer), self.optimizer.defaults)
+        rows = self.gather_object((self.rank, str(self.device), held))
+        if not self.is_main:
+            return []
+        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
+        lines = [f"tensor: {self.plan.describe()}; per rank, parameters + gradients + optimizer state "
+                 f"({slots} slot{'s' if slots != 1 else ''} per parameter)"]
+        for rank, device, size in rows:
+            lines.append(f"  rank {rank} ({device}): {mib(size)} + {mib(size)} + {mib(size * slots)}; "
+                         f"a replica would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
+        return lines
+
+    def _reordered(self, state: dict, *, back: bool) -> dict:
+        """A whole-model state dict with the fused layers' rows in the original order (back) or the ranks'."""
+        return {key: _rows(value, self.fused[key], back=back) if key in self.fused else value
+                for key, value in state.items()}
+
+    def _reordered_optimizer(self, saved: dict, *, back: bool) -> dict:
+        """The same for a whole-model optimizer state dict (keyed by parameter number): each fused parameter's
+        per-row state (momentum, Adam's moments) follows its rows."""
+        names = self.parameter_names
+        return dict(saved, state={number: {slot: _rows(value, self.fused[names[number]], back=back)
+                                           for slot, value in slots.items()} if names[number] in self.fused
+                                  else slots for number, slots in saved["state"].items()})
+
+    def model_state(self) -> dict:
+        return self._reordered(super().model_state(), back=True)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if state and self.fused:
+            state["optimizer"] = self._reordered_optimizer(state["optimizer"], back=True)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.fused:
+            state = dict(state, model=self._reordered(state["model"], back=False),
+                         optimizer=self._reordered_optimizer(state["optimizer"], back=False))
+        super().load_state_dict(state)
+
+
+def _rows(value, order: torch.Tensor, *, back: bool):
+    """A tensor of the fused layer's shape with its first dimension put back in (or taken out of) `order`."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != len(order):
+        return value
+    if back:
+        restored = torch.empty_like(value)
+        restored[order.to(value.device)] = value
+        return restored
+    return value[order.to(value.device)]
+
+
+def _to_local(module, inputs, output):
+    return output.to_local() if hasattr(output, "to_local") else output
+

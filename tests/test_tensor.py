@@ -1,0 +1,211 @@
+"""Tensor parallelism (DTensor, one 1-D mesh) against one device: `polytrain verify` on the mlp and a tiny
+GPT, checkpoints that move between tensor and data parallelism on the same trajectory, and the one-line
+refusals of a plan that cannot work (planned in this process, before any worker)."""
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from polytrain.config.train import TrainConfig
+from polytrain.errors import ConfigError
+from polytrain.models import build_model
+from polytrain.models.gpt import GPT
+from polytrain.plan.tensor import BUILTIN_PLANS, Layer, resolve
+from polytrain.strategies import make_plan
+from polytrain.strategies.tensor import _permutation
+from conftest import assert_refused_in_one_line, assert_same_weights, load_weights as load
+from processes import polytrain as run_polytrain
+
+CPU = torch.device("cpu")
+
+
+def plan(model, devices=2, **settings):
+    config = TrainConfig(strategy="tensor", devices=devices, device="cpu", **settings)
+    return make_plan("tensor", config, model, None, device=CPU)
+
+
+# ---- the plan, in this process ----
+
+def test_builtin_plans_split_megatron_style():
+    mlp = plan(build_model("mlp", (1, 28, 28), 10))
+    assert mlp.styles == (("1", "colwise", 1), ("3", "rowwise", 1))          # 784->128 by rows, 128->64 by columns
+    gpt = plan(GPT(65, context=8, layers=2, heads=4, width=32))
+    assert gpt.styles == tuple((f"{block}.{name}", style, parts) for block in (1, 2) for name, style, parts in
+                               (("attention.qkv", "colwise", 3), ("attention.proj", "rowwise", 1),
+                                ("mlp.0", "colwise", 1), ("mlp.2", "rowwise", 1)))
+    assert "2 of 4 attention heads per rank" in gpt.describe()
+    assert set(BUILTIN_PLANS) == {"polytrain.models.mlp.MLP", "polytrain.models.gpt.GPT"}
+
+
+def test_every_rank_reads_the_whole_batch_so_the_devices_need_not_divide_it():
+    from polytrain.config.train import replicas
+    config = TrainConfig(strategy="tensor", devices=3, batch_size=64, lr_scale="linear", lr=0.1)
+    assert config.data_parallel_size == 1 and config.effective_lr == 0.1 and replicas(3, "tensor") == 1
+
+
+def test_a_user_plan_by_pattern_and_a_plan_function():
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 4))
+    got = plan(model, tensor_plan={"0": "rowwise", "1": "colwise", "[3]": "rowwise"})
+    assert got.styles == (("0", "rowwise", 1), ("1", "colwise", 1), ("3", "rowwise", 1))
+
+    def split(model, mesh):
+        pass
+    assert plan(model, tensor_plan=split).apply is split
+
+
+def test_a_fused_layer_keeps_each_ranks_rows_of_every_part_together():
+    # 3 parts (q, k, v) of 4 rows over 2 ranks: rank 0 holds q0 q1 k0 k1 v0 v1, rank 1 q2 q3 k2 k3 v2 v3
+    assert _permutation(12, 3, 2).tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+
+
+@pytest.mark.parametrize("model, devices, settings, words", [
+    (build_model("lenet", (1, 28, 28), 10), 2, {}, ["needs a plan for LeNet", "tensor_plan="]),
+    (build_model("mlp", (1, 28, 28), 10), 3, {}, ["1 (colwise) has 128 output features", "3 ranks"]),
+    (GPT(65, context=8, layers=1, heads=4, width=48), 3, {}, ["4 attention heads", "divides 4"]),
+    (GPT(65, context=8, layers=1, heads=2, width=32), 2, dict(tensor_plan={"*.attn.q": "colwise"}),
+     ["'*.attn.q'", "matches no module", "1.attention.qkv"]),
+    (nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4, 2)), 2, dict(tensor_plan={"0": "colwise"}),
+     ["0 is not an nn.Linear or nn.Embedding"]),
+    (nn.Sequential(nn.Linear(4, 4)), 2, dict(tensor_plan={"0": "sideways"}), ["'sideways'", "colwise, rowwise"]),
+    (GPT(65, context=8, layers=1, heads=2, width=32), 2, dict(tensor_plan={"2": "colwise"}), ["2 is not an nn.Linear"]),
+    (GPT(65, context=8, layers=1, heads=2, width=32), 2, dict(tensor_plan={"0.token": "colwise"}),
+     ["shared with 3", "tied"]),
+    (build_model("mlp", (1, 28, 28), 10), 1, {}, ["--devices 2"]),
+    (build_model("mlp", (1, 28, 28), 10), 2, dict(tensor_plan="split (from Python)"),     # as config.json has it
+     ["was a function given from Python (split (from Python))", "tensor_plan=fn"]),
+    (nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 2, dict(tensor_plan={"0": "colwise"}),
+     ["1 (BatchNorm1d) keeps buffers", "--strategy data"]),
+])
+def test_a_plan_that_cannot_work_is_one_line_before_any_worker(model, devices, settings, words):
+    with pytest.raises(ConfigError) as caught:
+        plan(model, devices, **settings)
+    message = str(caught.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_a_torch_without_dtensor_parallelism_is_told_which_it_needs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor.parallel", None)        # import fails
+    with pytest.raises(ConfigError, match=r"needs torch 2\.5 or newer .* this is "):
+        plan(build_model("mlp", (1, 28, 28), 10))
+
+
+def test_the_pure_plan_checks_sizes_by_style():
+    layers = {"": Layer("other"), "e": Layer("embedding", 10, 6, True), "l": Layer("linear", 6, 9, True)}
+    assert resolve({"e": "colwise", "l": "rowwise"}, layers, devices=3).styles == (("e", "colwise", 1),
+                                                                                  ("l", "rowwise", 1))
+    with pytest.raises(ConfigError, match="10 vocabulary entries"):
+        resolve({"e": "rowwise"}, layers, devices=3)
+    with pytest.raises(ConfigError, match="do not split into 2 fused parts"):
+        resolve({"l": "colwise:2"}, layers, devices=3)
+    with pytest.raises(ConfigError, match="splits nothing"):
+        resolve({"l": "replicate"}, layers, devices=3)
+
+
+def test_the_cli_refuses_a_model_without_a_plan_in_one_line(tmp_path, capsys):
+    assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "lenet", "--dataset", "synthetic",
+                                                          "--strategy", "tensor", "--devices", "2"],
+                               ["needs a plan for LeNet"])
+
+
+# ---- on 2 processes ----
+
+def _verify(*argv):
+    result = run_polytrain("verify", "--strategy", "tensor", "--devices", "2", *argv, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert rows and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
+    return rows
+
+
+@pytest.mark.multiprocess
+def test_verify_the_mlp_split_over_two_ranks_with_accumulation_and_clipping():
+    rows = _verify("--model", "mlp", "--accumulate", "2", "--clip-grad-norm", "0.05", "--steps", "4")
+    assert len(rows) == 4
+
+
+# --eps 1e-5: AdamW moves a weight by about lr x the sign of its gradient where that is below eps (the keys'
+# biases have a zero gradient in exact arithmetic), so with the default 1e-8 the rounding noise of one device
+# and of two decides those steps; a larger eps compares what is computed, not that noise
+GPT_TINY = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--context", "8", "--eps", "1e-5"]
+
+
+@pytest.mark.multiprocess
+def test_verify_a_tiny_gpt_split_over_two_ranks():
+    _verify(*GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3")
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A tiny GPT's run on a small text file (about 7 steps per epoch) and its uninterrupted one-device model.pt."""
+    folder = tmp_path_factory.mktemp("text")
+    path = folder / "text.txt"
+    path.write_text("".join("ROMEO: but soft, what light through yonder window breaks?\n"[i % 58]
+                            for i in range(480)))
+    train = [*GPT_TINY, "--dataset", "text", "--data-dir", str(path), "--batch-size", "8", "--epochs", "2",
+             "--optimizer", "adamw", "--lr", "0.003", "--schedule", "constant", "--seed", "3", "--device", "cpu"]
+    straight = run_polytrain("train", *train, "--devices", "1", "--out", folder / "straight")
+    assert straight.returncode == 0, straight.stderr
+    return train, load(folder / "straight" / "model.pt")
+
+
+@pytest.mark.multiprocess
+def test_a_run_moves_tensor_to_data_to_tensor_on_one_straight_trajectory(text_run, tmp_path):
+    train, straight = text_run
+    out = tmp_path / "run"
+    part = run_polytrain("train", *train, "--strategy", "tensor", "--devices", "2", "--max-steps", "3",
+                         "--out", out)                                                       # mid-epoch 1
+    assert part.returncode == 0, part.stderr
+    assert "a replica would hold" in part.stdout                       # each rank's share, next to a replica
+    assert list(load(out / "model.pt")) == list(straight)              # whole model, original names
+    middle = run_polytrain("train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", "9")
+    assert middle.returncode == 0, middle.stderr                                             # mid-epoch 2
+    rest = run_polytrain("train", "--resume", out, "--strategy", "tensor", "--devices", "2", "--max-steps", "0")
+    assert rest.returncode == 0, rest.stderr
+    assert_same_weights(load(out / "model.pt"), straight)
+
+
+def test_a_plan_function_trains_like_one_device_and_saves_the_whole_model(tmp_path):
+    """In this process on a one-rank mesh: the user's function splits, the rest is replicated, the step is the
+    one-device step, and the state dicts hold the original names and load back."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from polytrain.data.order import Batch
+    from polytrain.plan.tensor import TensorPlan
+    from polytrain.strategies.tensor import TensorParallel
+
+    def split(model, mesh):
+        parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    model = build_model("mlp", (1, 4, 4), 3)
+    reference = copy.deepcopy(model)
+    strategy = TensorParallel(device=CPU, rank=0, world_size=1, plan=TensorPlan(1, (), "MLP", apply=split))
+    strategy.setup(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9),
+                   lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    assert all(isinstance(p, DTensor) for p in strategy.model.parameters())        # "5" replicated by the rest
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 1, 4, 4), torch.randint(0, 3, (8,))
+    for step in range(3):
+        stats = strategy.train_step(Batch(x, y, 8, step))
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(reference(x), y)
+        loss.backward()
+        optimizer.step()
+        assert float(stats.loss_sum) / 8 == pytest.approx(loss.item(), abs=1e-6)
+    saved = strategy.state_dict()
+    assert_same_weights(saved["model"], reference.state_dict(), atol=1e-6)
+    assert sorted(saved["optimizer"]["state"]) == list(range(6))                   # one-device numbering
+    torch.testing.assert_close(saved["optimizer"]["state"][0]["momentum_buffer"],
+                               optimizer.state_dict()["state"][0]["momentum_buffer"], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        for parameter in strategy.model.parameters():
+            parameter.zero_()
+    strategy.load_state_dict(copy.deepcopy(saved))         # (loading turns the given tensors into DTensors)
+    assert_same_weights(strategy.model_state(), saved["model"], atol=0)

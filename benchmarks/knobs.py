@@ -15,6 +15,9 @@ Run (about 4 minutes on a 2-core CPU):
    By design clipping adds no collective on one device or under DDP (the all-reduced gradient is whole on
    every rank), one all-reduce of one number per step on pipeline stages and parameter servers, and FSDP2's
    norm over its shards (DTensor's reduction of one number).
+3. What clipping adds to one step, timed directly: `Gradients.step` over LeNet's gradients with and without
+   `clip_norm`, one thread, 200 steps after 20 of warm-up, interleaved twice (whole runs of a few seconds on
+   processes sharing 2 cores swing too much to resolve it).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -63,6 +67,22 @@ def activation_bytes(batch_size: int, accumulate: int) -> int:
     return max(passes)
 
 
+def clip_milliseconds(clip, steps: int = 200) -> float:
+    from polytrain.strategies.gradients import Gradients
+    model = build_model("lenet", (1, 28, 28), 10)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.SGD(params, lr=0.0, momentum=0.9, foreach=True)
+    gradients = Gradients(device=torch.device("cpu"), clip_norm=clip)
+    for _ in range(20):
+        gradients.step(optimizer, params)
+    began = time.perf_counter()
+    for _ in range(steps):
+        gradients.step(optimizer, params)
+    return (time.perf_counter() - began) / steps * 1e3
+
+
 def samples_per_second(strategy: str, clip: bool, batch_size: int) -> float:
     with tempfile.TemporaryDirectory() as folder:
         argv = [sys.executable, "-m", "polytrain", "train", "--devices", "2", "--strategy", strategy, "--epochs", "1",
@@ -86,6 +106,12 @@ def main() -> None:
     for k in (1, 2, 4, 8):
         size = activation_bytes(args.batch_size, k)
         print(f"  --accumulate {k}: {size / 2**20:7.2f} MiB  ({base / size:.2f}x less than one pass)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    timed = [(clip, clip_milliseconds(clip)) for clip in (None, 1.0, None, 1.0)]
+    torch.set_num_threads(threads)
+    print("one step's gradient handling, LeNet: " + ", ".join(
+        f"{'--clip-grad-norm 1.0' if clip else 'no clipping'} {ms:.3f} ms" for clip, ms in timed))
     print(f"samples/s of one epoch at 2 CPU processes, batch {args.batch_size}, median of {args.repeats}")
     results = {(s, c): [] for s in args.strategies.split(",") for c in (False, True)}
     for _ in range(args.repeats):

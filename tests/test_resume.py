@@ -76,3 +76,15 @@ def test_latest_names_the_newest_run(tmp_path, capsys, monkeypatch):
     assert code == 0 and "runs/newer already finished" in stdout
     assert main(["evaluate", str(tmp_path / "empty" / "LATEST")]) == 2
     assert "there is no run folder" in capsys.readouterr().err
+
+
+def test_a_torch_schedule_by_epoch_is_extended_like_a_longer_run(tmp_path, capsys):
+    steplr = [*COMMON, "--schedule", "steplr", "--schedule-args", "step_size=1,gamma=0.5"]
+    assert train(capsys, *steplr, "--epochs", 1, "--out", tmp_path / "short")[0] == 0
+    code, stdout, _ = train(capsys, "--resume", tmp_path / "short", "--epochs", 2)
+    assert code == 0 and "changed: --epochs 2 (was 1)" in stdout.splitlines()[0], stdout
+    assert train(capsys, *steplr, "--epochs", 2, "--out", tmp_path / "long")[0] == 0
+    extended = torch.load(tmp_path / "short" / "model.pt", weights_only=True)
+    longer = torch.load(tmp_path / "long" / "model.pt", weights_only=True)
+    for key in longer:
+        torch.testing.assert_close(extended[key], longer[key], atol=1e-6, rtol=0)

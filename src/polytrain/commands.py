@@ -48,6 +48,14 @@ def _devices_phrase(config: TrainConfig) -> str:
     return f"{config.devices} CPU process{'es' if config.devices > 1 else ''}"
 
 
+def length_free_schedule(schedule: str) -> bool:
+    """Whether a schedule's steps so far stay the same when the run gets longer: constant, and torch's
+    lr_scheduler classes (their arguments are their own, not the run's length); polytrain's cosine and onecycle
+    are laid out over --epochs."""
+    from .optim import SCHEDULES
+    return schedule == "constant" or schedule.lower() not in SCHEDULES
+
+
 def resume_plan(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
@@ -55,7 +63,7 @@ def resume_plan(args):
     fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
     if fixed:
         raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
-                        f"{flag_list(RESUMABLE)} may change, and --epochs on a constant schedule)")
+                        f"{flag_list(RESUMABLE)} may change, and --epochs on a schedule that does not depend on it)")
     settings = read_config(run_dir)
     if settings.get("custom_model") or settings.get("custom_data"):
         raise UserError(f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
@@ -74,15 +82,17 @@ def resume_plan(args):
     except TypeError:
         raise UserError(f"{run_dir}/config.json does not hold polytrain settings; restore it") from None
     progress = read_progress(run_dir)
-    if config.epochs != before.get("epochs") and config.schedule != "constant":
+    extendable = length_free_schedule(config.schedule)
+    if config.epochs != before.get("epochs") and not extendable:
         raise UserError(f"--epochs: this run's {config.schedule} learning-rate schedule is laid out over its "
                         f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
-                        f"a new run with --epochs {config.epochs} (runs on --schedule constant can be extended)")
+                        f"a new run with --epochs {config.epochs} (runs on --schedule constant, or a "
+                        f"torch.optim.lr_scheduler class, can be extended)")
     if progress is not None and progress.epoch >= config.epochs:
         last = final_figures(progress.history[-1]) if progress.history else "no validation recorded"
         return None, (f"{run_dir} already finished its {progress.epoch} epochs ({last}); "
                       f"nothing to resume. To train longer, start a new run"
-                      + (f", or pass --epochs N above {progress.epoch}" if config.schedule == "constant" else ""))
+                      + (f", or pass --epochs N above {progress.epoch}" if extendable else ""))
     if progress is not None and config.max_steps and config.max_steps <= progress.steps_done:
         raise UserError(f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
                         f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")

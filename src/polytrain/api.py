@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from .callbacks import check_callbacks, check_monitor
 from .checkpoint import atomic_write_bytes, load_weights
-from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig, replicas
+from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig
 from .config.flags import refuse_ignored
-from .config.train import apply_micro_batch_size
+from .config.train import apply_inputs
 from .config.names import foreign, nearest
 from .config.settings import INPUTS
 from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
@@ -226,26 +226,22 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     try:
         check_keywords(settings)
         optimizer, scheduler = take_objects(settings, optimizer, scheduler)     # objects out, names in
-        per_device = settings.pop("per_device_batch_size", None)
-        if per_device is not None:
-            if "batch_size" in settings:
-                raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
-            settings["batch_size"] = per_device * replicas(devices, strategy, settings.get("pipeline_stages"))
-        micro = settings.pop("micro_batch_size", None)
-        if micro is not None:
-            values = dict(settings, devices=devices, strategy=strategy)
-            apply_micro_batch_size(values, micro)
-            settings.update({key: values[key] for key in ("accumulate", "microbatches") if key in values})
+        if "per_device_batch_size" in settings and "batch_size" in settings:
+            raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
+        values = dict(settings, devices=devices, strategy=strategy)
+        apply_inputs(values)
+        settings = {key: value for key, value in values.items() if key not in ("devices", "strategy")}
         names, loggers = split_logger_argument(logger)
         if names:
             settings["logger"] = names
         if epochs is not None:
             settings["epochs"] = epochs
-        applied = apply_model_defaults(settings, set(settings), model if isinstance(model, str) else None)
+        given = set(settings)
+        applied = apply_model_defaults(settings, given, model if isinstance(model, str) else None)
         if verbose and applied and not resume and (launcher_env() is None or launcher_env().rank == 0):
             print(defaults_words(model, applied), flush=True)
         config = TrainConfig(devices=devices, strategy=strategy, out=out or resume, **settings)
-        refuse_ignored(config, settings)
+        refuse_ignored(config, given)
         if verbose and isinstance(model, nn.Module) and not {"optimizer", "lr", "weight_decay", "schedule"} & \
                 set(settings) and (launcher_env() is None or launcher_env().rank == 0):
             print(defaults_line(config), flush=True)      # a ported recipe is never changed silently

@@ -13,11 +13,11 @@ from ..errors import UserError
 from ..models import MODELS
 from ..models.defaults import apply_model_defaults
 from ..strategies import STRATEGIES
-from .declare import GROUPS, Setting, check_value, flag_name
+from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
 from .names import foreign, nearest
 from .settings import INPUTS
-from .train import DEFAULTS, SETTINGS, TrainConfig, apply_micro_batch_size, replicas
+from .train import DEFAULTS, SETTINGS, TrainConfig, apply_inputs
 
 REGISTRIES = {"datasets": ", ".join(DATASETS), "models": ", ".join(MODELS), "strategies": ",".join(STRATEGIES)}
 
@@ -115,15 +115,7 @@ def config_from_args(args) -> TrainConfig:
     launcher = launcher_env()              # under torchrun/srun the device count is its world size
     if launcher is not None:
         values["devices"] = launcher.world_size
-    per_device = values.pop("per_device_batch_size", None)
-    if per_device is not None:
-        check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
-        devices = values.get("devices", DEFAULTS.devices)
-        values["batch_size"] = per_device * replicas(devices, values.get("strategy", "auto"),
-                                                     values.get("pipeline_stages"))
-    micro = values.pop("micro_batch_size", None)
-    if micro is not None:
-        apply_micro_batch_size(values, micro)
+    apply_inputs(values)
     # a model's own defaults (config.json records them) for what was not given; the caller may say them
     args.model_defaults = apply_model_defaults(values, set(args.given) | set(values),
                                                values.get("model", DEFAULTS.model))

@@ -29,6 +29,19 @@ def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None)
     return devices // stages if isinstance(stages, int) and stages > 0 else devices
 
 
+def apply_inputs(values: dict) -> None:
+    """The other ways to say a setting (`INPUTS`), in `values`, turned into the settings they stand for:
+    --per-device-batch-size into --batch-size, then --micro-batch-size into --accumulate."""
+    per_device = values.pop("per_device_batch_size", None)
+    if per_device is not None:
+        check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
+        values["batch_size"] = per_device * replicas(values.get("devices", DEFAULTS.devices),
+                                                     values.get("strategy", "auto"), values.get("pipeline_stages"))
+    micro = values.pop("micro_batch_size", None)
+    if micro is not None:
+        apply_micro_batch_size(values, micro)
+
+
 def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=lambda name: f"--{name.replace('_', '-')}")\
         -> None:
     """`--micro-batch-size N` (samples per pass per replica) said as --accumulate, or for a pipeline as its

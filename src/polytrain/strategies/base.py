@@ -157,7 +157,8 @@ class Strategy:
         optimizer (skipped after an fp16 overflow), then the schedule."""
         self.gradients.step(self.optimizer, list(self.model.parameters()), norm_group=self.norm_group,
                             overflow_group=self.overflow_group)
-        if self.schedule_per_step: self.scheduler.step()  # noqa: E701
+        if self.schedule_per_step:
+            self.scheduler.step()
 
     def epoch_figures(self) -> dict:
         """The epoch record's figures of this strategy and of clipping and loss scaling (every rank calls it)."""

@@ -76,10 +76,6 @@ class Gradients:
         grads = [p.grad for p in params if p.grad is not None]
         found = None
         if self.scaler is not None:
-            for group in optimizer.param_groups:        # a rank's placeholder must show GradScaler a gradient
-                for p in group["params"]:
-                    if p.grad is None and p.numel() == 0:
-                        p.grad = torch.zeros_like(p)
             self.scaler.unscale_(optimizer)
             found = self._found_inf(optimizer)
         if self.clip_value is not None and grads:
@@ -128,7 +124,7 @@ class Gradients:
 
     def _found_inf(self, optimizer) -> torch.Tensor:
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        if not found:           # parameters, none with a gradient (frozen layers): nothing overflowed here
+        if not found:           # no gradient on this rank (a placeholder, frozen layers): nothing overflowed
             found[self.device] = torch.zeros((), dtype=torch.float32, device=self.device)
         return sum(value.to(self.device) for value in found.values()).reshape(())
 

@@ -81,14 +81,13 @@ class ParameterServer(Distributed):
     def apply_gradients(self) -> None:
         began = time.perf_counter()
         if self.gradients.active and not self.plan.staleness:
-            self._push_step_pull()
-        for server, indices in self.owned.items():
-            if self.gradients.active and not self.plan.staleness:
-                break
-            if self.plan.staleness:
-                self._push_and_pull_async(server, indices)
-            else:
-                self._push_and_pull(server, indices)
+            self._push_step_pull()        # clipping and fp16 need every server's gradient before any step
+        else:
+            for server, indices in self.owned.items():
+                if self.plan.staleness:
+                    self._push_and_pull_async(server, indices)
+                else:
+                    self._push_and_pull(server, indices)
         if not self.master and not self.gradients.active:
             self.optimizer.step()         # a no-op on the placeholder; keeps the schedule's order of calls
         if self.server is None and self.schedule_per_step:   # an asynchronous server steps it with its updates
@@ -114,8 +113,8 @@ class ParameterServer(Distributed):
             self._pull_latest()
 
     def _pull_latest(self) -> None:
-        """Every replica takes the servers' current weights (all updates are in: every worker has had the
-        answer to its last push)."""
+        """Every replica takes the servers' current weights (after the servers stepped together, or, when
+        asynchronous, once all updates are in: every worker has had the answer to its last push)."""
         for server, indices in self.owned.items():
             params = [self.replica[i] for i in indices]
             flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device) if server == self.rank \
@@ -171,12 +170,7 @@ class ParameterServer(Distributed):
         self.gradients.step(self.optimizer, self.master, norm_group=self.norm_group,
                             overflow_group=self.overflow_group)
         updated = time.perf_counter()
-        for server, indices in self.owned.items():
-            params = [self.replica[i] for i in indices]
-            flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device) if self.rank == server \
-                else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
-            dist.broadcast(flat, src=server)
-            self._set(params, flat)
+        self._pull_latest()
         self.add_phase("server_update", updated - pushed)
         self.add_phase("communication", pushed - began + time.perf_counter() - updated)
 

@@ -72,6 +72,8 @@ class Pipeline(Distributed):
         """The ranks of this pipeline: each holds some stages' gradients (replicas have summed theirs)."""
         return self.pp_group if self.pp_group is not None else dist.group.WORLD
 
+    overflow_group = norm_group       # the stages' gradients overflow apart; replicas share theirs
+
     @property
     def data_rank(self) -> int:
         return self.replica
@@ -280,9 +282,7 @@ class Pipeline(Distributed):
             summing = time.perf_counter()
             self._sum_gradients_over_replicas()
             self.phases["communication"] = time.perf_counter() - summing
-        self.gradients.step(self.optimizer, list(self.model.parameters()), norm_group=self.norm_group,
-                            overflow_group=self.norm_group)
-        if self.schedule_per_step: self.scheduler.step()  # noqa: E701
+        self.apply_gradients()
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
         return self._stats(len(batch.y), last=microbatches)
 

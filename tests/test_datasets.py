@@ -185,7 +185,7 @@ X, Y = torch.randn(20, 6), torch.randn(20, 2)
     (dict(train=Pairs(X, Y), val=Pairs(X[:1], Y[:1]), devices=2),
      "the validation set has 1 sample, fewer than devices=2"),
     (dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=lambda out, y: ((out - y) ** 2)),
-     "loss= returned shape (2, 2); it must return one number"),
+     "loss= returned a float32 tensor of shape (2, 2); return the batch's mean loss (a scalar tensor) or a pair"),
     (dict(train=Pairs(X, Y), val=Pairs(X, Y), metrics={"bad": lambda out, y: out}),
      "metric 'bad' returned shape (2, 2) for 2 samples"),
     (dict(train=Pairs(X, Y)), "val= is missing; pass both train= and val= Datasets"),

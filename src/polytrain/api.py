@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -17,11 +16,10 @@ import torch.nn as nn
 
 from .callbacks import check_callbacks, check_monitor
 from .checkpoint import atomic_write_bytes, load_weights
-from .config import SETTINGS, STRATEGY_FLAGS, TrainConfig
+from .config import STRATEGY_FLAGS, TrainConfig
 from .config.flags import refuse_ignored
 from .config.train import apply_inputs
-from .config.names import foreign, nearest
-from .config.settings import INPUTS
+from .config.keywords import check_keywords, keyword_words
 from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
 from .data.loader import make_loaders
 from .errors import ConfigError, UserError
@@ -30,10 +28,11 @@ from .runtime.launch import check_devices, check_main_guard, run_job, spawns_wor
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .models.defaults import apply_model_defaults, defaults_words
+from .models.lightning import is_lightning, lightning_parts
 from .optim import FROM_PYTHON, defaults_line, describe, make_recipe, take_objects
 from .run_dir import new_run_dir, read_config, write_config
-from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset, make_objective,
-                      oversized_batch_note, split_data)
+from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
+                      make_objective, oversized_batch_note, refuse_for_strategy, split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .strategies.gradients import check_fp16
 from .trainer import History, Trainer
@@ -43,7 +42,7 @@ from .runtime.worker import Job, choose_device, resolved_device_type
 def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None, train=None,
               val=None, loss=None, metrics=None, loggers=(), resume_dir: Optional[str] = None,
               keep_files: bool = True, verbose: bool = True, callbacks=(), optimizer=None, scheduler=None,
-              param_groups=None):
+              param_groups=None, step=None, eval_step=None):
     """Validate everything, prepare the run folder, then train on `config.devices` devices.
 
     Returns (history, model with the trained weights, run folder or None).
@@ -62,8 +61,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
                   config.device)
     data, train, val = split_data(data, train, val)
     registry_data = train is None and (data is None or isinstance(data, str))
-    objective = make_objective(config, loss, metrics)
-    check_monitor(config.monitor, objective.names)
+    objective = make_objective(config, loss, metrics, step=step, eval_step=eval_step)
     if config.num_workers is not None and train is None:
         raise UserError("--num-workers applies to train= and val= Datasets; in-memory data is read on the device")
     if config.augment and train is not None:
@@ -73,8 +71,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
     if getattr(dataset, "kind", "classification") != "classification":      # text: next-token cross-entropy
-        objective = make_objective(config, loss, metrics, kind=dataset.kind)
-        check_monitor(config.monitor, objective.names)
+        objective = make_objective(config, loss, metrics, kind=dataset.kind, step=step, eval_step=eval_step)
     check_sizes(dataset, config)
     note = oversized_batch_note(dataset, config)
     if verbose and note and (launcher is None or launcher.rank == 0):
@@ -88,14 +85,16 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
-    check_objective(module, objective, dataset)
+    objective = check_objective(module, objective, dataset)
+    check_monitor(config.monitor, objective.names)
+    refuse_for_strategy(strategy, config, objective, dataset)
     recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler,
                          param_groups=param_groups).checked(module, staleness=config.staleness or 0)
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
                         logger=tuple(loggers) or None, callbacks=tuple(callbacks) or None,
-                        optimizer=recipe.optimizer, scheduler=recipe.schedule)
+                        optimizer=recipe.optimizer, scheduler=recipe.schedule, step=step, eval_step=eval_step)
     device = choose_device(config.device, launcher.local_rank if launcher else 0)
     if config.precision == "fp16":
         check_fp16(device.type)
@@ -106,6 +105,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         strategy, line = auto_strategy(config, module, dataset, objective, device=device,
                                        channels_last=channels_last, launched=launcher is not None)
         config = config.with_strategy(strategy, plan=None)
+        refuse_for_strategy(strategy, config, objective, dataset)
         if verbose and (launcher is None or launcher.rank == 0):
             print(line, flush=True)
     plan = make_plan(strategy, config, module, dataset, device=device)
@@ -170,6 +170,8 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
     rank would measure for itself and might choose differently, so there only a --plan file chooses."""
     from .scaling.auto import choose_strategy
+    if objective.step is not None or getattr(getattr(dataset, "spec", None), "form", "pair") != "pair":
+        return "data", "--strategy auto: data (a step= or batches without separate targets are measured only as data)"
     if launched and not config.plan:
         return "data", ("--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
                         "--plan bench.json from polytrain bench to choose by measurement)")
@@ -191,7 +193,7 @@ def plan_record(plan) -> Optional[dict]:
 
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
         train=None, val=None, loss=None, metrics=None, logger=None, callbacks=None,
-        optimizer=None, scheduler=None, param_groups=None,
+        optimizer=None, scheduler=None, param_groups=None, step=None, eval_step=None,
         epochs: Optional[int] = None, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
         resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
@@ -203,6 +205,12 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     `loss=fn(outputs, targets)` returns the batch *mean* (as PyTorch's losses do by default) for any
     objective; without it the objective is classification (cross-entropy, with accuracy).
     `metrics={"name": fn(outputs, targets)}` returns per-sample values or the batch mean.
+    Dataset items may also be tuples or dicts of tensors (a dict batch is passed as `model(**batch)`); a model
+    whose output carries its loss (`.loss`, or a dict's "loss") trains on it; `step=fn(model, batch)` returns
+    the loss of a batch as it comes ((inputs, targets), a tuple or a dict) for anything else, and runs under
+    no_grad for validation unless `eval_step=` is given. A loss or step may return the batch mean, or a pair
+    (sum of per-element losses, elements counted): the step then minimises the global sum over the global
+    count, exactly, on any device count and accumulation (e.g. tokens that are not padding).
     `logger="tensorboard"`, `"csv"` (or a list, or objects with `log_metrics(metrics, step)`) add loggers.
     Every `polytrain train` flag is a keyword (`batch_size=`, `lr=`, `optimizer=`, ...); a registry model may
     bring its own defaults for those not given (`"gpt"`: AdamW, cosine, ...; printed; `epochs=` is 5 otherwise).
@@ -225,6 +233,9 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     """
     try:
         check_keywords(settings)
+        if is_lightning(model):           # its training_step, validation_step and configure_optimizers
+            step, eval_step, optimizer, scheduler = lightning_parts(model, step=step, eval_step=eval_step,
+                                                                    optimizer=optimizer, scheduler=scheduler)
         optimizer, scheduler = take_objects(settings, optimizer, scheduler)     # objects out, names in
         if "per_device_batch_size" in settings and "batch_size" in settings:
             raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
@@ -255,41 +266,11 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
         history, _, _ = train_run(config, model=model, data=data, train=train, val=val, loss=loss, metrics=metrics,
                                   loggers=loggers, resume_dir=resume, callbacks=check_callbacks(callbacks),
                                   keep_files=out is not None, verbose=verbose, optimizer=optimizer,
-                                  scheduler=scheduler, param_groups=param_groups)
+                                  scheduler=scheduler, param_groups=param_groups, step=step, eval_step=eval_step)
     except UserError as error:
         raise type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error \
             from None
     return history
-
-
-# fit()'s own parameters; every other keyword is a declared setting (config/settings.py).
-FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "callbacks", "epochs", "devices",
-                "strategy", "out", "resume", "verbose", "optimizer", "scheduler", "param_groups")
-
-
-def check_keywords(settings: dict) -> None:
-    """Refuse a keyword `fit` does not take, naming the nearest one it does."""
-    known = sorted(set(SETTINGS) - {"dataset", "model"} | set(INPUTS) | set(FIT_KEYWORDS))
-    for name in settings:
-        said = foreign(name, lambda setting: f"{setting}=") if name not in known else None
-        if said:
-            raise ConfigError(f"fit() has no keyword {name}=; {said}")
-        if name not in known:
-            close = nearest(name, known)
-            raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {close}=?" if close else
-                              f"; it takes {', '.join(k + '=' for k in known)}"))
-
-
-def keyword_words(message: str) -> str:
-    """A message written for the command line, in the words of the Python API: `--batch-size 64` becomes
-    `batch_size=64` and a bare `--download` becomes `download=True`."""
-    def keyword(match):
-        name, value = match.group(1).replace("-", "_"), match.group(2)
-        if value is not None:
-            return f"{name}={value}"
-        field = TrainConfig.__dataclass_fields__.get(name)
-        return f"{name}=True" if field is not None and field.type in ("bool", bool) else f"{name}="
-    return re.sub(r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b))?", keyword, message)
 
 
 # The weights a run folder keeps: --weights NAME reads the file.
@@ -345,7 +326,8 @@ def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: in
         dataset = as_dataset(data, TrainConfig())
     check_devices(1, device)
     strategy = SingleDevice(device=choose_device(device, 0), objective=objective)
-    check_objective(model, objective, dataset)
+    objective = check_objective(model, objective, dataset)
+    strategy.objective = objective
     first = next(model.parameters(), None)
     home, was_training = (first.device if first is not None else strategy.device), model.training
     strategy.model = model.to(strategy.device)

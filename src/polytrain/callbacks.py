@@ -194,9 +194,10 @@ class ProgressBar(Callback):
 
     def on_step_end(self, trainer, step):
         if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
-            loss_sum, metric_sums, count, _ = trainer.running_totals()
-            values = dict(loss=loss_sum, **dict(zip(trainer.metric_names, metric_sums)))
-            self.bar.set_postfix({name: f"{value / max(count, 1):.4f}" for name, value in values.items()})
+            loss_sum, loss_count, metric_sums, count, _ = trainer.running_totals()
+            values = dict(loss=loss_sum / max(loss_count, 1), **{name: value / max(count, 1) for name, value in
+                                                                 zip(trainer.metric_names, metric_sums)})
+            self.bar.set_postfix({name: f"{value:.4f}" for name, value in values.items()})
             self.bar.update(step + 1 - self.bar.n)
 
     def on_validation_end(self, trainer, record):
@@ -292,7 +293,7 @@ class StepRecorder(Callback):
 
     def on_step_end(self, trainer, step):
         totals, count, _ = trainer.running
-        loss_sum, _, count = trainer.reduce_sums(totals, count)
+        loss_sum, count, _, _ = trainer.reduce_sums(totals, count)
         loss = (loss_sum - self.previous[0]) / (count - self.previous[1])
         self.previous = (loss_sum, count)
         self.steps.append((loss, trainer.strategy.flat_parameters()))

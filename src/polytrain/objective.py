@@ -13,22 +13,31 @@ each sample's loss the mean over its T tokens, so that the mean over samples is 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from .data.order import leaves, rows
 from .errors import UserError
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KINDS = ("classification", "language")
+KINDS = ("classification", "language", "model")   # model: the model returns its loss
 
 
 class Objective:
     def __init__(self, loss: Optional[Callable] = None, metrics: Optional[Dict[str, Metric]] = None, *,
-                 label_smoothing: float = 0.0, kind: str = "classification"):
-        if loss is not None and not callable(loss):
-            raise UserError(f"loss= must be a callable loss(outputs, targets) -> scalar, got {type(loss).__name__}")
+                 label_smoothing: float = 0.0, kind: str = "classification", step: Optional[Callable] = None,
+                 eval_step: Optional[Callable] = None, counted: bool = False):
+        for name, fn in (("loss", loss), ("step", step), ("eval_step", eval_step)):
+            if fn is not None and not callable(fn):
+                raise UserError(f"{name}= must be a callable, got {type(fn).__name__}")
+        if eval_step is not None and step is None:
+            raise UserError("eval_step= replaces step= in validation; give step= too (or neither)")
+        if step is not None and loss is not None:
+            raise UserError("give either loss=fn(outputs, targets) or step=fn(model, batch), not both: the step "
+                            "computes the loss itself")
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
@@ -36,22 +45,91 @@ class Objective:
                                 f"got {name!r}: {type(fn).__name__}")
         if kind not in KINDS:
             raise UserError(f"unknown objective kind {kind!r}; choose one of {', '.join(KINDS)}")
-        self.loss = loss
+        if metrics and (step is not None or kind == "model"):
+            raise UserError("metrics= are computed from outputs and targets, which a "
+                            f"{'step=' if step is not None else 'model that returns its loss'} does not hand over; "
+                            f"drop metrics= (a callback can compute them from trainer.model)")
+        self.loss, self.step, self.eval_step = loss, step, eval_step
         self.label_smoothing = label_smoothing
-        self.language = loss is None and kind == "language"      # next-token cross-entropy, no accuracy
-        self.classification = loss is None and not self.language
+        self.kind = kind
+        builtin = loss is None and step is None and kind != "model"
+        self.language = builtin and kind == "language"      # next-token cross-entropy, no accuracy
+        self.classification = builtin and not self.language
+        # the loss may give (sum, count) pairs: each step then divides by the global count (one all-reduce)
+        self.counted = counted
         if self.classification and "acc" in metrics:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
         self.names: Tuple[str, ...] = (("acc",) if self.classification else ()) + tuple(metrics)
 
+    @property
+    def custom(self) -> bool:
+        """The user's code computes the loss (loss=, step=, or the model itself)."""
+        return not (self.classification or self.language)
+
     def describe_loss(self) -> str:
+        if self.step is not None:
+            return f"step={name_of(self.step)}"
+        if self.kind == "model":
+            return "the model's own loss"
         if self.language:
             return "next-token cross-entropy"
-        return "cross-entropy" if self.loss is None else getattr(self.loss, "__name__", type(self.loss).__name__)
+        return "cross-entropy" if self.loss is None else name_of(self.loss)
+
+    def compute(self, model, x, y, *, training: bool = True, autocast=contextlib.nullcontext):
+        """(loss summed over what it covers, how many elements it covers, outputs or None) of one part of a
+        batch: the step's, the model's own, or the loss of the model's outputs. Differentiable."""
+        samples = rows(x) if y is None else len(y)
+        step = self.step if training or self.eval_step is None else self.eval_step
+        if step is not None:
+            with autocast():
+                value = step(model, x if y is None else (x, y))
+            return (*self.sum_and_count(value, samples, "step="), None)
+        with autocast():
+            outputs = call_model(model, x)
+        if self.kind == "model":
+            value = carried_loss(outputs)
+            if value is None:
+                raise UserError(f"the model returned {describe_value(outputs)} without a loss, after returning "
+                                f"one on a sample; return an output with .loss (or a dict with 'loss') every time")
+            return (*self.sum_and_count(value, samples, "the model's loss"), outputs)
+        loss_sum, count = self.outputs_loss(outputs, y, training=training)
+        return loss_sum, count, outputs
+
+    def outputs_loss(self, outputs, targets: torch.Tensor, *, training: bool = True):
+        """(summed loss, elements covered) of the model's outputs against the targets."""
+        count = len(targets)
+        if self.kind == "model":
+            return self.sum_and_count(carried_loss(outputs), count, "the model's loss")
+        if self.loss is None:
+            return self.loss_sum(outputs, targets, training=training), count
+        if count == 0 and isinstance(outputs, torch.Tensor):  # a rank with no samples in a short last batch
+            return outputs.float().sum() * 0.0, 0
+        return self.sum_and_count(self.loss(outputs, targets), count, "loss=")
+
+    def sum_and_count(self, value, samples: int, what: str):
+        """A loss as a step or loss function gives it (the batch mean, a (sum, count) pair, or an output with
+        .loss / a dict with "loss", as Lightning's training_step returns) as (sum, count)."""
+        value = unwrapped(value)
+        if gives_pair(value):
+            if not self.counted:
+                raise UserError(f"{what} returned a (sum, count) pair during training but a mean on the sample "
+                                f"checked before it; return the same kind every time")
+            total, count = value
+            if isinstance(count, torch.Tensor):
+                count = count.detach().to(torch.float64)
+            return total.float(), count
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+            if samples == 0:              # an empty part: a mean of nothing is NaN; it adds nothing
+                return value.float().nan_to_num(0.0) * 0.0, 0
+            return value.float() * samples, samples
+        raise UserError(f"{what} returned {describe_value(value)}; return the batch's mean loss (a scalar tensor) "
+                        f"or a pair (sum of the per-element losses, how many elements), e.g. (loss.sum(), "
+                        f"mask.sum())")
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor, *, training: bool = True) -> torch.Tensor:
-        """The loss summed over the samples of `outputs` (differentiable)."""
+        """The built-in losses summed over the samples of `outputs` (differentiable); a user's loss= as
+        sum of its per-sample mean."""
         if self.language:                 # each sample's mean over its tokens, summed over the samples
             tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
             return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="sum",
@@ -59,28 +137,64 @@ class Objective:
         if self.loss is None:
             return F.cross_entropy(outputs.float(), targets, reduction="sum",
                                    label_smoothing=self.label_smoothing if training else 0.0)
-        count = outputs.shape[0]
-        if count == 0:                    # a rank with no samples in a short last batch still takes part
-            return outputs.float().sum() * 0.0
-        value = self.loss(outputs, targets)
-        if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise UserError(f"loss= returned {got}; it must return one number, the mean over the batch "
-                            f"(e.g. reduction='mean')")
-        return value.float() * count
+        return self.outputs_loss(outputs, targets, training=training)[0]
 
     @torch.no_grad()
-    def metric_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def metric_sums(self, outputs, targets: torch.Tensor) -> torch.Tensor:
         """One sum over this batch's samples per metric name, as a float tensor on the outputs' device."""
+        if not self.names:
+            return torch.zeros(0, device=leaves(outputs)[0].device if leaves(outputs) else None)
         outputs = outputs.detach()
         sums = []
         if self.classification:
             sums.append((outputs.argmax(1) == targets).sum().float())
         for name, fn in self.metrics.items():
             sums.append(per_sample_sum(name, fn(outputs, targets), outputs.shape[0], outputs.device))
-        if not sums:
-            return torch.zeros(0, device=outputs.device)
         return torch.stack(sums)
+
+
+def unwrapped(value):
+    """A loss as given, or the loss an output carries (an object with .loss, a dict with "loss")."""
+    carried = carried_loss(value)
+    return carried if carried is not None and not isinstance(value, torch.Tensor) else value
+
+
+def gives_pair(value) -> bool:
+    """Whether a step's or loss's value is a (sum, count) pair (also inside an output's .loss)."""
+    value = unwrapped(value)
+    return isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor) and \
+        value[0].dim() == 0
+
+
+def call_model(model, x):
+    """The model on a batch's inputs: a dict as keyword arguments, a tuple or list as positional ones."""
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, (tuple, list)):
+        return model(*x)
+    return model(x)
+
+
+def carried_loss(output):
+    """The loss a model's output carries (`.loss`, as Hugging Face's outputs; or a dict's "loss"), else None."""
+    if isinstance(output, dict):
+        return output.get("loss")
+    if isinstance(output, torch.Tensor):
+        return None
+    value = getattr(output, "loss", None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def name_of(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def per_sample_sum(name: str, value, count: int, device) -> torch.Tensor:

@@ -15,8 +15,10 @@ from .config import TrainConfig
 from .data import ArrayDataset, dataset_settings, load_dataset
 from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
 from .models import run_on_sample
+from .models.lightning import SPLITTING, LightningStep
+from .data.order import rows
 from .errors import DataError, UserError, first_line
-from .objective import Objective
+from .objective import Objective, carried_loss, describe_value, gives_pair
 
 
 def is_torch_dataset(value) -> bool:
@@ -72,12 +74,15 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
         classes = [str(label) for label in range(classes)]      # a count, as some datasets give it
     elif classes is not None and not hasattr(classes, "__len__"):
         raise UserError(f"train.classes is a {type(classes).__name__}; give a list of class names or their count")
-    if objective.classification:
+    width = output_width(model, DatasetPair(train, val, spec)) if isinstance(model, nn.Module) and \
+        classes is None and objective.classification and spec.form == "pair" else None
+    if objective.classification and spec.form == "pair" and (width or classes is not None or
+                                                               not isinstance(model, nn.Module)):
         check_class_targets(spec, names[0])
         if classes is not None:
             spec.num_classes = len(classes)
         elif isinstance(model, nn.Module):
-            spec.num_classes = output_width(model, DatasetPair(train, val, spec))
+            spec.num_classes = width
         else:
             raise UserError(f"model {model!r} needs the number of classes: give train= a .classes list (as "
                             f"torchvision's datasets have), or pass your own nn.Module")
@@ -86,45 +91,96 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
                        classes=[str(c) for c in classes] if classes is not None else None)
 
 
-def output_width(model: nn.Module, pair: DatasetPair) -> int:
-    """How many class scores the user's module gives per sample (its output's last dimension)."""
-    output = run_model(model, pair.sample_batch(2)[0], pair.input_shape)
+def output_width(model: nn.Module, pair: DatasetPair) -> Optional[int]:
+    """How many class scores the user's module gives per sample (its output's last dimension); None when its
+    output carries its own loss."""
+    x = pair.sample_batch(2)[0]
+    output = run_on_sample(model, x, f"samples of shape {tuple(pair.input_shape)}")
+    if carried_loss(output) is not None:
+        return None
+    output = run_model(model, x, pair.input_shape, output)
     if output.dim() != 2:
         raise UserError(f"the model must return one row of class scores per sample, shape (N, classes); it "
                         f"returned shape {tuple(output.shape)} (pass loss= for another objective)")
     return output.shape[1]
 
 
-def run_model(model: nn.Module, x: torch.Tensor, input_shape) -> torch.Tensor:
-    output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}")
-    if not isinstance(output, torch.Tensor) or output.shape[:1] != x.shape[:1]:
+def run_model(model: nn.Module, x, input_shape, output=None) -> torch.Tensor:
+    output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}") if output is None else output
+    if not isinstance(output, torch.Tensor) or output.shape[:1] != (rows(x),):
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise UserError(f"the model must return one output row per sample; for {len(x)} samples it returned {got}")
     return output
 
 
-def check_objective(model: nn.Module, objective: Objective, data) -> None:
-    """Run the loss and the metrics on the model's outputs for two training samples."""
+def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
+    """Run the step, or the model and its loss and metrics, on two training samples; return the objective the
+    run trains with: the model's own loss when its output carries one and no loss= or step= is given, and
+    whether the loss gives (sum, count) pairs."""
     if isinstance(data, DatasetPair) or hasattr(data, "sample_batch"):
         x, y = data.sample_batch(2)
     else:
         x, y = data.sample_inputs(2), data.train_y[:2]
-    output = run_model(model, x, data.input_shape)
+    form = getattr(getattr(data, "spec", None), "form", "pair")
+    if objective.step is not None:
+        return checked_step(model, objective, x if y is None else (x, y))
+    output = run_on_sample(model, x, f"samples of shape {tuple(data.input_shape)}")
+    if objective.loss is None and carried_loss(output) is not None:      # e.g. a Hugging Face model
+        objective = Objective(kind="model", metrics=objective.metrics)
+        objective.counted = gives_pair(carried_loss(output))
+        objective.sum_and_count(carried_loss(output), rows(x), "the model's loss")
+        return objective
+    if y is None:
+        raise UserError(f"the Dataset's items are {form}s with no separate target, and the model returned "
+                        f"{describe_value(output)} without a loss; return an output with .loss (or a dict with "
+                        f"'loss'), or pass step=fn(model, batch) that returns the loss")
+    output = run_model(model, x, data.input_shape, output)
     y = y.to(output.device)
     if objective.language and (output.dim() != 3 or output.shape[1] != y.shape[1]
                                or output.shape[2] < data.num_classes):
         raise UserError(f"--dataset {data.name} is text for a language model: the model must return scores over "
                         f"the {data.num_classes} characters for every position, shape (N, {y.shape[1]}, "
                         f"{data.num_classes}); it returned {tuple(output.shape)}; use --model gpt")
-    for what, call in (("loss=", lambda: objective.loss_sum(output, y)),
+    for what, call in (("loss=", lambda: counted(objective, lambda: objective.loss(output, y))),
+                       ("loss=", lambda: objective.outputs_loss(output, y)),
                        ("metrics=", lambda: objective.metric_sums(output, y))):
         try:
-            call()
+            if what == "metrics=" or objective.loss is not None:
+                call()
         except UserError:
             raise
         except Exception as error:
             raise UserError(f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
                             f"{tuple(y.shape)}: {type(error).__name__}: {first_line(error)}") from None
+    return objective
+
+
+def counted(objective: Objective, loss) -> None:
+    """Mark the objective as giving (sum, count) pairs when `loss()` (the user's code on a sample) gives one."""
+    objective.counted = gives_pair(loss())
+
+
+@torch.no_grad()
+def checked_step(model: nn.Module, objective: Objective, batch) -> Objective:
+    """The user's step on a sample batch, in eval mode, on the model's device; one line if it fails."""
+    from .data.order import map_tree
+    first = next(model.parameters(), None)
+    if first is not None:
+        batch = map_tree(lambda t: t.to(first.device), batch)
+    was_training = model.training
+    model.eval()
+    try:
+        value = objective.step(model, batch)
+        objective.counted = gives_pair(value)
+        objective.sum_and_count(value, rows(batch), "step=")
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(f"step= failed on two training samples: {type(error).__name__}: {first_line(error)}") \
+            from None
+    finally:
+        model.train(was_training)
+    return objective
 
 
 def check_sizes(data, config: TrainConfig) -> None:
@@ -145,12 +201,32 @@ def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:
             f"epoch is one step of {data.num_train:,}; give --batch-size {data.num_train} or less to train as asked")
 
 
-def make_objective(config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification") \
-        -> Optional[Objective]:
-    """The objective: the user's loss, else the built-in one of the data's `kind` (a dataset's `.kind`)."""
-    if loss is not None and config.label_smoothing:
-        raise UserError("label_smoothing= applies to the built-in cross-entropy; drop it or build it into loss=")
-    return Objective(loss, metrics, label_smoothing=config.label_smoothing, kind=kind)
+def make_objective(config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification", step=None,
+                   eval_step=None) -> Optional[Objective]:
+    """The objective: the user's step or loss, else the built-in one of the data's `kind` (a dataset's
+    `.kind`); check_objective may find that the model returns its own loss."""
+    if (loss is not None or step is not None) and config.label_smoothing:
+        raise UserError(f"label_smoothing= applies to the built-in cross-entropy; drop it or build it into "
+                        f"{'loss=' if loss is not None else 'step='}")
+    return Objective(loss, metrics, label_smoothing=config.label_smoothing, kind=kind, step=step,
+                     eval_step=eval_step)
+
+
+def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective, data) -> None:
+    """One line for what a strategy cannot do with this objective or these batches."""
+    form = getattr(getattr(data, "spec", None), "form", "pair")
+    if strategy == "pipeline" and (objective.step is not None or objective.kind == "model" or form != "pair"):
+        what = ("step=" if objective.step is not None else "a model that returns its own loss"
+                if objective.kind == "model" else f"batches of {form}s")
+        raise UserError(f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
+                        f"the targets, which {what} does not give; use the data or sharded strategy")
+    if strategy in SPLITTING and isinstance(objective.step, LightningStep):
+        raise UserError(f"the {strategy} strategy splits the model or moves its optimizer, which a LightningModule's "
+                        f"training_step and configure_optimizers are written for whole; use the data or sharded "
+                        f"strategy")
+    if config.staleness and objective.counted:
+        raise UserError("the loss gives (sum, count) pairs, which need each step's global count: asynchronous "
+                        "servers (--staleness) have no global step; drop --staleness")
 
 
 def check_picklable(**parts) -> None:

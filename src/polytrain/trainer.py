@@ -29,6 +29,7 @@ class Position:
     metrics: tuple = ()           # the objective's metric sums, in the order of its names
     count: float = 0.0
     seconds: float = 0.0
+    loss_count: Optional[float] = None   # elements the loss sum covers ((sum, count) losses); None: count
 
     @classmethod
     def from_dict(cls, values: dict) -> "Position":
@@ -36,7 +37,10 @@ class Position:
         if "correct" in values:        # checkpoints written before metrics were generalised
             values["metrics"] = (values.pop("correct"),)
         values["metrics"] = tuple(values.get("metrics", ()))
-        return cls(**values)
+        position = cls(**values)
+        if position.loss_count is None:
+            position.loss_count = position.count
+        return position
 
 
 @dataclass
@@ -114,8 +118,8 @@ class Trainer:
         stats = self.last_stats
         if stats is not None and stats.count:
             row = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()]).tolist()
-            values.update({f"step_{name}": value / stats.count
-                           for name, value in zip(("loss", *self.metric_names), row)})
+            values.update({f"step_{name}": value / stats.count for name, value in zip(self.metric_names, row[1:])})
+            values["step_loss"] = row[0] / float(stats.loss_count) if float(stats.loss_count) else float("nan")
         return values
 
     def fit(self) -> History:
@@ -182,9 +186,10 @@ class Trainer:
         # A resumed epoch's earlier sums are global (reduced when saved): only the main rank re-adds them.
         share = 1.0 if self.strategy.is_main else 0.0
         metrics = start.metrics or (0.0,) * len(self.metric_names)
-        totals = torch.tensor([start.loss_sum * share, *(value * share for value in metrics)],
+        loss_count = start.count if start.loss_count is None else start.loss_count
+        totals = torch.tensor([start.loss_sum * share, loss_count * share, *(value * share for value in metrics)],
                               dtype=torch.float64, device=self.strategy.device)
-        loss_total, metric_totals = totals[0], totals[1:]        # views: updated in place, one kernel each
+        loss_total, count_total, metric_totals = totals[0], totals[1], totals[2:]   # views: updated in place
         count = start.count * share
         self._emit("on_epoch_start", epoch)
         self.strategy.synchronize()
@@ -200,6 +205,7 @@ class Trainer:
             stats = self.strategy.train_step(batch)
             self.last_stats = stats
             loss_total += stats.loss_sum
+            count_total += stats.loss_count
             metric_totals += stats.metrics
             count += stats.count
             self.position = Position(epoch, batch.step + 1)
@@ -225,13 +231,13 @@ class Trainer:
                 return None
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
-        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
+        loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
-            raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1}; the last good "
+            raise NonFiniteLoss(f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
         val = self.evaluate()
         extras = self.strategy.epoch_figures()
-        record = {**extras, "epoch": epoch + 1, "train_loss": loss_sum / count,
+        record = {**extras, "epoch": epoch + 1, "train_loss": loss_sum / loss_count,
                 **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
                 "val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names},
                 "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
@@ -249,35 +255,41 @@ class Trainer:
         return self.strategy.objective.names
 
     def reduce_sums(self, totals: torch.Tensor, count: float):
-        """(loss_sum, metric sums, count) summed over all ranks: sums of counts, never means of means."""
+        """(loss sum, elements it covers, metric sums, samples) summed over all ranks from this rank's `totals`
+        (loss sum, loss count, metric sums) and `count`: sums of counts, never means of means."""
         with_count = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)])
         values = self.strategy.reduce(with_count).tolist()
-        return values[0], tuple(values[1:-1]), values[-1]
+        return values[0], values[1], tuple(values[2:-1]), values[-1]
 
     def _global_position(self, epoch, step, totals, count, began) -> Position:
-        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
+        loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
-            raise NonFiniteLoss(f"the training loss became {loss_sum / count} in epoch {epoch + 1} before step "
+            raise NonFiniteLoss(f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1} before step "
                                 f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32")
-        return Position(epoch, step, loss_sum, metric_sums, count, time.perf_counter() - began)
+        return Position(epoch, step, loss_sum, metric_sums, count, time.perf_counter() - began, loss_count)
 
     def running_totals(self):
-        """(loss_sum, metric sums, count, seconds) of this rank's epoch so far; reads the device (a sync)."""
+        """(loss_sum, elements it covers, metric sums, count, seconds) of this rank's epoch so far; reads the
+        device (a sync)."""
         totals, count, began = self.running
-        loss_sum, *metric_sums = totals.tolist()
-        return loss_sum, tuple(metric_sums), count, time.perf_counter() - began
+        loss_sum, loss_count, *metric_sums = totals.tolist()
+        return loss_sum, loss_count, tuple(metric_sums), count, time.perf_counter() - began
 
     def evaluate(self, loader=None) -> dict:
         loader = loader or self.val_loader
         self.strategy.before_evaluation()
-        totals = torch.zeros(1 + len(self.metric_names), dtype=torch.float64, device=self.strategy.device)
+        totals = torch.zeros(2 + len(self.metric_names), dtype=torch.float64, device=self.strategy.device)
         count = 0
         for batch in loader.eval_batches():
             stats = self.strategy.eval_step(batch)
             self._emit("on_eval_step", batch.step)
             totals[0] += stats.loss_sum.double()
-            totals[1:] += stats.metrics.double()
+            totals[1] += stats.loss_count
+            totals[2:] += stats.metrics.double()
             count += stats.count
-        loss_sum, metric_sums, count = self.reduce_sums(totals, count)
-        return {"loss": loss_sum / count, **{name: value / count for name, value in zip(self.metric_names, metric_sums)},
+        loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
+        if self.strategy.objective.counted and not loss_count > 0:
+            raise UserError(f"the loss counted no elements in the whole validation set of {int(count)} samples; "
+                            f"validation needs at least one counted element (e.g. not only padding)")
+        return {"loss": loss_sum / loss_count, **{name: value / count for name, value in zip(self.metric_names, metric_sums)},
                 "count": int(count)}

@@ -7,6 +7,7 @@ exact. The device-resident loader (loader.py) and the Dataset stream (stream.py)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -24,7 +25,56 @@ def rank_slice(global_batch: torch.Tensor, *, rank: int, world_size: int) -> tor
 
 @dataclass
 class Batch:
-    x: torch.Tensor            # float, normalised, this rank's slice
-    y: torch.Tensor            # int64
+    x: Any                     # this rank's slice of the inputs: a tensor (images: float, normalised), or a
+                               # tuple or dict of tensors (a Dataset's items without a separate target)
+    y: Optional[torch.Tensor]  # the targets (None: the items carry none; the model or the step computes the loss)
     global_count: int          # samples in the whole global batch (all ranks)
     step: int                  # index of the batch within the epoch
+
+    def __len__(self) -> int:
+        """Samples in this rank's slice."""
+        return len(self.y) if self.y is not None else rows(self.x)
+
+    @property
+    def whole(self):
+        """The batch as a step function receives it: (inputs, targets), or the tuple or dict of the items."""
+        return self.x if self.y is None else (self.x, self.y)
+
+
+def map_tree(fn: Callable[[torch.Tensor], torch.Tensor], value):
+    """`fn` applied to every tensor of a tensor, tuple, list or dict (of those), keeping the structure."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: map_tree(fn, item) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tree(fn, item) for item in value)
+    return value
+
+
+def leaves(value) -> List[torch.Tensor]:
+    """The tensors of a tensor, tuple, list or dict, in order."""
+    found = []
+    map_tree(lambda t: found.append(t) or t, value)
+    return found
+
+
+def rows(value) -> int:
+    """Samples in a batch of any structure: the first dimension of its first tensor."""
+    tensors = leaves(value)
+    return len(tensors[0]) if tensors else 0
+
+
+def split_rows(value, parts: int) -> list:
+    """`value` cut along its samples into `parts` near-equal parts (as torch.tensor_split), structure kept."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, parts))
+    if value is None:
+        return [None] * parts
+    if isinstance(value, dict):
+        cut = {key: split_rows(item, parts) for key, item in value.items()}
+        return [{key: cut[key][i] for key in value} for i in range(parts)]
+    if isinstance(value, (tuple, list)):
+        cut = [split_rows(item, parts) for item in value]
+        return [type(value)(column[i] for column in cut) for i in range(parts)]
+    return [value] * parts

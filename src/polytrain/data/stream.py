@@ -19,16 +19,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..errors import DataError, first_line
-from .order import Batch, global_batch_order, rank_slice
+from .order import Batch, global_batch_order, map_tree, rank_slice, rows
 
 @dataclass
 class SampleSpec:
-    """What every sample must look like: the first training sample's input and target."""
+    """What every sample must look like: the first training sample's input and target (for items without a
+    separate target, the first tensor), and the shape and type of every tensor of it by its place."""
     x_shape: Tuple[int, ...]
     x_dtype: torch.dtype
     y_shape: Tuple[int, ...]
     y_dtype: torch.dtype
     num_classes: Optional[int] = None      # classification: labels must lie in 0..num_classes-1
+    form: str = "pair"                     # pair: (input, target); dict or tuple: tensors without a target
+    layout: Optional[dict] = None          # place ("[0]", "['input_ids']") -> (shape, dtype) of every tensor
+    skeleton: object = None                # the item's structure with each tensor's place in its stead
 
 
 @dataclass
@@ -59,9 +63,11 @@ class DatasetPair:
     def num_val(self) -> int:
         return len(self.val)
 
-    def sample_inputs(self, count: int) -> torch.Tensor:
-        """The first `count` training inputs as one float batch (to probe a model's shapes and speed)."""
-        return self.sample_batch(count)[0].float()
+    def sample_inputs(self, count: int):
+        """The first `count` training inputs as one batch (to probe a model's shapes and speed): images as
+        floats, token ids as the integers they are."""
+        x = self.sample_batch(count)[0]
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.uint8 else x
 
     def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first `count` training samples, collated and checked like every batch."""
@@ -105,9 +111,14 @@ def spec_of(dataset: Dataset, *, num_classes: Optional[int], what: str = "train"
     sample = fetch(dataset, what, 0)
     if isinstance(sample, Problem):
         raise DataError(sample.message)
-    x, y = unpack(sample, what, 0)
-    x, y = as_tensor(x, f"{what}[0]'s input"), as_tensor(y, f"{what}[0]'s target")
-    spec = SampleSpec(tuple(x.shape), x.dtype, tuple(y.shape), y.dtype, num_classes)
+    form, x, y = unpack(sample, what, 0)
+    item = x if y is None else (x, y)
+    layout = places(item, f"{what}[0]")
+    if not layout:
+        raise DataError(f"{what}[0] holds no tensor; a Dataset must return tensors, arrays or numbers")
+    first = next(iter(layout.values()))
+    target = layout.get("[1]", ((), None)) if y is not None else ((), None)
+    spec = SampleSpec(*first, *target, num_classes, form=form, layout=layout, skeleton=skeleton(item))
     if num_classes is not None:
         check_class_targets(spec, what)
     return spec
@@ -121,18 +132,84 @@ def check_class_targets(spec: SampleSpec, what: str = "train") -> None:
 
 
 def unpack(sample, what: str, index):
-    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
-        raise DataError(f"{what}[{index}] returned {describe(sample)}; a Dataset must return (input, target)")
-    return sample
+    """(form, inputs, target or None) of a Dataset item: an (input, target) pair, a dict of tensors, or a
+    tuple of another length (the last two are passed to the model whole and carry no separate target)."""
+    if isinstance(sample, dict) and sample:
+        return "dict", sample, None
+    if isinstance(sample, (tuple, list)) and len(sample) == 2:
+        return "pair", sample[0], sample[1]
+    if isinstance(sample, (tuple, list)) and sample:
+        return "tuple", tuple(sample), None
+    raise DataError(f"{what}[{index}] returned {describe(sample)}; a Dataset must return (input, target), a tuple "
+                    f"of tensors or a dict of tensors")
+
+
+def places(value, what: str, found=None, at: str = "") -> dict:
+    """Every tensor of an item by its place ("[0]", "['input_ids']", ...) -> (shape, dtype); numbers and
+    arrays count as tensors, anything else is one line naming its place."""
+    found = {} if found is None else found
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise DataError(f"{what}{at} has the key {key!r}; a dict item needs string keys (the model's "
+                                f"argument names)")
+            places(item, what, found, f"{at}[{key!r}]")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            places(item, what, found, f"{at}[{i}]")
+    else:
+        tensor = as_tensor(value, f"{what}{at}")
+        found[at] = (tuple(tensor.shape), tensor.dtype)
+    return found
+
+
+def tensors_of(value):
+    """The item with its numbers and arrays as tensors, structure kept."""
+    if isinstance(value, dict):
+        return {key: tensors_of(item) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(tensors_of(item) for item in value)
+    return torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
+
+
+def stack_items(items: list):
+    """Items of one structure stacked along a new first dimension, as `default_collate` does."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {key: stack_items([item[key] for item in items]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(stack_items([item[i] for item in items]) for i in range(len(first)))
+    return torch.stack(items)
+
+
+def skeleton(value, at: str = ""):
+    """The item's structure with each tensor's place (as `places` names it) in its stead."""
+    if isinstance(value, dict):
+        return {key: skeleton(item, f"{at}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return tuple(skeleton(item, f"{at}[{i}]") for i, item in enumerate(value))
+    return at
+
+
+def empty_batch(spec: "SampleSpec", value=None):
+    """A batch of no samples in the spec's structure (a rank's slice of a short last batch)."""
+    value = spec.skeleton if value is None else value
+    if isinstance(value, dict):
+        return {key: empty_batch(spec, item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(empty_batch(spec, item) for item in value)
+    shape, dtype = spec.layout[value]
+    return torch.empty((0, *shape), dtype=dtype)
 
 
 @dataclass
 class Collated:
-    x: torch.Tensor
-    y: torch.Tensor
+    x: object                 # a tensor, or a tuple or dict of tensors
+    y: Optional[torch.Tensor]
 
     def pin_memory(self) -> "Collated":         # called by the DataLoader's pinning thread on a GPU
-        return Collated(self.x.pin_memory(), self.y.pin_memory())
+        from .order import map_tree
+        return Collated(map_tree(torch.Tensor.pin_memory, self.x), map_tree(torch.Tensor.pin_memory, self.y))
 
 
 def fetch(dataset: Dataset, split: str, index: int):
@@ -158,14 +235,18 @@ class Problem:
 
 
 def collate_checked(samples, spec: SampleSpec):
-    """Stack ((split, index), (input, target)) pairs into one batch, or say which sample is wrong."""
+    """Stack ((split, index), item) pairs into one batch, or say which sample is wrong."""
+    if spec.form != "pair":
+        return collate_items(samples, spec)
     xs, ys = [], []
     try:
         for (split, index), sample in samples:
             what = f"{split}[{index}]"
             if isinstance(sample, Problem):
                 return sample
-            x, y = unpack(sample, split, index)
+            form, x, y = unpack(sample, split, index)
+            if form != "pair" or not isinstance(x, torch.Tensor) and isinstance(x, (dict, tuple, list)):
+                return collate_items(samples, spec)
             x, y = as_tensor(x, f"{what}'s input"), as_tensor(y, f"{what}'s target")
             if tuple(x.shape) != spec.x_shape or x.dtype != spec.x_dtype:
                 raise DataError(f"{what}'s input is {describe(x)}, but train[0]'s is "
@@ -184,6 +265,34 @@ def collate_checked(samples, spec: SampleSpec):
         return Collated(torch.empty((0, *spec.x_shape), dtype=spec.x_dtype),
                         torch.empty((0, *spec.y_shape), dtype=torch.long if spec.num_classes else spec.y_dtype))
     return Collated(torch.stack(xs), torch.stack(ys))
+
+
+def collate_items(samples, spec: SampleSpec):
+    """Items of any structure (dicts, tuples, pairs of those) stacked place by place, or which one is wrong."""
+    items = []
+    try:
+        for (split, index), sample in samples:
+            if isinstance(sample, Problem):
+                return sample
+            what = f"{split}[{index}]"
+            form, x, y = unpack(sample, split, index)
+            item = x if y is None else (x, y)
+            layout = places(item, what)
+            if form != spec.form or list(layout) != list(spec.layout):
+                raise DataError(f"{what} holds tensors at {', '.join(layout) or 'no place'}, but train[0] at "
+                                f"{', '.join(spec.layout)}; every item must have the same structure")
+            for at, (shape, dtype) in layout.items():
+                if (shape, dtype) != spec.layout[at]:
+                    raise DataError(f"{what}{at} is {tensor_words(dtype, shape)}, but train[0]{at} is "
+                                    f"{tensor_words(spec.layout[at][1], spec.layout[at][0])}; every sample must have "
+                                    f"the same shapes and types (pad them to one length)")
+            items.append(tensors_of(item))
+    except DataError as error:
+        return Problem(str(error))
+    whole = stack_items(items) if items else empty_batch(spec)
+    if spec.form == "pair":
+        return Collated(whole[0], whole[1])
+    return Collated(whole, None)
 
 
 class _Indexed(Dataset):
@@ -248,13 +357,14 @@ class StreamLoader:
         keys = [[(self.split, int(i)) for i in shard[start:start + self.batch_size]]
                 for start in range(0, len(shard), self.batch_size)]
         for step, batch in enumerate(self.pool.run(keys)):
-            yield self._batch(batch, len(batch.y), step)
+            yield self._batch(batch, rows(batch.x) if batch.y is None else len(batch.y), step)
 
     def _batch(self, batch: Collated, global_count: int, step: int) -> Batch:
-        x = batch.x.to(self.device, non_blocking=True)
-        if x.dtype.is_floating_point and x.dim() == 4:
+        x = map_tree(lambda t: t.to(self.device, non_blocking=True), batch.x)
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point and x.dim() == 4:
             x = x.contiguous(memory_format=self.memory_format)
-        return Batch(x, batch.y.to(self.device, non_blocking=True), global_count, step)
+        y = batch.y.to(self.device, non_blocking=True) if batch.y is not None else None
+        return Batch(x, y, global_count, step)
 
 
 class _Pool:

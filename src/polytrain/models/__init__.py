@@ -38,23 +38,47 @@ def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, optio
 
 
 @torch.no_grad()
-def run_on_sample(model: nn.Module, x: torch.Tensor, what: str):
-    """`model(x)` in eval mode on the model's device (mode restored); one line naming `what` if it fails."""
+def run_on_sample(model: nn.Module, x, what: str):
+    """The model on a sample batch `x` (a tensor; a dict as keyword arguments, a tuple as positional ones) in
+    eval mode on the model's device (mode restored); one line naming `what` if it fails."""
+    from ..data.order import map_tree
+    from ..objective import call_model
     if type(model).forward is nn.Module.forward:
         raise UserError(f"{type(model).__name__} has no forward method; define forward(self, x) returning the "
                         f"model's outputs")
+    if isinstance(x, dict):
+        check_keywords(model, x)
     first = next(model.parameters(), None)
     if first is not None:
-        x = x.to(device=first.device, dtype=first.dtype if x.dtype.is_floating_point else x.dtype)
+        x = map_tree(lambda t: t.to(device=first.device, dtype=first.dtype if t.dtype.is_floating_point else t.dtype),
+                     x)
     was_training = model.training
     try:
         model.eval()
-        return model(x)
+        return call_model(model, x)
     except Exception as error:           # the user's module on the data: say what went wrong, in one line
         raise UserError(f"the model cannot take {what}: {type(error).__name__}: {first_line(error)}; make its "
                         f"first layers fit that shape") from None
     finally:
         model.train(was_training)
+
+
+def check_keywords(model: nn.Module, batch: dict) -> None:
+    """Refuse, in one line, a dict batch whose keys the model's forward does not take."""
+    import inspect
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    names = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [key for key in batch if key not in names]
+    if unknown:
+        raise UserError(f"the batches are dicts with the key{'s' * (len(unknown) > 1)} {', '.join(unknown)}, which "
+                        f"{type(model).__name__}.forward({', '.join(names)}) does not take (a dict batch is passed as "
+                        f"model(**batch)); rename the Dataset's keys to forward's arguments, or pass "
+                        f"step=fn(model, batch)")
 
 
 @torch.no_grad()

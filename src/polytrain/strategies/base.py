@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..data.order import split_rows
+from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
 from .optimizer_state import load_part, numbered_part, positions, whole_state
@@ -24,6 +26,11 @@ class StepStats:
     metrics: torch.Tensor      # one sum over this rank's samples per metric of the objective, on the device
     count: int                 # this rank's samples
     grad_norm: Optional[torch.Tensor] = None   # with clipping: the global gradient norm before clipping
+    loss_count: object = None  # how many elements loss_sum covers (a (sum, count) loss; else the samples)
+
+    def __post_init__(self):
+        if self.loss_count is None:
+            self.loss_count = self.count
 
 
 class Strategy:
@@ -126,18 +133,37 @@ class Strategy:
         self.zero_grad()
         share = batch.global_count / self.replicas
         passes = self.gradients.accumulate
-        loss_total, metric_total = None, None
-        for i, (x, y) in enumerate(zip(torch.tensor_split(batch.x, passes), torch.tensor_split(batch.y, passes))):
+        loss_total, metric_total, count_total = None, None, 0
+        for i, (x, y) in enumerate(zip(split_rows(batch.x, passes), split_rows(batch.y, passes))):
             with self.gradient_sync(last=i == passes - 1):
-                with self.autocast():
-                    logits = self.runner(x)
-                loss_sum = self.objective.loss_sum(logits, y)
+                loss_sum, count, outputs = self.objective.compute(self.runner, x, y, autocast=self.autocast)
                 self.gradients.scale(loss_sum / share).backward()
-            metrics = self.objective.metric_sums(logits, y)
+            metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
             loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
             metric_total = metrics if metric_total is None else metric_total + metrics
+            count_total = count_total + count
+        self.per_counted_element(count_total, batch.global_count)
         self.apply_gradients()
-        return StepStats(loss_total, metric_total, len(batch.y), self.gradients.last_norm)
+        return StepStats(loss_total, metric_total, len(batch), self.gradients.last_norm, count_total)
+
+    @property
+    def no_metrics(self) -> torch.Tensor:
+        return torch.zeros(0, device=self.device)
+
+    def per_counted_element(self, count, global_count: int) -> None:
+        """With a (sum, count) loss: turn this rank's gradients, taken per sample of the global batch, into
+        gradients per counted element of the global batch (the counts summed over ranks: one all-reduce)."""
+        if not self.objective.counted:
+            return
+        total = float(self.reduce(torch.as_tensor(count, dtype=torch.float64, device=self.device).reshape(1)))
+        if not total > 0:
+            raise UserError(f"the loss counted {total:g} elements in a whole global batch of {global_count} samples "
+                            f"(its (sum, count) pairs); every batch needs at least one counted element (e.g. not "
+                            f"only padding): check the count, or drop such samples")
+        if total != global_count:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(global_count / total)
 
     def gradient_sync(self, *, last: bool):
         """A context for one pass of an accumulated step: gradients are synchronised across ranks only in the
@@ -185,10 +211,10 @@ class Strategy:
     def eval_step(self, batch) -> StepStats:
         if self.model.training:
             self.model.eval()
-        with self.autocast():
-            logits = self.model(batch.x)
-        loss_sum = self.objective.loss_sum(logits, batch.y, training=False)
-        return StepStats(loss_sum, self.objective.metric_sums(logits, batch.y), len(batch.y))
+        loss_sum, count, outputs = self.objective.compute(self.model, batch.x, batch.y, training=False,
+                                                          autocast=self.autocast)
+        metrics = self.objective.metric_sums(outputs, batch.y) if self.objective.names else self.no_metrics
+        return StepStats(loss_sum, metrics, len(batch), loss_count=count)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (one rank: unchanged)."""

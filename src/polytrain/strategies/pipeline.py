@@ -255,9 +255,10 @@ class Pipeline(Distributed):
 
     # -- steps ------------------------------------------------------------------------------------------
     def _loss(self, logits, target):
-        loss_sum = self.objective.loss_sum(logits, target, training=self.model.training)
-        metrics = self.objective.metric_sums(logits, target)
-        self._sums.append(torch.cat([loss_sum.detach().reshape(1), metrics.to(loss_sum.dtype)]))
+        loss_sum, count = self.objective.outputs_loss(logits, target, training=self.model.training)
+        metrics = self.objective.metric_sums(logits, target) if self.objective.names else self.no_metrics
+        count = torch.as_tensor(count, dtype=loss_sum.dtype, device=loss_sum.device).reshape(1)
+        self._sums.append(torch.cat([loss_sum.detach().reshape(1), count, metrics.to(loss_sum.dtype)]))
         return self.gradients.scale(loss_sum / self._global_count)
 
     def train_step(self, batch) -> StepStats:
@@ -278,6 +279,9 @@ class Pipeline(Distributed):
             self.synchronize()
             busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)
             self.phases["idle"] = max(0.0, time.perf_counter() - began - busy)
+        if self.objective.counted:        # only the last stages know the counts
+            counted = torch.stack(self._sums[-microbatches:])[:, 1].sum() if self.is_last else 0
+            self.per_counted_element(counted, batch.global_count)
         if self.dp_group is not None:
             summing = time.perf_counter()
             self._sum_gradients_over_replicas()
@@ -299,7 +303,7 @@ class Pipeline(Distributed):
             return StepStats(torch.zeros((), device=self.device),
                              torch.zeros(len(self.objective.names), device=self.device), 0)
         sums = torch.stack(self._sums[-last:]).sum(0)
-        return StepStats(sums[0], sums[1:], count, self.gradients.last_norm)
+        return StepStats(sums[0], sums[2:], count, self.gradients.last_norm, sums[1].double())
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:

@@ -66,6 +66,23 @@ def test_token_exact_losses_train_the_reference_on_two_devices(data, reference):
         history = polytrain.fit(model, train=data[0], val=data[1], devices=2, **SGD, **how)
         assert difference(model, reference) < 1e-6, how
         assert history.last["val_loss"] == pytest.approx(token_mean(model, data[1]), rel=1e-6), how
+    # the pipeline: a loss= giving (sum, count) pairs on the last stage, integer tokens into the first
+    from token_data import SEQUENTIAL_NAMES, TokenPairs, sequential_twin
+    model = sequential_twin()
+    polytrain.fit(model, train=TokenPairs(data[0]), val=TokenPairs(data[1]), loss=token_loss, devices=2,
+                  strategy="pipeline", microbatches=2, **SGD)
+    renamed = {SEQUENTIAL_NAMES[key.split(".")[0]] + "." + key.split(".")[1]: p for key, p in model.named_parameters()}
+    assert max((p.detach() - reference[name]).abs().max().item() for name, p in renamed.items()) < 1e-6
+
+
+def test_a_resumed_token_exact_run_continues_the_same_training(data, tmp_path):
+    straight = TokenModel()
+    polytrain.fit(straight, train=data[0], val=data[1], **dict(SGD, epochs=2))
+    resumed = TokenModel()
+    polytrain.fit(resumed, train=data[0], val=data[1], out=str(tmp_path / "run"), **SGD)
+    history = polytrain.fit(resumed, train=data[0], val=data[1], resume=str(tmp_path / "run"), **dict(SGD, epochs=2))
+    assert difference(resumed, dict(straight.named_parameters())) < 1e-6
+    assert history.last["val_loss"] == pytest.approx(token_mean(straight, data[1]), rel=1e-6)
 
 
 class Triples(torch.utils.data.Dataset):

@@ -136,3 +136,27 @@ def lightning_reference(data: PaddedTokens, *, batch_size: int, steps: int, lr: 
             for p in model.parameters():
                 p -= lr * gamma ** step * p.grad
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def sequential_twin():
+    """TokenModel's layers as an nn.Sequential (the pipeline splits those), with the same initial weights;
+    its parameter names map to TokenModel's by SEQUENTIAL_NAMES."""
+    model = TokenModel()
+    return nn.Sequential(model.embed, model.mix, nn.Tanh(), model.head)
+
+
+SEQUENTIAL_NAMES = {"0": "embed", "1": "mix", "3": "head"}
+
+
+class TokenPairs(Dataset):
+    """PaddedTokens as (input_ids, labels) pairs."""
+
+    def __init__(self, data: PaddedTokens):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        item = self.data[i]
+        return item["input_ids"], item["labels"]

@@ -137,6 +137,20 @@ def test_verify_a_tiny_gpt_split_over_two_ranks():
     _verify(*GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3")
 
 
+@pytest.mark.multiprocess
+def test_verify_a_tiny_gpt_on_a_two_by_two_data_and_tensor_mesh():
+    """4 processes: 2 tensor groups of 2, the data dimension sharded with FSDP2, accumulation and clipping."""
+    _verify(*GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3", "--devices", "4",
+            "--tensor-parallel", "2", "--accumulate", "2", "--clip-grad-norm", "0.5")
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_devices_is_one_line(tmp_path, capsys):
+    assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "mlp", "--strategy", "tensor", "--devices", "4",
+                                                          "--tensor-parallel", "3"], ["divide --devices 4"])
+    assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "mlp", "--strategy", "data", "--devices", "4",
+                                                          "--tensor-parallel", "2"], ["--strategy tensor only"])
+
+
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     """A tiny GPT's run on a small text file (about 7 steps per epoch) and its uninterrupted one-device model.pt."""
@@ -162,6 +176,10 @@ def test_a_run_moves_tensor_to_data_to_tensor_on_one_straight_trajectory(text_ru
     assert list(load(out / "model.pt")) == list(straight)              # whole model, original names
     middle = run_polytrain("train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", "9")
     assert middle.returncode == 0, middle.stderr                                             # mid-epoch 2
+    mesh = run_polytrain("train", "--resume", out, "--strategy", "tensor", "--devices", "4", "--tensor-parallel",
+                         "2", "--max-steps", "12")                               # a 2 x 2 (data, tensor) mesh
+    assert mesh.returncode == 0, mesh.stderr
+    assert "data shard 2/2, tensor slice 2/2" in mesh.stdout                      # rank 3's place, printed
     rest = run_polytrain("train", "--resume", out, "--strategy", "tensor", "--devices", "2", "--max-steps", "0")
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)

@@ -162,6 +162,10 @@ class PipelineSettings:
         None, "auto: balance the stages by each layer's measured time; or the index of the first layer of every "
         "stage after the first (default: auto)", group="pipeline", metavar="auto|I1,I2,...",
         strategies=("pipeline",), resume="change")
+    split_at: Optional[str] = setting(
+        None, "split a model that is not an nn.Sequential with torch's tracer (torch.export): the modules, by "
+        "their names in the model, where each stage after the first begins, e.g. transformer.h.2 (instead of "
+        "--split)", group="pipeline", metavar="NAME,...", strategies=("pipeline",), resume="change")
     pipeline_stages: Optional[int] = setting(
         None, "stages per pipeline; --devices / S pipelines then run data-parallel on a 2-D mesh (default: "
         "--devices, one pipeline)", group="pipeline", metavar="S", check="count", strategies=("pipeline",),
@@ -239,6 +243,10 @@ class TensorSettings:
         "replicate | colwise:K (K fused parts)}, or a function fn(model, mesh) that splits the model itself "
         "(default: the built-in plan of --model mlp and gpt)", group="tensor", flag="none", strategies=("tensor",),
         resume="change")
+    tensor_parallel: Optional[int] = setting(
+        None, "ranks each layer is split across; --devices / T such groups then split each batch as sharded data "
+        "parallelism (FSDP2) on a 2-D mesh (default: --devices, one group)", group="tensor", metavar="T",
+        check="count", strategies=("tensor",), resume="change", replans=True)
 
 
 # The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the

@@ -17,12 +17,15 @@ from .declare import check_value, declared, flag_name, unset
 from .settings import GROUP_CLASSES, INPUTS
 
 
-def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None) -> int:
+def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None,
+             tensor_parallel: Optional[int] = None) -> int:
     """How many replicas split each global batch: every device, except in a pipeline, where the devices of
-    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch); tensor parallelism: one,
-    every device reads the whole batch."""
+    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch), and with tensor
+    parallelism, where the T devices of one tensor group read the same slice (one group: the whole batch)."""
     if strategy == "tensor":
-        return 1
+        group = tensor_parallel or devices
+        valid = isinstance(devices, int) and isinstance(group, int) and group > 0 and devices % group == 0
+        return devices // group if valid else 1
     if strategy != "pipeline" or not isinstance(devices, int):
         return devices
     stages = pipeline_stages or devices
@@ -36,7 +39,8 @@ def apply_inputs(values: dict) -> None:
     if per_device is not None:
         check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
         values["batch_size"] = per_device * replicas(values.get("devices", DEFAULTS.devices),
-                                                     values.get("strategy", "auto"), values.get("pipeline_stages"))
+                                                     values.get("strategy", "auto"), values.get("pipeline_stages"),
+                                                     values.get("tensor_parallel"))
     micro = values.pop("micro_batch_size", None)
     if micro is not None:
         apply_micro_batch_size(values, micro)
@@ -49,7 +53,7 @@ def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=lambda n
     check_value("micro_batch_size", INPUTS["micro_batch_size"], micro_batch_size)
     batch = values.get("batch_size", DEFAULTS.batch_size)
     shares = replicas(values.get("devices", DEFAULTS.devices), values.get("strategy", "auto"),
-                      values.get("pipeline_stages"))
+                      values.get("pipeline_stages"), values.get("tensor_parallel"))
     per_replica, pipeline = batch // shares, values.get("strategy") == "pipeline"
     per_pass = per_replica // (values.get("microbatches") or 1) if pipeline else per_replica
     if per_replica * shares != batch or micro_batch_size > per_pass or per_pass % micro_batch_size:
@@ -99,6 +103,10 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             check_tensorboard()
         if self.strategy == "pipeline":
             self._check_pipeline()
+        tp = self.tensor_parallel
+        _need(tp is None or (self.devices % tp == 0 and tp > 1),
+              f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
+              f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}")
         _need(self.plan is None or self.strategy == "auto",
               f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
         _need(self.plan is None or self.devices > 1,
@@ -152,7 +160,9 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
     @property
     def data_parallel_size(self) -> int:
         """Replicas that split each global batch between them."""
-        return 1 if self.strategy == "tensor" else self.devices // self.pipeline_ranks    # tensor: each reads all
+        if self.strategy == "tensor":                # the T ranks of a tensor group read the same slice
+            return replicas(self.devices, "tensor", tensor_parallel=self.tensor_parallel)
+        return self.devices // self.pipeline_ranks
 
     @property
     def effective_lr(self) -> float:

@@ -45,13 +45,25 @@ class TensorPlan:
     model: str = "your model"
     heads: Optional[int] = None    # attention heads per layer, where known (each rank runs heads / devices)
     apply: Optional[Callable] = None   # the user's fn(model, mesh) that splits the model itself (styles: ())
+    replicas: int = 1              # tensor groups side by side on a 2-D (data, tensor) mesh, sharded over data
 
     def describe(self) -> str:
+        mesh = f"; {self.replicas} such groups shard the data dimension (FSDP2)" if self.replicas > 1 else ""
         if self.apply is not None:
-            return f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
+            return (f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
+                    + mesh)
         split = sum(1 for _, style, _ in self.styles if style != "replicate")
         heads = f", {self.heads // self.devices} of {self.heads} attention heads per rank" if self.heads else ""
-        return f"{self.model} split over {self.devices} ranks: {split} layers split{heads}, the rest replicated"
+        return f"{self.model} split over {self.devices} ranks: {split} layers split{heads}, the rest replicated" + mesh
+
+    def coords(self, rank: int) -> tuple:
+        """(data index, tensor index) of a rank on the (data, tensor) mesh: tensor groups are consecutive ranks."""
+        return divmod(rank, self.devices)
+
+    def layout_lines(self) -> list:
+        """Which rank holds which shard: one line per rank."""
+        return [f"  rank {r}: data shard {r // self.devices} of {self.replicas}, tensor slice {r % self.devices} of "
+                f"{self.devices}" for r in range(self.devices * self.replicas)]
 
     def record(self) -> dict:
         if self.apply is not None:

@@ -50,8 +50,11 @@ class Sharded(Distributed):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
+        return self.shard(model, init_device_mesh(self.device.type, (self.world_size,)))
+
+    def shard(self, model: nn.Module, mesh) -> nn.Module:
+        """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
         options = {"mesh": mesh}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()

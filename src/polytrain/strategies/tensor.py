@@ -13,6 +13,9 @@ whole-model optimizer numbering (as `sharded`), so `--resume` moves runs between
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -133,28 +136,35 @@ class TensorParallel(Sharded):
         check_torch()
         if config.devices < 2:
             raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
-        return plan_for(config, model, devices=config.devices)
+        group = config.tensor_parallel or config.devices
+        return replace(plan_for(config, model, devices=group), replicas=config.devices // group)
 
     @property
     def data_rank(self) -> int:
-        return 0                          # every rank reads the whole batch
+        return self.plan.coords(self.rank)[0]     # the ranks of a tensor group read the same slice
 
     @property
     def data_world(self) -> int:
-        return 1
+        return self.plan.replicas
 
     @property
     def replicas(self) -> int:
-        """Every rank computes the whole batch's loss: its gradient is the one replica's, not a share."""
-        return 1
+        """Every rank of a tensor group computes its group's whole loss: the gradient is averaged over groups."""
+        return self.plan.replicas
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The one replica's sums: every rank holds the same, so MAX keeps them exact (and still waits for all)."""
+        """Sums over the tensor groups; the ranks of a group hold the same (one group: MAX keeps them exact, and
+        still waits for all)."""
         tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        if self.plan.replicas == 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        else:
+            dist.all_reduce(tensor, group=self.data_group)
         return tensor
 
     def gradient_sync(self, *, last: bool):
+        if self.plan.replicas > 1:       # FSDP2 over the data dimension: reduce-scatter in the last pass only
+            return super().gradient_sync(last=last)
         return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
 
     @property
@@ -164,12 +174,20 @@ class TensorParallel(Sharded):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = init_device_mesh(self.device.type, (self.plan.replicas, self.plan.devices),
+                               mesh_dim_names=("data", "tensor"))
+        self.mesh, self.data_group = mesh["tensor"], mesh["data"].get_group()
         if self.plan.apply is not None:
             self.plan.apply(model, self.mesh)
         else:
             self._split(model)
         self._replicate_rest(model)
+        if self.plan.replicas > 1:        # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
+            # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+            # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            self.shard(model, mesh["data"])
         return model
 
     def _split(self, model: nn.Module) -> None:
@@ -187,7 +205,7 @@ class TensorParallel(Sharded):
     @torch.no_grad()
     def _interleave(self, model: nn.Module, name: str, parts: int) -> None:
         module = model.get_submodule(name)
-        order = _permutation(module.out_features, parts, self.world_size)
+        order = _permutation(module.out_features, parts, self.plan.devices)
         for key, parameter in module.named_parameters(recurse=False):
             parameter.copy_(parameter[order.to(parameter.device)])
             self.fused[f"{name}.{key}"] = order
@@ -226,7 +244,10 @@ class TensorParallel(Sharded):
         lines = [f"tensor: {self.plan.describe()}; per rank, parameters + gradients + optimizer state "
                  f"({slots} slot{'s' if slots != 1 else ''} per parameter)"]
         for rank, device, size in rows:
-            lines.append(f"  rank {rank} ({device}): {mib(size)} + {mib(size)} + {mib(size * slots)}; "
+            data, part = self.plan.coords(rank)
+            where = f", data shard {data + 1}/{self.plan.replicas}" if self.plan.replicas > 1 else ""
+            lines.append(f"  rank {rank} ({device}{where}, tensor slice {part + 1}/{self.plan.devices}): "
+                         f"{mib(size)} + {mib(size)} + {mib(size * slots)}; "
                          f"a replica would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
         return lines
 

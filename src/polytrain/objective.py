@@ -93,6 +93,7 @@ class Objective:
                 raise UserError(f"the model returned {describe_value(outputs)} without a loss, after returning "
                                 f"one on a sample; return an output with .loss (or a dict with 'loss') every time")
             return (*self.sum_and_count(value, samples, "the model's loss"), outputs)
+        outputs = first_output(outputs)
         loss_sum, count = self.outputs_loss(outputs, y, training=training)
         return loss_sum, count, outputs
 
@@ -164,6 +165,14 @@ def gives_pair(value) -> bool:
     value = unwrapped(value)
     return isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor) and \
         value[0].dim() == 0
+
+
+def first_output(output):
+    """A model's outputs for the loss: a tuple's first tensor (nanoGPT's (logits, loss) called without
+    targets, whose loss is None), else the output itself."""
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return output
 
 
 def call_model(model, x):

@@ -18,7 +18,7 @@ from .models import run_on_sample
 from .models.lightning import SPLITTING, LightningStep
 from .data.order import rows
 from .errors import DataError, UserError, first_line
-from .objective import Objective, carried_loss, describe_value, gives_pair
+from .objective import Objective, carried_loss, describe_value, first_output, gives_pair
 
 
 def is_torch_dataset(value) -> bool:
@@ -98,7 +98,7 @@ def output_width(model: nn.Module, pair: DatasetPair) -> Optional[int]:
     output = run_on_sample(model, x, f"samples of shape {tuple(pair.input_shape)}")
     if carried_loss(output) is not None:
         return None
-    output = run_model(model, x, pair.input_shape, output)
+    output = run_model(model, x, pair.input_shape, first_output(output))
     if output.dim() != 2:
         raise UserError(f"the model must return one row of class scores per sample, shape (N, classes); it "
                         f"returned shape {tuple(output.shape)} (pass loss= for another objective)")
@@ -134,7 +134,7 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
         raise UserError(f"the Dataset's items are {form}s with no separate target, and the model returned "
                         f"{describe_value(output)} without a loss; return an output with .loss (or a dict with "
                         f"'loss'), or pass step=fn(model, batch) that returns the loss")
-    output = run_model(model, x, data.input_shape, output)
+    output = run_model(model, x, data.input_shape, first_output(output))
     y = y.to(output.device)
     if objective.language and (output.dim() != 3 or output.shape[1] != y.shape[1]
                                or output.shape[2] < data.num_classes):

@@ -102,11 +102,15 @@ class PipelinePlan:
     costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
     cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
     input_dtype: str = "float32"            # of the model's input: token ids reach the first stage as int64
+    split_at: Tuple[str, ...] = ()          # --split-at: traced stages begin at these modules (layer_names:
+    #                                         the modules each traced stage holds, in order)
+    micro_batch: int = 0                    # --split-at: samples of a training micro-batch, the traced shape
 
     def describe(self) -> str:
+        where = (f"traced, split before modules {', '.join(self.split_at)}" if self.split_at else
+                 f"split before layers {', '.join(map(str, self.points))}")
         return (f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
-                f"{self.schedule}, {self.microbatches} micro-batches, split before layers "
-                f"{', '.join(map(str, self.points))}")
+                f"{self.schedule}, {self.microbatches} micro-batches, {where}")
 
     def record(self) -> dict:
         """The placement, for config.json: each model stage's layers by name, and the pipeline rank holding it."""

@@ -23,7 +23,8 @@ def flatten_layers(model: nn.Module) -> Layers:
     if not _plain_sequential(model):
         raise UserError(f"the pipeline strategy splits an nn.Sequential, and {type(model).__name__} is not one; "
                         f"write the model as nn.Sequential(layer, layer, ...) (nested Sequentials are "
-                        f"flattened; put code of forward() into small modules), or use --strategy data")
+                        f"flattened; put code of forward() into small modules), or name the modules where stages begin "
+                        f"with --split-at NAME,... (torch's tracer), or use --strategy data")
     layers: Layers = []
 
     def visit(module: nn.Module, prefix: str) -> None:

@@ -25,6 +25,7 @@ from .base import Distributed, StepStats
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
 from .layers import (Stage, describe_layers, flatten_layers, layer_memory, named_subset, shared_between,
                      time_layers)
+from .traced import setup_traced, traced_plan
 
 def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -105,6 +106,8 @@ class Pipeline(Distributed):
                               f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)")
         fewest = min(microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts)
         check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
+        if config.split_at:                   # any model, cut by torch's tracer at named modules
+            return traced_plan(config, model, dataset, layout, schedule, microbatches, per_replica)
         layers = flatten_layers(model)
         names = tuple(name for name, _ in layers)
         stages = layout.ranks * stages_per_rank(schedule)
@@ -137,6 +140,8 @@ class Pipeline(Distributed):
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=("dp", "pp"))
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        if self.plan.split_at:
+            return setup_traced(self, model, make_optimizer, make_scheduler)
         layers = flatten_layers(model.to(self.device))
         self.boundaries = self._boundary_shapes(layers)
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -213,7 +218,7 @@ class Pipeline(Distributed):
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
             kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
-            stages = []
+            stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []   # or below
             for s, module in zip(self.my_stages, self.stage_modules):
                 inputs, outputs = self._stage_tensors(s, samples // microbatches)
                 stages.append(PipelineStage(module, s, self.plan.model_stages, self.device, input_args=inputs,
@@ -307,6 +312,8 @@ class Pipeline(Distributed):
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
+        if self.plan.split_at:
+            return self.traced.eval_step(batch)
         if self.model.training:
             self.model.eval()
         ranks, base = self.plan.layout.ranks, self.replica * self.plan.layout.ranks

@@ -46,6 +46,7 @@ class TensorPlan:
     heads: Optional[int] = None    # attention heads per layer, where known (each rank runs heads / devices)
     apply: Optional[Callable] = None   # the user's fn(model, mesh) that splits the model itself (styles: ())
     replicas: int = 1              # tensor groups side by side on a 2-D (data, tensor) mesh, sharded over data
+    sequence_parallel: bool = False    # the norms on parts of the sequence (the built-in GPT's plan)
 
     def describe(self) -> str:
         mesh = f"; {self.replicas} such groups shard the data dimension (FSDP2)" if self.replicas > 1 else ""
@@ -54,7 +55,9 @@ class TensorPlan:
                     + mesh)
         split = sum(1 for _, style, _ in self.styles if style != "replicate")
         heads = f", {self.heads // self.devices} of {self.heads} attention heads per rank" if self.heads else ""
-        return f"{self.model} split over {self.devices} ranks: {split} layers split{heads}, the rest replicated" + mesh
+        norms = ", norms sequence-parallel" if self.sequence_parallel else ""
+        return (f"{self.model} split over {self.devices} ranks: {split} layers split{heads}{norms}, the rest "
+                f"replicated" + mesh)
 
     def coords(self, rank: int) -> tuple:
         """(data index, tensor index) of a rank on the (data, tensor) mesh: tensor groups are consecutive ranks."""

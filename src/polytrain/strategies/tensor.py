@@ -107,7 +107,9 @@ def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
     heads = _heads(model) if given is None else None
     plan = resolve(patterns, model_layers(model), devices=devices, model=name, heads=heads)
     _check_shapes(model, plan)
-    return plan
+    # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole)
+    sequence = given is None and kind == "polytrain.models.gpt.GPT" and model.context % devices == 0
+    return replace(plan, sequence_parallel=sequence)
 
 
 def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
@@ -182,6 +184,8 @@ class TensorParallel(Sharded):
         else:
             self._split(model)
         self._replicate_rest(model)
+        if self.plan.sequence_parallel:    # after _to_local: the embeddings' whole output, made local, is cut
+            next(model.children()).register_forward_hook(self._my_positions)
         if self.plan.replicas > 1:        # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
             # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -200,7 +204,34 @@ class TensorParallel(Sharded):
                     self._interleave(model, name, parts)
             elif style == "rowwise":
                 styles[name] = RowwiseParallel()
+        if self.plan.sequence_parallel:
+            self._sequence_styles(model, styles)
         parallelize_module(model, self.mesh, styles)
+
+    def _sequence_styles(self, model: nn.Module, styles: dict) -> None:
+        """Megatron's sequence parallelism, as torchtitan lays it out: between the split layers the residual
+        stream stays cut along the sequence (each rank its T / ranks positions), the norms run on their part
+        of it, the row-wise layers reduce-scatter into it instead of all-reducing, and the sequence is gathered
+        before each attention and MLP, and before the head."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+        gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in list(styles):
+            if isinstance(styles[name], RowwiseParallel):
+                styles[name] = RowwiseParallel(output_layouts=Shard(1))
+            styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)       # its attention or MLP
+        for name, module in model.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                styles[name] = SequenceParallel(use_local_output=True)
+        *_, last = model.named_children()
+        styles[last[0]] = PrepareModuleInput(**gather, use_local_output=True)     # the head takes it whole
+
+    def _my_positions(self, module, inputs, output):
+        """The embeddings stay whole on every rank; each then keeps its part of the sequence, through DTensor,
+        so that backward gathers the parts' gradients for the embeddings."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        whole = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
+        return whole.redistribute(self.mesh, [Shard(1)]).to_local()
 
     @torch.no_grad()
     def _interleave(self, model: nn.Module, name: str, parts: int) -> None:

@@ -1,0 +1,15 @@
+"""The built-in GPT's tensor plan runs its norms sequence-parallel where the context splits evenly
+(`polytrain verify` of it on 2 ranks and on a 2 x 2 mesh is in test_tensor.py)."""
+from polytrain.config import TrainConfig
+from polytrain.models import build_model
+from polytrain.models.gpt import GPT
+from polytrain.strategies.tensor import plan_for
+
+
+def test_the_gpt_plan_cuts_the_sequence_where_the_context_splits_evenly():
+    config = TrainConfig(strategy="tensor", devices=2)
+    plan = plan_for(config, GPT(11, context=8, layers=1, width=16, heads=2), devices=2)
+    assert plan.sequence_parallel and "norms sequence-parallel" in plan.describe()
+    uneven = plan_for(config, GPT(11, context=7, layers=1, width=16, heads=2), devices=2)
+    assert not uneven.sequence_parallel and "sequence" not in uneven.describe()
+    assert not plan_for(config, build_model("mlp", (1, 4, 4), 3), devices=2).sequence_parallel

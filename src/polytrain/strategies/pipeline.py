@@ -23,8 +23,8 @@ from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, def
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
-from .layers import (Stage, describe_layers, flatten_layers, layer_memory, named_subset, shared_between,
-                     time_layers)
+from .layers import (Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers)
+from .tied import TiedWeights
 from .traced import setup_traced, traced_plan
 
 def torch_version() -> tuple:
@@ -67,6 +67,7 @@ class Pipeline(Distributed):
         self.pp_group = self.dp_group = None
         self.schedules = {}                   # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
+        self.tied = None                      # weights shared across stages (tied.py)
 
     @property
     def norm_group(self):
@@ -116,10 +117,9 @@ class Pipeline(Distributed):
                               f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model")
         dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")      # token ids stay integers
         if config.split not in (None, "auto"):
-            return refuse_shared_across_stages(
-                PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
-                                                                         stages=stages), names,
-                             tuple(dataset.input_shape), input_dtype=dtype), layers)
+            return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
+                                                                            stages=stages), names,
+                                tuple(dataset.input_shape), input_dtype=dtype)
         measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
@@ -129,9 +129,8 @@ class Pipeline(Distributed):
             costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
-        return refuse_shared_across_stages(
-            PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
-                         tuple(dataset.input_shape), costs, unit, dtype), layers)
+        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
+                            tuple(dataset.input_shape), costs, unit, dtype)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
@@ -149,10 +148,12 @@ class Pipeline(Distributed):
         self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
                               for s in self.my_stages]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
+        self.tied = TiedWeights(self.plan, layers, replica=self.replica, pipeline_rank=self.pipeline_rank)
+        trained = [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)]
         index = {name: i for i, name in enumerate(self.parameter_names)}
-        self.global_index = [index[name] for name, _ in self.model.named_parameters()]
+        self.global_index, self.trained = [index[name] for name, _ in trained], [p for _, p in trained]
         # a stage of parameter-free layers (Flatten, pooling) still keeps the learning-rate schedule's state
-        self.optimizer = make_optimizer(list(self.model.named_parameters()) or [("", nn.Parameter(torch.zeros(0)))])
+        self.optimizer = make_optimizer(trained or [("", nn.Parameter(torch.zeros(0)))])
         self.scheduler = make_scheduler(self.optimizer)
         self.placement = self._placement(layers)
 
@@ -287,11 +288,15 @@ class Pipeline(Distributed):
         if self.objective.counted:        # only the last stages know the counts
             counted = torch.stack(self._sums[-microbatches:])[:, 1].sum() if self.is_last else 0
             self.per_counted_element(counted, batch.global_count)
+        if self.tied is not None:         # tied weights: the copies' gradients join the owners'
+            self.tied.send_gradients()
         if self.dp_group is not None:
             summing = time.perf_counter()
             self._sum_gradients_over_replicas()
             self.phases["communication"] = time.perf_counter() - summing
         self.apply_gradients()
+        if self.tied is not None:
+            self.tied.share_weights()
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
         return self._stats(len(batch.y), last=microbatches)
 
@@ -350,7 +355,7 @@ class Pipeline(Distributed):
         return self.full_meta
 
     def state_dict(self) -> dict:
-        numbers = positions(self.model.parameters(), self.global_index)
+        numbers = positions(self.trained, self.global_index)
         mine = numbered_part(self.optimizer, numbers) if self.replica == 0 else {}
         model, parts = self.model_state(), self.gather_object(mine)
         if not self.is_main:
@@ -361,7 +366,7 @@ class Pipeline(Distributed):
     def load_state_dict(self, state: dict) -> None:
         own = self.model.state_dict()
         self.model.load_state_dict({key: state["model"][key] for key in own})
-        load_part(self.optimizer, state["optimizer"], positions(self.model.parameters(), self.global_index))
+        load_part(self.optimizer, state["optimizer"], positions(self.trained, self.global_index))
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -385,15 +390,3 @@ def _receive(src: int, device: torch.device) -> torch.Tensor:
     x = torch.empty(header[2:2 + dims].tolist(), dtype=dtype, device=device)
     dist.recv(x, src)
     return x
-
-
-def refuse_shared_across_stages(plan: PipelinePlan, layers) -> PipelinePlan:
-    """`plan`, unless a parameter is shared by layers on different stages (tied input and output embeddings):
-    each stage would train its own copy, so refuse in one line before any worker starts."""
-    stage_of = {i: s for s in range(plan.model_stages) for i in plan.stage_layers(s)}
-    for first, second, name in shared_between(layers):
-        if stage_of[first] != stage_of[second]:
-            raise ConfigError(f"layers {layers[first][0]} and {layers[second][0]} share the weight {name} (tied "
-                              f"embeddings), and the pipeline would put them on different stages, which cannot "
-                              f"share it yet; use --strategy data or sharded for this model")
-    return plan

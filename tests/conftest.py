@@ -1,5 +1,6 @@
 import os
 import random
+import subprocess
 import threading
 
 import numpy as np
@@ -81,11 +82,33 @@ RESUME_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", 
 @pytest.fixture(scope="session")
 def straight_resume_run(tmp_path_factory):
     """model.pt of RESUME_TRAIN on one device, uninterrupted."""
-    from processes import polytrain as run_polytrain
     out = tmp_path_factory.mktemp("straight") / "run"
-    result = run_polytrain("train", *RESUME_TRAIN, "--devices", "1", "--out", out)
-    assert result.returncode == 0, result.stderr
+    assert polytrain_here(None, "train", *RESUME_TRAIN, "--devices", "1", "--out", out).returncode == 0
     return load_weights(out / "model.pt")
+
+
+def polytrain_here(capfd, *args, env=None) -> subprocess.CompletedProcess:
+    """`polytrain ARGS` run by `polytrain.cli.main` in this process, as the command line runs it (one intra-op
+    thread; the environment of processes.ENV and `env`, which its workers inherit), without starting Python and
+    importing torch again: its exit code and what it and its workers printed, as `processes.polytrain` returns
+    them (`capfd` None: the output is left to pytest, and comes back empty)."""
+    from polytrain.cli import main
+    argv = [str(a) for a in args]
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update(ENV, **(env or {}))
+    torch.set_num_threads(1)
+    if capfd is not None:
+        capfd.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as error:                      # argparse's exit, as `python -m polytrain` would end
+        code = error.code if isinstance(error.code, int) else int(error.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+    out, err = capfd.readouterr() if capfd is not None else ("", "")
+    return subprocess.CompletedProcess(["polytrain", *argv], code, out, err)
 
 
 def assert_refused_in_one_line(capsys, out, argv, words) -> None:

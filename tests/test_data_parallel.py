@@ -12,9 +12,8 @@ from polytrain.runtime.launch import WorkerFailed
 from polytrain.models import build_model
 from polytrain.strategies import DataParallel, SingleDevice
 from polytrain.trainer import Trainer
-from conftest import tiny_digits
+from conftest import polytrain_here, tiny_digits
 from distributed import MisbehavingModel, run_on_ranks
-from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -85,9 +84,9 @@ def test_a_failing_worker_stops_every_worker_and_names_its_rank():
 
 @pytest.mark.parametrize("strategy", [[], ["--strategy", "sharded"], ["--strategy", "parameter-server"],
                                       ["--strategy", "pipeline", "--microbatches", "4"]])
-def test_verify_command_passes_for_every_strategy(strategy):
-    result = run_polytrain("verify", "--devices", "2", "--steps", "8", "--model", "lenet", "--dataset", "mnist-sample",
-                           *strategy, timeout=180)
+def test_verify_command_passes_for_every_strategy(strategy, capfd):
+    result = polytrain_here(capfd, "verify", "--devices", "2", "--steps", "8", "--model", "lenet", "--dataset",
+                            "mnist-sample", *strategy)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]

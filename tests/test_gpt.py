@@ -18,8 +18,7 @@ from polytrain.commands import generate_text
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
-from polytrain.strategies.pipeline import Pipeline
-from processes import polytrain as run_polytrain
+from conftest import polytrain_here
 
 TINY = dict(layers=2, heads=2, width=16, context=8)
 
@@ -207,32 +206,26 @@ def test_generate_samples_from_a_run_and_refuses_other_runs(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["data", "sharded", "parameter-server"])
-def test_verify_gpt_on_every_strategy(strategy):
-    result = run_polytrain("verify", "--model", "gpt", "--dataset", "shakespeare", "--devices", "2", "--strategy",
-                           strategy, "--layers", "2", "--width", "32", "--heads", "2", "--context", "16",
-                           "--batch-size", "8", "--steps", "2", timeout=180)
+@pytest.mark.parametrize("strategy", ["data", "sharded", "parameter-server", "pipeline"])
+def test_verify_gpt_on_every_strategy(strategy, capfd):
+    result = polytrain_here(capfd, "verify", "--model", "gpt", "--dataset", "shakespeare", "--devices", "2",
+                            "--strategy", strategy, "--layers", "2", "--width", "32", "--heads", "2", "--context",
+                            "16", "--batch-size", "8", "--steps", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
 
 
-def test_the_pipeline_refuses_embeddings_tied_across_stages_before_any_worker(tmp_path):
-    path, text = _text_file(tmp_path)
-    config = polytrain.TrainConfig(devices=2, strategy="pipeline", batch_size=16, microbatches=2, context=8)
-    with pytest.raises(ConfigError, match=r"layers 0 and 4 share the weight 0.token.weight \(tied embeddings\)"):
-        data = tokenise(text, name="t", context=8)
-        Pipeline.make_plan(config, GPT(data.num_classes, **TINY), data, device=torch.device("cpu"))
-
-
 @pytest.mark.multiprocess
-def test_an_untied_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path):
-    """Token ids reach the first stage as integers (the shape probe keeps their dtype)."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path, tied):
+    """Token ids reach the first stage as integers (the shape probe keeps their dtype); the tied head's weight
+    (on the last stage) and the token embedding (on the first) stay one weight, trained as on one device."""
     path, text = _text_file(tmp_path)
     vocab = len(set(text))
     torch.manual_seed(0)
-    one = GPT(vocab, tied=False, **TINY)
-    two = GPT(vocab, tied=False, **TINY)
+    one = GPT(vocab, tied=tied, **TINY)
+    two = GPT(vocab, tied=tied, **TINY)
     two.load_state_dict(one.state_dict())
     initial = {name: value.clone() for name, value in one.state_dict().items()}
     common = dict(data_dir=str(path), epochs=1, verbose=False, optimizer="adamw", lr=3e-3, schedule="constant",
@@ -243,6 +236,7 @@ def test_an_untied_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path):
         assert torch.allclose(a, b, atol=1e-5), name
     assert not torch.allclose(initial["0.token.weight"], one.state_dict()["0.token.weight"])
     assert not torch.allclose(initial["4.weight"], one.state_dict()["4.weight"])
+    assert torch.equal(two.state_dict()["4.weight"], two.state_dict()["0.token.weight"]) == tied
 
 
 def test_another_optimizer_or_schedule_takes_its_own_defaults_not_the_recipes():

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from polytrain.strategies.gradients import Gradients
+from conftest import polytrain_here
 from distributed import run_on_ranks
-from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,10 +20,10 @@ KNOBS = ("--accumulate", "4", "--clip-grad-norm", "0.05")
                                       ["--strategy", "parameter-server", "--devices", "3", "--servers", "2"],
                                       ["--strategy", "pipeline", "--devices", "4", "--pipeline-stages", "2"]],
                          ids=["data", "sharded", "pipeline", "parameter-server", "pipeline-2x2"])
-def test_verify_with_accumulation_and_clipping_passes_on_every_strategy(strategy):
+def test_verify_with_accumulation_and_clipping_passes_on_every_strategy(strategy, capfd):
     devices = [] if "--devices" in strategy else ["--devices", "2"]
-    result = run_polytrain("verify", *devices, "--steps", "4", "--batch-size", "96", *KNOBS, *strategy,
-                           "--device", "cpu", timeout=240)
+    result = polytrain_here(capfd, "verify", *devices, "--steps", "4", "--batch-size", "96", *KNOBS, *strategy,
+                            "--device", "cpu")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -49,24 +49,6 @@ def _clip_halves(rank, world_size, group_wide):
     return [p.grad.tolist() for p in params], float(gradients.last_norm)
 
 
-def test_the_norm_summed_over_stages_clips_as_one_device_and_a_stage_local_norm_does_not():
-    grads = some_gradients()
-    whole = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
-    for p, g in zip(whole, grads):
-        p.grad = g.clone()
-    norm = torch.nn.utils.clip_grad_norm_(whole, 1.0)
-    expected = [p.grad for p in whole]
-    for group_wide in (True, False):
-        ranks = run_on_ranks(_clip_halves, group_wide)
-        clipped = [None] * len(grads)
-        for rank, (parts, _) in enumerate(ranks):
-            clipped[rank::2] = [torch.tensor(part) for part in parts]
-        same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, expected))
-        assert same == group_wide
-        if group_wide:
-            assert all(abs(seen - float(norm)) < 1e-4 for _, seen in ranks)
-
-
 def _overflow_on_rank_one(rank, world_size):
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -77,14 +59,45 @@ def _overflow_on_rank_one(rank, world_size):
     return weight.detach().tolist(), gradients.scaler.get_scale() / scale, gradients.epoch_figures()["skipped_steps"]
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
-    for weights, scale_change, skipped in run_on_ranks(_overflow_on_rank_one):
+def _each_check(rank, world_size):
+    """The checks below, one after the other in the same pair of processes (a spawn each would cost seconds)."""
+    return {"group-wide": _clip_halves(rank, world_size, True), "stage-local": _clip_halves(rank, world_size, False),
+            "overflow": _overflow_on_rank_one(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks():
+    """What each of 2 gloo processes returned from `_each_check`, by rank."""
+    return run_on_ranks(_each_check)
+
+
+def test_the_norm_summed_over_stages_clips_as_one_device_and_a_stage_local_norm_does_not(on_two_ranks):
+    grads = some_gradients()
+    whole = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(whole, grads):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(whole, 1.0)
+    expected = [p.grad for p in whole]
+    for group_wide in (True, False):
+        ranks = [found["group-wide" if group_wide else "stage-local"] for found in on_two_ranks]
+        clipped = [None] * len(grads)
+        for rank, (parts, _) in enumerate(ranks):
+            clipped[rank::2] = [torch.tensor(part) for part in parts]
+        same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, expected))
+        assert same == group_wide
+        if group_wide:
+            assert all(abs(seen - float(norm)) < 1e-4 for _, seen in ranks)
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(on_two_ranks):
+    assert len(on_two_ranks) == 2
+    for weights, scale_change, skipped in (found["overflow"] for found in on_two_ranks):
         assert weights == [1.0, 1.0] and scale_change == 0.5 and skipped == 1
 
 
 @pytest.mark.parametrize("strategy", ["sharded", "pipeline"])
-def test_fp16_trains_every_strategy_within_fp16_rounding_of_one_device(strategy):
-    result = run_polytrain("verify", "--devices", "2", "--steps", "4", "--precision", "fp16", "--strategy",
-                           strategy, "--tolerance", "2e-3", "--device", "cpu", timeout=240)
+def test_fp16_trains_every_strategy_within_fp16_rounding_of_one_device(strategy, capfd):
+    result = polytrain_here(capfd, "verify", "--devices", "2", "--steps", "4", "--precision", "fp16", "--strategy",
+                            strategy, "--tolerance", "2e-3", "--device", "cpu")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from processes import finish, polytrain, start
+from conftest import polytrain_here
+from processes import finish, start
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,7 +30,7 @@ def test_two_torchrun_nodes_equal_a_two_process_run(tmp_path, strategy):
     results = [finish(agent, timeout=240) for agent in agents]
     assert all(r.returncode == 0 for r in results), "\n".join(r.stdout + r.stderr for r in results)
     assert sum("done: validation accuracy" in r.stdout for r in results) == 1      # only rank 0 reports
-    local = polytrain(*TRAIN, *strategy, "--devices", "2", "--out", tmp_path / "local")
+    local = polytrain_here(None, *TRAIN, *strategy, "--devices", "2", "--out", tmp_path / "local")
     assert local.returncode == 0, local.stderr
     nodes = torch.load(tmp_path / "nodes" / "model.pt", weights_only=True)
     single_node = torch.load(tmp_path / "local" / "model.pt", weights_only=True)

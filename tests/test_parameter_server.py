@@ -11,9 +11,8 @@ import polytrain
 from polytrain.runtime.launch import WorkerFailed
 from polytrain.models import build_model
 from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
-                      tiny_digits)
+                      polytrain_here, tiny_digits)
 from distributed import MisbehavingModel, SlowOnRank
-from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,17 +38,17 @@ def test_twenty_synchronous_steps_equal_one_device(devices, servers, server_devi
     (["--strategy", "parameter-server", "--devices", "2"], ["--strategy", "sharded"]),      # server -> sharded
     (["--strategy", "data", "--devices", "2"], ["--strategy", "parameter-server"]),         # data -> server
 ])
-def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path,
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path, capfd,
                                                                             first, then):
     straight = straight_resume_run
     out = tmp_path / "run"
-    part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)
+    part = polytrain_here(capfd, "train", *TRAIN, *first, "--max-steps", "9", "--out", out)
     assert part.returncode == 0, part.stderr
     if "parameter-server" in first:             # each epoch says how long the workers waited on the servers
         assert "server 0 (rank 0): 8 tensors" in part.stdout
         assert "waited" in part.stdout and "on the servers" in part.stdout
         assert '"server_wait_seconds"' in (out / "metrics.jsonl").read_text()
-    rest = run_polytrain("train", "--resume", out, *then)
+    rest = polytrain_here(capfd, "train", "--resume", out, *then)
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)
 

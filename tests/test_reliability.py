@@ -9,9 +9,9 @@ import torch
 
 import polytrain
 from polytrain.runtime.launch import WorkerFailed
-from conftest import tiny_digits
+from conftest import polytrain_here, tiny_digits
 from distributed import MisbehavingModel
-from processes import children, command_line, finish, polytrain as run_polytrain, start, wait_for
+from processes import children, command_line, finish, start, wait_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,8 +19,10 @@ TRAIN = ["--dataset", "synthetic", "--synthetic-size", "320", "--model", "lenet"
          "--seed", "5"]
 
 
-def polytrain_cli(*args, timeout=300):
-    return run_polytrain(*args, timeout=timeout)
+def polytrain_cli(*args):
+    """`polytrain ARGS` as the command line runs it, in this process (what is compared here is the weights a
+    run ends with; the runs whose workers are killed are started as commands of their own)."""
+    return polytrain_here(None, *args)
 
 
 def load(path):
@@ -54,16 +56,22 @@ def test_a_stalled_pipeline_stage_is_named_with_its_step_and_stack():
     assert "rank 1 made no progress" in message and "time.sleep(600)" in message
 
 
+@pytest.fixture(scope="module")
+def straight_two_epochs(tmp_path_factory):
+    """model.pt of 2 epochs of TRAIN on one device, uninterrupted."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert polytrain_cli("train", *TRAIN, "--epochs", 2, "--devices", 1, "--out", out).returncode == 0
+    return load(out / "model.pt")
+
+
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, first, second):
-    straight = polytrain_cli("train", *TRAIN, "--epochs", 2, "--devices", 1, "--out", tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr
+def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, first, second, straight_two_epochs):
     part = polytrain_cli("train", *TRAIN, "--epochs", 2, "--devices", first, "--max-steps", 13,
                          "--out", tmp_path / "run")
     assert part.returncode == 0, part.stderr
     rest = polytrain_cli("train", "--resume", tmp_path / "run", "--devices", second)
     assert rest.returncode == 0, rest.stderr
-    assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+    assert_same_weights(load(tmp_path / "run" / "model.pt"), straight_two_epochs, 1e-5)
 
 
 def worker_pids(parent: int, marker: bytes = b"spawn_main") -> list:
@@ -93,31 +101,47 @@ def straight_three_epochs(tmp_path_factory):
     return load(out / "model.pt")
 
 
+KILLED = [*TRAIN, "--epochs", 3, "--checkpoint-every", 3]
+
+
+@pytest.fixture(scope="module")
+def straight_three_epochs_data_parallel(tmp_path_factory):
+    """The uninterrupted run of KILLED on 2 processes with data parallelism: the reference of a killed worker
+    of that strategy, restarted by polytrain or by torchrun."""
+    out = tmp_path_factory.mktemp("straight-data") / "run"
+    result = polytrain_cli("train", *KILLED, "--devices", 2, "--strategy", "data", "--out", out)
+    assert result.returncode == 0, result.stderr
+    return load(out / "model.pt")
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
 @pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "pipeline", "--microbatches", "2"],
                                       ["--strategy", "sharded"], ["--strategy", "parameter-server"]])
-def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy,
-                                                                                   straight_three_epochs):
-    settings = [*TRAIN, "--epochs", 3, "--devices", 2, *strategy, "--checkpoint-every", 3]
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy, request):
+    settings = [*KILLED, "--devices", 2, *strategy]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
         [sys.executable, "-m", "polytrain", "train", *settings, "--max-restarts", 1, "--out", out], out)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
-    reference = straight_three_epochs
     # DDP's all-reduce order, and the channels-last replicas of data parallelism and the parameter server on half
     # batches, drift from one device by ~4e-5 over 3 epochs: those are compared with a straight run of their own
-    if "data" in strategy or "parameter-server" in strategy:
+    if "data" in strategy:
+        reference = request.getfixturevalue("straight_three_epochs_data_parallel")
+    elif "parameter-server" in strategy:
         straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
         assert straight.returncode == 0, straight.stderr
         reference = load(tmp_path / "straight" / "model.pt")
+    else:
+        reference = request.getfixturevalue("straight_three_epochs")
     assert_same_weights(load(out / "model.pt"), reference, 1e-5)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
-def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_path):
-    settings = [*TRAIN, "--epochs", 3, "--checkpoint-every", 3, "--strategy", "data"]
+def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_path,
+                                                                          straight_three_epochs_data_parallel):
+    settings = [*KILLED, "--strategy", "data"]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -126,12 +150,10 @@ def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_pa
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "terminate called" not in killed.stderr and "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
-    straight = polytrain_cli("train", *settings, "--devices", 2, "--out", tmp_path / "straight")
-    assert straight.returncode == 0, straight.stderr
-    assert_same_weights(load(out / "model.pt"), load(tmp_path / "straight" / "model.pt"), 1e-5)
+    assert_same_weights(load(out / "model.pt"), straight_three_epochs_data_parallel, 1e-5)
 
 
-def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path):
+def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path, capfd):
     """Every rank's random streams are in the checkpoint: dropout masks continue where they were."""
     settings = ["--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-size", "160", "--model",
                 "cifar-cnn", "--augment", "--batch-size", "32", "--epochs", "2", "--devices", "2", "--seed", "11",
@@ -140,7 +162,7 @@ def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path):
     assert straight.returncode == 0, straight.stderr
     part = polytrain_cli("train", *settings, "--max-steps", 7, "--out", tmp_path / "run")
     assert part.returncode == 0, part.stderr
-    rest = polytrain_cli("train", "--resume", tmp_path / "run")
+    rest = polytrain_here(capfd, "train", "--resume", tmp_path / "run")
     assert rest.returncode == 0, rest.stderr
     assert "in epoch 2 at step 2 of 5 on 2 CPU processes as the run had" in rest.stdout
     assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 0)

@@ -13,7 +13,7 @@ from polytrain.config.declare import GROUPS, flag_name
 from polytrain.config.flags import config_from_args
 from polytrain.config.names import edit_distance, nearest
 from polytrain.errors import ConfigError, UserError
-from processes import polytrain as run_polytrain
+from conftest import polytrain_here
 
 
 def config_of(argv):
@@ -59,11 +59,11 @@ def test_the_resume_rules_come_from_the_declarations():
     assert set(RESUMABLE) == {"devices", "device", "strategy", "plan", "max_restarts", "max_steps", "eval_batch_size",
                               "checkpoint_every", "hang_timeout", "val_every", "patience", "accumulate",
                               *[n for names in STRATEGY_OPTIONS.values() for n in names]}
-    assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "pipeline_stages",
-                                             "timeline"),
+    assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "split_at",
+                                             "pipeline_stages", "timeline"),
                                 "sharded": ("cpu_offload",), "parameter-server": ("servers", "server_device",
                                                                                    "staleness"),
-                                "tensor": ("tensor_plan",)}
+                                "tensor": ("tensor_plan", "tensor_parallel")}
 
 
 @pytest.mark.parametrize("values, message", [
@@ -192,13 +192,13 @@ def test_a_run_of_a_custom_model_cannot_be_repeated_from_the_command_line(capsys
     assert "repeat it from Python" in one_line_error(capsys, ["train", "--config", path])
 
 
-def repeat_and_compare(tmp_path, *flags, timeout=240):
+def repeat_and_compare(tmp_path, *flags):
     first, second = tmp_path / "first", tmp_path / "second"
     common = ["--dataset", "synthetic", "--synthetic-size", 192, "--synthetic-shape", "1,12,12", "--model", "mlp",
               "--epochs", 2, "--batch-size", 32, "--seed", 3, "--schedule", "cosine", *flags]
-    result = run_polytrain("train", *common, "--out", first, timeout=timeout)
+    result = polytrain_here(None, "train", *common, "--out", first)
     assert result.returncode == 0, result.stderr
-    result = run_polytrain("train", "--config", first / "config.json", "--out", second, timeout=timeout)
+    result = polytrain_here(None, "train", "--config", first / "config.json", "--out", second)
     assert result.returncode == 0, result.stderr
     recorded = [json.loads((folder / "config.json").read_text()) for folder in (first, second)]
     for record in recorded:
@@ -216,7 +216,7 @@ def test_a_run_config_json_repeats_the_run_with_the_same_weights(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_two_process_run_repeats_from_its_config_json(tmp_path):
-    repeat_and_compare(tmp_path, "--devices", 2, "--strategy", "data", timeout=300)
+    repeat_and_compare(tmp_path, "--devices", 2, "--strategy", "data")
 
 
 def test_fit_refuses_per_device_and_global_batch_together():

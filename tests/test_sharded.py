@@ -8,8 +8,7 @@ import torch
 import polytrain
 from polytrain.models import build_model
 from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
-                      tiny_digits)
-from processes import polytrain as run_polytrain
+                      polytrain_here, tiny_digits)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,16 +31,16 @@ def test_twenty_sharded_steps_equal_one_device():
     (["--strategy", "sharded", "--devices", "2"], ["--devices", "1"]),                      # sharded -> single
     (["--devices", "1"], ["--strategy", "sharded", "--devices", "2"]),                      # single -> sharded
 ])
-def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path,
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path, capfd,
                                                                             first, then):
     straight = straight_resume_run
     out = tmp_path / "run"
-    part = run_polytrain("train", *TRAIN, *first, "--max-steps", "9", "--out", out)      # mid-epoch 2 of 6+6
+    part = polytrain_here(capfd, "train", *TRAIN, *first, "--max-steps", "9", "--out", out)  # mid-epoch 2 of 6+6
     assert part.returncode == 0, part.stderr
     if "sharded" in first:
         assert "data parallel would hold" in part.stdout                 # each rank's share, next to a replica
         assert set(load(out / "model.pt")) == set(straight)              # whole model, original names
-    rest = run_polytrain("train", "--resume", out, *then)
+    rest = polytrain_here(capfd, "train", "--resume", out, *then)
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)
 

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from processes import finish, polytrain, start
+from conftest import polytrain_here
+from processes import finish, start
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,9 +37,9 @@ def test_two_srun_tasks_equal_a_two_process_run(tmp_path):
     assert all(r.returncode == 0 for r in results), "\n".join(r.stdout + r.stderr for r in results)
     assert sum("done: validation accuracy" in r.stdout for r in results) == 1      # only rank 0 reports
     # The reference runs inside a one-task allocation (salloc): there --devices 2 starts its own 2 workers.
-    local = polytrain(*TRAIN, "--devices", "2", "--strategy", "data", "--out", tmp_path / "local",
-                      env={"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-                           "SLURM_JOB_NODELIST": "localhost"})
+    local = polytrain_here(None, *TRAIN, "--devices", "2", "--strategy", "data", "--out", tmp_path / "local",
+                           env={"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                                "SLURM_JOB_NODELIST": "localhost"})
     assert local.returncode == 0, local.stderr
     tasks = torch.load(tmp_path / f"job{job_id}" / "model.pt", weights_only=True)
     spawned = torch.load(tmp_path / "local" / "model.pt", weights_only=True)

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
+from conftest import polytrain_here
 from distributed import run_on_ranks
 from polytrain.runtime.stopping import MAX_VOTE_INTERVAL, StopSignal
-from processes import command_line, descendants, finish, polytrain, start, wait_for
+from processes import command_line, descendants, finish, start, wait_for
 
 TRAIN = ["--dataset", "synthetic", "--synthetic-size", "640", "--model", "lenet", "--batch-size", "32",
          "--seed", "7", "--epochs", "2", "--checkpoint-every", "2"]
@@ -42,7 +43,7 @@ def assert_quiet(text):
 
 
 @pytest.mark.multiprocess
-def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exactly(tmp_path):
+def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exactly(tmp_path, capfd):
     out = tmp_path / "stopped"
     job = cli(*TRAIN, "--devices", 2, "--strategy", "data", "--out", out)
     wait_for(lambda: (out / "checkpoint.pt").exists(), timeout=120, what="first checkpoint", process=job)
@@ -56,10 +57,11 @@ def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exact
                               f"polytrain train --resume {out}\n")
     assert_quiet(stopped.stdout + stopped.stderr)
     assert_all_gone(workers)
-    resumed = polytrain("train", "--resume", out)
+    resumed = polytrain_here(capfd, "train", "--resume", out)        # the stopped run is a command of its own
     assert resumed.returncode == 0, resumed.stderr
     assert "on 2 CPU processes as the run had" in resumed.stdout.splitlines()[0]
-    straight = polytrain("train", *TRAIN, "--devices", 2, "--strategy", "data", "--out", tmp_path / "straight")
+    straight = polytrain_here(capfd, "train", *TRAIN, "--devices", 2, "--strategy", "data",
+                              "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     a = torch.load(out / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)

@@ -14,8 +14,7 @@ from polytrain.models.gpt import GPT
 from polytrain.plan.tensor import BUILTIN_PLANS, Layer, resolve
 from polytrain.strategies import make_plan
 from polytrain.strategies.tensor import _permutation
-from conftest import assert_refused_in_one_line, assert_same_weights, load_weights as load
-from processes import polytrain as run_polytrain
+from conftest import assert_refused_in_one_line, assert_same_weights, load_weights as load, polytrain_here
 
 CPU = torch.device("cpu")
 
@@ -112,8 +111,8 @@ def test_the_cli_refuses_a_model_without_a_plan_in_one_line(tmp_path, capsys):
 
 # ---- on 2 processes ----
 
-def _verify(*argv):
-    result = run_polytrain("verify", "--strategy", "tensor", "--devices", "2", *argv, timeout=240)
+def _verify(capfd, *argv):
+    result = polytrain_here(capfd, "verify", "--strategy", "tensor", "--devices", "2", *argv)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
@@ -121,8 +120,8 @@ def _verify(*argv):
 
 
 @pytest.mark.multiprocess
-def test_verify_the_mlp_split_over_two_ranks_with_accumulation_and_clipping():
-    rows = _verify("--model", "mlp", "--accumulate", "2", "--clip-grad-norm", "0.05", "--steps", "4")
+def test_verify_the_mlp_split_over_two_ranks_with_accumulation_and_clipping(capfd):
+    rows = _verify(capfd, "--model", "mlp", "--accumulate", "2", "--clip-grad-norm", "0.05", "--steps", "4")
     assert len(rows) == 4
 
 
@@ -133,14 +132,14 @@ GPT_TINY = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", 
 
 
 @pytest.mark.multiprocess
-def test_verify_a_tiny_gpt_split_over_two_ranks():
-    _verify(*GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3")
+def test_verify_a_tiny_gpt_split_over_two_ranks(capfd):
+    _verify(capfd, *GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3")
 
 
 @pytest.mark.multiprocess
-def test_verify_a_tiny_gpt_on_a_two_by_two_data_and_tensor_mesh():
+def test_verify_a_tiny_gpt_on_a_two_by_two_data_and_tensor_mesh(capfd):
     """4 processes: 2 tensor groups of 2, the data dimension sharded with FSDP2, accumulation and clipping."""
-    _verify(*GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3", "--devices", "4",
+    _verify(capfd, *GPT_TINY, "--dataset", "shakespeare", "--batch-size", "8", "--steps", "3", "--devices", "4",
             "--tensor-parallel", "2", "--accumulate", "2", "--clip-grad-norm", "0.5")
 
 
@@ -160,27 +159,26 @@ def text_run(tmp_path_factory):
                             for i in range(480)))
     train = [*GPT_TINY, "--dataset", "text", "--data-dir", str(path), "--batch-size", "8", "--epochs", "2",
              "--optimizer", "adamw", "--lr", "0.003", "--schedule", "constant", "--seed", "3", "--device", "cpu"]
-    straight = run_polytrain("train", *train, "--devices", "1", "--out", folder / "straight")
-    assert straight.returncode == 0, straight.stderr
+    assert polytrain_here(None, "train", *train, "--devices", "1", "--out", folder / "straight").returncode == 0
     return train, load(folder / "straight" / "model.pt")
 
 
 @pytest.mark.multiprocess
-def test_a_run_moves_tensor_to_data_to_tensor_on_one_straight_trajectory(text_run, tmp_path):
+def test_a_run_moves_tensor_to_data_to_tensor_on_one_straight_trajectory(text_run, tmp_path, capfd):
     train, straight = text_run
     out = tmp_path / "run"
-    part = run_polytrain("train", *train, "--strategy", "tensor", "--devices", "2", "--max-steps", "3",
-                         "--out", out)                                                       # mid-epoch 1
+    part = polytrain_here(capfd, "train", *train, "--strategy", "tensor", "--devices", "2", "--max-steps", "3",
+                          "--out", out)                                                      # mid-epoch 1
     assert part.returncode == 0, part.stderr
     assert "a replica would hold" in part.stdout                       # each rank's share, next to a replica
     assert list(load(out / "model.pt")) == list(straight)              # whole model, original names
-    middle = run_polytrain("train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", "9")
+    middle = polytrain_here(capfd, "train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", 9)
     assert middle.returncode == 0, middle.stderr                                             # mid-epoch 2
-    mesh = run_polytrain("train", "--resume", out, "--strategy", "tensor", "--devices", "4", "--tensor-parallel",
-                         "2", "--max-steps", "12")                               # a 2 x 2 (data, tensor) mesh
+    mesh = polytrain_here(capfd, "train", "--resume", out, "--strategy", "tensor", "--devices", "4",
+                          "--tensor-parallel", "2", "--max-steps", "12")         # a 2 x 2 (data, tensor) mesh
     assert mesh.returncode == 0, mesh.stderr
     assert "data shard 2/2, tensor slice 2/2" in mesh.stdout                      # rank 3's place, printed
-    rest = run_polytrain("train", "--resume", out, "--strategy", "tensor", "--devices", "2", "--max-steps", "0")
+    rest = polytrain_here(capfd, "train", "--resume", out, "--strategy", "tensor", "--devices", "2", "--max-steps", 0)
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)
 

@@ -257,6 +257,7 @@ def setup_traced(strategy, model: nn.Module, make_optimizer, make_scheduler) -> 
     s.stage_modules = []                  # Pipeline._schedule takes the traced stages instead
     index = {name: i for i, name in enumerate(s.parameter_names)}
     s.global_index = [index[name] for name, _ in s.model.named_parameters()]
+    s.trained = list(s.model.parameters())        # traced stages refuse tied weights: no copies to leave out
     s.optimizer = make_optimizer(list(s.model.named_parameters()) or [("", nn.Parameter(torch.zeros(0)))])
     s.scheduler = make_scheduler(s.optimizer)
     s.placement = _placement(s)

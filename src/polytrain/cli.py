@@ -119,6 +119,8 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--predict", default=(), metavar="N,M,...",
                        help="also predict these device counts with the cost model and name the pick")
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")
+    for name, metavar in (("layers", "L"), ("heads", "H"), ("width", "C"), ("context", "T")):
+        bench.add_argument(f"--{name}", type=int, metavar=metavar, help="--model gpt: as for polytrain train")
     bench.add_argument("--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)")
 
 

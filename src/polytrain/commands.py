@@ -239,7 +239,8 @@ def bench_command(args) -> int:
                            batch_sizes=parse_list(args.batch_sizes, "--batch-sizes", counts=True), device_kinds=kinds,
                            warmup=args.warmup, steps=args.steps,
                            predict=parse_list(args.predict, "--predict", counts=True) if args.predict else (),
-                           seed=args.seed, repeats=args.repeats)
+                           seed=args.seed, repeats=args.repeats, layers=args.layers, heads=args.heads,
+                           width=args.width, context=args.context)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for bench.json and bench.png")

@@ -8,6 +8,11 @@ device and one measured link can tell:
 - `parameter_bytes` S: the gradients (= weights) exchanged per step;
 - `boundary_bytes`: activation bytes per sample crossing each possible pipeline cut, and `layers`: the
   number of parameter-holding layers (FSDP2 gathers each layer's shard separately);
+- `activation_bytes`: the bytes per sample that the forward pass keeps for the backward pass (all of them, not
+  only those at the cuts). A sample is what the loader counts: an image, or for a language model a window of
+  `context` tokens, whose activations grow with the context: a transformer keeps about 16 floats per token and
+  width in each block (the norms' inputs, q, k, v, the attention's output, the MLP's 4x-wide hidden layer twice)
+  and the vocabulary's scores per token at the head, far more than the width per token that crosses a cut;
 - `Link(alpha, beta)`: seconds per message and bytes per second, fitted to measured transfers.
 
 Where the devices share one machine's cores (CPU processes), compute does not split evenly: a rank's pass
@@ -77,6 +82,7 @@ class Workload:
     update_seconds: float = 0.0     # the optimizer update's part of compute_seconds
     layers: int = 1                 # parameter-holding layers (messages per collective under FSDP2)
     boundary_bytes: Tuple[float, ...] = ()    # activation bytes per sample at each cut between layers
+    activation_bytes: float = 0.0   # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
@@ -210,7 +216,8 @@ def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]
 def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_slots: int = 1,
                     servers: int = 1) -> float:
     """Bytes the busiest rank holds: weights, gradients and `optimizer_slots` tensors of optimizer state per
-    weight, plus the activations kept for backward (each cut's bytes per sample, for its slice).
+    weight, plus the activations kept for backward for its slice (`activation_bytes` per sample; without them,
+    each cut's bytes per sample).
 
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
     share of the master weights and their state; sharded: 1/n of everything plus one layer gathered whole
@@ -218,7 +225,7 @@ def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_sl
     for as many micro-batches as stages in flight.
     """
     weights = work.parameter_bytes
-    per_sample = sum(work.boundary_bytes) or 0.0
+    per_sample = work.activation_bytes or sum(work.boundary_bytes) or 0.0
     if strategy == "single" or devices == 1:
         return weights * (2 + optimizer_slots) + per_sample * work.batch_size
     slice_activations = per_sample * work.batch_size / devices

@@ -204,6 +204,7 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         parameter_bytes=float(measured["parameter_bytes"]), batch_size=batch_size,
         update_seconds=float(measured["update_seconds"]), layers=int(measured["layers"]),
         boundary_bytes=tuple(float(b) for b in measured["boundary_bytes"]),
+        activation_bytes=float(measured.get("activation_bytes", 0.0)),      # absent in older files
         replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
         plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None)

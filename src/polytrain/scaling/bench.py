@@ -19,6 +19,7 @@ from ..errors import ConfigError, UserError, first_line
 from ..runtime.hostenv import most_cpu_processes, usable_cores
 from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
 from ..models import MODELS, build_model
+from ..models.defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..objective import Objective
 from ..plan import costmodel
 from ..sources import as_dataset
@@ -45,6 +46,16 @@ class BenchOptions:
     predict: Tuple[int, ...] = ()
     seed: int = 0
     repeats: int = 1             # interleaved rounds; each row keeps its median round
+    # the model's own sizes (--layers, --heads, --width, --context of --model gpt); None: its defaults
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+    width: Optional[int] = None
+    context: Optional[int] = None
+
+    @property
+    def model_options(self) -> dict:
+        """The model settings given (checked in `__post_init__` against the model that reads them)."""
+        return {key: getattr(self, key) for key in MODEL_SETTINGS if getattr(self, key) is not None}
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -71,6 +82,11 @@ class BenchOptions:
                               f"--predict {max(self.devices)}")
         if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
             raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
+        for key in MODEL_SETTINGS:
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{key} must be a positive whole number, got {value!r}")
+        check_model_settings(self.model, self.model_options)
 
 
 @dataclass
@@ -82,6 +98,7 @@ class Row:
     skipped: str = ""                          # why this combination did not run
     step_seconds: float = math.nan             # median over measured steps, data and waiting included
     samples_per_second: float = math.nan
+    tokens_per_second: float = math.nan        # text: samples/s times the tokens each sample predicts
     speedup: float = math.nan                  # against `single` on one device of the same kind and batch
     efficiency: float = math.nan               # speedup / devices
     phases: Dict[str, float] = field(default_factory=dict)      # seconds per step, mean over ranks
@@ -168,6 +185,22 @@ def convolutional(model) -> bool:
     return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
 
 
+def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) -> TrainConfig:
+    """The training settings of one combination: a constant learning rate (no warm-up), and the model's own
+    recipe where it brings one (--model gpt: AdamW, clipping at 1.0), so that each step does what training does."""
+    values = dict(model=options.model, dataset=options.dataset, data_dir=options.data_dir,
+                  batch_size=row.batch_size, strategy=row.strategy, devices=row.devices, device=row.device,
+                  epochs=epochs, max_steps=max_steps, schedule="constant", warmup_epochs=0, seed=options.seed,
+                  **options.model_options)
+    apply_model_defaults(values, set(values), options.model)
+    return TrainConfig(**values)
+
+
+def objective_for(dataset) -> Objective:
+    """The built-in objective of the data: next-token cross-entropy for text, else classification."""
+    return Objective(kind=getattr(dataset, "kind", "classification"))
+
+
 def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
     """Train the combination for warm-up + measured steps and time it; a combination that cannot run here
     gets the reason instead."""
@@ -177,18 +210,17 @@ def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
     steps = options.warmup + options.steps
     per_epoch = -(-len(dataset.train_y) // row.batch_size) if hasattr(dataset, "train_y") else steps
     try:
-        config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir,
-                             batch_size=row.batch_size, strategy=row.strategy, devices=row.devices,
-                             device=row.device, epochs=-(-steps // per_epoch), max_steps=steps,
-                             schedule="constant", warmup_epochs=0, seed=options.seed)
+        config = row_config(options, row, epochs=-(-steps // per_epoch), max_steps=steps)
         check_devices(row.devices, row.device)
         plan = make_plan(row.strategy, config, model, dataset, device=choose_device(row.device, 0))
         result = run_job(Job(config, row.strategy, dataset, model, verbose=False, channels_last=convolutional(model),
-                             plan=plan, bench=(options.warmup, options.steps)))
+                             plan=plan, bench=(options.warmup, options.steps), objective=objective_for(dataset)))
     except (UserError, WorkerFailed) as error:
         row.skipped = first_line(error)
         return
     summarize(row, result.timings)
+    if getattr(dataset, "kind", None) == "language":
+        row.tokens_per_second = row.samples_per_second * dataset.context
 
 
 def median_row(runs: List[Row]) -> Row:
@@ -261,10 +293,11 @@ class BenchResult:
 def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     if max(options.devices) > 1:
         check_main_guard(max(options.devices))      # once, not as the reason on every multi-device row
-    config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir, seed=options.seed)
+    config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir, seed=options.seed,
+                         **options.model_options)
     dataset = as_dataset(options.dataset, config)
     torch.manual_seed(options.seed)
-    model = build_model(options.model, dataset.input_shape, dataset.num_classes)
+    model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
     rounds = [combinations(options) for _ in range(options.repeats)]
     for number, rows in enumerate(rounds, 1):            # interleaved: a burst of outside load hits all alike
         for index, row in enumerate(rows, 1):
@@ -273,8 +306,9 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
                 continue
             run_row(row, options, dataset, model)
             what = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+            tokens = f", {row.tokens_per_second:,.0f} tokens/s" if math.isfinite(row.tokens_per_second) else ""
             outcome = f"skipped: {row.skipped}" if row.skipped else \
-                f"{row.samples_per_second:,.0f} samples/s, {row.step_seconds * 1e3:.1f} ms/step"
+                f"{row.samples_per_second:,.0f} samples/s{tokens}, {row.step_seconds * 1e3:.1f} ms/step"
             where = f" (round {number}/{options.repeats})" if options.repeats > 1 else ""
             progress(f"bench {index}/{len(rows)}{where}: {what}: {outcome}")
     rows = [median_row(list(runs)) for runs in zip(*rounds)]
@@ -289,7 +323,7 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
             # as many passes as the rows' measured steps, at least 5: with 5, one slow pass of the replicas timed
             # side by side put the 2-process slice at 156 ms against 98 ms for 4 processes and 88 ms in the rows
             workloads[(kind, batch)] = measure_workload(
-                model, dataset, Objective(), batch_size=batch, device=device, devices=counts,
+                model, dataset, objective_for(dataset), batch_size=batch, device=device, devices=counts,
                 repeats=max(5, options.steps), channels_last=convolutional(model),
                 plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())))
     fitted_links = {kind: link for kind, (link, _) in links.items()}

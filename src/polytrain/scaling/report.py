@@ -29,7 +29,9 @@ def _mib(nbytes) -> str:
 
 
 def table(rows: List[Row]) -> List[str]:
-    header = (f"{'device':<6} {'strategy':<16} {'n':>2} {'batch':>5} {'samples/s':>10} {'ms/step':>8} "
+    text = any(math.isfinite(row.tokens_per_second) for row in rows)     # a language model: tokens/s as well
+    header = (f"{'device':<6} {'strategy':<16} {'n':>2} {'batch':>5} {'samples/s':>10} "
+              + (f"{'tokens/s':>10} " if text else "") + f"{'ms/step':>8} "
               f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'data':>5} {'idle':>5} "
               f"{'predicted':>14}")
     lines = [header, "-" * len(header)]
@@ -44,9 +46,10 @@ def table(rows: List[Row]) -> List[str]:
             error = row.predicted_seconds / row.step_seconds - 1
             predicted = f"{row.predicted_seconds * 1e3:.1f} ({'fitted' if row.fitted else f'{error:+.0%}'})"
         memory = row.peak_bytes or row.held_bytes
-        lines.append(what + f"{row.samples_per_second:>10,.0f} {row.step_seconds * 1e3:>8.2f} {row.speedup:>6.2f}x "
-                            f"{row.efficiency:>5.0%}{'!' if row.warning else ' '}{_mib(memory):>8}  {shares} "
-                            f"{predicted:>14}")
+        tokens = f"{row.tokens_per_second:>10,.0f} " if text else ""
+        lines.append(what + f"{row.samples_per_second:>10,.0f} {tokens}{row.step_seconds * 1e3:>8.2f} "
+                            f"{row.speedup:>6.2f}x {row.efficiency:>5.0%}{'!' if row.warning else ' '}"
+                            f"{_mib(memory):>8}  {shares} {predicted:>14}")
     flagged = [row for row in rows if row.warning and not row.skipped]
     if flagged:
         lines.append("")

@@ -67,6 +67,33 @@ def boundary_bytes(model: nn.Module, sample: torch.Tensor) -> Tuple[float, ...]:
     return tuple(sizes)
 
 
+def activation_bytes(model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Bytes per sample that a training forward pass (and its loss) keeps for the backward pass, counted as
+    autograd saves them: each storage once (q, k and v are views of one), the weights not at all; over the
+    first two samples, halved; 0 where the objective cannot score the outputs alone. The forward runs in training
+    mode, which moves BatchNorm's statistics: pass a copy."""
+    was_training = model.training
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    count = min(2, len(x))
+    try:
+        model.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            objective.loss_sum(model(x[:count]), y[:count])
+    except Exception:              # an objective that needs more than outputs and targets: unknown (0)
+        return 0.0
+    finally:
+        model.train(was_training)
+    return float(sum(kept.values())) / count
+
+
 @contextmanager
 def threads(count: int):
     before = torch.get_num_threads()
@@ -115,7 +142,8 @@ def measure(model: nn.Module, dataset, objective, *, batch_size: int, device: to
                 for key, values in found.items():
                     samples.setdefault(key, []).extend(values)
             probes = {key: probe for key, probe in probes.items() if key == "link"}
-    works = [_workload(samples, memory_format, model=model, x=x, batch_size=batch_size) for memory_format in formats]
+    works = [_workload(samples, memory_format, model=model, x=x, y=y, objective=objective, batch_size=batch_size)
+             for memory_format in formats]
     work = dataclasses.replace(works[0], plain=works[1]) if len(works) == 2 else works[0]
     if not link:
         return work, None
@@ -169,7 +197,8 @@ def _slowest(side: Together, which: int, count: int) -> float:
         return max(side(which))
 
 
-def _workload(samples: Dict[tuple, list], memory_format: bool, *, model: nn.Module, x, batch_size: int) -> Workload:
+def _workload(samples: Dict[tuple, list], memory_format: bool, *, model: nn.Module, x, y, objective,
+              batch_size: int) -> Workload:
     import copy
     passes, updates = zip(*samples[(memory_format, "whole")])
     timed = {what: {key[2]: low(values) for key, values in samples.items()
@@ -178,6 +207,7 @@ def _workload(samples: Dict[tuple, list], memory_format: bool, *, model: nn.Modu
     return Workload(compute_seconds=low(passes) + low(updates), parameter_bytes=parameter_bytes(model),
                     batch_size=batch_size, update_seconds=low(updates), layers=parameter_layers(model),
                     boundary_bytes=boundary_bytes(plain_model, x[:1].cpu()),
+                    activation_bytes=activation_bytes(plain_model, objective, x.cpu(), y.cpu()),   # (a copy)
                     replica_seconds=timed["replica"], microbatch_seconds=timed["micro"])
 
 

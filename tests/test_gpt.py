@@ -206,11 +206,14 @@ def test_generate_samples_from_a_run_and_refuses_other_runs(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["data", "sharded", "parameter-server", "pipeline"])
+@pytest.mark.parametrize("strategy", ["data", "sharded", "parameter-server", "pipeline", "pipeline 4 2"])
 def test_verify_gpt_on_every_strategy(strategy, capfd):
-    result = polytrain_here(capfd, "verify", "--model", "gpt", "--dataset", "shakespeare", "--devices", "2",
+    """The tied GPT on every strategy; "pipeline 4 2": two pipelines of 2 stages on 4 processes (the hybrid mesh),
+    each tying its first and last stage."""
+    strategy, devices, stages = (strategy.split() + ["2", None])[:3]
+    result = polytrain_here(capfd, "verify", "--model", "gpt", "--dataset", "shakespeare", "--devices", devices,
                             "--strategy", strategy, "--layers", "2", "--width", "32", "--heads", "2", "--context",
-                            "16", "--batch-size", "8", "--steps", "2")
+                            "16", "--batch-size", "8", "--steps", "2", *(["--pipeline-stages", stages] if stages else []))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout

@@ -47,6 +47,17 @@ def flatten_layers(model: nn.Module) -> Layers:
     return layers
 
 
+def describe_stage(layers: Layers, span, costs=None, unit: str = "seconds") -> str:
+    """What a pipeline stage of `layers[span]` holds, and its measured cost where the plan has one."""
+    count = sum(p.numel() for i in span for p in layers[i][1].parameters())
+    timed = ""
+    if costs and unit == "seconds":
+        timed = f", {sum(costs[i] for i in span) * 1e3:.2f} ms per micro-batch (measured)"
+    elif costs:
+        timed = f", {sum(costs[i] for i in span) / 2**20:.1f} MiB held per step (measured)"
+    return f"layers {describe_layers(layers, span)}, {count:,} parameters{timed}"
+
+
 def shared_between(layers: Layers) -> List[Tuple[int, int, str]]:
     """(first layer, later layer, parameter name in the first) for every parameter two layers share."""
     owner, shared = {}, []

@@ -23,7 +23,7 @@ from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, def
                              microbatches_for, runnable_schedule, stages_per_rank)
 from .base import Distributed, StepStats
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
-from .layers import (Stage, describe_layers, flatten_layers, layer_memory, named_subset, time_layers)
+from .layers import (Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers)
 from .tied import TiedWeights
 from .traced import setup_traced, traced_plan
 
@@ -139,23 +139,29 @@ class Pipeline(Distributed):
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=("dp", "pp"))
             self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        if self.plan.split_at:
-            return setup_traced(self, model, make_optimizer, make_scheduler)
-        layers = flatten_layers(model.to(self.device))
-        self.boundaries = self._boundary_shapes(layers)
+        model = model.to(self.device)
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        if self.plan.split_at:
+            return setup_traced(self, model, make_optimizer, make_scheduler)
+        layers = flatten_layers(model)
+        self.boundaries = self._boundary_shapes(layers)
         self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
                               for s in self.my_stages]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, replica=self.replica, pipeline_rank=self.pipeline_rank)
-        trained = [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)]
+        self.build_optimizer([(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
+                             make_optimizer, make_scheduler)
+        self.placement = self.placement_lines(
+            lambda stage: describe_stage(layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit))
+
+    def build_optimizer(self, trained: list, make_optimizer, make_scheduler) -> None:
+        """The optimizer over `trained` ((name, parameter) this rank steps), numbered as in the whole model."""
         index = {name: i for i, name in enumerate(self.parameter_names)}
         self.global_index, self.trained = [index[name] for name, _ in trained], [p for _, p in trained]
         # a stage of parameter-free layers (Flatten, pooling) still keeps the learning-rate schedule's state
         self.optimizer = make_optimizer(trained or [("", nn.Parameter(torch.zeros(0)))])
         self.scheduler = make_scheduler(self.optimizer)
-        self.placement = self._placement(layers)
 
     @torch.no_grad()
     def _boundary_shapes(self, layers) -> list:
@@ -184,24 +190,19 @@ class Pipeline(Distributed):
             return torch.empty((batch, *shape), dtype=dtype, device=self.device, requires_grad=grads)
         return make(*self.boundaries[span[0]]), make(*self.boundaries[span[-1] + 1])
 
-    def _placement(self, layers) -> list:
+    def placement_lines(self, holds) -> list:
+        """Rank 0's lines of where each model stage runs; `holds(stage)` says what the stage holds."""
         devices = self.gather_object((self.rank, str(self.device)))
         if not self.is_main:
             return []
         plan, where = self.plan, dict(devices)
-        lines = [f"pipeline: {plan.model_stages} stages on {plan.layout.ranks} ranks x {plan.layout.replicas} "
-                 f"replica(s), {plan.microbatches} micro-batches per step, schedule {plan.schedule}"]
+        lines = [f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
+                 f"ranks x {plan.layout.replicas} replica(s), {plan.microbatches} micro-batches per step, schedule "
+                 f"{plan.schedule}"]
         for stage in range(plan.model_stages):
-            span = plan.stage_layers(stage)
-            count = sum(p.numel() for i in span for p in layers[i][1].parameters())
-            timed = ""
-            if plan.costs and plan.cost_unit == "seconds":
-                timed = f", {sum(plan.costs[i] for i in span) * 1e3:.2f} ms per micro-batch (measured)"
-            elif plan.costs:
-                timed = f", {sum(plan.costs[i] for i in span) / 2**20:.1f} MiB held per step (measured)"
             ranks = [plan.layout.ranks * r + stage % plan.layout.ranks for r in range(plan.layout.replicas)]
             lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
-                         f"layers {describe_layers(layers, span)}, {count:,} parameters{timed}")
+                         f"{holds(stage)}")
         runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
         if runs != plan.schedule:
             lines.append(f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, first_line
-from ..plan.pipeline import PipelinePlan, microbatches_for, runnable_schedule, stages_per_rank
+from ..plan.pipeline import PipelinePlan, microbatches_for, stages_per_rank
 
 HOW = ("write forward() without Python control flow on tensor values (if x.sum() > 0, .item(), loops over a "
        "tensor's values), or write the model as an nn.Sequential and leave out --split-at, or use --strategy data")
@@ -249,34 +249,10 @@ def _forward_only(schedule, inputs, target) -> None:
 def setup_traced(strategy, model: nn.Module, make_optimizer, make_scheduler) -> None:
     """`Pipeline.setup` for --split-at: trace at the training micro-batch's size, hold this rank's stages."""
     s, plan = strategy, strategy.plan
-    model = model.to(s.device)
-    s.parameter_names = [name for name, _ in model.named_parameters()]
-    s.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
     s.traced = TracedStages(s, model)
     s.model = view_of(s.traced.modules(plan.micro_batch), s.full_meta)
     s.stage_modules = []                  # Pipeline._schedule takes the traced stages instead
-    index = {name: i for i, name in enumerate(s.parameter_names)}
-    s.global_index = [index[name] for name, _ in s.model.named_parameters()]
-    s.trained = list(s.model.parameters())        # traced stages refuse tied weights: no copies to leave out
-    s.optimizer = make_optimizer(list(s.model.named_parameters()) or [("", nn.Parameter(torch.zeros(0)))])
-    s.scheduler = make_scheduler(s.optimizer)
-    s.placement = _placement(s)
-
-
-def _placement(s) -> list:
-    devices = s.gather_object((s.rank, str(s.device)))
-    if not s.is_main:
-        return []
-    plan, where = s.plan, dict(devices)
-    lines = [f"pipeline (traced): {plan.model_stages} stages on {plan.layout.ranks} ranks x {plan.layout.replicas} "
-             f"replica(s), {plan.microbatches} micro-batches per step, schedule {plan.schedule}"]
-    for stage in range(plan.model_stages):
-        ranks = [plan.layout.ranks * r + stage % plan.layout.ranks for r in range(plan.layout.replicas)]
-        held = [plan.layer_names[i] for i in plan.stage_layers(stage)]
-        lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
-                     f"modules {', '.join(held)}")
-    runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
-    if runs != plan.schedule:
-        lines.append(f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
-                     f"it runs as gpipe")
-    return lines
+    # traced stages refuse tied weights: this rank steps every parameter it holds
+    s.build_optimizer(list(s.model.named_parameters()), make_optimizer, make_scheduler)
+    s.placement = s.placement_lines(
+        lambda stage: f"modules {', '.join(plan.layer_names[i] for i in plan.stage_layers(stage))}")

@@ -24,10 +24,8 @@ ratio of the fastest epochs is printed beside it).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +39,8 @@ from polytrain.data.text import SHAKESPEARE, TokenLoader, tokenise
 from polytrain.models import build_model
 from polytrain.models.defaults import MODEL_DEFAULTS
 from polytrain.optim import lr_factor
+
+from interleaved import interleave, report       # benchmarks/interleaved.py (run as python benchmarks/...)
 
 RECIPE = MODEL_DEFAULTS["gpt"]
 TARGET = 1.00
@@ -123,32 +123,12 @@ def main(argv=None) -> dict:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, GPT "
               f"{sum(p.numel() for p in base.parameters()):,} parameters, vocab {data.num_classes}, "
               f"{data.num_train} windows of {args.context} (batch {args.batch_size}, {steps} steps per epoch)")
-        if args.warmup:
-            for name, train in WAYS.items():
-                train(copy.deepcopy(base), epochs=args.warmup, **common)
-        epochs = {name: [] for name in WAYS}
-        losses = {name: [] for name in WAYS}
-        for repeat in range(args.repeats):
-            for name, train in WAYS.items():
-                results = train(copy.deepcopy(base), epochs=args.epochs, **common)
-                epochs[name] += [seconds for seconds, _ in results]
-                losses[name] = [loss for _, loss in results]
-                print(f"  repeat {repeat + 1}/{args.repeats}  {name:<9}  "
-                      + "  ".join(f"{seconds:.3f}s" for seconds, _ in results), flush=True)
+        epochs, losses = interleave(WAYS, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs,
+                                    **common)
 
-    tokens = data.num_train * args.context
-    medians = {name: statistics.median(times) for name, times in epochs.items()}
-    print(f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'tokens/s':>9}  train loss by epoch")
-    for name, times in epochs.items():
-        print(f"{name:<10} {medians[name]:9.3f} {min(times):8.3f} {max(times):8.3f} {tokens / medians[name]:9,.0f}  "
-              + " ".join(f"{loss:.4f}" for loss in losses[name]))
-    if any(max(times) > 1.5 * medians[name] for name, times in epochs.items()):
-        print("some epochs took over 1.5x the median: other processes competed for the cores; if the medians "
-              "disagree with the minima, rerun")
-    ratio = medians["polytrain"] / medians["by-hand"]
-    of_minima = min(epochs["polytrain"]) / min(epochs["by-hand"])
-    print(f"\npolytrain / by-hand = {ratio:.3f}   (target <= {TARGET:.2f}: {'met' if ratio <= TARGET else 'MISSED'}; "
-          f"ratio of the fastest epochs {of_minima:.3f})")
+    medians, ratios, minima = report(epochs, losses, per_epoch=data.num_train * args.context, unit="tokens",
+                                     targets={"by-hand": TARGET})
+    ratio, of_minima = ratios["by-hand"], minima["by-hand"]
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(), batch_size=args.batch_size,
                   context=args.context, steps=steps, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
                   median_seconds=medians, ratio=ratio, ratio_of_minima=of_minima, train_loss=losses)

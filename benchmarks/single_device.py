@@ -24,9 +24,7 @@ Targets: polytrain <= 1.02x by-hand, and <= 0.85x naive.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import statistics
 import time
 
 import torch
@@ -36,6 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import polytrain
 from polytrain.data.loader import global_batch_order
 from polytrain.models import MODELS, build_model
+
+from interleaved import interleave, report       # benchmarks/interleaved.py (run as python benchmarks/...)
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4
 TARGETS = {"by-hand": 1.02, "naive": 0.85}     # polytrain's epoch time may be at most this times the other's
@@ -158,38 +158,9 @@ def main(argv=None) -> dict:
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
           + f", model {args.model}, {len(dataset.train_y)} training images, batch {args.batch_size}")
 
-    if args.warmup:
-        for name, train in WAYS.items():
-            train(copy.deepcopy(base), dataset, epochs=args.warmup, **common)
-
-    epochs = {name: [] for name in WAYS}
-    losses = {name: [] for name in WAYS}
-    for repeat in range(args.repeats):
-        for name, train in WAYS.items():
-            results = train(copy.deepcopy(base), dataset, epochs=args.epochs, **common)
-            epochs[name] += [seconds for seconds, _ in results]
-            losses[name] = [loss for _, loss in results]
-            print(f"  repeat {repeat + 1}/{args.repeats}  {name:<9}  "
-                  + "  ".join(f"{seconds:.3f}s" for seconds, _ in results))
-
-    n = len(dataset.train_y)
-    medians = {name: statistics.median(times) for name, times in epochs.items()}
-    print(f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'samples/s':>10}  train loss by epoch")
-    for name, times in epochs.items():
-        print(f"{name:<10} {medians[name]:9.3f} {min(times):8.3f} {max(times):8.3f} {n / medians[name]:10,.0f}  "
-              + " ".join(f"{loss:.4f}" for loss in losses[name]))
-    if any(max(times) > 1.5 * medians[name] for name, times in epochs.items()):
-        print("some epochs took over 1.5x the median: other processes competed for the cores; if the medians "
-              "disagree with the minima, rerun")
-    ratios = {}
-    print()
-    for other, target in TARGETS.items():
-        ratio = medians["polytrain"] / medians[other]
-        ratios[other] = ratio
-        verdict = "met" if ratio <= target else "MISSED"
-        of_minima = min(epochs["polytrain"]) / min(epochs[other])
-        print(f"polytrain / {other:<8} = {ratio:.3f}   (target <= {target:.2f}: {verdict}; "
-              f"ratio of the fastest epochs {of_minima:.3f})")
+    epochs, losses = interleave(WAYS, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs,
+                                dataset=dataset, **common)
+    medians, ratios, _ = report(epochs, losses, per_epoch=len(dataset.train_y), unit="samples", targets=TARGETS)
     result = dict(model=args.model, torch=torch.__version__, threads=torch.get_num_threads(), device=str(device),
                   batch_size=args.batch_size, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
                   median_seconds=medians, ratios=ratios, train_loss=losses)

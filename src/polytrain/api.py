@@ -32,7 +32,7 @@ from .models.lightning import is_lightning, lightning_parts
 from .optim import FROM_PYTHON, defaults_line, describe, make_recipe, take_objects
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
-                      make_objective, oversized_batch_note, refuse_for_strategy, split_data)
+                      item_form, make_objective, oversized_batch_note, refuse_for_strategy, split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
 from .strategies.gradients import check_fp16
 from .trainer import History, Trainer
@@ -170,7 +170,7 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
     rank would measure for itself and might choose differently, so there only a --plan file chooses."""
     from .scaling.auto import choose_strategy
-    if objective.step is not None or getattr(getattr(dataset, "spec", None), "form", "pair") != "pair":
+    if objective.step is not None or item_form(dataset) != "pair":
         return "data", "--strategy auto: data (a step= or batches without separate targets are measured only as data)"
     if launched and not config.plan:
         return "data", ("--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "

@@ -82,17 +82,20 @@ class StepLogger(Callback):
         lr = trainer.strategy.optimizer.param_groups[0]["lr"]
         if stats.grad_norm is not None:                # with clipping: the global norm before clipping
             values = torch.cat([values, stats.grad_norm.detach().reshape(1).double().to(values.device)])
-        values = torch.cat([values, torch.as_tensor(stats.loss_count, dtype=torch.float64).reshape(1).to(values.device)])
-        self.pending.append((global_step, values, stats.count, lr))
+        loss_count = stats.loss_count            # a (sum, count) loss's count stays on the device until flush
+        if isinstance(loss_count, torch.Tensor):
+            values, loss_count = torch.cat([values, loss_count.detach().reshape(1).double().to(values.device)]), None
+        self.pending.append((global_step, values, stats.count, lr, loss_count))
         if len(self.pending) >= self.every or step + 1 == trainer.steps_per_epoch:
             self.flush(trainer.metric_names)
 
     def flush(self, names) -> None:
         if not self.pending:
             return
-        rows = torch.stack([values for _, values, _, _ in self.pending]).tolist()    # one copy from the device
-        for (global_step, _, count, lr), row in zip(self.pending, rows):
-            *row, loss_count = row
+        rows = torch.stack([values for _, values, *_ in self.pending]).tolist()    # one copy from the device
+        for (global_step, _, count, lr, loss_count), row in zip(self.pending, rows):
+            if loss_count is None:
+                *row, loss_count = row
             if count and loss_count:
                 metrics = {"train/step_loss": row[0] / loss_count, "lr": lr}
                 metrics.update({f"train/step_{name}": value / count for name, value in zip(names, row[1:])})

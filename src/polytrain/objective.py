@@ -29,7 +29,7 @@ KINDS = ("classification", "language", "model")   # model: the model returns its
 class Objective:
     def __init__(self, loss: Optional[Callable] = None, metrics: Optional[Dict[str, Metric]] = None, *,
                  label_smoothing: float = 0.0, kind: str = "classification", step: Optional[Callable] = None,
-                 eval_step: Optional[Callable] = None, counted: bool = False):
+                 eval_step: Optional[Callable] = None):
         for name, fn in (("loss", loss), ("step", step), ("eval_step", eval_step)):
             if fn is not None and not callable(fn):
                 raise UserError(f"{name}= must be a callable, got {type(fn).__name__}")
@@ -55,8 +55,8 @@ class Objective:
         builtin = loss is None and step is None and kind != "model"
         self.language = builtin and kind == "language"      # next-token cross-entropy, no accuracy
         self.classification = builtin and not self.language
-        # the loss may give (sum, count) pairs: each step then divides by the global count (one all-reduce)
-        self.counted = counted
+        # the loss gives (sum, count) pairs (learnt on a sample): each step then divides by the global count
+        self.counted = False
         if self.classification and "acc" in metrics:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
@@ -107,6 +107,12 @@ class Objective:
         if count == 0 and isinstance(outputs, torch.Tensor):  # a rank with no samples in a short last batch
             return outputs.float().sum() * 0.0, 0
         return self.sum_and_count(self.loss(outputs, targets), count, "loss=")
+
+    def learn(self, value, samples: int, what: str):
+        """`sum_and_count` of the user's loss on a sample before training, learning from it whether the loss
+        gives (sum, count) pairs (training then expects them)."""
+        self.counted = gives_pair(value)
+        return self.sum_and_count(value, samples, what)
 
     def sum_and_count(self, value, samples: int, what: str):
         """A loss as a step or loss function gives it (the batch mean, a (sum, count) pair, or an output with

@@ -18,7 +18,7 @@ from .models import run_on_sample
 from .models.lightning import SPLITTING, LightningStep
 from .data.order import rows
 from .errors import DataError, UserError, first_line
-from .objective import Objective, carried_loss, describe_value, first_output, gives_pair
+from .objective import Objective, carried_loss, describe_value, first_output
 
 
 def is_torch_dataset(value) -> bool:
@@ -121,17 +121,15 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
         x, y = data.sample_batch(2)
     else:
         x, y = data.sample_inputs(2), data.train_y[:2]
-    form = getattr(getattr(data, "spec", None), "form", "pair")
     if objective.step is not None:
         return checked_step(model, objective, x if y is None else (x, y))
     output = run_on_sample(model, x, f"samples of shape {tuple(data.input_shape)}")
     if objective.loss is None and carried_loss(output) is not None:      # e.g. a Hugging Face model
         objective = Objective(kind="model", metrics=objective.metrics)
-        objective.counted = gives_pair(carried_loss(output))
-        objective.sum_and_count(carried_loss(output), rows(x), "the model's loss")
+        objective.learn(carried_loss(output), rows(x), "the model's loss")
         return objective
     if y is None:
-        raise UserError(f"the Dataset's items are {form}s with no separate target, and the model returned "
+        raise UserError(f"the Dataset's items are {item_form(data)}s with no separate target, and the model returned "
                         f"{describe_value(output)} without a loss; return an output with .loss (or a dict with "
                         f"'loss'), or pass step=fn(model, batch) that returns the loss")
     output = run_model(model, x, data.input_shape, first_output(output))
@@ -141,23 +139,19 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
         raise UserError(f"--dataset {data.name} is text for a language model: the model must return scores over "
                         f"the {data.num_classes} characters for every position, shape (N, {y.shape[1]}, "
                         f"{data.num_classes}); it returned {tuple(output.shape)}; use --model gpt")
-    for what, call in (("loss=", lambda: counted(objective, lambda: objective.loss(output, y))),
-                       ("loss=", lambda: objective.outputs_loss(output, y)),
-                       ("metrics=", lambda: objective.metric_sums(output, y))):
+    def loss():
+        if objective.loss is None:
+            return objective.outputs_loss(output, y)
+        return objective.learn(objective.loss(output, y), len(y), "loss=")
+    for what, call in (("loss=", loss), ("metrics=", lambda: objective.metric_sums(output, y))):
         try:
-            if what == "metrics=" or objective.loss is not None:
-                call()
+            call()
         except UserError:
             raise
         except Exception as error:
             raise UserError(f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
                             f"{tuple(y.shape)}: {type(error).__name__}: {first_line(error)}") from None
     return objective
-
-
-def counted(objective: Objective, loss) -> None:
-    """Mark the objective as giving (sum, count) pairs when `loss()` (the user's code on a sample) gives one."""
-    objective.counted = gives_pair(loss())
 
 
 @torch.no_grad()
@@ -170,9 +164,7 @@ def checked_step(model: nn.Module, objective: Objective, batch) -> Objective:
     was_training = model.training
     model.eval()
     try:
-        value = objective.step(model, batch)
-        objective.counted = gives_pair(value)
-        objective.sum_and_count(value, rows(batch), "step=")
+        objective.learn(objective.step(model, batch), rows(batch), "step=")
     except UserError:
         raise
     except Exception as error:
@@ -181,6 +173,11 @@ def checked_step(model: nn.Module, objective: Objective, batch) -> Objective:
     finally:
         model.train(was_training)
     return objective
+
+
+def item_form(data) -> str:
+    """What the data's items are: "pair" ((input, target)), or "dict" or "tuple" (no separate target)."""
+    return getattr(getattr(data, "spec", None), "form", "pair")
 
 
 def check_sizes(data, config: TrainConfig) -> None:
@@ -214,7 +211,7 @@ def make_objective(config: TrainConfig, loss=None, metrics=None, *, kind: str = 
 
 def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective, data) -> None:
     """One line for what a strategy cannot do with this objective or these batches."""
-    form = getattr(getattr(data, "spec", None), "form", "pair")
+    form = item_form(data)
     if strategy == "pipeline" and (objective.step is not None or objective.kind == "model" or form != "pair"):
         what = ("step=" if objective.step is not None else "a model that returns its own loss"
                 if objective.kind == "model" else f"batches of {form}s")

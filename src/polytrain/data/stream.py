@@ -236,7 +236,7 @@ class Problem:
 
 def collate_checked(samples, spec: SampleSpec):
     """Stack ((split, index), item) pairs into one batch, or say which sample is wrong."""
-    if spec.form != "pair":
+    if spec.form != "pair" or list(spec.layout) != ["[0]", "[1]"]:     # not a pair of two tensors
         return collate_items(samples, spec)
     xs, ys = [], []
     try:

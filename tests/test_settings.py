@@ -67,7 +67,7 @@ def test_the_resume_rules_come_from_the_declarations():
 
 
 @pytest.mark.parametrize("values, message", [
-    (dict(epochs=0), "--epochs must be a positive whole number, got 0; try --epochs 5"),
+    (dict(epochs=0), "--epochs must be a number above 0, got 0; try --epochs 5"),
     (dict(optimizer="adamx"), "unknown --optimizer 'adamx' (did you mean adam?); choose one of "),
     (dict(val_fraction=1.5), "--val-fraction must lie strictly between 0 and 1, got 1.5; try --val-fraction 0.1"),
     (dict(image_size=0), "--image-size must be a positive whole number of pixels, got 0; try --image-size 32"),
@@ -183,7 +183,7 @@ def test_resume_reads_no_config_file(capsys, tmp_path):
 def test_a_file_value_is_checked_like_a_flag(capsys, tmp_path):
     path = tmp_path / "settings.json"
     path.write_text('{"epochs": 0}')
-    assert "--epochs must be a positive whole number, got 0" in one_line_error(capsys, ["train", "--config", path])
+    assert "--epochs must be a number above 0, got 0" in one_line_error(capsys, ["train", "--config", path])
 
 
 def test_a_run_of_a_custom_model_cannot_be_repeated_from_the_command_line(capsys, tmp_path):

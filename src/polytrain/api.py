@@ -194,7 +194,7 @@ def plan_record(plan) -> Optional[dict]:
 def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
         train=None, val=None, loss=None, metrics=None, logger=None, callbacks=None,
         optimizer=None, scheduler=None, param_groups=None, step=None, eval_step=None,
-        epochs: Optional[int] = None, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
+        epochs: Optional[float] = None, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
         resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 

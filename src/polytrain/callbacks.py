@@ -158,17 +158,17 @@ def metric_names(record: dict) -> list:
     return [key[4:] for key in record if key.startswith("val_") and key != "val_loss"]
 
 
-def summary_line(record: dict, epochs: int) -> str:
+def summary_line(record: dict, epochs: float) -> str:
     names = metric_names(record)
 
     def side(split: str) -> str:
         return f"{split} loss {record[f'{split}_loss']:.4f}" + "".join(
             f" {name} {record[f'{split}_{name}']:.4f}" for name in names)
     if "tokens_per_second" in record:     # a language model: loss in nats per token
-        return (f"epoch {record['epoch']}/{epochs}  {side('train')}  {side('val')} perplexity "
+        return (f"epoch {record['epoch']}/{epochs:g}  {side('train')}  {side('val')} perplexity "
                 f"{record['perplexity']:.2f}  {record['epoch_seconds']:.2f}s  "
                 f"{record['tokens_per_second']:,.0f} tokens/s" + (f"  {record['note']}" if record.get("note") else ""))
-    return (f"epoch {record['epoch']}/{epochs}  {side('train')}  {side('val')}  "
+    return (f"epoch {record['epoch']}/{epochs:g}  {side('train')}  {side('val')}  "
             f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
             + (f"  {record['note']}" if record.get("note") else ""))
 
@@ -190,7 +190,7 @@ class ProgressBar(Callback):
         if self.use_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.position.step, file=self.stream,
-                            desc=f"epoch {epoch + 1}/{trainer.epochs}", leave=False, dynamic_ncols=True)
+                            desc=f"epoch {epoch + 1}/{trainer.epochs:g}", leave=False, dynamic_ncols=True)
 
     def on_step_end(self, trainer, step):
         if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
@@ -204,7 +204,7 @@ class ProgressBar(Callback):
         if "step" not in record:              # the epoch's own: its summary line follows
             return
         figures = "".join(f" {name} {record[f'val_{name}']:.4f}" for name in metric_names(record))
-        line = (f"epoch {record['epoch']}/{trainer.epochs} step {record['step']}/{trainer.steps_per_epoch}  "
+        line = (f"epoch {record['epoch']}/{trainer.epochs:g} step {record['step']}/{trainer.steps_per_epoch}  "
                 f"val loss {record['val_loss']:.4f}{figures}")
         if self.bar is not None:
             self.bar.write(line, file=self.stream)

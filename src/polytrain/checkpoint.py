@@ -7,6 +7,7 @@ Loading uses `torch.load(weights_only=True)`: tensors, numbers, strings, lists a
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +18,29 @@ import torch
 from .errors import UserError, first_line
 
 FORMAT = "polytrain-checkpoint-1"
+
+
+@dataclass
+class Position:
+    """Where training stands: the next step to run, and the running sums of the epoch in progress."""
+    epoch: int = 0
+    step: int = 0
+    loss_sum: float = 0.0
+    metrics: tuple = ()           # the objective's metric sums, in the order of its names
+    count: float = 0.0
+    seconds: float = 0.0
+    loss_count: Optional[float] = None   # elements the loss sum covers ((sum, count) losses); None: count
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Position":
+        values = dict(values)
+        if "correct" in values:        # checkpoints written before metrics were generalised
+            values["metrics"] = (values.pop("correct"),)
+        values["metrics"] = tuple(values.get("metrics", ()))
+        position = cls(**values)
+        if position.loss_count is None:
+            position.loss_count = position.count
+        return position
 
 
 class CheckpointError(UserError):
@@ -188,6 +212,12 @@ class Progress:
 
     def where(self) -> str:
         return describe_position(self.epoch, self.step, self.steps_per_epoch)
+
+
+def planned_steps(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps a run of `epochs` takes in all: a fractional --epochs ends within its last epoch, after
+    that epoch's first ceil(fraction x steps) steps."""
+    return max(1, math.ceil(epochs * steps_per_epoch - 1e-9))
 
 
 def describe_position(epoch: int, step: int, steps_per_epoch: int) -> str:

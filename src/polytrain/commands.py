@@ -21,7 +21,7 @@ from .runtime.launch import check_devices, run_job
 from .models import build_model
 from .models.gpt import generate
 from .models.defaults import defaults_words
-from .checkpoint import read_progress
+from .checkpoint import planned_steps, read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
 from .runtime.worker import Job, choose_device, resolved_device_type
@@ -88,11 +88,11 @@ def resume_plan(args):
                         f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
                         f"a new run with --epochs {config.epochs} (runs on --schedule constant, or a "
                         f"torch.optim.lr_scheduler class, can be extended)")
-    if progress is not None and progress.epoch >= config.epochs:
+    if progress is not None and progress.steps_done >= planned_steps(config.epochs, progress.steps_per_epoch):
         last = final_figures(progress.history[-1]) if progress.history else "no validation recorded"
-        return None, (f"{run_dir} already finished its {progress.epoch} epochs ({last}); "
+        return None, (f"{run_dir} already finished its {config.epochs:g} epochs ({last}); "
                       f"nothing to resume. To train longer, start a new run"
-                      + (f", or pass --epochs N above {progress.epoch}" if extendable else ""))
+                      + (f", or pass --epochs N above {config.epochs:g}" if extendable else ""))
     if progress is not None and config.max_steps and config.max_steps <= progress.steps_done:
         raise UserError(f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
                         f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.optim import lr_scheduler
 
+from .checkpoint import planned_steps
 from .config.names import nearest
 from .errors import ConfigError, UserError, first_line
 
@@ -234,7 +235,7 @@ class Recipe:
     schedule: object = "onecycle"                  # polytrain's name, an lr_scheduler class or a factory
     schedule_options: dict = field(default_factory=dict)
     interval: Optional[str] = None                 # "step" | "epoch"; None: the factory's dict says
-    epochs: int = 1
+    epochs: float = 1
     warmup_epochs: float = 0.0
 
     @property
@@ -255,7 +256,7 @@ class Recipe:
         """Per step, polytrain's schedules count optimizer steps; per epoch, epochs (warm-up in whole epochs)."""
         unit = steps_per_epoch if self.per_step else 1
         return partial(make_scheduler, kind=self.schedule, options=self.schedule_options,
-                       total_steps=self.epochs * unit, warmup_steps=round(self.warmup_epochs * unit))
+                       total_steps=planned_steps(self.epochs, unit), warmup_steps=round(self.warmup_epochs * unit))
 
     def checked(self, model: nn.Module, *, staleness: int = 0) -> "Recipe":
         """Planned over `model`, with the optimizer and schedule built once on its parameters (they do not

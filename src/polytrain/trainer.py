@@ -13,34 +13,12 @@ from typing import List, Optional
 import torch
 
 from .callbacks import Monitor, check_monitor
+from .checkpoint import Position, planned_steps
 from .errors import UserError
 
 
 class NonFiniteLoss(UserError):
     """The training loss became NaN or infinite."""
-
-
-@dataclass
-class Position:
-    """Where training stands: the next step to run, and the running sums of the epoch in progress."""
-    epoch: int = 0
-    step: int = 0
-    loss_sum: float = 0.0
-    metrics: tuple = ()           # the objective's metric sums, in the order of its names
-    count: float = 0.0
-    seconds: float = 0.0
-    loss_count: Optional[float] = None   # elements the loss sum covers ((sum, count) losses); None: count
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "Position":
-        values = dict(values)
-        if "correct" in values:        # checkpoints written before metrics were generalised
-            values["metrics"] = (values.pop("correct"),)
-        values["metrics"] = tuple(values.get("metrics", ()))
-        position = cls(**values)
-        if position.loss_count is None:
-            position.loss_count = position.count
-        return position
 
 
 @dataclass
@@ -77,6 +55,7 @@ class Trainer:
         self.position = position or Position()
         self.history = history or History()
         self.steps_per_epoch = len(train_loader)
+        self.total_steps = planned_steps(epochs, self.steps_per_epoch)   # --epochs 1.5 ends within epoch 2
         self.checkpointer = checkpointer          # called on every rank; writes on the main rank only
         self.checkpoint_every = checkpoint_every
         self.max_steps = max_steps                # stop early after this many steps in all (0: never)
@@ -141,15 +120,16 @@ class Trainer:
         return bool(self.strategy.broadcast_object(bool(wanted)))
 
     def _run_epochs(self) -> None:
-        while self.position.epoch < self.epochs:
+        while self.step < self.total_steps:
             self.epoch = self.position.epoch + 1
             record = self._train_epoch(self.position.epoch)
             if record is None:
                 break
-            self.history.epochs.append(record)
-            self.position = Position(epoch=self.position.epoch + 1)
+            # an epoch a fractional --epochs had ended early, completed after a resume: its record replaced
+            same = bool(self.history.epochs) and self.history.epochs[-1]["epoch"] == record["epoch"]
+            self.history.epochs[len(self.history.epochs) - same:] = [record]
             self._emit("on_validation_end", record)
-            finished = self.max_steps and self.position.epoch * self.steps_per_epoch >= self.max_steps
+            finished = self.max_steps and self.step >= self.max_steps
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
             self._emit("on_epoch_end", record)
@@ -165,7 +145,7 @@ class Trainer:
         if improved and self.checkpointer is not None:
             self.checkpointer.save_best(self)
         self.history.best = self.monitor.summary()
-        self.monitor.stopped = self.monitor.exhausted and self.step < self.epochs * self.steps_per_epoch
+        self.monitor.stopped = self.monitor.exhausted and self.step < self.total_steps
         if self.monitor.stopped:
             self.history.stopped = self.monitor.early_stop_line()
 
@@ -211,8 +191,8 @@ class Trainer:
             self.position = Position(epoch, batch.step + 1)
             self.running = (totals, count, began)
             self._emit("on_step_end", batch.step)
-            last_of_epoch = batch.step + 1 == self.steps_per_epoch
             done = epoch * self.steps_per_epoch + batch.step + 1
+            last_of_epoch = batch.step + 1 == self.steps_per_epoch or done >= self.total_steps
             stop = False
             if self.val_every and done % self.val_every == 0 and not last_of_epoch:
                 batches.close()                   # (a Dataset's loader processes serve the validation too)
@@ -229,6 +209,9 @@ class Trainer:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
             if stop and not last_of_epoch:
                 return None
+            if done >= self.total_steps:          # the last step of the run (also within an epoch)
+                batches.close()
+                break
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
         loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
@@ -246,6 +229,9 @@ class Trainer:
         if tokens:                        # a language model: nats per token, perplexity, tokens per second
             record.update(perplexity=math.exp(min(val["loss"], 700.0)),
                           tokens_per_second=record["samples_per_second"] * tokens)
+        steps = self.position.step                # the whole epoch, or where a fractional --epochs ends it
+        self.position = (Position(epoch + 1) if steps == self.steps_per_epoch else
+                         Position(epoch, steps, loss_sum, metric_sums, count, seconds, loss_count))
         self.strategy.end_of_epoch(record)
         self._judge(record)
         return record

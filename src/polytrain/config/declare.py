@@ -80,6 +80,7 @@ def _whole(value) -> bool:
 CHECKS = {
     "count": (lambda v: _whole(v) and v > 0, "a positive whole number"),
     "count0": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "positive": (lambda v: _finite(v) and v > 0, "a number above 0"),
     "nonneg": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "fraction": (lambda v: _finite(v) and 0 < v < 1, "a number strictly between 0 and 1"),
 }

@@ -21,6 +21,15 @@ def numbers_text(text: str) -> tuple:
         raise ValueError(f"expected numbers separated by commas such as 0.9,0.95, got {text!r}") from None
 
 
+def epochs_text(text: str):
+    """`3` as 3 and `1.5` as 1.5, for --epochs (a fraction trains on the first part of the last epoch)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of epochs such as 3 or 1.5, got {text!r}") from None
+    return int(value) if value.is_integer() else value
+
+
 def shape_text(text: str) -> tuple:
     """`3,32,32` as (3, 32, 32), for --synthetic-shape."""
     try:
@@ -85,8 +94,10 @@ class ModelSettings:
 
 @dataclass
 class OptimisationSettings:
-    epochs: int = setting(5, "default: %(default)s", group="optimisation", metavar="N", check="count", example=5,
-                          resume="extend")
+    epochs: float = setting(5, "passes over the training set; a fraction such as 1.5 ends within the last one, "
+                            "with the schedule laid over the steps taken and a validation at the end (default: "
+                            "%(default)s)", group="optimisation", metavar="N", check="positive", example=5,
+                            resume="extend", parse=epochs_text)
     batch_size: int = setting(64, "GLOBAL batch, split across --devices (default: %(default)s)",
                               group="optimisation", metavar="N", check="count", example=64)
     optimizer: str = setting("sgd", "any torch.optim class by name, any case: sgd, adam, adamw, rmsprop, adadelta, "

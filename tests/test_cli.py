@@ -73,7 +73,7 @@ def test_help_lists_flags_and_defaults():
     (["--model", "vgg"], "unknown --model 'vgg'"),
     (["--optimizer", "lion"], "unknown --optimizer 'lion'"),
     (["--batch-size", "0"], "--batch-size must be a positive"),
-    (["--epochs", "0"], "--epochs must be a positive"),
+    (["--epochs", "0"], "--epochs must be a number above 0"),
     (["--lr", "nan"], "--lr must be a finite number"),
     (["--lr", "-0.1"], "--lr must be a finite number"),
     (["--dataset", "mnist", "--data-dir", "/no/such/folder"], "--data-dir /no/such/folder does not exist"),

@@ -60,7 +60,7 @@ def test_the_resume_rules_come_from_the_declarations():
                               "checkpoint_every", "hang_timeout", "val_every", "patience", "accumulate",
                               *[n for names in STRATEGY_OPTIONS.values() for n in names]}
     assert STRATEGY_OPTIONS == {"pipeline": ("microbatches", "pipeline_schedule", "split", "split_at",
-                                             "pipeline_stages", "timeline"),
+                                             "pipeline_stages", "timeline", "tensor_parallel"),
                                 "sharded": ("cpu_offload",), "parameter-server": ("servers", "server_device",
                                                                                    "staleness"),
                                 "tensor": ("tensor_plan", "tensor_parallel")}

@@ -147,7 +147,8 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_devices_is_one_line(tmp
     assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "mlp", "--strategy", "tensor", "--devices", "4",
                                                           "--tensor-parallel", "3"], ["divide --devices 4"])
     assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "mlp", "--strategy", "data", "--devices", "4",
-                                                          "--tensor-parallel", "2"], ["--strategy tensor only"])
+                                                          "--tensor-parallel", "2"],
+                               ["--strategy tensor or pipeline only"])
 
 
 @pytest.fixture(scope="module")

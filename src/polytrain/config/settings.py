@@ -256,8 +256,9 @@ class TensorSettings:
         resume="change")
     tensor_parallel: Optional[int] = setting(
         None, "ranks each layer is split across; --devices / T such groups then split each batch as sharded data "
-        "parallelism (FSDP2) on a 2-D mesh (default: --devices, one group)", group="tensor", metavar="T",
-        check="count", strategies=("tensor",), resume="change", replans=True)
+        "parallelism (FSDP2) on a 2-D mesh (default: --devices, one group); with --strategy pipeline, the ranks each "
+        "stage is split across", group="tensor", metavar="T", check="count", strategies=("tensor", "pipeline"),
+        resume="change", replans=True)
 
 
 # The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the

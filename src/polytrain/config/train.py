@@ -20,16 +20,19 @@ from .settings import GROUP_CLASSES, INPUTS
 def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None,
              tensor_parallel: Optional[int] = None) -> int:
     """How many replicas split each global batch: every device, except in a pipeline, where the devices of
-    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch), and with tensor
-    parallelism, where the T devices of one tensor group read the same slice (one group: the whole batch)."""
+    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch; with --tensor-parallel T,
+    its stages' T ranks each), and with tensor parallelism, where the T devices of one tensor group read the
+    same slice (one group: the whole batch)."""
     if strategy == "tensor":
         group = tensor_parallel or devices
         valid = isinstance(devices, int) and isinstance(group, int) and group > 0 and devices % group == 0
         return devices // group if valid else 1
     if strategy != "pipeline" or not isinstance(devices, int):
         return devices
-    stages = pipeline_stages or devices
-    return devices // stages if isinstance(stages, int) and stages > 0 else devices
+    tensor = tensor_parallel if isinstance(tensor_parallel, int) and tensor_parallel > 0 else 1
+    stages = pipeline_stages or devices // tensor
+    group = stages * tensor if isinstance(stages, int) and stages > 0 else 0
+    return devices // group if group and devices % group == 0 else devices
 
 
 def apply_inputs(values: dict) -> None:
@@ -88,8 +91,8 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         for name, meta in SETTINGS.items():
             if meta.strategies and self.strategy not in meta.strategies and not unset(getattr(self, name)):
                 owner = meta.strategies[0]
-                raise ConfigError(f"{flag_name(name)} applies to --strategy {owner} only; add --strategy {owner} "
-                                  f"or drop it")
+                raise ConfigError(f"{flag_name(name)} applies to --strategy {' or '.join(meta.strategies)} only; "
+                                  f"add --strategy {owner} or drop it")
             check_value(name, meta, getattr(self, name))
         _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
         _need(self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
@@ -101,12 +104,12 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
               f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
-        if self.strategy == "pipeline":
-            self._check_pipeline()
         tp = self.tensor_parallel
         _need(tp is None or (self.devices % tp == 0 and tp > 1),
               f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
               f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}")
+        if self.strategy == "pipeline":
+            self._check_pipeline()
         _need(self.plan is None or self.strategy == "auto",
               f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
         _need(self.plan is None or self.devices > 1,
@@ -142,7 +145,10 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         _need(self.split is None or isinstance(self.split, str),
               f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}")
         _need(not self.compile, "--compile is not supported with --strategy pipeline yet; drop --compile")
-        PipelineLayout(self.devices, self.pipeline_ranks)      # validates the mesh
+        _need(not (self.split_at and self.tensor_parallel),
+              "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
+              "nn.Sequential (stages split by --split), or drop --tensor-parallel")
+        PipelineLayout(self.devices, self.pipeline_ranks, self.tensor_parallel or 1)      # validates the mesh
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""
@@ -155,14 +161,14 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         """Pipeline stages per replica (ranks each micro-batch passes through); 1 without a pipeline."""
         if self.strategy != "pipeline":
             return 1
-        return self.pipeline_stages or self.devices
+        return self.pipeline_stages or self.devices // (self.tensor_parallel or 1)
 
     @property
     def data_parallel_size(self) -> int:
-        """Replicas that split each global batch between them."""
-        if self.strategy == "tensor":                # the T ranks of a tensor group read the same slice
-            return replicas(self.devices, "tensor", tensor_parallel=self.tensor_parallel)
-        return self.devices // self.pipeline_ranks
+        """Replicas that split each global batch between them (the T ranks of a tensor group read one slice)."""
+        if self.strategy in ("tensor", "pipeline"):
+            return replicas(self.devices, self.strategy, self.pipeline_stages, self.tensor_parallel)
+        return self.devices
 
     @property
     def effective_lr(self) -> float:

@@ -4,6 +4,10 @@ micro-batches each step is cut into, and which layers each stage holds.
 `--devices 4 --pipeline-stages 2` is a 2 x 2 mesh: replica r holds ranks 2r and 2r+1, and rank 2r+s runs
 pipeline rank s. The loader shards each global batch by replica; inside a replica, every pipeline rank
 reads the same slice (the first uses the images, the last the labels).
+
+With `--tensor-parallel T` every stage is split over T consecutive ranks (the tensor dimension innermost, as in
+TensorPlan.coords): rank (replica x stages + stage) x T + t holds tensor slice t of that stage, so
+`--devices 8 --pipeline-stages 2 --tensor-parallel 2` is a 2 x 2 x 2 (data, pipeline, tensor) mesh.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..errors import ConfigError
+from .tensor import TensorPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 DEFAULT_SCHEDULE = "1f1b"
@@ -29,26 +34,54 @@ def divisors(n: int) -> list:
 class PipelineLayout:
     devices: int
     ranks: int               # pipeline ranks per replica (--pipeline-stages)
+    tensor: int = 1          # ranks each stage is split over (--tensor-parallel), consecutive
 
     def __post_init__(self) -> None:
+        if self.ranks < 2 and self.tensor > 1:
+            raise ConfigError(f"--strategy pipeline --tensor-parallel {self.tensor} needs at least 2 pipeline stages "
+                              f"of {self.tensor} ranks, got {self.ranks}; use --devices {2 * self.tensor} or more")
         if self.ranks < 2:
             raise ConfigError(f"--strategy pipeline needs at least 2 pipeline stages, got {self.ranks}; use "
                               f"--devices 2 or more (or --strategy data for replicas only)")
-        if self.devices % self.ranks:
+        if self.tensor == 1 and self.devices % self.ranks:
             raise ConfigError(f"--pipeline-stages {self.ranks} does not divide --devices {self.devices}; use one "
                               f"of {', '.join(str(d) for d in divisors(self.devices) if d > 1)}")
+        if self.tensor > 1 and self.devices % (self.ranks * self.tensor):
+            raise ConfigError(f"--pipeline-stages {self.ranks} x --tensor-parallel {self.tensor} = "
+                              f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
+                              f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages")
 
     @property
     def replicas(self) -> int:
-        return self.devices // self.ranks
+        return self.devices // (self.ranks * self.tensor)
 
     def coords(self, rank: int) -> Tuple[int, int]:
         """(replica, pipeline rank) of a global rank."""
-        return divmod(rank, self.ranks)
+        return divmod(rank // self.tensor, self.ranks)
 
-    def mesh_shape(self) -> Tuple[int, int]:
-        """(replicas, pipeline ranks): the shape of the 2-D device mesh, pipeline ranks innermost."""
-        return self.replicas, self.ranks
+    def tensor_index(self, rank: int) -> int:
+        """Which tensor slice of its stage a global rank holds."""
+        return rank % self.tensor
+
+    def rank(self, replica: int, pipeline_rank: int, tensor_index: int = 0) -> int:
+        """The global rank at these coordinates."""
+        return (replica * self.ranks + pipeline_rank) * self.tensor + tensor_index
+
+    def peer(self, rank: int, pipeline_rank: int) -> int:
+        """The rank that holds `pipeline_rank` (mod ranks) in `rank`'s replica, at its tensor index."""
+        return self.rank(self.coords(rank)[0], pipeline_rank % self.ranks, self.tensor_index(rank))
+
+    def stage_ranks(self, pipeline_rank: int) -> list:
+        """Every rank that holds `pipeline_rank`: each replica's tensor group, in rank order."""
+        return [self.rank(r, pipeline_rank, t) for r in range(self.replicas) for t in range(self.tensor)]
+
+    def mesh_shape(self) -> Tuple[int, ...]:
+        """(replicas, pipeline ranks[, tensor ranks]): the device mesh's shape, the last dimension innermost."""
+        return (self.replicas, self.ranks) + ((self.tensor,) if self.tensor > 1 else ())
+
+    @property
+    def mesh_names(self) -> Tuple[str, ...]:
+        return ("dp", "pp", "tp")[:len(self.mesh_shape())]
 
 
 def default_microbatches(per_replica_batch: int, ranks: int) -> int:
@@ -105,18 +138,27 @@ class PipelinePlan:
     split_at: Tuple[str, ...] = ()          # --split-at: traced stages begin at these modules (layer_names:
     #                                         the modules each traced stage holds, in order)
     micro_batch: int = 0                    # --split-at: samples of a training micro-batch, the traced shape
+    tensor: Optional[TensorPlan] = None     # --tensor-parallel: how each stage's layers are split, by their
+    #                                         names in the whole model (layout.tensor ranks per stage)
+
+    def __post_init__(self) -> None:
+        if self.tensor is not None:
+            check_tensor_cuts(self.tensor.styles, self.layer_names, self.points)
 
     def describe(self) -> str:
         where = (f"traced, split before modules {', '.join(self.split_at)}" if self.split_at else
                  f"split before layers {', '.join(map(str, self.points))}")
+        tensor = (f"; each stage split over {self.layout.tensor} tensor ranks: "
+                  f"{self.tensor.describe().split(': ', 1)[-1]}" if self.tensor else "")
         return (f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
-                f"{self.schedule}, {self.microbatches} micro-batches, {where}")
+                f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}")
 
     def record(self) -> dict:
-        """The placement, for config.json: each model stage's layers by name, and the pipeline rank holding it."""
+        """The placement, for config.json: each model stage's layers by name, and the pipeline rank holding it
+        (and how each stage is split over its tensor ranks)."""
         return {"stages": [{"stage": stage, "pipeline_rank": stage % self.layout.ranks,
                             "layers": [self.layer_names[i] for i in self.stage_layers(stage)]}
-                           for stage in range(self.model_stages)]}
+                           for stage in range(self.model_stages)], **(self.tensor.record() if self.tensor else {})}
 
     @property
     def model_stages(self) -> int:
@@ -129,3 +171,24 @@ class PipelinePlan:
     def stages_of_rank(self, pipeline_rank: int) -> Tuple[int, ...]:
         """Model stages a pipeline rank holds: stage s runs on pipeline rank s mod ranks."""
         return tuple(range(pipeline_rank, self.model_stages, self.layout.ranks))
+
+
+def check_tensor_cuts(styles, layer_names, points) -> None:
+    """One line where a stage would begin between a column-wise layer and the row-wise layer that sums its parts
+    (or after a column-wise layer that none sums): the activations between them are split over the tensor ranks,
+    and stages exchange whole activations."""
+    def layer_of(module: str) -> int:
+        return next(i for i, name in enumerate(layer_names) if module == name or module.startswith(name + "."))
+    opened = None
+    for module, style, _ in (*styles, ("", "end", 1)):
+        at = len(layer_names) if style == "end" else layer_of(module)
+        if opened and style in ("rowwise", "end"):
+            cut = [point for point in points if opened[1] < point <= at]
+            if cut:
+                then = f"and {module} (rowwise)" if style == "rowwise" else "and the model's end (no rowwise layer)"
+                raise ConfigError(f"--tensor-parallel: a pipeline stage begins at layer {cut[0]}, between "
+                                  f"{opened[0]} (colwise) {then}, whose activations are split over the tensor "
+                                  f"ranks; give a --split that keeps them on one stage")
+            opened = None
+        if style == "colwise":
+            opened = (module, at)

@@ -6,6 +6,7 @@ from .base import StepStats, Strategy
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .pipeline import Pipeline
+from .pipeline_tensor import PipelineTensor  # noqa: F401  (Pipeline() builds it for --tensor-parallel)
 from .sharded import Sharded
 from .single import SingleDevice
 from .tensor import TensorParallel

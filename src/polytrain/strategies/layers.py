@@ -58,14 +58,15 @@ def describe_stage(layers: Layers, span, costs=None, unit: str = "seconds") -> s
     return f"layers {describe_layers(layers, span)}, {count:,} parameters{timed}"
 
 
-def shared_between(layers: Layers) -> List[Tuple[int, int, str]]:
-    """(first layer, later layer, parameter name in the first) for every parameter two layers share."""
+def shared_between(layers: Layers) -> List[Tuple[int, int, str, str]]:
+    """(first layer, later layer, parameter name in the first, in the later) for every parameter two layers
+    share (names relative to the layer)."""
     owner, shared = {}, []
-    for i, (path, layer) in enumerate(layers):
+    for i, (_, layer) in enumerate(layers):
         for name, parameter in layer.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(parameter), (i, f"{path}.{name}"))
+            first = owner.setdefault(id(parameter), (i, name))
             if first[0] != i:
-                shared.append((first[0], i, first[1]))
+                shared.append((first[0], i, first[1], name))
     return shared
 
 

@@ -5,7 +5,7 @@ With `--pipeline-stages` below `--devices`, several pipelines (replicas) run sid
 and average their gradients stage by stage. The loss of each micro-batch is its summed cross-entropy over
 the whole global batch's size, and gradients are summed (never rescaled): the step is exactly the
 one-device step. Evaluation sends activations rank to rank without gradients; the model is never gathered
-except to save it.
+except to save it. With `--tensor-parallel T` each stage is split over T ranks (pipeline_tensor.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, def
 from .base import Distributed, StepStats
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
 from .layers import (Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers)
-from .tied import TiedWeights
+from .activations import receive, send
+from .tensor import plan_for_stages
+from .tied import TiedWeights, local
 from .traced import setup_traced, traced_plan
 
 def torch_version() -> tuple:
@@ -58,6 +60,13 @@ class Pipeline(Distributed):
     name = "pipeline"
     keeps_channels_last = False           # activations cross processes as plain contiguous tensors
 
+    def __new__(cls, *, plan: PipelinePlan = None, **common):
+        """Stages split over tensor ranks (--tensor-parallel) run on the subclass that splits them
+        (pipeline_tensor.PipelineTensor)."""
+        if cls is Pipeline and plan is not None and plan.layout.tensor > 1:
+            cls = next(sub for sub in Pipeline.__subclasses__() if sub.__name__ == "PipelineTensor")
+        return super().__new__(cls)
+
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
         self.plan = plan
@@ -87,7 +96,7 @@ class Pipeline(Distributed):
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
-        layout = PipelineLayout(config.devices, config.pipeline_ranks)
+        layout = PipelineLayout(config.devices, config.pipeline_ranks, config.tensor_parallel or 1)
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
         # with --accumulate K, each of the K passes is cut into the micro-batches
@@ -109,6 +118,7 @@ class Pipeline(Distributed):
         check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
         if config.split_at:                   # any model, cut by torch's tracer at named modules
             return traced_plan(config, model, dataset, layout, schedule, microbatches, per_replica)
+        tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
         layers = flatten_layers(model)
         names = tuple(name for name, _ in layers)
         stages = layout.ranks * stages_per_rank(schedule)
@@ -119,7 +129,7 @@ class Pipeline(Distributed):
         if config.split not in (None, "auto"):
             return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
                                                                             stages=stages), names,
-                                tuple(dataset.input_shape), input_dtype=dtype)
+                                tuple(dataset.input_shape), input_dtype=dtype, tensor=tensor)
         measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
@@ -130,15 +140,16 @@ class Pipeline(Distributed):
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
         return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
-                            tuple(dataset.input_shape), costs, unit, dtype)
+                            tuple(dataset.input_shape), costs, unit, dtype, tensor=tensor)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout = self.plan.layout
-        if layout.replicas > 1:
+        if layout.replicas > 1 or layout.tensor > 1:          # a (data, pipeline[, tensor]) mesh
             from torch.distributed.device_mesh import init_device_mesh
-            mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=("dp", "pp"))
-            self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            self.mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=layout.mesh_names)
+            self.pp_group = self.mesh["pp"].get_group()
+            self.dp_group = self.mesh["dp"].get_group() if layout.replicas > 1 else None
         model = model.to(self.device)
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
@@ -149,11 +160,15 @@ class Pipeline(Distributed):
         self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
                               for s in self.my_stages]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
-        self.tied = TiedWeights(self.plan, layers, replica=self.replica, pipeline_rank=self.pipeline_rank)
+        self.tied = TiedWeights(self.plan, layers, rank=self.rank)
+        self.split_stages()
         self.build_optimizer([(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
                              make_optimizer, make_scheduler)
         self.placement = self.placement_lines(
             lambda stage: describe_stage(layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit))
+
+    def split_stages(self) -> None:
+        """Where a subclass splits its stages' layers further, before the optimizer sees them."""
 
     def build_optimizer(self, trained: list, make_optimizer, make_scheduler) -> None:
         """The optimizer over `trained` ((name, parameter) this rank steps), numbered as in the whole model."""
@@ -200,7 +215,7 @@ class Pipeline(Distributed):
                  f"ranks x {plan.layout.replicas} replica(s), {plan.microbatches} micro-batches per step, schedule "
                  f"{plan.schedule}"]
         for stage in range(plan.model_stages):
-            ranks = [plan.layout.ranks * r + stage % plan.layout.ranks for r in range(plan.layout.replicas)]
+            ranks = plan.layout.stage_ranks(stage % plan.layout.ranks)
             lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
                          f"{holds(stage)}")
         runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
@@ -302,7 +317,7 @@ class Pipeline(Distributed):
         return self._stats(len(batch.y), last=microbatches)
 
     def _sum_gradients_over_replicas(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
         if grads:
             flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat, group=self.dp_group)
@@ -322,20 +337,20 @@ class Pipeline(Distributed):
             return self.traced.eval_step(batch)
         if self.model.training:
             self.model.eval()
-        ranks, base = self.plan.layout.ranks, self.replica * self.plan.layout.ranks
+        ranks, layout = self.plan.layout.ranks, self.plan.layout
         self._sums, pending = [], []
-        for chunk, target in zip(torch.tensor_split(batch.x, self.plan.microbatches),
-                                 torch.tensor_split(batch.y, self.plan.microbatches)):
+        parts = min(self.plan.microbatches, len(batch.y))        # a small last batch: no empty micro-batches
+        for chunk, target in zip(torch.tensor_split(batch.x, parts), torch.tensor_split(batch.y, parts)):
             x = chunk
             for stage in range(self.plan.model_stages):
                 if stage % ranks != self.pipeline_rank:
                     continue
                 if stage > 0:
-                    x = _receive(base + (stage - 1) % ranks, self.device)
+                    x = receive(layout.peer(self.rank, stage - 1), self.device)
                 with self.autocast():
                     x = self.stage_modules[self.my_stages.index(stage)](x)
                 if stage < self.plan.model_stages - 1:
-                    pending.append(_send(x, base + (stage + 1) % ranks))
+                    pending.append(send(x, layout.peer(self.rank, stage + 1)))
                 else:
                     self._loss(x, target)
         for works, _ in pending:           # the tensors stay referenced until their sends complete
@@ -345,24 +360,30 @@ class Pipeline(Distributed):
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:
-        local = to_cpu(self.model.state_dict()) if self.replica == 0 else {}
-        parts = self.gather_object(local)
+        parts = self.gather_object(self.stage_state() if self.replica == 0 else {})
         if not self.is_main:
             return {}
         merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self.full_meta}
+
+    def stage_state(self) -> dict:
+        """This rank's stages' state dict, on the CPU (every rank of replica 0 calls it)."""
+        return to_cpu(self.model.state_dict())
 
     def expected_state(self) -> dict:
         return self.full_meta
 
     def state_dict(self) -> dict:
         numbers = positions(self.trained, self.global_index)
-        mine = numbered_part(self.optimizer, numbers) if self.replica == 0 else {}
+        mine = self.stage_optimizer_state(numbers) if self.replica == 0 else {}
         model, parts = self.model_state(), self.gather_object(mine)
         if not self.is_main:
             return {}
         optimizer = whole_state(self.optimizer, parts)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def stage_optimizer_state(self, numbers: dict) -> dict:
+        return numbered_part(self.optimizer, numbers)
 
     def load_state_dict(self, state: dict) -> None:
         own = self.model.state_dict()
@@ -370,24 +391,3 @@ class Pipeline(Distributed):
         load_part(self.optimizer, state["optimizer"], positions(self.trained, self.global_index))
         self.scheduler.load_state_dict(state["scheduler"])
 
-
-# Evaluation passes activations of any shape: a fixed-size header (dtype, rank, sizes) goes first.
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = 10
-
-
-def _send(x: torch.Tensor, dst: int) -> tuple:
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
-    header[2:2 + x.dim()] = torch.tensor(x.shape)
-    header, x = header.to(x.device), x.contiguous()
-    return [dist.isend(header, dst), dist.isend(x, dst)], (header, x)
-
-
-def _receive(src: int, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
-    dtype, dims = _DTYPES[int(header[0])], int(header[1])
-    x = torch.empty(header[2:2 + dims].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src)
-    return x

@@ -112,6 +112,26 @@ def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
     return replace(plan, sequence_parallel=sequence)
 
 
+def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
+    """The plan every stage of a pipeline applies to its layers, by their names in the whole model (the
+    built-in one; --tensor-parallel `tensor` ranks per stage): no sequence parallelism, stages exchange whole
+    activations."""
+    check_torch()
+    kind = f"{type(model).__module__}.{type(model).__qualname__}"
+    if kind not in BUILTIN_PLANS:
+        raise ConfigError(f"--strategy pipeline --tensor-parallel splits the stages of --model "
+                          f"{' and '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
+                          f"not your {type(model).__name__}; drop --tensor-parallel, or use --strategy tensor with "
+                          f"fit(tensor_plan=...)")
+    try:
+        plan = plan_for(config, model, devices=tensor)
+    except ConfigError as error:            # said in --strategy tensor's words: say them in this run's
+        raise ConfigError(str(error).replace(f"--strategy tensor --devices {tensor}",
+                                             f"--strategy pipeline --tensor-parallel {tensor}")
+                          .replace("use --devices that", "use a --tensor-parallel that")) from None
+    return replace(plan, sequence_parallel=False)
+
+
 def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
     """Rows of a fused `parts`-part output reordered so that rank r's contiguous slice is its rows of every
     part: [part 0 of rank 0, part 1 of rank 0, ..., part 0 of rank 1, ...]."""
@@ -183,7 +203,7 @@ class TensorParallel(Sharded):
             self.plan.apply(model, self.mesh)
         else:
             self._split(model)
-        self._replicate_rest(model)
+        replicate_rest(model, self.mesh)
         if self.plan.sequence_parallel:    # after _to_local: the embeddings' whole output, made local, is cut
             next(model.children()).register_forward_hook(self._my_positions)
         if self.plan.replicas > 1:        # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
@@ -195,36 +215,7 @@ class TensorParallel(Sharded):
         return model
 
     def _split(self, model: nn.Module) -> None:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        styles = {}
-        for name, style, parts in self.plan.styles:
-            if style == "colwise":
-                styles[name] = ColwiseParallel()
-                if parts > 1:
-                    self._interleave(model, name, parts)
-            elif style == "rowwise":
-                styles[name] = RowwiseParallel()
-        if self.plan.sequence_parallel:
-            self._sequence_styles(model, styles)
-        parallelize_module(model, self.mesh, styles)
-
-    def _sequence_styles(self, model: nn.Module, styles: dict) -> None:
-        """Megatron's sequence parallelism, as torchtitan lays it out: between the split layers the residual
-        stream stays cut along the sequence (each rank its T / ranks positions), the norms run on their part
-        of it, the row-wise layers reduce-scatter into it instead of all-reducing, and the sequence is gathered
-        before each attention and MLP, and before the head."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
-        gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        for name in list(styles):
-            if isinstance(styles[name], RowwiseParallel):
-                styles[name] = RowwiseParallel(output_layouts=Shard(1))
-            styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)       # its attention or MLP
-        for name, module in model.named_modules():
-            if isinstance(module, nn.LayerNorm):
-                styles[name] = SequenceParallel(use_local_output=True)
-        *_, last = model.named_children()
-        styles[last[0]] = PrepareModuleInput(**gather, use_local_output=True)     # the head takes it whole
+        self.fused.update(split_layers(model, self.mesh, self.plan))
 
     def _my_positions(self, module, inputs, output):
         """The embeddings stay whole on every rank; each then keeps its part of the sequence, through DTensor,
@@ -232,36 +223,6 @@ class TensorParallel(Sharded):
         from torch.distributed.tensor import DTensor, Replicate, Shard
         whole = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
         return whole.redistribute(self.mesh, [Shard(1)]).to_local()
-
-    @torch.no_grad()
-    def _interleave(self, model: nn.Module, name: str, parts: int) -> None:
-        module = model.get_submodule(name)
-        order = _permutation(module.out_features, parts, self.plan.devices)
-        for key, parameter in module.named_parameters(recurse=False):
-            parameter.copy_(parameter[order.to(parameter.device)])
-            self.fused[f"{name}.{key}"] = order
-
-    def _replicate_rest(self, model: nn.Module) -> None:
-        """Every parameter the plan did not split becomes a replicated DTensor (tied ones stay tied), and its
-        module takes and gives local tensors: the optimizer and the global norm see one kind of tensor."""
-        from torch.distributed.tensor import DTensor, Replicate
-        made = {}
-        for module in model.modules():
-            own = [(key, p) for key, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
-            for key, parameter in own:
-                if id(parameter) not in made:
-                    made[id(parameter)] = nn.Parameter(DTensor.from_local(parameter.data, self.mesh, [Replicate()],
-                                                                          run_check=False),
-                                                       requires_grad=parameter.requires_grad)
-                module._parameters[key] = made[id(parameter)]
-            if own:
-                module.register_forward_pre_hook(self._to_replicated)
-                module.register_forward_hook(_to_local)
-
-    def _to_replicated(self, module, inputs):
-        from torch.distributed.tensor import DTensor, Replicate
-        return tuple(DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
-                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)
@@ -283,17 +244,10 @@ class TensorParallel(Sharded):
         return lines
 
     def _reordered(self, state: dict, *, back: bool) -> dict:
-        """A whole-model state dict with the fused layers' rows in the original order (back) or the ranks'."""
-        return {key: _rows(value, self.fused[key], back=back) if key in self.fused else value
-                for key, value in state.items()}
+        return reordered(state, self.fused, back=back)
 
     def _reordered_optimizer(self, saved: dict, *, back: bool) -> dict:
-        """The same for a whole-model optimizer state dict (keyed by parameter number): each fused parameter's
-        per-row state (momentum, Adam's moments) follows its rows."""
-        names = self.parameter_names
-        return dict(saved, state={number: {slot: _rows(value, self.fused[names[number]], back=back)
-                                           for slot, value in slots.items()} if names[number] in self.fused
-                                  else slots for number, slots in saved["state"].items()})
+        return reordered_optimizer(saved, self.fused, self.parameter_names, back=back)
 
     def model_state(self) -> dict:
         return self._reordered(super().model_state(), back=True)
@@ -309,6 +263,96 @@ class TensorParallel(Sharded):
             state = dict(state, model=self._reordered(state["model"], back=False),
                          optimizer=self._reordered_optimizer(state["optimizer"], back=False))
         super().load_state_dict(state)
+
+
+# -- splitting a model's layers on a 1-D tensor mesh (also each stage of pipeline_tensor.py) ----------------
+
+def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
+    """Split `model`'s layers as `plan` names them (colwise, rowwise; fused colwise:K rows interleaved first,
+    and Megatron's sequence parallelism where the plan asks for it); returns parameter name -> the row order of
+    each fused layer's parameters as the ranks hold them."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles, fused = {}, {}
+    for name, style, parts in plan.styles:
+        if style == "colwise":
+            styles[name] = ColwiseParallel()
+            if parts > 1:
+                fused.update(interleave(model, name, parts, plan.devices))
+        elif style == "rowwise":
+            styles[name] = RowwiseParallel()
+    if plan.sequence_parallel:
+        sequence_styles(model, styles)
+    parallelize_module(model, mesh, styles)
+    return fused
+
+
+def sequence_styles(model: nn.Module, styles: dict) -> None:
+    """Megatron's sequence parallelism, as torchtitan lays it out: between the split layers the residual
+    stream stays cut along the sequence (each rank its T / ranks positions), the norms run on their part
+    of it, the row-wise layers reduce-scatter into it instead of all-reducing, and the sequence is gathered
+    before each attention and MLP, and before the head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+    gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for name in list(styles):
+        if isinstance(styles[name], RowwiseParallel):
+            styles[name] = RowwiseParallel(output_layouts=Shard(1))
+        styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)       # its attention or MLP
+    for name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            styles[name] = SequenceParallel(use_local_output=True)
+    *_, last = model.named_children()
+    styles[last[0]] = PrepareModuleInput(**gather, use_local_output=True)     # the head takes it whole
+
+
+@torch.no_grad()
+def interleave(model: nn.Module, name: str, parts: int, devices: int) -> dict:
+    """Put the rows of the fused layer `name` in the ranks' order (`_permutation`); returns its parameters'
+    names -> that order."""
+    module = model.get_submodule(name)
+    order = _permutation(module.out_features, parts, devices)
+    fused = {}
+    for key, parameter in module.named_parameters(recurse=False):
+        parameter.copy_(parameter[order.to(parameter.device)])
+        fused[f"{name}.{key}"] = order
+    return fused
+
+
+def replicate_rest(model: nn.Module, mesh) -> dict:
+    """Every parameter the plan did not split becomes a replicated DTensor (tied ones stay tied), and its
+    module takes and gives local tensors: the optimizer and the global norm see one kind of tensor. Returns
+    id(former parameter) -> its replacement."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def to_replicated(module, inputs):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+    made = {}
+    for module in model.modules():
+        own = [(key, p) for key, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+        for key, parameter in own:
+            if id(parameter) not in made:
+                made[id(parameter)] = nn.Parameter(DTensor.from_local(parameter.data, mesh, [Replicate()],
+                                                                      run_check=False),
+                                                   requires_grad=parameter.requires_grad)
+            module._parameters[key] = made[id(parameter)]
+        if own:
+            module.register_forward_pre_hook(to_replicated)
+            module.register_forward_hook(_to_local)
+    return made
+
+
+def reordered(state: dict, fused: dict, *, back: bool) -> dict:
+    """A whole-model state dict with the fused layers' rows in the original order (back) or the ranks'."""
+    return {key: _rows(value, fused[key], back=back) if key in fused else value for key, value in state.items()}
+
+
+def reordered_optimizer(saved: dict, fused: dict, names: list, *, back: bool) -> dict:
+    """The same for a whole-model optimizer state dict (keyed by parameter number; `names` the parameters' by
+    number): each fused parameter's per-row state (momentum, Adam's moments) follows its rows."""
+    return dict(saved, state={number: {slot: _rows(value, fused[names[number]], back=back)
+                                       for slot, value in slots.items()} if names[number] in fused
+                              else slots for number, slots in saved["state"].items()})
 
 
 def _rows(value, order: torch.Tensor, *, back: bool):

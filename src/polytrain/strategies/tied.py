@@ -15,39 +15,53 @@ from .layers import shared_between
 
 
 class TiedWeights:
-    """The ties of one pipeline rank: built on every rank, in the same order (process groups are made by all)."""
+    """The ties of one pipeline rank: built on every rank, in the same order (process groups are made by all).
 
-    def __init__(self, plan, layers, *, replica: int, pipeline_rank: int):
+    With stages split over tensor ranks (the weight a replicated DTensor on each), tensor slice t of the owner's
+    stage pairs with slice t of the copy's. Each rank finds its parameter by name in the layer it holds when it
+    uses it, so a split after this (which replaces parameters) is seen."""
+
+    def __init__(self, plan, layers, *, rank: int):
         stage_of = {i: s for s in range(plan.model_stages) for i in plan.stage_layers(s)}
-        ranks = plan.layout.ranks
-        # (parameter, group, owner rank, whether this rank holds a copy), in the same order on every rank, so
-        # that two ranks tied twice call their collectives in one order
+        layout = plan.layout
+        (replica, pipeline_rank), tensor_index = layout.coords(rank), layout.tensor_index(rank)
+        # ((layer, parameter name in it), group, owner rank, whether this rank holds a copy), in the same order
+        # on every rank, so that two ranks tied twice call their collectives in one order
         self.ties: List[tuple] = []
-        for first, later, name in shared_between(layers):
-            owner_stage, copy_stage = stage_of[first], stage_of[later]
-            if owner_stage % ranks == copy_stage % ranks:
+        for first, later, name, later_name in shared_between(layers):
+            owner_rank, copy_rank = stage_of[first] % layout.ranks, stage_of[later] % layout.ranks
+            if owner_rank == copy_rank:
                 continue                   # one rank holds both stages: they share the parameter itself
-            parameter = dict(layers[first][1].named_parameters(prefix=layers[first][0], remove_duplicate=False))[name]
-            for r in range(plan.layout.replicas):
-                owner, holder = r * ranks + owner_stage % ranks, r * ranks + copy_stage % ranks
-                group = dist.new_group([owner, holder])
-                if r == replica and pipeline_rank in (owner_stage % ranks, copy_stage % ranks):
-                    self.ties.append((parameter, group, owner, pipeline_rank == copy_stage % ranks))
+            for r in range(layout.replicas):
+                for t in range(layout.tensor):
+                    owner, holder = layout.rank(r, owner_rank, t), layout.rank(r, copy_rank, t)
+                    group = dist.new_group([owner, holder])
+                    if (r, t) == (replica, tensor_index) and pipeline_rank in (owner_rank, copy_rank):
+                        copy = pipeline_rank == copy_rank
+                        held = (layers[later][1], later_name) if copy else (layers[first][1], name)
+                        self.ties.append((held, group, owner, copy))
 
     def is_copy(self, parameter) -> bool:
-        return any(parameter is held and copy for held, _, _, copy in self.ties)
+        return any(parameter is layer.get_parameter(name) and copy for (layer, name), _, _, copy in self.ties)
 
+    @torch.no_grad()
     def send_gradients(self) -> None:
         """Sum each copy's gradient into its owner's; the copy's is then dropped."""
-        for parameter, group, _, copy in self.ties:
+        for (layer, name), group, _, copy in self.ties:
+            parameter = layer.get_parameter(name)
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, group=group)
+            dist.all_reduce(local(parameter.grad), group=group)
             if copy:
                 parameter.grad = None
 
     @torch.no_grad()
     def share_weights(self) -> None:
         """The owners' weights after their step, on every copy."""
-        for parameter, group, owner, _ in self.ties:
-            dist.broadcast(parameter.data, src=owner, group=group)
+        for (layer, name), group, owner, _ in self.ties:
+            dist.broadcast(local(layer.get_parameter(name).data), src=owner, group=group)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a view of its storage: collectives write into it), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

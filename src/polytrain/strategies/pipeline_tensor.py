@@ -1,0 +1,111 @@
+"""Pipeline x tensor parallelism: each pipeline stage split over T consecutive ranks (Megatron's layout), and
+with `--pipeline-stages` several such pipelines side by side on a 3-D (data, pipeline, tensor) mesh.
+
+    polytrain verify --model gpt --dataset shakespeare --strategy pipeline --devices 4 --tensor-parallel 2
+    polytrain verify --model gpt --dataset shakespeare --strategy pipeline --devices 8 --pipeline-stages 2 \
+        --tensor-parallel 2
+
+Every rank of a stage applies the tensor plan (plan/tensor.py, the built-in one of the gpt and mlp) to its
+stage's layers by their names in the whole model; everything else it holds becomes a replicated DTensor. Stages
+exchange whole activations as plain tensors (no sequence parallelism): tensor slice t of stage s sends to slice
+t of stage s + 1, over one pipeline process group per tensor index. The ranks of a tensor group compute the
+same loss, so sums are counted from slice 0 only; the global norm is each stage's DTensor norm (every element
+once), summed over the stages. Checkpoints hold the whole model by its original names, fused rows in their
+original order, so `--resume` moves runs between this and any other strategy.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from .optimizer_state import to_cpu
+from .pipeline import Pipeline
+from .tensor import reordered, reordered_optimizer, replicate_rest, split_layers
+
+
+class PipelineTensor(Pipeline):
+    """Pipeline() builds one where the plan splits its stages over tensor ranks (plan.layout.tensor > 1)."""
+
+    def __init__(self, *, plan, **common):
+        super().__init__(plan=plan, **common)
+        self.tensor_index = plan.layout.tensor_index(self.rank)
+        self.fused = {}                      # parameter name -> row order of a fused layer's rows on the ranks
+
+    @property
+    def overflow_group(self):
+        """Each rank unscales its own slices, so all must agree on an fp16 overflow (replicas agree anyway)."""
+        return dist.group.WORLD
+
+    def split_stages(self) -> None:
+        mesh = self.mesh["tp"]
+        held = {name for name, _ in self.model.named_modules()}
+        mine = replace(self.plan.tensor, styles=tuple(entry for entry in self.plan.tensor.styles if entry[0] in held))
+        if mine.styles:
+            self.fused = split_layers(self.model, mesh, mine)
+        replicate_rest(self.model, mesh)
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
+        return super().reduce(tensor if self.tensor_index == 0 else torch.zeros_like(tensor))
+
+    def placement_lines(self, holds) -> list:
+        lines = super().placement_lines(holds)
+        if not lines:
+            return lines
+        layout = self.plan.layout
+        lines.append(f"  each stage split over {layout.tensor} tensor ranks: "
+                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}")
+        for rank in range(layout.devices):
+            replica, pipeline_rank = layout.coords(rank)
+            stages = "/".join(map(str, self.plan.stages_of_rank(pipeline_rank)))
+            lines.append(f"  rank {rank}: replica {replica + 1}/{layout.replicas}, stage {stages}, tensor slice "
+                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}")
+        return lines
+
+    # -- the whole model, by its original names ---------------------------------------------------------
+    def stage_state(self) -> dict:
+        """The stages' whole tensors (every tensor rank of the stage gathers), fused rows in their original order;
+        from tensor slice 0 only."""
+        state = reordered({key: _whole(value) for key, value in self.model.state_dict().items()}, self.fused,
+                          back=True)
+        return to_cpu(state) if self.tensor_index == 0 else {}
+
+    def stage_optimizer_state(self, numbers: dict) -> dict:
+        """numbered_part's form of this rank's optimizer state, its tensors whole as in `stage_state`."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {numbers[id(p)]: {slot: to_cpu(_whole(value)) for slot, value in self.optimizer.state[p].items()}
+                 for p in params if id(p) in numbers and p in self.optimizer.state}
+        state = reordered_optimizer({"state": state}, self.fused, self.parameter_names, back=True)["state"]
+        groups = [[numbers[id(p)] for p in group["params"] if id(p) in numbers] for group in self.optimizer.param_groups]
+        return {"state": state, "groups": groups} if self.tensor_index == 0 else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Whole-model state cut into this rank's slices (fused rows in the ranks' order) before loading."""
+        own, names = self.model.state_dict(), self.parameter_names
+        params = dict(self.model.named_parameters())
+        model = reordered(state["model"], self.fused, back=False)
+        model = {key: _slice_like(value, own[key]) if key in own else value for key, value in model.items()}
+        saved = reordered_optimizer(state["optimizer"], self.fused, names, back=False)
+        saved = dict(saved, state={number: {slot: _slice_like(value, params[names[number]])
+                                            for slot, value in slots.items()} if names[number] in params else slots
+                                   for number, slots in saved["state"].items()})
+        super().load_state_dict(dict(state, model=model, optimizer=saved))
+
+
+def _whole(value):
+    """A DTensor's whole value (a collective over its mesh), else the value."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _slice_like(value, like):
+    """The whole tensor `value` as a DTensor placed as `like` (this rank's slice of it); anything else as it is."""
+    if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        return value
+    from torch.distributed.tensor import DTensor
+    mesh, part = like.device_mesh, value
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            part = part.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
+    return DTensor.from_local(part.to(like.device).contiguous(), mesh, like.placements, run_check=False)

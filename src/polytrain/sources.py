@@ -184,10 +184,11 @@ def check_sizes(data, config: TrainConfig) -> None:
     """Refuse data too small for the run: empty splits, or fewer validation samples than devices."""
     if data.num_train == 0:
         raise DataError("the training set is empty (0 samples)")
-    if data.num_val < config.devices:
+    shares = config.data_parallel_size         # a pipeline's or tensor group's ranks evaluate one share
+    if data.num_val < shares:
+        who = f"--devices {config.devices}" if shares == config.devices else f"the {shares} replicas"
         raise DataError(f"the validation set has {data.num_val} sample{'s' * (data.num_val != 1)}, fewer than "
-                        f"--devices {config.devices}: every device evaluates a share; give at least "
-                        f"{config.devices} validation samples")
+                        f"{who}: each evaluates a share; give at least {shares} validation samples")
 
 
 def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:

@@ -13,7 +13,7 @@ MODEL_SETTINGS = ("layers", "heads", "width", "context")
 
 # model -> the settings it trains with unless given: recorded in config.json and printed at the start
 MODEL_DEFAULTS: Dict[str, dict] = {
-    "gpt": dict(layers=4, heads=4, width=128, context=64, batch_size=32, epochs=2, optimizer="adamw", lr=2e-3,
+    "gpt": dict(layers=4, heads=4, width=128, context=64, batch_size=8, epochs=1, optimizer="adamw", lr=3e-3,
                 betas=(0.9, 0.99), weight_decay=0.1, no_decay_norms_and_biases=True, schedule="cosine",
                 warmup_epochs=0.05, clip_grad_norm=1.0),
 }

@@ -39,7 +39,19 @@ Models (n devices, the update not split except where sharded):
   twice the bytes in twice the messages: 4 (n-1)/n S/B + 4 (n-1) alpha per layer there (`scatter_by_allreduce`);
 - pipeline (p stages, m micro-batches, perfectly balanced): each slot is compute/(p m) plus one forward and
   one backward transfer of a micro-batch's activations at a cut; a step is (m + p - 1) slots, so the idle
-  share (the bubble) is (p - 1)/(m + p - 1).
+  share (the bubble) is (p - 1)/(m + p - 1);
+- tensor (`tensor_parallel`: groups of T ranks split the layers the model's plan names, R = n/T groups side
+  by side split the batch, b = batch/R per group): the split layers' share s of the pass runs 1/T on each rank,
+  the rest (embeddings, norms, head) whole: pass/R ((1 - s) + s/T). Megatron's activation all-reduces, one per
+  entry of `tensor_reductions` (the built-in GPT: two per block in forward, after the attention's and the MLP's
+  row-wise layer, and two in backward, before their column-wise ones, each b x context x width floats), each a
+  ring over T: 2 (T-1)/T bytes/B + 2 (T-1) alpha. Where the plan runs sequence-parallel (`sequence_splits`)
+  each becomes a reduce-scatter and an all-gather, the same bytes and ring messages in twice the collectives
+  (gloo runs the reduce-scatter as an all-reduce: 3 (T-1)/T bytes/B, 3 (T-1) messages), plus `sequence_gathers`
+  all-gathers (with a whole head and embeddings: into the head in forward, out of the embeddings in backward)
+  and small all-reduces of the norms' gradients (`SEQUENCE_REDUCTIONS` per parameter, counted with the
+  profiler on torch 2.13). A head split by the vocabulary all-gathers its scores (`tensor_gathers`). With R > 1,
+  FSDP2 over the data dimension moves each rank's weights, split/T + replicated, as `sharded` does over R ranks.
 """
 from __future__ import annotations
 
@@ -89,6 +101,17 @@ class Workload:
     microbatch_seconds: Mapping[int, float] = field(default_factory=dict)
     # the same measurements in the default memory format, where the ones above are channels-last
     plain: Optional["Workload"] = None
+    # tensor parallelism, where the model has a plan (`tensor_splits` empty: none)
+    tensor_splits: Tuple[int, ...] = ()       # the group sizes T the plan splits the model into
+    split_bytes: float = 0.0                  # parameter bytes of the layers the plan splits (the rest: replicated)
+    split_share: float = 0.0                  # the share of one device's forward + backward spent in those layers
+    tensor_reductions: Tuple[float, ...] = ()     # bytes per sample of each activation all-reduce of a step
+    tensor_gathers: Tuple[float, ...] = ()    # bytes per sample of each output gathered whole (a vocabulary's scores)
+    sequence_splits: Tuple[int, ...] = ()     # the T at which the plan runs sequence-parallel
+    sequence_parameters: int = 0              # parameter tensors of the modules run on parts of the sequence
+    sequence_gathers: int = 0                 # sequence-parallel: gathers of the widest activation more (whole head)
+    # measured forward + backward of one tensor rank's share (split layers at 1/T, its group's batch), by (n, T)
+    tensor_seconds: Mapping[Tuple[int, int], float] = field(default_factory=dict)
 
     def in_format(self, contiguous: bool) -> "Workload":
         """The measurements in the default memory format (`contiguous`) or the one they were taken in."""
@@ -103,6 +126,17 @@ class Workload:
         """Forward + backward of one rank's slice when `devices` ranks split the batch."""
         return self.replica_seconds.get(devices, self.pass_seconds / devices)
 
+    def tensor_pass(self, devices: int, tensor: int) -> float:
+        """Forward + backward of one rank of a tensor group of `tensor` ranks, `devices` / `tensor` such groups
+        splitting the batch: measured, or the split layers' share divided by `tensor` and the rest whole."""
+        if (devices, tensor) in self.tensor_seconds:
+            return self.tensor_seconds[(devices, tensor)]
+        return self.pass_seconds / (devices // tensor) * (1 - self.split_share + self.split_share / tensor)
+
+    def tensor_rank_bytes(self, tensor: int) -> float:
+        """Weights one rank of a tensor group holds: the split layers' 1/T and every replicated one whole."""
+        return self.split_bytes / tensor + (self.parameter_bytes - self.split_bytes)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -115,6 +149,7 @@ class Prediction:
     # sequential messages of a step (each pays alpha, and any per-message cost); counted for one collective of
     # the whole tensor where the strategy may split it (DDP's buckets): a fitted cost per message absorbs that
     messages: float = 0.0
+    shard_messages: float = 0.0     # of them, FSDP2's (a (data, tensor) mesh): priced at sharded's cost where known
 
     @property
     def step_seconds(self) -> float:
@@ -173,6 +208,61 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+# small all-reduces of each sequence-parallel norm parameter's gradient per step (torch 2.13's profiler, gloo: 3 on
+# a 1-D tensor mesh, 1 on a (data, tensor) mesh)
+SEQUENCE_REDUCTIONS, MESH_SEQUENCE_REDUCTIONS = 3, 1
+
+
+def tensor_name(devices: int, tensor: int) -> str:
+    """`tensor` for one group of all `devices` ranks; `tensor RxT` for R groups of T on a (data, tensor) mesh."""
+    return "tensor" if tensor == devices else f"tensor {devices // tensor}x{tensor}"
+
+
+def tensor_size(name: str, devices: int) -> int:
+    """The group size T a `tensor_name` stands for."""
+    return devices if name == "tensor" else int(name.rsplit("x", 1)[1])
+
+
+def tensor_collectives(work: Workload, devices: int, tensor: int) -> dict:
+    """What one step of tensor parallelism sends over each group of `tensor` ranks: kind of collective -> the
+    bytes of the whole tensor each one gathers or reduces (FSDP2's over the data dimension are `sharded`'s)."""
+    groups = devices // tensor
+    batch = work.batch_size / groups
+    sizes = [per_sample * batch for per_sample in work.tensor_reductions]
+    whole = [per_sample * batch for per_sample in work.tensor_gathers]
+    if tensor not in work.sequence_splits:
+        return {"all-reduce": sizes, "all-gather": whole}
+    widest = max(sizes, default=0.0)
+    small = work.sequence_parameters * (SEQUENCE_REDUCTIONS if groups == 1 else MESH_SEQUENCE_REDUCTIONS)
+    return {"reduce-scatter": sizes, "all-gather": sizes + [widest] * work.sequence_gathers + whole,
+            "small all-reduce": [0.0] * small}
+
+
+def tensor_parallel(work: Workload, devices: int, link: Link, *, tensor: Optional[int] = None,
+                    scatter_by_allreduce: bool = False) -> Prediction:
+    """Groups of `tensor` ranks (default: all `devices`) splitting the plan's layers; several groups split the
+    batch, FSDP2 sharding each rank's weights over them."""
+    tensor = tensor or devices
+    groups, name = devices // tensor, tensor_name(devices, tensor)
+    if devices % tensor or tensor not in work.tensor_splits:
+        return Prediction(name, devices, 0.0, 0.0, float("inf"),
+                          note=f"the model's tensor plan does not split over {tensor} ranks")
+    held = work.tensor_rank_bytes(tensor)
+    compute = work.tensor_pass(devices, tensor) + work.update_seconds * held / work.parameter_bytes / groups
+    rings = {"all-reduce": 2, "reduce-scatter": 2 if scatter_by_allreduce else 1, "all-gather": 1,
+             "small all-reduce": 2}       # passes around the ring of each kind (gloo reduce-scatters by all-reducing)
+    moved = messages = 0.0
+    for kind, sizes in tensor_collectives(work, devices, tensor).items():
+        moved += rings[kind] * sum(sizes)
+        messages += rings[kind] * (tensor - 1) * len(sizes)
+    communication = (tensor - 1) / tensor * moved / link.beta + messages * link.alpha
+    if groups > 1:                   # FSDP2 over the data dimension, on each rank's weights
+        data = sharded(replace(work, parameter_bytes=held), groups, link, scatter_by_allreduce=scatter_by_allreduce)
+        communication, messages = communication + data.communication, messages + data.messages
+        return Prediction(name, devices, compute, communication, messages=messages, shard_messages=data.messages)
+    return Prediction(name, devices, compute, communication, messages=messages)
+
+
 def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
     """The prediction with `per_message` seconds more communication for each of its messages."""
     if not per_message or not prediction.messages:
@@ -190,10 +280,12 @@ def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
 
 def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
                 contiguous: Collection[str] = (), scatter_by_allreduce: bool = False,
-                message_costs: Optional[Mapping[str, float]] = None) -> Dict[str, Prediction]:
+                message_costs: Optional[Mapping[str, float]] = None, meshes: bool = True) -> Dict[str, Prediction]:
     """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
     in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
-    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy."""
+    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s for
+    every tensor layout). Tensor parallelism where the model has a plan: one group of all devices (`tensor`),
+    and with `meshes` each (data, tensor) mesh of smaller groups (`tensor RxT`)."""
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
     if devices == 1:
@@ -203,8 +295,21 @@ def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int =
         "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
         "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
         "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
+    for tensor in work.tensor_splits:
+        if devices % tensor == 0 and (tensor == devices or meshes):
+            predicted = tensor_parallel(of("tensor"), devices, link, tensor=tensor,
+                                        scatter_by_allreduce=scatter_by_allreduce)
+            predictions[predicted.strategy] = predicted
     costs = message_costs or {}
-    return {name: with_message_cost(p, costs.get(name, 0.0)) for name, p in predictions.items()}
+    return {name: priced(p, costs) for name, p in predictions.items()}
+
+
+def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
+    """The prediction with its strategy's cost per message (`tensor`'s for every tensor layout); FSDP2's messages
+    on a (data, tensor) mesh at `sharded`'s cost where one is known (copies around each collective, as there)."""
+    own = costs.get(prediction.strategy.split()[0], 0.0)
+    extra = prediction.shard_messages * (costs["sharded"] - own) if "sharded" in costs else 0.0
+    return with_message_cost(replace(prediction, communication=prediction.communication + extra), own)
 
 
 def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:
@@ -222,7 +327,9 @@ def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_sl
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
     share of the master weights and their state; sharded: 1/n of everything plus one layer gathered whole
     (taken as the whole model here, an upper bound); pipeline: about 1/p of the weights, and activations
-    for as many micro-batches as stages in flight.
+    for as many micro-batches as stages in flight; tensor (`tensor` or `tensor RxT`): the split layers' 1/T and
+    the replicated ones whole, over R groups sharded as `sharded` is, and the activations of its group's batch
+    (all of them, an upper bound: the split layers' are 1/T).
     """
     weights = work.parameter_bytes
     per_sample = work.activation_bytes or sum(work.boundary_bytes) or 0.0
@@ -237,4 +344,9 @@ def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_sl
         return weights * (2 + optimizer_slots) / devices + weights + slice_activations
     if strategy == "pipeline":
         return weights * (2 + optimizer_slots) / devices + per_sample / devices * work.batch_size
+    if strategy.split()[0] == "tensor":
+        tensor = tensor_size(strategy, devices)
+        groups, held = devices // tensor, work.tensor_rank_bytes(tensor)
+        states = held * (2 + optimizer_slots) / groups + (held if groups > 1 else 0.0)
+        return states + per_sample * work.batch_size / groups
     return weights * (2 + optimizer_slots) + slice_activations

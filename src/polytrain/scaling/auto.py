@@ -26,7 +26,10 @@ PREFER_DATA = 1.10
 # loaded 2-core machine 2 s chose data parallelism for LeNet in 19 of 20 runs (the median of 3 steps in a row:
 # 8 of 12), at the cost of 2 s before the workers start.
 AUTO_REPEATS, AUTO_SECONDS = 3, 2.0
-SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline")    # ties go to the earlier
+# Tensor parallelism is last: `auto` takes it only where it is predicted clearly faster, or alone fits. It
+# considers one group of all the devices only: it names a strategy, and a (data, tensor) mesh needs
+# --tensor-parallel as well.
+SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")    # ties go to the earlier
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -60,9 +63,12 @@ def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device
          available: float, optimizer: str = "sgd",
          message_costs: Optional[dict] = None) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the prediction `steady_choice` takes among those that can run and fit, every prediction, which fit) —
-    pure numbers."""
+    pure numbers. Tensor parallelism is among them where the workload has a tensor plan for `devices` ranks; being
+    last in `SIMPLEST_FIRST`, it is taken only when predicted `PREFER_DATA` faster than every other that fits, or
+    when no other fits."""
     from .workload import predictions_for
-    predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
+    predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs,
+                                  meshes=False)
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
     return steady_choice(predictions, fits=fits), predictions, fits
@@ -114,7 +120,8 @@ def choose_strategy(config, model, dataset, objective, *, device: torch.device, 
         try:
             work, (link, _) = measure(model, dataset, objective, batch_size=config.batch_size, device=device,
                                       devices=[n], repeats=AUTO_REPEATS, channels_last=channels_last,
-                                      plain=channels_last, link=True, min_seconds=AUTO_SECONDS)
+                                      plain=channels_last, link=True, min_seconds=AUTO_SECONDS,
+                                      tensor_plan=getattr(config, "tensor_plan", None), tensor_devices=[n])
             source = "a few seconds of measurement"
         except Exception as error:          # a model the probe cannot drive: train as before, say why
             return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
@@ -148,7 +155,7 @@ def measured_choice(path: str, *, device_type: str, devices: int, batch_size: in
     within `PREFER_DATA` of it, as `steady_choice` takes)."""
     rows = [r for r in _load(path)["rows"] if isinstance(r, dict) and r.get("device") == device_type
             and r.get("devices") == devices and r.get("batch_size") == batch_size and not r.get("skipped")
-            and r.get("strategy") != "single"]
+            and r.get("strategy") != "single" and r.get("tensor_parallel", 0) in (0, devices)]
     try:
         seconds = {str(r["strategy"]): float(r["step_seconds"]) for r in rows}
     except (KeyError, TypeError, ValueError):
@@ -207,4 +214,20 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         activation_bytes=float(measured.get("activation_bytes", 0.0)),      # absent in older files
         replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
-        plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None)
+        plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None,
+        **_tensor_fields(measured, scale))
+
+
+def _tensor_fields(measured: dict, scale: float) -> dict:
+    """A bench file's tensor-parallel measurements (absent in files written before them), compute scaled; the
+    ranks' shares are keyed "n/T"."""
+    return dict(tensor_splits=tuple(int(t) for t in measured.get("tensor_splits", ())),
+                split_bytes=float(measured.get("split_bytes", 0.0)),
+                split_share=float(measured.get("split_share", 0.0)),
+                tensor_reductions=tuple(float(b) for b in measured.get("tensor_reductions", ())),
+                tensor_gathers=tuple(float(b) for b in measured.get("tensor_gathers", ())),
+                sequence_splits=tuple(int(t) for t in measured.get("sequence_splits", ())),
+                sequence_parameters=int(measured.get("sequence_parameters", 0)),
+                sequence_gathers=int(measured.get("sequence_gathers", 0)),
+                tensor_seconds={tuple(int(part) for part in key.split("/")): float(value) * scale
+                                for key, value in measured.get("tensor_seconds", {}).items()})

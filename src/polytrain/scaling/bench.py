@@ -109,26 +109,40 @@ class Row:
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
     link: dict = field(default_factory=dict)   # message bytes -> seconds of an all-reduce over the ranks
     warning: str = ""                          # why its figures cannot be right (see `impossible`)
+    tensor_parallel: int = 0                   # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
 
     @property
     def key(self) -> Tuple[str, int]:
         return self.device, self.batch_size
 
+    @property
+    def label(self) -> str:
+        """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh)."""
+        if self.strategy != "tensor" or self.tensor_parallel in (0, self.devices):
+            return self.strategy
+        return costmodel.tensor_name(self.devices, self.tensor_parallel)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def combinations(options: BenchOptions) -> List[Row]:
-    """Every row the bench runs, baseline (`single` on 1 device) first within each device kind and batch."""
+def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
+    """Every row the bench runs, baseline (`single` on 1 device) first within each device kind and batch.
+    Tensor parallelism (where `tensor`: the model has a plan) runs as one group of all the devices and as each
+    (data, tensor) mesh of smaller groups (4 devices: also 2 x 2)."""
     rows = []
     for kind in options.device_kinds:
         for batch in options.batch_sizes:
             rows.append(Row(kind, "single", 1, batch))
             for strategy in options.strategies:
+                if strategy == "tensor" and not tensor:
+                    continue
                 for n in options.devices:
                     if strategy == "single" or n == 1:
                         continue                   # one device is the baseline row
                     rows.append(Row(kind, strategy, n, batch))
+                    if strategy == "tensor":
+                        rows += [Row(kind, strategy, n, batch, tensor_parallel=t) for t in range(2, n) if n % t == 0]
     return rows
 
 
@@ -180,6 +194,12 @@ def link_of(rows: List[Row], kind: str, *, cores: Optional[int] = None) -> Optio
     return link, f"measured: all-reduces between the {n} {kind} processes of the {timed[0].strategy} run"
 
 
+def has_tensor_plan(model) -> bool:
+    """Whether tensor parallelism has a plan for this registry model (the built-in gpt and mlp)."""
+    from ..plan.tensor import BUILTIN_PLANS
+    return f"{type(model).__module__}.{type(model).__qualname__}" in BUILTIN_PLANS
+
+
 def convolutional(model) -> bool:
     """Registry models with convolutions train channels-last, as `polytrain train` does."""
     return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
@@ -192,6 +212,8 @@ def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) 
                   batch_size=row.batch_size, strategy=row.strategy, devices=row.devices, device=row.device,
                   epochs=epochs, max_steps=max_steps, schedule="constant", warmup_epochs=0, seed=options.seed,
                   **options.model_options)
+    if row.tensor_parallel:
+        values["tensor_parallel"] = row.tensor_parallel
     apply_model_defaults(values, set(values), options.model)
     return TrainConfig(**values)
 
@@ -238,7 +260,7 @@ def fit_message_costs(rows: List[Row], workloads: dict, links: dict) -> Dict[str
         if row.devices > 1 and not row.skipped and row.key in workloads:
             first.setdefault((row.device, row.strategy), row)
     for (kind, strategy), row in first.items():
-        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(strategy)
+        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(row.label)
         if prediction is not None and prediction.messages:
             costs.setdefault(kind, {})[strategy] = cost = costmodel.fit_message_cost(row.step_seconds, prediction)
             row.fitted = cost > 0          # a model already slower than the row fits nothing: its error shows
@@ -256,8 +278,8 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: O
             continue
         predictions = predictions_for(work, link, devices=row.devices, kind=row.device,
                                       message_costs=(message_costs or {}).get(row.device))
-        if row.strategy in predictions:
-            row.predicted_seconds = predictions[row.strategy].step_seconds
+        if row.label in predictions:
+            row.predicted_seconds = predictions[row.label].step_seconds
 
 
 def fill_speedups(rows: List[Row]) -> None:
@@ -298,14 +320,14 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     dataset = as_dataset(options.dataset, config)
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
-    rounds = [combinations(options) for _ in range(options.repeats)]
+    rounds = [combinations(options, tensor=has_tensor_plan(model)) for _ in range(options.repeats)]
     for number, rows in enumerate(rounds, 1):            # interleaved: a burst of outside load hits all alike
         for index, row in enumerate(rows, 1):
             if number > 1 and rounds[0][index - 1].skipped:
                 row.skipped = rounds[0][index - 1].skipped
                 continue
             run_row(row, options, dataset, model)
-            what = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+            what = f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}"
             tokens = f", {row.tokens_per_second:,.0f} tokens/s" if math.isfinite(row.tokens_per_second) else ""
             outcome = f"skipped: {row.skipped}" if row.skipped else \
                 f"{row.samples_per_second:,.0f} samples/s{tokens}, {row.step_seconds * 1e3:.1f} ms/step"
@@ -325,7 +347,8 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
             workloads[(kind, batch)] = measure_workload(
                 model, dataset, objective_for(dataset), batch_size=batch, device=device, devices=counts,
                 repeats=max(5, options.steps), channels_last=convolutional(model),
-                plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())))
+                plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())),
+                tensor_devices=options.devices if "tensor" in options.strategies else ())
     fitted_links = {kind: link for kind, (link, _) in links.items()}
     costs = fit_message_costs(rows, workloads, fitted_links)
     predict_rows(rows, workloads, fitted_links, costs)
@@ -346,6 +369,7 @@ def project(options: BenchOptions, workloads: dict, links: dict, message_costs: 
                 continue
             predictions = predictions_for(work, links[kind], devices=n, kind=kind,
                                           message_costs=(message_costs or {}).get(kind))
-            best = steady_choice(predictions)              # as --strategy auto would
+            # as --strategy auto would: without the (data, tensor) meshes (`tensor RxT`), which it does not choose
+            best = steady_choice({name: p for name, p in predictions.items() if " " not in name})
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

@@ -17,7 +17,7 @@ import torch
 from .bench import PHASES, BenchResult, Row
 from ..checkpoint import atomic_write_bytes
 from ..runtime.hostenv import usable_cores
-from ..plan.costmodel import bubble
+from ..plan.costmodel import bubble, tensor_collectives, tensor_size
 from ..plan.pipeline import default_microbatches
 from ..report import save_figure
 
@@ -36,7 +36,7 @@ def table(rows: List[Row]) -> List[str]:
               f"{'predicted':>14}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        what = f"{row.device:<6} {row.strategy:<16} {row.devices:>2} {row.batch_size:>5} "
+        what = f"{row.device:<6} {row.label:<16} {row.devices:>2} {row.batch_size:>5} "
         if row.skipped:
             lines.append(what + f"skipped: {row.skipped}")
             continue
@@ -91,12 +91,17 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
     for row, best in _losing(rows):
         work = workloads.get(row.key)
         share = {p: row.phases[p] / row.step_seconds for p in PHASES}
-        label = f"{row.strategy} on {row.devices} {row.device}, batch {row.batch_size}"
+        label = f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}"
         against = f"({row.step_seconds * 1e3:.1f} ms/step against {best.step_seconds * 1e3:.1f} ms on " \
                   f"{best.devices} device{'s' * (best.devices > 1)})"
         overhead = max(("communication", "idle", "data"), key=lambda p: share[p])
         slice_ = row.batch_size // row.devices
-        if overhead == "communication" and share["communication"] >= 0.15:
+        if overhead == "communication" and share["communication"] >= 0.15 and row.strategy == "tensor" and work:
+            reason = (f"communication is {share['communication']:.0%} of each step: "
+                      f"{collectives(work, row)}; they grow with the batch as the compute does, so "
+                      f"tensor parallelism pays off only where a layer's compute outweighs its activations' "
+                      f"collectives (wider layers, faster links)")
+        elif overhead == "communication" and share["communication"] >= 0.15:
             nbytes = f"{work.parameter_bytes / MB:.1f} MB of {'weights and gradients' if row.strategy == 'sharded' else 'gradients'}" \
                 if work else "the exchanged tensors"
             batch, after = _bigger_batch(row)
@@ -145,6 +150,43 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
     return lines
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**10:.0f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def collectives(work, row: Row) -> str:
+    """The collectives one step of a tensor-parallel row makes, as the cost model counts them."""
+    tensor = tensor_size(row.label, row.devices)
+    sent = tensor_collectives(work, row.devices, tensor)
+    gloo = " (all-reduces on gloo)" if row.device == "cpu" else ""
+    parts = []
+    for kind, sizes in sent.items():
+        if not sizes:
+            continue
+        plural = f"{len(sizes)} {kind}{'s' if len(sizes) != 1 else ''}"
+        if kind == "small all-reduce":
+            parts.append(f"{plural} of the norms' gradients")
+        else:
+            parts.append(f"{plural}{gloo if kind == 'reduce-scatter' else ''} of up to {_size(max(sizes))}")
+    how = ("sequence-parallel" if "reduce-scatter" in sent else
+           "all-reduces after each row-wise layer in forward and before each column-wise one in backward")
+    how += ", the scores of a head split by the vocabulary gathered whole" if work.tensor_gathers else ""
+    line = f"{', '.join(parts) or 'no collectives'} per step over each group of {tensor} ({how})"
+    groups = row.devices // tensor
+    if groups > 1:
+        line += (f"; FSDP2 over {groups} data shards: 2 all-gathers and a reduce-scatter per layer ({work.layers}) "
+                 f"of each rank's {_size(work.tensor_rank_bytes(tensor))} of weights")
+    return line
+
+
+def tensor_lines(result: BenchResult) -> List[str]:
+    """One line per tensor-parallel row: which collectives a step makes, and how many."""
+    return [f"  {row.label} on {row.devices} {row.device}, batch {row.batch_size}: "
+            f"{collectives(result.workloads[row.key], row)}"
+            for row in result.rows if row.strategy == "tensor" and not row.skipped and row.key in result.workloads
+            and result.workloads[row.key].tensor_splits]
+
+
 def projection_lines(result: BenchResult) -> List[str]:
     lines = []
     for kind, batch, n, predictions, chosen in result.projections:
@@ -167,6 +209,10 @@ def report(result: BenchResult) -> List[str]:
     why = explain(result.rows, result.workloads)
     if why:
         lines += ["", "where more devices lose:"] + why
+    tensor = tensor_lines(result)
+    if tensor:
+        lines += ["", "tensor rows (groups of T ranks split the plan's layers, the rest runs whole on each):"]
+        lines += tensor
     for kind, (link, how) in result.links.items():
         lines.append(f"link ({kind}): {link.alpha * 1e6:.0f} us per message, {link.beta / 1e9:.2f} GB/s; {how}")
         costs = result.message_costs.get(kind)
@@ -182,6 +228,7 @@ def report(result: BenchResult) -> List[str]:
 def _workload_dict(work) -> dict:
     return dict(asdict(work), replica_seconds={str(k): v for k, v in work.replica_seconds.items()},
                 microbatch_seconds={str(k): v for k, v in work.microbatch_seconds.items()},
+                tensor_seconds={f"{n}/{t}": v for (n, t), v in work.tensor_seconds.items()},
                 plain=_workload_dict(work.plain) if work.plain is not None else None)
 
 
@@ -213,7 +260,7 @@ def draw(result: BenchResult, path: Path) -> None:
     lines = {}
     for row in done:
         if row.strategy != "single" and math.isfinite(row.speedup):      # one device: the point (1, 1) of each
-            lines.setdefault((row.device, row.batch_size, row.strategy), []).append((row.devices, row.speedup))
+            lines.setdefault((row.device, row.batch_size, row.label), []).append((row.devices, row.speedup))
     most = max([r.devices for r in done], default=1)
     for (kind, batch, strategy), points in lines.items():
         xs, ys = zip(*sorted([(1, 1.0)] + points))
@@ -225,7 +272,7 @@ def draw(result: BenchResult, path: Path) -> None:
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
     colours = {"compute": "#4c72b0", "communication": "#dd8452", "data": "#55a868", "idle": "#c7c7c7"}
-    labels = [f"{r.strategy} x{r.devices} {r.device} b{r.batch_size}" for r in done]
+    labels = [f"{r.label} x{r.devices} {r.device} b{r.batch_size}" for r in done]
     starts = [0.0] * len(done)
     for phase in PHASES:
         widths = [r.phases[phase] * 1e3 for r in done]

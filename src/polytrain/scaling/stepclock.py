@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..callbacks import Callback
+from ..plan.tensor import TensorPlan
+from .tensor_inputs import narrowed
 
 
 def held_bytes(strategy) -> int:
@@ -141,9 +143,13 @@ class StepClock(Callback):
 
     def _reference(self, trainer) -> float:
         """Median seconds of a plain replica's forward, backward and update on this rank's slice, every rank
-        running its own at the same time (as they share the machine during the real steps)."""
+        running its own at the same time (as they share the machine during the real steps); under tensor
+        parallelism, the replica's split layers cut to the rank's share (`tensor_inputs.narrowed`)."""
         strategy, batch = trainer.strategy, trainer.batch
         replica = copy.deepcopy(self.model).to(strategy.device)
+        plan = getattr(strategy, "plan", None)
+        if isinstance(plan, TensorPlan) and plan.styles:       # a tensor rank computes its share of the split layers
+            replica = narrowed(replica, plan) or replica
         if strategy.channels_last:
             replica = replica.to(memory_format=torch.channels_last)
         optimizer = torch.optim.SGD(replica.parameters(), lr=1e-6, momentum=0.9)

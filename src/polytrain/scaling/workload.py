@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..runtime.hostenv import usable_cores
 from ..plan.costmodel import Link, Prediction, Workload, predict_all
 from ..plan.pipeline import default_microbatches
+from .tensor_inputs import narrowed, runs, split_share, tensor_fields, tensor_plans
 from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 
 LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -111,22 +112,28 @@ def cpu_threads(devices: int, cores: Optional[int] = None) -> int:
 
 def measure_workload(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device,
                      devices: Iterable[int], repeats: int = 5, channels_last: bool = False,
-                     plain: bool = False) -> Workload:
+                     plain: bool = False, tensor_devices: Iterable[int] = ()) -> Workload:
     """One device's step at `batch_size`, and each count's replica slice and pipeline micro-batch, timed as
     they would run: on CPU processes, all slices at once on the cores they share. With `channels_last` and
-    `plain`, the same again in the default memory format (`Workload.plain`), for the strategies that train in it."""
+    `plain`, the same again in the default memory format (`Workload.plain`), for the strategies that train in it.
+    Where the model has a tensor plan, its sizes, and at each of `tensor_devices` a tensor rank's share."""
     return measure(model, dataset, objective, batch_size=batch_size, device=device, devices=devices,
-                   repeats=repeats, channels_last=channels_last, plain=plain)[0]
+                   repeats=repeats, channels_last=channels_last, plain=plain, tensor_devices=tensor_devices)[0]
 
 
 def measure(model: nn.Module, dataset, objective, *, batch_size: int, device: torch.device, devices: Iterable[int],
             repeats: int = 5, channels_last: bool = False, plain: bool = False, link: bool = False,
-            min_seconds: float = 0.0) -> Tuple[Workload, Optional[Tuple[Link, str]]]:
+            min_seconds: float = 0.0, tensor_plan=None,
+            tensor_devices: Iterable[int] = ()) -> Tuple[Workload, Optional[Tuple[Link, str]]]:
     """`measure_workload`, and with `link` the link as `measure_link` gives it, every quantity timed in at least
-    `repeats` interleaved rounds spanning at least `min_seconds`, each count's apart; each keeps its fastest."""
+    `repeats` interleaved rounds spanning at least `min_seconds`, each count's apart; each keeps its fastest.
+    `tensor_plan`: the run's plan for tensor parallelism (None: the built-in one, where the model has one)."""
     formats = (channels_last, False) if channels_last and plain else (channels_last,)
     x, y = sample_batch(dataset, batch_size)
     samples: Dict[tuple, list] = {}
+    plans = tensor_plans(model, [n for n in set(devices) if n >= 2], tensor_plan=tensor_plan)
+    stand_ins = {t: narrowed(model, plan) for t, plan in plans.items()}
+    tensor = _TensorProbes({t: m for t, m in stand_ins.items() if runs(m, objective, x, y)}, set(tensor_devices))
     with ExitStack() as whole_run:
         probes, how = {}, None
         if link:
@@ -138,11 +145,15 @@ def measure(model: nn.Module, dataset, objective, *, batch_size: int, device: to
                 for memory_format in formats:
                     probes.update(_probes(model, x, y, objective, n, device=device, channels_last=memory_format,
                                           stack=group))
+                    probes.update(tensor.probes(x, y, objective, n, device=device, channels_last=memory_format,
+                                                stack=group))
                 found = interleave(probes, rounds=repeats, min_seconds=min_seconds)
                 for key, values in found.items():
                     samples.setdefault(key, []).extend(values)
             probes = {key: probe for key, probe in probes.items() if key == "link"}
-    works = [_workload(samples, memory_format, model=model, x=x, y=y, objective=objective, batch_size=batch_size)
+    fields = tensor_fields(model, plans, objective, x, y)
+    works = [tensor.fill(_workload(samples, memory_format, model=model, x=x, y=y, objective=objective,
+                                   batch_size=batch_size), fields, samples, memory_format)
              for memory_format in formats]
     work = dataclasses.replace(works[0], plain=works[1]) if len(works) == 2 else works[0]
     if not link:
@@ -211,6 +222,49 @@ def _workload(samples: Dict[tuple, list], memory_format: bool, *, model: nn.Modu
                     replica_seconds=timed["replica"], microbatch_seconds=timed["micro"])
 
 
+class _TensorProbes:
+    """The timings of tensor parallelism's stand-ins (`tensor_inputs.narrowed`, by group size): the smallest
+    group's on the whole batch as one device runs it (the split layers' share of a pass), and at each count of
+    `counts` one rank of every group that divides it, on its group's slice, side by side on CPUs."""
+
+    def __init__(self, stand_ins: Dict[int, nn.Module], counts: set):
+        self.stand_ins, self.counts = stand_ins, counts
+
+    def probes(self, x, y, objective, n: Optional[int], *, device: torch.device, channels_last: bool,
+               stack: ExitStack) -> Dict[tuple, Callable]:
+        import copy
+        if not self.stand_ins:
+            return {}
+        smallest = copy.deepcopy(self.stand_ins[min(self.stand_ins)])
+        step = Step(smallest, x, y, objective, device=device, channels_last=channels_last)
+        probes: Dict[tuple, Callable] = {(channels_last, "narrow"): step}
+        for tensor, stand_in in self.stand_ins.items():
+            if n is None or n not in self.counts or n % tensor or len(x) % (n // tensor):
+                continue
+            size = len(x) // (n // tensor)
+            if device.type == "cpu":           # n processes at once, each a rank of one of the groups
+                side = stack.enter_context(_side_by_side(stand_in, x, y, objective, [size], copies=n,
+                                                         channels_last=channels_last))
+                probes[(channels_last, "tensor", n, tensor)] = partial(_slowest, side, 0, cpu_threads(n))
+            else:
+                alone = Step(copy.deepcopy(stand_in), x[:size], y[:size], objective, device=device,
+                             channels_last=channels_last)
+                probes[(channels_last, "tensor", n, tensor)] = partial(lambda step: step()[0], alone)
+        return probes
+
+    def fill(self, work: Workload, fields: dict, samples: Dict[tuple, list], memory_format: bool) -> Workload:
+        """`work` with the tensor fields: sizes, the split layers' share of a pass, the ranks' timed shares."""
+        if not fields:
+            return work
+        narrow = samples.get((memory_format, "narrow"))
+        share = split_share(work.pass_seconds, low([p for p, _ in narrow]) if narrow else None,
+                            tensor=min(self.stand_ins) if self.stand_ins else 2,
+                            fallback=fields["split_bytes"] / work.parameter_bytes)
+        timed = {(key[2], key[3]): low(values) for key, values in samples.items()
+                 if key != "link" and key[0] == memory_format and key[1] == "tensor"}
+        return dataclasses.replace(work, split_share=share, tensor_seconds=timed, **fields)
+
+
 def turns(devices: int, *, device_type: str, cores: Optional[int] = None) -> float:
     """How many CPU processes take turns on each core (1 where there are no more processes than cores, and on
     GPUs)."""
@@ -223,13 +277,14 @@ def link_for(link: Link, devices: int, *, device_type: str, cores: Optional[int]
     return Link(alpha=link.alpha * turns(devices, device_type=device_type, cores=cores), beta=link.beta)
 
 
-def predictions_for(work: Workload, link: Link, *, devices: int, kind: str,
-                    message_costs: Optional[dict] = None) -> Dict[str, Prediction]:
-    """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it."""
+def predictions_for(work: Workload, link: Link, *, devices: int, kind: str, message_costs: Optional[dict] = None,
+                    meshes: bool = True) -> Dict[str, Prediction]:
+    """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it
+    (`meshes`: also tensor parallelism on (data, tensor) meshes)."""
     from ..strategies import contiguous_strategies
     return predict_all(work, devices, link_for(link, devices, device_type=kind),
                        microbatches=default_microbatches(work.batch_size, devices), contiguous=contiguous_strategies(),
-                       scatter_by_allreduce=kind == "cpu", message_costs=message_costs)
+                       scatter_by_allreduce=kind == "cpu", message_costs=message_costs, meshes=meshes)
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

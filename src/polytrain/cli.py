@@ -105,9 +105,9 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files")
     bench.add_argument("--devices", default=(1, 2), metavar="N,M,...",
                        help="device counts to run (default: 1,2); one device always runs as the baseline")
-    measured = tuple(name for name in STRATEGIES if name != "tensor")    # the cost model has no tensor terms yet
-    bench.add_argument("--strategies", default=measured, metavar="S,T,...",
-                       help=f"default: {','.join(measured)} (tensor: not yet in the cost model)")
+    bench.add_argument("--strategies", default=tuple(STRATEGIES), metavar="S,T,...",
+                       help=f"default: {','.join(STRATEGIES)} (tensor: where the model has a tensor plan, one group "
+                            f"of all the devices and each data x tensor mesh the count allows)")
     bench.add_argument("--batch-sizes", default=(64,), metavar="B,C,...",
                        help="global batch sizes (default: 64)")
     bench.add_argument("--device", default=None, metavar="cpu,cuda",

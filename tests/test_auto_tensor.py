@@ -24,7 +24,11 @@ HEAVY = Workload(compute_seconds=0.1, parameter_bytes=4e7, batch_size=64, update
 
 
 def test_auto_takes_tensor_where_it_is_predicted_clearly_faster_than_every_other():
-    best, predictions, fits = pick(HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12)
+    # unpriced (no bench file measured tensor's cost per message), tensor is not taken for speed
+    best, _, _ = pick(HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12)
+    assert best.strategy == "data"
+    best, predictions, fits = pick(HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12,
+                                   message_costs={"tensor": 0.0})
     # data: 45 ms + 10 ms + 2 x 1/2 x 40 ms + 0.2 ms = 95.2 ms; tensor: 90 x 0.55 + 10 x 20.5/40 + 8 x 0.27 ms
     assert predictions["data"].step_seconds == pytest.approx(0.0952)
     assert predictions["tensor"].step_seconds == pytest.approx(0.0495 + 0.005125 + 8 * (65536e-9 + 2e-4))

@@ -71,7 +71,11 @@ def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device
                                   meshes=False)
     fits = {name: name not in refused and costmodel.memory_per_rank(
         work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
-    return steady_choice(predictions, fits=fits), predictions, fits
+    # tensor parallelism's host work around each collective (DTensor's) is most of its step on small models and
+    # only a bench measures it (its cost per message): unpriced, it is taken only where nothing else fits
+    priced = {name: p for name, p in predictions.items() if name != "tensor" or "tensor" in (message_costs or {})}
+    best = steady_choice(priced, fits=fits) or steady_choice(predictions, fits=fits)
+    return best, predictions, fits
 
 
 def steady_choice(predictions: Dict[str, costmodel.Prediction], *, fits: Optional[Dict[str, bool]] = None,

@@ -5,11 +5,14 @@ outputs (an `nn.Linear`'s rows, an `nn.Embedding`'s columns), `rowwise` its inpu
 Embedding's vocabulary) and sums the partial outputs, `replicate` keeps it whole on every rank (the default
 for every layer the plan does not name). `colwise:K` is a fused layer whose output is K stacked parts (a fused
 q/k/v projection: `colwise:3`): each rank takes its slice of every part, so its local output is still K
-stacked parts. Pure: module names, kinds and sizes in, a resolved plan out; no torch.distributed.
+stacked parts. A vocabulary (an Embedding split rowwise, and a head Linear tied to it split colwise) may split
+unevenly, in torch.chunk's shares (65 entries over 2 ranks: 33 and 32): the head's scores are gathered whole,
+so no layer downstream sees the uneven shares. Pure: module names, kinds and sizes in, a resolved plan out; no
+torch.distributed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Callable, Optional
 
@@ -18,14 +21,23 @@ from ..errors import ConfigError
 STYLES = ("colwise", "rowwise", "replicate")
 SPLITTABLE = ("linear", "embedding")
 
+HEAD = "<head>"        # in a plan: the model's last top-level module (the GPT's output head)
+
 # Megatron's split: attention projection and the first MLP layer by columns, the output projections by rows,
-# so each block needs one all-reduce in its attention and one in its MLP; embeddings, norms and the (tied)
-# head stay whole on every rank. Keyed by the model class (module.qualname).
+# so each block needs one all-reduce in its attention and one in its MLP; the GPT's token embedding by its
+# vocabulary (rows) and its tied head by the same rows (as torchtitan); norms and positions stay whole on every
+# rank. Keyed by the model class (module.qualname).
 BUILTIN_PLANS = {
     "polytrain.models.mlp.MLP": {"1": "colwise", "3": "rowwise"},
-    "polytrain.models.gpt.GPT": {"*.attention.qkv": "colwise:3", "*.attention.proj": "rowwise",
-                                 "*.mlp.0": "colwise", "*.mlp.2": "rowwise"},
+    "polytrain.models.gpt.GPT": {"0.token": "rowwise", "*.attention.qkv": "colwise:3", "*.attention.proj": "rowwise",
+                                 "*.mlp.0": "colwise", "*.mlp.2": "rowwise", HEAD: "colwise"},
 }
+
+
+def shares(size: int, devices: int) -> tuple:
+    """Each rank's part of `size` rows as torch.chunk (and DTensor's Shard) cuts them: 65 over 2 is (33, 32)."""
+    chunk = -(-size // devices)
+    return tuple(max(0, min(chunk, size - rank * chunk)) for rank in range(devices))
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Layer:
     inputs: int = 0
     outputs: int = 0
     holds_parameters: bool = False
+    tied_embedding: bool = False   # a Linear whose weight is an Embedding's [vocab, width] (a tied head)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,8 @@ class TensorPlan:
     apply: Optional[Callable] = None   # the user's fn(model, mesh) that splits the model itself (styles: ())
     replicas: int = 1              # tensor groups side by side on a 2-D (data, tensor) mesh, sharded over data
     sequence_parallel: bool = False    # the norms on parts of the sequence (the built-in GPT's plan)
+    vocabulary: tuple = ()         # the layers split by their vocabulary (an embedding rowwise, its tied head colwise)
+    vocabulary_size: int = 0       # ... and its entries
 
     def describe(self) -> str:
         mesh = f"; {self.replicas} such groups shard the data dimension (FSDP2)" if self.replicas > 1 else ""
@@ -56,8 +71,31 @@ class TensorPlan:
         split = sum(1 for _, style, _ in self.styles if style != "replicate")
         heads = f", {self.heads // self.devices} of {self.heads} attention heads per rank" if self.heads else ""
         norms = ", norms sequence-parallel" if self.sequence_parallel else ""
-        return (f"{self.model} split over {self.devices} ranks: {split} layers split{heads}{norms}, the rest "
-                f"replicated" + mesh)
+        words = ", ".join(self.vocabulary)
+        vocabulary = (f", the vocabulary ({words}) by {'/'.join(map(str, shares(self.vocabulary_size, self.devices)))} "
+                      f"of its {self.vocabulary_size} entries" if self.vocabulary else "")
+        return (f"{self.model} split over {self.devices} ranks: {split} layers split{heads}{vocabulary}{norms}, the "
+                f"rest replicated" + mesh)
+
+    def with_replicas(self, replicas: int, *, builtin: bool) -> "TensorPlan":
+        """The plan for `replicas` tensor groups side by side on a (data, tensor) mesh. FSDP2 cuts each rank's
+        part of a vocabulary again over the data dimension, and torch (2.13) cannot place a whole checkpoint's
+        rows into those parts unless the devices divide the vocabulary: a built-in plan keeps it whole then."""
+        plan = replace(self, replicas=replicas)
+        if replicas == 1 or self.vocabulary_size % (self.devices * replicas) == 0:
+            return plan
+        if builtin:
+            return plan.without_vocabulary()
+        devices = self.devices * replicas
+        raise ConfigError(f"--devices {devices} --tensor-parallel {self.devices}: tensor_plan splits the vocabulary "
+                          f"({', '.join(self.vocabulary)}) of {self.vocabulary_size} entries, which {devices} ranks "
+                          f"(data x tensor) do not divide, so a checkpoint could not be loaded into it; use "
+                          f"--devices {self.devices} (tensor only), or replicate those layers")
+
+    def without_vocabulary(self) -> "TensorPlan":
+        """The plan with its vocabulary layers kept whole (replicated)."""
+        return replace(self, styles=tuple(entry for entry in self.styles if entry[0] not in self.vocabulary),
+                       vocabulary=(), vocabulary_size=0)
 
     def coords(self, rank: int) -> tuple:
         """(data index, tensor index) of a rank on the (data, tensor) mesh: tensor groups are consecutive ranks."""
@@ -84,6 +122,12 @@ def parse_style(text, name: str) -> tuple:
     return style, int(parts) if parts else 1
 
 
+def by_vocabulary(layer: Layer, style: str, parts: int = 1) -> bool:
+    """Whether `style` splits `layer` by its vocabulary: an Embedding's rows, or a tied head's outputs."""
+    return (layer.kind, style) == ("embedding", "rowwise") or (layer.tied_embedding and style == "colwise"
+                                                                and parts == 1)
+
+
 def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int) -> None:
     if style == "replicate":
         return
@@ -97,6 +141,12 @@ def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int) ->
     if linear and style == "colwise" and layer.outputs % parts:
         raise ConfigError(f"tensor_plan: {name} has {layer.outputs} outputs, which do not split into {parts} "
                           f"fused parts; fix the :{parts}")
+    if by_vocabulary(layer, style, parts):
+        if min(shares(size, devices)):
+            return                      # a vocabulary may split unevenly (torch.chunk's shares)
+        raise ConfigError(f"--strategy tensor --devices {devices}: {name} ({style}) has {size} {what}, of which "
+                          f"torch's chunks of {-(-size // devices)} leave a rank none; use fewer --devices, or "
+                          f"replicate it")
     if size % devices:
         raise ConfigError(f"--strategy tensor --devices {devices}: {name} ({style}) has {size} {what}, which "
                           f"{devices} ranks do not divide; use --devices that divides {size}, or replicate it")
@@ -116,7 +166,8 @@ def resolve(patterns: dict, layers: dict, *, devices: int, model: str = "your mo
     chosen = {}
     for pattern, text in patterns.items():
         style, parts = parse_style(text, pattern)
-        matched = [name for name in layers if name and fnmatchcase(name, str(pattern))]
+        top = [name for name in layers if name and "." not in name]
+        matched = top[-1:] if pattern == HEAD else [name for name in layers if name and fnmatchcase(name, str(pattern))]
         if not matched:
             nearby = ", ".join(name for name, layer in layers.items() if layer.kind in SPLITTABLE)
             raise ConfigError(f"tensor_plan names {pattern!r}, which matches no module of {model}; its Linear and "
@@ -134,4 +185,8 @@ def resolve(patterns: dict, layers: dict, *, devices: int, model: str = "your mo
             raise ConfigError(f"tensor_plan splits {name} and also {inside[0]} inside it; name leaf layers only")
     if all(style == "replicate" for style, _ in chosen.values()):
         raise ConfigError("tensor_plan splits nothing (every layer replicate); name some layers colwise/rowwise")
-    return TensorPlan(devices, tuple((name, *chosen[name]) for name in layers if name in chosen), model, heads)
+    vocabulary = [name for name in layers if name in chosen and by_vocabulary(layers[name], *chosen[name])]
+    size = max((layers[name].inputs if layers[name].kind == "embedding" else layers[name].outputs
+                for name in vocabulary), default=0)
+    return TensorPlan(devices, tuple((name, *chosen[name]) for name in layers if name in chosen), model, heads,
+                      vocabulary=tuple(vocabulary), vocabulary_size=size)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..plan.tensor import BUILTIN_PLANS, Layer, TensorPlan, resolve
+from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .optimizer_state import state_slots
 from .sharded import Sharded, _bytes
 
@@ -41,10 +41,12 @@ def check_torch() -> None:
 def model_layers(model: nn.Module) -> dict:
     """name -> Layer for every module, in model order (the plan's view of the model)."""
     layers = {}
+    tables = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
     for name, module in model.named_modules():
         holds = any(p is not None for p in module._parameters.values())
         if isinstance(module, nn.Linear):
-            layers[name] = Layer("linear", module.in_features, module.out_features, holds)
+            layers[name] = Layer("linear", module.in_features, module.out_features, holds,
+                                 tied_embedding=id(module.weight) in tables)
         elif isinstance(module, nn.Embedding):
             layers[name] = Layer("embedding", module.num_embeddings, module.embedding_dim, holds)
         else:
@@ -72,9 +74,11 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
     for name, style, _ in plan.styles:
         if style != "replicate":
             for parameter in model.get_submodule(name)._parameters.values():
-                if parameter is not None and len(owners[id(parameter)]) > 1:
+                if parameter is not None and len(owners[id(parameter)]) > 1 and \
+                        not owners[id(parameter)] <= set(plan.vocabulary):     # (a vocabulary: one DTensor)
                     others = sorted(owners[id(parameter)] - {name})
                     raise ConfigError(f"tensor_plan splits {name}, whose weight is shared with {others[0]} (tied); "
+                                      f"split the embedding rowwise and the head colwise (by the vocabulary), "
                                       f"replicate both, or untie them")
     for name, module in model.named_modules():
         if any(b is not None for b in module._buffers.values()):
@@ -100,6 +104,9 @@ def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
         raise ConfigError(f"this run's tensor_plan was a function given from Python ({given}); pass it again: "
                           f"polytrain.fit(..., tensor_plan=fn, resume=RUN_DIR)")
     patterns = given if given is not None else BUILTIN_PLANS.get(kind)
+    if given is None and kind == "polytrain.models.gpt.GPT" and not min(shares(model.vocab, devices)):
+        # torch's chunks of a vocabulary smaller than about devices**2 leave a rank none: keep it whole
+        patterns = {key: style for key, style in patterns.items() if key not in ("0.token", HEAD)}
     if patterns is None:
         raise ConfigError(f"--strategy tensor needs a plan for {name}: pass fit(tensor_plan={{'layer.name': "
                           f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
@@ -129,7 +136,8 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
         raise ConfigError(str(error).replace(f"--strategy tensor --devices {tensor}",
                                              f"--strategy pipeline --tensor-parallel {tensor}")
                           .replace("use --devices that", "use a --tensor-parallel that")) from None
-    return replace(plan, sequence_parallel=False)
+    # the first and last stages hold the embedding and the head whole (tied across stages by tied.py)
+    return replace(plan.without_vocabulary(), sequence_parallel=False)
 
 
 def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
@@ -159,7 +167,8 @@ class TensorParallel(Sharded):
         if config.devices < 2:
             raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
         group = config.tensor_parallel or config.devices
-        return replace(plan_for(config, model, devices=group), replicas=config.devices // group)
+        return plan_for(config, model, devices=group).with_replicas(config.devices // group,
+                                                                    builtin=config.tensor_plan is None)
 
     @property
     def data_rank(self) -> int:
@@ -204,7 +213,7 @@ class TensorParallel(Sharded):
         else:
             self._split(model)
         replicate_rest(model, self.mesh)
-        if self.plan.sequence_parallel:    # after _to_local: the embeddings' whole output, made local, is cut
+        if self.plan.sequence_parallel and not self.plan.vocabulary:     # (else sequence_styles cuts them)
             next(model.children()).register_forward_hook(self._my_positions)
         if self.plan.replicas > 1:        # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
             # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
@@ -218,8 +227,8 @@ class TensorParallel(Sharded):
         self.fused.update(split_layers(model, self.mesh, self.plan))
 
     def _my_positions(self, module, inputs, output):
-        """The embeddings stay whole on every rank; each then keeps its part of the sequence, through DTensor,
-        so that backward gathers the parts' gradients for the embeddings."""
+        """Embeddings whole on every rank (a vocabulary too small to split): each keeps its part of the sequence,
+        through DTensor, so that backward gathers the parts' gradients for the embeddings."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
         whole = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
         return whole.redistribute(self.mesh, [Shard(1)]).to_local()
@@ -269,40 +278,60 @@ class TensorParallel(Sharded):
 
 def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     """Split `model`'s layers as `plan` names them (colwise, rowwise; fused colwise:K rows interleaved first,
-    and Megatron's sequence parallelism where the plan asks for it); returns parameter name -> the row order of
-    each fused layer's parameters as the ranks hold them."""
+    a vocabulary as torchtitan splits it, and Megatron's sequence parallelism where the plan asks for it);
+    returns parameter name -> the row order of each fused layer's parameters as the ranks hold them."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     styles, fused = {}, {}
     for name, style, parts in plan.styles:
-        if style == "colwise":
+        if name in plan.vocabulary:   # ids in (whole), the sum of the ranks' rows out; the head's scores whole
+            styles[name] = RowwiseParallel(input_layouts=Replicate()) if style == "rowwise" else \
+                ColwiseParallel(output_layouts=Replicate())
+        elif style == "colwise":
             styles[name] = ColwiseParallel()
             if parts > 1:
                 fused.update(interleave(model, name, parts, plan.devices))
         elif style == "rowwise":
             styles[name] = RowwiseParallel()
     if plan.sequence_parallel:
-        sequence_styles(model, styles)
+        sequence_styles(model, styles, vocabulary=plan.vocabulary)
+    held = [(module, key, id(p)) for module in map(model.get_submodule, plan.vocabulary)
+            for key, p in module._parameters.items() if p is not None]
     parallelize_module(model, mesh, styles)
+    first = {}        # a tied embedding and head are split one by one: tie them again (both Shard(0) DTensors)
+    for module, key, was in held:
+        module._parameters[key] = first.setdefault(was, module._parameters[key])
     return fused
 
 
-def sequence_styles(model: nn.Module, styles: dict) -> None:
+def sequence_styles(model: nn.Module, styles: dict, *, vocabulary=()) -> None:
     """Megatron's sequence parallelism, as torchtitan lays it out: between the split layers the residual
     stream stays cut along the sequence (each rank its T / ranks positions), the norms run on their part
     of it, the row-wise layers reduce-scatter into it instead of all-reducing, and the sequence is gathered
-    before each attention and MLP, and before the head."""
+    before each attention and MLP, and before the head. A token embedding split by the vocabulary
+    reduce-scatters into it too, and the (whole) position embedding beside it gives each rank its positions."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
     gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for name in list(styles):
+    for name in [name for name in styles if name not in vocabulary]:
         if isinstance(styles[name], RowwiseParallel):
             styles[name] = RowwiseParallel(output_layouts=Shard(1))
         styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)       # its attention or MLP
     for name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm):
             styles[name] = SequenceParallel(use_local_output=True)
-    *_, last = model.named_children()
-    styles[last[0]] = PrepareModuleInput(**gather, use_local_output=True)     # the head takes it whole
+    *_, (head, _) = model.named_children()
+    styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()) if head in vocabulary else \
+        PrepareModuleInput(**gather, use_local_output=True)                # the head takes it whole
+    for name in [name for name in vocabulary if isinstance(model.get_submodule(name), nn.Embedding)]:
+        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        parent = name.rpartition(".")[0]
+        for other, table in model.get_submodule(parent).named_children():   # (B, T, width) + positions (T, width)
+            other = f"{parent}.{other}" if parent else other
+            if isinstance(table, nn.Embedding) and other not in styles:
+                styles[other] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
+                                                    use_local_output=True)
 
 
 @torch.no_grad()

@@ -20,8 +20,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .optimizer_state import to_cpu
+from .optimizer_state import state_slots, to_cpu
 from .pipeline import Pipeline
+from .sharded import _bytes
 from .tensor import reordered, reordered_optimizer, replicate_rest, split_layers
 
 
@@ -51,17 +52,26 @@ class PipelineTensor(Pipeline):
         return super().reduce(tensor if self.tensor_index == 0 else torch.zeros_like(tensor))
 
     def placement_lines(self, holds) -> list:
+        """The pipeline's lines, then what each rank holds (its parameters, as many gradients, and the optimizer's
+        slots per parameter) next to a replica of the whole model."""
         lines = super().placement_lines(holds)
+        params = list(self.model.parameters())            # a tied copy is held too, but stepped by its owner
+        held = self.gather_object((_bytes(params), _bytes(p for p in params if not self.tied.is_copy(p))))
         if not lines:
             return lines
-        layout = self.plan.layout
+        layout, slots = self.plan.layout, state_slots(type(self.optimizer), self.optimizer.defaults)
+        full = sum(t.numel() * t.element_size() for t in self.full_meta.values())
+        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
         lines.append(f"  each stage split over {layout.tensor} tensor ranks: "
-                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}")
+                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}; per rank, parameters + gradients + "
+                     f"optimizer state ({slots} slot{'s' if slots != 1 else ''} per parameter), where a replica "
+                     f"would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
         for rank in range(layout.devices):
             replica, pipeline_rank = layout.coords(rank)
             stages = "/".join(map(str, self.plan.stages_of_rank(pipeline_rank)))
             lines.append(f"  rank {rank}: replica {replica + 1}/{layout.replicas}, stage {stages}, tensor slice "
-                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}")
+                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}: {mib(held[rank][0])} + "
+                         f"{mib(held[rank][0])} + {mib(held[rank][1] * slots)}")
         return lines
 
     # -- the whole model, by its original names ---------------------------------------------------------

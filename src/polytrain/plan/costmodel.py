@@ -52,6 +52,11 @@ Models (n devices, the update not split except where sharded):
   and small all-reduces of the norms' gradients (`SEQUENCE_REDUCTIONS` per parameter, counted with the
   profiler on torch 2.13). A head split by the vocabulary all-gathers its scores (`tensor_gathers`). With R > 1,
   FSDP2 over the data dimension moves each rank's weights, split/T + replicated, as `sharded` does over R ranks.
+  Most of a tensor step is host work of each rank, not the link: DTensor's dispatch and redistribution around
+  each collective, whatever its ring's length (`Prediction.collectives`, priced at tensor's fitted cost per
+  collective), and each ring message's own CPU time beside its latency (one more alpha). Where CPU processes
+  outnumber the cores (`turns` processes per core) both stretch by the turns: the link given is already turned
+  (`link_for`), and the cost per collective is multiplied by `Prediction.turns`.
 """
 from __future__ import annotations
 
@@ -150,6 +155,8 @@ class Prediction:
     # the whole tensor where the strategy may split it (DDP's buckets): a fitted cost per message absorbs that
     messages: float = 0.0
     shard_messages: float = 0.0     # of them, FSDP2's (a (data, tensor) mesh): priced at sharded's cost where known
+    collectives: float = 0.0        # host-side collective calls (tensor): priced per call, not per ring message
+    turns: float = 1.0              # CPU processes per core: host work per collective stretches by it
 
     @property
     def step_seconds(self) -> float:
@@ -239,9 +246,10 @@ def tensor_collectives(work: Workload, devices: int, tensor: int) -> dict:
 
 
 def tensor_parallel(work: Workload, devices: int, link: Link, *, tensor: Optional[int] = None,
-                    scatter_by_allreduce: bool = False) -> Prediction:
+                    scatter_by_allreduce: bool = False, turns: float = 1.0) -> Prediction:
     """Groups of `tensor` ranks (default: all `devices`) splitting the plan's layers; several groups split the
-    batch, FSDP2 sharding each rank's weights over them."""
+    batch, FSDP2 sharding each rank's weights over them. Each ring message costs alpha twice (its latency, and
+    its rank's CPU time); `turns`: CPU processes per core, which stretch the host work per collective."""
     tensor = tensor or devices
     groups, name = devices // tensor, tensor_name(devices, tensor)
     if devices % tensor or tensor not in work.tensor_splits:
@@ -251,16 +259,19 @@ def tensor_parallel(work: Workload, devices: int, link: Link, *, tensor: Optiona
     compute = work.tensor_pass(devices, tensor) + work.update_seconds * held / work.parameter_bytes / groups
     rings = {"all-reduce": 2, "reduce-scatter": 2 if scatter_by_allreduce else 1, "all-gather": 1,
              "small all-reduce": 2}       # passes around the ring of each kind (gloo reduce-scatters by all-reducing)
-    moved = messages = 0.0
+    moved = messages = calls = 0.0
     for kind, sizes in tensor_collectives(work, devices, tensor).items():
         moved += rings[kind] * sum(sizes)
         messages += rings[kind] * (tensor - 1) * len(sizes)
-    communication = (tensor - 1) / tensor * moved / link.beta + messages * link.alpha
+        calls += len(sizes)
+    communication = (tensor - 1) / tensor * moved / link.beta + 2 * messages * link.alpha
+    shard_messages = 0.0
     if groups > 1:                   # FSDP2 over the data dimension, on each rank's weights
         data = sharded(replace(work, parameter_bytes=held), groups, link, scatter_by_allreduce=scatter_by_allreduce)
         communication, messages = communication + data.communication, messages + data.messages
-        return Prediction(name, devices, compute, communication, messages=messages, shard_messages=data.messages)
-    return Prediction(name, devices, compute, communication, messages=messages)
+        shard_messages = data.messages
+    return Prediction(name, devices, compute, communication, messages=messages, shard_messages=shard_messages,
+                      collectives=calls, turns=turns)
 
 
 def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
@@ -272,20 +283,24 @@ def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
 
 def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
     """The cost per message that makes `prediction` (made without one) take the measured step: what the link
-    alone does not account for, shared over the step's messages; never negative."""
+    alone does not account for, shared over the step's messages (over its collectives, each `turns` times, where
+    it counts them: tensor's cost is per collective, at one process per core); never negative."""
     if not prediction.messages or not math.isfinite(prediction.step_seconds):
         return 0.0
-    return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.messages)
+    shared = prediction.collectives * prediction.turns if prediction.collectives else prediction.messages
+    return max(0.0, (measured_seconds - prediction.step_seconds) / shared)
 
 
 def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
                 contiguous: Collection[str] = (), scatter_by_allreduce: bool = False,
-                message_costs: Optional[Mapping[str, float]] = None, meshes: bool = True) -> Dict[str, Prediction]:
+                message_costs: Optional[Mapping[str, float]] = None, meshes: bool = True,
+                turns: float = 1.0) -> Dict[str, Prediction]:
     """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
     in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
-    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s for
-    every tensor layout). Tensor parallelism where the model has a plan: one group of all devices (`tensor`),
-    and with `meshes` each (data, tensor) mesh of smaller groups (`tensor RxT`)."""
+    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s: per
+    collective, for every tensor layout); `turns`: CPU processes per core. Tensor parallelism where the model
+    has a plan: one group of all devices (`tensor`), and with `meshes` each (data, tensor) mesh of smaller
+    groups (`tensor RxT`)."""
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
     if devices == 1:
@@ -298,18 +313,21 @@ def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int =
     for tensor in work.tensor_splits:
         if devices % tensor == 0 and (tensor == devices or meshes):
             predicted = tensor_parallel(of("tensor"), devices, link, tensor=tensor,
-                                        scatter_by_allreduce=scatter_by_allreduce)
+                                        scatter_by_allreduce=scatter_by_allreduce, turns=turns)
             predictions[predicted.strategy] = predicted
     costs = message_costs or {}
     return {name: priced(p, costs) for name, p in predictions.items()}
 
 
 def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
-    """The prediction with its strategy's cost per message (`tensor`'s for every tensor layout); FSDP2's messages
-    on a (data, tensor) mesh at `sharded`'s cost where one is known (copies around each collective, as there)."""
+    """The prediction with its strategy's cost per message; tensor's (every layout's) is per collective, times
+    the turns of processes per core, and FSDP2's messages on a (data, tensor) mesh are priced at `sharded`'s cost
+    per message where one is known (copies around each collective, as there), else at tensor's."""
     own = costs.get(prediction.strategy.split()[0], 0.0)
-    extra = prediction.shard_messages * (costs["sharded"] - own) if "sharded" in costs else 0.0
-    return with_message_cost(replace(prediction, communication=prediction.communication + extra), own)
+    if not prediction.collectives:
+        return with_message_cost(prediction, own)
+    extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get("sharded", own)
+    return replace(prediction, communication=prediction.communication + extra)
 
 
 def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:

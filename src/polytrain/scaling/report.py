@@ -217,7 +217,8 @@ def report(result: BenchResult) -> List[str]:
         lines.append(f"link ({kind}): {link.alpha * 1e6:.0f} us per message, {link.beta / 1e9:.2f} GB/s; {how}")
         costs = result.message_costs.get(kind)
         if costs:
-            each = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in costs.items())
+            each = ", ".join(f"{name} {seconds * 1e3:.2f} ms" + (" per collective" if name == "tensor" else "")
+                             for name, seconds in costs.items())
             lines.append(f"  and per message inside a step ({kind}), fitted to each strategy's row marked "
                          f"'fitted': {each}")
     if result.projections:

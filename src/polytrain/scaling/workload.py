@@ -284,7 +284,8 @@ def predictions_for(work: Workload, link: Link, *, devices: int, kind: str, mess
     from ..strategies import contiguous_strategies
     return predict_all(work, devices, link_for(link, devices, device_type=kind),
                        microbatches=default_microbatches(work.batch_size, devices), contiguous=contiguous_strategies(),
-                       scatter_by_allreduce=kind == "cpu", message_costs=message_costs, meshes=meshes)
+                       scatter_by_allreduce=kind == "cpu", message_costs=message_costs, meshes=meshes,
+                       turns=turns(devices, device_type=kind))
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

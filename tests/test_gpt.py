@@ -247,4 +247,4 @@ def test_another_optimizer_or_schedule_takes_its_own_defaults_not_the_recipes():
     values = {"optimizer": "sgd", "schedule": "steplr"}
     applied = apply_model_defaults(values, {"optimizer", "schedule"}, "gpt")
     assert not {"betas", "lr", "weight_decay", "warmup_epochs", "no_decay_norms_and_biases"} & set(applied)
-    assert applied["batch_size"] == 32 and values["optimizer"] == "sgd"
+    assert applied["batch_size"] == 8 and values["optimizer"] == "sgd"

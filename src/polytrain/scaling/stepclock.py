@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..callbacks import Callback
 from ..plan.tensor import TensorPlan
+from ..strategies.holdings import local
 from .tensor_inputs import narrowed
 
 
@@ -42,11 +43,11 @@ def held_bytes(strategy) -> int:
     tensors += [value for state in strategy.optimizer.state.values() for value in state.values()
                 if isinstance(value, torch.Tensor)]
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        key = (local.device, local.data_ptr()) if local.numel() else id(local)
+        part = local(tensor)
+        key = (part.device, part.data_ptr()) if part.numel() else id(part)
         if key not in seen:
             seen.add(key)
-            total += local.numel() * local.element_size()
+            total += part.numel() * part.element_size()
     return total
 
 

@@ -26,7 +26,8 @@ from .optimizer_state import load_part, numbered_part, positions, state_slots_of
 from .layers import (Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers)
 from .activations import receive, send
 from .tensor import plan_for_stages
-from .tied import TiedWeights, local
+from .holdings import local
+from .tied import TiedWeights
 from .traced import setup_traced, traced_plan
 
 def torch_version() -> tuple:

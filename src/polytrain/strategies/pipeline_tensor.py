@@ -20,9 +20,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .optimizer_state import state_slots, to_cpu
+from .holdings import figures, heading, local_bytes, optimizer_slots
+from .optimizer_state import to_cpu
 from .pipeline import Pipeline
-from .sharded import _bytes
 from .tensor import reordered, reordered_optimizer, replicate_rest, split_layers
 
 
@@ -56,22 +56,20 @@ class PipelineTensor(Pipeline):
         slots per parameter) next to a replica of the whole model."""
         lines = super().placement_lines(holds)
         params = list(self.model.parameters())            # a tied copy is held too, but stepped by its owner
-        held = self.gather_object((_bytes(params), _bytes(p for p in params if not self.tied.is_copy(p))))
+        held = self.gather_object((local_bytes(params), local_bytes(p for p in params if not self.tied.is_copy(p))))
         if not lines:
             return lines
-        layout, slots = self.plan.layout, state_slots(type(self.optimizer), self.optimizer.defaults)
+        layout, slots = self.plan.layout, optimizer_slots(self.optimizer)
         full = sum(t.numel() * t.element_size() for t in self.full_meta.values())
-        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
         lines.append(f"  each stage split over {layout.tensor} tensor ranks: "
-                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}; per rank, parameters + gradients + "
-                     f"optimizer state ({slots} slot{'s' if slots != 1 else ''} per parameter), where a replica "
-                     f"would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
+                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}; {heading(slots)}, where a replica "
+                     f"would hold {figures(full, slots)}")
         for rank in range(layout.devices):
             replica, pipeline_rank = layout.coords(rank)
             stages = "/".join(map(str, self.plan.stages_of_rank(pipeline_rank)))
             lines.append(f"  rank {rank}: replica {replica + 1}/{layout.replicas}, stage {stages}, tensor slice "
-                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}: {mib(held[rank][0])} + "
-                         f"{mib(held[rank][0])} + {mib(held[rank][1] * slots)}")
+                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}: "
+                         f"{figures(held[rank][0], slots, stepped=held[rank][1])}")
         return lines
 
     # -- the whole model, by its original names ---------------------------------------------------------

@@ -17,20 +17,13 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..plan.sharded import ShardedPlan
 from .base import Distributed
-from .optimizer_state import keep_speed, state_slots
+from .holdings import figures, heading, local_bytes, optimizer_slots
+from .optimizer_state import keep_speed
 
 
 def _full(**extra):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     return StateDictOptions(full_state_dict=True, **extra)
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
 
 
 class Sharded(Distributed):
@@ -97,18 +90,16 @@ class Sharded(Distributed):
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients are the same size; optimizer state after its first
         step, estimated here from the optimizer's per-parameter slots) next to a data-parallel replica."""
-        held = _bytes(self.model.parameters())
-        slots = _optimizer_slots(self.optimizer)
+        held = local_bytes(self.model.parameters())
+        slots = optimizer_slots(self.optimizer)
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
-        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
-        lines = [f"sharded: {self.world_size} ranks; per rank, parameters + gradients + optimizer state "
-                 f"({slots} slot{'s' if slots != 1 else ''} per parameter)"
+        lines = [f"sharded: {self.world_size} ranks; {heading(slots)}"
                  + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")]
         for rank, device, size in rows:
-            lines.append(f"  rank {rank} ({device}): {mib(size)} + {mib(size)} + {mib(size * slots)}; "
-                         f"data parallel would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
+            lines.append(f"  rank {rank} ({device}): {figures(size, slots)}; data parallel would hold "
+                         f"{figures(full, slots)}")
         return lines
 
     def epoch_extras(self) -> dict:
@@ -154,8 +145,3 @@ class Sharded(Distributed):
                                   for group, mine in zip(saved["param_groups"], self.optimizer.param_groups)]}
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=named, options=_full())
         self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _optimizer_slots(optimizer) -> int:
-    """State tensors per parameter, counted on a probe of the same class and settings."""
-    return state_slots(type(optimizer), optimizer.defaults)

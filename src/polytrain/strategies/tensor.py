@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
-from .optimizer_state import state_slots
-from .sharded import Sharded, _bytes
+from .holdings import figures, heading, local, local_bytes, optimizer_slots
+from .sharded import Sharded
 
 NEEDS = "2.5"        # torch.distributed.tensor (public DTensor) and its parallel styles
 
@@ -236,20 +236,17 @@ class TensorParallel(Sharded):
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)
         next to a replica of the whole model."""
-        held = _bytes(self.model.parameters())
-        slots = state_slots(type(self.optimizer), self.optimizer.defaults)
+        held = local_bytes(self.model.parameters())
+        slots = optimizer_slots(self.optimizer)
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
-        mib = lambda n: f"{n / 2**20:.2f} MiB"        # noqa: E731
-        lines = [f"tensor: {self.plan.describe()}; per rank, parameters + gradients + optimizer state "
-                 f"({slots} slot{'s' if slots != 1 else ''} per parameter)"]
+        lines = [f"tensor: {self.plan.describe()}; {heading(slots)}"]
         for rank, device, size in rows:
             data, part = self.plan.coords(rank)
             where = f", data shard {data + 1}/{self.plan.replicas}" if self.plan.replicas > 1 else ""
             lines.append(f"  rank {rank} ({device}{where}, tensor slice {part + 1}/{self.plan.devices}): "
-                         f"{mib(size)} + {mib(size)} + {mib(size * slots)}; "
-                         f"a replica would hold {mib(full)} + {mib(full)} + {mib(full * slots)}")
+                         f"{figures(size, slots)}; a replica would hold {figures(full, slots)}")
         return lines
 
     def _reordered(self, state: dict, *, back: bool) -> dict:
@@ -396,5 +393,5 @@ def _rows(value, order: torch.Tensor, *, back: bool):
 
 
 def _to_local(module, inputs, output):
-    return output.to_local() if hasattr(output, "to_local") else output
+    return local(output)
 

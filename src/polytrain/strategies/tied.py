@@ -11,6 +11,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from .holdings import local
 from .layers import shared_between
 
 
@@ -60,8 +61,3 @@ class TiedWeights:
         """The owners' weights after their step, on every copy."""
         for (layer, name), group, owner, _ in self.ties:
             dist.broadcast(local(layer.get_parameter(name).data), src=owner, group=group)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a view of its storage: collectives write into it), else the tensor."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -60,7 +60,7 @@ class PipelineTensor(Pipeline):
         if not lines:
             return lines
         layout, slots = self.plan.layout, optimizer_slots(self.optimizer)
-        full = sum(t.numel() * t.element_size() for t in self.full_meta.values())
+        full = sum(self.full_meta[name].numel() * self.full_meta[name].element_size() for name in self.parameter_names)
         lines.append(f"  each stage split over {layout.tensor} tensor ranks: "
                      f"{self.plan.tensor.describe().split(': ', 1)[-1]}; {heading(slots)}, where a replica "
                      f"would hold {figures(full, slots)}")

@@ -128,7 +128,7 @@ def by_vocabulary(layer: Layer, style: str, parts: int = 1) -> bool:
                                                                 and parts == 1)
 
 
-def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int) -> None:
+def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int, run: str, divisor: str) -> None:
     if style == "replicate":
         return
     linear = layer.kind == "linear"
@@ -144,25 +144,27 @@ def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int) ->
     if by_vocabulary(layer, style, parts):
         if min(shares(size, devices)):
             return                      # a vocabulary may split unevenly (torch.chunk's shares)
-        raise ConfigError(f"--strategy tensor --devices {devices}: {name} ({style}) has {size} {what}, of which "
+        raise ConfigError(f"{run}: {name} ({style}) has {size} {what}, of which "
                           f"torch's chunks of {-(-size // devices)} leave a rank none; use fewer --devices, or "
                           f"replicate it")
     if size % devices:
-        raise ConfigError(f"--strategy tensor --devices {devices}: {name} ({style}) has {size} {what}, which "
-                          f"{devices} ranks do not divide; use --devices that divides {size}, or replicate it")
+        raise ConfigError(f"{run}: {name} ({style}) has {size} {what}, which {devices} ranks do not divide; use "
+                          f"{divisor} that divides {size}, or replicate it")
 
 
 def resolve(patterns: dict, layers: dict, *, devices: int, model: str = "your model",
-            heads: Optional[int] = None) -> TensorPlan:
+            heads: Optional[int] = None, run: Optional[str] = None, divisor: str = "--devices") -> TensorPlan:
     """The plan for a model whose modules are `layers` (name -> Layer, in model order), given as
     {pattern: style}; one-line errors for a pattern that names nothing, a style on a layer that is not an
-    nn.Linear or nn.Embedding, a size `devices` does not divide, or `heads` it does not divide."""
+    nn.Linear or nn.Embedding, a size `devices` does not divide, or `heads` it does not divide. The errors
+    name the run as `run` (default `--strategy tensor --devices N`) and the setting to change as `divisor`."""
+    run = run or f"--strategy tensor --devices {devices}"
     if not isinstance(patterns, dict) or not patterns:
         raise ConfigError("tensor_plan must be a dict of module names (fnmatch patterns) to colwise, rowwise or "
                           "replicate, e.g. {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.out': 'rowwise'}")
     if heads is not None and heads % devices:
-        raise ConfigError(f"--strategy tensor --devices {devices}: the model's {heads} attention heads do not "
-                          f"split evenly; use --devices that divides {heads} (or --heads a multiple of {devices})")
+        raise ConfigError(f"{run}: the model's {heads} attention heads do not split evenly; use {divisor} that "
+                          f"divides {heads} (or --heads a multiple of {devices})")
     chosen = {}
     for pattern, text in patterns.items():
         style, parts = parse_style(text, pattern)
@@ -177,7 +179,7 @@ def resolve(patterns: dict, layers: dict, *, devices: int, model: str = "your mo
             if style != "replicate" and layer.kind not in SPLITTABLE:
                 raise ConfigError(f"tensor_plan: {name} is not an nn.Linear or nn.Embedding, which are the layers "
                                   f"--strategy tensor can split; name its Linear/Embedding layers instead")
-            _divisible(name, layer, style, parts, devices)
+            _divisible(name, layer, style, parts, devices, run, divisor)
             chosen[name] = (style, parts)
     for name, (style, _) in chosen.items():
         inside = [other for other in chosen if other != name and other.startswith(name + ".")]

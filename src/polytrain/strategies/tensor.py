@@ -16,6 +16,7 @@ import contextlib
 import logging
 import warnings
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -92,9 +93,11 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
                               f"can be split or replicated on its own")
 
 
-def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
+def plan_for(config, model: nn.Module, *, devices: int, run: Optional[str] = None,
+             divisor: str = "--devices") -> TensorPlan:
     """The plan from `tensor_plan` (a dict, or a function fn(model, mesh) that applies its own) or the
-    built-in one for polytrain's mlp and gpt; one line for a model that has none."""
+    built-in one for polytrain's mlp and gpt; one line for a model that has none (`run`, `divisor`: how its
+    errors name the run and the setting to change, as `resolve`'s)."""
     given = getattr(config, "tensor_plan", None)
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     name = type(model).__name__
@@ -112,7 +115,7 @@ def plan_for(config, model: nn.Module, *, devices: int) -> TensorPlan:
                           f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
                           f"function fn(model, mesh) that calls parallelize_module")
     heads = _heads(model) if given is None else None
-    plan = resolve(patterns, model_layers(model), devices=devices, model=name, heads=heads)
+    plan = resolve(patterns, model_layers(model), devices=devices, model=name, heads=heads, run=run, divisor=divisor)
     _check_shapes(model, plan)
     # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole)
     sequence = given is None and kind == "polytrain.models.gpt.GPT" and model.context % devices == 0
@@ -130,12 +133,8 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
                           f"{' and '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
                           f"not your {type(model).__name__}; drop --tensor-parallel, or use --strategy tensor with "
                           f"fit(tensor_plan=...)")
-    try:
-        plan = plan_for(config, model, devices=tensor)
-    except ConfigError as error:            # said in --strategy tensor's words: say them in this run's
-        raise ConfigError(str(error).replace(f"--strategy tensor --devices {tensor}",
-                                             f"--strategy pipeline --tensor-parallel {tensor}")
-                          .replace("use --devices that", "use a --tensor-parallel that")) from None
+    plan = plan_for(config, model, devices=tensor, run=f"--strategy pipeline --tensor-parallel {tensor}",
+                    divisor="a --tensor-parallel")
     # the first and last stages hold the embedding and the head whole (tied across stages by tied.py)
     return replace(plan.without_vocabulary(), sequence_parallel=False)
 

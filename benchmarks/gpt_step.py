@@ -24,7 +24,6 @@ ratio of the fastest epochs is printed beside it).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -40,7 +39,7 @@ from polytrain.models import build_model
 from polytrain.models.defaults import MODEL_DEFAULTS
 from polytrain.optim import lr_factor
 
-from interleaved import interleave, report       # benchmarks/interleaved.py (run as python benchmarks/...)
+from interleaved import interleave, report, save       # benchmarks/interleaved.py (run as python benchmarks/...)
 
 RECIPE = MODEL_DEFAULTS["gpt"]
 TARGET = 1.00
@@ -132,10 +131,7 @@ def main(argv=None) -> dict:
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(), batch_size=args.batch_size,
                   context=args.context, steps=steps, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
                   median_seconds=medians, ratio=ratio, ratio_of_minima=of_minima, train_loss=losses)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
-    return result
+    return save(result, args.json)
 
 
 if __name__ == "__main__":

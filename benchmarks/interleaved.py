@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import statistics
 
 
@@ -46,3 +47,11 @@ def report(seconds: dict, losses: dict, *, per_epoch: int, unit: str, targets: d
         print(f"polytrain / {other:<8} = {ratios[other]:.3f}   (target <= {target:.2f}: "
               f"{'met' if ratios[other] <= target else 'MISSED'}; ratio of the fastest epochs {of_minima[other]:.3f})")
     return medians, ratios, of_minima
+
+
+def save(result: dict, path) -> dict:
+    """`result` written as JSON to `path` where one is given (--json); returned as it is."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result

@@ -24,7 +24,6 @@ Targets: polytrain <= 1.02x by-hand, and <= 0.85x naive.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -35,7 +34,7 @@ import polytrain
 from polytrain.data.loader import global_batch_order
 from polytrain.models import MODELS, build_model
 
-from interleaved import interleave, report       # benchmarks/interleaved.py (run as python benchmarks/...)
+from interleaved import interleave, report, save       # benchmarks/interleaved.py (run as python benchmarks/...)
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4
 TARGETS = {"by-hand": 1.02, "naive": 0.85}     # polytrain's epoch time may be at most this times the other's
@@ -164,10 +163,7 @@ def main(argv=None) -> dict:
     result = dict(model=args.model, torch=torch.__version__, threads=torch.get_num_threads(), device=str(device),
                   batch_size=args.batch_size, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
                   median_seconds=medians, ratios=ratios, train_loss=losses)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
-    return result
+    return save(result, args.json)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder, UserCallbacks
-from ..checkpoint import Checkpointer, describe_position, restore_rng
+from ..checkpoint import Checkpointer, Position, describe_position, restore_rng
 from ..config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from ..data import ArrayDataset
@@ -24,7 +24,7 @@ from ..data.loader import make_loaders
 from ..optim import make_recipe
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from ..strategies import STRATEGIES
-from ..trainer import History, Position, Trainer
+from ..trainer import History, Trainer
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
 from .watchdog import Watchdog

@@ -96,8 +96,12 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(on_two_ranks):
 
 
 @pytest.mark.parametrize("strategy", ["sharded", "pipeline"])
-def test_fp16_trains_every_strategy_within_fp16_rounding_of_one_device(strategy, capfd):
+def test_fp16_trains_every_strategy_within_its_noise_floor_of_one_device(strategy, capfd):
+    # float64 cannot run under fp16 autocast: verify compares as trained, against one device repeated in
+    # another summation order
     result = polytrain_here(capfd, "verify", "--devices", "2", "--steps", "4", "--precision", "fp16", "--strategy",
-                            strategy, "--tolerance", "2e-3", "--device", "cpu")
+                            strategy, "--device", "cpu")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "PASS" in result.stdout
+    assert "both as trained (fp16)" in result.stdout and "PASS" in result.stdout and "noise floor" in result.stdout
+    floors = [float(line.split()[4]) for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(floors) == 4 and max(floors) > 0      # the two summation orders do round apart

@@ -89,7 +89,7 @@ def test_the_cli_refuses_a_split_at_with_tensor_ranks_in_one_line(tmp_path, caps
 
 # ---- on 4 processes: 2 stages, each split over 2 tensor ranks ----
 
-# --eps 1e-5: see test_tensor.py (AdamW's first steps follow the rounding noise of near-zero gradients)
+# --eps 1e-5 for runs compared in float32 (not verify, which trains in float64): see test_tensor.py
 GPT_TINY = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--eps", "1e-5"]
 MESH = ["--strategy", "pipeline", "--devices", "4", "--tensor-parallel", "2", "--split", "2"]
 
@@ -98,7 +98,7 @@ MESH = ["--strategy", "pipeline", "--devices", "4", "--tensor-parallel", "2", "-
 def test_verify_a_tiny_gpt_in_two_stages_of_two_tensor_ranks(capfd):
     """The tied embedding and head on the first and last stage, each a replicated DTensor; accumulation and the
     global-norm clip over the stages' DTensor norms."""
-    result = polytrain_here(capfd, "verify", *GPT_TINY, *MESH, "--dataset", "shakespeare", "--context", "16",
+    result = polytrain_here(capfd, "verify", *GPT_TINY[:-2], *MESH, "--dataset", "shakespeare", "--context", "16",
                             "--batch-size", "8", "--steps", "2", "--accumulate", "2", "--clip-grad-norm", "0.5")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]

@@ -13,6 +13,7 @@ from .data import DATASETS
 from .errors import UserError
 from .models import MODELS
 from .strategies import STRATEGIES
+from .runtime.verify import COMPARE_HELP, TOLERANCE_HELP
 
 EXAMPLES = """examples:
   polytrain train                          # LeNet on 10,000 real MNIST digits, run folder under runs/
@@ -81,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "diverge.")
     add_setting_flags(verify, "verify")
     verify.add_argument("--steps", type=int, default=20, metavar="N", help="steps to compare (default: 20)")
-    verify.add_argument("--tolerance", type=float, default=1e-5, metavar="X",
-                        help="largest allowed parameter difference (default: 1e-5)")
+    verify.add_argument("--tolerance", type=float, default=None, metavar="X", help=TOLERANCE_HELP)
+    verify.add_argument("--compare-in", choices=("auto", "float64", "as-trained"), default="auto",
+                        help=COMPARE_HELP)
     add_bench_flags(command("bench", help="time every strategy on 1..N devices; explain, predict, pick",
                             description=BENCH_DESCRIPTION))
     return parser

@@ -24,6 +24,7 @@ from .models.defaults import defaults_words
 from .checkpoint import planned_steps, read_progress
 from .run_dir import read_config, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
+from .runtime.verify import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
 
 
@@ -185,11 +186,19 @@ def predict_command(args) -> int:
 
 
 def verify_command(args) -> int:
+    from .runtime.verify import compares_in_float64, in_float64, judge, step_differences
     config = config_from_args(args)
     if args.steps <= 0:
         raise UserError(f"--steps must be positive, got {args.steps}")
+    if args.tolerance is not None and args.tolerance <= 0:
+        raise UserError(f"--tolerance must be positive, got {args.tolerance:g}")
     strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
     check_devices(config.devices, config.device)
+    float64 = compares_in_float64(args.compare_in, precision=config.precision,
+                                  device=choose_device(config.device, 0))
+    if float64 and config.precision != "fp32":
+        raise UserError(f"--compare-in float64 trains both sides in float64, which --precision {config.precision} "
+                        f"does not; use --compare-in as-trained (the default for {config.precision})")
     full = as_dataset(config.dataset, config)
     if hasattr(full, "head"):               # text: the windows of the first --steps batches
         data = full.head(args.steps * config.batch_size)
@@ -201,30 +210,39 @@ def verify_command(args) -> int:
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_classes, config)
+    if float64:
+        model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
     print(f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
-          f"1 device vs {config.devices} device(s) with strategy {strategy!r}")
+          f"1 device vs {config.devices} device(s) with strategy {strategy!r}, "
+          + ("both in float64" if float64 else f"both as trained ({config.precision})"))
     channels_last = config.channels_last if config.channels_last is not None else \
         any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     common = dict(verbose=False, record_steps=True, channels_last=channels_last, objective=objective)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
         print(f"  plan: {plan.describe()}")
+
+    def one_device(accumulate: int):
+        return run_job(Job(config.with_strategy("single", devices=1, accumulate=accumulate), "single", data,
+                           copy.deepcopy(model), **common))
     # accumulation never changes the trajectory: the reference takes each step in one pass
-    one = run_job(Job(config.with_strategy("single", devices=1, accumulate=1), "single", data,
-                      copy.deepcopy(model), **common))
+    one = one_device(1)
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
-    worst = 0.0
+    differences = step_differences(one.steps, many.steps)
+    floor = None
+    if not float64:             # the noise floor: the same steps on one device, each batch in two passes
+        floor = step_differences(one.steps, one_device(2).steps)
     print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
-          f"{'max |param diff|':>17}")
-    for step, ((loss_a, params_a), (loss_b, params_b)) in enumerate(zip(one.steps, many.steps), 1):
-        diff = float((params_a - params_b).abs().max())
-        worst = max(worst, diff)
-        print(f"{step:>5} {loss_a:>16.6f} {loss_b:>18.6f} {diff:>17.3e}")
-    ok = worst <= args.tolerance and len(one.steps) == len(many.steps)
-    print(f"{'PASS' if ok else 'FAIL'}: largest parameter difference {worst:.3e} "
-          f"({'within' if ok else 'beyond'} tolerance {args.tolerance:g})")
-    return 0 if ok else 1
+          f"{'param diff':>11}" + (f" {'noise floor':>12}" if floor else ""))
+    for step, ((loss_a, _), (loss_b, _)) in enumerate(zip(one.steps, many.steps), 1):
+        print(f"{step:>5} {loss_a:>16.6f} {loss_b:>18.6f} {differences[step - 1]:>11.3e}"
+              + (f" {floor[step - 1]:>12.3e}" if floor else ""))
+    verdict = judge(differences, steps_match=len(one.steps) == len(many.steps),
+                    tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE,
+                    floor_differences=floor)
+    print(verdict.line())
+    return 0 if verdict.passed else 1
 
 
 def bench_command(args) -> int:

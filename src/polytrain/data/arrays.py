@@ -20,6 +20,7 @@ class ArrayDataset:
     num_classes: int = 10
     augment: bool = False      # random crop + flip during training by default (natural images, not digits)
     flip: bool = False         # whether mirrored images stay valid (CIFAR yes; digits no: a flipped 2 is no 2)
+    dtype: torch.dtype = torch.float32   # of the normalised inputs (float64 where `polytrain verify` compares)
 
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.train_x, self.train_y), ("validation", self.val_x, self.val_y)):
@@ -53,7 +54,7 @@ class ArrayDataset:
 
     def sample_inputs(self, count: int) -> torch.Tensor:
         """The first `count` training images as floats in 0..1 (to probe a model's shapes and speed)."""
-        return self.train_x[:count].float() / 255
+        return self.train_x[:count].to(self.dtype) / 255
 
     @classmethod
     def from_numpy(cls, name, train_x, train_y, val_x, val_y, *, augment=False, flip=False, num_classes=10):

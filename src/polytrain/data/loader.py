@@ -23,7 +23,8 @@ class DeviceLoader:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, mean: torch.Tensor,
                  std: torch.Tensor, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 augment: bool = False, flip: bool = True, channels_last: bool = False):
+                 augment: bool = False, flip: bool = True, channels_last: bool = False,
+                 dtype: torch.dtype = torch.float32):
         self.images = images.to(device)
         self.labels = labels.to(device)
         self.batch_size = batch_size
@@ -34,8 +35,8 @@ class DeviceLoader:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         shape = (1, -1, 1, 1)
         # x_normalised = (x/255 - mean) / std  ==  x * scale + shift, fused into one multiply-add per batch
-        self.scale = (1.0 / (255.0 * std)).reshape(shape).to(device)
-        self.shift = (-mean / std).reshape(shape).to(device)
+        self.scale = (1.0 / (255.0 * std.to(dtype))).reshape(shape).to(device)
+        self.shift = (-mean.to(dtype) / std.to(dtype)).reshape(shape).to(device)
 
     def __len__(self) -> int:
         return -(-len(self.labels) // self.batch_size)
@@ -45,7 +46,7 @@ class DeviceLoader:
         return len(self.labels)
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
-        x = torch.addcmul(self.shift, images.float(), self.scale)
+        x = torch.addcmul(self.shift, images.to(self.scale.dtype), self.scale)
         return x.contiguous(memory_format=self.memory_format)
 
     def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
@@ -94,7 +95,7 @@ def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size:
     mean, std = dataset.channel_stats()
     augment = dataset.augment if augment is None else augment
     common = dict(mean=mean, std=std, device=device, rank=rank, world_size=world_size, seed=seed,
-                  channels_last=channels_last)
+                  channels_last=channels_last, dtype=getattr(dataset, "dtype", torch.float32))
     train = DeviceLoader(dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment,
                          flip=dataset.flip, **common)
     val = DeviceLoader(dataset.val_x, dataset.val_y, batch_size=eval_batch_size or max(batch_size, 1024), **common)

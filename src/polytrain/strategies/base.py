@@ -252,11 +252,12 @@ class Strategy:
         return self.model.state_dict()
 
     def flat_parameters(self):
-        """All parameters of the whole model as one CPU vector on rank 0 (None elsewhere); every rank calls it."""
+        """All parameters of the whole model as one float64 CPU vector on rank 0 (None elsewhere); every rank
+        calls it."""
         state = self.model_state()
         if not self.is_main:
             return None
-        return torch.cat([state[name].detach().float().flatten().cpu() for name in self.parameter_names])
+        return torch.cat([state[name].detach().double().flatten().cpu() for name in self.parameter_names])
 
     def state_dict(self) -> dict:
         mine = numbered_part(self.optimizer, positions(self.model.parameters()))

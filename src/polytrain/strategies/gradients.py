@@ -30,7 +30,12 @@ def total_norm(grads: list) -> torch.Tensor:
         return torch.zeros(())
     if hasattr(torch.nn.utils, "get_total_norm"):
         return _local(torch.nn.utils.get_total_norm(grads, 2.0))
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)) for g in grads]))
+
+
+def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision gradients, float64 for float64 ones (never a rounding below the gradients')."""
+    return torch.promote_types(tensor.dtype, torch.float32)
 
 
 def scale_to_norm(grads: list, max_norm: float, norm: torch.Tensor) -> None:
@@ -89,7 +94,9 @@ class Gradients:
             torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], self.clip_value)
         squared = None
         if self.clip_norm is not None:
-            squared = total_norm(grads).to(self.device, torch.float32).square()
+            # float64 on every rank, whatever the gradients' dtype, so that ranks with and without gradients
+            # agree on the all-reduce and float64 training keeps its precision
+            squared = total_norm(grads).to(self.device, torch.float64).square()
         squared, found = self._agree(squared, found, norm_group, overflow_group)
         norm = squared.sqrt() if squared is not None else None
         if found is not None:

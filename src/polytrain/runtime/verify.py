@@ -1,0 +1,91 @@
+"""`polytrain verify`: the same steps trained on one device and on N, compared parameter by parameter.
+
+By default both sides train in float64 (on the CPU always; on a GPU that computes float64 at speed), so
+rounding can neither hide a bug nor pass for one: float32 rounding, amplified by Adam's division by each
+gradient's running root-mean-square, moves parameters by 1e-5 where nothing is wrong, while a float64 run of
+the same strategies agrees to about 1e-14 of the parameters' scale. Where float64 cannot run (fp16 and bf16
+autocast, a GPU without float64 speed), both sides train as configured, and the one-device run is repeated
+in another summation order (each batch in two accumulation passes): the difference between those two is
+the noise floor, and N devices pass within `FLOOR_MULTIPLE` times it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+# largest parameter difference over the largest parameter magnitude that passes in float64: float64 runs of
+# every strategy measured 1e-16 .. 1e-13 (docs/benchmarks.md), while the smallest fault verify must catch, one
+# rank's gradient scaled by 1 + 1e-6, moves the parameters by 1e-9 .. 1e-7 of their scale
+DEFAULT_TOLERANCE = 1e-10
+FLOOR_MULTIPLE = 10          # as trained: N devices may differ from one by this many times the noise floor
+# GPUs whose float64 runs at half their float32 speed or better (P100, V100, A100, H100, B200)
+FLOAT64_GPUS = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+
+TOLERANCE_HELP = (f"largest allowed parameter difference, relative to the largest parameter's magnitude "
+                  f"(default: {DEFAULT_TOLERANCE:g}: float64 runs of every strategy agree to 1e-13 or better, "
+                  f"and one rank's gradient off by 1e-6 moves the parameters by 1e-9 or more); as trained "
+                  f"(fp16, bf16): {FLOOR_MULTIPLE} times the measured noise floor")
+COMPARE_HELP = ("float64: both sides train in float64 (exact to rounding; fp32 runs only); as-trained: in the "
+                "run's own precision, against the noise floor of the one-device run repeated in another "
+                "summation order; auto (default): float64 where the precision is fp32 and the device computes "
+                "float64 at speed (CPUs; P100/V100/A100/H100 GPUs)")
+
+
+def relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """max |reference - other| / max |reference|: the largest parameter difference on the parameters' scale."""
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    return float((reference - other).abs().max()) / max(scale, torch.finfo(torch.float64).tiny) \
+        if reference.numel() else 0.0
+
+
+def step_differences(reference: Sequence, other: Sequence) -> List[float]:
+    """The relative parameter difference after each step of two recorded runs ((loss, parameters) per step)."""
+    return [relative_difference(a[1], b[1]) for a, b in zip(reference, other)]
+
+
+def compares_in_float64(compare: str, *, precision: str, device: torch.device) -> bool:
+    """Whether `--compare-in` COMPARE trains both sides in float64 here (False: as trained)."""
+    if compare != "auto":
+        return compare == "float64"
+    if precision != "fp32":
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) in FLOAT64_GPUS
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    worst: float                    # the largest relative parameter difference, N devices against one
+    limit: float                    # what it had to stay within
+    floor: Optional[float] = None   # as trained: one device against itself in another summation order
+
+    def line(self) -> str:
+        floor = "" if self.floor is None else \
+            f"; noise floor {self.floor:.3e} (one device, each batch in two passes), limit {FLOOR_MULTIPLE} x " \
+            f"max(floor, float32 epsilon)"
+        return (f"{'PASS' if self.passed else 'FAIL'}: largest parameter difference {self.worst:.3e} of the "
+                f"parameters' scale ({'within' if self.passed else 'beyond'} {self.limit:.3g}{floor})")
+
+
+def judge(differences: Sequence[float], *, steps_match: bool, tolerance: float,
+          floor_differences: Optional[Sequence[float]] = None) -> Verdict:
+    """PASS where every step's difference stays within `tolerance` (float64), or within FLOOR_MULTIPLE times
+    the noise floor where `floor_differences` (the one-device run against itself) are given."""
+    worst = max(differences, default=0.0)
+    if floor_differences is None:
+        return Verdict(steps_match and worst <= tolerance, worst, tolerance)
+    floor = max(floor_differences, default=0.0)
+    limit = FLOOR_MULTIPLE * max(floor, torch.finfo(torch.float32).eps)
+    return Verdict(steps_match and worst <= limit, worst, limit, floor)
+
+
+def in_float64(model: torch.nn.Module, data):
+    """The model and the dataset's float inputs in float64 (a copy of the model; token ids stay integers)."""
+    model = copy.deepcopy(model).double()
+    if hasattr(data, "dtype"):
+        data = copy.copy(data)
+        data.dtype = torch.float64
+    return model, data

@@ -296,3 +296,46 @@ def test_python_objects_are_labelled_checked_and_a_factory_says_its_interval():
                     param_groups=lambda n, p: {"weight_decy": 0}).checked(small())
     factory = Recipe(optimizer=lambda params: torch.optim.SGD(params, lr=0.3), schedule="constant", interval="step")
     assert factory.checked(small()).optimizer_factory()([("w", nn.Parameter(torch.zeros(1)))]).defaults["lr"] == 0.3
+
+
+def _built(**settings):
+    """The optimizer polytrain builds for a run with these settings (as fit() and the command line resolve
+    them), over one parameter."""
+    from polytrain.config import TrainConfig
+    from polytrain.models.defaults import apply_model_defaults
+    from polytrain.optim import make_recipe
+    values = dict(settings)
+    given_object = values.pop("object", None)
+    apply_model_defaults(values, set(values), None)
+    recipe = make_recipe(TrainConfig(**values), optimizer=given_object)
+    return recipe.optimizer_factory()([("w", torch.nn.Parameter(torch.zeros(3)))])
+
+
+def _defaults(optimizer):
+    return {k: v for k, v in optimizer.defaults.items() if k not in ("foreach", "fused")}
+
+
+@pytest.mark.parametrize("settings, reference", [
+    # what torch builds from the same words: the user's settings, torch's defaults for the rest
+    (dict(optimizer="adamw", lr=1e-3), lambda p: torch.optim.AdamW(p, lr=1e-3)),          # weight decay 0.01
+    (dict(optimizer="adadelta"), lambda p: torch.optim.Adadelta(p)),                      # weight decay 0
+    (dict(optimizer="sgd", lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),                # momentum 0
+    (dict(optimizer="rmsprop", weight_decay=0.1), lambda p: torch.optim.RMSprop(p, weight_decay=0.1)),
+    # polytrain's own recipe only where no optimizer is named
+    (dict(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),
+    (dict(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4)),
+])
+def test_a_named_optimizer_gets_torchs_defaults_for_what_the_user_did_not_give(settings, reference):
+    assert _defaults(_built(**settings)) == _defaults(reference([torch.nn.Parameter(torch.zeros(3))]))
+
+
+def test_an_optimizer_class_from_python_gets_torchs_defaults_too():
+    from polytrain.optim import FROM_PYTHON
+    built = _built(optimizer="AdamW" + FROM_PYTHON, lr=1e-3, object=torch.optim.AdamW)
+    assert built.defaults["weight_decay"] == 0.01 and built.defaults["lr"] == 1e-3
+
+
+def test_linear_lr_scaling_of_an_optimizers_own_default_lr_is_refused_in_one_line():
+    from polytrain.errors import ConfigError
+    with pytest.raises(ConfigError, match="--lr-scale linear multiplies --lr by the replicas; give --lr"):
+        _built(optimizer="adam", lr_scale="linear")

@@ -29,7 +29,7 @@ from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts
-from .optim import FROM_PYTHON, defaults_line, describe, make_recipe, take_objects
+from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, take_objects
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
                       item_form, make_objective, oversized_batch_note, refuse_for_strategy, split_data)
@@ -90,6 +90,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     refuse_for_strategy(strategy, config, objective, dataset)
     recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler,
                          param_groups=param_groups).checked(module, staleness=config.staleness or 0)
+    if verbose and (launcher is None or launcher.rank == 0):
+        print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
@@ -253,9 +255,6 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
             print(defaults_words(model, applied), flush=True)
         config = TrainConfig(devices=devices, strategy=strategy, out=out or resume, **settings)
         refuse_ignored(config, given)
-        if verbose and isinstance(model, nn.Module) and not {"optimizer", "lr", "weight_decay", "schedule"} & \
-                set(settings) and (launcher_env() is None or launcher_env().rank == 0):
-            print(defaults_line(config), flush=True)      # a ported recipe is never changed silently
         named = data if isinstance(data, str) else config.dataset if data is None and train is None else None
         unused = unused_dataset_options(named, settings)
         if unused:

@@ -370,15 +370,38 @@ def check_settings(config) -> None:
     make_recipe(config, objects_follow=True)
 
 
-def defaults_line(config) -> str:
-    """The optimizer and schedule in force, for a module of the user's trained on polytrain's defaults."""
-    recipe = make_recipe(config)
-    settings = ", ".join(f"{name.replace('_', ' ')} {value:g}" for name, value in recipe.options.items()
-                         if name in ("lr", "momentum", "weight_decay"))
-    schedule = (f"{config.schedule} learning-rate schedule after {config.warmup_epochs:g} epochs of linear warm-up"
-                if config.schedule in SCHEDULES else f"schedule {config.schedule}")
-    return (f"optimizer: {recipe.optimizer.__name__} ({settings}), {schedule} (polytrain's defaults); pass "
-            f"optimizer=, lr=, momentum=, weight_decay=, schedule= or scheduler= to change them")
+def torch_defaults(cls) -> dict:
+    """The keyword arguments' defaults of a torch.optim class (lr, momentum, weight_decay, betas, eps, ...)."""
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name in keywords(cls) and p.default is not p.empty}
+
+
+def _number(value) -> str:
+    return f"({', '.join(_number(v) for v in value)})" if isinstance(value, tuple) else \
+        f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def recipe_line(recipe: Recipe) -> str:
+    """The start line: the optimizer with every setting that differs from torch's defaults, and the schedule
+    with the interval it steps at."""
+    if isinstance(recipe.optimizer, type):
+        defaults = torch_defaults(recipe.optimizer)
+        changed = [f"{name.replace('_', ' ')} {_number(value)}" for name, value in recipe.options.items()
+                   if name not in defaults or defaults[name] != value]
+        optimizer = f"{recipe.optimizer.__name__} " + (
+            f"({', '.join(changed)}; torch's defaults otherwise)" if changed else "(torch's defaults)")
+        if recipe.groups is not None and len(recipe.groups[0]) > 1:
+            optimizer += f" in {len(recipe.groups[0])} parameter groups"
+    else:
+        optimizer = f"{describe(recipe.optimizer)} (your function, with its own settings)"
+    if isinstance(recipe.schedule, str):
+        schedule = f"{recipe.schedule} after {recipe.warmup_epochs:g} epochs of linear warm-up"
+    elif recipe.schedule is None:
+        schedule = "none"
+    else:
+        schedule = describe(recipe.schedule)
+    every = "optimizer step" if recipe.per_step else "epoch"
+    return f"optimizer: {optimizer}; schedule: {schedule}, stepped every {every}"
 
 
 def take_objects(settings: dict, optimizer, scheduler) -> tuple:

@@ -11,7 +11,7 @@ from typing import Optional
 from ..data import DATASETS, datasets_using, unused_dataset_options
 from ..errors import UserError
 from ..models import MODELS
-from ..models.defaults import apply_model_defaults
+from ..models.defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
 from ..strategies import STRATEGIES
 from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
@@ -93,9 +93,10 @@ def settings_of(args) -> dict:
         from_file.pop("batch_size", None)
         from_file.pop("per_device_batch_size", None)
     # JSON has no tuples: [1, 28, 28] is the default (1, 28, 28), so it was not given
+    # the optimizer's settings a file writes out were chosen, default or not (a run's config.json repeats them)
     args.given = frozenset(args.given | {name for name, value in from_file.items()
                                          if (tuple(value) if isinstance(value, list) else value)
-                                         != getattr(DEFAULTS, name, None)})
+                                         != getattr(DEFAULTS, name, None) or name in OWN_OPTIMIZER_SETTINGS})
     return dict(from_file, **flags)
 
 

@@ -112,13 +112,16 @@ class OptimisationSettings:
     no_decay_norms_and_biases: bool = setting(False, "two parameter groups: no weight decay on biases and "
                                               "normalisation weights (every tensor of one dimension)",
                                               group="optimisation", flag="switch")
-    lr: float = setting(0.05, "peak learning rate (default: %(default)s)", group="optimisation", metavar="X",
-                        check="nonneg")
+    lr: Optional[float] = setting(0.05, "peak learning rate (default: %(default)s with polytrain's own SGD; an "
+                                  "--optimizer you name keeps torch's default lr, momentum and weight decay "
+                                  "unless given)", group="optimisation", metavar="X", check="nonneg")
     lr_scale: str = setting("none", "linear: multiply --lr by --devices (the linear scaling rule, for a global "
                             "batch that grows with the devices); default: %(default)s", group="optimisation",
                             choices=("none", "linear"))
-    momentum: float = setting(0.9, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
-    weight_decay: float = setting(5e-4, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
+    momentum: Optional[float] = setting(0.9, "default: %(default)s with polytrain's own SGD, torch's with a named "
+                                        "--optimizer", group="optimisation", metavar="X", check="nonneg")
+    weight_decay: Optional[float] = setting(5e-4, "default: %(default)s with polytrain's own SGD, torch's with a "
+                                            "named --optimizer", group="optimisation", metavar="X", check="nonneg")
     schedule: str = setting("onecycle", "learning-rate schedule after warm-up: constant, cosine, onecycle, or any "
                             "torch.optim.lr_scheduler class by name (steplr, ...) with --schedule-args "
                             "(default: %(default)s)", group="optimisation", metavar="NAME")

@@ -94,9 +94,14 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
                 raise ConfigError(f"{flag_name(name)} applies to --strategy {' or '.join(meta.strategies)} only; "
                                   f"add --strategy {owner} or drop it")
             check_value(name, meta, getattr(self, name))
-        _need(self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
-        _need(self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
-        _need(self.momentum < 1, f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
+        # None: the optimizer's own default (an optimizer given by name keeps torch's defaults)
+        _need(self.lr is None or self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
+        _need(self.lr is None or self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
+        _need(self.momentum is None or self.momentum < 1,
+              f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
+        _need(self.lr is not None or self.lr_scale == "none",
+              "--lr-scale linear multiplies --lr by the replicas; give --lr (the optimizer's default is not "
+              "scaled silently)")
         check_settings(self)          # the optimizer and schedule by name, their arguments, the interval
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
@@ -171,8 +176,9 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         return self.devices
 
     @property
-    def effective_lr(self) -> float:
-        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per replica."""
+    def effective_lr(self) -> Optional[float]:
+        """The learning rate after `--lr-scale linear`: lr grows with the global batch relative to 64 per replica
+        (None: the optimizer's default)."""
         if self.lr_scale == "linear":
             return self.lr * self.data_parallel_size
         return self.lr

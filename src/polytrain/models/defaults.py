@@ -46,9 +46,15 @@ def check_model_settings(name: Optional[str], given) -> None:
                           f"{readers} model only, not {name or 'your own module'}; drop {them}")
 
 
+# polytrain's own recipe for its default optimizer (SGD with momentum and weight decay, the settings' defaults):
+# an optimizer the user names takes torch's defaults for these instead, wherever they are not given
+OWN_OPTIMIZER_SETTINGS = ("lr", "momentum", "weight_decay")
+
+
 def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
     """Fill `values` with model `model`'s own defaults for the settings not in `given`; return what was filled
-    (to say so). A model setting given for another model is refused."""
+    (to say so). An optimizer the user names keeps torch's defaults for what is not given (None here: the
+    optimizer's own). A model setting given for another model is refused."""
     check_model_settings(model, {key for key in given if values.get(key) is not None})
     # a recipe's optimizer settings belong to its optimizer, its warm-up to its schedule: another one given
     # takes its own defaults
@@ -58,6 +64,10 @@ def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
     applied = {key: value for key, value in MODEL_DEFAULTS.get(model, {}).items()
                if key not in given and key not in skipped}
     values.update(applied)
+    if "optimizer" in given:
+        for key in OWN_OPTIMIZER_SETTINGS:
+            if key not in given:
+                values[key] = None
     return applied
 
 

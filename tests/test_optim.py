@@ -339,3 +339,20 @@ def test_linear_lr_scaling_of_an_optimizers_own_default_lr_is_refused_in_one_lin
     from polytrain.errors import ConfigError
     with pytest.raises(ConfigError, match="--lr-scale linear multiplies --lr by the replicas; give --lr"):
         _built(optimizer="adam", lr_scale="linear")
+
+
+def test_an_optimizer_factory_over_the_users_own_model_object_is_refused_in_one_line():
+    """Each worker trains a copy: an optimizer built over the original object would step nothing that trains
+    (the loss stayed flat with no word)."""
+    import polytrain
+    from polytrain.errors import UserError
+    from conftest import tiny_digits
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    data = tiny_digits(n_train=32, n_val=8)
+    with pytest.raises(UserError, match=r"built its optimizer over 2 tensor\(s\) other than the parameters it was "
+                                        r"given .*optimizer=lambda params: torch.optim.SGD\(params, lr=0.1\)"):
+        polytrain.fit(model, data, epochs=1, verbose=False,
+                      optimizer=lambda params: torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model[1].weight.detach().clone()
+    polytrain.fit(model, data, epochs=1, verbose=False, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.equal(model[1].weight, before)      # built over its argument, the model trains

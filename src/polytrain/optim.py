@@ -262,8 +262,13 @@ class Recipe:
         """Planned over `model`, with the optimizer and schedule built once on its parameters (they do not
         change): a mistake is one line here, and a factory's {"interval": ...} is learnt."""
         recipe = self.planned(model)
+        # stand-ins without storage: each worker trains its own copy of the model, so an optimizer that holds
+        # anything but the parameters it is given (a factory over `model.parameters()` of the user's object)
+        # would step tensors nobody trains
+        given = [(name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+                 for name, p in model.named_parameters()]
         try:
-            optimizer = recipe.optimizer_factory()(list(model.named_parameters()))
+            optimizer = recipe.optimizer_factory()(given)
         except Exception as error:
             if isinstance(error, UserError):
                 raise
@@ -271,6 +276,7 @@ class Recipe:
                             f"{type(error).__name__}: {first_line(error)}") from None
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise UserError(f"optimizer= must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_holds_given(optimizer, given, recipe.optimizer)
         for options in (recipe.groups or ([],))[0]:
             unknown = sorted(set(options) - set(optimizer.defaults))
             if unknown:
@@ -291,6 +297,18 @@ class Recipe:
         check_interval(scheduler if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) else None,
                        recipe.interval, staleness)
         return recipe
+
+
+def check_holds_given(optimizer, given: list, factory) -> None:
+    """Refuse an optimizer that holds parameters other than the `given` ones it was built over."""
+    ids = {id(p) for _, p in given}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"]
+                  if id(p) not in ids and p.numel() > 0)
+    if foreign:
+        raise UserError(f"optimizer {describe(factory)} built its optimizer over {foreign} tensor(s) other than the "
+                        f"parameters it was given (e.g. model.parameters() of your own model object): polytrain "
+                        f"trains a copy of the model in each worker, so those would never be trained; build it over "
+                        f"the argument: optimizer=lambda params: torch.optim.SGD(params, lr=0.1)")
 
 
 def check_interval(plateau, interval: str, staleness: int) -> None:

@@ -89,6 +89,12 @@ def test_bench_runs_a_tiny_gpt_and_reports_tokens_per_second(tmp_path):
     document = json.loads((tmp_path / "bench.json").read_text())
     row, = document["rows"]
     assert row["skipped"] == "" and row["tokens_per_second"] == pytest.approx(row["samples_per_second"] * 16)
+    # its counted FLOPs per second as a share of a float32 matmul's on the same threads, in the table and its row
+    lines = result.stdout.splitlines()
+    header = next(index for index, text in enumerate(lines) if text.startswith("device "))
+    assert "% peak" in lines[header]
+    shown = float(lines[header + 2].split()[6])     # device, strategy, n, batch, samples/s, tokens/s, % peak
+    assert 0 < row["peak_fraction"] <= 1 and shown == pytest.approx(100 * row["peak_fraction"], abs=0.051)
     work = document["workloads"][0]
     weights = 4 * gpt_parameters(vocab=VOCAB, context=16, layers=1, width=32)
     assert work["parameter_bytes"] == weights and work["boundary_bytes"] == [4.0 * 16 * 32] * 3

@@ -26,6 +26,7 @@ from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
 from ..runtime.worker import Job, choose_device
 from .auto import steady_choice
+from .flops import flops_per_sample, matmul_peak
 from .workload import measure_link, measure_workload, predictions_for, turns
 
 PHASES = ("compute", "communication", "data", "idle")
@@ -99,6 +100,7 @@ class Row:
     step_seconds: float = math.nan             # median over measured steps, data and waiting included
     samples_per_second: float = math.nan
     tokens_per_second: float = math.nan        # text: samples/s times the tokens each sample predicts
+    peak_fraction: float = math.nan            # counted FLOPs per second over the devices' float32 matmul peak
     speedup: float = math.nan                  # against `single` on one device of the same kind and batch
     efficiency: float = math.nan               # speedup / devices
     phases: Dict[str, float] = field(default_factory=dict)      # seconds per step, mean over ranks
@@ -245,6 +247,14 @@ def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
         row.tokens_per_second = row.samples_per_second * dataset.context
 
 
+def fill_peak_fraction(row: Row, flops: float, peaks: dict) -> None:
+    """The row's counted FLOPs per second (`flops` per sample) over its devices' peak: a GPU's each, while CPU
+    processes share the cores whose peak was measured."""
+    peak = peaks.get(row.device)
+    if not row.skipped and peak and math.isfinite(flops):
+        row.peak_fraction = flops * row.samples_per_second / (peak * (row.devices if row.device == "cuda" else 1))
+
+
 def median_row(runs: List[Row]) -> Row:
     """The round whose step time is the median (the lower one of an even count)."""
     done = sorted((r for r in runs if not r.skipped), key=lambda r: r.step_seconds)
@@ -310,6 +320,8 @@ class BenchResult:
     links: dict              # device kind -> (Link, how it was obtained)
     projections: list        # (device, batch, devices, {strategy: Prediction}, chosen name)
     message_costs: dict = field(default_factory=dict)    # device kind -> {strategy: seconds per message}
+    flops_per_sample: float = math.nan                   # one sample's training pass, as FlopCounterMode counts
+    peaks: dict = field(default_factory=dict)            # device kind -> one device's float32 matmul FLOP/s
 
 
 def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
@@ -321,14 +333,19 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
     rounds = [combinations(options, tensor=has_tensor_plan(model)) for _ in range(options.repeats)]
+    flops = flops_per_sample(model, dataset, objective_for(dataset))
+    peaks = {kind: matmul_peak(choose_device(kind, 0)) for kind in options.device_kinds
+             if kind == "cpu" or torch.cuda.is_available()}
     for number, rows in enumerate(rounds, 1):            # interleaved: a burst of outside load hits all alike
         for index, row in enumerate(rows, 1):
             if number > 1 and rounds[0][index - 1].skipped:
                 row.skipped = rounds[0][index - 1].skipped
                 continue
             run_row(row, options, dataset, model)
+            fill_peak_fraction(row, flops, peaks)
             what = f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}"
             tokens = f", {row.tokens_per_second:,.0f} tokens/s" if math.isfinite(row.tokens_per_second) else ""
+            tokens += f", {row.peak_fraction:.1%} of peak" if math.isfinite(row.peak_fraction) else ""
             outcome = f"skipped: {row.skipped}" if row.skipped else \
                 f"{row.samples_per_second:,.0f} samples/s{tokens}, {row.step_seconds * 1e3:.1f} ms/step"
             where = f" (round {number}/{options.repeats})" if options.repeats > 1 else ""
@@ -354,7 +371,7 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     predict_rows(rows, workloads, fitted_links, costs)
     fill_speedups(rows)
     projections = project(options, workloads, fitted_links, costs)
-    return BenchResult(options, rows, workloads, links, projections, costs)
+    return BenchResult(options, rows, workloads, links, projections, costs, flops, peaks)
 
 
 def project(options: BenchOptions, workloads: dict, links: dict, message_costs: Optional[dict] = None) -> list:

@@ -30,8 +30,9 @@ def _mib(nbytes) -> str:
 
 def table(rows: List[Row]) -> List[str]:
     text = any(math.isfinite(row.tokens_per_second) for row in rows)     # a language model: tokens/s as well
+    counted = any(math.isfinite(row.peak_fraction) for row in rows)      # FLOPs counted: their share of the peak
     header = (f"{'device':<6} {'strategy':<16} {'n':>2} {'batch':>5} {'samples/s':>10} "
-              + (f"{'tokens/s':>10} " if text else "") + f"{'ms/step':>8} "
+              + (f"{'tokens/s':>10} " if text else "") + (f"{'% peak':>6} " if counted else "") + f"{'ms/step':>8} "
               f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'data':>5} {'idle':>5} "
               f"{'predicted':>14}")
     lines = [header, "-" * len(header)]
@@ -47,6 +48,7 @@ def table(rows: List[Row]) -> List[str]:
             predicted = f"{row.predicted_seconds * 1e3:.1f} ({'fitted' if row.fitted else f'{error:+.0%}'})"
         memory = row.peak_bytes or row.held_bytes
         tokens = f"{row.tokens_per_second:>10,.0f} " if text else ""
+        tokens += f"{100 * row.peak_fraction:>6.1f} " if counted else ""
         lines.append(what + f"{row.samples_per_second:>10,.0f} {tokens}{row.step_seconds * 1e3:>8.2f} "
                             f"{row.speedup:>6.2f}x {row.efficiency:>5.0%}{'!' if row.warning else ' '}"
                             f"{_mib(memory):>8}  {shares} {predicted:>14}")
@@ -213,6 +215,12 @@ def report(result: BenchResult) -> List[str]:
     if tensor:
         lines += ["", "tensor rows (groups of T ranks split the plan's layers, the rest runs whole on each):"]
         lines += tensor
+    for kind, peak in result.peaks.items():
+        if math.isfinite(result.flops_per_sample):
+            lines.append(f"% peak ({kind}): {result.flops_per_sample / 1e6:,.1f} MFLOP per sample (forward and "
+                         f"backward, as torch's FlopCounterMode counts them) x samples/s, over a 1024 x 1024 float32 "
+                         f"matmul's {peak / 1e9:,.1f} GFLOP/s"
+                         + (f" on {torch.get_num_threads()} threads" if kind == "cpu" else " per GPU"))
     for kind, (link, how) in result.links.items():
         lines.append(f"link ({kind}): {link.alpha * 1e6:.0f} us per message, {link.beta / 1e9:.2f} GB/s; {how}")
         costs = result.message_costs.get(kind)
@@ -243,6 +251,7 @@ def write_json(result: BenchResult, path: Path) -> None:
                   for kind, (link, how) in result.links.items()},
         "workloads": [dict(_workload_dict(work), device=kind) for (kind, _), work in result.workloads.items()],
         "rows": [row.to_dict() for row in result.rows],
+        "flops": {"per_sample": result.flops_per_sample, "matmul_peak_per_second": result.peaks},
         "projections": [{"device": kind, "batch_size": batch, "devices": n, "chosen": chosen,
                          "step_seconds": {name: p.step_seconds for name, p in predictions.items()
                                           if math.isfinite(p.step_seconds)}}

@@ -26,6 +26,15 @@ def _full(**extra):
     return StateDictOptions(full_state_dict=True, **extra)
 
 
+def _own_tensor(module, inputs, output):
+    """An nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C) product, and FSDP2 warns that an
+    in-place op on a view would skip its backward hook. Nothing else holds that product: the layer returns it as a
+    tensor of its own (the same memory and numbers, no copy)."""
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return torch.ops.aten._unsafe_view(output, output.shape)
+    return None
+
+
 class Sharded(Distributed):
     name = "sharded"
     keeps_channels_last = False           # FSDP2 shards contiguous parameters only
@@ -61,6 +70,8 @@ class Sharded(Distributed):
         for module in list(model.modules())[1:]:
             mine = [p for p in module._parameters.values() if p is not None]
             if mine and all(holders[id(p)] == 1 for p in mine):
+                if isinstance(module, nn.Linear):
+                    module.register_forward_hook(_own_tensor)        # (before FSDP2's hook, which checks it)
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model

@@ -56,3 +56,20 @@ def test_adamw_with_two_groups_stopped_on_a_pipeline_resumes_on_a_parameter_serv
     assert [group["params"] for group in saved["param_groups"]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [group["lr"] for group in saved["param_groups"]] == pytest.approx([0.00025, 0.00025])   # 2 epochs
     assert_same_weights(load_weights(tmp_path / "run" / "model.pt"), load_weights(tmp_path / "straight" / "model.pt"))
+
+
+def test_runs_that_end_before_their_schedule_acts_and_fp16_on_a_cpu_say_so_in_one_line(capsys):
+    data = tiny_digits(n_train=64, n_val=16)
+    step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    polytrain.fit(module(), data, epochs=0.5, batch_size=16, optimizer=torch.optim.SGD, lr=0.1, scheduler=step_lr,
+                  device="cpu")
+    out = capsys.readouterr().out
+    assert out.count("note: the schedule StepLR(step_size=1, gamma=0.5) steps once per epoch, and this run ends "
+                     "after 2 of an epoch's 4 steps, so it never steps") == 1
+    polytrain.fit(module(), data, epochs=1, batch_size=16, warmup_epochs=2, device="cpu", precision="fp16")
+    out = capsys.readouterr().out
+    assert out.count("note: the warm-up (2 epochs, 8 steps) is as long as the run (4 steps)") == 1
+    assert out.count("note: --precision fp16 on a CPU computes in emulated half precision") == 1
+    polytrain.fit(module(), data, epochs=2, batch_size=16, optimizer=torch.optim.SGD, lr=0.1, scheduler=step_lr,
+                  device="cpu")
+    assert "note:" not in capsys.readouterr().out

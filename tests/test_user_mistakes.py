@@ -218,3 +218,33 @@ def test_evaluate_names_its_data_and_a_module_without_forward_is_told_so():
         pass
     with pytest.raises(UserError, match="^NoForward has no forward method; define forward"):
         polytrain.fit(NoForward(), tiny_digits(), verbose=False)
+
+
+def test_a_final_softmax_with_the_default_cross_entropy_is_one_line_and_nll_of_the_log_trains():
+    """Every Keras translation ends in Softmax; cross-entropy applies softmax again and the loss stalls at 2.30."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import polytrain
+    from polytrain.errors import UserError
+    from conftest import tiny_digits
+    data = tiny_digits(n_train=64, n_val=16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10), nn.Softmax(dim=1))
+    with pytest.raises(UserError, match=r"outputs are probabilities \(each row of 10 sums to 1: a final Softmax\?\)"
+                                        r".*stall near loss 2.30; drop the final Softmax"):
+        polytrain.fit(model, data, epochs=1, verbose=False)
+    history = polytrain.fit(model, data, epochs=3, batch_size=16, verbose=False,
+                            loss=lambda p, y: F.nll_loss(torch.log(p), y))
+    assert history["train_loss"][-1] < min(2.0, history["train_loss"][0])
+
+
+def test_a_model_with_more_outputs_than_the_labels_use_says_so_in_one_line(capsys):
+    import torch.nn as nn
+    import polytrain
+    x = torch.randint(0, 256, (40, 1, 4, 4), dtype=torch.uint8)
+    y = torch.arange(40) % 3
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 10))
+    polytrain.fit(model, (x[:32], y[:32], x[32:], y[32:]), epochs=1, batch_size=8)
+    out = capsys.readouterr().out
+    assert out.count("note: the model gives 10 outputs per image, but the labels use only 0..2 (3 classes): "
+                     "outputs 3..9 are trained never to be chosen") == 1

@@ -29,7 +29,7 @@ from .loggers import split_logger_argument
 from .models import build_model, check_model_output
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts
-from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, take_objects
+from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
 from .run_dir import new_run_dir, read_config, write_config
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
                       item_form, make_objective, oversized_batch_note, refuse_for_strategy, split_data)
@@ -84,7 +84,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         if registry_model else model
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
-        check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
+        note = check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
+        if verbose and note and (launcher is None or launcher.rank == 0):
+            print(note, flush=True)
     objective = check_objective(module, objective, dataset)
     check_monitor(config.monitor, objective.names)
     refuse_for_strategy(strategy, config, objective, dataset)
@@ -92,6 +94,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
                          param_groups=param_groups).checked(module, staleness=config.staleness or 0)
     if verbose and (launcher is None or launcher.rank == 0):
         print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
+        for line in recipe_notes(recipe, steps_per_epoch=-(-dataset.num_train // config.batch_size),
+                                 epochs=config.epochs):
+            print(line, flush=True)
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
@@ -100,6 +105,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     device = choose_device(config.device, launcher.local_rank if launcher else 0)
     if config.precision == "fp16":
         check_fp16(device.type)
+        if device.type == "cpu" and verbose and (launcher is None or launcher.rank == 0):
+            print("note: --precision fp16 on a CPU computes in emulated half precision, about 3.5x slower than "
+                  "fp32 here, and saves no time; it is for GPUs (use it on a CPU only to test fp16)", flush=True)
     channels_last = config.channels_last
     if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
         channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())

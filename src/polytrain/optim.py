@@ -422,6 +422,23 @@ def recipe_line(recipe: Recipe) -> str:
     return f"optimizer: {optimizer}; schedule: {schedule}, stepped every {every}"
 
 
+def recipe_notes(recipe: Recipe, *, steps_per_epoch: int, epochs: float) -> list:
+    """Lines that say where a run ends before its schedule does what it was given for: a per-epoch schedule
+    that never steps, a warm-up that never reaches the peak learning rate (over the planned run; --max-steps
+    only pauses it)."""
+    steps = planned_steps(epochs, steps_per_epoch)
+    notes = []
+    if recipe.schedule is not None and not recipe.per_step and steps < steps_per_epoch:
+        notes.append(f"note: the schedule {describe(recipe.schedule)} steps once per epoch, and this run ends after "
+                     f"{steps} of an epoch's {steps_per_epoch} steps, so it never steps; train a whole epoch, or step "
+                     f"it per optimizer step (--schedule-interval step, or Lightning's {{'interval': 'step'}})")
+    warmup = round(recipe.warmup_epochs * (steps_per_epoch if recipe.per_step else 1))
+    if isinstance(recipe.schedule, str) and warmup and warmup >= (steps if recipe.per_step else math.ceil(epochs)):
+        notes.append(f"note: the warm-up ({recipe.warmup_epochs:g} epochs, {warmup} steps) is as long as the run "
+                     f"({steps} steps), so the learning rate never reaches its peak; shorten --warmup-epochs")
+    return notes
+
+
 def take_objects(settings: dict, optimizer, scheduler) -> tuple:
     """fit()'s optimizer= and scheduler=: a name becomes the setting; an object is returned, and its label
     (as config.json records it, e.g. "AdamW (from Python)") becomes the setting."""

@@ -4,6 +4,7 @@ starts, so that a mistake is one line here rather than an error deep inside a tr
 """
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Optional
 
@@ -113,6 +114,20 @@ def run_model(model: nn.Module, x, input_shape, output=None) -> torch.Tensor:
     return output
 
 
+def check_scores_not_probabilities(output: torch.Tensor) -> None:
+    """Refuse outputs whose rows are probabilities (non-negative, summing to 1: a final Softmax, as in every
+    Keras translation) for the built-in cross-entropy, which applies softmax itself: trained so, the loss stalls
+    near ln(classes) with no word."""
+    if not output.is_floating_point() or output.dim() < 2 or output.shape[-1] < 2:
+        return
+    scores = output.detach().float()
+    if bool((scores >= 0).all()) and bool(((scores.sum(-1) - 1).abs() < 1e-4).all()):
+        raise UserError(f"the model's outputs are probabilities (each row of {scores.shape[-1]} sums to 1: a final "
+                        f"Softmax?), and the default cross-entropy applies softmax itself, so training would stall "
+                        f"near loss {math.log(scores.shape[-1]):.2f}; drop the final Softmax (return scores), or pass "
+                        f"loss=lambda p, y: torch.nn.functional.nll_loss(torch.log(p), y)")
+
+
 def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
     """Run the step, or the model and its loss and metrics, on two training samples; return the objective the
     run trains with: the model's own loss when its output carries one and no loss= or step= is given, and
@@ -134,6 +149,8 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
                         f"'loss'), or pass step=fn(model, batch) that returns the loss")
     output = run_model(model, x, data.input_shape, first_output(output))
     y = y.to(output.device)
+    if objective.loss is None and (objective.classification or objective.language):
+        check_scores_not_probabilities(output)
     if objective.language and (output.dim() != 3 or output.shape[1] != y.shape[1]
                                or output.shape[2] < data.num_classes):
         raise UserError(f"--dataset {data.name} is text for a language model: the model must return scores over "

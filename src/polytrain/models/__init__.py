@@ -82,9 +82,10 @@ def check_keywords(model: nn.Module, batch: dict) -> None:
 
 
 @torch.no_grad()
-def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None:
+def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> Optional[str]:
     """Run `model` on two training images and refuse, in one line, a model that cannot take them or whose
-    output does not give one score per class: before any process starts, not as an error deep in a step."""
+    output does not give one score per class: before any process starts, not as an error deep in a step.
+    Returns the line to print where the classes were inferred from the labels and the model gives more."""
     sample = dataset.sample_inputs(2)
     shape = "x".join(map(str, dataset.input_shape))
     output = run_on_sample(model, sample, f"the dataset's {shape} images (C x H x W)")
@@ -97,6 +98,11 @@ def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> None
     if output.shape[1] < needed or (exact and output.shape[1] != classes):
         raise UserError(f"the model gives {output.shape[1]} outputs per image, but the dataset has {classes} "
                         f"classes (labels 0..{classes - 1}); make its last layer give {classes} outputs")
+    if output.shape[1] > needed:
+        return (f"note: the model gives {output.shape[1]} outputs per image, but the labels use only 0..{needed - 1} "
+                f"({needed} classes): outputs {needed}..{output.shape[1] - 1} are trained never to be chosen; if the "
+                f"data has {needed} classes, make the last layer give {needed} outputs")
+    return None
 
 
 __all__ = ["MODEL_OPTIONS", "MODELS", "build_model", "check_model_output", "run_on_sample"]

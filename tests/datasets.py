@@ -90,3 +90,14 @@ class RaisesAt(Pairs):
         if index == self.bad_index:
             raise KeyError(f"no file for sample {index}")
         return super().__getitem__(index)
+
+
+class NoisyPairs(Pairs):
+    """Like Pairs, with a random transform drawn from torch's, Python's and NumPy's global generators."""
+
+    def __getitem__(self, index):
+        import random
+        import numpy as np
+        x, y = super().__getitem__(index)
+        noise = torch.rand(x.shape) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01
+        return x + noise, y

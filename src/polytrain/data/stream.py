@@ -9,14 +9,17 @@ dataset and the index, never as a traceback from a worker process.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
+import random
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..errors import DataError, first_line
 from .order import Batch, global_batch_order, map_tree, rank_slice, rows
@@ -296,14 +299,21 @@ def collate_items(samples, spec: SampleSpec):
 
 
 class _Indexed(Dataset):
-    """Both splits behind one index space of (split, index) keys, so one worker pool serves both."""
+    """Both splits behind one index space of (split, index, epoch) keys, so one worker pool serves both.
 
-    def __init__(self, train: Dataset, val: Dataset):
+    Each item is read with the random generators (torch's, Python's, NumPy's) seeded from the run's seed, the
+    epoch and the index, and restored after: a Dataset's random transforms then draw the same for a sample in
+    an epoch whichever loader process reads it and however many there are, and reading in the training
+    process (no loader processes) leaves the generators that dropout draws from untouched."""
+
+    def __init__(self, train: Dataset, val: Dataset, seed: int = 0):
         self.splits = {"train": train, "val": val}
+        self.seed = seed
 
     def __getitem__(self, key):
-        split, index = key
-        return key, fetch(self.splits[split], split, index)
+        split, index, epoch = key
+        with sample_random_state((self.seed * 1_000_003 + epoch) * 10_000_019 + index + (split == "val")):
+            return (split, index), fetch(self.splits[split], split, index)
 
     def __len__(self) -> int:
         return sum(len(split) for split in self.splits.values())
@@ -334,7 +344,7 @@ class StreamLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.memory_format = torch.channels_last if channels_last and len(data.spec.x_shape) == 3 \
             else torch.contiguous_format
-        self.pool = pool or _Pool(data, self.device)
+        self.pool = pool or _Pool(data, self.device, seed)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -347,14 +357,14 @@ class StreamLoader:
         order = global_batch_order(len(self.dataset), epoch=epoch, seed=self.seed)
         steps = range(start_step, len(self))
         globals_ = [order[step * self.batch_size:(step + 1) * self.batch_size] for step in steps]
-        keys = [[(self.split, int(i)) for i in rank_slice(g, rank=self.rank, world_size=self.world_size)]
+        keys = [[(self.split, int(i), epoch) for i in rank_slice(g, rank=self.rank, world_size=self.world_size)]
                 for g in globals_]
         for step, global_batch, batch in zip(steps, globals_, self.pool.run(keys)):
             yield self._batch(batch, len(global_batch), step)
 
     def eval_batches(self) -> Iterator[Batch]:
         shard = rank_slice(torch.arange(len(self.dataset)), rank=self.rank, world_size=self.world_size)
-        keys = [[(self.split, int(i)) for i in shard[start:start + self.batch_size]]
+        keys = [[(self.split, int(i), -1) for i in shard[start:start + self.batch_size]]
                 for start in range(0, len(shard), self.batch_size)]
         for step, batch in enumerate(self.pool.run(keys)):
             yield self._batch(batch, rows(batch.x) if batch.y is None else len(batch.y), step)
@@ -367,16 +377,40 @@ class StreamLoader:
         return Batch(x, y, global_count, step)
 
 
+@contextlib.contextmanager
+def sample_random_state(seed: int):
+    """torch's CPU generator and Python's and NumPy's global ones seeded with `seed` inside; in the training
+    process (no loader processes) restored after, in a loader process left as they are (the next sample seeds
+    them again)."""
+    in_training_process = get_worker_info() is None
+    if in_training_process:
+        saved = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(seed % (2 ** 63))
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    try:
+        yield
+    finally:
+        if in_training_process:
+            torch.default_generator.set_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
+
+
 class _Pool:
     """One `DataLoader` (and its persistent workers) per rank, fed a new list of batches each pass."""
 
-    def __init__(self, data: DatasetPair, device: torch.device):
+    def __init__(self, data: DatasetPair, device: torch.device, seed: int = 0):
         self.plan = _Plan()
         workers = data.num_workers
+        # its own generator: each pass's DataLoader iterator draws a base seed, which would otherwise come from
+        # the global generator that dropout draws from, once per pass without loader processes and once per
+        # run with them (the same seed gave other weights with another core count)
         self.loader = DataLoader(
-            _Indexed(data.train, data.val), batch_sampler=self.plan, num_workers=workers,
+            _Indexed(data.train, data.val, seed), batch_sampler=self.plan, num_workers=workers,
             collate_fn=partial(collate_checked, spec=data.spec), pin_memory=device.type == "cuda",
-            persistent_workers=workers > 0, **({"prefetch_factor": 4} if workers > 0 else {}))
+            persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
+            **({"prefetch_factor": 4} if workers > 0 else {}))
 
     def run(self, batches: List[List[tuple]]) -> Iterator[Collated]:
         self.plan.batches = batches

@@ -8,14 +8,14 @@ LeNet (`build_model("lenet", (1, 28, 28), 10)`) is trained on the 8,000 training
 three ways, interleaved A, B, C, A, B, C, ... so that other load on the machine hits all three alike:
 
   polytrain  `polytrain.fit(...)`; the epoch time is `history["epoch_seconds"]` (the training pass only).
-             A module passed as an object trains in the default memory format unless `channels_last=True` is
-             given (polytrain chooses channels-last itself only for models it builds from a name), so for a
-             convolutional model the benchmark asks for it: both ways then train channels-last.
+             A convolutional module passed as an object trains channels-last, as polytrain chooses for any
+             module that gives the same outputs in that format (before 2026-11-25 only for models it built
+             from a name, which made this benchmark compare two layouts: 1.49x and other losses).
   by-hand    the operations polytrain performs, written out: the same uint8 tensors in memory, the same
              normalisation `x.float() * scale + shift`, the same seeded `global_batch_order` (copied to the
              device once per epoch), SGD with `foreach=True`, loss and correct counts summed on the device
-             (no per-step `.item()`), channels-last weights and inputs for convolutional models (as polytrain
-             is asked to), and on CUDA `fused=True` SGD.
+             (no per-step `.item()`), channels-last weights and inputs for convolutional models (polytrain's
+             default), and on CUDA `fused=True` SGD.
   naive      a `TensorDataset` of float normalised images, `DataLoader(shuffle=True)`, default
              `torch.optim.SGD`, and `loss.item()` plus an accuracy `.item()` every step.
 
@@ -63,7 +63,7 @@ def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
     threads = torch.get_num_threads()
     history = polytrain.fit(model, dataset, epochs=epochs, batch_size=batch_size, optimizer="sgd", lr=LR,
                             momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, schedule="constant", warmup_epochs=0,
-                            seed=seed, device=device.type, verbose=False, channels_last=convolutional(model))
+                            seed=seed, device=device.type, verbose=False)
     if torch.get_num_threads() != threads:
         # The worker sets the thread count of the calling process; put it back so the other ways get the same.
         print(f"  note: polytrain.fit changed torch threads {threads} -> {torch.get_num_threads()}; restored")
@@ -72,7 +72,7 @@ def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
 
 
 def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
-    # channels-last weights and inputs for convolutional models, as train_polytrain asks polytrain to
+    # channels-last weights and inputs for convolutional models, as polytrain chooses
     memory_format = torch.channels_last if convolutional(model) else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     images, labels = dataset.train_x.to(device), dataset.train_y.to(device)

@@ -26,7 +26,7 @@ from .errors import ConfigError, UserError
 from .runtime.hostenv import launcher_env
 from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
-from .models import build_model, check_model_output
+from .models import build_model, check_model_output, takes_channels_last
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
@@ -109,8 +109,9 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
             print("note: --precision fp16 on a CPU computes in emulated half precision, about 3.5x slower than "
                   "fp32 here, and saves no time; it is for GPUs (use it on a CPU only to test fp16)", flush=True)
     channels_last = config.channels_last
-    if channels_last is None:           # user modules may flatten with .view(), which needs contiguous input
-        channels_last = registry_model and any(isinstance(m, nn.Conv2d) for m in module.modules())
+    if channels_last is None:           # a user module that flattens with .view() cannot take it: probed
+        channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules()) and \
+            (registry_model or takes_channels_last(module, dataset.sample_inputs(2)))
     if config.strategy == "auto" and config.devices > 1:
         strategy, line = auto_strategy(config, module, dataset, objective, device=device,
                                        channels_last=channels_last, launched=launcher is not None)

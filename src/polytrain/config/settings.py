@@ -89,7 +89,9 @@ class ModelSettings:
                                      check="count", example=64)
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
     channels_last: Optional[bool] = setting(None, "channels-last memory format (default: on for convolutional "
-                                            "models)", group="model", flag="toggle")
+                                            "models that give the same outputs in it; a module that flattens "
+                                            "with .view() keeps the default format)", group="model",
+                                            flag="toggle")
 
 
 @dataclass

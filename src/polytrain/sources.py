@@ -49,8 +49,9 @@ def split_data(data, train, val):
 
 
 def as_dataset(data, config: TrainConfig) -> ArrayDataset:
-    """A name, an `ArrayDataset` or four tensors as the in-memory dataset the device-resident path loads."""
-    if isinstance(data, ArrayDataset):
+    """A name, an `ArrayDataset` (or the token windows `load_dataset("shakespeare")` gives) or four tensors as
+    the in-memory dataset the device-resident path loads."""
+    if isinstance(data, ArrayDataset) or getattr(data, "kind", None) == "language":
         return data
     if isinstance(data, str):
         return load_dataset(data, **dataset_settings(config))
@@ -58,8 +59,8 @@ def as_dataset(data, config: TrainConfig) -> ArrayDataset:
         train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
         classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10
         return ArrayDataset("custom", train_x, train_y, val_x, val_y, num_classes=max(10, classes))
-    raise UserError("data must be a dataset name, an ArrayDataset, (train_x, train_y, val_x, val_y) with uint8 "
-                    "images of shape (N, C, H, W), or train= and val= Datasets")
+    raise UserError("data must be a dataset name, what polytrain.load_dataset returns, (train_x, train_y, val_x, "
+                    "val_y) with uint8 images of shape (N, C, H, W), or train= and val= Datasets")
 
 
 def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig,

@@ -67,8 +67,8 @@ class TokenDataset:
     def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first `count` training windows as (inputs, targets), int64 (N, context) each."""
         starts = torch.arange(min(count, self.num_train)) * self.context
-        windows = self.train_tokens[starts[:, None] + torch.arange(self.context + 1)]
-        return windows[:, :-1], windows[:, 1:]
+        positions = starts[:, None] + torch.arange(self.context)
+        return self.train_tokens[positions], self.train_tokens[positions + 1]       # contiguous, as nanoGPT's
 
     def sample_inputs(self, count: int) -> torch.Tensor:
         """The first `count` training windows' input ids (to probe a model's shapes and speed)."""
@@ -153,8 +153,9 @@ class TokenLoader:
         return int(torch.randint(0, self.context, (1,), generator=generator))
 
     def _batch(self, starts: torch.Tensor, global_count: int, step: int) -> Batch:
-        windows = self.tokens[starts[:, None] + self.span]
-        return Batch(windows[:, :-1], windows[:, 1:], global_count, step)
+        # inputs and targets gathered apart, so each is contiguous: nanoGPT's loss calls targets.view(-1)
+        positions = starts[:, None] + self.span[:-1]
+        return Batch(self.tokens[positions], self.tokens[positions + 1], global_count, step)
 
     def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
         order = global_batch_order(self.num_samples, epoch=epoch, seed=self.seed).to(self.device)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from .rank_slice import check_rank_slice
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .holdings import figures, heading, local, local_bytes, optimizer_slots
 from .sharded import Sharded
@@ -166,8 +167,10 @@ class TensorParallel(Sharded):
         if config.devices < 2:
             raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
         group = config.tensor_parallel or config.devices
-        return plan_for(config, model, devices=group).with_replicas(config.devices // group,
-                                                                    builtin=config.tensor_plan is None)
+        plan = plan_for(config, model, devices=group)
+        if isinstance(config.tensor_plan, dict) and dataset is not None:    # the user's: tried on a rank's slice
+            check_rank_slice(model, plan, dataset.sample_inputs(2))
+        return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None)
 
     @property
     def data_rank(self) -> int:

@@ -1,0 +1,55 @@
+"""A tensor plan tried on one rank's slice in the launching process: a model whose forward cannot run on the
+widths a rank holds (nanoGPT's `self.c_attn(x).split(self.n_embd, dim=2)` expects all of q, k and v, where a
+rank holds a T-th of each) is one line before any worker starts, not a traceback from every worker."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError, first_line
+from ..plan.tensor import TensorPlan
+
+
+def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[rows])
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rows])
+    linear.out_features = len(rows)
+
+
+def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
+    """A copy of `model` with rank 0's share of every layer `plan` splits: a colwise Linear's first T-th of the
+    rows of each of its parts, a rowwise Linear's first T-th of the columns (its partial sums have the whole
+    output's shape). Vocabularies are left whole: their outputs are whole on every rank."""
+    probe = copy.deepcopy(model)
+    devices = plan.devices
+    for name, style, parts in plan.styles:
+        module = probe.get_submodule(name)
+        if name in plan.vocabulary or not isinstance(module, nn.Linear):
+            continue
+        if style == "colwise":
+            part = module.out_features // parts
+            mine = part // devices
+            _keep_rows(module, torch.cat([torch.arange(p * part, p * part + mine) for p in range(parts)]))
+        elif style == "rowwise":
+            module.weight = nn.Parameter(module.weight.detach()[:, :module.in_features // devices])
+            module.in_features //= devices
+    return probe
+
+
+def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
+    """Run rank 0's slice of `model` on `sample` (two samples, as the data give them); one line if it fails."""
+    from ..models import run_on_sample
+    from ..errors import UserError
+    named = [f"{name} ({style})" for name, style, _ in plan.styles if style != "replicate"]
+    split = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
+    try:
+        run_on_sample(rank_zero_slice(model, plan), sample, "a rank's slice")
+    except UserError as error:
+        reason = str(error).split(": ", 1)[-1].split("; make its first layers")[0]
+        raise ConfigError(f"tensor_plan: {type(model).__name__}'s forward fails on the share each of the "
+                          f"{plan.devices} ranks holds of {split} ({first_line(reason)}); compute widths from the "
+                          f"layer's output, not the model's width: q, k, v = self.c_attn(x).chunk(3, dim=-1), then "
+                          f"view(B, T, -1, head_dim) so each rank runs its heads") from None

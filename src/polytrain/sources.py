@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 from typing import Optional
 
 import torch
@@ -246,7 +247,10 @@ def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective
 
 
 def check_picklable(**parts) -> None:
-    """Refuse, in one line, a user object that spawned worker processes could not receive."""
+    """Refuse, in one line, a user object that spawned worker processes could not receive: one that does not
+    pickle, or one whose class or function lives in a `__main__` they cannot import (a notebook cell, `python
+    -c`, standard input), which they would fail to unpickle with "worker rank 0 failed"."""
+    interactive = interactive_main()
     for name, value in parts.items():
         if value is None:
             continue
@@ -256,3 +260,29 @@ def check_picklable(**parts) -> None:
             raise UserError(f"{name}= cannot be sent to the worker processes ({first_line(error, 160)}); define it with def/class "
                             f"at the top level of an importable module (not a lambda or a notebook cell), or use "
                             f"devices=1") from None
+        defined = main_definitions(value) if interactive else []
+        if defined:
+            raise UserError(f"{name}= uses {defined[0]}, defined in {interactive}, which the worker processes cannot "
+                            f"import; put it in a module file (e.g. mymodel.py) and import it from "
+                            f"there, or use devices=1")
+
+
+def interactive_main() -> Optional[str]:
+    """Where the running `__main__` came from when spawned processes cannot import it (a notebook or an
+    interactive session, `python -c`, standard input); None for a script or `python -m`."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__file__", None) or getattr(getattr(main, "__spec__", None), "name", None):
+        return None
+    return "a notebook cell or an interactive session" if "IPython" in sys.modules or hasattr(sys, "ps1") else \
+        "the code given to python -c or on standard input"
+
+
+def main_definitions(value) -> list:
+    """Names of the classes and functions defined in `__main__` that pickling `value` refers to."""
+    import pickletools
+    try:
+        data = pickle.dumps(value, protocol=2)         # protocol 2 names every global in one GLOBAL opcode
+    except Exception:
+        return []
+    return [arg.split(" ", 1)[1] for op, arg, _ in pickletools.genops(data)
+            if op.name == "GLOBAL" and str(arg).startswith("__main__ ")]

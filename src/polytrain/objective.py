@@ -38,6 +38,10 @@ class Objective:
         if step is not None and loss is not None:
             raise UserError("give either loss=fn(outputs, targets) or step=fn(model, batch), not both: the step "
                             "computes the loss itself")
+        if isinstance(metrics, (list, tuple, set, str)):
+            raise UserError(f"metrics= takes a dict {{name: fn(outputs, targets)}}, not names such as Keras's "
+                            f"metrics=['accuracy'] ({sorted(metrics) if not isinstance(metrics, str) else metrics!r}): "
+                            f"classification reports acc already; pass e.g. metrics={{'top5': fn}} for more")
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
@@ -66,6 +70,12 @@ class Objective:
     def custom(self) -> bool:
         """The user's code computes the loss (loss=, step=, or the model itself)."""
         return not (self.classification or self.language)
+
+    @property
+    def validates(self) -> bool:
+        """Whether validation runs: not for a step that says it has nothing to validate with (a LightningModule
+        without validation_step trains without validation, as in Lightning)."""
+        return self.eval_step is not None or getattr(self.step, "validates", True)
 
     def describe_loss(self) -> str:
         if self.step is not None:

@@ -115,7 +115,7 @@ class Objective:
         if self.loss is None:
             return self.loss_sum(outputs, targets, training=training), count
         if count == 0 and isinstance(outputs, torch.Tensor):  # a rank with no samples in a short last batch
-            return outputs.float().sum() * 0.0, 0
+            return at_least_float32(outputs).sum() * 0.0, 0
         return self.sum_and_count(self.loss(outputs, targets), count, "loss=")
 
     def learn(self, value, samples: int, what: str):
@@ -135,11 +135,11 @@ class Objective:
             total, count = value
             if isinstance(count, torch.Tensor):
                 count = count.detach().to(torch.float64)
-            return total.float(), count
+            return at_least_float32(total), count
         if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
             if samples == 0:              # an empty part: a mean of nothing is NaN; it adds nothing
-                return value.float().nan_to_num(0.0) * 0.0, 0
-            return value.float() * samples, samples
+                return at_least_float32(value).nan_to_num(0.0) * 0.0, 0
+            return at_least_float32(value) * samples, samples
         raise UserError(f"{what} returned {describe_value(value)}; return the batch's mean loss (a scalar tensor) "
                         f"or a pair (sum of the per-element losses, how many elements), e.g. (loss.sum(), "
                         f"mask.sum())")
@@ -149,10 +149,10 @@ class Objective:
         sum of its per-sample mean."""
         if self.language:                 # each sample's mean over its tokens, summed over the samples
             tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
-            return F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="sum",
+            return F.cross_entropy(at_least_float32(outputs).flatten(0, -2), targets.flatten(), reduction="sum",
                                    label_smoothing=self.label_smoothing if training else 0.0) / tokens
         if self.loss is None:
-            return F.cross_entropy(outputs.float(), targets, reduction="sum",
+            return F.cross_entropy(at_least_float32(outputs), targets, reduction="sum",
                                    label_smoothing=self.label_smoothing if training else 0.0)
         return self.outputs_loss(outputs, targets, training=training)[0]
 
@@ -168,6 +168,13 @@ class Objective:
         for name, fn in self.metrics.items():
             sums.append(per_sample_sum(name, fn(outputs, targets), outputs.shape[0], outputs.device))
         return torch.stack(sums)
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Half-precision losses and logits in float32; float32 and float64 as they are (a float64 run, as verify
+    trains, must not round its loss to float32: the gradient of a division by the batch would then carry
+    float32's rounding of 1/24, and N devices, dividing by 8 and then 3, another)."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def unwrapped(value):
@@ -226,9 +233,9 @@ def per_sample_sum(name: str, value, count: int, device) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value, dtype=torch.float32, device=device)
     if value.dim() == 0:
-        return value.float() * count if count else torch.zeros((), device=device)
+        return at_least_float32(value) * count if count else torch.zeros((), device=device)
     if value.shape == (count,):
-        return value.float().sum()
+        return at_least_float32(value).sum()
     raise UserError(f"metric {name!r} returned shape {tuple(value.shape)} for {count} samples; return one value "
                     f"per sample, shape ({count},), or the batch mean (a scalar)")
 

@@ -122,9 +122,160 @@ class TwoArguments:
 @pytest.mark.parametrize("callbacks, words", [
     (Recorder, "callbacks= takes objects; got the class Recorder: pass Recorder()"),
     (object(), "callbacks=: object has none of the methods on_fit_start"),
-    (TwoArguments(), "callbacks=: TwoArguments.on_epoch_end must take one argument, the trainer"),
+    (TwoArguments(), "callbacks=: TwoArguments.on_epoch_end takes arguments polytrain cannot give; write it as "
+                     "on_epoch_end(self, trainer) (polytrain) or on_epoch_end(self, epoch, logs=None) (Keras)"),
 ])
 def test_callbacks_that_cannot_work_are_refused_in_one_line(callbacks, words):
     with pytest.raises(UserError) as error:
         polytrain.fit("mlp", tiny_digits(n_train=96), callbacks=callbacks, **SETTINGS)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+class KerasStyle:
+    """A callback written for Keras: the epoch or batch index from 0 and a dict of logs by Keras' names."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("train_begin", logs))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.seen.append(("epoch_begin", epoch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("batch_end", batch, logs["loss"]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(("epoch_end", epoch, logs["loss"], logs["acc"], logs["accuracy"], logs["val_loss"],
+                          logs["val_acc"], logs["val_accuracy"]))
+
+    def on_train_end(self, logs=None):
+        self.seen.append(("train_end", logs["loss"]))
+
+
+def test_keras_callbacks_get_the_epoch_from_0_and_the_logs_by_keras_names():
+    keras = KerasStyle()
+    history = polytrain.fit(model(), tiny_digits(n_train=96), callbacks=[keras], **dict(SETTINGS, val_every=0))
+    ends = [("epoch_end", i, r["train_loss"], r["train_acc"], r["train_acc"], r["val_loss"], r["val_acc"],
+             r["val_acc"]) for i, r in enumerate(history.epochs)]
+    batches = [event for event in keras.seen if event[0] == "batch_end"]
+    assert [event[1] for event in batches] == [0, 1, 2, 0, 1, 2]
+    # a batch's logs are the epoch's running means, as Keras gives them: after the last, the epoch's
+    assert [batches[2][2], batches[5][2]] == pytest.approx(history["train_loss"], rel=1e-9)
+    assert [event for event in keras.seen if event[0] != "batch_end"] == [
+        ("train_begin", {}), ("epoch_begin", 0), ends[0], ("epoch_begin", 1), ends[1],
+        ("train_end", history.last["train_loss"])]
+
+
+class KerasStop:
+    """Keras' way to stop: self.model.stop_training = True."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            self.model.stop_training = True
+
+
+def test_keras_stop_training_stops_after_that_epoch():
+    history = polytrain.fit(model(), tiny_digits(n_train=96), callbacks=KerasStop(), **dict(SETTINGS, epochs=3))
+    assert len(history.epochs) == 1 and history.stopped.startswith("stopped by a callback")
+
+
+class LightningStyle:
+    """A callback written for Lightning: hooks take the trainer and the module."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.append(("train_start", trainer.current_epoch, trainer.global_step))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(("batch_end", batch_idx, isinstance(outputs["loss"], torch.Tensor), len(batch[0])))
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        self.seen.append(("validation_epoch_end", trainer.global_step))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.seen.append(("train_epoch_end", trainer.current_epoch, trainer.global_step,
+                          float(trainer.callback_metrics["val_loss"]), isinstance(pl_module, torch.nn.Module)))
+
+
+def test_lightning_callbacks_get_the_trainer_and_the_module():
+    lightning = LightningStyle()
+    history = polytrain.fit(model(), tiny_digits(n_train=96), callbacks=[lightning], **dict(SETTINGS, val_every=0))
+    batches = [("batch_end", i, True, 32) for i in range(3)]
+    assert lightning.seen == [
+        ("train_start", 0, 0), *batches, ("validation_epoch_end", 3),
+        ("train_epoch_end", 0, 3, history.epochs[0]["val_loss"], True), *batches, ("validation_epoch_end", 6),
+        ("train_epoch_end", 1, 6, history.epochs[1]["val_loss"], True)]
+
+
+def test_a_callback_subclassing_lightnings_own_class_runs_its_hooks_only():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Epochs(pl.Callback):
+        def __init__(self):
+            self.epochs = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.epochs.append(trainer.current_epoch)
+    epochs = Epochs()
+    polytrain.fit(model(), tiny_digits(n_train=96), callbacks=[epochs], **SETTINGS)
+    assert epochs.epochs == [0, 1]
+
+
+class KerasWrongArguments:
+    def on_epoch_end(self, epoch, logs, extra):
+        pass
+
+
+class NotCalled:
+    def on_epoch_end(self, trainer):
+        pass
+
+    def on_test_end(self, logs=None):
+        pass
+
+
+@pytest.mark.parametrize("callbacks, words", [
+    (KerasWrongArguments(), "callbacks=: KerasWrongArguments.on_epoch_end takes arguments polytrain cannot give; "
+                            "write it as on_epoch_end(self, trainer) (polytrain) or on_epoch_end(self, epoch, "
+                            "logs=None) (Keras)"),
+    (NotCalled(), "callbacks=: NotCalled.on_test_end is a hook polytrain does not call"),
+])
+def test_hooks_of_keras_and_lightning_that_cannot_be_called_as_written_are_refused(callbacks, words):
+    with pytest.raises(UserError) as error:
+        polytrain.fit("mlp", tiny_digits(n_train=96), callbacks=callbacks, **SETTINGS)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_off_a_terminal_a_long_epoch_prints_progress_lines():
+    """The GPT's single default epoch was silent for minutes in a log file or a notebook."""
+    import io
+    from types import SimpleNamespace
+    from polytrain.callbacks import ProgressBar
+    stream = io.StringIO()
+    bar = ProgressBar(stream=stream, every_seconds=0.0)
+    trainer = SimpleNamespace(position=SimpleNamespace(step=0), epoch=1, epochs=1, steps_per_epoch=4,
+                              running_totals=lambda: (6.0, 3, (), 3, 1.5))
+    bar.on_epoch_start(trainer, 0)
+    for step in range(4):
+        bar.on_step_end(trainer, step)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "epoch 1/1 step 1/4  train loss 2.0000  2s, about 4s left in the epoch"
+    assert len(lines) == 3                   # none after the last step: the epoch's summary line follows
+    quiet = io.StringIO()
+    bar = ProgressBar(stream=quiet)           # every 10 s by default
+    bar.on_epoch_start(trainer, 0)
+    bar.on_step_end(trainer, 0)
+    assert quiet.getvalue() == ""
+
+
+def test_curves_place_the_validations_within_epochs_at_their_fraction(tmp_path):
+    from polytrain.callbacks import plot_curves
+    within = [{"epoch": 1, "step": s, "val_loss": 3.0 - s / 50} for s in (25, 50, 75)]
+    records = [{"epoch": 1, "train_loss": 2.9, "val_loss": 2.8}]
+    drawn = plot_curves(records, tmp_path / "curves.png", within=within, steps_per_epoch=100)
+    assert drawn["loss", "val"] == [(0.25, 2.5), (0.5, 2.0), (0.75, 1.5), (1, 2.8)]
+    assert drawn["loss", "train"] == [(1, 2.9)] and (tmp_path / "curves.png").is_file()

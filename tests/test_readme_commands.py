@@ -247,3 +247,25 @@ def test_commands_are_found_and_shortened_as_written_by_hand():
         ["evaluate", RUN], ["verify", "--devices", "2", "--steps", "2"],
         ["train", "--resume", RUN, "--max-steps", "4"]]
     assert not starts_workers(["train", "--max-steps", "2"]) and starts_workers(["bench", "--devices", "1,2"])
+
+
+def test_the_readmes_list_of_what_a_resume_may_change_is_the_settings_declared_so():
+    from polytrain.config import RESUMABLE
+    from polytrain.config.flags import flag_name
+    sentence = README.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
+    assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE]
+
+
+def test_the_readmes_sample_output_has_the_lines_the_tool_prints(tmp_path, capfd):
+    """Each line of the opening sample, numbers aside, is a line `polytrain train` prints."""
+    from conftest import polytrain_here
+    block = README.read_text().split("```text\n$ polytrain train\n", 1)[1].split("\n$ ", 1)[0]
+    sample = [line for line in block.splitlines() if line != "..."]
+    result = polytrain_here(capfd, "train", "--epochs", "1", "--dataset", "synthetic", "--synthetic-size", "256",
+                            "--out", tmp_path / "runs" / "20261122-224501")
+    assert result.returncode == 0, result.stderr
+
+    def shape(line):
+        return re.sub(r"\d[\d,.]*", "N", line.replace(str(tmp_path) + "/", ""))
+    printed = {shape(line) for line in result.stdout.splitlines()}
+    assert len(sample) == 4 and [line for line in sample if shape(line) not in printed] == []

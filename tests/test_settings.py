@@ -219,6 +219,53 @@ def test_a_two_process_run_repeats_from_its_config_json(tmp_path):
     repeat_and_compare(tmp_path, "--devices", 2, "--strategy", "data")
 
 
+GPT = ["--model", "gpt", "--dataset", "shakespeare", "--layers", 1, "--width", 16, "--heads", 2, "--context", 8,
+       "--max-steps", 2, "--device", "cpu"]
+
+
+@pytest.mark.parametrize("data", [[], ["--dataset", "text", "--data-dir", "corpus.txt"]], ids=["shakespeare", "text"])
+def test_a_language_model_run_repeats_from_its_config_json(tmp_path, monkeypatch, data):
+    """Its config.json records the vocabulary (and the model's own optimizer beside the default momentum): both
+    are read past, and the repetition trains the same weights."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("to be or not to be, that is the question\n" * 40)
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert polytrain_here(None, "train", *GPT, *data, "--out", first).returncode == 0
+    assert "vocab" in json.loads((first / "config.json").read_text())
+    result = polytrain_here(None, "train", "--config", first / "config.json", "--out", second)
+    assert result.returncode == 0, result.stderr
+    recorded = [json.loads((folder / "config.json").read_text()) for folder in (first, second)]
+    for record in recorded:
+        del record["out"], record["momentum"]         # the default beside AdamW: recorded, never read
+    assert recorded[0] == recorded[1]
+    weights = [torch.load(folder / "model.pt", weights_only=True) for folder in (first, second)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+@pytest.mark.parametrize("text, message", [
+    ('epochs = "three"\n', "epochs: expected a number of epochs such as 3 or 1.5, got 'three'"),
+    ('[optimisation]\nbetas = "0.9;0.99"\n', "betas: expected numbers separated by commas such as 0.9,0.95, got "
+                                             "'0.9;0.99'"),
+    ('betas = 0.9\n', "betas takes a list such as [B1, B2], got 0.9"),
+    ('compile = "no"\n', "compile takes true or false, got \"no\""),
+    ('seed = "x"\n', "seed takes a whole number, got \"x\""),
+    ('epochs = true\n', "epochs takes a number, got true"),
+])
+def test_a_file_value_of_the_wrong_form_is_one_line_naming_the_setting_and_the_form(capsys, tmp_path, text,
+                                                                                    message):
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    assert f"polytrain: error: --config {path}: {message}\n" == one_line_error(capsys, ["train", "--config", path])
+
+
+def test_file_values_read_as_flags_read_them(tmp_path):
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"seed": "7", "lr": "0.2", "logger": ["csv"], "compile": False}))
+    config = config_of(["--config", path])
+    assert (config.seed, config.lr, config.logger, config.compile) == (7, 0.2, "csv", False)
+
+
 def test_fit_refuses_per_device_and_global_batch_together():
     with pytest.raises(UserError, match="give either batch_size="):
         polytrain.fit("lenet", batch_size=64, per_device_batch_size=32)

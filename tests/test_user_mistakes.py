@@ -77,17 +77,69 @@ def test_dataset_options_the_dataset_does_not_read_are_refused(capsys):
         polytrain.fit("lenet", "synthetic", data_dir="/data", verbose=False)
 
 
-@pytest.mark.parametrize("argv, usage, hint", [
-    (["train", "--epoch", "3"], "usage: polytrain train", "unrecognized argument --epoch; did you mean --epochs?"),
-    (["train", "--batch", "32"], "usage: polytrain train", "did you mean --batch-size?"),
-    (["verify", "--step", "3"], "usage: polytrain verify", "did you mean --steps?"),
-    (["predict", "runs/x", "--shw", "3"], "usage: polytrain predict", "did you mean --show?"),
+@pytest.mark.parametrize("argv, start, hint", [
+    (["train", "--epoch", "3"], "polytrain train: error:", "unrecognized argument --epoch; did you mean --epochs?"),
+    (["train", "--batch", "32"], "polytrain train: error:", "did you mean --batch-size?"),
+    (["verify", "--step", "3"], "polytrain verify: error:", "did you mean --steps?"),
+    (["predict", "runs/x", "--shw", "3"], "polytrain predict: error:", "did you mean --show?"),
 ])
-def test_flags_match_exactly_and_unknown_ones_get_a_suggestion(capsys, argv, usage, hint):
+def test_flags_match_exactly_and_unknown_ones_get_a_suggestion(capsys, argv, start, hint):
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and err.startswith(usage) and hint in err and "Traceback" not in err
+    assert stopped.value.code == 2 and err.startswith(start) and hint in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--epochs", "three"], "polytrain train: error: argument --epochs: expected a number of epochs such "
+                                     "as 3 or 1.5, got 'three'; see polytrain train --help"),
+    (["evaluate", "runs/x", "--device", "gpu"], "polytrain evaluate: error: argument --device: invalid choice: "
+                                                "'gpu' (choose from 'auto', 'cpu', 'cuda'); see polytrain evaluate "
+                                                "--help"),
+    (["evaluate"], "polytrain evaluate: error: the following arguments are required: RUN_DIR; see polytrain "
+                   "evaluate --help"),
+    (["bench", "--steps", "x"], "polytrain bench: error: argument --steps: invalid int value: 'x'; see polytrain "
+                                "bench --help"),
+])
+def test_argparse_mistakes_are_one_line_without_the_usage_block(capsys, argv, line):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--gpus", "2"], "--gpus: polytrain calls it --devices N (with --device cuda)"),
+    (["--num-gpus", "2"], "--num-gpus: polytrain calls it --devices N (with --device cuda)"),
+    (["--grad-accum", "4"], "--grad-accum: polytrain calls it --accumulate K (polytrain's batch size is the batch "
+                            "per optimizer step"),
+    (["--lr-scheduler", "cosine"], "--lr-scheduler: polytrain calls it --schedule NAME (constant, cosine, onecycle, "
+                                   "or any torch.optim.lr_scheduler class by name with --schedule-args K=V,...)"),
+    (["--learning-rate", "0.1"], "--learning-rate: polytrain calls it --lr X"),
+    (["--accelerator", "gpu"], "--accelerator: polytrain calls it --device cuda (or cpu, or auto; the count is "
+                               "--devices N)"),
+    (["--num-workers", "2"], "--num-workers: num_workers= is a setting of polytrain.fit() only (loader processes "
+                             "per rank for train=/val= Datasets); the command line does not take it"),
+])
+def test_other_trainers_flags_get_polytrains_names(capsys, flags, said):
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *flags])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("polytrain train: error: unrecognized argument ") and said in err
+    assert err.count("\n") == 1 and "no such setting" not in err, err
+
+
+@pytest.mark.parametrize("keyword, said", [
+    ({"gpus": 2}, "fit() has no keyword gpus=; polytrain calls it devices=N (with device='cuda')"),
+    ({"accelerator": "gpu"}, "fit() has no keyword accelerator=; polytrain calls it device='cuda' (or cpu, or auto; "
+                             "the count is devices=N)"),
+    ({"num_train_epochs": 3}, "fit() has no keyword num_train_epochs=; polytrain calls it epochs=N"),
+    ({"learning_rate": 0.1}, "fit() has no keyword learning_rate=; polytrain calls it lr=X"),
+])
+def test_other_trainers_keywords_get_polytrains_names(keyword, said):
+    with pytest.raises(ConfigError) as refused:
+        polytrain.fit("lenet", "synthetic", verbose=False, **keyword)
+    assert str(refused.value) == said
 
 
 def test_help_says_what_models_and_data_must_be_and_its_paths_work(capsys):
@@ -248,3 +300,48 @@ def test_a_model_with_more_outputs_than_the_labels_use_says_so_in_one_line(capsy
     out = capsys.readouterr().out
     assert out.count("note: the model gives 10 outputs per image, but the labels use only 0..2 (3 classes): "
                      "outputs 3..9 are trained never to be chosen") == 1
+
+
+def test_predict_on_a_language_model_points_to_generate(tmp_path, capsys):
+    from conftest import polytrain_here
+    run = tmp_path / "gpt"
+    trained = polytrain_here(None, "train", "--model", "gpt", "--dataset", "shakespeare", "--layers", 1, "--width", 16,
+                             "--heads", 2, "--context", 8, "--max-steps", 2, "--device", "cpu", "--out", run)
+    assert trained.returncode == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["predict", str(run)])
+    assert err == (f"polytrain: error: predict shows the labels an image classifier gives; {run} is a language model "
+                   f"(--model gpt on --dataset shakespeare): sample its text with polytrain generate {run}\n")
+    with pytest.raises(UserError, match="polytrain generate"):
+        polytrain.predict(run)
+
+
+def test_a_model_class_defined_in_python_c_with_two_devices_is_one_line_before_any_worker():
+    """Spawned workers cannot import a __main__ that has no file (python -c, standard input, a notebook): they
+    failed with "worker rank 0 failed: To enable traceback see ..."."""
+    import subprocess
+    import sys
+    code = ("import torch.nn as nn, polytrain\n"
+            "class Net(nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.f = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))\n"
+            "    def forward(self, x):\n"
+            "        return self.f(x)\n"
+            "try:\n"
+            "    polytrain.fit(Net(), 'mnist-sample', devices=2, epochs=1, max_steps=2, verbose=False)\n"
+            "except polytrain.errors.UserError as error:\n"
+            "    print('refused:', error)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == ("refused: model= uses Net, defined in the code given to python -c or on standard "
+                                     "input, which the worker processes cannot import; put it in a module file (e.g. "
+                                     "mymodel.py) and import it from there, or use devices=1"), result.stderr[-2000:]
+
+
+def test_metrics_given_as_keras_names_are_one_line():
+    from polytrain.objective import Objective
+    with pytest.raises(UserError, match=r"metrics= takes a dict \{name: fn\(outputs, targets\)\}, not names such as "
+                                        r"Keras's metrics=\['accuracy'\] \(\['acc'\]\): classification reports acc"):
+        Objective(metrics=["acc"])
+    with pytest.raises(UserError, match="a model that returns its loss does not hand over"):
+        Objective(metrics={"top": lambda o, y: o.sum()}, kind="model")

@@ -160,3 +160,67 @@ class TokenPairs(Dataset):
     def __getitem__(self, i):
         item = self.data[i]
         return item["input_ids"], item["labels"]
+
+
+SEEN = []           # what LitRecorder's copies did, in this process: (what, current_epoch, global_step[, batch_idx])
+
+
+def token_accuracy(logits, labels):
+    mask = labels != PAD
+    return (logits.argmax(-1)[mask] == labels[mask]).float().mean()
+
+
+class Recording:
+    """A LightningModule's steps and hooks that write down where the loop stands into SEEN and log the token
+    accuracy; the loss is each batch's token mean (a scalar, as Lightning's training_step returns)."""
+
+    def _note(self, what, *batch_idx):
+        SEEN.append((what, self.current_epoch, self.global_step, *batch_idx))
+
+    def _loss_and_accuracy(self, batch):
+        logits = self(batch["input_ids"])["logits"]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD)
+        return loss, token_accuracy(logits, batch["labels"])
+
+    def training_step(self, batch, batch_idx):
+        self._note("train", batch_idx)
+        loss, accuracy = self._loss_and_accuracy(batch)
+        self.log("train_acc", accuracy, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self._note("val", batch_idx)
+        loss, accuracy = self._loss_and_accuracy(batch)
+        self.log("val_loss", loss)
+        self.log("val_acc", accuracy)
+
+    def configure_optimizers(self):
+        SEEN.append(("configure_optimizers", self.trainer.max_epochs, self.trainer.estimated_stepping_batches))
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def on_fit_start(self): self._note("on_fit_start")
+    def on_train_start(self): self._note("on_train_start")
+    def on_train_epoch_start(self): self._note("on_train_epoch_start")
+    def on_validation_start(self): self._note("on_validation_start")
+    def on_validation_epoch_start(self): self._note("on_validation_epoch_start")
+    def on_validation_epoch_end(self): self._note("on_validation_epoch_end")
+    def on_validation_end(self): self._note("on_validation_end")
+    def on_train_epoch_end(self): self._note("on_train_epoch_end")
+    def on_train_end(self): self._note("on_train_end")
+    def on_fit_end(self): self._note("on_fit_end")
+
+
+class LitRecorder(Recording, TokenModel):
+    """Recording as a LightningModule without Lightning (duck-typed)."""
+
+
+class LitAccuracy(LitTokens):
+    """LitTokens that also logs each batch's token accuracy (train_acc, val_acc)."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("train_acc", token_accuracy(self(batch["input_ids"])["logits"].detach(), batch["labels"]))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_acc", token_accuracy(self(batch["input_ids"])["logits"], batch["labels"]))
+        return super().validation_step(batch, batch_idx)

@@ -14,7 +14,8 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from .callbacks import check_callbacks, check_monitor
+from .callbacks import check_monitor
+from .user_callbacks import check_callbacks
 from .checkpoint import atomic_write_bytes, load_weights
 from .config import STRATEGY_FLAGS, TrainConfig
 from .config.flags import refuse_ignored
@@ -28,9 +29,10 @@ from .runtime.launch import check_devices, check_main_guard, run_job, spawns_wor
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output, takes_channels_last
 from .models.defaults import apply_model_defaults, defaults_words
-from .models.lightning import is_lightning, lightning_parts
+from .models.lightning import is_lightning, lightning_parts, plan_loop
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
-from .run_dir import new_run_dir, read_config, write_config
+from .run_dir import (LOCK_FILE, in_training, new_run_dir, read_config, refuse_if_training, training,
+                      write_config)
 from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
                       item_form, make_objective, oversized_batch_note, refuse_for_strategy, split_data)
 from .strategies import SingleDevice, make_plan, resolve_strategy_name
@@ -87,16 +89,14 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         note = check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
         if verbose and note and (launcher is None or launcher.rank == 0):
             print(note, flush=True)
+    # what a LightningModule's self.trainer answers in its steps and configure_optimizers
+    plan_loop(objective, epochs=config.epochs, steps_per_epoch=-(-dataset.num_train // config.batch_size),
+              max_steps=config.max_steps, world_size=config.devices)
     objective = check_objective(module, objective, dataset)
     check_monitor(config.monitor, objective.names)
     refuse_for_strategy(strategy, config, objective, dataset)
     recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler,
                          param_groups=param_groups).checked(module, staleness=config.staleness or 0)
-    if verbose and (launcher is None or launcher.rank == 0):
-        print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
-        for line in recipe_notes(recipe, steps_per_epoch=-(-dataset.num_train // config.batch_size),
-                                 epochs=config.epochs):
-            print(line, flush=True)
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
         check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
@@ -120,9 +120,15 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         if verbose and (launcher is None or launcher.rank == 0):
             print(line, flush=True)
     plan = make_plan(strategy, config, module, dataset, device=device)
+    if verbose and (launcher is None or launcher.rank == 0):
+        print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
+        for line in recipe_notes(recipe, steps_per_epoch=-(-dataset.num_train // config.batch_size),
+                                 epochs=config.epochs):
+            print(line, flush=True)
     run_dir, fresh = None, False
     if resume_dir is not None:
         run_dir = Path(resume_dir)
+        refuse_if_training(run_dir)                  # before its config.json may be rewritten below
         recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
         now = dict(strategy=strategy, strategy_plan=plan_record(plan))
         if recorded and any(recorded.get(key) != value for key, value in now.items()):
@@ -152,7 +158,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
               resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
               objective=objective, loggers=tuple(loggers), callbacks=tuple(callbacks), optim=recipe)
     try:
-        result = run_job(job)
+        with training(run_dir):                      # one process trains a run folder at a time
+            result = run_job(job)
     except BaseException:
         if resume_dir is None and run_dir is not None and launcher is None:   # torchrun restarts keep it
             forget_unstarted_run(run_dir, whole_folder=fresh)
@@ -167,13 +174,14 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
 
 def forget_unstarted_run(run_dir: Path, *, whole_folder: bool) -> None:
     """After a run failed before its first checkpoint, remove what it wrote (the folder, if it made it), so
-    that the same command can be tried again; a run with a checkpoint is kept for --resume."""
-    if (run_dir / "checkpoint.pt").exists():
+    that the same command can be tried again; a run with a checkpoint is kept for --resume, and a folder that
+    another process is training is left to it."""
+    if (run_dir / "checkpoint.pt").exists() or in_training(run_dir):
         return
     if whole_folder:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    for name in ("config.json", "skipped.txt"):
+    for name in ("config.json", "skipped.txt", LOCK_FILE):
         (run_dir / name).unlink(missing_ok=True)
 
 
@@ -358,7 +366,11 @@ def predict(run_dir, *, count: Optional[int] = None, device: str = "auto", weigh
     """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
     over the validation set (all of them when `count` is None); `weights="best"` uses its best.pt."""
     check_devices(1, device)
-    _, dataset, model = load_run(run_dir, weights=weights)
+    config, dataset, model = load_run(run_dir, weights=weights)
+    if getattr(dataset, "kind", "classification") != "classification":
+        raise UserError(f"predict shows the labels an image classifier gives; {run_dir} is a language model (--model "
+                        f"{config.model} on --dataset {config.dataset}): sample its text with polytrain generate "
+                        f"{run_dir}")
     dev = choose_device(device, 0)
     model = model.to(dev).eval()
     _, val = make_loaders(dataset, batch_size=1024, device=dev)

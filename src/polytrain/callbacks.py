@@ -1,16 +1,16 @@
 """What happens around the training loop on the main rank: progress, summaries, metrics file, plots."""
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from .checkpoint import atomic_write_bytes
-from .errors import ConfigError, UserError
+from .errors import ConfigError
 from .report import save_figure
 
 
@@ -21,54 +21,11 @@ class Callback:
     def on_step_start(self, trainer, step): ...
     def on_step_end(self, trainer, step): ...
     def on_eval_step(self, trainer, step): ...
+    def on_validation_start(self, trainer): ...          # every rank, before a validation pass
+    def on_figures(self, trainer, record): ...           # every rank, before a record is judged: may add figures
     def on_validation_end(self, trainer, record): ...
     def on_epoch_end(self, trainer, record): ...
     def on_fit_end(self, trainer): ...
-
-
-# The hooks a user's callback object may have (Keras' and Lightning's names); each is called as hook(trainer).
-HOOKS = ("on_fit_start", "on_epoch_start", "on_step_end", "on_validation_end", "on_epoch_end", "on_fit_end")
-
-
-def check_callbacks(callbacks) -> tuple:
-    """`fit(callbacks=...)`: one object or a list of them, each with at least one hook taking (trainer)."""
-    items = () if callbacks is None else tuple(callbacks) if isinstance(callbacks, (list, tuple)) else (callbacks,)
-    for item in items:
-        name = getattr(item, "__name__", type(item).__name__)
-        if isinstance(item, type):
-            raise UserError(f"callbacks= takes objects; got the class {name}: pass {name}()")
-        hooks = [hook for hook in HOOKS if callable(getattr(item, hook, None))]
-        if not hooks:
-            raise UserError(f"callbacks=: {name} has none of the methods {', '.join(HOOKS)}; name its methods so")
-        for hook in hooks:
-            try:
-                inspect.signature(getattr(item, hook)).bind(None)
-            except TypeError:
-                raise UserError(f"callbacks=: {name}.{hook} must take one argument, the trainer (read "
-                                f"trainer.epoch, trainer.step, trainer.metrics, trainer.model)") from None
-            except ValueError:         # no signature to read (a builtin): let the call say
-                pass
-    return items
-
-
-class UserCallbacks(Callback):
-    """The user's callback objects, on the main rank: each hook it has is called as hook(trainer)."""
-
-    def __init__(self, objects):
-        self.objects = tuple(objects)
-
-    def _call(self, hook: str, trainer) -> None:
-        for item in self.objects:
-            method = getattr(item, hook, None)
-            if method is not None:
-                method(trainer)
-
-    def on_fit_start(self, trainer): self._call("on_fit_start", trainer)
-    def on_epoch_start(self, trainer, epoch): self._call("on_epoch_start", trainer)
-    def on_step_end(self, trainer, step): self._call("on_step_end", trainer)
-    def on_validation_end(self, trainer, record): self._call("on_validation_end", trainer)
-    def on_epoch_end(self, trainer, record): self._call("on_epoch_end", trainer)
-    def on_fit_end(self, trainer): self._call("on_fit_end", trainer)
 
 
 def monitor_names(metric_names) -> list:
@@ -154,21 +111,27 @@ class Monitor:
 
 
 def metric_names(record: dict) -> list:
-    """The metrics an epoch record holds besides the loss (acc for classification, the user's own)."""
-    return [key[4:] for key in record if key.startswith("val_") and key != "val_loss"]
+    """The metrics an epoch record holds besides the loss (acc for classification, the user's own, what a
+    LightningModule logged), each once, whether the record has it for training, validation or both."""
+    names = [key.split("_", 1)[1] for key in record if key.startswith(("train_", "val_"))]
+    return [name for name in dict.fromkeys(names) if name != "loss"]
+
+
+def figures(record: dict, split: str, names) -> str:
+    """" loss 0.1234 acc 0.9000" of one split, for the figures the record has (none: no validation ran)."""
+    return "".join(f" {name} {record[f'{split}_{name}']:.4f}" for name in ("loss", *names)
+                   if f"{split}_{name}" in record)
 
 
 def summary_line(record: dict, epochs: float) -> str:
     names = metric_names(record)
-
-    def side(split: str) -> str:
-        return f"{split} loss {record[f'{split}_loss']:.4f}" + "".join(
-            f" {name} {record[f'{split}_{name}']:.4f}" for name in names)
+    sides = "".join(f"  {split}{figures(record, split, names)}" for split in ("train", "val")
+                    if f"{split}_loss" in record)
     if "tokens_per_second" in record:     # a language model: loss in nats per token
-        return (f"epoch {record['epoch']}/{epochs:g}  {side('train')}  {side('val')} perplexity "
-                f"{record['perplexity']:.2f}  {record['epoch_seconds']:.2f}s  "
+        perplexity = f" perplexity {record['perplexity']:.2f}" if "perplexity" in record else ""
+        return (f"epoch {record['epoch']}/{epochs:g}{sides}{perplexity}  {record['epoch_seconds']:.2f}s  "
                 f"{record['tokens_per_second']:,.0f} tokens/s" + (f"  {record['note']}" if record.get("note") else ""))
-    return (f"epoch {record['epoch']}/{epochs:g}  {side('train')}  {side('val')}  "
+    return (f"epoch {record['epoch']}/{epochs:g}{sides}  "
             f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
             + (f"  {record['note']}" if record.get("note") else ""))
 
@@ -180,19 +143,33 @@ class ProgressBar(Callback):
     a host synchronisation to every step.
     """
 
-    def __init__(self, stream=None, refresh_steps: int = 20, bar: bool = None):
+    def __init__(self, stream=None, refresh_steps: int = 20, bar: bool = None, every_seconds: float = 10.0):
         self.stream = stream or sys.stdout
         self.refresh_steps = refresh_steps
         self.use_bar = self.stream.isatty() if bar is None else bar
         self.bar = None
+        # off a terminal (a log file, a notebook), a line every `every_seconds` within an epoch: a long epoch
+        # (the GPT's single default one) is not silent for minutes
+        self.every_seconds = every_seconds
+        self.next_line = math.inf
 
     def on_epoch_start(self, trainer, epoch):
+        self.next_line = time.monotonic() + self.every_seconds
+        self.start_step = trainer.position.step        # a resumed epoch's earlier steps are not this pass's
         if self.use_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.position.step, file=self.stream,
                             desc=f"epoch {epoch + 1}/{trainer.epochs:g}", leave=False, dynamic_ncols=True)
 
     def on_step_end(self, trainer, step):
+        if self.bar is None and time.monotonic() >= self.next_line and step + 1 < trainer.steps_per_epoch:
+            self.next_line = time.monotonic() + self.every_seconds
+            loss_sum, loss_count, _, _, seconds = trainer.running_totals()
+            done = step + 1 - self.start_step
+            left = seconds / max(done, 1) * (trainer.steps_per_epoch - step - 1)
+            print(f"epoch {trainer.epoch}/{trainer.epochs:g} step {step + 1}/{trainer.steps_per_epoch}  train loss "
+                  f"{loss_sum / max(loss_count, 1):.4f}  {seconds:.0f}s, about {left:.0f}s left in the epoch",
+                  file=self.stream, flush=True)
         if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
             loss_sum, loss_count, metric_sums, count, _ = trainer.running_totals()
             values = dict(loss=loss_sum / max(loss_count, 1), **{name: value / max(count, 1) for name, value in
@@ -203,9 +180,8 @@ class ProgressBar(Callback):
     def on_validation_end(self, trainer, record):
         if "step" not in record:              # the epoch's own: its summary line follows
             return
-        figures = "".join(f" {name} {record[f'val_{name}']:.4f}" for name in metric_names(record))
         line = (f"epoch {record['epoch']}/{trainer.epochs:g} step {record['step']}/{trainer.steps_per_epoch}  "
-                f"val loss {record['val_loss']:.4f}{figures}")
+                f"val{figures(record, 'val', metric_names(record))}")
         if self.bar is not None:
             self.bar.write(line, file=self.stream)
         else:
@@ -253,32 +229,49 @@ def metrics_lines(history) -> list:
 
 
 class Curves(Callback):
-    """Redraws `curves.png` (loss and each metric per epoch, train and validation) after every epoch."""
+    """Redraws `curves.png` (loss and each metric, train and validation) after every epoch and every validation
+    within one (--val-every), those placed at the fraction of the epoch they came after: a one-epoch run is a
+    curve, not two dots."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
     def on_epoch_end(self, trainer, record):
-        plot_curves(trainer.history.epochs, self.path)
+        plot_curves(trainer.history.epochs, self.path, within=trainer.history.validations,
+                    steps_per_epoch=trainer.steps_per_epoch)
+
+    def on_validation_end(self, trainer, record):
+        if "step" in record:              # within an epoch (the epoch's own is drawn at its end)
+            self.on_epoch_end(trainer, record)
 
 
-def plot_curves(records, path: Path) -> None:
+def plot_curves(records, path: Path, *, within=(), steps_per_epoch: int = 1) -> dict:
+    """Draw `curves.png`; returns what it drew: (figure, split) -> [(epoch, value), ...]."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    epochs = [r["epoch"] for r in records]
-    keys = ["loss", *metric_names(records[-1])]
+    if not records and not within:
+        return {}
+    drawn = {}
+    # every record at the epoch (a fraction within one) it came after
+    points = sorted([(r["epoch"] - 1 + r["step"] / steps_per_epoch, r) for r in within] +
+                    [(r["epoch"], r) for r in records], key=lambda point: point[0])
+    keys = ["loss", *metric_names((records or within)[-1])]
     figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for axis, key in zip(axes[0], keys):
         title = {"acc": "accuracy"}.get(key, key)
-        axis.plot(epochs, [r[f"train_{key}"] for r in records], "o-", label="train")
-        axis.plot(epochs, [r[f"val_{key}"] for r in records], "o-", label="validation")
+        for split, label in (("train", "train"), ("val", "validation")):
+            shown = [(x, r[f"{split}_{key}"]) for x, r in points if f"{split}_{key}" in r]
+            if shown:
+                axis.plot(*zip(*shown), "o-", label=label, markersize=3 if len(shown) > 20 else 6)
+                drawn[key, split] = shown
         axis.set_xlabel("epoch")
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend()
     save_figure(figure, path)
+    return drawn
 
 
 class StepRecorder(Callback):

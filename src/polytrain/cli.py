@@ -31,8 +31,20 @@ language models (polytrain train --model gpt --dataset shakespeare, then polytra
 Python, polytrain.fit also takes torch Datasets and any loss (regression, multi-label, segmentation)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: `polytrain train: error: ...; see polytrain train --help` (argparse
+    prints its whole usage first, some thirty lines above the one that matters). Subcommands' parsers are of
+    this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.refuse(f"{message}; see {self.prog} --help")
+
+    def refuse(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="polytrain", description="Train PyTorch models on every device you have, with results proven "
         "equal to one device. Start with: polytrain train", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES, allow_abbrev=False)
@@ -127,15 +139,15 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
 
 
 def parse(argv=None):
-    """Parse `argv`, matching flags exactly; an unknown flag is an error under its subcommand's own usage
-    line, with the nearest known flag. `args.given` holds the settings given explicitly."""
+    """Parse `argv`, matching flags exactly; an unknown flag is one line naming its subcommand, with the nearest
+    known flag or polytrain's name for it. `args.given` holds the settings given explicitly."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         where = parser.commands.get(args.command, parser)
         flag = next((word for word in unknown if word.startswith("-")), unknown[0])
         known = [option for action in where._actions for option in action.option_strings]
-        where.error(unknown_flag(flag, known, args.command))
+        where.refuse(unknown_flag(flag, known, args.command))
     args.given = frozenset(given_settings(args))
     return parser, args
 

@@ -22,7 +22,7 @@ from .models import build_model
 from .models.gpt import generate
 from .models.defaults import defaults_words
 from .checkpoint import planned_steps, read_progress
-from .run_dir import read_config, resolve_run_dir, write_config
+from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .strategies import make_plan, resolve_strategy_name
 from .runtime.verify import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
@@ -61,6 +61,7 @@ def resume_plan(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
+    refuse_if_training(run_dir)             # before its config.json is rewritten for this resume
     fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
     if fixed:
         raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "

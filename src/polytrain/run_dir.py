@@ -1,11 +1,19 @@
-"""The run folder: config.json, metrics.jsonl, model.pt, checkpoint.pt, curves.png."""
+"""The run folder: config.json, metrics.jsonl, model.pt, checkpoint.pt, curves.png, and the lock that keeps
+two processes from training it at once."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
+
+try:
+    import fcntl
+except ImportError:                 # Windows: no flock, so run folders are not locked there
+    fcntl = None
 
 import torch
 
@@ -18,6 +26,7 @@ def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:
     """`out` as given (it must not hold another run), or a fresh time-stamped folder under `runs/`."""
     if out is not None:
         path = Path(out).expanduser()
+        refuse_if_training(path, fix="choose another folder for the new run, or wait for that one to end")
         if (path / "config.json").exists():
             raise UserError(f"--out {path} already holds a run; choose a new folder, or continue it with "
                             f"--resume {path}")
@@ -62,3 +71,72 @@ def resolve_run_dir(text) -> Path:
     if not runs:
         raise UserError(f"{path}: there is no run folder in {path.parent}/ yet; train one with polytrain train")
     return max(runs, key=lambda folder: (folder / "config.json").stat().st_mtime_ns)
+
+
+# Held (flock) by the process that trains the run, for as long as it trains: the process that launches the run,
+# or rank 0 under torchrun or srun (the other ranks neither take nor test it). The kernel drops the lock when
+# that process ends, however it ends, so a file left behind by a crash never blocks anyone (nor a restarted
+# torchrun attempt); the file stays, since removing it could let two processes lock two different files.
+LOCK_FILE = ".training.lock"
+
+RESUME_FIX = "wait for it to end, or stop it (Ctrl-C or kill: it saves a checkpoint) and resume then"
+
+
+def _locks_here() -> bool:
+    from .runtime.hostenv import launcher_env
+    launcher = launcher_env()
+    return launcher is None or launcher.rank == 0
+
+
+def _lock(run_dir, mode: int, fix: str) -> Optional[int]:
+    """The lock file's handle, locked in `mode`; None where nothing can be locked (no flock, a folder that cannot
+    take the file, a file system without locks). Another process's lock is one line."""
+    if fcntl is None or run_dir is None or not _locks_here():
+        return None
+    try:
+        handle = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(handle, 32, 0).decode(errors="replace").strip()
+        os.close(handle)
+        holder = f"pid {pid}" if pid.isdigit() else "pid unknown"
+        raise UserError(f"{run_dir} is being trained by another process ({holder}); {fix}") from None
+    except OSError:
+        os.close(handle)
+        return None
+    return handle
+
+
+@contextmanager
+def training(run_dir, *, fix: str = RESUME_FIX):
+    """Hold `run_dir`'s lock while the body trains it (nothing for `run_dir` None)."""
+    handle = _lock(run_dir, fcntl.LOCK_EX if fcntl else 0, fix)
+    if handle is not None:
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, str(os.getpid()).encode(), 0)     # for the line another process gets
+    try:
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)                                  # releases the lock
+
+
+def refuse_if_training(run_dir, *, fix: str = RESUME_FIX) -> None:
+    """One line if another process is training `run_dir` now; called before anything is written to it. A shared
+    lock, so that processes asking at once do not take each other for trainers."""
+    if fcntl is not None and (Path(run_dir) / LOCK_FILE).is_file():
+        handle = _lock(run_dir, fcntl.LOCK_SH, fix)
+        if handle is not None:
+            os.close(handle)
+
+
+def in_training(run_dir) -> bool:
+    """Whether another process is training `run_dir` now."""
+    try:
+        refuse_if_training(run_dir)
+    except UserError:
+        return True
+    return False

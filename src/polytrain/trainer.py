@@ -72,6 +72,8 @@ class Trainer:
         self.last_stats = None                    # the latest step's StepStats (on the device), for loggers
         self.data_seconds = 0.0                   # host time the latest batch took to arrive from the loader
         self.batch = None                         # the latest batch
+        # False where the objective has nothing to validate with (a LightningModule without validation_step)
+        self.validates = getattr(strategy.objective, "validates", True)
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -83,6 +85,30 @@ class Trainer:
     def step(self) -> int:
         """Optimizer steps done in all (also those before a resume)."""
         return self.position.epoch * self.steps_per_epoch + self.position.step
+
+    @property
+    def global_step(self) -> int:
+        """Lightning's name for `step`."""
+        return self.step
+
+    @property
+    def current_epoch(self) -> int:
+        """Lightning's: the epoch in progress, from 0."""
+        return max(self.epoch - 1, 0)
+
+    @property
+    def max_epochs(self) -> float:
+        return self.epochs
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_main
+
+    @property
+    def callback_metrics(self) -> dict:
+        """Lightning's: the latest figures as tensors."""
+        return {key: torch.tensor(float(value), dtype=torch.float64) for key, value in self.metrics.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
     @property
     def model(self):
@@ -102,7 +128,11 @@ class Trainer:
         return values
 
     def fit(self) -> History:
-        check_monitor(self.monitor.metric, self.metric_names)
+        if self.validates:
+            check_monitor(self.monitor.metric, self.metric_names)
+        elif self.val_every or self.monitor.patience:
+            raise UserError(f"{'--val-every' if self.val_every else '--patience'} needs validation, and the "
+                            f"LightningModule has no validation_step; add one, or drop the option")
         self.history.best = self.monitor.summary()
         self._emit("on_fit_start")
         try:
@@ -128,7 +158,8 @@ class Trainer:
             # an epoch a fractional --epochs had ended early, completed after a resume: its record replaced
             same = bool(self.history.epochs) and self.history.epochs[-1]["epoch"] == record["epoch"]
             self.history.epochs[len(self.history.epochs) - same:] = [record]
-            self._emit("on_validation_end", record)
+            if self.validates:
+                self._emit("on_validation_end", record)
             finished = self.max_steps and self.step >= self.max_steps
             if self.checkpointer is not None:
                 self.checkpointer.save(self, self.position)
@@ -155,6 +186,7 @@ class Trainer:
         record = {"epoch": epoch + 1, "step": self.position.step, "global_step": self.step, "val_loss": val["loss"],
                   **{f"val_{name}": val[name] for name in self.metric_names},
                   "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        self._emit("on_figures", record)
         self.history.validations.append(record)
         self._judge(record)
         self._emit("on_validation_end", record)
@@ -218,22 +250,27 @@ class Trainer:
         if not math.isfinite(loss_sum):
             raise NonFiniteLoss(f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1}; the last good "
                                 f"weights are kept; lower --lr or use --precision fp32")
-        val = self.evaluate()
+        val = self.evaluate() if self.validates else None
         extras = self.strategy.epoch_figures()
         record = {**extras, "epoch": epoch + 1, "train_loss": loss_sum / loss_count,
                 **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
-                "val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names},
+                **({"val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names}}
+                   if val else {}),
                 "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
                 "lr": self.strategy.optimizer.param_groups[0]["lr"]}
         tokens = getattr(self.train_loader, "tokens_per_sample", None)
         if tokens:                        # a language model: nats per token, perplexity, tokens per second
-            record.update(perplexity=math.exp(min(val["loss"], 700.0)),
+            record.update(**({"perplexity": math.exp(min(val["loss"], 700.0))} if val else {}),
                           tokens_per_second=record["samples_per_second"] * tokens)
         steps = self.position.step                # the whole epoch, or where a fractional --epochs ends it
         self.position = (Position(epoch + 1) if steps == self.steps_per_epoch else
                          Position(epoch, steps, loss_sum, metric_sums, count, seconds, loss_count))
+        self._emit("on_figures", record)
         self.strategy.end_of_epoch(record)
-        self._judge(record)
+        if self.validates:
+            self._judge(record)
+        else:
+            self.latest = dict(record)
         return record
 
     @property
@@ -264,6 +301,7 @@ class Trainer:
     def evaluate(self, loader=None) -> dict:
         loader = loader or self.val_loader
         self.strategy.before_evaluation()
+        self._emit("on_validation_start")
         totals = torch.zeros(2 + len(self.metric_names), dtype=torch.float64, device=self.strategy.device)
         count = 0
         for batch in loader.eval_batches():

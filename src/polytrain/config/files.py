@@ -12,12 +12,12 @@ from pathlib import Path
 
 from ..errors import UserError
 from .declare import GROUPS
-from .names import foreign, nearest
+from .names import as_key, foreign, nearest
 from .settings import INPUTS
-from .train import SETTINGS
+from .train import SETTINGS, TrainConfig
 
 # What a run folder's config.json records beside the settings (run_dir.write_config and api.train_run).
-RUN_RECORD = ("versions", "device_type", "custom_model", "custom_data", "loss", "metrics", "classes",
+RUN_RECORD = ("versions", "device_type", "custom_model", "custom_data", "loss", "metrics", "classes", "vocab",
               "skipped_files", "strategy_plan")
 
 
@@ -62,7 +62,7 @@ def read_config_file(path) -> dict:
     values = {}
     for key, value in _flatten(raw, path):
         name = key.replace("-", "_")
-        said = foreign(name, repr) if name not in known else None
+        said = foreign(name, as_key) if name not in known else None
         if said:
             raise UserError(f"--config {path}: unknown setting {key!r}; {said}")
         if name not in known:
@@ -70,13 +70,61 @@ def read_config_file(path) -> dict:
             raise UserError(f"--config {path}: unknown setting {key!r}; " +
                             (f"did you mean {close!r}?" if close else
                              "no setting is near it; see polytrain train --help for the settings"))
-        parse = (SETTINGS.get(name) or INPUTS[name]).parse
-        values[name] = parse(value) if parse is not None and isinstance(value, str) else value
+        meta = SETTINGS.get(name) or INPUTS[name]
+        try:
+            values[name] = meta.parse(value) if meta.parse is not None and isinstance(value, str) else value
+        except ValueError as error:                 # the words of the flag's parser: what form it takes
+            raise UserError(f"--config {path}: {key}: {error}") from None
+        values[name] = _typed(name, values[name], f"--config {path}: {key}")
     if record:
         values.pop("out", None)           # that run's folder: the repetition gets a new one
         if values.get("strategy") == "single":
             values["strategy"] = "auto"   # what it resolved to on one device; --devices N may change it
+        if "momentum" in values and not _takes_momentum(values.get("optimizer")):
+            del values["momentum"]        # the default beside a model's own optimizer (gpt: AdamW), never read
     return values
+
+
+def _takes_momentum(optimizer) -> bool:
+    from ..optim import OPTIMIZERS, _key, keywords
+    cls = OPTIMIZERS.get(_key(optimizer)) if isinstance(optimizer, str) else None
+    return cls is None or "momentum" in keywords(cls)
+
+
+def _kind(name: str):
+    """The declared type of a setting without Optional (bool, int, float, str, tuple), or None."""
+    field = TrainConfig.__dataclass_fields__.get(name)
+    text = str(field.type).replace("Optional[", "").rstrip("]") if field is not None else ""
+    return {"bool": bool, "int": int, "float": float, "str": str, "tuple": tuple}.get(text)
+
+
+def _typed(name: str, value, where: str):
+    """A file's value of the type its flag would give: text for a number reads as the flag reads it, a list for
+    a text setting is its comma-separated form (`split = [4, 7]`), a number for a text setting its text; any
+    other type is one line (`compile = "no"` must not switch it on)."""
+    kind = _kind(name)
+    if value is None or kind is None:
+        return value
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    elif kind is str and isinstance(value, (int, float, list)) and not isinstance(value, bool):
+        if not isinstance(value, list) or all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif isinstance(value, (list, tuple) if kind is tuple else kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    wanted = {bool: "true or false", int: "a whole number", float: "a number", str: "text in quotes",
+              tuple: "a list such as " + _example(name)}[kind]
+    raise UserError(f"{where} takes {wanted}, got {json.dumps(value)}")
+
+
+def _example(name: str) -> str:
+    meta = SETTINGS[name]
+    return "[" + ", ".join((meta.metavar or "A,B").split(",")) + "]"
 
 
 def _flatten(raw: dict, path: Path):

@@ -6,6 +6,7 @@ flags given on the command line, then a `--config` file, then the declared defau
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Optional
 
 from ..data import DATASETS, datasets_using, unused_dataset_options
@@ -15,7 +16,7 @@ from ..models.defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
 from ..strategies import STRATEGIES
 from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
-from .names import foreign, nearest
+from .names import as_flag, foreign, nearest
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS, TrainConfig, apply_inputs
 
@@ -149,9 +150,15 @@ def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:
     if not word.startswith("-"):
         return f"unexpected argument {word!r}; see polytrain {command or ''} --help".replace("  ", " ")
     bare = word.split("=", 1)[0]
-    said = foreign(bare, flag_name)
+    said = foreign(bare, as_flag)
     if said:
         return f"unrecognized argument {bare}: {said}"
+    python_only = SETTINGS.get(bare.lstrip("-").replace("-", "_"))
+    if python_only is not None and python_only.flag == "none":
+        name = bare.lstrip("-").replace("-", "_")
+        what = re.split(r" \(|:", python_only.help, maxsplit=1)[0]
+        return (f"unrecognized argument {bare}: {name}= is a setting of polytrain.fit() only ({what}); the "
+                f"command line does not take it")
     close = nearest(bare, [flag for flag in known_flags if flag not in ("-h", "--help")])
     if close:
         return f"unrecognized argument {bare}; did you mean {close}?"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from . import SETTINGS, TrainConfig
-from .names import foreign, nearest
+from .names import as_keyword, foreign, nearest
 from .settings import INPUTS
 from ..errors import ConfigError
 
@@ -18,7 +18,7 @@ def check_keywords(settings: dict) -> None:
     """Refuse a keyword `fit` does not take, naming the nearest one it does."""
     known = sorted(set(SETTINGS) - {"dataset", "model"} | set(INPUTS) | set(FIT_KEYWORDS))
     for name in settings:
-        said = foreign(name, lambda setting: f"{setting}=") if name not in known else None
+        said = foreign(name, as_keyword) if name not in known else None
         if said:
             raise ConfigError(f"fit() has no keyword {name}=; {said}")
         if name not in known:

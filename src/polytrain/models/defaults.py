@@ -64,9 +64,9 @@ def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
     applied = {key: value for key, value in MODEL_DEFAULTS.get(model, {}).items()
                if key not in given and key not in skipped}
     values.update(applied)
-    if "optimizer" in given:
+    if "optimizer" in given or "optimizer" in applied:      # not polytrain's SGD: its settings do not apply
         for key in OWN_OPTIMIZER_SETTINGS:
-            if key not in given:
+            if key not in given and key not in applied:
                 values[key] = None
     return applied
 

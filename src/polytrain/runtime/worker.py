@@ -12,13 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder, UserCallbacks
+from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder
+from ..user_callbacks import UserCallbacks
 from ..checkpoint import Checkpointer, Position, describe_position, restore_rng
 from ..config import TrainConfig
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from ..data import ArrayDataset
 from ..errors import UserError
 from ..loggers import make_loggers, parse_loggers
+from ..models.lightning import plan_loop
 from ..objective import Objective
 from ..data.loader import make_loaders
 from ..optim import make_recipe
@@ -141,6 +143,9 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
     recipe = (job.optim or make_recipe(config)).planned(job.model)     # groups laid out over the whole model
+    # a LightningModule's self.trainer answers in configure_optimizers; its loop runs on every rank
+    module_loop = plan_loop(strategy.objective, epochs=config.epochs, steps_per_epoch=steps,
+                            max_steps=config.max_steps, rank=rank, world_size=world)
     strategy.schedule_per_step = recipe.per_step
     strategy.setup(copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps))
     if job.verbose and strategy.placement:
@@ -160,7 +165,7 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
         position, history = Position.from_dict(state["position"]), History(list(state["history"]),
                                                                            list(state.get("validations") or []))
         monitor.restore(state.get("monitor"))
-    callbacks = []
+    callbacks = [module_loop] if module_loop is not None else []
     if strategy.is_main and job.verbose:
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:

@@ -1,0 +1,181 @@
+"""A LightningModule's loop as Lightning runs it: global_step, current_epoch and batch_idx advance, its hooks are
+called in Lightning's order, what it logs reaches the epoch record, `self.trainer` answers in
+configure_optimizers, and a module without validation_step trains without validation. Checked against counts
+worked out by hand, and against Lightning itself where it is installed."""
+import json
+
+import pytest
+import torch
+
+import polytrain
+from polytrain.data.order import global_batch_order
+from polytrain.errors import UserError
+import token_data
+from token_data import LitRecorder, PaddedTokens, TokenModel, token_accuracy
+
+# 64 training sequences in batches of 16: 4 steps an epoch; 32 validation sequences in 2 batches of 16
+SETTINGS = dict(epochs=2, batch_size=16, eval_batch_size=16, verbose=False)
+
+
+
+@pytest.fixture(scope="module")
+def data():
+    return PaddedTokens(64, seed=1), PaddedTokens(32, seed=2)
+
+
+def loop_events():
+    """SEEN from on_fit_start on, without configure_optimizers (polytrain also calls it and training_step on two
+    samples before training, to check them)."""
+    events = [event for event in token_data.SEEN if event[0] != "configure_optimizers"]
+    return events[next(i for i, event in enumerate(events) if event[0] == "on_fit_start"):]
+
+
+def by_hand():
+    """The loop of 2 epochs of 4 steps, validated at each epoch's end, as Lightning runs it."""
+    events = [("on_fit_start", 0, 0), ("on_train_start", 0, 0)]
+    for epoch in range(2):
+        done = 4 * epoch + 4
+        events += [("on_train_epoch_start", epoch, done - 4), *[("train", epoch, done - 4 + i, i) for i in range(4)],
+                   ("on_validation_start", epoch, done), ("on_validation_epoch_start", epoch, done),
+                   ("val", epoch, done, 0), ("val", epoch, done, 1), ("on_validation_epoch_end", epoch, done),
+                   ("on_validation_end", epoch, done), ("on_train_epoch_end", epoch, done)]
+    return events + [("on_train_end", 2, 8), ("on_fit_end", 2, 8)]
+
+
+def test_the_loop_hooks_and_logged_values_are_lightnings(data, tmp_path):
+    token_data.SEEN.clear()
+    model = LitRecorder()
+    history = polytrain.fit(model, train=data[0], val=data[1], out=str(tmp_path / "run"), **SETTINGS)
+    events = loop_events()
+    assert events == by_hand()
+    configured = [e for e in token_data.SEEN if e[0] == "configure_optimizers"]
+    assert configured and all(e == ("configure_optimizers", 2, 8) for e in configured)
+    # the logged means: batches of 16 sequences, so the plain mean of each batch's accuracy
+    for record in history.epochs:
+        assert 0 < record["train_acc"] < 1 and 0 < record["val_acc"] < 1
+    assert history.last["val_acc"] == pytest.approx(validation_accuracy(model, data[1]), rel=1e-6)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["train_acc"] for line in lines] == history["train_acc"]
+    assert [line["val_acc"] for line in lines] == history["val_acc"]
+
+
+def validation_accuracy(model, val, batch_size=16) -> float:
+    """The mean over validation batches of each batch's token accuracy (what self.log's epoch mean is)."""
+    values = []
+    with torch.no_grad():
+        for start in range(0, len(val), batch_size):
+            items = [val[i] for i in range(start, min(start + batch_size, len(val)))]
+            batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+            values.append(token_accuracy(model(batch["input_ids"])["logits"], batch["labels"]).item())
+    return sum(values) / len(values)
+
+
+class TrainOnly(TokenModel):
+    """A LightningModule with training_step and configure_optimizers only."""
+
+    def training_step(self, batch, batch_idx):
+        total, count = self(**batch)["loss"]
+        return total / count
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_a_module_without_validation_step_trains_without_validation(data):
+    history = polytrain.fit(TrainOnly(), train=data[0], val=data[1], **SETTINGS)
+    assert [sorted(key for key in record if key.startswith("val_")) for record in history.epochs] == [[], []]
+    assert history.best == {} and history.validations == []
+    for options, words in ((dict(patience=2), "patience="), (dict(val_every=2), "val_every=")):
+        with pytest.raises(UserError, match=f"{words} needs validation, and the LightningModule has no "
+                                            f"validation_step"):
+            polytrain.fit(TrainOnly(), train=data[0], val=data[1], **SETTINGS, **options)
+
+
+class UncalledHook(TrainOnly):
+    def on_after_backward(self):
+        pass
+
+
+class SummedLog(TrainOnly):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("tokens", 1.0, reduce_fx="sum")
+        return loss
+
+
+@pytest.mark.parametrize("module, words", [
+    (UncalledHook, "UncalledHook.on_after_backward: polytrain does not call this LightningModule hook"),
+    (SummedLog, "self.log('tokens', ..., reduce_fx='sum'): polytrain records the epoch's mean"),
+])
+def test_what_polytrain_would_not_do_as_lightning_is_refused_in_one_line(data, module, words):
+    with pytest.raises(UserError) as error:
+        polytrain.fit(module(), train=data[0], val=data[1], **SETTINGS)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.multiprocess
+def test_logged_values_are_reduced_across_two_ranks(data):
+    """The same weights on one device and two (a token-exact loss); each rank validates one of the two batches
+    of 16, and the epoch's val_acc is their mean, as on one device."""
+    from token_data import LitAccuracy
+    one = polytrain.fit(LitAccuracy(), train=data[0], val=data[1], **SETTINGS)
+    two = polytrain.fit(LitAccuracy(), train=data[0], val=data[1], devices=2, strategy="data", **SETTINGS)
+    assert two["val_acc"] == pytest.approx(one["val_acc"], abs=1e-6)
+    assert all(0 < value < 1 for value in two["train_acc"])
+
+
+class EpochOrder(torch.utils.data.Sampler):
+    """polytrain's global sample order of each epoch, for Lightning's DataLoader (Lightning calls set_epoch)."""
+
+    def __init__(self, count: int):
+        self.count, self.epoch = count, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(global_batch_order(self.count, epoch=self.epoch, seed=0).tolist())
+
+    def __len__(self):
+        return self.count
+
+
+def test_lightning_itself_runs_the_same_loop_and_logs_the_same_means(data):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class LitReal(token_data.Recording, TokenModel, pl.LightningModule):
+        pass
+
+    class Figures(pl.Callback):
+        """The epoch means Lightning has when the next epoch starts, and at the end."""
+
+        def __init__(self):
+            self.epochs = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch:
+                self.epochs.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+        def on_train_end(self, trainer, pl_module):
+            self.epochs.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+    def collate(items):
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    token_data.SEEN.clear()
+    figures = Figures()
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[figures])
+    train = torch.utils.data.DataLoader(data[0], batch_size=16, sampler=EpochOrder(len(data[0])), collate_fn=collate)
+    val = torch.utils.data.DataLoader(data[1], batch_size=16, collate_fn=collate)
+    trainer.fit(LitReal(), train, val)
+    lightning_events, lightning_configured = loop_events(), token_data.SEEN[0]
+
+    token_data.SEEN.clear()
+    history = polytrain.fit(LitRecorder(), train=data[0], val=data[1], **SETTINGS)
+    assert loop_events() == lightning_events == by_hand()
+    configured = {event for event in token_data.SEEN if event[0] == "configure_optimizers"}
+    assert configured == {lightning_configured} == {("configure_optimizers", 2, 8)}
+    for ours, theirs in zip(history.epochs, figures.epochs):
+        for key in ("train_acc", "val_acc", "val_loss"):
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key

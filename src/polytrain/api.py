@@ -239,7 +239,9 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     trained in place. With `devices > 1` the module, data and loss are pickled to the worker processes:
     define them in an importable module (not a notebook cell, not a lambda) so the workers can unpickle them.
     `callbacks=[obj, ...]`: objects with any of `on_fit_start`, `on_epoch_start`, `on_step_end`,
-    `on_validation_end`, `on_epoch_end`, `on_fit_end`, each called as `hook(trainer)` on the main rank;
+    `on_validation_end`, `on_epoch_end`, `on_fit_end`, each called as `hook(trainer)` on the main rank (a
+    Keras-style `on_epoch_end(self, epoch, logs=None)` gets the epoch index and the epoch's figures, a
+    Lightning-style `on_train_epoch_end(self, trainer, pl_module)` the trainer and the module);
     `trainer.epoch` (from 1), `trainer.step` (optimizer steps done), `trainer.metrics` (the latest validation's
     figures, and after a step `step_loss`), `trainer.model`, `trainer.history`; setting `trainer.should_stop =
     True` ends training on every rank at the same step with a checkpoint (on several devices, the step the

@@ -279,3 +279,22 @@ def test_curves_place_the_validations_within_epochs_at_their_fraction(tmp_path):
     drawn = plot_curves(records, tmp_path / "curves.png", within=within, steps_per_epoch=100)
     assert drawn["loss", "val"] == [(0.25, 2.5), (0.5, 2.0), (0.75, 1.5), (1, 2.8)]
     assert drawn["loss", "train"] == [(1, 2.9)] and (tmp_path / "curves.png").is_file()
+
+
+def test_a_run_ended_by_max_steps_writes_its_partial_record_and_curves(tmp_path, capfd):
+    """It wrote nothing to metrics.jsonl and no curves.png: a short run said nothing of what it did."""
+    import json
+    from conftest import polytrain_here
+    out = tmp_path / "run"
+    common = ["--dataset", "synthetic", "--synthetic-size", "256", "--model", "mlp", "--batch-size", "32",
+              "--epochs", "1", "--device", "cpu"]
+    result = polytrain_here(capfd, "train", *common, "--max-steps", "3", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "stopped after 3 steps (train loss " in result.stdout
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["partial"] is True and lines[0]["step"] == 3 and lines[0]["epoch"] == 1
+    assert lines[0]["train_loss"] > 0 and "train_acc" in lines[0] and (out / "curves.png").is_file()
+    resumed = polytrain_here(capfd, "train", "--resume", out)
+    assert resumed.returncode == 0, resumed.stderr
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r.get("step"), r.get("partial")) for r in lines] == [(1, 3, True), (1, None, None)]

@@ -209,6 +209,9 @@ class MetricsLog(Callback):
     def on_epoch_end(self, trainer, record):
         self.write(trainer)
 
+    def on_partial_record(self, trainer, record):      # a run ended by --max-steps within an epoch
+        self.write(trainer)
+
     def write(self, trainer) -> None:
         lines = "".join(json.dumps(r) + "\n" for r in metrics_lines(trainer.history))
         atomic_write_bytes(self.path, lines.encode())
@@ -243,6 +246,8 @@ class Curves(Callback):
     def on_validation_end(self, trainer, record):
         if "step" in record:              # within an epoch (the epoch's own is drawn at its end)
             self.on_epoch_end(trainer, record)
+
+    on_partial_record = on_validation_end     # a run ended by --max-steps within an epoch
 
 
 def plot_curves(records, path: Path, *, within=(), steps_per_epoch: int = 1) -> dict:

@@ -139,7 +139,9 @@ def train_command(args) -> int:
         if history.stopped:
             pass                                    # said already: early stopping, or a callback
         elif config.max_steps and len(history.epochs) < config.epochs:
-            print(f"stopped after {config.max_steps} steps; continue with: polytrain train --resume {run_dir}")
+            partial = history.validations[-1] if history.validations else {}
+            loss = f" (train loss {partial['train_loss']:.4f})" if partial.get("partial") else ""
+            print(f"stopped after {config.max_steps} steps{loss}; continue with: polytrain train --resume {run_dir}")
         elif history.epochs:
             best, said = history.best, ""
             if best:

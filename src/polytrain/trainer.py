@@ -193,6 +193,21 @@ class Trainer:
         self.should_stop = self._agreed(self.should_stop)
         return self.should_stop or self.history.stopped is not None
 
+    def _partial_record(self, epoch: int, step: int, totals: torch.Tensor, count: float) -> None:
+        """Every rank, where --max-steps ends a run within an epoch: the training figures of the epoch's steps
+        so far, among the records within epochs (metrics.jsonl, curves.png; kept by the checkpoint), merged
+        into a validation taken at the same step."""
+        loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
+        figures = {"partial": True, "train_loss": loss_sum / loss_count if loss_count else math.nan,
+                   **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)}}
+        last = self.history.validations[-1] if self.history.validations else {}
+        if (last.get("epoch"), last.get("step")) == (epoch + 1, step):
+            last.update(figures)
+        else:
+            self.history.validations.append({"epoch": epoch + 1, "step": step, "global_step": self.step, **figures,
+                                             "lr": self.strategy.optimizer.param_groups[0]["lr"]})
+        self._emit("on_partial_record", self.history.validations[-1])
+
     def _train_epoch(self, epoch: int) -> dict:
         start = self.position
         # A resumed epoch's earlier sums are global (reduced when saved): only the main rank re-adds them.
@@ -235,7 +250,10 @@ class Trainer:
                 batches = self.train_loader.train_batches(epoch, start_step=batch.step + 1)
             if self.stop_vote(self.should_stop):  # a signal, or a callback's request, on any rank
                 self.interrupted = self.should_stop = True
-            stop = stop or self.interrupted or (self.max_steps and done >= self.max_steps)
+            paused = bool(self.max_steps and done >= self.max_steps)
+            stop = stop or self.interrupted or paused
+            if paused and not last_of_epoch:      # --max-steps: what the steps so far did, before the checkpoint
+                self._partial_record(epoch, batch.step + 1, totals, count)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))

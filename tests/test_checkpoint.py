@@ -36,8 +36,10 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-6, rtol=0)
     assert [r["epoch"] for r in history.epochs] == [1, 2, 3]
     assert history["train_loss"] == pytest.approx(straight_history["train_loss"], abs=1e-6)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the record of epoch 2's first 3 steps, where --max-steps paused the run, stays before epoch 2's own
+    assert [(r["epoch"], r.get("step")) for r in lines] == [(1, None), (2, 3), (2, None), (3, None)]
+    assert lines[1]["partial"] is True
 
 
 def test_resume_from_the_command_line(tmp_path, capsys):
@@ -48,7 +50,8 @@ def test_resume_from_the_command_line(tmp_path, capsys):
     assert "continue with: polytrain train --resume" in capsys.readouterr().out
     assert main(["train", "--resume", str(out)]) == 0
     assert "done: validation accuracy" in capsys.readouterr().out
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r.get("partial")) for r in lines] == [(1, None), (2, True), (2, None)]     # paused at 4 of 3+3
     assert main(["train", *common, "--out", str(tmp_path / "straight")]) == 0
     for (key, a), b in zip(torch.load(out / "model.pt", weights_only=True).items(),
                            torch.load(tmp_path / "straight" / "model.pt", weights_only=True).values()):

@@ -90,7 +90,8 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
         if verbose and note and (launcher is None or launcher.rank == 0):
             print(note, flush=True)
     # what a LightningModule's self.trainer answers in its steps and configure_optimizers
-    plan_loop(objective, epochs=config.epochs, steps_per_epoch=-(-dataset.num_train // config.batch_size),
+    steps_per_epoch = -(-dataset.num_train // config.batch_size)
+    plan_loop(objective, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
               max_steps=config.max_steps, world_size=config.devices)
     objective = check_objective(module, objective, dataset)
     check_monitor(config.monitor, objective.names)
@@ -122,8 +123,7 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
     plan = make_plan(strategy, config, module, dataset, device=device)
     if verbose and (launcher is None or launcher.rank == 0):
         print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
-        for line in recipe_notes(recipe, steps_per_epoch=-(-dataset.num_train // config.batch_size),
-                                 epochs=config.epochs):
+        for line in recipe_notes(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs):
             print(line, flush=True)
     run_dir, fresh = None, False
     if resume_dir is not None:

@@ -36,9 +36,10 @@ COMPARE_HELP = ("float64: both sides train in float64 (exact to rounding; fp32 r
 
 def relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
     """max |reference - other| / max |reference|: the largest parameter difference on the parameters' scale."""
-    scale = float(reference.abs().max()) if reference.numel() else 0.0
-    return float((reference - other).abs().max()) / max(scale, torch.finfo(torch.float64).tiny) \
-        if reference.numel() else 0.0
+    if not reference.numel():
+        return 0.0
+    scale = max(float(reference.abs().max()), torch.finfo(torch.float64).tiny)
+    return float((reference - other).abs().max()) / scale
 
 
 def step_differences(reference: Sequence, other: Sequence) -> List[float]:

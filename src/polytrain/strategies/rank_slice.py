@@ -41,15 +41,20 @@ def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
 
 def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
     """Run rank 0's slice of `model` on `sample` (two samples, as the data give them); one line if it fails."""
-    from ..models import run_on_sample
-    from ..errors import UserError
+    from ..data.order import map_tree
+    from ..objective import call_model
     named = [f"{name} ({style})" for name, style, _ in plan.styles if style != "replicate"]
     split = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
+    probe = rank_zero_slice(model, plan).eval()
+    first = next(probe.parameters(), None)
+    if first is not None:
+        sample = map_tree(lambda t: t.to(first.device), sample)
     try:
-        run_on_sample(rank_zero_slice(model, plan), sample, "a rank's slice")
-    except UserError as error:
-        reason = str(error).split(": ", 1)[-1].split("; make its first layers")[0]
+        with torch.no_grad():
+            call_model(probe, sample)
+    except Exception as error:           # the user's forward on a rank's widths: say what failed, in one line
         raise ConfigError(f"tensor_plan: {type(model).__name__}'s forward fails on the share each of the "
-                          f"{plan.devices} ranks holds of {split} ({first_line(reason)}); compute widths from the "
-                          f"layer's output, not the model's width: q, k, v = self.c_attn(x).chunk(3, dim=-1), then "
-                          f"view(B, T, -1, head_dim) so each rank runs its heads") from None
+                          f"{plan.devices} ranks holds of {split} ({type(error).__name__}: {first_line(error)}); "
+                          f"compute widths from the layer's output, not the model's width: q, k, v = "
+                          f"self.c_attn(x).chunk(3, dim=-1), then view(B, T, -1, head_dim) so each rank runs its "
+                          f"heads") from None

@@ -33,6 +33,7 @@ docs/benchmarks.md). To see the figures without that effect:
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 python benchmarks/data_parallel.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,9 @@ def normalisation(train_x, device):
     """
     pixels = train_x.double().div_(255)
     mean, std = pixels.mean(dim=(0, 2, 3)).float(), pixels.std(dim=(0, 2, 3)).float()
-    return (1.0 / (255.0 * std)).reshape(1, -1, 1, 1).to(device), (-mean / std).reshape(1, -1, 1, 1).to(device)
+    return (1.0 / (255.0 * std)).reshape(1, -1, 1, 1).to(device), (-mean / std).reshape(1, -1, 1, 1).to(
+        device
+    )
 
 
 def plain_ddp_worker(model, train_x, train_y, epochs, batch_size, seed, device_kind):
@@ -87,8 +90,10 @@ def plain_ddp_worker(model, train_x, train_y, epochs, batch_size, seed, device_k
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
         model = copy.deepcopy(model).to(device, memory_format=memory_format)
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-        speed = {"fused": True} if device.type == "cuda" else {"foreach": True}     # as polytrain chooses
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **speed)
+        speed = {"fused": True} if device.type == "cuda" else {"foreach": True}  # as polytrain chooses
+        optimizer = torch.optim.SGD(
+            ddp.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **speed
+        )
         images, labels = train_x.to(device), train_y.to(device)
         scale, shift = normalisation(train_x, device)
         n = len(labels)
@@ -103,7 +108,7 @@ def plain_ddp_worker(model, train_x, train_y, epochs, batch_size, seed, device_k
             generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
             order = torch.randperm(n, generator=generator).to(device)
             for start in range(0, n, batch_size):
-                index = order[start:start + batch_size].tensor_split(world)[rank]
+                index = order[start : start + batch_size].tensor_split(world)[rank]
                 x = torch.addcmul(shift, images[index].float(), scale).contiguous(memory_format=memory_format)
                 y = labels[index]
                 logits = ddp(x)
@@ -111,8 +116,9 @@ def plain_ddp_worker(model, train_x, train_y, epochs, batch_size, seed, device_k
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                totals += torch.stack([loss.detach().double() * len(y),
-                                       (logits.detach().argmax(1) == y).sum().double()])
+                totals += torch.stack(
+                    [loss.detach().double() * len(y), (logits.detach().argmax(1) == y).sum().double()]
+                )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - began
@@ -152,9 +158,18 @@ def allreduce_worker(numel, iterations, device_kind):
 
 def launch_config(devices: int, name: str) -> LaunchConfig:
     loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
-    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=devices, run_id=f"{name}-{uuid.uuid4().hex[:8]}",
-                        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                        start_method="spawn", **loopback)
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=devices,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        **loopback,
+    )
 
 
 def run_plain_ddp(model, dataset, *, devices, epochs, batch_size, seed, device_kind):
@@ -166,11 +181,24 @@ def run_polytrain(model, dataset, *, devices, epochs, batch_size, seed, device_k
     import polytrain
 
     threads = torch.get_num_threads()
-    history = polytrain.fit(model, dataset, epochs=epochs, devices=devices,
-                            strategy="data" if devices > 1 else "single", batch_size=batch_size, optimizer="sgd",
-                            lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, schedule="constant",
-                            warmup_epochs=0, seed=seed, device=device_kind, verbose=False)
-    torch.set_num_threads(threads)      # devices=1 runs in this process and sets its thread count
+    history = polytrain.fit(
+        model,
+        dataset,
+        epochs=epochs,
+        devices=devices,
+        strategy="data" if devices > 1 else "single",
+        batch_size=batch_size,
+        optimizer="sgd",
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WEIGHT_DECAY,
+        schedule="constant",
+        warmup_epochs=0,
+        seed=seed,
+        device=device_kind,
+        verbose=False,
+    )
+    torch.set_num_threads(threads)  # devices=1 runs in this process and sets its thread count
     return list(zip(history["epoch_seconds"], history["train_loss"]))
 
 
@@ -178,8 +206,14 @@ def summarise(runs, skip_first: int):
     """Median and minimum of the kept epochs, median first epoch, last run's losses."""
     kept = [seconds for run in runs for seconds, _ in run[skip_first:]]
     first = [run[0][0] for run in runs]
-    return dict(median=statistics.median(kept), min=min(kept), max=max(kept), first_epoch=statistics.median(first),
-                epochs=kept, losses=[loss for _, loss in runs[-1]])
+    return dict(
+        median=statistics.median(kept),
+        min=min(kept),
+        max=max(kept),
+        first_epoch=statistics.median(first),
+        epochs=kept,
+        losses=[loss for _, loss in runs[-1]],
+    )
 
 
 def part_vs_plain(base, dataset, args, common) -> dict:
@@ -190,23 +224,33 @@ def part_vs_plain(base, dataset, args, common) -> dict:
         for name, run in ways.items():
             result = run(copy.deepcopy(base), dataset, devices=2, batch_size=args.batch_size, **common)
             runs[name].append(result)
-            print(f"  repeat {repeat + 1}/{args.repeats}  {name:<9}  "
-                  + "  ".join(f"{seconds:.3f}s" for seconds, _ in result))
+            print(
+                f"  repeat {repeat + 1}/{args.repeats}  {name:<9}  "
+                + "  ".join(f"{seconds:.3f}s" for seconds, _ in result)
+            )
     summary = {name: summarise(r, args.skip_first) for name, r in runs.items()}
     n = len(dataset.train_y)
-    print(f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'1st epoch':>9} {'samples/s':>10}  "
-          f"train loss by epoch")
+    print(
+        f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {'1st epoch':>9} {'samples/s':>10}  "
+        f"train loss by epoch"
+    )
     for name, s in summary.items():
-        print(f"{name:<10} {s['median']:9.3f} {s['min']:8.3f} {s['max']:8.3f} {s['first_epoch']:9.3f} "
-              f"{n / s['median']:10,.0f}  " + " ".join(f"{loss:.4f}" for loss in s["losses"]))
+        print(
+            f"{name:<10} {s['median']:9.3f} {s['min']:8.3f} {s['max']:8.3f} {s['first_epoch']:9.3f} "
+            f"{n / s['median']:10,.0f}  " + " ".join(f"{loss:.4f}" for loss in s["losses"])
+        )
     ratio = summary["polytrain"]["median"] / summary["plain-ddp"]["median"]
     verdict = "met" if ratio <= TARGET_VS_PLAIN else "MISSED"
     of_minima = summary["polytrain"]["min"] / summary["plain-ddp"]["min"]
-    print(f"\npolytrain / plain-ddp = {ratio:.3f}   (target <= {TARGET_VS_PLAIN:.2f}: {verdict}; "
-          f"ratio of the fastest epochs {of_minima:.3f})")
+    print(
+        f"\npolytrain / plain-ddp = {ratio:.3f}   (target <= {TARGET_VS_PLAIN:.2f}: {verdict}; "
+        f"ratio of the fastest epochs {of_minima:.3f})"
+    )
     if any(s["max"] > 1.5 * s["median"] for s in summary.values()):
-        print("some epochs took over 1.5x the median: other processes competed for the cores; rerun if the "
-              "medians and the fastest epochs disagree")
+        print(
+            "some epochs took over 1.5x the median: other processes competed for the cores; rerun if the "
+            "medians and the fastest epochs disagree"
+        )
     return dict(summary=summary, ratio=ratio, ratio_of_minima=of_minima)
 
 
@@ -217,25 +261,40 @@ def part_scaling(base, dataset, args, common) -> dict:
     for repeat in range(args.repeats):
         for batch_size in sizes:
             for devices in (1, 2):
-                result = run_polytrain(copy.deepcopy(base), dataset, devices=devices, batch_size=batch_size,
-                                       **common)
+                result = run_polytrain(
+                    copy.deepcopy(base), dataset, devices=devices, batch_size=batch_size, **common
+                )
                 runs[(batch_size, devices)].append(result)
-                print(f"  repeat {repeat + 1}/{args.repeats}  batch {batch_size:<4} devices {devices}  "
-                      + "  ".join(f"{seconds:.3f}s" for seconds, _ in result))
+                print(
+                    f"  repeat {repeat + 1}/{args.repeats}  batch {batch_size:<4} devices {devices}  "
+                    + "  ".join(f"{seconds:.3f}s" for seconds, _ in result)
+                )
     n = len(dataset.train_y)
     summary = {key: summarise(r, args.skip_first) for key, r in runs.items()}
-    print(f"\n{'batch':>5} {'devices':>7} {'steps':>5} {'median s':>9} {'min s':>8} {'1st epoch':>9} {'samples/s':>10} "
-          f"{'ms/step':>8} {'2 vs 1':>7}")
+    print(
+        f"\n{'batch':>5} {'devices':>7} {'steps':>5} {'median s':>9} {'min s':>8} {'1st epoch':>9} {'samples/s':>10} "
+        f"{'ms/step':>8} {'2 vs 1':>7}"
+    )
     rows = []
     for batch_size in sizes:
         for devices in (1, 2):
             s = summary[(batch_size, devices)]
             steps = -(-n // batch_size)
             speedup = summary[(batch_size, 1)]["median"] / s["median"]
-            print(f"{batch_size:5d} {devices:7d} {steps:5d} {s['median']:9.3f} {s['min']:8.3f} {s['first_epoch']:9.3f} "
-                  f"{n / s['median']:10,.0f} {1e3 * s['median'] / steps:8.2f} {speedup:6.2f}x")
-            rows.append(dict(batch_size=batch_size, devices=devices, steps=steps, **s,
-                             samples_per_second=n / s["median"], speedup_vs_one=speedup))
+            print(
+                f"{batch_size:5d} {devices:7d} {steps:5d} {s['median']:9.3f} {s['min']:8.3f} {s['first_epoch']:9.3f} "
+                f"{n / s['median']:10,.0f} {1e3 * s['median'] / steps:8.2f} {speedup:6.2f}x"
+            )
+            rows.append(
+                dict(
+                    batch_size=batch_size,
+                    devices=devices,
+                    steps=steps,
+                    **s,
+                    samples_per_second=n / s["median"],
+                    speedup_vs_one=speedup,
+                )
+            )
     return dict(rows=rows)
 
 
@@ -245,8 +304,9 @@ def step_seconds(model, *, batch_size: int, threads: int, iterations: int = 30) 
     torch.set_num_threads(threads)
     try:
         model = copy.deepcopy(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
-                                    foreach=True)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, foreach=True
+        )
         x, y = torch.randn(batch_size, 1, 28, 28), torch.randint(0, 10, (batch_size,))
         times = []
         for i in range(iterations + 5):
@@ -266,19 +326,25 @@ def part_communication(base, args) -> dict:
     numel = sum(p.numel() for p in base.parameters())
     print("\n== part 3: communication and compute of one step ==")
     seconds = elastic_launch(launch_config(2, "allreduce"), allreduce_worker)(numel, 200, args.device)[0]
-    print(f"one all-reduce of the LeNet gradient ({numel:,} float32, {numel * 4 / 2**20:.2f} MiB) between 2 "
-          f"processes ({'nccl' if args.device == 'cuda' else 'gloo'}): median {1e3 * seconds:.2f} ms")
+    print(
+        f"one all-reduce of the LeNet gradient ({numel:,} float32, {numel * 4 / 2**20:.2f} MiB) between 2 "
+        f"processes ({'nccl' if args.device == 'cuda' else 'gloo'}): median {1e3 * seconds:.2f} ms"
+    )
     result = dict(numel=numel, allreduce_seconds=seconds, compute=[])
     if args.device != "cpu":
         return result
     cores = os.cpu_count() or 1
     print("compute of one step in one process (median of 30), and what 2 processes would need at best:")
-    print(f"{'global batch':>12} {f'1 process, {cores} threads':>22} {f'per process: B/2, {cores // 2} thread(s)':>28} "
-          f"{'+ all-reduce':>13}")
+    print(
+        f"{'global batch':>12} {f'1 process, {cores} threads':>22} {f'per process: B/2, {cores // 2} thread(s)':>28} "
+        f"{'+ all-reduce':>13}"
+    )
     for batch_size in args.scaling_batch_sizes:
         whole = step_seconds(base, batch_size=batch_size, threads=cores)
         half = step_seconds(base, batch_size=batch_size // 2, threads=max(1, cores // 2))
-        print(f"{batch_size:12d} {1e3 * whole:19.2f} ms {1e3 * half:25.2f} ms {1e3 * (half + seconds):10.2f} ms")
+        print(
+            f"{batch_size:12d} {1e3 * whole:19.2f} ms {1e3 * half:25.2f} ms {1e3 * (half + seconds):10.2f} ms"
+        )
         result["compute"].append(dict(batch_size=batch_size, one_process=whole, half_batch_half_threads=half))
     return result
 
@@ -286,11 +352,20 @@ def part_communication(base, args) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=64, help="global batch of part 1 (default: 64)")
-    parser.add_argument("--scaling-batch-sizes", type=int, nargs="+", default=[64, 512],
-                        help="global batches of part 2 (default: 64 512)")
+    parser.add_argument(
+        "--scaling-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[64, 512],
+        help="global batches of part 2 (default: 64 512)",
+    )
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run (default: 4)")
-    parser.add_argument("--skip-first", type=int, default=1,
-                        help="epochs of each run left out of the medians as warm-up (default: 1)")
+    parser.add_argument(
+        "--skip-first",
+        type=int,
+        default=1,
+        help="epochs of each run left out of the medians as warm-up (default: 1)",
+    )
     parser.add_argument("--repeats", type=int, default=6, help="interleaved runs of each way (default: 6)")
     parser.add_argument("--part", choices=("all", "plain", "scaling", "communication"), default="all")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -309,11 +384,19 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     base = build_model("lenet", dataset.input_shape, dataset.num_classes)
     common = dict(epochs=args.epochs, seed=args.seed, device_kind=args.device)
-    print(f"torch {torch.__version__}, {os.cpu_count()} cores, device {args.device}, model lenet, "
-          f"{len(dataset.train_y)} training images, {args.epochs} epochs per run (first {args.skip_first} "
-          f"left out of medians), {args.repeats} repeats")
-    result = dict(torch=torch.__version__, cores=os.cpu_count(), device=args.device, epochs=args.epochs,
-                  skip_first=args.skip_first, repeats=args.repeats)
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores, device {args.device}, model lenet, "
+        f"{len(dataset.train_y)} training images, {args.epochs} epochs per run (first {args.skip_first} "
+        f"left out of medians), {args.repeats} repeats"
+    )
+    result = dict(
+        torch=torch.__version__,
+        cores=os.cpu_count(),
+        device=args.device,
+        epochs=args.epochs,
+        skip_first=args.skip_first,
+        repeats=args.repeats,
+    )
     if args.part in ("all", "plain"):
         result["vs_plain"] = part_vs_plain(base, dataset, args, common)
     if args.part in ("all", "scaling"):

@@ -19,6 +19,7 @@ timed over its last epoch, in interleaved rounds, median reported:
 Samples per second count training samples of the timed epoch; validation is timed separately and not
 included. The target: the dataset path within 5% of the hand loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,17 @@ class Normalised(Dataset):
 
 
 def run_polytrain(model, args, **data) -> float:
-    history = polytrain.fit(model, epochs=args.epochs, batch_size=args.batch_size, schedule="constant",
-                            warmup_epochs=0, device=args.device, verbose=False, channels_last=False, **data)
+    history = polytrain.fit(
+        model,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        schedule="constant",
+        warmup_epochs=0,
+        device=args.device,
+        verbose=False,
+        channels_last=False,
+        **data,
+    )
     return history.last["samples_per_second"]
 
 
@@ -59,8 +69,12 @@ def hand_loop(model, train, val, args) -> float:
     device = torch.device(args.device)
     model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, foreach=True)
-    common = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=device.type == "cuda",
-                  **({"prefetch_factor": 4} if args.workers > 0 else {}))
+    common = dict(
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        pin_memory=device.type == "cuda",
+        **({"prefetch_factor": 4} if args.workers > 0 else {}),
+    )
     train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, **common)
     val_loader = DataLoader(val, batch_size=1024, **common)
     speed = 0.0
@@ -88,7 +102,9 @@ def hand_loop(model, train, val, args) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -98,19 +114,27 @@ def main() -> None:
     data = load_dataset("mnist-sample")
     mean, std = data.channel_stats()
     mean, std = mean.reshape(1, -1, 1, 1)[0], std.reshape(1, -1, 1, 1)[0]
-    train, val = Normalised(data.train_x, data.train_y, mean, std), Normalised(data.val_x, data.val_y, mean, std)
+    train, val = (
+        Normalised(data.train_x, data.train_y, mean, std),
+        Normalised(data.val_x, data.val_y, mean, std),
+    )
     torch.manual_seed(0)
     model = build_model("lenet", data.input_shape, data.num_classes)
     results = {"resident": [], "dataset": [], "hand loop": []}
     for round_ in range(args.repeats):
         results["resident"].append(run_polytrain(copy.deepcopy(model), args, data="mnist-sample"))
-        results["dataset"].append(run_polytrain(copy.deepcopy(model), args, train=train, val=val,
-                                                num_workers=args.workers))
+        results["dataset"].append(
+            run_polytrain(copy.deepcopy(model), args, train=train, val=val, num_workers=args.workers)
+        )
         results["hand loop"].append(hand_loop(copy.deepcopy(model), train, val, args))
-        print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()), flush=True)
+        print(
+            f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()), flush=True
+        )
     hand = statistics.median(results["hand loop"])
-    print(f"\nLeNet, mnist-sample ({len(train)} training samples), batch {args.batch_size}, {args.workers} loader "
-          f"worker(s), {args.device}, median of {args.repeats}, epoch {args.epochs} of {args.epochs}:")
+    print(
+        f"\nLeNet, mnist-sample ({len(train)} training samples), batch {args.batch_size}, {args.workers} loader "
+        f"worker(s), {args.device}, median of {args.repeats}, epoch {args.epochs} of {args.epochs}:"
+    )
     print(f"{'path':<12}{'samples/s':>12}{'vs hand loop':>14}")
     for name, values in results.items():
         median = statistics.median(values)

@@ -24,6 +24,7 @@ reference "math" kernel instead of the one torch chooses, to see that choice's w
 rounding means the way computes the same thing. The load average before and after is printed: other processes
 on the cores show as a higher one and a slower step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from interleaved import save  # benchmarks/interleaved.py (run as python benchmarks/...)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain.data.text import SHAKESPEARE, tokenise
 from polytrain.models import build_model
 from polytrain.models.defaults import MODEL_DEFAULTS
-
-from interleaved import save       # benchmarks/interleaved.py (run as python benchmarks/...)
 
 RECIPE = MODEL_DEFAULTS["gpt"]
 
@@ -77,19 +77,24 @@ def matmul_peak(*, sizes=(1024, 2048), repeats: int) -> float:
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         c = torch.empty(n, n)
-        torch.mm(a, b, out=c)                                 # warm-up
+        torch.mm(a, b, out=c)  # warm-up
         for _ in range(repeats):
             began = time.perf_counter()
             torch.mm(a, b, out=c)
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - began))
+            best = max(best, 2 * n**3 / (time.perf_counter() - began))
     return best
 
 
 def optimizer_for(model, **speed) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() > 1]
     other = [p for p in model.parameters() if p.dim() <= 1]
-    return torch.optim.AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=RECIPE["lr"],
-                             betas=RECIPE["betas"], weight_decay=RECIPE["weight_decay"], **speed)
+    return torch.optim.AdamW(
+        [{"params": decay}, {"params": other, "weight_decay": 0.0}],
+        lr=RECIPE["lr"],
+        betas=RECIPE["betas"],
+        weight_decay=RECIPE["weight_decay"],
+        **speed,
+    )
 
 
 def compiled_blocks(model):
@@ -130,8 +135,9 @@ def train(way: str, base, data: list, *, warmup: int) -> tuple:
     return seconds, loss.item(), (first, [p.detach().clone() for p in model.parameters()])
 
 
-def measure(threads: int, ways: list, base, data: list, flops: int, *, warmup: int, repeats: int,
-            peak_repeats: int) -> dict:
+def measure(
+    threads: int, ways: list, base, data: list, flops: int, *, warmup: int, repeats: int, peak_repeats: int
+) -> dict:
     torch.set_num_threads(threads)
     peak = matmul_peak(repeats=peak_repeats)
     seconds = {way: [] for way in ways}
@@ -141,19 +147,32 @@ def measure(threads: int, ways: list, base, data: list, flops: int, *, warmup: i
             times, losses[way], weights[way] = train(way, base, data, warmup=warmup)
             seconds[way] += times
     print(f"\n{threads} thread(s): float32 matmul peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'way':<15} {'median ms':>9} {'min ms':>7} {'GFLOP/s':>8} {'% of peak':>9} {'(fastest)':>9}  "
-          f"loss after {len(data)} steps; largest weight difference from {ways[0]}'s after 1 step, after {len(data)}")
+    print(
+        f"{'way':<15} {'median ms':>9} {'min ms':>7} {'GFLOP/s':>8} {'% of peak':>9} {'(fastest)':>9}  "
+        f"loss after {len(data)} steps; largest weight difference from {ways[0]}'s after 1 step, after {len(data)}"
+    )
     rows = {}
     for way in ways:
         median, fastest = statistics.median(seconds[way]), min(seconds[way])
         rate = flops / median
-        apart = [max((mine - theirs).abs().max().item() for mine, theirs in zip(these, those))
-                 for these, those in zip(weights[way], weights[ways[0]])]
-        rows[way] = dict(median_seconds=median, min_seconds=fastest, flops_per_second=rate,
-                         fraction_of_peak=rate / peak, fraction_of_peak_fastest=flops / fastest / peak,
-                         loss=losses[way], weight_difference_first_step=apart[0], weight_difference=apart[1])
-        print(f"{way:<15} {median * 1e3:9.2f} {fastest * 1e3:7.2f} {rate / 1e9:8.2f} {100 * rate / peak:8.1f}% "
-              f"{100 * flops / fastest / peak:8.1f}%  {losses[way]:.7f}; {apart[0]:.1e}, {apart[1]:.1e}")
+        apart = [
+            max((mine - theirs).abs().max().item() for mine, theirs in zip(these, those))
+            for these, those in zip(weights[way], weights[ways[0]])
+        ]
+        rows[way] = dict(
+            median_seconds=median,
+            min_seconds=fastest,
+            flops_per_second=rate,
+            fraction_of_peak=rate / peak,
+            fraction_of_peak_fastest=flops / fastest / peak,
+            loss=losses[way],
+            weight_difference_first_step=apart[0],
+            weight_difference=apart[1],
+        )
+        print(
+            f"{way:<15} {median * 1e3:9.2f} {fastest * 1e3:7.2f} {rate / 1e9:8.2f} {100 * rate / peak:8.1f}% "
+            f"{100 * flops / fastest / peak:8.1f}%  {losses[way]:.7f}; {apart[0]:.1e}, {apart[1]:.1e}"
+        )
     baseline = rows[ways[0]]["median_seconds"]
     for way in ways[1:]:
         print(f"{way} / {ways[0]} = {rows[way]['median_seconds'] / baseline:.3f} (median step time)")
@@ -176,21 +195,50 @@ def main(argv=None) -> dict:
     data = tokenise(SHAKESPEARE.read_text(encoding="utf-8"), name="shakespeare", context=RECIPE["context"])
     torch.manual_seed(args.seed)
     base = build_model("gpt", data.input_shape, data.num_classes)
-    steps = batches(data.train_tokens, count=args.warmup + args.steps, batch_size=args.batch_size,
-                    context=RECIPE["context"], seed=args.seed)
+    steps = batches(
+        data.train_tokens,
+        count=args.warmup + args.steps,
+        batch_size=args.batch_size,
+        context=RECIPE["context"],
+        seed=args.seed,
+    )
     flops = counted_flops(base, *steps[0])
     ways = [way for way in WAYS if way != "compiled" or args.compile]
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, GPT {sum(p.numel() for p in base.parameters()):,} parameters, batch "
-          f"{args.batch_size} x {RECIPE['context']} tokens: {flops / 1e9:.3f} GFLOP per step (forward + backward); "
-          f"load average {load[0]:.2f}")
-    results = [measure(int(threads), ways, base, steps, flops, warmup=args.warmup, repeats=args.repeats,
-                       peak_repeats=args.peak_repeats) for threads in args.threads.split(",")]
+    print(
+        f"torch {torch.__version__}, GPT {sum(p.numel() for p in base.parameters()):,} parameters, batch "
+        f"{args.batch_size} x {RECIPE['context']} tokens: {flops / 1e9:.3f} GFLOP per step (forward + backward); "
+        f"load average {load[0]:.2f}"
+    )
+    results = [
+        measure(
+            int(threads),
+            ways,
+            base,
+            steps,
+            flops,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            peak_repeats=args.peak_repeats,
+        )
+        for threads in args.threads.split(",")
+    ]
     after = os.getloadavg()
     print(f"\nload average {load[0]:.2f} before, {after[0]:.2f} after")
-    return save(dict(torch=torch.__version__, batch_size=args.batch_size, context=RECIPE["context"],
-                     flops_per_step=flops, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-                     load_average=[load[0], after[0]], threads=results), args.json)
+    return save(
+        dict(
+            torch=torch.__version__,
+            batch_size=args.batch_size,
+            context=RECIPE["context"],
+            flops_per_step=flops,
+            steps=args.steps,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            load_average=[load[0], after[0]],
+            threads=results,
+        ),
+        args.json,
+    )
 
 
 if __name__ == "__main__":

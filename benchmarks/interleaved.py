@@ -1,6 +1,7 @@
 """Ways of training timed side by side (A, B, A, B, ...) and their table: shared by the step benchmarks
 (`single_device.py`, `gpt_step.py`). Each way is a function that trains a fresh copy of the model and returns
 [(seconds, training loss)] per epoch."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,11 @@ def interleave(ways: dict, base, *, repeats: int, warmup: int, epochs: int, **co
             results = train(copy.deepcopy(base), epochs=epochs, **common)
             seconds[name] += [time for time, _ in results]
             losses[name] = [loss for _, loss in results]
-            print(f"  repeat {repeat + 1}/{repeats}  {name:<9}  "
-                  + "  ".join(f"{time:.3f}s" for time, _ in results), flush=True)
+            print(
+                f"  repeat {repeat + 1}/{repeats}  {name:<9}  "
+                + "  ".join(f"{time:.3f}s" for time, _ in results),
+                flush=True,
+            )
     return seconds, losses
 
 
@@ -32,20 +36,28 @@ def report(seconds: dict, losses: dict, *, per_epoch: int, unit: str, targets: d
     (medians, {way: ratio of medians}, {way: ratio of the fastest epochs})."""
     medians = {name: statistics.median(times) for name, times in seconds.items()}
     width = max(9, len(unit) + 2)
-    print(f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {unit + '/s':>{width}}  train loss by epoch")
+    print(
+        f"\n{'way':<10} {'median s':>9} {'min s':>8} {'max s':>8} {unit + '/s':>{width}}  train loss by epoch"
+    )
     for name, times in seconds.items():
-        print(f"{name:<10} {medians[name]:9.3f} {min(times):8.3f} {max(times):8.3f} "
-              f"{per_epoch / medians[name]:{width},.0f}  " + " ".join(f"{loss:.4f}" for loss in losses[name]))
+        print(
+            f"{name:<10} {medians[name]:9.3f} {min(times):8.3f} {max(times):8.3f} "
+            f"{per_epoch / medians[name]:{width},.0f}  " + " ".join(f"{loss:.4f}" for loss in losses[name])
+        )
     if any(max(times) > 1.5 * medians[name] for name, times in seconds.items()):
-        print("some epochs took over 1.5x the median: other processes competed for the cores; if the medians "
-              "disagree with the minima, rerun")
+        print(
+            "some epochs took over 1.5x the median: other processes competed for the cores; if the medians "
+            "disagree with the minima, rerun"
+        )
     print()
     ratios, of_minima = {}, {}
     for other, target in targets.items():
         ratios[other] = medians["polytrain"] / medians[other]
         of_minima[other] = min(seconds["polytrain"]) / min(seconds[other])
-        print(f"polytrain / {other:<8} = {ratios[other]:.3f}   (target <= {target:.2f}: "
-              f"{'met' if ratios[other] <= target else 'MISSED'}; ratio of the fastest epochs {of_minima[other]:.3f})")
+        print(
+            f"polytrain / {other:<8} = {ratios[other]:.3f}   (target <= {target:.2f}: "
+            f"{'met' if ratios[other] <= target else 'MISSED'}; ratio of the fastest epochs {of_minima[other]:.3f})"
+        )
     return medians, ratios, of_minima
 
 

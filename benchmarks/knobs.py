@@ -19,6 +19,7 @@ Run (about 4 minutes on a 2-core CPU):
    `clip_norm`, one thread, 200 steps after 20 of warm-up, interleaved twice (whole runs of a few seconds on
    processes sharing 2 cores swing too much to resolve it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,19 +47,23 @@ def activation_bytes(batch_size: int, accumulate: int) -> int:
     torch.manual_seed(0)
     model = build_model("lenet", data.input_shape, data.num_classes)
     strategy = SingleDevice(device=torch.device("cpu"), accumulate=accumulate)
-    strategy.setup(model, lambda named: make_optimizer(named, name="sgd", lr=0.05, momentum=0.9),
-                   lambda optimizer: make_scheduler(optimizer, kind="constant", total_steps=1, warmup_steps=0))
+    strategy.setup(
+        model,
+        lambda named: make_optimizer(named, name="sgd", lr=0.05, momentum=0.9),
+        lambda optimizer: make_scheduler(optimizer, kind="constant", total_steps=1, warmup_steps=0),
+    )
     saved, passes = [0], []
     weights = {p.untyped_storage().data_ptr() for p in strategy.model.parameters()}
 
     def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in weights:     # a saved weight is no activation
+        if tensor.untyped_storage().data_ptr() not in weights:  # a saved weight is no activation
             saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
     def starts_a_pass(module, inputs):
         passes.append(saved[0])
         saved[0] = 0
+
     model.register_forward_pre_hook(starts_a_pass)
     x = (data.train_x[:batch_size].float() / 255 - 0.13) / 0.31
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -69,6 +74,7 @@ def activation_bytes(batch_size: int, accumulate: int) -> int:
 
 def clip_milliseconds(clip, steps: int = 200) -> float:
     from polytrain.strategies.gradients import Gradients
+
     model = build_model("lenet", (1, 28, 28), 10)
     params = list(model.parameters())
     for p in params:
@@ -85,8 +91,24 @@ def clip_milliseconds(clip, steps: int = 200) -> float:
 
 def samples_per_second(strategy: str, clip: bool, batch_size: int) -> float:
     with tempfile.TemporaryDirectory() as folder:
-        argv = [sys.executable, "-m", "polytrain", "train", "--devices", "2", "--strategy", strategy, "--epochs", "1",
-                "--batch-size", str(batch_size), "--device", "cpu", "--out", f"{folder}/run"]
+        argv = [
+            sys.executable,
+            "-m",
+            "polytrain",
+            "train",
+            "--devices",
+            "2",
+            "--strategy",
+            strategy,
+            "--epochs",
+            "1",
+            "--batch-size",
+            str(batch_size),
+            "--device",
+            "cpu",
+            "--out",
+            f"{folder}/run",
+        ]
         if strategy == "pipeline":
             argv += ["--microbatches", "4"]
         if clip:
@@ -110,8 +132,10 @@ def main() -> None:
     torch.set_num_threads(1)
     timed = [(clip, clip_milliseconds(clip)) for clip in (None, 1.0, None, 1.0)]
     torch.set_num_threads(threads)
-    print("one step's gradient handling, LeNet: " + ", ".join(
-        f"{'--clip-grad-norm 1.0' if clip else 'no clipping'} {ms:.3f} ms" for clip, ms in timed))
+    print(
+        "one step's gradient handling, LeNet: "
+        + ", ".join(f"{'--clip-grad-norm 1.0' if clip else 'no clipping'} {ms:.3f} ms" for clip, ms in timed)
+    )
     print(f"samples/s of one epoch at 2 CPU processes, batch {args.batch_size}, median of {args.repeats}")
     results = {(s, c): [] for s in args.strategies.split(",") for c in (False, True)}
     for _ in range(args.repeats):
@@ -119,8 +143,10 @@ def main() -> None:
             results[key].append(samples_per_second(*key, args.batch_size))
     for strategy in args.strategies.split(","):
         plain, clipped = (statistics.median(results[(strategy, c)]) for c in (False, True))
-        print(f"  {strategy:>16}: {plain:8,.0f} without clipping, {clipped:8,.0f} with --clip-grad-norm 1.0 "
-              f"({clipped / plain:.3f}x)")
+        print(
+            f"  {strategy:>16}: {plain:8,.0f} without clipping, {clipped:8,.0f} with --clip-grad-norm 1.0 "
+            f"({clipped / plain:.3f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ On CPU both processes share the machine's cores, so a pipeline cannot be faster 
 part 2 shows on CPU is the cost of the schedule and the send/recv, not the speed-up. The bubble of part 1 is
 measured on the same shared cores, where a rank's idle time lets the other rank's threads run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ SPEED = re.compile(r"([0-9,]+) samples/s")
 
 def polytrain(*flags: str) -> str:
     with tempfile.TemporaryDirectory() as folder:
-        done = subprocess.run([sys.executable, "-m", "polytrain", "train", "--out", f"{folder}/run", *flags],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-m", "polytrain", "train", "--out", f"{folder}/run", *flags],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     if done.returncode:
         raise SystemExit(f"polytrain {' '.join(flags)} failed:\n{done.stderr[-2000:]}")
     return done.stdout
@@ -68,8 +73,12 @@ if __name__ == "__main__":
 
 
 def balanced(schedule: str, m: int, args) -> str:
-    done = subprocess.run([sys.executable, "-c", BALANCED, schedule, str(m), args.device, str(args.batch_size)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", BALANCED, schedule, str(m), args.device, str(args.batch_size)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode:
         raise SystemExit(f"balanced model failed:\n{done.stderr[-2000:]}")
     return done.stdout
@@ -89,29 +98,65 @@ def bubble_row(model: str, m: int, args) -> None:
         if model == "balanced":
             out = balanced("gpipe", m, args)
         else:
-            out = polytrain("--strategy", "pipeline", "--devices", "2", "--pipeline-schedule", "gpipe",
-                            "--microbatches", str(m), "--timeline", "--max-steps", "6", "--epochs", "1",
-                            "--model", model, "--batch-size", str(args.batch_size), "--device", args.device)
+            out = polytrain(
+                "--strategy",
+                "pipeline",
+                "--devices",
+                "2",
+                "--pipeline-schedule",
+                "gpipe",
+                "--microbatches",
+                str(m),
+                "--timeline",
+                "--max-steps",
+                "6",
+                "--epochs",
+                "1",
+                "--model",
+                model,
+                "--batch-size",
+                str(args.batch_size),
+                "--device",
+                args.device,
+            )
         found = TIMELINE.search(out)
         measured.append(float(found.group(1)))
         theory = float(found.group(2))
     value = statistics.median(measured)
-    print(f"{m:>3} {value:>9.3f} {theory:>7.3f} {value / theory if theory else float('nan'):>6.2f}", flush=True)
+    print(
+        f"{m:>3} {value:>9.3f} {theory:>7.3f} {value / theory if theory else float('nan'):>6.2f}", flush=True
+    )
 
 
 def throughput(args) -> None:
-    ways = {"single (1 device)": ("--devices", "1"), "data (2 devices)": ("--devices", "2", "--strategy", "data"),
-            "pipeline (2 devices)": ("--devices", "2", "--strategy", "pipeline")}
+    ways = {
+        "single (1 device)": ("--devices", "1"),
+        "data (2 devices)": ("--devices", "2", "--strategy", "data"),
+        "pipeline (2 devices)": ("--devices", "2", "--strategy", "pipeline"),
+    }
     speeds = {name: [] for name in ways}
     for _ in range(args.repeats):
         for name, flags in ways.items():
-            out = polytrain(*flags, "--epochs", str(args.epochs), "--model", args.model, "--batch-size",
-                            str(args.batch_size), "--device", args.device)
+            out = polytrain(
+                *flags,
+                "--epochs",
+                str(args.epochs),
+                "--model",
+                args.model,
+                "--batch-size",
+                str(args.batch_size),
+                "--device",
+                args.device,
+            )
             speeds[name].append(float(SPEED.findall(out)[-1].replace(",", "")))
-    print(f"\nPart 2: samples/s of the last of {args.epochs} epochs, median of {args.repeats} interleaved rounds")
+    print(
+        f"\nPart 2: samples/s of the last of {args.epochs} epochs, median of {args.repeats} interleaved rounds"
+    )
     base = statistics.median(speeds["single (1 device)"])
     for name, values in speeds.items():
-        print(f"  {name:<22} {statistics.median(values):>9,.0f}  ({statistics.median(values) / base:.2f} x single)")
+        print(
+            f"  {name:<22} {statistics.median(values):>9,.0f}  ({statistics.median(values) / base:.2f} x single)"
+        )
 
 
 def memory(args) -> None:
@@ -120,23 +165,27 @@ def memory(args) -> None:
     model = build_model(args.model, data.input_shape, data.num_classes)
     layers = flatten_layers(model)
     m, p = 4, 2
-    micro = data.train_x[:args.batch_size // m].float() / 255
-    whole = data.train_x[:args.batch_size].float() / 255
+    micro = data.train_x[: args.batch_size // m].float() / 255
+    whole = data.train_x[: args.batch_size].float() / 255
     per_micro = layer_memory(layers, micro, optimizer_slots=1)
     points = balance_by_time(time_layers(layers, micro), stages=p)
     params = [sum(q.numel() * q.element_size() * 3 for q in layer.parameters()) for _, layer in layers]
     one_device = sum(layer_memory(layers, whole, optimizer_slots=1))
-    print(f"\nPart 3: memory per stage, --model {args.model}, batch {args.batch_size} in {m} micro-batches, "
-          f"split {points} (MiB; parameters x3: weights, gradients, momentum)")
+    print(
+        f"\nPart 3: memory per stage, --model {args.model}, batch {args.batch_size} in {m} micro-batches, "
+        f"split {points} (MiB; parameters x3: weights, gradients, momentum)"
+    )
     print(f"  one device: {one_device / 2**20:.2f} MiB in all")
     for stage, span in enumerate(stage_ranges(points, layers=len(layers))):
         weights = sum(params[i] for i in span)
         acts = sum(per_micro[i] - params[i] for i in span)
         for schedule, in_flight in (("gpipe", m), ("1f1b", min(m, p - stage))):
-            print(f"  stage {stage} {schedule:<6} parameters {weights / 2**20:6.2f}  activations "
-                  f"{acts * in_flight / 2**20:6.2f} ({in_flight} micro-batches)  total "
-                  f"{(weights + acts * in_flight) / 2**20:6.2f} = {(weights + acts * in_flight) / one_device:.0%} "
-                  f"of one device")
+            print(
+                f"  stage {stage} {schedule:<6} parameters {weights / 2**20:6.2f}  activations "
+                f"{acts * in_flight / 2**20:6.2f} ({in_flight} micro-batches)  total "
+                f"{(weights + acts * in_flight) / 2**20:6.2f} = {(weights + acts * in_flight) / one_device:.0%} "
+                f"of one device"
+            )
 
 
 def main() -> None:

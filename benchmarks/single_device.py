@@ -24,6 +24,7 @@ weight decay and seed, and times only the training pass of each epoch with `time
 `torch.cuda.synchronize` on a GPU). One untimed warm-up epoch of each way runs first (`--warmup`).
 Targets: polytrain <= 1.02x by-hand, and <= 0.85x naive.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+from interleaved import interleave, report, save  # benchmarks/interleaved.py (run as python benchmarks/...)
 from torch.utils.data import DataLoader, TensorDataset
 
 import polytrain
 from polytrain.data.loader import global_batch_order
 from polytrain.models import MODELS, build_model
 
-from interleaved import interleave, report, save       # benchmarks/interleaved.py (run as python benchmarks/...)
-
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4
-TARGETS = {"by-hand": 1.02, "naive": 0.85}     # polytrain's epoch time may be at most this times the other's
+TARGETS = {"by-hand": 1.02, "naive": 0.85}  # polytrain's epoch time may be at most this times the other's
 
 
 def synchronize(device: torch.device) -> None:
@@ -61,9 +61,21 @@ def convolutional(model) -> bool:
 
 def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
     threads = torch.get_num_threads()
-    history = polytrain.fit(model, dataset, epochs=epochs, batch_size=batch_size, optimizer="sgd", lr=LR,
-                            momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, schedule="constant", warmup_epochs=0,
-                            seed=seed, device=device.type, verbose=False)
+    history = polytrain.fit(
+        model,
+        dataset,
+        epochs=epochs,
+        batch_size=batch_size,
+        optimizer="sgd",
+        lr=LR,
+        momentum=MOMENTUM,
+        weight_decay=WEIGHT_DECAY,
+        schedule="constant",
+        warmup_epochs=0,
+        seed=seed,
+        device=device.type,
+        verbose=False,
+    )
     if torch.get_num_threads() != threads:
         # The worker sets the thread count of the calling process; put it back so the other ways get the same.
         print(f"  note: polytrain.fit changed torch threads {threads} -> {torch.get_num_threads()}; restored")
@@ -79,7 +91,9 @@ def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
     scale, shift = normalisation(dataset, device)
     # polytrain's choice: one fused kernel on CUDA, multi-tensor foreach kernels on the CPU.
     speed = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **speed)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, **speed
+    )
     n = len(labels)
     results = []
     for epoch in range(epochs):
@@ -90,7 +104,7 @@ def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
         began = time.perf_counter()
         order = global_batch_order(n, epoch=epoch, seed=seed).to(device)
         for start in range(0, n, batch_size):
-            index = order[start:start + batch_size]
+            index = order[start : start + batch_size]
             x = torch.addcmul(shift, images[index].float(), scale).contiguous(memory_format=memory_format)
             y = labels[index]
             logits = model(x)
@@ -110,8 +124,12 @@ def train_naive(model, dataset, *, epochs, batch_size, seed, device):
     model = model.to(device)
     mean, std = dataset.channel_stats()
     x_all = (dataset.train_x.float() / 255 - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-    loader = DataLoader(TensorDataset(x_all, dataset.train_y), batch_size=batch_size, shuffle=True,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(
+        TensorDataset(x_all, dataset.train_y),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     criterion = torch.nn.CrossEntropyLoss()
     results = []
@@ -144,10 +162,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default: 2)")
     parser.add_argument("--repeats", type=int, default=10, help="interleaved runs of each way (default: 10)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up epochs of each way (default: 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed warm-up epochs of each way (default: 1)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", choices=sorted(MODELS), default="lenet",
-                        help="default: lenet (the benchmark); mlp shows per-step overhead, as its compute is tiny")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="lenet",
+        help="default: lenet (the benchmark); mlp shows per-step overhead, as its compute is tiny",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -159,16 +183,31 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     base = build_model(args.model, dataset.input_shape, dataset.num_classes)
     common = dict(batch_size=args.batch_size, seed=args.seed, device=device)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-          + f", model {args.model}, {len(dataset.train_y)} training images, batch {args.batch_size}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + f", model {args.model}, {len(dataset.train_y)} training images, batch {args.batch_size}"
+    )
 
-    epochs, losses = interleave(WAYS, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs,
-                                dataset=dataset, **common)
-    medians, ratios, _ = report(epochs, losses, per_epoch=len(dataset.train_y), unit="samples", targets=TARGETS)
-    result = dict(model=args.model, torch=torch.__version__, threads=torch.get_num_threads(), device=str(device),
-                  batch_size=args.batch_size, epochs=args.epochs, repeats=args.repeats, epoch_seconds=epochs,
-                  median_seconds=medians, ratios=ratios, train_loss=losses)
+    epochs, losses = interleave(
+        WAYS, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs, dataset=dataset, **common
+    )
+    medians, ratios, _ = report(
+        epochs, losses, per_epoch=len(dataset.train_y), unit="samples", targets=TARGETS
+    )
+    result = dict(
+        model=args.model,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        device=str(device),
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        repeats=args.repeats,
+        epoch_seconds=epochs,
+        median_seconds=medians,
+        ratios=ratios,
+        train_loss=losses,
+    )
     return save(result, args.json)
 
 

@@ -8,6 +8,7 @@ Two gloo processes on this machine, one thread each, run `--steps` iterations of
 products, ~8 ms on a 2-core EPYC VM), alternately without and with `StopSignal.should_stop()` after each
 step, and print the time per step of each. The vote itself runs only about every `VOTE_SECONDS`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,19 @@ def run(rank: int, world_size: int, init_file: str, steps: int, repeats: int) ->
             dist.barrier()
             per_step = (time.perf_counter() - started) / steps * 1e3
             if rank == 0:
-                print(f"repeat {repeat + 1}  vote {'on ' if with_vote else 'off'}  {per_step:.3f} ms per step  "
-                      f"(steps between votes now: {stop.interval})", flush=True)
+                print(
+                    f"repeat {repeat + 1}  vote {'on ' if with_vote else 'off'}  {per_step:.3f} ms per step  "
+                    f"(steps between votes now: {stop.interval})",
+                    flush=True,
+                )
     stop.close()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()

@@ -22,6 +22,7 @@ optimizer slots: SGD with momentum keeps 1 per parameter), not measured.
 
 On one CPU, N processes share the cores, so these throughputs show each strategy's overhead, not a speed-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,36 @@ def loopback_sent() -> int:
 def run(flags, args):
     with tempfile.TemporaryDirectory() as folder:
         before = loopback_sent()
-        done = subprocess.run([sys.executable, "-m", "polytrain", "train", "--out", f"{folder}/run", "--devices",
-                               str(args.devices), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                               "--device", args.device, *flags], capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "polytrain",
+                "train",
+                "--out",
+                f"{folder}/run",
+                "--devices",
+                str(args.devices),
+                "--epochs",
+                str(args.epochs),
+                "--batch-size",
+                str(args.batch_size),
+                "--device",
+                args.device,
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         sent = loopback_sent() - before
     if done.returncode:
         raise SystemExit(f"{flags} failed:\n{done.stderr[-2000:]}")
-    return float(SPEED.findall(done.stdout)[-1].replace(",", "")), sent, float(ACCURACY.search(done.stdout).group(1))
+    return (
+        float(SPEED.findall(done.stdout)[-1].replace(",", "")),
+        sent,
+        float(ACCURACY.search(done.stdout).group(1)),
+    )
 
 
 def main() -> None:
@@ -73,15 +97,28 @@ def main() -> None:
     sizes = [p.numel() * 4 for p in model.parameters()]
     total = sum(sizes)
     steps = args.epochs * -(-len(data.train_y) // args.batch_size)
-    ways = {"data": ["--strategy", "data"],
-            "parameter server, K=1": ["--strategy", "parameter-server", "--servers", "1"],
-            "parameter server, K=2": ["--strategy", "parameter-server", "--servers", "2"],
-            "parameter server, K=1, S=2": ["--strategy", "parameter-server", "--servers", "1", "--staleness", "2"],
-            "sharded": ["--strategy", "sharded"]}
+    ways = {
+        "data": ["--strategy", "data"],
+        "parameter server, K=1": ["--strategy", "parameter-server", "--servers", "1"],
+        "parameter server, K=2": ["--strategy", "parameter-server", "--servers", "2"],
+        "parameter server, K=1, S=2": [
+            "--strategy",
+            "parameter-server",
+            "--servers",
+            "1",
+            "--staleness",
+            "2",
+        ],
+        "sharded": ["--strategy", "sharded"],
+    }
     # average bytes each rank sends per step (bandwidth term); a server's own link also carries (n-1) S_k out
-    predicted = {"data": 2 * (n - 1) / n * total, "parameter server, K=1": 2 * (n - 1) / n * total,
-                 "parameter server, K=2": 2 * (n - 1) / n * total, "parameter server, K=1, S=2": 2 * (n - 1) / n * total,
-                 "sharded": 3 * (n - 1) / n * total}
+    predicted = {
+        "data": 2 * (n - 1) / n * total,
+        "parameter server, K=1": 2 * (n - 1) / n * total,
+        "parameter server, K=2": 2 * (n - 1) / n * total,
+        "parameter server, K=1, S=2": 2 * (n - 1) / n * total,
+        "sharded": 3 * (n - 1) / n * total,
+    }
     speeds, sent, accuracy = {w: [] for w in ways}, {w: [] for w in ways}, {w: [] for w in ways}
     for _ in range(args.repeats):
         for way, flags in ways.items():
@@ -89,9 +126,13 @@ def main() -> None:
             speeds[way].append(speed)
             accuracy[way].append(acc)
             sent[way].append(nbytes / steps / n)
-    print(f"lenet, {n} processes, batch {args.batch_size}, {steps} steps; gradients S = {total / 2**20:.2f} MiB")
-    print(f"{'strategy':<27} {'samples/s':>10} {'val acc':>8} {'sent/step/rank':>15} {'alpha-beta':>11} "
-          f"{'busiest server sends':>21}")
+    print(
+        f"lenet, {n} processes, batch {args.batch_size}, {steps} steps; gradients S = {total / 2**20:.2f} MiB"
+    )
+    print(
+        f"{'strategy':<27} {'samples/s':>10} {'val acc':>8} {'sent/step/rank':>15} {'alpha-beta':>11} "
+        f"{'busiest server sends':>21}"
+    )
     for way in ways:
         link = ""
         if way.startswith("parameter server"):
@@ -99,17 +140,21 @@ def main() -> None:
             owner = partition_by_size(sizes, servers=servers)
             busiest = max(sum(s for s, k in zip(sizes, owner) if k == server) for server in range(servers))
             link = f"{(n - 1) * busiest / 2**20:.2f} MiB"
-        print(f"{way:<27} {statistics.median(speeds[way]):>10,.0f} {statistics.median(accuracy[way]):>8.4f} "
-              f"{statistics.median(sent[way]) / 2**20:>11.2f} MiB "
-              f"{predicted[way] / 2**20:>7.2f} MiB {link:>21}")
+        print(
+            f"{way:<27} {statistics.median(speeds[way]):>10,.0f} {statistics.median(accuracy[way]):>8.4f} "
+            f"{statistics.median(sent[way]) / 2**20:>11.2f} MiB "
+            f"{predicted[way] / 2**20:>7.2f} MiB {link:>21}"
+        )
     print("\nmemory per rank (MiB): weights + gradients + momentum")
-    mib = lambda b: f"{b / 2**20:.2f}"           # noqa: E731
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     print(f"  data                   every rank {mib(total)} + {mib(total)} + {mib(total)}")
     for servers in (1, 2):
         owner = partition_by_size(sizes, servers=servers)
         shares = [sum(s for s, k in zip(sizes, owner) if k == server) for server in range(servers)]
-        held = ", ".join(f"rank {k}: + {mib(share)} master + {mib(share)} momentum in host memory"
-                         for k, share in enumerate(shares))
+        held = ", ".join(
+            f"rank {k}: + {mib(share)} master + {mib(share)} momentum in host memory"
+            for k, share in enumerate(shares)
+        )
         print(f"  parameter server K={servers} every rank {mib(total)} + {mib(total)} (replica); {held}")
     print(f"  sharded                every rank {mib(total / n)} + {mib(total / n)} + {mib(total / n)}")
 

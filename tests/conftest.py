@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from processes import ENV, abort_tree
 
 from polytrain.data import ArrayDataset
-from processes import ENV, abort_tree
 
 
 @pytest.fixture(autouse=True)
 def clean_state():
     """Reset seeds, restore environment variables, and leave no process group behind."""
     saved_env = dict(os.environ)
-    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]     # processes a test starts can show stacks
+    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]  # processes a test starts can show stacks
     threads = torch.get_num_threads()
     torch.manual_seed(0)
     random.seed(0)
@@ -37,7 +37,7 @@ def tiny_digits(n_train: int = 256, n_val: int = 100, seed: int = 0, shape=(1, 2
     images = torch.randint(0, 60, (n, *shape), generator=generator, dtype=torch.uint8)
     for digit in range(10):
         row, col = 2 + (digit // 5) * 12, 2 + (digit % 5) * 5
-        images[labels == digit, :, row:row + 8, col:col + 4] = 250
+        images[labels == digit, :, row : row + 8, col : col + 4] = 250
     return ArrayDataset("tiny", images[:n_train], labels[:n_train], images[n_train:], labels[n_train:])
 
 
@@ -55,7 +55,9 @@ def stacks_before_timeout(request):
     if limit <= 0 or not os.path.isdir("/proc"):
         yield
         return
-    timer = threading.Timer(max(1.0, limit - 20), abort_tree, args=(os.getpid(),), kwargs={"include_root": False})
+    timer = threading.Timer(
+        max(1.0, limit - 20), abort_tree, args=(os.getpid(),), kwargs={"include_root": False}
+    )
     timer.daemon = True
     timer.start()
     yield
@@ -70,15 +72,38 @@ def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
     """Same names in the same order, and every tensor within `atol`."""
     assert list(got) == list(expected)
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            got[key], expected[key], atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
 
 # A short run that every strategy can stop and resume: 6 steps per epoch, the one-device run is the reference.
 # --weight-decay 5e-4: without it (Adam's default 0) weights whose gradient is near zero move by lr x the sign of
 # their rounding noise, 6e-5 apart between layouts in float32
-RESUME_TRAIN = ["--dataset", "synthetic", "--synthetic-size", "192", "--model", "lenet", "--batch-size", "32",
-                "--epochs", "2", "--schedule", "constant", "--optimizer", "adam", "--lr", "0.001", "--weight-decay",
-                "5e-4", "--seed", "4", "--device", "cpu"]
+RESUME_TRAIN = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "192",
+    "--model",
+    "lenet",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--schedule",
+    "constant",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.001",
+    "--weight-decay",
+    "5e-4",
+    "--seed",
+    "4",
+    "--device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +120,7 @@ def polytrain_here(capfd, *args, env=None) -> subprocess.CompletedProcess:
     importing torch again: its exit code and what it and its workers printed, as `processes.polytrain` returns
     them (`capfd` None: the output is left to pytest, and comes back empty)."""
     from polytrain.cli import main
+
     argv = [str(a) for a in args]
     saved_env, threads = dict(os.environ), torch.get_num_threads()
     os.environ.update(ENV, **(env or {}))
@@ -103,7 +129,7 @@ def polytrain_here(capfd, *args, env=None) -> subprocess.CompletedProcess:
         capfd.readouterr()
     try:
         code = main(argv)
-    except SystemExit as error:                      # argparse's exit, as `python -m polytrain` would end
+    except SystemExit as error:  # argparse's exit, as `python -m polytrain` would end
         code = error.code if isinstance(error.code, int) else int(error.code is not None)
     finally:
         os.environ.clear()
@@ -117,6 +143,7 @@ def assert_refused_in_one_line(capsys, out, argv, words) -> None:
     """`polytrain train ARGV` exits 2 with one `polytrain: error:` line naming `words`, before any run folder
     (so before any worker) exists."""
     from polytrain.cli import main
+
     code = main(["train", *argv, "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 2, captured.out + captured.err

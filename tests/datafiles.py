@@ -51,12 +51,22 @@ def random_mnist_split(n: int, *, seed: int, height: int = 28, width: int = 28):
     return images, labels
 
 
-def write_mnist_folder(folder: str | Path, *, n_train: int = 12, n_val: int = 5, gz: bool = False,
-                       seed: int = 0, height: int = 28, width: int = 28) -> dict:
+def write_mnist_folder(
+    folder: str | Path,
+    *,
+    n_train: int = 12,
+    n_val: int = 5,
+    gz: bool = False,
+    seed: int = 0,
+    height: int = 28,
+    width: int = 28,
+) -> dict:
     """Write the four IDX files of a small MNIST-like dataset; returns the arrays written by split."""
     folder = Path(folder)
-    splits = {"train": random_mnist_split(n_train, seed=seed, height=height, width=width),
-              "t10k": random_mnist_split(n_val, seed=seed + 1, height=height, width=width)}
+    splits = {
+        "train": random_mnist_split(n_train, seed=seed, height=height, width=width),
+        "t10k": random_mnist_split(n_val, seed=seed + 1, height=height, width=width),
+    }
     for prefix, (images, labels) in splits.items():
         write_idx(folder / IDX_NAMES[prefix, "images"], images, gz=gz)
         write_idx(folder / IDX_NAMES[prefix, "labels"], labels, gz=gz)
@@ -78,9 +88,13 @@ def write_cifar_batch(path: str | Path, images: np.ndarray, labels) -> Path:
 def random_cifar_batches(n_per_file: int = 7, *, seed: int = 0) -> dict:
     """{file name: (images uint8 [n,3,32,32], labels uint8 [n])} for all six batch files."""
     rng = np.random.default_rng(seed)
-    return {name: (rng.integers(0, 256, size=(n_per_file, 3, 32, 32), dtype=np.uint8),
-                   rng.integers(0, 10, size=n_per_file, dtype=np.uint8))
-            for name in CIFAR_FILES}
+    return {
+        name: (
+            rng.integers(0, 256, size=(n_per_file, 3, 32, 32), dtype=np.uint8),
+            rng.integers(0, 10, size=n_per_file, dtype=np.uint8),
+        )
+        for name in CIFAR_FILES
+    }
 
 
 def cifar_tar_gz_bytes(members: dict[str, bytes]) -> bytes:
@@ -94,8 +108,9 @@ def cifar_tar_gz_bytes(members: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def write_cifar_folder(folder: str | Path, *, n_per_file: int = 7, seed: int = 0,
-                       layout: str = "flat") -> dict:
+def write_cifar_folder(
+    folder: str | Path, *, n_per_file: int = 7, seed: int = 0, layout: str = "flat"
+) -> dict:
     """Write a small CIFAR-10 binary dataset; layout is 'flat', 'subdir' or 'tar'. Returns the arrays."""
     folder = Path(folder)
     batches = random_cifar_batches(n_per_file, seed=seed)

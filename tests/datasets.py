@@ -1,4 +1,5 @@
 """Map-style Datasets for the tests, defined in a module so that spawned workers can unpickle them."""
+
 import torch
 from torch.utils.data import Dataset
 
@@ -63,7 +64,9 @@ def batch_rmse(outputs, targets):
 class Regressor(torch.nn.Module):
     def __init__(self, features=6, outputs=2):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(features, 16), torch.nn.Tanh(), torch.nn.Linear(16, outputs))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(features, 16), torch.nn.Tanh(), torch.nn.Linear(16, outputs)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -97,7 +100,9 @@ class NoisyPairs(Pairs):
 
     def __getitem__(self, index):
         import random
+
         import numpy as np
+
         x, y = super().__getitem__(index)
         noise = torch.rand(x.shape) * 0.1 + random.random() * 0.01 + float(np.random.rand()) * 0.01
         return x + noise, y

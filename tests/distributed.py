@@ -1,7 +1,8 @@
 """Helpers for multi-process tests: 2 gloo processes on CPU, file rendezvous, a timeout, no hangs."""
+
 import os
-import time
 import tempfile
+import time
 import traceback
 
 import torch
@@ -30,8 +31,10 @@ def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S):
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
-                     for r in range(world_size)]
+        processes = [
+            context.Process(target=_entry, args=(r, world_size, init_file, fn, args, results))
+            for r in range(world_size)
+        ]
         for process in processes:
             process.start()
         collected = {}

@@ -1,6 +1,7 @@
 """A GPT written the nanoGPT way (not an nn.Sequential): forward(idx, targets=None) returns (logits, loss),
 blocks in an nn.ModuleList under `transformer`, for the traced pipeline tests (importable: worker processes
 unpickle it)."""
+
 import math
 
 import torch
@@ -40,14 +41,28 @@ class NanoGPT(nn.Module):
     """`pair=False` returns the logits alone (the one-device reference of the built-in language objective);
     `tied=True` shares the head's weight with the token embedding, as nanoGPT does."""
 
-    def __init__(self, vocab: int, context: int, *, layers: int = 2, heads: int = 2, width: int = 16,
-                 pair: bool = True, tied: bool = False):
+    def __init__(
+        self,
+        vocab: int,
+        context: int,
+        *,
+        layers: int = 2,
+        heads: int = 2,
+        width: int = 16,
+        pair: bool = True,
+        tied: bool = False,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.pair = pair
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, width), wpe=nn.Embedding(context, width),
-            h=nn.ModuleList([Block(width, heads) for _ in range(layers)]), ln_f=nn.LayerNorm(width)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, width),
+                wpe=nn.Embedding(context, width),
+                h=nn.ModuleList([Block(width, heads) for _ in range(layers)]),
+                ln_f=nn.LayerNorm(width),
+            )
+        )
         self.lm_head = nn.Linear(width, vocab, bias=False)
         if tied:
             self.transformer.wte.weight = self.lm_head.weight

@@ -4,6 +4,7 @@ Every process started here runs with PYTHONFAULTHANDLER=1, so SIGABRT makes each
 of all its threads before it ends. When a command outlives its timeout, every process of its tree gets
 SIGABRT, and the failure shows the stacks together with the command's output.
 """
+
 import os
 import signal
 import subprocess
@@ -64,8 +65,9 @@ def kill_tree(root: int) -> None:
 
 def start(argv, *, env=None) -> subprocess.Popen:
     merged = dict(os.environ, **ENV, **(env or {}))
-    return subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=merged)
+    return subprocess.Popen(
+        [str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=merged
+    )
 
 
 def finish(process: subprocess.Popen, *, timeout: float) -> subprocess.CompletedProcess:
@@ -78,8 +80,10 @@ def finish(process: subprocess.Popen, *, timeout: float) -> subprocess.Completed
             out, err = process.communicate(timeout=20)
         finally:
             kill_tree(process.pid)
-        raise AssertionError(f"{' '.join(map(str, process.args))} ran past {timeout:.0f}s; its output and the "
-                             f"stack of each of its processes:\n{out}\n{err}") from None
+        raise AssertionError(
+            f"{' '.join(map(str, process.args))} ran past {timeout:.0f}s; its output and the "
+            f"stack of each of its processes:\n{out}\n{err}"
+        ) from None
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 

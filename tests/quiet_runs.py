@@ -8,6 +8,7 @@ takes the groups that name it, in order: a group of one trains as a plain `polyt
 torchrun's workers with ranks in the order named (one process group per run, met through a file). Before each run
 every process writes `quiet-run N: ARGS` to stderr, and after it `quiet-exit N: CODE`.
 """
+
 import datetime
 import json
 import os
@@ -21,14 +22,25 @@ LAUNCHER = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WO
 
 
 def run(number: int, args: list, folder: str, *, rank: int, world: int, store) -> int:
-    from polytrain.cli import run_command          # (`main` would end a torchrun worker after its run)
+    from polytrain.cli import run_command  # (`main` would end a torchrun worker after its run)
+
     for name in LAUNCHER:
         os.environ.pop(name, None)
     if world > 1:
-        os.environ.update(TORCHELASTIC_RUN_ID=f"quiet-{number}", RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"run-{number}", store), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        os.environ.update(
+            TORCHELASTIC_RUN_ID=f"quiet-{number}",
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+        )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"run-{number}", store),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
     # a warning shows once per place in a process: forget those shown, so each run shows its own (re-adding a
     # default filter changes nothing else)
     warnings.filterwarnings("ignore", category=ImportWarning)
@@ -57,7 +69,9 @@ def main(plan_file: str, process: int) -> int:
         for args in group["runs"]:
             number += 1
             if process in ranks:
-                code = run(number, args, plan["folder"], rank=ranks.index(process), world=len(ranks), store=store)
+                code = run(
+                    number, args, plan["folder"], rank=ranks.index(process), world=len(ranks), store=store
+                )
                 failed += code != 0
     return int(failed > 0)
 

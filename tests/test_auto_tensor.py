@@ -2,6 +2,7 @@
 takes tensor only where it is predicted clearly faster or alone fits; the bench runs tensor rows (and data x
 tensor meshes) only for a model with a plan, fits tensor's cost per message once for all its layouts, explains
 its collectives, and writes what --plan reads back."""
+
 import json
 from dataclasses import replace
 
@@ -10,25 +11,42 @@ import pytest
 from polytrain.models import build_model
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank, predict_all, tensor_parallel
 from polytrain.scaling.auto import measured_choice, pick, read_plan, steady_choice
-from polytrain.scaling.bench import (BenchOptions, BenchResult, Row, combinations, fit_message_costs,
-                                     has_tensor_plan, predict_rows)
+from polytrain.scaling.bench import (
+    BenchOptions,
+    BenchResult,
+    Row,
+    combinations,
+    fit_message_costs,
+    has_tensor_plan,
+    predict_rows,
+)
 from polytrain.scaling.report import report, table, write_json
 
 MS = 1e-3
 LINK = Link(alpha=1e-4, beta=1e9)
 # 40 MB of weights, all but 1 MB in the layers the plan splits; a slow link makes replicas' gradient exchanges
 # (40 MB each) cost far more than tensor parallelism's activations (8 all-reduces of 64 x 1 KB)
-HEAVY = Workload(compute_seconds=0.1, parameter_bytes=4e7, batch_size=64, update_seconds=0.01, layers=4,
-                 activation_bytes=1000.0, tensor_splits=(2, 4), split_bytes=3.9e7, split_share=0.9,
-                 tensor_reductions=(1024.0,) * 8)
+HEAVY = Workload(
+    compute_seconds=0.1,
+    parameter_bytes=4e7,
+    batch_size=64,
+    update_seconds=0.01,
+    layers=4,
+    activation_bytes=1000.0,
+    tensor_splits=(2, 4),
+    split_bytes=3.9e7,
+    split_share=0.9,
+    tensor_reductions=(1024.0,) * 8,
+)
 
 
 def test_auto_takes_tensor_where_it_is_predicted_clearly_faster_than_every_other():
     # unpriced (no bench file measured tensor's cost per message), tensor is not taken for speed
     best, _, _ = pick(HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12)
     assert best.strategy == "data"
-    best, predictions, fits = pick(HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12,
-                                   message_costs={"tensor": 0.0})
+    best, predictions, fits = pick(
+        HEAVY, LINK, devices=2, device_type="cuda", refused={}, available=1e12, message_costs={"tensor": 0.0}
+    )
     # data: 45 ms + 10 ms + 2 x 1/2 x 40 ms + 0.2 ms = 95.2 ms; tensor: 90 x 0.55 + 10 x 20.5/40 + 8 x 0.47 ms
     # (each all-reduce's 2 ring messages cost alpha twice: latency and their rank's CPU time)
     assert predictions["data"].step_seconds == pytest.approx(0.0952)
@@ -37,10 +55,13 @@ def test_auto_takes_tensor_where_it_is_predicted_clearly_faster_than_every_other
 
 
 def test_auto_keeps_data_parallelism_when_tensor_is_faster_by_less_than_the_margin_or_slower():
-    predictions = {"data": Prediction("data", 2, 10 * MS, 0.0), "tensor": Prediction("tensor", 2, 9.5 * MS, 0.0)}
-    assert steady_choice(predictions).strategy == "data"                      # 5% faster: not enough
+    predictions = {
+        "data": Prediction("data", 2, 10 * MS, 0.0),
+        "tensor": Prediction("tensor", 2, 9.5 * MS, 0.0),
+    }
+    assert steady_choice(predictions).strategy == "data"  # 5% faster: not enough
     predictions["tensor"] = Prediction("tensor", 2, 8.5 * MS, 0.0)
-    assert steady_choice(predictions).strategy == "tensor"                    # 15% faster
+    assert steady_choice(predictions).strategy == "tensor"  # 15% faster
     # a light model on a fast link: its activations' all-reduces cost more than its gradients'
     light = replace(HEAVY, parameter_bytes=4e5, split_bytes=3.9e5, tensor_reductions=(1e5,) * 8)
     best, predictions, _ = pick(light, LINK, devices=2, device_type="cuda", refused={}, available=1e12)
@@ -55,26 +76,41 @@ def test_auto_takes_tensor_when_nothing_else_fits_in_memory():
     assert need["tensor"] == pytest.approx(4 * 2.05e5 + 64 * 1000)
     assert need["sharded"] == pytest.approx(4 * 4e5 / 2 + 4e5 + 32 * 1000)
     assert need["tensor"] < min(need["data"], need["sharded"], need["parameter-server"])
-    best, predictions, fits = pick(light, LINK, devices=2, device_type="cuda", refused={"pipeline": "no cuts"},
-                                   available=need["tensor"], optimizer="adamw")
+    best, predictions, fits = pick(
+        light,
+        LINK,
+        devices=2,
+        device_type="cuda",
+        refused={"pipeline": "no cuts"},
+        available=need["tensor"],
+        optimizer="adamw",
+    )
     assert best.strategy == "tensor" and [name for name, ok in fits.items() if ok] == ["tensor"]
-    assert predictions["tensor"].step_seconds > predictions["data"].step_seconds      # slower, but it fits
+    assert predictions["tensor"].step_seconds > predictions["data"].step_seconds  # slower, but it fits
 
 
 def test_auto_does_not_consider_tensor_without_a_plan_nor_a_data_by_tensor_mesh():
-    _, predictions, _ = pick(replace(HEAVY, tensor_splits=()), LINK, devices=2, device_type="cuda", refused={},
-                             available=1e12)
+    _, predictions, _ = pick(
+        replace(HEAVY, tensor_splits=()), LINK, devices=2, device_type="cuda", refused={}, available=1e12
+    )
     assert "tensor" not in predictions
     _, predictions, _ = pick(HEAVY, LINK, devices=4, device_type="cuda", refused={}, available=1e12)
-    assert "tensor" in predictions and "tensor 2x2" not in predictions       # auto names a strategy, no mesh
+    assert "tensor" in predictions and "tensor 2x2" not in predictions  # auto names a strategy, no mesh
 
 
 def test_the_bench_runs_tensor_rows_and_meshes_only_for_a_model_with_a_plan():
-    options = BenchOptions(model="gpt", dataset="shakespeare", devices=(1, 2, 4), strategies=("data", "tensor"))
+    options = BenchOptions(
+        model="gpt", dataset="shakespeare", devices=(1, 2, 4), strategies=("data", "tensor")
+    )
     rows = combinations(options)
     assert [(r.strategy, r.devices, r.label) for r in rows] == [
-        ("single", 1, "single"), ("data", 2, "data"), ("data", 4, "data"), ("tensor", 2, "tensor"),
-        ("tensor", 4, "tensor"), ("tensor", 4, "tensor 2x2")]
+        ("single", 1, "single"),
+        ("data", 2, "data"),
+        ("data", 4, "data"),
+        ("tensor", 2, "tensor"),
+        ("tensor", 4, "tensor"),
+        ("tensor", 4, "tensor 2x2"),
+    ]
     assert [r.strategy for r in combinations(options, tensor=False)] == ["single", "data", "data"]
     assert has_tensor_plan(build_model("mlp", (1, 28, 28), 10))
     assert not has_tensor_plan(build_model("lenet", (1, 28, 28), 10))
@@ -85,10 +121,12 @@ def phases(step):
 
 
 def tensor_rows():
-    return [Row("cpu", "single", 1, 64, step_seconds=100 * MS, phases=phases(100 * MS)),
-            Row("cpu", "tensor", 2, 64, step_seconds=80 * MS, phases=phases(80 * MS)),
-            Row("cpu", "tensor", 4, 64, step_seconds=120 * MS, phases=phases(120 * MS)),
-            Row("cpu", "tensor", 4, 64, step_seconds=90 * MS, phases=phases(90 * MS), tensor_parallel=2)]
+    return [
+        Row("cpu", "single", 1, 64, step_seconds=100 * MS, phases=phases(100 * MS)),
+        Row("cpu", "tensor", 2, 64, step_seconds=80 * MS, phases=phases(80 * MS)),
+        Row("cpu", "tensor", 4, 64, step_seconds=120 * MS, phases=phases(120 * MS)),
+        Row("cpu", "tensor", 4, 64, step_seconds=90 * MS, phases=phases(90 * MS), tensor_parallel=2),
+    ]
 
 
 def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_its_meshes(tmp_path):
@@ -96,7 +134,9 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
     rows = tensor_rows()
     costs = fit_message_costs(rows, {("cpu", 64): work}, {"cpu": LINK})
     two = tensor_parallel(work, 2, LINK, scatter_by_allreduce=True)
-    assert costs["cpu"]["tensor"] == pytest.approx((80 * MS - two.step_seconds) / two.collectives)   # per collective
+    assert costs["cpu"]["tensor"] == pytest.approx(
+        (80 * MS - two.step_seconds) / two.collectives
+    )  # per collective
     assert [r.fitted for r in rows] == [False, True, False, False]
     predict_rows(rows, {("cpu", 64): work}, {"cpu": LINK}, costs)
     # 4 processes on 2 cores take turns: each message waits twice as long (the link's alpha doubles), and each
@@ -105,47 +145,93 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
     for row, tensor in ((rows[2], 4), (rows[3], 2)):
         p = tensor_parallel(work, 4, turned, tensor=tensor, scatter_by_allreduce=True, turns=2)
         assert row.predicted_seconds == pytest.approx(
-            p.step_seconds + (2 * p.collectives + p.shard_messages) * costs["cpu"]["tensor"])
+            p.step_seconds + (2 * p.collectives + p.shard_messages) * costs["cpu"]["tensor"]
+        )
     lines = table(rows)
     assert lines[5].startswith("cpu    tensor 2x2        4    64")
-    result = BenchResult(BenchOptions(devices=(1, 2, 4), strategies=("tensor",)), rows, {("cpu", 64): work},
-                         {"cpu": (LINK, "measured: a test")}, [], costs)
+    result = BenchResult(
+        BenchOptions(devices=(1, 2, 4), strategies=("tensor",)),
+        rows,
+        {("cpu", 64): work},
+        {"cpu": (LINK, "measured: a test")},
+        [],
+        costs,
+    )
     text = "\n".join(report(result))
-    assert ("tensor on 2 cpu, batch 64: 8 reduce-scatters (all-reduces on gloo) of up to 64 KiB, 10 all-gathers of "
-            "up to 64 KiB, 30 small all-reduces of the norms' gradients per step over each group of 2 "
-            "(sequence-parallel)") in text
+    assert (
+        "tensor on 2 cpu, batch 64: 8 reduce-scatters (all-reduces on gloo) of up to 64 KiB, 10 all-gathers of "
+        "up to 64 KiB, 30 small all-reduces of the norms' gradients per step over each group of 2 "
+        "(sequence-parallel)"
+    ) in text
     # each rank of a 2 x 2 mesh: 19.5 MB + 1 MB = 20.5 MB (19.6 MiB) of weights, sharded over the 2 groups
-    assert ("tensor 2x2 on 4 cpu, batch 64: 8 reduce-scatters (all-reduces on gloo) of up to 32 KiB, 10 all-gathers "
-            "of up to 32 KiB, 10 small all-reduces of the norms' gradients per step over each group of 2 "
-            "(sequence-parallel); FSDP2 over 2 data shards: 2 all-gathers and a reduce-scatter per layer (4) of "
-            "each rank's 19.6 MiB of weights") in text
+    assert (
+        "tensor 2x2 on 4 cpu, batch 64: 8 reduce-scatters (all-reduces on gloo) of up to 32 KiB, 10 all-gathers "
+        "of up to 32 KiB, 10 small all-reduces of the norms' gradients per step over each group of 2 "
+        "(sequence-parallel); FSDP2 over 2 data shards: 2 all-gathers and a reduce-scatter per layer (4) of "
+        "each rank's 19.6 MiB of weights"
+    ) in text
     # tensor on 4 is slower than on 2 processes: its explanation names the collectives
-    assert "tensor on 4 cpu, batch 64 is slower (120.0 ms/step against 80.0 ms on 2 devices): communication is 40%" \
+    assert (
+        "tensor on 4 cpu, batch 64 is slower (120.0 ms/step against 80.0 ms on 2 devices): communication is 40%"
         in text
+    )
     # bench.json keeps the tensor measurements, which --plan reads back; a mesh row is not a choice for auto
     write_json(result, tmp_path / "bench.json")
     work_back, _, _ = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=64)
     assert work_back == work
     timed = replace(work, tensor_seconds={(2, 2): 0.05, (4, 2): 0.03})
     write_json(replace(result, workloads={("cpu", 64): timed}), tmp_path / "timed.json")
-    assert read_plan(str(tmp_path / "timed.json"), device_type="cpu", batch_size=32)[0].tensor_seconds == \
-        pytest.approx({(2, 2): 0.025, (4, 2): 0.015})                          # compute scaled with the batch
+    assert read_plan(str(tmp_path / "timed.json"), device_type="cpu", batch_size=32)[
+        0
+    ].tensor_seconds == pytest.approx({(2, 2): 0.025, (4, 2): 0.015})  # compute scaled with the batch
     document = json.loads((tmp_path / "bench.json").read_text())
     assert [r["tensor_parallel"] for r in document["rows"]] == [0, 0, 0, 2]
-    assert measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[0] == "tensor"
+    assert (
+        measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[0]
+        == "tensor"
+    )
 
 
 @pytest.mark.multiprocess
 def test_bench_runs_a_tensor_row_of_the_mlp_beside_its_prediction(tmp_path):
     from processes import polytrain
-    result = polytrain("bench", "--model", "mlp", "--devices", "1,2", "--strategies", "tensor", "--batch-sizes", "16",
-                       "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", tmp_path, timeout=240)
+
+    result = polytrain(
+        "bench",
+        "--model",
+        "mlp",
+        "--devices",
+        "1,2",
+        "--strategies",
+        "tensor",
+        "--batch-sizes",
+        "16",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        tmp_path,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "bench.json").read_text())
-    row, = [r for r in document["rows"] if r["strategy"] == "tensor"]
-    assert row["skipped"] == "" and row["fitted"] and row["predicted_seconds"] == pytest.approx(row["step_seconds"])
-    work, = document["workloads"]
+    (row,) = [r for r in document["rows"] if r["strategy"] == "tensor"]
+    assert (
+        row["skipped"] == ""
+        and row["fitted"]
+        and row["predicted_seconds"] == pytest.approx(row["step_seconds"])
+    )
+    (work,) = document["workloads"]
     # the mlp's plan: 784 -> 128 by columns, 128 -> 64 by rows, one all-reduce of 64 floats per sample in forward
-    assert work["tensor_splits"] == [2] and work["tensor_reductions"] == [256.0] and "2/2" in work["tensor_seconds"]
-    assert ("tensor on 2 cpu, batch 16: 1 all-reduce of up to 4 KiB per step over each group of 2 (all-reduces "
-            "after each row-wise layer in forward and before each column-wise one in backward)") in result.stdout
+    assert (
+        work["tensor_splits"] == [2]
+        and work["tensor_reductions"] == [256.0]
+        and "2/2" in work["tensor_seconds"]
+    )
+    assert (
+        "tensor on 2 cpu, batch 16: 1 all-reduce of up to 4 KiB per step over each group of 2 (all-reduces "
+        "after each row-wise layer in forward and before each column-wise one in backward)"
+    ) in result.stdout

@@ -4,17 +4,34 @@ The reference is SGD written by hand on the same global batches (token_data.refe
 minimises the batch's summed token losses over its token count. Sequences have different lengths, so averaging
 per-batch means (how accumulation and devices were once combined) trains other weights: a test shows that.
 """
+
 import pytest
 import torch
+from token_data import (
+    PAD,
+    MeanTokenModel,
+    PaddedTokens,
+    TokenModel,
+    reference_weights,
+    token_loss,
+    token_step,
+)
 
 import polytrain
 from polytrain.errors import UserError
-from token_data import (PAD, MeanTokenModel, PaddedTokens, TokenModel, reference_weights, token_loss,
-                        token_step)
 
-SGD = dict(epochs=1, batch_size=16, lr=0.5, optimizer="sgd", momentum=0.0, weight_decay=0.0, schedule="constant",
-           warmup_epochs=0, verbose=False)
-STEPS = 4                                    # 64 training sequences in batches of 16
+SGD = dict(
+    epochs=1,
+    batch_size=16,
+    lr=0.5,
+    optimizer="sgd",
+    momentum=0.0,
+    weight_decay=0.0,
+    schedule="constant",
+    warmup_epochs=0,
+    verbose=False,
+)
+STEPS = 4  # 64 training sequences in batches of 16
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +56,11 @@ def token_mean(model, data) -> float:
     return (total / count).item()
 
 
-@pytest.mark.parametrize("how", [dict(), dict(accumulate=4), dict(step=token_step), dict(micro_batch_size=1)],
-                         ids=["model-loss", "accumulate-4", "step", "micro-batch-1"])
+@pytest.mark.parametrize(
+    "how",
+    [dict(), dict(accumulate=4), dict(step=token_step), dict(micro_batch_size=1)],
+    ids=["model-loss", "accumulate-4", "step", "micro-batch-1"],
+)
 def test_token_exact_losses_train_the_reference_on_one_device(data, reference, how):
     model = TokenModel()
     history = polytrain.fit(model, train=data[0], val=data[1], **SGD, **how)
@@ -60,18 +80,33 @@ def test_averaging_per_batch_means_fails_the_same_test(data, reference):
 
 @pytest.mark.multiprocess
 def test_token_exact_losses_train_the_reference_on_two_devices(data, reference):
-    for how in (dict(strategy="data"), dict(strategy="sharded", accumulate=2),
-                dict(strategy="parameter-server", step=token_step)):
+    for how in (
+        dict(strategy="data"),
+        dict(strategy="sharded", accumulate=2),
+        dict(strategy="parameter-server", step=token_step),
+    ):
         model = TokenModel()
         history = polytrain.fit(model, train=data[0], val=data[1], devices=2, **SGD, **how)
         assert difference(model, reference) < 1e-6, how
         assert history.last["val_loss"] == pytest.approx(token_mean(model, data[1]), rel=1e-6), how
     # the pipeline: a loss= giving (sum, count) pairs on the last stage, integer tokens into the first
     from token_data import SEQUENTIAL_NAMES, TokenPairs, sequential_twin
+
     model = sequential_twin()
-    polytrain.fit(model, train=TokenPairs(data[0]), val=TokenPairs(data[1]), loss=token_loss, devices=2,
-                  strategy="pipeline", microbatches=2, **SGD)
-    renamed = {SEQUENTIAL_NAMES[key.split(".")[0]] + "." + key.split(".")[1]: p for key, p in model.named_parameters()}
+    polytrain.fit(
+        model,
+        train=TokenPairs(data[0]),
+        val=TokenPairs(data[1]),
+        loss=token_loss,
+        devices=2,
+        strategy="pipeline",
+        microbatches=2,
+        **SGD,
+    )
+    renamed = {
+        SEQUENTIAL_NAMES[key.split(".")[0]] + "." + key.split(".")[1]: p
+        for key, p in model.named_parameters()
+    }
     assert max((p.detach() - reference[name]).abs().max().item() for name, p in renamed.items()) < 1e-6
 
 
@@ -80,7 +115,9 @@ def test_a_resumed_token_exact_run_continues_the_same_training(data, tmp_path):
     polytrain.fit(straight, train=data[0], val=data[1], **dict(SGD, epochs=2))
     resumed = TokenModel()
     polytrain.fit(resumed, train=data[0], val=data[1], out=str(tmp_path / "run"), **SGD)
-    history = polytrain.fit(resumed, train=data[0], val=data[1], resume=str(tmp_path / "run"), **dict(SGD, epochs=2))
+    history = polytrain.fit(
+        resumed, train=data[0], val=data[1], resume=str(tmp_path / "run"), **dict(SGD, epochs=2)
+    )
     assert difference(resumed, dict(straight.named_parameters())) < 1e-6
     assert history.last["val_loss"] == pytest.approx(token_mean(straight, data[1]), rel=1e-6)
 
@@ -120,6 +157,7 @@ def test_tuple_items_are_positional_arguments_and_pairs_reach_a_step_as_inputs_a
         inputs, targets = batch
         seen.append((inputs.dtype, targets.shape))
         return token_loss(model(inputs)["logits"], targets)
+
     model = TokenModel()
     polytrain.fit(model, train=Pairs(data[0]), val=Pairs(data[1]), step=step, **SGD)
     assert difference(model, reference) < 1e-6
@@ -133,7 +171,10 @@ def test_eval_step_replaces_the_step_in_validation(data):
         calls["eval"] += 1
         assert not torch.is_grad_enabled()
         return token_step(model, batch)
-    history = polytrain.fit(TokenModel(), train=data[0], val=data[1], step=token_step, eval_step=eval_step, **SGD)
+
+    history = polytrain.fit(
+        TokenModel(), train=data[0], val=data[1], step=token_step, eval_step=eval_step, **SGD
+    )
     assert calls["eval"] >= 1 and history.last["val_loss"] > 0
 
 
@@ -159,15 +200,34 @@ def bad_count(model, batch):
     return token_step(model, batch)
 
 
-@pytest.mark.parametrize("model, train, options, words", [
-    (Other, PaddedTokens, {}, "the key input_ids, which Other.forward(tokens, labels) does not take"),
-    (TokenModel, PaddedTokens, dict(step=wrong_kind), "step= returned a float32 tensor of shape (2, 12, 11)"),
-    (TokenModel, Empty, {}, "the loss counted 0 elements in a whole global batch of 16 samples"),
-    (TokenModel, PaddedTokens, dict(devices=2, strategy="pipeline"), "the pipeline strategy computes the loss"),
-    (TokenModel, PaddedTokens, dict(devices=2, strategy="parameter-server", staleness=1), "drop staleness="),
-    (TokenModel, PaddedTokens, dict(metrics={"x": wrong_kind}), "drop metrics="),
-    (TokenModel, PaddedTokens, dict(step=token_step, loss=token_loss), "give either loss="),
-], ids=["dict-keys", "step-returns", "zero-count", "pipeline", "staleness", "metrics", "loss-and-step"])
+@pytest.mark.parametrize(
+    "model, train, options, words",
+    [
+        (Other, PaddedTokens, {}, "the key input_ids, which Other.forward(tokens, labels) does not take"),
+        (
+            TokenModel,
+            PaddedTokens,
+            dict(step=wrong_kind),
+            "step= returned a float32 tensor of shape (2, 12, 11)",
+        ),
+        (TokenModel, Empty, {}, "the loss counted 0 elements in a whole global batch of 16 samples"),
+        (
+            TokenModel,
+            PaddedTokens,
+            dict(devices=2, strategy="pipeline"),
+            "the pipeline strategy computes the loss",
+        ),
+        (
+            TokenModel,
+            PaddedTokens,
+            dict(devices=2, strategy="parameter-server", staleness=1),
+            "drop staleness=",
+        ),
+        (TokenModel, PaddedTokens, dict(metrics={"x": wrong_kind}), "drop metrics="),
+        (TokenModel, PaddedTokens, dict(step=token_step, loss=token_loss), "give either loss="),
+    ],
+    ids=["dict-keys", "step-returns", "zero-count", "pipeline", "staleness", "metrics", "loss-and-step"],
+)
 def test_mistakes_with_batches_and_steps_are_one_line(model, train, options, words):
     with pytest.raises(UserError) as error:
         polytrain.fit(model(), train=train(32), val=PaddedTokens(8), **dict(SGD, **options))
@@ -179,6 +239,7 @@ def test_items_without_targets_need_a_model_that_returns_its_loss():
     class NoLoss(TokenModel):
         def forward(self, input_ids, labels=None):
             return super().forward(input_ids)["logits"]
+
     with pytest.raises(UserError, match="with no separate target.*return an output with .loss"):
         polytrain.fit(NoLoss(), train=PaddedTokens(32), val=PaddedTokens(8), **SGD)
 
@@ -188,10 +249,13 @@ LIGHTNING = dict(epochs=1, batch_size=16, verbose=False)
 
 def test_a_lightning_module_trains_with_its_own_steps_optimizer_and_schedule(data):
     from token_data import LitTokens, lightning_reference
+
     model = LitTokens()
     history = polytrain.fit(model, train=data[0], val=data[1], **LIGHTNING)
-    assert difference(model, lightning_reference(data[0], batch_size=16, steps=STEPS, lr=0.5, gamma=0.9)) < 1e-6
-    assert history.last["lr"] == pytest.approx(0.5 * 0.9 ** STEPS)
+    assert (
+        difference(model, lightning_reference(data[0], batch_size=16, steps=STEPS, lr=0.5, gamma=0.9)) < 1e-6
+    )
+    assert history.last["lr"] == pytest.approx(0.5 * 0.9**STEPS)
     assert history.last["val_loss"] == pytest.approx(token_mean(model, data[1]), rel=1e-6)
     with pytest.raises(UserError, match="the tensor strategy splits the model"):
         polytrain.fit(LitTokens(), train=data[0], val=data[1], devices=2, strategy="tensor", **LIGHTNING)
@@ -200,6 +264,7 @@ def test_a_lightning_module_trains_with_its_own_steps_optimizer_and_schedule(dat
 @pytest.mark.multiprocess
 def test_a_lightning_module_trains_the_same_on_two_devices(data):
     from token_data import LitTokens, lightning_reference
+
     reference = lightning_reference(data[0], batch_size=16, steps=STEPS, lr=0.5, gamma=0.9)
     for strategy in ("data", "sharded"):
         model = LitTokens()

@@ -1,10 +1,11 @@
 """`polytrain bench` as users run it, and `--strategy auto` choosing from what it wrote."""
+
 import json
 
 import pytest
+from processes import polytrain
 
 from polytrain.scaling.auto import steady_name
-from processes import polytrain
 
 pytestmark = pytest.mark.multiprocess
 
@@ -13,9 +14,28 @@ pytestmark = pytest.mark.multiprocess
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # batch 30: 2 devices divide it, 4 do not (a row that says why, before any process starts); no GPU here
-    result = polytrain("bench", "--model", "mlp", "--devices", "1,2,4", "--strategies", "data,pipeline",
-                       "--batch-sizes", "30", "--device", "cpu,cuda", "--steps", "4", "--warmup", "2",
-                       "--predict", "3", "--out", out, timeout=300)
+    result = polytrain(
+        "bench",
+        "--model",
+        "mlp",
+        "--devices",
+        "1,2,4",
+        "--strategies",
+        "data,pipeline",
+        "--batch-sizes",
+        "30",
+        "--device",
+        "cpu,cuda",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--predict",
+        "3",
+        "--out",
+        out,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout, json.loads((out / "bench.json").read_text()), out
 
@@ -32,8 +52,8 @@ def test_every_combination_gets_a_progress_line_and_a_row(bench_run):
         assert len(row["ranks"]) == row["devices"] and row["held_bytes"] > 0
     assert rows[("cpu", "single", 1)]["speedup"] == 1.0
     assert rows[("cpu", "data", 2)]["phases"]["communication"] > 0
-    assert rows[("cpu", "data", 2)]["ranks"][0]["reference"] > 0          # compute timed on a plain replica
-    assert rows[("cpu", "pipeline", 2)]["phases"]["idle"] > 0              # the bubble, reported by the strategy
+    assert rows[("cpu", "data", 2)]["ranks"][0]["reference"] > 0  # compute timed on a plain replica
+    assert rows[("cpu", "pipeline", 2)]["phases"]["idle"] > 0  # the bubble, reported by the strategy
     assert "does not divide evenly" in rows[("cpu", "data", 4)]["skipped"]
     assert rows[("cuda", "data", 2)]["skipped"] == "no CUDA GPU here"
     # mlp's weights, gradients and momentum: 3 x (784*128 + 128 + 128*64 + 64 + 64*10 + 10) x 4 bytes
@@ -43,7 +63,10 @@ def test_every_combination_gets_a_progress_line_and_a_row(bench_run):
 def test_the_table_the_prediction_and_the_files(bench_run):
     stdout, document, out = bench_run
     assert "samples/s" in stdout and "speedup" in stdout and "predicted" in stdout
-    assert "cpu    data              4    30 skipped: --batch-size 30 (the global batch) does not divide" in stdout
+    assert (
+        "cpu    data              4    30 skipped: --batch-size 30 (the global batch) does not divide"
+        in stdout
+    )
     assert "3 cpu (processes sharing this machine's cores), batch 30: would pick" in stdout
     assert document["links"]["cpu"]["how"].startswith("measured: all-reduces between the 2 cpu processes")
     work = document["workloads"][0]
@@ -53,11 +76,31 @@ def test_the_table_the_prediction_and_the_files(bench_run):
 
 def test_auto_takes_the_fastest_strategy_the_bench_measured(bench_run, tmp_path):
     _, document, out = bench_run
-    measured = {r["strategy"]: r["step_seconds"] for r in document["rows"]
-                if r["device"] == "cpu" and r["devices"] == 2 and not r["skipped"]}
-    fastest = steady_name(measured)               # or the simpler of two within 10% of each other
-    result = polytrain("train", "--model", "mlp", "--devices", "2", "--batch-size", "30", "--epochs", "1",
-                       "--max-steps", "2", "--device", "cpu", "--plan", out / "bench.json", "--out", tmp_path / "run")
+    measured = {
+        r["strategy"]: r["step_seconds"]
+        for r in document["rows"]
+        if r["device"] == "cpu" and r["devices"] == 2 and not r["skipped"]
+    }
+    fastest = steady_name(measured)  # or the simpler of two within 10% of each other
+    result = polytrain(
+        "train",
+        "--model",
+        "mlp",
+        "--devices",
+        "2",
+        "--batch-size",
+        "30",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--device",
+        "cpu",
+        "--plan",
+        out / "bench.json",
+        "--out",
+        tmp_path / "run",
+    )
     assert result.returncode == 0, result.stderr
     assert f"--strategy auto: {fastest} on 2 cpu device(s), measured " in result.stdout
     assert json.loads((tmp_path / "run" / "config.json").read_text())["strategy"] == fastest

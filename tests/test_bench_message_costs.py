@@ -1,40 +1,57 @@
 """Each strategy's cost per message inside a step: fitted to its row on the fewest devices, used for its other
 rows, written into bench.json and read back by --plan; on rows and workloads made by hand."""
+
 import json
 
 import pytest
+from test_bench_report import MS, WORK, phases
 
+from polytrain.errors import ConfigError
+from polytrain.plan.costmodel import Link, Workload
 from polytrain.scaling.auto import read_message_costs
 from polytrain.scaling.bench import BenchOptions, BenchResult, Row, fit_message_costs, predict_rows
 from polytrain.scaling.report import report, table, write_json
-from polytrain.errors import ConfigError
-from polytrain.plan.costmodel import Link, Workload
 from polytrain.scaling.workload import predictions_for
-from test_bench_report import MS, WORK, phases
 
 
 def test_each_strategy_is_fitted_on_its_fewest_devices_and_predicted_elsewhere(tmp_path):
     link = Link(2e-4, 1e9)
-    big = Workload(compute_seconds=50 * MS, parameter_bytes=1.76e6, batch_size=512, update_seconds=1 * MS, layers=4,
-                   boundary_bytes=(1000.0, 500.0), replica_seconds={2: 30 * MS, 4: 20 * MS})
+    big = Workload(
+        compute_seconds=50 * MS,
+        parameter_bytes=1.76e6,
+        batch_size=512,
+        update_seconds=1 * MS,
+        layers=4,
+        boundary_bytes=(1000.0, 500.0),
+        replica_seconds={2: 30 * MS, 4: 20 * MS},
+    )
     works = {("cpu", 64): WORK, ("cpu", 512): big}
-    rows = [Row("cpu", strategy, n, batch, step_seconds=ms * MS, phases=phases(ms * MS))
-            for strategy, n, batch, ms in [("single", 1, 64, 10), ("single", 1, 512, 50), ("sharded", 4, 512, 90),
-                                           ("sharded", 2, 512, 60), ("sharded", 2, 64, 40), ("data", 4, 512, 70)]]
+    rows = [
+        Row("cpu", strategy, n, batch, step_seconds=ms * MS, phases=phases(ms * MS))
+        for strategy, n, batch, ms in [
+            ("single", 1, 64, 10),
+            ("single", 1, 512, 50),
+            ("sharded", 4, 512, 90),
+            ("sharded", 2, 512, 60),
+            ("sharded", 2, 64, 40),
+            ("data", 4, 512, 70),
+        ]
+    ]
     rows.insert(5, Row("cpu", "data", 2, 64, skipped="why"))
     costs = fit_message_costs(rows, works, {"cpu": link})
     fitted = [(r.strategy, r.devices, r.batch_size) for r in rows if r.fitted]
     assert costs["cpu"]["data"] > 0 and costs["cpu"]["sharded"] > 0
-    assert fitted == [("sharded", 2, 64), ("data", 4, 512)]     # fewest devices, then the smallest batch; ran
-    alone = predictions_for(WORK, link, devices=2, kind="cpu")["sharded"]       # gloo: 16 messages
+    assert fitted == [("sharded", 2, 64), ("data", 4, 512)]  # fewest devices, then the smallest batch; ran
+    alone = predictions_for(WORK, link, devices=2, kind="cpu")["sharded"]  # gloo: 16 messages
     assert alone.messages == 16
     assert costs["cpu"]["sharded"] == pytest.approx((40 * MS - alone.step_seconds) / 16)
     predict_rows(rows, works, {"cpu": link}, costs)
     by = {(r.strategy, r.devices, r.batch_size): r for r in rows}
-    assert by["sharded", 2, 64].predicted_seconds == pytest.approx(40 * MS)       # fitted to it
+    assert by["sharded", 2, 64].predicted_seconds == pytest.approx(40 * MS)  # fitted to it
     four = predictions_for(big, link, devices=4, kind="cpu")["sharded"]
-    assert by["sharded", 4, 512].predicted_seconds == pytest.approx(four.step_seconds
-                                                                    + four.messages * costs["cpu"]["sharded"])
+    assert by["sharded", 4, 512].predicted_seconds == pytest.approx(
+        four.step_seconds + four.messages * costs["cpu"]["sharded"]
+    )
     assert by["single", 1, 64].predicted_seconds == WORK.compute_seconds and not by["single", 1, 64].fitted
     line = {(r.strategy, r.devices, r.batch_size): text for r, text in zip(rows, table(rows)[2:])}
     assert line["sharded", 2, 64].endswith(f"{40:.1f} (fitted)")
@@ -45,24 +62,37 @@ def test_each_strategy_is_fitted_on_its_fewest_devices_and_predicted_elsewhere(t
     write_json(result, tmp_path / "bench.json")
     assert read_message_costs(str(tmp_path / "bench.json"), device_type="cpu") == pytest.approx(costs["cpu"])
     cost = costs["cpu"]["sharded"] * 1e3
-    assert f"per message inside a step (cpu), fitted to each strategy's row marked 'fitted': sharded {cost:.2f} ms" \
+    assert (
+        f"per message inside a step (cpu), fitted to each strategy's row marked 'fitted': sharded {cost:.2f} ms"
         in "\n".join(report(result))
+    )
 
 
 def test_plans_without_message_costs_read_as_none_and_malformed_ones_are_one_line(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"rows": [], "workloads": [], "links": {"cpu": {"alpha": 1e-4, "beta": 1e9}}}))
     assert read_message_costs(str(path), device_type="cpu") == {}
-    path.write_text(json.dumps({"rows": [], "workloads": [],
-                                "links": {"cpu": {"alpha": 1e-4, "beta": 1e9, "message_costs": {"data": "fast"}}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "rows": [],
+                "workloads": [],
+                "links": {"cpu": {"alpha": 1e-4, "beta": 1e9, "message_costs": {"data": "fast"}}},
+            }
+        )
+    )
     with pytest.raises(ConfigError) as refused:
         read_message_costs(str(path), device_type="cpu")
-    assert "its message_costs are not numbers by strategy" in str(refused.value) and "\n" not in str(refused.value)
+    assert "its message_costs are not numbers by strategy" in str(refused.value) and "\n" not in str(
+        refused.value
+    )
 
 
 def test_a_row_the_model_already_predicts_too_slow_fits_no_cost_and_shows_its_error():
     link = Link(2e-4, 1e9)
-    slow = Row("cpu", "sharded", 2, 64, step_seconds=1 * MS, phases=phases(1 * MS))      # faster than the link allows
+    slow = Row(
+        "cpu", "sharded", 2, 64, step_seconds=1 * MS, phases=phases(1 * MS)
+    )  # faster than the link allows
     costs = fit_message_costs([slow], {("cpu", 64): WORK}, {"cpu": link})
     assert costs == {"cpu": {"sharded": 0.0}} and not slow.fitted
     predict_rows([slow], {("cpu", 64): WORK}, {"cpu": link}, costs)

@@ -1,5 +1,6 @@
 """Measuring on a busy machine: repeated timings keep their fastest, the choice of --strategy auto keeps the
 simplest strategy unless another is clearly faster, and a bench row whose figures cannot be right is flagged."""
+
 import random
 import statistics
 import time
@@ -7,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from conftest import tiny_digits
 
 from polytrain.objective import Objective
 from polytrain.plan.costmodel import Link, Prediction, Workload
@@ -15,7 +17,6 @@ from polytrain.scaling.bench import BenchOptions, BenchResult, Row, fill_speedup
 from polytrain.scaling.report import table, write_json
 from polytrain.scaling.timing import interleave, low
 from polytrain.scaling.workload import measure
-from conftest import tiny_digits
 
 MS = 1e-3
 LINK = Link(alpha=150e-6, beta=2e9)
@@ -24,9 +25,16 @@ CLEAN = {"pass": 20 * MS, "update": 1 * MS, "replica": 12 * MS, "micro": 5 * MS}
 
 
 def workload(each) -> Workload:
-    return Workload(compute_seconds=each["pass"] + each["update"], parameter_bytes=1.76e6, batch_size=64,
-                    update_seconds=each["update"], layers=4, boundary_bytes=(46080.0, 11520.0, 2048.0),
-                    replica_seconds={2: each["replica"]}, microbatch_seconds={2: each["micro"]})
+    return Workload(
+        compute_seconds=each["pass"] + each["update"],
+        parameter_bytes=1.76e6,
+        batch_size=64,
+        update_seconds=each["update"],
+        layers=4,
+        boundary_bytes=(46080.0, 11520.0, 2048.0),
+        replica_seconds={2: each["replica"]},
+        microbatch_seconds={2: each["micro"]},
+    )
 
 
 def choice(work: Workload) -> str:
@@ -57,13 +65,15 @@ def test_outliers_in_the_timings_leave_the_choice_as_the_clean_timings_make_it()
 
 def test_another_strategy_needs_to_be_predicted_ten_percent_faster_and_ties_go_to_the_simplest():
     def chosen(fits=None, **ms):
-        predictions = {name.replace("_", "-"): Prediction(name.replace("_", "-"), 2, value * MS, 0.0)
-                       for name, value in ms.items()}
+        predictions = {
+            name.replace("_", "-"): Prediction(name.replace("_", "-"), 2, value * MS, 0.0)
+            for name, value in ms.items()
+        }
         return steady_choice(predictions, fits=fits).strategy
 
-    assert chosen(data=10, sharded=9.5, pipeline=9.2, parameter_server=9.4) == "data"   # within 10%
+    assert chosen(data=10, sharded=9.5, pipeline=9.2, parameter_server=9.4) == "data"  # within 10%
     assert chosen(data=10, sharded=8.9, pipeline=9.5, parameter_server=12) == "sharded"  # 11% faster
-    assert chosen(data=11, sharded=10, pipeline=8) == "pipeline"                        # 27% faster
+    assert chosen(data=11, sharded=10, pipeline=8) == "pipeline"  # 27% faster
     # without data (it does not fit), the simpler of two near ties
     assert chosen(data=5, sharded=10, pipeline=9.5, fits={"sharded": True, "pipeline": True}) == "sharded"
     assert chosen(data=5, sharded=10, pipeline=8.5, fits={"sharded": True, "pipeline": True}) == "pipeline"
@@ -72,7 +82,9 @@ def test_another_strategy_needs_to_be_predicted_ten_percent_faster_and_ties_go_t
 
 def test_a_bench_file_keeps_data_unless_another_was_measured_clearly_faster(tmp_path):
     def plan(**ms):
-        rows = [Row("cpu", name.replace("_", "-"), 2, 64, step_seconds=value * MS) for name, value in ms.items()]
+        rows = [
+            Row("cpu", name.replace("_", "-"), 2, 64, step_seconds=value * MS) for name, value in ms.items()
+        ]
         result = BenchResult(BenchOptions(), rows, {}, {}, [])
         write_json(result, tmp_path / "bench.json")
         return measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
@@ -100,8 +112,16 @@ class Sleepy(nn.Module):
 
 def test_the_measurement_keeps_the_fastest_round_of_every_quantity():
     # of each quantity's 4 timed rounds (after one to warm up) one or two sleep 2 ms, the others 40 ms
-    work, link = measure(Sleepy(0.002), tiny_digits(), Objective(), batch_size=32, device=torch.device("cpu"),
-                         devices=[2], repeats=4, link=True)
+    work, link = measure(
+        Sleepy(0.002),
+        tiny_digits(),
+        Objective(),
+        batch_size=32,
+        device=torch.device("cpu"),
+        devices=[2],
+        repeats=4,
+        link=True,
+    )
     one, slice_, micro = work.compute_seconds, work.replica_seconds[2], work.microbatch_seconds[2]
     assert all(0.002 <= seconds < 0.03 for seconds in (one, slice_, micro)), (one, slice_, micro)
     assert link is not None and link[0].alpha > 0 and link[0].beta > 0
@@ -109,24 +129,42 @@ def test_the_measurement_keeps_the_fastest_round_of_every_quantity():
 
 def test_interleaved_rounds_call_every_probe_in_turn_and_run_until_the_time_is_spent():
     calls = []
-    found = interleave({"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 2.0}, rounds=3)
-    assert calls == ["a", "b"] * 4 and found == {"a": [1.0] * 3, "b": [2.0] * 3}      # one warm round first
+    found = interleave(
+        {"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 2.0}, rounds=3
+    )
+    assert calls == ["a", "b"] * 4 and found == {"a": [1.0] * 3, "b": [2.0] * 3}  # one warm round first
     began = time.perf_counter()
     found = interleave({"a": lambda: time.sleep(0.01)}, rounds=1, min_seconds=0.1, most_rounds=50)
     assert time.perf_counter() - began >= 0.1 and 5 <= len(found["a"]) <= 50
 
 
 def rows_with(step_ms: float, *, device="cpu", devices=2):
-    rows = [Row(device, "single", 1, 64, step_seconds=20 * MS, samples_per_second=3200,
-                phases=dict(compute=20 * MS, communication=0.0, data=0.0, idle=0.0)),
-            Row(device, "data", devices, 64, step_seconds=step_ms * MS, samples_per_second=64 / (step_ms * MS),
-                phases=dict(compute=step_ms * MS, communication=0.0, data=0.0, idle=0.0))]
+    rows = [
+        Row(
+            device,
+            "single",
+            1,
+            64,
+            step_seconds=20 * MS,
+            samples_per_second=3200,
+            phases=dict(compute=20 * MS, communication=0.0, data=0.0, idle=0.0),
+        ),
+        Row(
+            device,
+            "data",
+            devices,
+            64,
+            step_seconds=step_ms * MS,
+            samples_per_second=64 / (step_ms * MS),
+            phases=dict(compute=step_ms * MS, communication=0.0, data=0.0, idle=0.0),
+        ),
+    ]
     fill_speedups(rows)
     return rows
 
 
 def test_a_row_above_full_efficiency_on_processes_that_share_cores_is_flagged(tmp_path):
-    rows = rows_with(20 / 3.66)                                       # 3.66x on 2 processes: 183%
+    rows = rows_with(20 / 3.66)  # 3.66x on 2 processes: 183%
     assert rows[1].efficiency == pytest.approx(1.83)
     lines = table(rows)
     row_line = next(line for line in lines if line.startswith("cpu    data"))
@@ -137,12 +175,18 @@ def test_a_row_above_full_efficiency_on_processes_that_share_cores_is_flagged(tm
     # bench.json keeps the flag beside every figure it had, and --plan still reads it
     write_json(BenchResult(BenchOptions(), rows, {}, {}, []), tmp_path / "bench.json")
     import json
+
     saved = json.loads((tmp_path / "bench.json").read_text())["rows"][1]
     assert saved["warning"] == rows[1].warning and saved["efficiency"] == pytest.approx(1.83)
-    assert measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)[0] == "data"
+    assert (
+        measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)[0]
+        == "data"
+    )
 
 
-@pytest.mark.parametrize("step_ms, device, devices", [(12.0, "cpu", 2), (20 / 3.66, "cuda", 2), (6.0, "cpu", 4)])
+@pytest.mark.parametrize(
+    "step_ms, device, devices", [(12.0, "cpu", 2), (20 / 3.66, "cuda", 2), (6.0, "cpu", 4)]
+)
 def test_plausible_rows_and_gpus_are_not_flagged(step_ms, device, devices):
     rows = rows_with(step_ms, device=device, devices=devices)
     assert not rows[1].warning and not any(line.startswith("!") for line in table(rows))

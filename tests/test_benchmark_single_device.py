@@ -1,20 +1,21 @@
 """benchmarks/single_device.py times polytrain against its own operations written by hand: the two must
 train the same thing, or the comparison measures a different computation."""
+
 import copy
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_digits
 
 from polytrain.models import build_model
-from conftest import tiny_digits
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def load_benchmark(monkeypatch, name: str):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))          # it imports its neighbour interleaved.py
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports its neighbour interleaved.py
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -34,4 +35,4 @@ def test_single_device_by_hand_trains_what_polytrain_trains(monkeypatch, model_n
     # the same operations in the same order: equal up to nothing but float32 rounding of identical kernels
     assert our_losses == pytest.approx(their_losses, rel=0, abs=1e-9)
     for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-8, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-8, msg=lambda m, name=name: f"{name}: {m}")

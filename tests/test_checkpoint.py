@@ -1,17 +1,18 @@
 """Checkpoints: atomic, safe to load, refused when they do not fit; exact resume mid-epoch."""
+
 import json
 import os
 
 import pytest
-import polytrain
 import torch
+from conftest import tiny_digits
 
+import polytrain
 from polytrain.api import train_run
 from polytrain.checkpoint import CheckpointError, atomic_torch_save, load_weights, safe_load
 from polytrain.cli import main
 from polytrain.config import TrainConfig
 from polytrain.models import build_model
-from conftest import tiny_digits
 
 
 def weights(model):
@@ -25,10 +26,10 @@ def run(tmp_path, name, data, **settings):
 
 
 def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
-    data = tiny_digits(n_train=200)                    # 7 steps per epoch
+    data = tiny_digits(n_train=200)  # 7 steps per epoch
     straight_history, straight, _ = run(tmp_path, "straight", data)
     _, _, run_dir = run(tmp_path, "stopped", data, max_steps=10, checkpoint_every=4)
-    assert safe_load(run_dir / "checkpoint.pt")["position"]["step"] == 3   # epoch 2, step 3 of 7
+    assert safe_load(run_dir / "checkpoint.pt")["position"]["step"] == 3  # epoch 2, step 3 of 7
     config = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()) | {"max_steps": 0})
     history, model, _ = train_run(config, data=data, resume_dir=str(run_dir), verbose=False)
     resumed = weights(model)
@@ -44,17 +45,33 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path):
 
 def test_resume_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "run"
-    common = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--epochs", "2",
-              "--batch-size", "32"]
+    common = [
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        "96",
+        "--model",
+        "mlp",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+    ]
     assert main(["train", *common, "--out", str(out), "--max-steps", "4"]) == 0
     assert "continue with: polytrain train --resume" in capsys.readouterr().out
     assert main(["train", "--resume", str(out)]) == 0
     assert "done: validation accuracy" in capsys.readouterr().out
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r.get("partial")) for r in lines] == [(1, None), (2, True), (2, None)]     # paused at 4 of 3+3
+    assert [(r["epoch"], r.get("partial")) for r in lines] == [
+        (1, None),
+        (2, True),
+        (2, None),
+    ]  # paused at 4 of 3+3
     assert main(["train", *common, "--out", str(tmp_path / "straight")]) == 0
-    for (key, a), b in zip(torch.load(out / "model.pt", weights_only=True).items(),
-                           torch.load(tmp_path / "straight" / "model.pt", weights_only=True).values()):
+    for (_key, a), b in zip(
+        torch.load(out / "model.pt", weights_only=True).items(),
+        torch.load(tmp_path / "straight" / "model.pt", weights_only=True).values(),
+    ):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
@@ -64,6 +81,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch
 
     def broken_fsync(fd):
         raise OSError("disk full")
+
     monkeypatch.setattr(os, "fsync", broken_fsync)
     with pytest.raises(OSError):
         atomic_torch_save({"w": torch.zeros(3)}, path)
@@ -89,13 +107,15 @@ def test_tampered_files_are_refused_without_running_code(tmp_path, tamper):
     if tamper == "truncate":
         data = data[: len(data) // 2]
     elif tamper == "flip":
-        data[len(data) // 3: len(data) // 3 + 64] = bytes(64)
+        data[len(data) // 3 : len(data) // 3 + 64] = bytes(64)
     elif tamper == "garbage":
         data = bytearray(os.urandom(500))
     else:
+
         class Evil:
             def __reduce__(self):
                 return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
         torch.save({"x": Evil()}, path)
         data = bytearray(path.read_bytes())
     path.write_bytes(bytes(data))
@@ -103,15 +123,35 @@ def test_tampered_files_are_refused_without_running_code(tmp_path, tamper):
         load_weights(path, model)
     except CheckpointError as error:
         assert "\n" not in str(error)
-    else:   # a flipped run of bytes may land in tensor data only: then the values changed but loading is safe
+    else:  # a flipped run of bytes may land in tensor data only: then the values changed but loading is safe
         assert tamper == "flip"
     assert not (tmp_path / "pwned").exists()
 
 
 def test_resume_refuses_settings_that_would_change_the_run(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--dataset", "synthetic", "--synthetic-size", "64", "--model", "mlp", "--epochs", "2",
-                 "--batch-size", "32", "--out", str(out), "--max-steps", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--dataset",
+                "synthetic",
+                "--synthetic-size",
+                "64",
+                "--model",
+                "mlp",
+                "--epochs",
+                "2",
+                "--batch-size",
+                "32",
+                "--out",
+                str(out),
+                "--max-steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--batch-size", "16", "--lr", "0.3"]) == 2
     err = capsys.readouterr().err
@@ -141,5 +181,7 @@ def test_resuming_on_a_dataset_of_another_size_names_the_sizes(tmp_path):
     polytrain.fit(model, tiny_digits(n_train=96), out=str(tmp_path / "run"), max_steps=2, **settings)
     with pytest.raises(CheckpointError) as refused:
         polytrain.fit(model, tiny_digits(n_train=90), resume=str(tmp_path / "run"), **settings)
-    assert str(refused.value).endswith("written for 96 training samples, but this run's training set has 90: the "
-                                       "dataset changed; resume with the data the run had")
+    assert str(refused.value).endswith(
+        "written for 96 training samples, but this run's training set has 90: the "
+        "dataset changed; resume with the data the run had"
+    )

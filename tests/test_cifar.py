@@ -4,9 +4,14 @@ import gzip
 
 import numpy as np
 import pytest
+from datafiles import (
+    cifar_batch_bytes,
+    cifar_tar_gz_bytes,
+    random_cifar_batches,
+    write_bytes,
+    write_cifar_folder,
+)
 
-from datafiles import (cifar_batch_bytes, cifar_tar_gz_bytes, random_cifar_batches,
-                       write_bytes, write_cifar_folder)
 from polytrain.data.cifar import decode_cifar_batch, load_cifar10
 from polytrain.errors import DataError
 
@@ -28,7 +33,13 @@ def test_decode_matches_byte_offsets_of_the_format():
     images, labels = decode_cifar_batch(bytes(blob), name="b.bin")
     assert labels.tolist() == [3, 4, 5, 6] and labels.dtype == np.int64
     assert images.shape == (4, 3, 32, 32) and images.dtype == np.uint8
-    for record, channel, row, col in [(0, 0, 0, 0), (1, 2, 31, 31), (2, 1, 5, 17), (3, 0, 31, 0), (3, 2, 0, 31)]:
+    for record, channel, row, col in [
+        (0, 0, 0, 0),
+        (1, 2, 31, 31),
+        (2, 1, 5, 17),
+        (3, 0, 31, 0),
+        (3, 2, 0, 31),
+    ]:
         offset = record * RECORD + 1 + channel * 1024 + row * 32 + col
         assert images[record, channel, row, col] == blob[offset]
 
@@ -61,7 +72,9 @@ def test_tar_ignores_unexpected_members(tmp_path):
 
 def test_tar_missing_member(tmp_path):
     batches = random_cifar_batches(2)
-    members = {name: cifar_batch_bytes(*arrays) for name, arrays in batches.items() if name != "data_batch_3.bin"}
+    members = {
+        name: cifar_batch_bytes(*arrays) for name, arrays in batches.items() if name != "data_batch_3.bin"
+    }
     write_bytes(tmp_path / "cifar-10-binary.tar.gz", cifar_tar_gz_bytes(members))
     with pytest.raises(DataError) as excinfo:
         load_cifar10(tmp_path)
@@ -70,8 +83,10 @@ def test_tar_missing_member(tmp_path):
 
 def test_tar_duplicate_member(tmp_path):
     blob = cifar_batch_bytes(*random_cifar_batches(1)["test_batch.bin"])
-    write_bytes(tmp_path / "cifar-10-binary.tar.gz", cifar_tar_gz_bytes({"a/test_batch.bin": blob,
-                                                                         "b/test_batch.bin": blob}))
+    write_bytes(
+        tmp_path / "cifar-10-binary.tar.gz",
+        cifar_tar_gz_bytes({"a/test_batch.bin": blob, "b/test_batch.bin": blob}),
+    )
     with pytest.raises(DataError) as excinfo:
         load_cifar10(tmp_path)
     assert_one_line_error(excinfo, "twice")
@@ -109,7 +124,9 @@ def test_empty_folder(tmp_path):
     assert_one_line_error(excinfo, str(tmp_path), "cifar-10-binary.tar.gz", "--download")
 
 
-@pytest.mark.parametrize("delta, fragment", [(+5, "5 bytes extra"), (-5, "5 missing"), (-3 * RECORD, "empty")])
+@pytest.mark.parametrize(
+    "delta, fragment", [(+5, "5 bytes extra"), (-5, "5 missing"), (-3 * RECORD, "empty")]
+)
 def test_bad_length_names_file_and_bytes(tmp_path, delta, fragment):
     write_cifar_folder(tmp_path, n_per_file=3)
     path = tmp_path / "data_batch_4.bin"

@@ -1,12 +1,13 @@
 """The command line end to end, as a user runs it (a subprocess), on small generated data."""
+
 import json
 
 import pytest
 import torch
-
 from datafiles import write_mnist_folder
-from polytrain.cli import main
 from processes import polytrain as run_polytrain
+
+from polytrain.cli import main
 
 
 def polytrain(*args, timeout=180):
@@ -23,15 +24,30 @@ def mnist_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, mnist_dir):
     out = tmp_path_factory.mktemp("runs") / "run"
-    result = polytrain("train", "--dataset", "mnist", "--data-dir", mnist_dir, "--epochs", 2, "--batch-size", 32,
-                       "--model", "lenet5", "--out", out)
+    result = polytrain(
+        "train",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        mnist_dir,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        "--model",
+        "lenet5",
+        "--out",
+        out,
+    )
     assert result.returncode == 0, result.stderr
     return out, result
 
 
 def test_train_writes_the_run_folder(finished_run):
     out, result = finished_run
-    assert {"config.json", "metrics.jsonl", "model.pt", "checkpoint.pt", "curves.png"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "metrics.jsonl", "model.pt", "checkpoint.pt", "curves.png"} <= {
+        p.name for p in out.iterdir()
+    }
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in lines] == [1, 2]
     for key in ("train_loss", "train_acc", "val_loss", "val_acc", "epoch_seconds", "samples_per_second"):
@@ -62,23 +78,43 @@ def test_predict_draws_a_grid(finished_run):
 
 def test_help_lists_flags_and_defaults():
     result = polytrain("train", "--help")
-    for flag in ("--dataset", "--data-dir", "--model", "--epochs", "--batch-size", "--optimizer", "--lr",
-                 "--momentum", "--weight-decay", "--seed", "--device", "--out", "--devices", "--strategy"):
+    for flag in (
+        "--dataset",
+        "--data-dir",
+        "--model",
+        "--epochs",
+        "--batch-size",
+        "--optimizer",
+        "--lr",
+        "--momentum",
+        "--weight-decay",
+        "--seed",
+        "--device",
+        "--out",
+        "--devices",
+        "--strategy",
+    ):
         assert flag in result.stdout
     assert "default: mnist-sample" in result.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--dataset", "imagenet"], "unknown --dataset 'imagenet'"),
-    (["--model", "vgg"], "unknown --model 'vgg'"),
-    (["--optimizer", "lion"], "unknown --optimizer 'lion'"),
-    (["--batch-size", "0"], "--batch-size must be a positive"),
-    (["--epochs", "0"], "--epochs must be a number above 0"),
-    (["--lr", "nan"], "--lr must be a finite number"),
-    (["--lr", "-0.1"], "--lr must be a finite number"),
-    (["--dataset", "mnist", "--data-dir", "/no/such/folder"], "--data-dir /no/such/folder does not exist"),
-    (["--devices", "2", "--batch-size", "63"], "does not divide evenly"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--dataset", "imagenet"], "unknown --dataset 'imagenet'"),
+        (["--model", "vgg"], "unknown --model 'vgg'"),
+        (["--optimizer", "lion"], "unknown --optimizer 'lion'"),
+        (["--batch-size", "0"], "--batch-size must be a positive"),
+        (["--epochs", "0"], "--epochs must be a number above 0"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--lr", "-0.1"], "--lr must be a finite number"),
+        (
+            ["--dataset", "mnist", "--data-dir", "/no/such/folder"],
+            "--data-dir /no/such/folder does not exist",
+        ),
+        (["--devices", "2", "--batch-size", "63"], "does not divide evenly"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, words):
     out = tmp_path / "run"
     code = main(["train", *args, "--out", str(out)])
@@ -128,10 +164,24 @@ def test_more_devices_than_gpus_is_refused(monkeypatch, capsys):
 
 def test_cifar10_archive_trains_a_resnet_with_augmentation(tmp_path):
     from datafiles import write_cifar_folder
+
     write_cifar_folder(tmp_path / "cifar", n_per_file=8, layout="tar")
     out = tmp_path / "run"
-    result = polytrain("train", "--dataset", "cifar10", "--data-dir", tmp_path / "cifar", "--model", "resnet",
-                       "--epochs", 1, "--batch-size", 16, "--out", out)
+    result = polytrain(
+        "train",
+        "--dataset",
+        "cifar10",
+        "--data-dir",
+        tmp_path / "cifar",
+        "--model",
+        "resnet",
+        "--epochs",
+        1,
+        "--batch-size",
+        16,
+        "--out",
+        out,
+    )
     assert result.returncode == 0, result.stderr
     config = json.loads((out / "config.json").read_text())
     record = json.loads((out / "metrics.jsonl").read_text())

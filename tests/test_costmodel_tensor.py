@@ -1,5 +1,6 @@
 """Tensor parallelism in the cost model, each term against arithmetic written out by hand; and what the model
 reads from a real model and its plan (sizes counted by hand)."""
+
 from dataclasses import replace
 
 import pytest
@@ -8,16 +9,35 @@ import torch
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
-from polytrain.plan.costmodel import (Link, Workload, fit_message_cost, memory_per_rank, predict_all,
-                                      tensor_collectives, tensor_name, tensor_parallel, tensor_size)
+from polytrain.plan.costmodel import (
+    Link,
+    Workload,
+    fit_message_cost,
+    memory_per_rank,
+    predict_all,
+    tensor_collectives,
+    tensor_name,
+    tensor_parallel,
+    tensor_size,
+)
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 
-LINK = Link(alpha=1e-4, beta=1e9)          # 0.1 ms per message, 1 GB/s
+LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
 # 4 MB of weights, 3 MB of them in the split layers, which take 80% of the 90 ms pass; 8 activation all-reduces
 # (2 blocks: 2 forward, 2 backward each) of 1024 bytes per sample (a context of 8 x width 32 floats)
-WORK = Workload(compute_seconds=0.1, parameter_bytes=4e6, batch_size=64, update_seconds=0.01, layers=4,
-                activation_bytes=1000.0, tensor_splits=(2, 4), split_bytes=3e6, split_share=0.8,
-                tensor_reductions=(1024.0,) * 8, sequence_parameters=10)
+WORK = Workload(
+    compute_seconds=0.1,
+    parameter_bytes=4e6,
+    batch_size=64,
+    update_seconds=0.01,
+    layers=4,
+    activation_bytes=1000.0,
+    tensor_splits=(2, 4),
+    split_bytes=3e6,
+    split_share=0.8,
+    tensor_reductions=(1024.0,) * 8,
+    sequence_parameters=10,
+)
 
 
 def test_compute_splits_the_split_layers_share_and_runs_the_rest_whole():
@@ -58,20 +78,30 @@ def test_sequence_parallel_reduce_scatters_and_all_gathers_instead():
     sent = tensor_collectives(work, 2, 2)
     # each all-reduce is a reduce-scatter and an all-gather; 2 more all-gathers (into the head, out of the
     # embeddings); 3 small all-reduces for each of the norms' 10 parameters on a 1-D mesh
-    assert sent == {"reduce-scatter": [65536.0] * 8, "all-gather": [65536.0] * 10, "small all-reduce": [0.0] * 30}
+    assert sent == {
+        "reduce-scatter": [65536.0] * 8,
+        "all-gather": [65536.0] * 10,
+        "small all-reduce": [0.0] * 30,
+    }
     # a reduce-scatter or an all-gather: 1/2 x 65,536 / 1e9 s + 1 ring message of 2 x 0.1 ms; a small all-reduce
     # 2 ring messages
     p = tensor_parallel(work, 2, LINK)
-    assert p.communication == pytest.approx(8 * 232.768e-6 + 10 * 232.768e-6 + 30 * 4e-4) == \
-        pytest.approx(16.189824e-3)
+    assert (
+        p.communication
+        == pytest.approx(8 * 232.768e-6 + 10 * 232.768e-6 + 30 * 4e-4)
+        == pytest.approx(16.189824e-3)
+    )
     assert p.messages == 8 + 10 + 60 and p.collectives == 8 + 10 + 30
     # the 8 pairs move what the 8 all-reduces moved, in twice as many collectives
     pairs = 8 * 2 * (0.5 * 65536e-9 + 2e-4)
     assert pairs == pytest.approx(tensor_parallel(WORK, 2, LINK).communication)
     # gloo reduce-scatters by all-reducing: a whole all-reduce each, 2 x 1/2 x 65,536 / 1e9 + 2 x 2 x 0.1 ms
     gloo = tensor_parallel(work, 2, LINK, scatter_by_allreduce=True)
-    assert gloo.communication == pytest.approx(8 * 465.536e-6 + 10 * 232.768e-6 + 30 * 4e-4) == \
-        pytest.approx(18.051968e-3)
+    assert (
+        gloo.communication
+        == pytest.approx(8 * 465.536e-6 + 10 * 232.768e-6 + 30 * 4e-4)
+        == pytest.approx(18.051968e-3)
+    )
     assert gloo.messages == 16 + 10 + 60 and gloo.collectives == 8 + 10 + 30
 
 
@@ -81,7 +111,7 @@ def test_a_data_by_tensor_mesh_adds_fsdp2_over_the_data_dimension_on_each_ranks_
     assert p.strategy == "tensor 2x2" == tensor_name(4, 2) and tensor_size("tensor 2x2", 4) == 2
     # compute: 90 ms / 2 x (0.2 + 0.4) = 27 ms; the update over 2.5 of 4 MB, split over the 2 data shards
     assert p.compute == pytest.approx(0.027 + 0.01 * 0.625 / 2)
-    activations = 8 * (2 * 0.5 * 32768e-9 + 2 * 2e-4)                  # 8 all-reduces of 32 x 1024 bytes
+    activations = 8 * (2 * 0.5 * 32768e-9 + 2 * 2e-4)  # 8 all-reduces of 32 x 1024 bytes
     # gloo FSDP2 over 2 ranks: 2 all-gathers and a reduce-scatter run as an all-reduce: 4 x 1/2 x 2.5 MB / 1 GB/s,
     # 4 x 1 messages for each of 4 layers (their alpha once: FSDP2's per-message cost is sharded's)
     fsdp = 4 * 0.5 * 2.5e6 / 1e9 + 4 * 4 * 1e-4
@@ -100,13 +130,17 @@ def test_every_layout_the_plan_splits_is_predicted_and_a_cost_per_collective_app
     four = predict_all(WORK, 4, LINK)
     assert {"tensor", "tensor 2x2"} <= set(four)
     assert "tensor 2x2" not in predict_all(WORK, 4, LINK, meshes=False)
-    assert not any(name.startswith("tensor") for name in predict_all(WORK, 3, LINK))         # T = 3: no plan
-    assert not any(name.startswith("tensor") for name in predict_all(replace(WORK, tensor_splits=()), 2, LINK))
+    assert not any(name.startswith("tensor") for name in predict_all(WORK, 3, LINK))  # T = 3: no plan
+    assert not any(
+        name.startswith("tensor") for name in predict_all(replace(WORK, tensor_splits=()), 2, LINK)
+    )
     # tensor's cost is per collective (8 here, whatever the ring's length); without sharded's, FSDP2's 3 x 1 x 4
     # messages on the mesh are priced at it too
     costly = predict_all(WORK, 4, LINK, message_costs={"tensor": 1e-3})
     assert costly["tensor"].communication == pytest.approx(four["tensor"].communication + 8e-3)
-    assert costly["tensor 2x2"].communication == pytest.approx(four["tensor 2x2"].communication + 8e-3 + 12e-3)
+    assert costly["tensor 2x2"].communication == pytest.approx(
+        four["tensor 2x2"].communication + 8e-3 + 12e-3
+    )
     assert costly["data"] == four["data"]
     # with sharded's cost known, FSDP2's messages on the mesh are priced at it: 8 tensor collectives at 1 ms, 3 x 1 x 4
     # layers of FSDP2's messages at 3 ms (FSDP2 copies each layer in and out around its collectives)
@@ -118,7 +152,9 @@ def test_every_layout_the_plan_splits_is_predicted_and_a_cost_per_collective_app
     # (per message, not stretched); the other strategies are unchanged
     shared = predict_all(WORK, 4, LINK, message_costs={"tensor": 1e-3, "sharded": 3e-3}, turns=2.0)
     assert shared["tensor"].communication == pytest.approx(four["tensor"].communication + 2 * 8e-3)
-    assert shared["tensor 2x2"].communication == pytest.approx(four["tensor 2x2"].communication + 2 * 8e-3 + 36e-3)
+    assert shared["tensor 2x2"].communication == pytest.approx(
+        four["tensor 2x2"].communication + 2 * 8e-3 + 36e-3
+    )
     assert all(shared[name] == both[name] for name in ("data", "parameter-server", "sharded", "pipeline"))
     impossible = tensor_parallel(WORK, 3, LINK)
     assert impossible.step_seconds == float("inf") and "does not split over 3 ranks" in impossible.note
@@ -140,13 +176,19 @@ def test_the_cost_per_collective_fitted_at_2_processes_stretches_with_the_proces
     link = 8 * (98.304e-6 + 2.4e-3) + 10 * (49.152e-6 + 1.2e-3) + 30 * 2.4e-3
     four = tensor_parallel(work, 4, Link(alpha=2e-4, beta=1e9), scatter_by_allreduce=True, turns=2.0)
     assert four.communication == pytest.approx(link) == pytest.approx(104.477952e-3)
-    priced = predict_all(work, 4, Link(alpha=2e-4, beta=1e9), scatter_by_allreduce=True, turns=2.0,
-                         message_costs={"tensor": cost})["tensor"]
+    priced = predict_all(
+        work,
+        4,
+        Link(alpha=2e-4, beta=1e9),
+        scatter_by_allreduce=True,
+        turns=2.0,
+        message_costs={"tensor": cost},
+    )["tensor"]
     assert priced.step_seconds == pytest.approx(40.375e-3 + 104.477952e-3 + 48 * 2 * 1.493709e-3)
     # the fit divides by the turns where the fitted row itself shared the cores (2 processes on 1 core)
     crowded = tensor_parallel(work, 2, Link(alpha=2e-4, beta=1e9), scatter_by_allreduce=True, turns=2.0)
     assert fit_message_cost(crowded.step_seconds + 0.096, crowded) == pytest.approx(0.096 / 96)
-    assert fit_message_cost(two.step_seconds / 2, two) == 0.0                    # never negative
+    assert fit_message_cost(two.step_seconds / 2, two) == 0.0  # never negative
 
 
 def test_memory_per_rank_holds_the_split_layers_share_and_the_replicated_whole():
@@ -162,14 +204,22 @@ def test_memory_per_rank_holds_the_split_layers_share_and_the_replicated_whole()
 def test_the_split_layers_share_from_the_pass_with_them_narrowed():
     # pass 10 ms; narrowed to 1/2 it takes 6 ms: the split layers took 4 / (10 x 1/2) = 80% of it
     assert split_share(0.010, 0.006, tensor=2, fallback=0.5) == pytest.approx(0.8)
-    assert split_share(0.010, 0.011, tensor=2, fallback=0.5) == 0.0          # noise: never negative
+    assert split_share(0.010, 0.011, tensor=2, fallback=0.5) == 0.0  # noise: never negative
     assert split_share(0.010, None, tensor=2, fallback=0.5) == 0.5
 
 
 def gpt_split_floats(width: int, layers: int) -> int:
     """By hand: qkv (W x 3W + 3W), projection (W x W + W), MLP (W x 4W + 4W, 4W x W + W) in each block."""
-    return layers * (3 * width * width + 3 * width + width * width + width + 4 * width * width + 4 * width
-                     + 4 * width * width + width)
+    return layers * (
+        3 * width * width
+        + 3 * width
+        + width * width
+        + width
+        + 4 * width * width
+        + 4 * width
+        + 4 * width * width
+        + width
+    )
 
 
 def test_what_the_model_and_its_plan_tell_the_cost_model():
@@ -182,7 +232,7 @@ def test_what_the_model_and_its_plan_tell_the_cost_model():
     fields = tensor_fields(model, plans, Objective(kind="language"), x, y)
     # 2 per block in forward (the rowwise outputs), 2 in backward (the colwise inputs): context x width floats
     activation = 4.0 * context * width
-    if plans[2].vocabulary:         # the token embedding (tied to the head) split by its 65 entries as well
+    if plans[2].vocabulary:  # the token embedding (tied to the head) split by its 65 entries as well
         assert fields["split_bytes"] == 4 * (gpt_split_floats(width, layers) + 65 * width)
         # and its output summed in forward, the head's input gradient in backward; the head's scores gathered
         assert fields["tensor_reductions"] == (activation,) * (4 * layers + 2)
@@ -191,14 +241,15 @@ def test_what_the_model_and_its_plan_tell_the_cost_model():
         assert fields["split_bytes"] == 4 * gpt_split_floats(width, layers)
         assert fields["tensor_reductions"] == (activation,) * (4 * layers)
         assert fields["tensor_gathers"] == () and fields["sequence_gathers"] == 2
-    assert fields["sequence_splits"] == (2, 4)                    # 2 and 4 divide the context of 8
+    assert fields["sequence_splits"] == (2, 4)  # 2 and 4 divide the context of 8
     assert fields["sequence_parameters"] == 2 * (2 * layers + 1)  # each norm's weight and bias
     # 2 heads: 4 ranks cannot split them
     assert sorted(tensor_plans(GPT(65, context=6, layers=1, heads=2, width=32), [2, 4])) == [2]
     # the mlp: one all-reduce after its rowwise layer; its first layer's input is the data (no gradient)
     mlp = build_model("mlp", (1, 28, 28), 10)
-    mlp_fields = tensor_fields(mlp, tensor_plans(mlp, [2]), Objective(), torch.rand(4, 1, 28, 28),
-                               torch.randint(0, 10, (4,)))
+    mlp_fields = tensor_fields(
+        mlp, tensor_plans(mlp, [2]), Objective(), torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    )
     assert mlp_fields["tensor_reductions"] == (4.0 * 64,) and mlp_fields["sequence_splits"] == ()
     assert mlp_fields["split_bytes"] == 4 * (784 * 128 + 128 + 128 * 64 + 64)
     # a model without a plan: nothing
@@ -209,10 +260,10 @@ def test_the_stand_in_for_a_rank_runs_its_share_of_each_split_layer():
     torch.manual_seed(0)
     model = GPT(65, context=8, layers=1, heads=4, width=32)
     share = narrowed(model, tensor_plans(model, [2])[2])
-    assert share[1].attention.qkv.weight.shape == (48, 32)         # 2 of 4 heads: q, k, v of 16 each
+    assert share[1].attention.qkv.weight.shape == (48, 32)  # 2 of 4 heads: q, k, v of 16 each
     assert share[1].attention.proj.weight.shape == (32, 16)
     assert share[1].mlp[0].weight.shape == (64, 32) and share[1].mlp[2].weight.shape == (32, 64)
-    assert share(torch.randint(0, 65, (2, 8))).shape == (2, 8, 65)      # the scores whole, as gathered
+    assert share(torch.randint(0, 65, (2, 8))).shape == (2, 8, 65)  # the scores whole, as gathered
     if tensor_plans(model, [2])[2].vocabulary:
-        assert share[-1].share.weight.shape == (33, 32)                 # 65 entries over 2 ranks: 33 and 32
-    assert model[1].attention.qkv.weight.shape == (96, 32)         # the model itself is untouched
+        assert share[-1].share.weight.shape == (33, 32)  # 65 entries over 2 ranks: 33 and 32
+    assert model[1].attention.qkv.weight.shape == (96, 32)  # the model itself is untouched

@@ -1,19 +1,20 @@
 """Data parallelism on 2 CPU processes (gloo) against one device: same samples, same steps, same weights."""
+
 import copy
 import time
 
 import pytest
 import torch
+from conftest import polytrain_here, tiny_digits
+from distributed import MisbehavingModel, run_on_ranks
 
 import polytrain
 from polytrain.data import load_dataset
 from polytrain.data.loader import make_loaders
-from polytrain.runtime.launch import WorkerFailed
 from polytrain.models import build_model
+from polytrain.runtime.launch import WorkerFailed
 from polytrain.strategies import DataParallel, SingleDevice
 from polytrain.trainer import Trainer
-from conftest import polytrain_here, tiny_digits
-from distributed import MisbehavingModel, run_on_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,10 +28,10 @@ def test_steps_stopped_mid_epoch_on_two_processes_equal_one_device():
     torch.manual_seed(0)
     model = build_model("lenet", data.input_shape, 10)
     one, two = copy.deepcopy(model), copy.deepcopy(model)
-    settings = dict(epochs=1, batch_size=32, max_steps=15, verbose=False)     # stops mid-epoch (20 steps)
+    settings = dict(epochs=1, batch_size=32, max_steps=15, verbose=False)  # stops mid-epoch (20 steps)
     polytrain.fit(one, data, devices=1, **settings)
     polytrain.fit(two, data, devices=2, strategy="data", **settings)
-    assert (flat(one) - flat(model)).abs().max() > 1e-3          # it did train
+    assert (flat(one) - flat(model)).abs().max() > 1e-3  # it did train
     torch.testing.assert_close(flat(two), flat(one), atol=1e-5, rtol=0)
 
 
@@ -54,12 +55,14 @@ def test_whole_epochs_on_real_digits_agree_within_what_rounding_grows_to():
 def _evaluate_on_rank(rank, world_size, model, data):
     strategy = DataParallel(device=torch.device("cpu"), rank=rank, world_size=world_size)
     strategy.model = model
-    _, val = make_loaders(data, batch_size=64, device="cpu", rank=rank, world_size=world_size, eval_batch_size=7)
+    _, val = make_loaders(
+        data, batch_size=64, device="cpu", rank=rank, world_size=world_size, eval_batch_size=7
+    )
     return Trainer(strategy, val, val, epochs=0).evaluate()
 
 
 def test_sharded_evaluation_equals_one_device_exactly():
-    data = tiny_digits(n_train=64, n_val=101)       # odd size: no rank may pad or drop a sample
+    data = tiny_digits(n_train=64, n_val=101)  # odd size: no rank may pad or drop a sample
     model = build_model("mlp", data.input_shape, 10)
     strategy = SingleDevice(device=torch.device("cpu"))
     strategy.model = model
@@ -69,27 +72,52 @@ def test_sharded_evaluation_equals_one_device_exactly():
     for result in results:
         assert result["count"] == 101
         assert result["acc"] == expected["acc"]
-        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)   # float32 batch sums
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)  # float32 batch sums
 
 
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(MisbehavingModel("raise"), tiny_digits(n_train=320), devices=2, strategy="data", epochs=3,
-                      batch_size=32, verbose=False)
+        polytrain.fit(
+            MisbehavingModel("raise"),
+            tiny_digits(n_train=320),
+            devices=2,
+            strategy="data",
+            epochs=3,
+            batch_size=32,
+            verbose=False,
+        )
     assert time.monotonic() - started < 90
     message = str(failure.value)
     assert "worker rank 1" in message and "boom on purpose" in message
 
 
-@pytest.mark.parametrize("strategy", [[], ["--strategy", "sharded"], ["--strategy", "parameter-server"],
-                                      ["--strategy", "pipeline", "--microbatches", "4"]])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        [],
+        ["--strategy", "sharded"],
+        ["--strategy", "parameter-server"],
+        ["--strategy", "pipeline", "--microbatches", "4"],
+    ],
+)
 def test_verify_command_passes_for_every_strategy(strategy, capfd):
-    result = polytrain_here(capfd, "verify", "--devices", "2", "--steps", "8", "--model", "lenet", "--dataset",
-                            "mnist-sample", *strategy)
+    result = polytrain_here(
+        capfd,
+        "verify",
+        "--devices",
+        "2",
+        "--steps",
+        "8",
+        "--model",
+        "lenet",
+        "--dataset",
+        "mnist-sample",
+        *strategy,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 8
-    for step, loss_one, loss_two, diff in rows:
+    for _step, loss_one, loss_two, diff in rows:
         assert abs(float(loss_one) - float(loss_two)) < 1e-4 and float(diff) <= 1e-5

@@ -1,40 +1,69 @@
 """Your own Datasets, losses and metrics: the same global sample order, exact sums, one-line mistakes."""
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from datasets import (
+    BadAt,
+    Indices,
+    Pairs,
+    RaisesAt,
+    Recorder,
+    Regressor,
+    batch_rmse,
+    mean_absolute_error,
+    regression,
+)
 
 import polytrain
 from polytrain.data.loader import global_batch_order, rank_slice
 from polytrain.data.stream import DatasetPair, make_stream_loaders, spec_of
 from polytrain.errors import UserError
 
-from datasets import BadAt, Indices, Pairs, RaisesAt, Recorder, Regressor, batch_rmse, mean_absolute_error, regression
-
-REGRESSION = dict(loss=torch.nn.MSELoss(), schedule="constant", warmup_epochs=0, weight_decay=0.0, lr=0.05,
-                  momentum=0.9, device="cpu", verbose=False)
+REGRESSION = dict(
+    loss=torch.nn.MSELoss(),
+    schedule="constant",
+    warmup_epochs=0,
+    weight_decay=0.0,
+    lr=0.05,
+    momentum=0.9,
+    device="cpu",
+    verbose=False,
+)
 
 
 def loaders(size, *, batch_size, rank=0, world_size=1, workers=0):
-    data = DatasetPair(Indices(size), Indices(size), spec_of(Indices(size), num_classes=3), num_workers=workers)
-    return make_stream_loaders(data, batch_size=batch_size, device="cpu", rank=rank, world_size=world_size, seed=3,
-                               eval_batch_size=batch_size)
+    data = DatasetPair(
+        Indices(size), Indices(size), spec_of(Indices(size), num_classes=3), num_workers=workers
+    )
+    return make_stream_loaders(
+        data,
+        batch_size=batch_size,
+        device="cpu",
+        rank=rank,
+        world_size=world_size,
+        seed=3,
+        eval_batch_size=batch_size,
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_each_rank_reads_its_slice_of_the_global_batch_order(workers):
-    size, batch = 23, 8                     # last global batch: 7 samples
+    size, batch = 23, 8  # last global batch: 7 samples
     for world in (1, 2, 3):
         for rank in range(world):
             train, _ = loaders(size, batch_size=batch, rank=rank, world_size=world, workers=workers)
             for epoch in (0, 1):
                 order = global_batch_order(size, epoch=epoch, seed=3)
-                got = [(b.step, b.global_count, b.x.flatten().long().tolist(), b.y.tolist())
-                       for b in train.train_batches(epoch, start_step=1)]
+                got = [
+                    (b.step, b.global_count, b.x.flatten().long().tolist(), b.y.tolist())
+                    for b in train.train_batches(epoch, start_step=1)
+                ]
                 want = []
                 for step in range(1, 3):
-                    index = rank_slice(order[step * batch:(step + 1) * batch], rank=rank, world_size=world)
+                    index = rank_slice(order[step * batch : (step + 1) * batch], rank=rank, world_size=world)
                     want.append((step, min(batch, size - step * batch), index.tolist(), (index % 3).tolist()))
                 assert got == want
 
@@ -48,7 +77,7 @@ def test_evaluation_reads_each_sample_once_across_ranks():
 
 
 def test_a_rank_with_no_samples_in_the_last_batch_gets_an_empty_batch():
-    train, _ = loaders(9, batch_size=4, rank=1, world_size=2)          # last global batch: 1 sample
+    train, _ = loaders(9, batch_size=4, rank=1, world_size=2)  # last global batch: 1 sample
     last = list(train.train_batches(0))[-1]
     assert last.global_count == 1 and last.x.shape == (0, 1) and last.y.shape == (0,)
 
@@ -59,7 +88,7 @@ def hand_written_loop(model, x, y, *, batch_size, epochs, lr, momentum, seed=0):
     for epoch in range(epochs):
         order = global_batch_order(len(x), epoch=epoch, seed=seed)
         for start in range(0, len(x), batch_size):
-            index = order[start:start + batch_size]
+            index = order[start : start + batch_size]
             loss = F.mse_loss(model(x[index]), y[index])
             optimizer.zero_grad()
             loss.backward()
@@ -71,13 +100,22 @@ def test_a_regression_on_datasets_equals_a_hand_written_loop():
     x, y = regression(90)
     torch.manual_seed(0)
     model = Regressor()
-    reference = hand_written_loop(copy.deepcopy(model), x[:70], y[:70], batch_size=16, epochs=2, lr=0.05,
-                                  momentum=0.9)
-    history = polytrain.fit(model, train=Pairs(x[:70], y[:70]), val=Pairs(x[70:], y[70:]), epochs=2, batch_size=16,
-                            num_workers=0, metrics={"mae": mean_absolute_error}, **REGRESSION)
+    reference = hand_written_loop(
+        copy.deepcopy(model), x[:70], y[:70], batch_size=16, epochs=2, lr=0.05, momentum=0.9
+    )
+    history = polytrain.fit(
+        model,
+        train=Pairs(x[:70], y[:70]),
+        val=Pairs(x[70:], y[70:]),
+        epochs=2,
+        batch_size=16,
+        num_workers=0,
+        metrics={"mae": mean_absolute_error},
+        **REGRESSION,
+    )
     for got, want in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    assert "train_acc" not in history.last and "val_acc" not in history.last     # accuracy means nothing here
+    assert "train_acc" not in history.last and "val_acc" not in history.last  # accuracy means nothing here
     with torch.no_grad():
         val_loss = F.mse_loss(model(x[70:]), y[70:]).item()
         val_mae = (model(x[70:]) - y[70:]).abs().mean().item()
@@ -88,8 +126,16 @@ def test_a_regression_on_datasets_equals_a_hand_written_loop():
 def test_metrics_returning_a_batch_mean_are_weighted_by_the_batch_size():
     x, y = regression(40)
     model = Regressor()
-    history = polytrain.fit(model, train=Pairs(x[:30], y[:30]), val=Pairs(x[30:], y[30:]), epochs=1, batch_size=8,
-                            num_workers=0, metrics={"mse": batch_rmse}, **REGRESSION)
+    history = polytrain.fit(
+        model,
+        train=Pairs(x[:30], y[:30]),
+        val=Pairs(x[30:], y[30:]),
+        epochs=1,
+        batch_size=8,
+        num_workers=0,
+        metrics={"mse": batch_rmse},
+        **REGRESSION,
+    )
     assert history.last["val_mse"] == pytest.approx(history.last["val_loss"], rel=1e-6)
 
 
@@ -97,21 +143,38 @@ def test_classification_on_a_dataset_with_classes_reports_accuracy(tmp_path):
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(60, 1, 28, 28, generator=generator), torch.randint(0, 4, (60,), generator=generator)
     names = ["ant", "bee", "cat", "dog"]
-    history = polytrain.fit("mlp", train=Pairs(x[:40], y[:40], names), val=Pairs(x[40:], y[40:], names),
-                            epochs=1, batch_size=16, num_workers=1, device="cpu", verbose=False, out=str(tmp_path / "r"))
+    history = polytrain.fit(
+        "mlp",
+        train=Pairs(x[:40], y[:40], names),
+        val=Pairs(x[40:], y[40:], names),
+        epochs=1,
+        batch_size=16,
+        num_workers=1,
+        device="cpu",
+        verbose=False,
+        out=str(tmp_path / "r"),
+    )
     assert 0 <= history.last["val_acc"] <= 1
     import json
+
     settings = json.loads((tmp_path / "r" / "config.json").read_text())
     assert settings["classes"] == names and settings["custom_data"] is True
 
 
 @pytest.mark.multiprocess
 def test_two_processes_on_datasets_equal_one_device():
-    x, y = regression(86)                   # 70 training samples, batch 16: a short last batch of 6
+    x, y = regression(86)  # 70 training samples, batch 16: a short last batch of 6
     torch.manual_seed(0)
     model = Regressor()
-    common = dict(train=Pairs(x[:70], y[:70]), val=Pairs(x[70:], y[70:]), epochs=2, batch_size=16, num_workers=1,
-                  metrics={"mae": mean_absolute_error}, **REGRESSION)
+    common = dict(
+        train=Pairs(x[:70], y[:70]),
+        val=Pairs(x[70:], y[70:]),
+        epochs=2,
+        batch_size=16,
+        num_workers=1,
+        metrics={"mae": mean_absolute_error},
+        **REGRESSION,
+    )
     one, two = copy.deepcopy(model), copy.deepcopy(model)
     history_one = polytrain.fit(one, **common)
     history_two = polytrain.fit(two, devices=2, **common)
@@ -125,11 +188,17 @@ def test_a_run_on_datasets_resumes_mid_epoch_exactly(tmp_path):
     x, y = regression(86)
     torch.manual_seed(0)
     model = Regressor()
-    common = dict(train=Pairs(x[:70], y[:70]), val=Pairs(x[70:], y[70:]), epochs=2, batch_size=16, num_workers=1,
-                  **REGRESSION)
+    common = dict(
+        train=Pairs(x[:70], y[:70]),
+        val=Pairs(x[70:], y[70:]),
+        epochs=2,
+        batch_size=16,
+        num_workers=1,
+        **REGRESSION,
+    )
     straight, stopped = copy.deepcopy(model), copy.deepcopy(model)
     polytrain.fit(straight, **common)
-    polytrain.fit(stopped, out=str(tmp_path / "run"), max_steps=7, **common)       # stops in epoch 2, step 2
+    polytrain.fit(stopped, out=str(tmp_path / "run"), max_steps=7, **common)  # stops in epoch 2, step 2
     resumed = copy.deepcopy(model)
     history = polytrain.fit(resumed, resume=str(tmp_path / "run"), **common)
     for got, want in zip(resumed.state_dict().values(), straight.state_dict().values()):
@@ -140,14 +209,24 @@ def test_a_run_on_datasets_resumes_mid_epoch_exactly(tmp_path):
 def test_loggers_write_tensorboard_csv_and_call_logger_objects(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     x, y = regression(60)
     recorder = Recorder()
-    polytrain.fit(Regressor(), train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), epochs=2, batch_size=8,
-                  num_workers=0, logger=["tensorboard", "csv", recorder], out=str(tmp_path / "run"), **REGRESSION)
+    polytrain.fit(
+        Regressor(),
+        train=Pairs(x[:48], y[:48]),
+        val=Pairs(x[48:], y[48:]),
+        epochs=2,
+        batch_size=8,
+        num_workers=0,
+        logger=["tensorboard", "csv", recorder],
+        out=str(tmp_path / "run"),
+        **REGRESSION,
+    )
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     steps = [event.step for event in events.Scalars("train/step_loss")]
-    assert steps == list(range(1, 13))                       # 6 steps per epoch, 2 epochs
+    assert steps == list(range(1, 13))  # 6 steps per epoch, 2 epochs
     assert [event.step for event in events.Scalars("epoch/val_loss")] == [1, 2]
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert rows[0] == "epoch,train_loss,val_loss,epoch_seconds,samples_per_second,lr" and len(rows) == 3
@@ -158,6 +237,7 @@ def test_loggers_write_tensorboard_csv_and_call_logger_objects(tmp_path):
 
 def test_tensorboard_missing_is_one_line_with_the_install_command(monkeypatch):
     import builtins
+
     real_import = builtins.__import__
 
     def no_tensorboard(name, *args, **kwargs):
@@ -174,50 +254,82 @@ def test_tensorboard_missing_is_one_line_with_the_install_command(monkeypatch):
 X, Y = torch.randn(20, 6), torch.randn(20, 2)
 
 
-@pytest.mark.parametrize("arguments, words", [
-    (dict(train=BadAt(X, Y, index=7, sample=(torch.randn(5), torch.randn(2))), val=Pairs(X, Y)),
-     "train[7]'s input is a float32 tensor of shape (5,), but train[0]'s is a float32 tensor of shape (6,)"),
-    (dict(train=BadAt(X, Y, index=3, sample="text"), val=Pairs(X, Y)),
-     "train[3] returned a str; a Dataset must return (input, target)"),
-    (dict(train=Pairs(X, Y), val=BadAt(X, Y, index=2, sample=(object(), torch.randn(2)))),
-     "val[2]'s input is a object; a Dataset must return tensors"),
-    (dict(train=Pairs(X[:0], Y[:0]), val=Pairs(X, Y)), "train= is empty (0 samples)"),
-    (dict(train=Pairs(X, Y), val=Pairs(X[:1], Y[:1]), devices=2),
-     "the validation set has 1 sample, fewer than devices=2"),
-    (dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=lambda out, y: ((out - y) ** 2)),
-     "loss= returned a float32 tensor of shape (2, 2); return the batch's mean loss (a scalar tensor) or a pair"),
-    (dict(train=Pairs(X, Y), val=Pairs(X, Y), metrics={"bad": lambda out, y: out}),
-     "metric 'bad' returned shape (2, 2) for 2 samples"),
-    (dict(train=Pairs(X, Y)), "val= is missing; pass both train= and val= Datasets"),
-    (dict(data=Pairs(X, Y)), "a single Dataset was given as data; pass train=DATASET and val=DATASET"),
-    (dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=lambda out, y: ((out - y) ** 2).mean(), devices=2),
-     "loss= cannot be sent to the worker processes"),
-    (dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=torch.nn.MSELoss(), label_smoothing=0.1),
-     "label_smoothing= applies to the built-in cross-entropy"),
-])
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (
+            dict(train=BadAt(X, Y, index=7, sample=(torch.randn(5), torch.randn(2))), val=Pairs(X, Y)),
+            "train[7]'s input is a float32 tensor of shape (5,), but train[0]'s is a float32 tensor of shape (6,)",
+        ),
+        (
+            dict(train=BadAt(X, Y, index=3, sample="text"), val=Pairs(X, Y)),
+            "train[3] returned a str; a Dataset must return (input, target)",
+        ),
+        (
+            dict(train=Pairs(X, Y), val=BadAt(X, Y, index=2, sample=(object(), torch.randn(2)))),
+            "val[2]'s input is a object; a Dataset must return tensors",
+        ),
+        (dict(train=Pairs(X[:0], Y[:0]), val=Pairs(X, Y)), "train= is empty (0 samples)"),
+        (
+            dict(train=Pairs(X, Y), val=Pairs(X[:1], Y[:1]), devices=2),
+            "the validation set has 1 sample, fewer than devices=2",
+        ),
+        (
+            dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=lambda out, y: (out - y) ** 2),
+            "loss= returned a float32 tensor of shape (2, 2); return the batch's mean loss (a scalar tensor) or a pair",
+        ),
+        (
+            dict(train=Pairs(X, Y), val=Pairs(X, Y), metrics={"bad": lambda out, y: out}),
+            "metric 'bad' returned shape (2, 2) for 2 samples",
+        ),
+        (dict(train=Pairs(X, Y)), "val= is missing; pass both train= and val= Datasets"),
+        (dict(data=Pairs(X, Y)), "a single Dataset was given as data; pass train=DATASET and val=DATASET"),
+        (
+            dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=lambda out, y: ((out - y) ** 2).mean(), devices=2),
+            "loss= cannot be sent to the worker processes",
+        ),
+        (
+            dict(train=Pairs(X, Y), val=Pairs(X, Y), loss=torch.nn.MSELoss(), label_smoothing=0.1),
+            "label_smoothing= applies to the built-in cross-entropy",
+        ),
+    ],
+)
 def test_bad_datasets_and_objectives_are_one_line_naming_the_index_or_argument(arguments, words):
     arguments = {"loss": torch.nn.MSELoss(), **arguments}
     with pytest.raises(UserError) as refused:
-        polytrain.fit(Regressor(), epochs=1, batch_size=4, num_workers=0, device="cpu", verbose=False, **arguments)
+        polytrain.fit(
+            Regressor(), epochs=1, batch_size=4, num_workers=0, device="cpu", verbose=False, **arguments
+        )
     message = str(refused.value)
     assert words in message and "\n" not in message
 
 
 def test_a_label_out_of_range_names_the_index_when_its_batch_is_read():
     x = torch.randn(12, 6)
-    labels = torch.tensor([0, 1, 2] * 3 + [0, 7, 1])         # index 10 holds 7 with 3 classes
+    labels = torch.tensor([0, 1, 2] * 3 + [0, 7, 1])  # index 10 holds 7 with 3 classes
     with pytest.raises(UserError) as refused:
-        polytrain.fit(torch.nn.Linear(6, 3), train=Pairs(x, labels), val=Pairs(x, labels % 3), epochs=1,
-                      batch_size=4, num_workers=1, device="cpu", verbose=False)
+        polytrain.fit(
+            torch.nn.Linear(6, 3),
+            train=Pairs(x, labels),
+            val=Pairs(x, labels % 3),
+            epochs=1,
+            batch_size=4,
+            num_workers=1,
+            device="cpu",
+            verbose=False,
+        )
     assert "train[10] has label 7, outside 0..2" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_a_classification_target_that_is_not_a_class_index_is_refused():
     with pytest.raises(UserError) as refused:
-        polytrain.fit(torch.nn.Linear(6, 2), train=Pairs(X, Y), val=Pairs(X, Y), epochs=1, device="cpu",
-                      verbose=False)
-    assert "train[0]'s target is a float32 tensor of shape (2,); classification needs one whole-number class index" \
+        polytrain.fit(
+            torch.nn.Linear(6, 2), train=Pairs(X, Y), val=Pairs(X, Y), epochs=1, device="cpu", verbose=False
+        )
+    assert (
+        "train[0]'s target is a float32 tensor of shape (2,); classification needs one whole-number class index"
         in str(refused.value)
+    )
 
 
 def test_evaluate_takes_a_dataset_and_a_loss():
@@ -235,8 +347,15 @@ def test_a_pipeline_on_datasets_with_a_custom_loss_equals_one_device():
     x, y = regression(70)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    common = dict(train=Pairs(x[:54], y[:54]), val=Pairs(x[54:], y[54:]), epochs=1, batch_size=16, num_workers=1,
-                  metrics={"mae": mean_absolute_error}, **REGRESSION)
+    common = dict(
+        train=Pairs(x[:54], y[:54]),
+        val=Pairs(x[54:], y[54:]),
+        epochs=1,
+        batch_size=16,
+        num_workers=1,
+        metrics={"mae": mean_absolute_error},
+        **REGRESSION,
+    )
     one, split = copy.deepcopy(model), copy.deepcopy(model)
     history_one = polytrain.fit(one, **common)
     history_split = polytrain.fit(split, devices=2, strategy="pipeline", microbatches=2, **common)
@@ -249,8 +368,17 @@ def test_a_pipeline_on_datasets_with_a_custom_loss_equals_one_device():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_dataset_that_raises_is_one_line_naming_the_index_and_the_line(workers):
     with pytest.raises(UserError) as refused:
-        polytrain.fit(Regressor(), train=RaisesAt(X, Y, index=13), val=Pairs(X, Y), epochs=1, batch_size=4,
-                      num_workers=workers, device="cpu", verbose=False, **{"loss": torch.nn.MSELoss()})
+        polytrain.fit(
+            Regressor(),
+            train=RaisesAt(X, Y, index=13),
+            val=Pairs(X, Y),
+            epochs=1,
+            batch_size=4,
+            num_workers=workers,
+            device="cpu",
+            verbose=False,
+            **{"loss": torch.nn.MSELoss()},
+        )
     message = str(refused.value)
     assert "train[13] raised KeyError: 'no file for sample 13' (" in message and "datasets.py:" in message
     assert "\n" not in message
@@ -261,13 +389,22 @@ def test_the_same_seed_gives_the_same_weights_with_any_number_of_loader_processe
     from (once per pass without loader processes, once per run with them), and random transforms drew from
     whichever process read the sample: 0 and 1 loader processes gave validation 0.1416 and 0.162."""
     from datasets import NoisyPairs
+
     torch.manual_seed(0)
     x, y = torch.randn(48, 6), torch.randint(0, 3, (48,))
     weights = []
     for workers in (0, 1, 2):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
-        polytrain.fit(model, train=NoisyPairs(x[:40], y[:40]), val=NoisyPairs(x[40:], y[40:]), epochs=2,
-                      batch_size=8, num_workers=workers, device="cpu", verbose=False)
+        polytrain.fit(
+            model,
+            train=NoisyPairs(x[:40], y[:40]),
+            val=NoisyPairs(x[40:], y[40:]),
+            epochs=2,
+            batch_size=8,
+            num_workers=workers,
+            device="cpu",
+            verbose=False,
+        )
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])

@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 
 from polytrain.data import download
-from polytrain.data.download import (SOURCES, DatasetSource, default_cache_dir, download_file,
-                                     ensure_dataset_files)
+from polytrain.data.download import (
+    SOURCES,
+    DatasetSource,
+    default_cache_dir,
+    download_file,
+    ensure_dataset_files,
+)
 from polytrain.errors import ConfigError, DataError
 
 PAYLOAD = bytes(range(256)) * 50
@@ -32,8 +37,9 @@ def server(tmp_path):
     """Serve tmp_path/served on 127.0.0.1; yields (base url, served folder, list of request paths)."""
     served = tmp_path / "served"
     served.mkdir()
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                            functools.partial(CountingHandler, directory=str(served)))
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(CountingHandler, directory=str(served))
+    )
     httpd.requests = []
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
@@ -155,7 +161,9 @@ def test_sources_are_well_formed():
         for md5 in source.md5_by_file.values():
             assert len(md5) == 32 and set(md5) <= set("0123456789abcdef")
     # what is downloaded is exactly what the readers look for
-    idx_files = {f"{p}-{k}-idx{n}-ubyte.gz" for p in ("train", "t10k") for k, n in (("images", 3), ("labels", 1))}
+    idx_files = {
+        f"{p}-{k}-idx{n}-ubyte.gz" for p in ("train", "t10k") for k, n in (("images", 3), ("labels", 1))
+    }
     assert set(SOURCES["mnist"].md5_by_file) == idx_files == set(SOURCES["fashion-mnist"].md5_by_file)
     assert set(SOURCES["cifar10"].md5_by_file) == {"cifar-10-binary.tar.gz"}
 

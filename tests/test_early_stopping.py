@@ -1,5 +1,6 @@
 """Validation every N steps, the best weights (best.pt) and early stopping, against the records of a run
 that was never stopped and the loss of best.pt computed by hand."""
+
 import json
 import math
 
@@ -13,8 +14,22 @@ from polytrain.cli import main
 from polytrain.trainer import History
 
 # 8 steps per epoch, 2 epochs; validations after global steps 3, 6, 8 (epoch end), 9, 12, 15, 16 (epoch end)
-RUN = ["--dataset", "synthetic", "--synthetic-size", "256", "--model", "mlp", "--batch-size", "32", "--epochs", "2",
-       "--device", "cpu", "--val-every", "3"]
+RUN = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "256",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--device",
+    "cpu",
+    "--val-every",
+    "3",
+]
 
 
 def train(capsys, *args):
@@ -42,25 +57,38 @@ def hand_val_loss(dataset, model) -> float:
 
 def test_the_monitor_keeps_the_best_and_counts_the_patience():
     monitor = Monitor("val_loss", patience=2)
-    assert monitor.mode == "min" and Monitor("val_acc").mode == "max" and Monitor("val_acc", "min").mode == "min"
+    assert (
+        monitor.mode == "min" and Monitor("val_acc").mode == "max" and Monitor("val_acc", "min").mode == "min"
+    )
     steps = [(0.5, True), (0.6, False), (0.4, True), (float("nan"), False), (0.4, False)]
     for step, (value, better) in enumerate(steps, 1):
         assert monitor.update(value, epoch=1, within=step, step=step) is better
     assert (monitor.best, monitor.step, monitor.bad, monitor.exhausted) == (0.4, 3, 2, True)
-    assert monitor.early_stop_line() == ("early stop: val_loss has not improved for 2 validations (best 0.4 at "
-                                         "epoch 1, step 3)")
+    assert monitor.early_stop_line() == (
+        "early stop: val_loss has not improved for 2 validations (best 0.4 at epoch 1, step 3)"
+    )
     again = Monitor("val_loss", patience=3)
     again.restore(monitor.state())
     assert (again.best, again.bad, again.exhausted) == (0.4, 2, False)
 
 
 def test_metrics_lines_put_validations_within_epochs_in_order_and_mark_the_best():
-    history = History(epochs=[{"epoch": 1, "val_loss": 2.0}, {"epoch": 2, "val_loss": 1.0}],
-                      validations=[{"epoch": 2, "step": 1, "val_loss": 1.5}, {"epoch": 1, "step": 2, "val_loss": 3.0},
-                                   {"epoch": 3, "step": 1, "val_loss": 0.5}],
-                      best={"epoch": 2, "step": None})
-    assert [(r["epoch"], r.get("step"), r.get("best")) for r in metrics_lines(history)] == \
-        [(1, 2, None), (1, None, None), (2, 1, None), (2, None, True), (3, 1, None)]
+    history = History(
+        epochs=[{"epoch": 1, "val_loss": 2.0}, {"epoch": 2, "val_loss": 1.0}],
+        validations=[
+            {"epoch": 2, "step": 1, "val_loss": 1.5},
+            {"epoch": 1, "step": 2, "val_loss": 3.0},
+            {"epoch": 3, "step": 1, "val_loss": 0.5},
+        ],
+        best={"epoch": 2, "step": None},
+    )
+    assert [(r["epoch"], r.get("step"), r.get("best")) for r in metrics_lines(history)] == [
+        (1, 2, None),
+        (1, None, None),
+        (2, 1, None),
+        (2, None, True),
+        (3, 1, None),
+    ]
 
 
 def test_validation_every_n_steps_changes_nothing_else_and_best_pt_holds_the_best(tmp_path, capsys):
@@ -68,11 +96,20 @@ def test_validation_every_n_steps_changes_nothing_else_and_best_pt_holds_the_bes
     train(capsys, *RUN[:-2], "--out", plain)
     full = tmp_path / "full"
     out = train(capsys, *RUN, "--out", full)
-    for key, value in torch.load(plain / "model.pt", weights_only=True).items():     # the same trajectory
-        torch.testing.assert_close(torch.load(full / "model.pt", weights_only=True)[key], value, atol=0, rtol=0)
+    for key, value in torch.load(plain / "model.pt", weights_only=True).items():  # the same trajectory
+        torch.testing.assert_close(
+            torch.load(full / "model.pt", weights_only=True)[key], value, atol=0, rtol=0
+        )
     records = lines(full)
-    assert [(r["epoch"], r.get("step"), r.get("global_step")) for r in records] == \
-        [(1, 3, 3), (1, 6, 6), (1, None, None), (2, 1, 9), (2, 4, 12), (2, 7, 15), (2, None, None)]
+    assert [(r["epoch"], r.get("step"), r.get("global_step")) for r in records] == [
+        (1, 3, 3),
+        (1, 6, 6),
+        (1, None, None),
+        (2, 1, 9),
+        (2, 4, 12),
+        (2, 7, 15),
+        (2, None, None),
+    ]
     assert [without_times(r) for r in records if "step" not in r] == [without_times(r) for r in lines(plain)]
     best = min(records, key=lambda r: r["val_loss"])
     assert [r for r in records if r.get("best")] == [best]
@@ -93,37 +130,55 @@ def test_validation_every_n_steps_changes_nothing_else_and_best_pt_holds_the_bes
     stopped = tmp_path / "stopped"
     out = train(capsys, *RUN, "--patience", 2, "--out", stopped)
     losses, bad, best_so_far = [r["val_loss"] for r in records], 0, math.inf
-    for count, loss in enumerate(losses, 1):
+    for count, loss in enumerate(losses, 1):  # noqa: B007 (read after the loop)
         bad, best_so_far = (0, loss) if loss < best_so_far else (bad + 1, best_so_far)
         if bad == 2:
             break
     assert count < len(losses), "the data no longer make the run stop early; pick a smaller --patience"
     assert [without_times(r) for r in lines(stopped)] == [without_times(r) for r in records[:count]]
     last = records[count - 1]
-    assert out.splitlines()[-1] == (f"early stop: val_loss has not improved for 2 validations (best "
-                                    f"{best['val_loss']:.4g} at {where}); run folder {stopped}")
+    assert out.splitlines()[-1] == (
+        f"early stop: val_loss has not improved for 2 validations (best "
+        f"{best['val_loss']:.4g} at {where}); run folder {stopped}"
+    )
     state = torch.load(stopped / "checkpoint.pt", weights_only=True)
     assert state["monitor"]["bad"] == 2 and state["monitor"]["best"] == best["val_loss"]
-    assert state["position"]["epoch"] * 8 + state["position"]["step"] == last.get("global_step", 8 * last["epoch"])
-    out = train(capsys, "--resume", stopped)                     # the same patience: nothing to do
+    assert state["position"]["epoch"] * 8 + state["position"]["step"] == last.get(
+        "global_step", 8 * last["epoch"]
+    )
+    out = train(capsys, "--resume", stopped)  # the same patience: nothing to do
     assert "it had stopped there: resume with --patience above 2" in out
     train(capsys, "--resume", stopped, "--patience", 0)
     assert [without_times(r) for r in lines(stopped)] == [without_times(r) for r in records]
     for key, value in torch.load(full / "model.pt", weights_only=True).items():
-        torch.testing.assert_close(torch.load(stopped / "model.pt", weights_only=True)[key], value, atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.load(stopped / "model.pt", weights_only=True)[key], value, atol=1e-6, rtol=0
+        )
 
 
 def test_an_unknown_monitor_names_the_available_ones(tmp_path, capsys):
     assert main(["train", *RUN, "--monitor", "val_f1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err == ("polytrain: error: --monitor 'val_f1' is not a validation figure of this run; choose one of "
-                   "val_loss, val_acc\n")
+    assert err == (
+        "polytrain: error: --monitor 'val_f1' is not a validation figure of this run; choose one of "
+        "val_loss, val_acc\n"
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_val_acc_is_monitored_higher_is_better(tmp_path, capsys, digits):
     import polytrain
-    history = polytrain.fit("mlp", digits, epochs=2, batch_size=64, val_every=2, monitor="val_acc",
-                            device="cpu", verbose=False, out=str(tmp_path / "run"))
+
+    history = polytrain.fit(
+        "mlp",
+        digits,
+        epochs=2,
+        batch_size=64,
+        val_every=2,
+        monitor="val_acc",
+        device="cpu",
+        verbose=False,
+        out=str(tmp_path / "run"),
+    )
     everything = history.validations + history.epochs
     assert history.best["value"] == max(r["val_acc"] for r in everything) and history.best["mode"] == "max"

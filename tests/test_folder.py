@@ -49,7 +49,7 @@ def chw(array):
 
 def truncate(path):
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
 
 
 def raises_one_line(error_type, call, *fragments):
@@ -67,20 +67,25 @@ def raises_one_line(error_type, call, *fragments):
 
 def test_train_val_layout_sorted_classes_labels_and_exact_pixels(tmp_path):
     # created out of order so that sorting, not creation order, must decide the labels
-    written = write_tree(tmp_path, {"train/dog": 2, "train/bird": 3, "train/cat": 1,
-                                    "val/cat": 2, "val/dog": 1})
+    written = write_tree(
+        tmp_path, {"train/dog": 2, "train/bird": 3, "train/cat": 1, "val/cat": 2, "val/dog": 1}
+    )
     data = load_image_folder(tmp_path)
     assert isinstance(data, FolderDataset) and isinstance(data, ArrayDataset)
     assert data.classes == ["bird", "cat", "dog"]
     assert data.name == "folder" and data.num_classes == 3
     assert data.augment is False and data.flip is False and data.skipped == []
     assert data.train_y.tolist() == [0, 0, 0, 1, 2, 2]
-    assert data.val_y.tolist() == [1, 1, 2]       # bird is missing from val/: allowed
+    assert data.val_y.tolist() == [1, 1, 2]  # bird is missing from val/: allowed
     assert data.train_x.dtype == torch.uint8 and data.train_x.shape == (6, 3, 8, 8)
-    expected_train = [written[tmp_path / "train" / c / f"{i}.png"]
-                      for c, n in (("bird", 3), ("cat", 1), ("dog", 2)) for i in range(n)]
-    expected_val = [written[tmp_path / "val" / c / f"{i}.png"] for c, n in (("cat", 2), ("dog", 1))
-                    for i in range(n)]
+    expected_train = [
+        written[tmp_path / "train" / c / f"{i}.png"]
+        for c, n in (("bird", 3), ("cat", 1), ("dog", 2))
+        for i in range(n)
+    ]
+    expected_val = [
+        written[tmp_path / "val" / c / f"{i}.png"] for c, n in (("cat", 2), ("dog", 1)) for i in range(n)
+    ]
     assert np.array_equal(data.train_x.numpy(), np.stack([chw(a) for a in expected_train]))
     assert np.array_equal(data.val_x.numpy(), np.stack([chw(a) for a in expected_val]))
 
@@ -105,21 +110,27 @@ def test_single_tree_split_takes_the_last_sorted_files_of_each_class(tmp_path):
     assert data.train_y.tolist() == [0] * 4 + [1] * 8
     assert data.val_y.tolist() == [0] + [1] * 2
     # sorted paths: a/0..a/4 -> a/4 held out; b/0..b/9 -> b/8, b/9 held out
-    expected_val = [written[tmp_path / "a" / "4.png"], written[tmp_path / "b" / "8.png"],
-                    written[tmp_path / "b" / "9.png"]]
+    expected_val = [
+        written[tmp_path / "a" / "4.png"],
+        written[tmp_path / "b" / "8.png"],
+        written[tmp_path / "b" / "9.png"],
+    ]
     assert np.array_equal(data.val_x.numpy(), np.stack([chw(a) for a in expected_val]))
-    again = load_image_folder(tmp_path, val_fraction=0.2, seed=123)     # the split ignores the seed
+    again = load_image_folder(tmp_path, val_fraction=0.2, seed=123)  # the split ignores the seed
     assert torch.equal(again.train_x, data.train_x) and torch.equal(again.val_x, data.val_x)
     assert torch.equal(again.train_y, data.train_y) and torch.equal(again.val_y, data.val_y)
 
 
-@pytest.mark.parametrize("count, fraction, held_out", [
-    (2, 0.1, 1),      # at least one
-    (3, 0.9, 2),      # at most n - 1
-    (30, 0.1, 3),     # 0.1 * 30 is 3.0000000000000004 in floating point: still 3
-    (10, 0.25, 3),    # ceil(2.5)
-    (7, 0.5, 4),
-])
+@pytest.mark.parametrize(
+    "count, fraction, held_out",
+    [
+        (2, 0.1, 1),  # at least one
+        (3, 0.9, 2),  # at most n - 1
+        (30, 0.1, 3),  # 0.1 * 30 is 3.0000000000000004 in floating point: still 3
+        (10, 0.25, 3),  # ceil(2.5)
+        (7, 0.5, 4),
+    ],
+)
 def test_split_counts(tmp_path, count, fraction, held_out):
     write_tree(tmp_path, {"only": count}, size=(2, 2))
     classes, train_files, val_files = scan_image_folder(tmp_path, val_fraction=fraction)
@@ -132,8 +143,11 @@ def test_scan_reports_files_and_labels(tmp_path):
     write_tree(tmp_path, {"train/x": 2, "train/y": 1, "val/y": 1})
     classes, train_files, val_files = scan_image_folder(tmp_path)
     assert classes == ["x", "y"]
-    assert train_files == [(tmp_path / "train/x/0.png", 0), (tmp_path / "train/x/1.png", 0),
-                           (tmp_path / "train/y/0.png", 1)]
+    assert train_files == [
+        (tmp_path / "train/x/0.png", 0),
+        (tmp_path / "train/x/1.png", 0),
+        (tmp_path / "train/y/0.png", 1),
+    ]
     assert val_files == [(tmp_path / "val/y/0.png", 1)]
 
 
@@ -141,20 +155,23 @@ def test_non_images_hidden_files_ignored_and_subfolders_included(tmp_path):
     write_tree(tmp_path, {"train/a": 1, "val/a": 1})
     (tmp_path / "train/a/notes.txt").write_text("not an image")
     (tmp_path / "train/a/.DS_Store").write_bytes(b"\0\1garbage")
-    (tmp_path / "train/a/.hidden.png").write_bytes(b"garbage")     # hidden: ignored even with an image name
+    (tmp_path / "train/a/.hidden.png").write_bytes(b"garbage")  # hidden: ignored even with an image name
     (tmp_path / ".cache").mkdir()
-    (tmp_path / "train/.ipynb_checkpoints").mkdir()                   # hidden folder: not a class
+    (tmp_path / "train/.ipynb_checkpoints").mkdir()  # hidden folder: not a class
     write(tmp_path / "train/.ipynb_checkpoints/x.png", seed=50)
     upper = write(tmp_path / "train/a/UPPER.PNG", seed=51)
     nested = write(tmp_path / "train/a/deeper/n.jpeg", seed=52, fmt="JPEG")
     classes, train_files, _ = scan_image_folder(tmp_path)
     assert classes == ["a"]
-    assert [p.relative_to(tmp_path / "train/a").as_posix() for p, _ in train_files] == \
-        ["0.png", "UPPER.PNG", "deeper/n.jpeg"]
+    assert [p.relative_to(tmp_path / "train/a").as_posix() for p, _ in train_files] == [
+        "0.png",
+        "UPPER.PNG",
+        "deeper/n.jpeg",
+    ]
     data = load_image_folder(tmp_path)
     assert data.num_train == 3
     assert np.array_equal(data.train_x[1].numpy(), chw(upper))
-    assert np.abs(data.train_x[2].numpy().astype(int) - chw(nested)).mean() < 20   # JPEG is lossy
+    assert np.abs(data.train_x[2].numpy().astype(int) - chw(nested)).mean() < 20  # JPEG is lossy
 
 
 def test_symlink_loop_is_walked_once(tmp_path):
@@ -192,7 +209,7 @@ def test_palette_rgba_la_bilevel_and_16_bit_modes(tmp_path):
     write(tmp_path / "val/a/0.png", seed=3)
     data = load_image_folder(tmp_path)
     assert data.train_x.shape == (2, 3, 8, 8)
-    assert np.array_equal(data.train_x[1].numpy(), chw(pixels(2)))       # alpha dropped
+    assert np.array_equal(data.train_x[1].numpy(), chw(pixels(2)))  # alpha dropped
 
     gray_root = tmp_path / "gray"
     la = np.dstack([pixels(4, channels=1), np.full((8, 8), 9, np.uint8)])
@@ -204,11 +221,12 @@ def test_palette_rgba_la_bilevel_and_16_bit_modes(tmp_path):
     assert data.train_x.shape == (2, 1, 8, 8)
     assert np.array_equal(data.train_x[0, 0].numpy(), pixels(4, channels=1))
     assert set(np.unique(data.train_x[1].numpy())) <= {0, 255}
-    assert np.array_equal(data.val_x[0, 0].numpy(), (deep >> 8).astype(np.uint8))   # scaled, not clipped
+    assert np.array_equal(data.val_x[0, 0].numpy(), (deep >> 8).astype(np.uint8))  # scaled, not clipped
 
 
-@pytest.mark.parametrize("ext, fmt", [("jpg", "JPEG"), ("bmp", "BMP"), ("gif", "GIF"), ("webp", "WEBP"),
-                                      ("tif", "TIFF")])
+@pytest.mark.parametrize(
+    "ext, fmt", [("jpg", "JPEG"), ("bmp", "BMP"), ("gif", "GIF"), ("webp", "WEBP"), ("tif", "TIFF")]
+)
 def test_other_formats_decode(tmp_path, ext, fmt):
     write_tree(tmp_path, {"train/a": 2, "val/a": 1}, ext=ext, fmt=fmt, size=(12, 12))
     data = load_image_folder(tmp_path)
@@ -218,8 +236,13 @@ def test_other_formats_decode(tmp_path, ext, fmt):
 def test_file_that_is_another_format_is_not_handed_to_other_decoders(tmp_path):
     write_tree(tmp_path, {"train/a": 1, "val/a": 1})
     (tmp_path / "train/a/fake.png").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n")
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path), tmp_path / "train/a/fake.png",
-                    "cannot decode the image", "--skip-bad")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path),
+        tmp_path / "train/a/fake.png",
+        "cannot decode the image",
+        "--skip-bad",
+    )
 
 
 # ---------------------------------------------------------------- sizes
@@ -229,9 +252,13 @@ def test_mixed_sizes_name_both_files_and_suggest_image_size(tmp_path):
     write(tmp_path / "train/cat/a.png", size=(32, 32))
     write(tmp_path / "train/cat/b.png", size=(40, 30))
     write(tmp_path / "val/cat/c.png", size=(32, 32))
-    message = raises_one_line(DataError, lambda: load_image_folder(tmp_path),
-                              f"{tmp_path / 'train/cat/b.png'} is 40x30 but {tmp_path / 'train/cat/a.png'} "
-                              "is 32x32", "--image-size 32", "32x32")
+    message = raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path),
+        f"{tmp_path / 'train/cat/b.png'} is 40x30 but {tmp_path / 'train/cat/a.png'} is 32x32",
+        "--image-size 32",
+        "32x32",
+    )
     assert "c.png" not in message
 
 
@@ -246,14 +273,15 @@ def test_image_size_resizes_every_image(tmp_path):
     same = write(tmp_path / "val/a/0.png", size=(16, 16), seed=9)
     data = load_image_folder(tmp_path, image_size=16)
     assert data.train_x.shape == (2, 3, 16, 16) and data.val_x.shape == (1, 3, 16, 16)
-    assert np.array_equal(data.val_x[0].numpy(), chw(same))     # already 16x16: untouched
+    assert np.array_equal(data.val_x[0].numpy(), chw(same))  # already 16x16: untouched
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "32"])
 def test_image_size_must_be_positive_int(tmp_path, bad):
     write_tree(tmp_path, {"train/a": 1, "val/a": 1})
-    raises_one_line(ConfigError, lambda: load_image_folder(tmp_path, image_size=bad), "--image-size",
-                    repr(bad))
+    raises_one_line(
+        ConfigError, lambda: load_image_folder(tmp_path, image_size=bad), "--image-size", repr(bad)
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -270,13 +298,18 @@ def test_truncated_image_names_the_file_and_skip_bad(tmp_path, ext, fmt, monkeyp
     write_tree(tmp_path, {"train/cat": 3, "val/cat": 1}, ext=ext, fmt=fmt, size=(64, 64))
     broken = tmp_path / f"train/cat/1.{ext}"
     truncate(broken)
-    with Image.open(broken) as image:      # the header survives the cut: the pixel decoding must fail
+    with Image.open(broken) as image:  # the header survives the cut: the pixel decoding must fail
         assert image.size == (64, 64)
     # a library that set LOAD_TRUNCATED_IMAGES must not turn the cut file into grey padding
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path), f"{broken}: cannot decode the image (",
-                    "remove or replace the file", "--skip-bad")
-    assert ImageFile.LOAD_TRUNCATED_IMAGES is True      # restored afterwards
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path),
+        f"{broken}: cannot decode the image (",
+        "remove or replace the file",
+        "--skip-bad",
+    )
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored afterwards
     data = load_image_folder(tmp_path, skip_bad=True)
     assert data.skipped == [f"train/cat/1.{ext}"] and data.num_train == 2 and data.num_val == 1
     assert ImageFile.LOAD_TRUNCATED_IMAGES is True
@@ -287,17 +320,23 @@ def test_file_cut_inside_its_header(tmp_path, ext, fmt):
     write_tree(tmp_path, {"train/cat": 2, "val/cat": 1}, ext=ext, fmt=fmt)
     broken = tmp_path / f"val/cat/0.{ext}"
     broken.write_bytes(broken.read_bytes()[:20])
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path), f"{broken}: cannot decode the image (",
-                    "--skip-bad")
+    raises_one_line(
+        DataError, lambda: load_image_folder(tmp_path), f"{broken}: cannot decode the image (", "--skip-bad"
+    )
 
 
 def test_garbage_file_fails_before_decoding(tmp_path):
     write_tree(tmp_path, {"train/a": 2, "val/a": 1})
     garbage = tmp_path / "train/a/0b.jpg"
     garbage.write_bytes(b"this is not a jpeg")
-    message = raises_one_line(DataError, lambda: load_image_folder(tmp_path), f"{garbage}: cannot decode",
-                              "cannot identify image file", "--skip-bad")
-    assert message.count(str(garbage)) == 1      # Pillow's own copy of the path is removed
+    message = raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path),
+        f"{garbage}: cannot decode",
+        "cannot identify image file",
+        "--skip-bad",
+    )
+    assert message.count(str(garbage)) == 1  # Pillow's own copy of the path is removed
 
 
 def test_skip_bad_lists_skipped_files_and_loads_the_rest(tmp_path):
@@ -307,8 +346,9 @@ def test_skip_bad_lists_skipped_files_and_loads_the_rest(tmp_path):
     data = load_image_folder(tmp_path, skip_bad=True)
     assert data.skipped == ["train/a/1.png", "val/a/0.png"]
     assert data.train_y.tolist() == [0, 0, 1, 1] and data.val_y.tolist() == [0, 1]
-    expected = [written[tmp_path / p] for p in ("train/a/0.png", "train/a/2.png", "train/b/0.png",
-                                                "train/b/1.png")]
+    expected = [
+        written[tmp_path / p] for p in ("train/a/0.png", "train/a/2.png", "train/b/0.png", "train/b/1.png")
+    ]
     assert np.array_equal(data.train_x.numpy(), np.stack([chw(a) for a in expected]))
     assert np.array_equal(data.val_x[0].numpy(), chw(written[tmp_path / "val/a/1.png"]))
 
@@ -317,15 +357,24 @@ def test_skip_bad_class_without_a_readable_training_image(tmp_path):
     write_tree(tmp_path, {"train/a": 1, "train/b": 2, "val/a": 1})
     for name in ("0.png", "1.png"):
         truncate(tmp_path / "train/b" / name)
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path, skip_bad=True), "class 'b'",
-                    tmp_path / "train/b/0.png", "replace the files")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path, skip_bad=True),
+        "class 'b'",
+        tmp_path / "train/b/0.png",
+        "replace the files",
+    )
 
 
 def test_skip_bad_all_validation_images_unreadable(tmp_path):
     write_tree(tmp_path, {"train/a": 2, "val/a": 1})
     (tmp_path / "val/a/0.png").write_bytes(b"")
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path, skip_bad=True), "no validation image",
-                    tmp_path / "val/a/0.png")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path, skip_bad=True),
+        "no validation image",
+        tmp_path / "val/a/0.png",
+    )
 
 
 # ---------------------------------------------------------------- folder mistakes
@@ -336,65 +385,105 @@ def test_empty_class_folder(tmp_path, skip_bad):
     write_tree(tmp_path, {"train/cat": 1, "val/cat": 1})
     (tmp_path / "train/dog").mkdir()
     (tmp_path / "train/dog/readme.txt").write_text("only text here")
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path, skip_bad=skip_bad),
-                    f"{tmp_path / 'train/dog'} has no images (.png, .jpg", "remove the folder or add images")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path, skip_bad=skip_bad),
+        f"{tmp_path / 'train/dog'} has no images (.png, .jpg",
+        "remove the folder or add images",
+    )
 
 
 def test_root_missing_or_a_file(tmp_path):
     raises_one_line(DataError, lambda: load_image_folder(tmp_path / "nope"), tmp_path / "nope", "not found")
     (tmp_path / "file.png").write_bytes(b"x")
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path / "file.png"), tmp_path / "file.png",
-                    "not a folder")
+    raises_one_line(
+        DataError, lambda: load_image_folder(tmp_path / "file.png"), tmp_path / "file.png", "not a folder"
+    )
 
 
 def test_no_class_folders(tmp_path):
     write(tmp_path / "loose.png")
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path, val_fraction=0.1), tmp_path,
-                    "no class folders", "one folder per class")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path, val_fraction=0.1),
+        tmp_path,
+        "no class folders",
+        "one folder per class",
+    )
     write_tree(tmp_path / "tv", {"train/a": 1})
     (tmp_path / "tv/val").mkdir()
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path / "tv"), tmp_path / "tv/val",
-                    "no class folders")
+    raises_one_line(
+        DataError, lambda: load_image_folder(tmp_path / "tv"), tmp_path / "tv/val", "no class folders"
+    )
 
 
 def test_val_fraction_refused_with_train_val_layout(tmp_path):
     write_tree(tmp_path, {"train/a": 2, "val/a": 1})
-    raises_one_line(ConfigError, lambda: load_image_folder(tmp_path, val_fraction=0.1), tmp_path,
-                    "--val-fraction applies to a folder without train/ and val/ sub-folders; drop it")
+    raises_one_line(
+        ConfigError,
+        lambda: load_image_folder(tmp_path, val_fraction=0.1),
+        tmp_path,
+        "--val-fraction applies to a folder without train/ and val/ sub-folders; drop it",
+    )
 
 
 def test_single_tree_needs_val_fraction(tmp_path):
     write_tree(tmp_path, {"a": 2, "b": 2})
-    raises_one_line(ConfigError, lambda: load_image_folder(tmp_path), tmp_path, "--val-fraction 0.1",
-                    "add train/ and val/ folders")
+    raises_one_line(
+        ConfigError,
+        lambda: load_image_folder(tmp_path),
+        tmp_path,
+        "--val-fraction 0.1",
+        "add train/ and val/ folders",
+    )
 
 
 @pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan"), True, "0.1"])
 def test_val_fraction_must_lie_in_open_interval(tmp_path, bad):
     write_tree(tmp_path, {"a": 2})
-    raises_one_line(ConfigError, lambda: load_image_folder(tmp_path, val_fraction=bad), "--val-fraction",
-                    "between 0 and 1")
+    raises_one_line(
+        ConfigError,
+        lambda: load_image_folder(tmp_path, val_fraction=bad),
+        "--val-fraction",
+        "between 0 and 1",
+    )
 
 
 def test_split_needs_two_images_per_class(tmp_path):
     write_tree(tmp_path, {"a": 3, "b": 1})
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path, val_fraction=0.5), tmp_path / "b",
-                    "only 1 image", "at least 2")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path, val_fraction=0.5),
+        tmp_path / "b",
+        "only 1 image",
+        "at least 2",
+    )
 
 
 def test_val_class_not_in_train(tmp_path):
     write_tree(tmp_path, {"train/a": 1, "val/a": 1, "val/zebra": 1})
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path), tmp_path / "val/zebra",
-                    f"no matching folder in {tmp_path / 'train'}", f"add {tmp_path / 'train/zebra'}")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path),
+        tmp_path / "val/zebra",
+        f"no matching folder in {tmp_path / 'train'}",
+        f"add {tmp_path / 'train/zebra'}",
+    )
 
 
 def test_train_without_val_and_val_without_train(tmp_path):
     write_tree(tmp_path / "t", {"train/a": 2})
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path / "t"), tmp_path / "t/train",
-                    "no sibling val/", "--val-fraction")
+    raises_one_line(
+        DataError,
+        lambda: load_image_folder(tmp_path / "t"),
+        tmp_path / "t/train",
+        "no sibling val/",
+        "--val-fraction",
+    )
     write_tree(tmp_path / "v", {"val/a": 2})
-    raises_one_line(DataError, lambda: load_image_folder(tmp_path / "v"), tmp_path / "v/val",
-                    "no sibling train/")
+    raises_one_line(
+        DataError, lambda: load_image_folder(tmp_path / "v"), tmp_path / "v/val", "no sibling train/"
+    )
 
 
 def test_errors_are_user_errors(tmp_path):
@@ -429,31 +518,51 @@ def test_parallel_decode_equals_sequential(tmp_path, monkeypatch):
     assert parallel.skipped == sequential.skipped == ["train/c0/4.png", "val/c2/1.png"]
     assert parallel.classes == sequential.classes
 
-    with pytest.raises(DataError) as excinfo:       # the first bad file in sorted order, as sequentially
+    with pytest.raises(DataError) as excinfo:  # the first bad file in sorted order, as sequentially
         load_image_folder(tmp_path, workers=2)
     assert f"{tmp_path / 'train/c0/4.png'}: cannot decode" in str(excinfo.value)
 
 
 def test_train_on_a_folder_from_the_command_line_predicts_class_names(tmp_path, capsys):
     from polytrain.cli import main
+
     write_tree(tmp_path / "images", {"ant": 6, "bee": 6, "cat": 6}, size=(12, 12))
     truncate(tmp_path / "images" / "bee" / "2.png")
     out = tmp_path / "run"
-    argv = ["train", "--dataset", "folder", "--data-dir", str(tmp_path / "images"), "--val-fraction", "0.3",
-            "--skip-bad", "--model", "mlp", "--epochs", "1", "--batch-size", "4", "--device", "cpu", "--out", str(out)]
+    argv = [
+        "train",
+        "--dataset",
+        "folder",
+        "--data-dir",
+        str(tmp_path / "images"),
+        "--val-fraction",
+        "0.3",
+        "--skip-bad",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "skipped 1 unreadable image file (--skip-bad)" in printed
     assert (out / "skipped.txt").read_text() == "bee/2.png\n"
     assert main(["predict", str(out), "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "6 validation samples, " + lines[0].split(", ")[1]       # 2 held out per class
+    assert lines[0] == "6 validation samples, " + lines[0].split(", ")[1]  # 2 held out per class
     names = {line.split("true ")[1].split()[0] for line in lines[1:]}
     assert names == {"ant", "bee", "cat"}
 
 
 def test_folder_options_are_refused_with_other_datasets(tmp_path, capsys):
     from polytrain.cli import main
+
     assert main(["train", "--dataset", "synthetic", "--image-size", "32"]) == 2
     assert "--image-size is not used by --dataset synthetic" in capsys.readouterr().err
     assert main(["train", "--dataset", "folder"]) == 2

@@ -1,17 +1,22 @@
 """Fuzzing checkpoint loading: any bytes give loaded weights or a one-line CheckpointError, never code
 execution, another exception, or a hang."""
+
 import io
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fuzz_readers import no_hang
 
 from polytrain.checkpoint import CheckpointError, load_weights
 from polytrain.models import build_model
-from test_fuzz_readers import no_hang
 
-FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
-                HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 MODEL = build_model("mlp", (1, 8, 8), 3)
 buffer = io.BytesIO()
 torch.save(MODEL.state_dict(), buffer)
@@ -38,10 +43,12 @@ def test_arbitrary_bytes(tmp_path_factory, data):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
-       st.integers(0, len(VALID)))
+@given(
+    st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=8),
+    st.integers(0, len(VALID)),
+)
 def test_mutated_and_truncated_checkpoints(tmp_path_factory, edits, keep):
-    data = bytearray(VALID[:max(keep, 1)])
+    data = bytearray(VALID[: max(keep, 1)])
     for position, value in edits:
         if position < len(data):
             data[position] = value

@@ -9,16 +9,15 @@ import struct
 
 import numpy as np
 import pytest
+from datafiles import cifar_batch_bytes, cifar_tar_gz_bytes, idx_bytes, random_cifar_batches
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from datafiles import cifar_batch_bytes, cifar_tar_gz_bytes, idx_bytes, random_cifar_batches
 from polytrain.data.cifar import decode_cifar_batch, load_cifar10
 from polytrain.data.idx import read_idx
 from polytrain.errors import DataError
 
-FUZZ = settings(max_examples=300, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 SECONDS_PER_EXAMPLE = 5
 
 VALID_IDX = idx_bytes(np.arange(2 * 5 * 4, dtype=np.uint8).reshape(2, 5, 4))
@@ -31,6 +30,7 @@ CIFAR_MEMBERS = {f"cifar-10-batches-bin/{name}": data for name, data in CIFAR_BA
 def no_hang(seconds=SECONDS_PER_EXAMPLE):
     def on_alarm(signum, frame):
         raise TimeoutError(f"reader still running after {seconds} s")
+
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -64,7 +64,7 @@ def mutated(draw, original: bytes):
         elif op == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
         elif op == "delete":
-            del data[at:at + draw(st.integers(1, 16))]
+            del data[at : at + draw(st.integers(1, 16))]
     return bytes(data)
 
 
@@ -91,8 +91,11 @@ def test_read_idx_arbitrary_bytes(folder, data):
 
 
 @FUZZ
-@given(dims=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=6), payload=st.binary(max_size=64),
-       gz=st.booleans())
+@given(
+    dims=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=6),
+    payload=st.binary(max_size=64),
+    gz=st.booleans(),
+)
 @example(dims=[10**6, 10**3, 10**3], payload=b"\x00" * 16, gz=False)
 @example(dims=[10**6, 10**3, 10**3], payload=b"\x00" * 16, gz=True)
 def test_read_idx_arbitrary_headers(folder, dims, payload, gz):

@@ -1,24 +1,25 @@
 """The GPT, text data and the language-model objective, each against an independent reference: the math of
 causal attention and cross-entropy, the windows cut by hand, and a hand-written AdamW loop."""
+
 import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import polytrain_here
 
 import polytrain
 from polytrain.cli import parse
+from polytrain.commands import generate_text
 from polytrain.config.flags import config_from_args
 from polytrain.data import load_dataset
 from polytrain.data.order import global_batch_order
 from polytrain.data.text import TokenLoader, load_text, tokenise
 from polytrain.errors import ConfigError, DataError, UserError
-from polytrain.commands import generate_text
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
-from conftest import polytrain_here
 
 TINY = dict(layers=2, heads=2, width=16, context=8)
 
@@ -37,13 +38,18 @@ def test_a_later_token_never_changes_earlier_scores():
 
 def test_shapes_tied_head_and_parameter_count():
     model = build_model("gpt", (8,), 11, TINY)
-    assert model[-1].weight is model[0].token.weight               # the head is the token embedding
+    assert model[-1].weight is model[0].token.weight  # the head is the token embedding
     assert len(model) == 2 + 2 + 1 and model.context == 8
     width, vocab = 16, 11
-    block = 2 * 2 * width + (width * 3 * width + 3 * width) + (width * width + width) \
-        + (width * 4 * width + 4 * width) + (4 * width * width + width)
+    block = (
+        2 * 2 * width
+        + (width * 3 * width + 3 * width)
+        + (width * width + width)
+        + (width * 4 * width + 4 * width)
+        + (4 * width * width + width)
+    )
     assert sum(p.numel() for p in model.parameters()) == vocab * width + 8 * width + 2 * block + 2 * width
-    assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 11)   # shorter than the context
+    assert model(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 5, 11)  # shorter than the context
 
 
 def test_heads_must_divide_the_width_and_gpt_sizes_are_refused_for_other_models():
@@ -94,15 +100,20 @@ def test_windows_cover_the_split_once_per_epoch_on_any_device_count():
         batches = _windows(one, epoch)
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        assert torch.equal(y, x + 1)                                # targets are the next tokens
+        assert torch.equal(y, x + 1)  # targets are the next tokens
         starts = x[:, 0].sort().values
         offset = int(starts[0])
         assert 0 <= offset < 8 and torch.equal(starts, offset + 8 * torch.arange(24))
-        order = global_batch_order(24, epoch=epoch, seed=3)         # the windows in the seeded order
+        order = global_batch_order(24, epoch=epoch, seed=3)  # the windows in the seeded order
         assert torch.equal(x[:, 0], offset + 8 * order)
-        ranks = [_windows(TokenLoader(tokens, context=8, batch_size=6, device="cpu", seed=3, rank=r,
-                                      world_size=2), epoch) for r in range(2)]
-        for step, (bx, by, count) in enumerate(batches):
+        ranks = [
+            _windows(
+                TokenLoader(tokens, context=8, batch_size=6, device="cpu", seed=3, rank=r, world_size=2),
+                epoch,
+            )
+            for r in range(2)
+        ]
+        for step, (bx, _by, count) in enumerate(batches):
             assert torch.equal(torch.cat([ranks[0][step][0], ranks[1][step][0]]), bx) and count == 6
         assert all(torch.equal(a[0], b[0]) for a, b in zip(_windows(one, epoch, start_step=2), batches[2:]))
     evaluation = TokenLoader(tokens, context=8, batch_size=5, device="cpu", training=False)
@@ -130,14 +141,19 @@ def test_language_loss_is_the_mean_per_token_summed_over_samples():
     logits, targets = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
     objective = Objective(kind="language")
     assert objective.names == () and objective.metric_sums(logits, targets).numel() == 0
-    by_hand = -torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)    # (3, 5) per token
+    by_hand = -torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)  # (3, 5) per token
     assert torch.allclose(objective.loss_sum(logits, targets), by_hand.mean(1).sum(), atol=1e-6)
-    assert torch.allclose(objective.loss_sum(logits, targets) / 3, F.cross_entropy(logits.flatten(0, 1),
-                                                                                     targets.flatten()), atol=1e-6)
+    assert torch.allclose(
+        objective.loss_sum(logits, targets) / 3,
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
+        atol=1e-6,
+    )
 
 
 def _text_file(tmp_path, length=600):
-    text = "".join("ROMEO: but soft, what light through yonder window breaks?\n"[i % 58] for i in range(length))
+    text = "".join(
+        "ROMEO: but soft, what light through yonder window breaks?\n"[i % 58] for i in range(length)
+    )
     path = tmp_path / "text.txt"
     path.write_text(text)
     return path, text
@@ -150,21 +166,32 @@ def test_one_device_fit_equals_a_hand_written_adamw_loop(tmp_path):
     model = GPT(data.num_classes, **TINY)
     reference = GPT(data.num_classes, **TINY)
     reference.load_state_dict(model.state_dict())
-    settings = dict(optimizer="adamw", lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1,
-                    no_decay_norms_and_biases=True, schedule="constant", warmup_epochs=0.0, batch_size=16,
-                    context=8)
+    settings = dict(
+        optimizer="adamw",
+        lr=3e-3,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+        no_decay_norms_and_biases=True,
+        schedule="constant",
+        warmup_epochs=0.0,
+        batch_size=16,
+        context=8,
+    )
     history = polytrain.fit(model, "text", data_dir=str(path), epochs=2, verbose=False, **settings)
     decay = [p for p in reference.parameters() if p.dim() > 1]
     no_decay = [p for p in reference.parameters() if p.dim() <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=3e-3, betas=(0.9, 0.99))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3,
+        betas=(0.9, 0.99),
+    )
     train, n = data.train_tokens, data.num_train
     for epoch in range(2):
-        generator = torch.Generator().manual_seed(epoch * 2 + 1)       # the epoch's window offset (seed 0)
+        generator = torch.Generator().manual_seed(epoch * 2 + 1)  # the epoch's window offset (seed 0)
         offset = int(torch.randint(0, 8, (1,), generator=generator))
         order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch))
         for step in range(0, n, 16):
-            starts = offset + 8 * order[step:step + 16]
+            starts = offset + 8 * order[step : step + 16]
             windows = train[starts[:, None] + torch.arange(9)]
             loss = F.cross_entropy(reference(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten())
             optimizer.zero_grad()
@@ -183,8 +210,19 @@ def test_one_device_fit_equals_a_hand_written_adamw_loop(tmp_path):
 def test_generate_samples_from_a_run_and_refuses_other_runs(tmp_path):
     path, _ = _text_file(tmp_path)
     run = tmp_path / "run"
-    polytrain.fit("gpt", "text", data_dir=str(path), epochs=1, verbose=False, out=str(run), layers=1, width=16,
-                  heads=2, context=8, batch_size=16)
+    polytrain.fit(
+        "gpt",
+        "text",
+        data_dir=str(path),
+        epochs=1,
+        verbose=False,
+        out=str(run),
+        layers=1,
+        width=16,
+        heads=2,
+        context=8,
+        batch_size=16,
+    )
     vocab = json.loads((run / "config.json").read_text())["vocab"]
     a = generate_text(run, prompt="ROMEO:", tokens=40, seed=1)
     assert a == generate_text(run, prompt="ROMEO:", tokens=40, seed=1) and a.startswith("ROMEO:")
@@ -201,7 +239,9 @@ def test_generate_samples_from_a_run_and_refuses_other_runs(tmp_path):
     other = tmp_path / "lenet"
     other.mkdir()
     (other / "config.json").write_text(json.dumps(dict(model="lenet", dataset="mnist-sample")))
-    with pytest.raises(UserError, match="is a run of --model lenet on --dataset mnist-sample, not a language model"):
+    with pytest.raises(
+        UserError, match="is a run of --model lenet on --dataset mnist-sample, not a language model"
+    ):
         generate_text(other)
 
 
@@ -211,9 +251,31 @@ def test_verify_gpt_on_every_strategy(strategy, capfd):
     """The tied GPT on every strategy; "pipeline 4 2": two pipelines of 2 stages on 4 processes (the hybrid mesh),
     each tying its first and last stage."""
     strategy, devices, stages = (strategy.split() + ["2", None])[:3]
-    result = polytrain_here(capfd, "verify", "--model", "gpt", "--dataset", "shakespeare", "--devices", devices,
-                            "--strategy", strategy, "--layers", "2", "--width", "32", "--heads", "2", "--context",
-                            "16", "--batch-size", "8", "--steps", "2", *(["--pipeline-stages", stages] if stages else []))
+    result = polytrain_here(
+        capfd,
+        "verify",
+        "--model",
+        "gpt",
+        "--dataset",
+        "shakespeare",
+        "--devices",
+        devices,
+        "--strategy",
+        strategy,
+        "--layers",
+        "2",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--context",
+        "16",
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        *(["--pipeline-stages", stages] if stages else []),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
@@ -231,8 +293,17 @@ def test_a_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path, tied):
     two = GPT(vocab, tied=tied, **TINY)
     two.load_state_dict(one.state_dict())
     initial = {name: value.clone() for name, value in one.state_dict().items()}
-    common = dict(data_dir=str(path), epochs=1, verbose=False, optimizer="adamw", lr=3e-3, schedule="constant",
-                  warmup_epochs=0.0, batch_size=16, context=8)
+    common = dict(
+        data_dir=str(path),
+        epochs=1,
+        verbose=False,
+        optimizer="adamw",
+        lr=3e-3,
+        schedule="constant",
+        warmup_epochs=0.0,
+        batch_size=16,
+        context=8,
+    )
     polytrain.fit(one, "text", **common)
     polytrain.fit(two, "text", devices=2, strategy="pipeline", microbatches=2, split="3", **common)
     for (name, a), b in zip(one.state_dict().items(), two.state_dict().values()):
@@ -244,6 +315,7 @@ def test_a_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path, tied):
 
 def test_another_optimizer_or_schedule_takes_its_own_defaults_not_the_recipes():
     from polytrain.models.defaults import apply_model_defaults
+
     values = {"optimizer": "sgd", "schedule": "steplr"}
     applied = apply_model_defaults(values, {"optimizer", "schedule"}, "gpt")
     assert not {"betas", "lr", "weight_decay", "warmup_epochs", "no_decay_norms_and_biases"} & set(applied)

@@ -5,14 +5,17 @@ import struct
 
 import numpy as np
 import pytest
-
 from datafiles import IDX_NAMES, idx_bytes, write_bytes, write_idx, write_mnist_folder
+
 from polytrain.data.idx import load_idx_dataset, load_idx_split, read_idx
 from polytrain.errors import DataError
 
 # Two 2x3 images, written byte by byte from the IDX specification.
-HAND_BUILT = (bytes([0, 0, 0x08, 3]) + struct.pack(">III", 2, 2, 3)
-              + bytes([0, 1, 2, 3, 4, 5, 250, 251, 252, 253, 254, 255]))
+HAND_BUILT = (
+    bytes([0, 0, 0x08, 3])
+    + struct.pack(">III", 2, 2, 3)
+    + bytes([0, 1, 2, 3, 4, 5, 250, 251, 252, 253, 254, 255])
+)
 
 
 def assert_one_line_error(excinfo, *fragments):
@@ -78,7 +81,9 @@ def test_count_mismatch_names_both_files(tmp_path):
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.zeros(4, dtype=np.uint8))
     with pytest.raises(DataError) as excinfo:
         load_idx_split(tmp_path, "train")
-    assert_one_line_error(excinfo, "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "3 images", "4 labels")
+    assert_one_line_error(
+        excinfo, "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "3 images", "4 labels"
+    )
 
 
 def test_label_out_of_range(tmp_path):

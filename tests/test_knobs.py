@@ -1,10 +1,12 @@
 """Accumulation, clipping and fp16 loss scaling on one device, against a hand-written PyTorch loop; the
 settings' checks; the loss scaler's agreement on overflow."""
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_digits
 
 import polytrain
 from polytrain.config import TrainConfig
@@ -12,7 +14,6 @@ from polytrain.config.train import apply_micro_batch_size
 from polytrain.errors import ConfigError, UserError
 from polytrain.models import build_model
 from polytrain.strategies.gradients import Gradients, total_norm
-from conftest import tiny_digits
 
 
 def hand_written(model, data, *, batch_size, lr, clip_norm=None, clip_value=None, fp16=False):
@@ -27,7 +28,7 @@ def hand_written(model, data, *, batch_size, lr, clip_norm=None, clip_value=None
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
     norms, skipped = [], []
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
             loss = F.cross_entropy(model(x_all[idx]).float(), data.train_y[idx])
@@ -54,12 +55,26 @@ def fit_and_reference(data, **knobs):
     reference = copy.deepcopy(model)
     hand = {k: v for k, v in knobs.items() if k in ("clip_norm", "clip_value", "fp16")}
     norms, skipped = hand_written(reference, data, batch_size=32, lr=0.05, **hand)
-    ours = {"clip_grad_norm": knobs.get("clip_norm"), "clip_grad_value": knobs.get("clip_value"),
-            "precision": "fp16" if knobs.get("fp16") else "fp32", "accumulate": knobs.get("accumulate", 1)}
+    ours = {
+        "clip_grad_norm": knobs.get("clip_norm"),
+        "clip_grad_value": knobs.get("clip_value"),
+        "precision": "fp16" if knobs.get("fp16") else "fp32",
+        "accumulate": knobs.get("accumulate", 1),
+    }
     # channels_last=False: the hand-written loop runs the default memory format, and fp16 rounds the two apart
-    history = polytrain.fit(model, data, epochs=1, batch_size=32, lr=0.05, schedule="constant", warmup_epochs=0,
-                            device="cpu", verbose=False, channels_last=False,
-                            **{k: v for k, v in ours.items() if v is not None})
+    history = polytrain.fit(
+        model,
+        data,
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        schedule="constant",
+        warmup_epochs=0,
+        device="cpu",
+        verbose=False,
+        channels_last=False,
+        **{k: v for k, v in ours.items() if v is not None},
+    )
     return model, reference, history, norms, skipped
 
 
@@ -108,10 +123,11 @@ def test_an_overflow_skips_the_step_and_halves_the_scale():
     gradients.step(optimizer, [weight])
     assert torch.equal(weight.detach(), torch.ones(3))
     assert gradients.scaler.get_scale() == scale / 2
-    weight.grad = torch.tensor([3.0, 4.0, 0.0]) * gradients.scaler.get_scale()       # a scaled gradient
+    weight.grad = torch.tensor([3.0, 4.0, 0.0]) * gradients.scaler.get_scale()  # a scaled gradient
     gradients.step(optimizer, [weight])
-    torch.testing.assert_close(weight.detach(), torch.ones(3) - 0.1 * torch.tensor([0.6, 0.8, 0.0]), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(
+        weight.detach(), torch.ones(3) - 0.1 * torch.tensor([0.6, 0.8, 0.0]), atol=1e-5, rtol=0
+    )
     figures = gradients.epoch_figures()
     assert figures["skipped_steps"] == 1 and figures["clipped_steps"] == 1
     assert figures["grad_norm_mean"] == pytest.approx(5.0) and figures["grad_norm_max"] == pytest.approx(5.0)
@@ -126,43 +142,59 @@ def test_the_global_norm_of_parts_is_the_norm_of_the_whole():
     assert not torch.allclose(torch.stack(parts).clamp(max=1.0).square().sum().sqrt(), whole.clamp(max=1.0))
 
 
-@pytest.mark.parametrize("values, micro, expected", [
-    ({}, 16, {"accumulate": 4}),
-    ({"devices": 2, "strategy": "data"}, 8, {"accumulate": 4}),
-    ({"devices": 2, "strategy": "pipeline"}, 16, {"microbatches": 4}),
-    ({"devices": 2, "strategy": "pipeline", "microbatches": 2}, 16, {"accumulate": 2}),
-])
+@pytest.mark.parametrize(
+    "values, micro, expected",
+    [
+        ({}, 16, {"accumulate": 4}),
+        ({"devices": 2, "strategy": "data"}, 8, {"accumulate": 4}),
+        ({"devices": 2, "strategy": "pipeline"}, 16, {"microbatches": 4}),
+        ({"devices": 2, "strategy": "pipeline", "microbatches": 2}, 16, {"accumulate": 2}),
+    ],
+)
 def test_micro_batch_size_is_another_way_to_say_accumulate(values, micro, expected):
     values = dict(values)
     apply_micro_batch_size(values, micro)
     assert {key: values[key] for key in expected} == expected
 
 
-@pytest.mark.parametrize("values, micro, words", [
-    ({}, 48, "does not divide the 64 samples"),
-    ({"accumulate": 2}, 16, "means --accumulate 4"),
-    ({}, 0, "must be a positive whole number"),
-])
+@pytest.mark.parametrize(
+    "values, micro, words",
+    [
+        ({}, 48, "does not divide the 64 samples"),
+        ({"accumulate": 2}, 16, "means --accumulate 4"),
+        ({}, 0, "must be a positive whole number"),
+    ],
+)
 def test_micro_batch_sizes_that_do_not_multiply_out_are_one_line(values, micro, words):
     with pytest.raises(ConfigError, match=words):
         apply_micro_batch_size(dict(values), micro)
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"accumulate": 65}, "more passes than the 64 samples"),
-    ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, "not both"),
-    ({"clip_grad_norm": 0.0}, "would zero every gradient"),
-    ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be a finite number >= 0"),
-    ({"strategy": "parameter-server", "devices": 2, "staleness": 1, "precision": "fp16"}, "drop --staleness"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"accumulate": 65}, "more passes than the 64 samples"),
+        ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, "not both"),
+        ({"clip_grad_norm": 0.0}, "would zero every gradient"),
+        ({"clip_grad_norm": -1.0}, "--clip-grad-norm must be a finite number >= 0"),
+        (
+            {"strategy": "parameter-server", "devices": 2, "staleness": 1, "precision": "fp16"},
+            "drop --staleness",
+        ),
+    ],
+)
 def test_knob_mistakes_are_one_line(settings, words):
     with pytest.raises(ConfigError, match=words):
         TrainConfig(**settings)
 
 
 def test_fit_names_lightning_and_hugging_face_spellings():
-    for foreign, ours in (("accumulate_grad_batches", "accumulate="), ("gradient_accumulation_steps", "accumulate="),
-                          ("gradient_clip_val", "clip_grad_norm="), ("max_grad_norm", "clip_grad_norm=")):
+    for foreign, ours in (
+        ("accumulate_grad_batches", "accumulate="),
+        ("gradient_accumulation_steps", "accumulate="),
+        ("gradient_clip_val", "clip_grad_norm="),
+        ("max_grad_norm", "clip_grad_norm="),
+    ):
         with pytest.raises(UserError) as error:
             polytrain.fit("lenet", "mnist-sample", **{foreign: 2})
         assert ours in str(error.value) and "\n" not in str(error.value)
@@ -172,20 +204,21 @@ def test_fit_names_lightning_and_hugging_face_spellings():
 
 def test_a_resume_may_change_the_accumulation_and_continues_the_same_training(tmp_path):
     data = tiny_digits(n_train=160)
-    settings = dict(epochs=2, batch_size=32, lr=0.05, clip_grad_norm=0.5, precision="fp16", device="cpu",
-                    verbose=False)
+    settings = dict(
+        epochs=2, batch_size=32, lr=0.05, clip_grad_norm=0.5, precision="fp16", device="cpu", verbose=False
+    )
     torch.manual_seed(0)
     straight = build_model("lenet", data.input_shape, 10)
     stopped, resumed = copy.deepcopy(straight), copy.deepcopy(straight)
     polytrain.fit(straight, data, **settings)
-    polytrain.fit(stopped, data, out=str(tmp_path / "run"), max_steps=7, **settings)    # epoch 2, step 2
+    polytrain.fit(stopped, data, out=str(tmp_path / "run"), max_steps=7, **settings)  # epoch 2, step 2
     polytrain.fit(resumed, data, resume=str(tmp_path / "run"), accumulate=4, **settings)
     assert_same_weights(resumed, straight, 1e-5)
 
 
 def test_fp16_with_parameters_that_got_no_gradient_steps_without_them():
     frozen, used = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([frozen], lr=0.1)            # e.g. a pipeline stage of frozen layers
+    optimizer = torch.optim.SGD([frozen], lr=0.1)  # e.g. a pipeline stage of frozen layers
     gradients = Gradients(device=torch.device("cpu"), fp16=True, clip_norm=1.0)
     scale = gradients.scaler.get_scale()
     gradients.step(optimizer, [frozen])
@@ -206,18 +239,34 @@ def test_the_epochs_figures_and_the_scale_survive_a_checkpoint():
     assert after.epoch_figures() == before.epoch_figures()
 
 
-@pytest.mark.parametrize("metric, mode", [("val_loss", "min"), ("val_mae", "min"), ("val_rmse", "min"),
-                                          ("val_perplexity", "min"), ("val_acc", "max"), ("val_f1", "max")])
+@pytest.mark.parametrize(
+    "metric, mode",
+    [
+        ("val_loss", "min"),
+        ("val_mae", "min"),
+        ("val_rmse", "min"),
+        ("val_perplexity", "min"),
+        ("val_acc", "max"),
+        ("val_f1", "max"),
+    ],
+)
 def test_the_monitor_minimises_losses_and_errors_and_maximises_scores(metric, mode):
     from polytrain.callbacks import monitor_mode
+
     assert monitor_mode(metric) == mode
 
 
-@pytest.mark.parametrize("settings, words", [
-    (dict(optimizer="adamw", momentum=0.5), "momentum= does not apply to AdamW"),
-    (dict(schedule="steplr", schedule_args="step_size=1", warmup_epochs=1.0), "warmup_epochs= belongs to"),
-    (dict(strategy="pipeline", devices=2, accumulate=3), "accumulate=3 runs 8 x 3 = 24 micro-batches"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (dict(optimizer="adamw", momentum=0.5), "momentum= does not apply to AdamW"),
+        (
+            dict(schedule="steplr", schedule_args="step_size=1", warmup_epochs=1.0),
+            "warmup_epochs= belongs to",
+        ),
+        (dict(strategy="pipeline", devices=2, accumulate=3), "accumulate=3 runs 8 x 3 = 24 micro-batches"),
+    ],
+)
 def test_settings_the_optimizer_schedule_or_pipeline_would_not_honour_are_one_line(settings, words):
     with pytest.raises(UserError, match=words) as error:
         polytrain.fit("lenet", "mnist-sample", verbose=False, **settings)

@@ -1,13 +1,14 @@
 """Accumulation, clipping by the global norm and fp16 loss scaling give the one-device training on every
 strategy: `polytrain verify` against one device that takes each step in one pass, and the all-reduces that
 make a norm global and an overflow common, on real gloo processes."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-from polytrain.strategies.gradients import Gradients
 from conftest import polytrain_here
 from distributed import run_on_ranks
+
+from polytrain.strategies.gradients import Gradients
 
 pytestmark = pytest.mark.multiprocess
 
@@ -15,15 +16,22 @@ pytestmark = pytest.mark.multiprocess
 KNOBS = ("--accumulate", "4", "--clip-grad-norm", "0.05")
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "sharded"],
-                                      ["--strategy", "pipeline", "--microbatches", "2"],
-                                      ["--strategy", "parameter-server", "--devices", "3", "--servers", "2"],
-                                      ["--strategy", "pipeline", "--devices", "4", "--pipeline-stages", "2"]],
-                         ids=["data", "sharded", "pipeline", "parameter-server", "pipeline-2x2"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--strategy", "data"],
+        ["--strategy", "sharded"],
+        ["--strategy", "pipeline", "--microbatches", "2"],
+        ["--strategy", "parameter-server", "--devices", "3", "--servers", "2"],
+        ["--strategy", "pipeline", "--devices", "4", "--pipeline-stages", "2"],
+    ],
+    ids=["data", "sharded", "pipeline", "parameter-server", "pipeline-2x2"],
+)
 def test_verify_with_accumulation_and_clipping_passes_on_every_strategy(strategy, capfd):
     devices = [] if "--devices" in strategy else ["--devices", "2"]
-    result = polytrain_here(capfd, "verify", *devices, "--steps", "4", "--batch-size", "96", *KNOBS, *strategy,
-                            "--device", "cpu")
+    result = polytrain_here(
+        capfd, "verify", *devices, "--steps", "4", "--batch-size", "96", *KNOBS, *strategy, "--device", "cpu"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -56,13 +64,20 @@ def _overflow_on_rank_one(rank, world_size):
     scale = gradients.scaler.get_scale()
     weight.grad = torch.tensor([float("inf") if rank == 1 else 1.0, 1.0]) * scale
     gradients.step(optimizer, [weight], overflow_group=dist.group.WORLD)
-    return weight.detach().tolist(), gradients.scaler.get_scale() / scale, gradients.epoch_figures()["skipped_steps"]
+    return (
+        weight.detach().tolist(),
+        gradients.scaler.get_scale() / scale,
+        gradients.epoch_figures()["skipped_steps"],
+    )
 
 
 def _each_check(rank, world_size):
     """The checks below, one after the other in the same pair of processes (a spawn each would cost seconds)."""
-    return {"group-wide": _clip_halves(rank, world_size, True), "stage-local": _clip_halves(rank, world_size, False),
-            "overflow": _overflow_on_rank_one(rank, world_size)}
+    return {
+        "group-wide": _clip_halves(rank, world_size, True),
+        "stage-local": _clip_halves(rank, world_size, False),
+        "overflow": _overflow_on_rank_one(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +114,25 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(on_two_ranks):
 def test_fp16_trains_every_strategy_within_its_noise_floor_of_one_device(strategy, capfd):
     # float64 cannot run under fp16 autocast: verify compares as trained, against one device repeated in
     # another summation order
-    result = polytrain_here(capfd, "verify", "--devices", "2", "--steps", "4", "--precision", "fp16", "--strategy",
-                            strategy, "--device", "cpu")
+    result = polytrain_here(
+        capfd,
+        "verify",
+        "--devices",
+        "2",
+        "--steps",
+        "4",
+        "--precision",
+        "fp16",
+        "--strategy",
+        strategy,
+        "--device",
+        "cpu",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "both as trained (fp16)" in result.stdout and "PASS" in result.stdout and "noise floor" in result.stdout
+    assert (
+        "both as trained (fp16)" in result.stdout
+        and "PASS" in result.stdout
+        and "noise floor" in result.stdout
+    )
     floors = [float(line.split()[4]) for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert len(floors) == 4 and max(floors) > 0      # the two summation orders do round apart
+    assert len(floors) == 4 and max(floors) > 0  # the two summation orders do round apart

@@ -2,20 +2,20 @@
 called in Lightning's order, what it logs reaches the epoch record, `self.trainer` answers in
 configure_optimizers, and a module without validation_step trains without validation. Checked against counts
 worked out by hand, and against Lightning itself where it is installed."""
+
 import json
 
 import pytest
+import token_data
 import torch
+from token_data import LitRecorder, PaddedTokens, TokenModel, token_accuracy
 
 import polytrain
 from polytrain.data.order import global_batch_order
 from polytrain.errors import UserError
-import token_data
-from token_data import LitRecorder, PaddedTokens, TokenModel, token_accuracy
 
 # 64 training sequences in batches of 16: 4 steps an epoch; 32 validation sequences in 2 batches of 16
 SETTINGS = dict(epochs=2, batch_size=16, eval_batch_size=16, verbose=False)
-
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def loop_events():
     """SEEN from on_fit_start on, without configure_optimizers (polytrain also calls it and training_step on two
     samples before training, to check them)."""
     events = [event for event in token_data.SEEN if event[0] != "configure_optimizers"]
-    return events[next(i for i, event in enumerate(events) if event[0] == "on_fit_start"):]
+    return events[next(i for i, event in enumerate(events) if event[0] == "on_fit_start") :]
 
 
 def by_hand():
@@ -35,10 +35,17 @@ def by_hand():
     events = [("on_fit_start", 0, 0), ("on_train_start", 0, 0)]
     for epoch in range(2):
         done = 4 * epoch + 4
-        events += [("on_train_epoch_start", epoch, done - 4), *[("train", epoch, done - 4 + i, i) for i in range(4)],
-                   ("on_validation_start", epoch, done), ("on_validation_epoch_start", epoch, done),
-                   ("val", epoch, done, 0), ("val", epoch, done, 1), ("on_validation_epoch_end", epoch, done),
-                   ("on_validation_end", epoch, done), ("on_train_epoch_end", epoch, done)]
+        events += [
+            ("on_train_epoch_start", epoch, done - 4),
+            *[("train", epoch, done - 4 + i, i) for i in range(4)],
+            ("on_validation_start", epoch, done),
+            ("on_validation_epoch_start", epoch, done),
+            ("val", epoch, done, 0),
+            ("val", epoch, done, 1),
+            ("on_validation_epoch_end", epoch, done),
+            ("on_validation_end", epoch, done),
+            ("on_train_epoch_end", epoch, done),
+        ]
     return events + [("on_train_end", 2, 8), ("on_fit_end", 2, 8)]
 
 
@@ -86,8 +93,9 @@ def test_a_module_without_validation_step_trains_without_validation(data):
     assert [sorted(key for key in record if key.startswith("val_")) for record in history.epochs] == [[], []]
     assert history.best == {} and history.validations == []
     for options, words in ((dict(patience=2), "patience="), (dict(val_every=2), "val_every=")):
-        with pytest.raises(UserError, match=f"{words} needs validation, and the LightningModule has no "
-                                            f"validation_step"):
+        with pytest.raises(
+            UserError, match=f"{words} needs validation, and the LightningModule has no validation_step"
+        ):
             polytrain.fit(TrainOnly(), train=data[0], val=data[1], **SETTINGS, **options)
 
 
@@ -103,10 +111,13 @@ class SummedLog(TrainOnly):
         return loss
 
 
-@pytest.mark.parametrize("module, words", [
-    (UncalledHook, "UncalledHook.on_after_backward: polytrain does not call this LightningModule hook"),
-    (SummedLog, "self.log('tokens', ..., reduce_fx='sum'): polytrain records the epoch's mean"),
-])
+@pytest.mark.parametrize(
+    "module, words",
+    [
+        (UncalledHook, "UncalledHook.on_after_backward: polytrain does not call this LightningModule hook"),
+        (SummedLog, "self.log('tokens', ..., reduce_fx='sum'): polytrain records the epoch's mean"),
+    ],
+)
 def test_what_polytrain_would_not_do_as_lightning_is_refused_in_one_line(data, module, words):
     with pytest.raises(UserError) as error:
         polytrain.fit(module(), train=data[0], val=data[1], **SETTINGS)
@@ -118,6 +129,7 @@ def test_logged_values_are_reduced_across_two_ranks(data):
     """The same weights on one device and two (a token-exact loss); each rank validates one of the two batches
     of 16, and the epoch's val_acc is their mean, as on one device."""
     from token_data import LitAccuracy
+
     one = polytrain.fit(LitAccuracy(), train=data[0], val=data[1], **SETTINGS)
     two = polytrain.fit(LitAccuracy(), train=data[0], val=data[1], devices=2, strategy="data", **SETTINGS)
     assert two["val_acc"] == pytest.approx(one["val_acc"], abs=1e-6)
@@ -161,12 +173,22 @@ def test_lightning_itself_runs_the_same_loop_and_logs_the_same_means(data):
 
     def collate(items):
         return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
     token_data.SEEN.clear()
     figures = Figures()
-    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[figures])
-    train = torch.utils.data.DataLoader(data[0], batch_size=16, sampler=EpochOrder(len(data[0])), collate_fn=collate)
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[figures],
+    )
+    train = torch.utils.data.DataLoader(
+        data[0], batch_size=16, sampler=EpochOrder(len(data[0])), collate_fn=collate
+    )
     val = torch.utils.data.DataLoader(data[1], batch_size=16, collate_fn=collate)
     trainer.fit(LitReal(), train, val)
     lightning_events, lightning_configured = loop_events(), token_data.SEEN[0]

@@ -1,14 +1,24 @@
 import torch
+from conftest import tiny_digits
 
 from polytrain.data.augment import crop_and_flip
 from polytrain.data.loader import DeviceLoader, global_batch_order, make_loaders, rank_slice
-from conftest import tiny_digits
 
 
 def loader(data, *, batch_size=32, rank=0, world_size=1, seed=0, augment=False):
     mean, std = data.channel_stats()
-    return DeviceLoader(data.train_x, data.train_y, batch_size=batch_size, mean=mean, std=std, device="cpu",
-                        rank=rank, world_size=world_size, seed=seed, augment=augment)
+    return DeviceLoader(
+        data.train_x,
+        data.train_y,
+        batch_size=batch_size,
+        mean=mean,
+        std=std,
+        device="cpu",
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        augment=augment,
+    )
 
 
 def test_each_epoch_is_a_seeded_permutation_of_every_sample():
@@ -20,7 +30,7 @@ def test_each_epoch_is_a_seeded_permutation_of_every_sample():
 
 
 def test_batches_cover_the_epoch_once_including_the_last_partial_batch(digits):
-    one = loader(digits, batch_size=100)          # 256 samples: 100, 100, 56
+    one = loader(digits, batch_size=100)  # 256 samples: 100, 100, 56
     batches = list(one.train_batches(0))
     assert [len(b.y) for b in batches] == [100, 100, 56]
     assert [b.global_count for b in batches] == [100, 100, 56]
@@ -60,8 +70,9 @@ def test_eval_shards_cover_the_split_exactly_once_without_padding():
     for world in (1, 2, 3):
         labels = []
         for rank in range(world):
-            _, val = make_loaders(data, batch_size=16, device="cpu", rank=rank, world_size=world,
-                                  eval_batch_size=16)
+            _, val = make_loaders(
+                data, batch_size=16, device="cpu", rank=rank, world_size=world, eval_batch_size=16
+            )
             labels += [b.y for b in val.eval_batches()]
         assert torch.equal(torch.cat(labels), data.val_y)
 
@@ -79,7 +90,7 @@ def test_crop_and_flip_matches_a_per_image_reference():
     padded = torch.nn.functional.pad(images, (2, 2, 2, 2))
     for i in range(5):
         top, left = offsets[i].tolist()
-        expected = padded[i, :, top:top + 6, left:left + 6]
+        expected = padded[i, :, top : top + 6, left : left + 6]
         if flips[i]:
             expected = expected.flip(-1)
         assert torch.equal(out[i], expected)
@@ -87,8 +98,10 @@ def test_crop_and_flip_matches_a_per_image_reference():
 
 def test_augmentation_is_the_same_on_any_device_count(digits):
     whole = next(loader(digits, batch_size=64, augment=True).train_batches(0))
-    parts = [next(loader(digits, batch_size=64, rank=r, world_size=2, augment=True).train_batches(0))
-             for r in range(2)]
+    parts = [
+        next(loader(digits, batch_size=64, rank=r, world_size=2, augment=True).train_batches(0))
+        for r in range(2)
+    ]
     assert torch.equal(torch.cat([p.x for p in parts]), whole.x)
     plain = next(loader(digits, batch_size=64).train_batches(0))
     assert not torch.equal(plain.x, whole.x)

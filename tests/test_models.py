@@ -5,7 +5,7 @@ from polytrain.errors import UserError
 from polytrain.models import MODELS, build_model
 
 
-@pytest.mark.parametrize("name", sorted(set(MODELS) - {"gpt"}))      # gpt reads text: test_gpt.py
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"gpt"}))  # gpt reads text: test_gpt.py
 @pytest.mark.parametrize("shape, classes", [((1, 28, 28), 10), ((3, 32, 32), 10), ((1, 28, 28), 7)])
 def test_every_model_maps_its_input_to_class_scores(name, shape, classes):
     model = build_model(name, shape, classes)
@@ -36,13 +36,15 @@ def test_unknown_model_names_the_choices():
 def test_a_convolutional_module_object_trains_channels_last_unless_it_cannot_take_it():
     """fit(build_model("lenet")) trained in the default format, 1.2x slower than fit("lenet") on the CPU."""
     import torch.nn as nn
+    from conftest import tiny_digits
+
     import polytrain
     from polytrain.models import takes_channels_last
-    from conftest import tiny_digits
+
     data = tiny_digits(n_train=64, n_val=16)
     sample = data.sample_inputs(2)
 
-    class ViewFlatten(nn.Module):          # flattens with .view(), which a channels-last tensor cannot do
+    class ViewFlatten(nn.Module):  # flattens with .view(), which a channels-last tensor cannot do
         def __init__(self):
             super().__init__()
             self.conv, self.fc = nn.Conv2d(1, 4, 3), nn.Linear(4 * 26 * 26, 10)
@@ -50,6 +52,7 @@ def test_a_convolutional_module_object_trains_channels_last_unless_it_cannot_tak
         def forward(self, x):
             x = self.conv(x)
             return self.fc(x.view(x.size(0), -1))
+
     assert takes_channels_last(build_model("lenet", (1, 28, 28), 10), sample)
     assert not takes_channels_last(ViewFlatten(), sample)
     assert not takes_channels_last(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), sample.flatten(1))
@@ -59,7 +62,7 @@ def test_a_convolutional_module_object_trains_channels_last_unless_it_cannot_tak
     polytrain.fit(module, data, **settings)
     torch.manual_seed(0)
     asked = build_model("lenet", (1, 28, 28), 10)
-    polytrain.fit(asked, data, channels_last=True, **settings)        # as fit("lenet") trains it
+    polytrain.fit(asked, data, channels_last=True, **settings)  # as fit("lenet") trains it
     for (name, got), expected in zip(module.state_dict().items(), asked.state_dict().values()):
         assert torch.equal(got, expected), name
-    polytrain.fit(ViewFlatten(), data, **settings)          # trains, in the default format
+    polytrain.fit(ViewFlatten(), data, **settings)  # trains, in the default format

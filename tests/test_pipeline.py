@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 CPU processes (gloo), 4 for the 2 x 2 mesh, against one device: every schedule and
 micro-batch count takes the one-device step; checkpoints hold the whole, unsplit model; runs resume across
 strategies; user mistakes get one line before any process starts."""
+
 import copy
 import json
 import re
@@ -9,6 +10,9 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import assert_same_weights, tiny_digits
+from distributed import run_on_ranks
+from processes import polytrain as run_polytrain
 
 import polytrain
 from polytrain.cli import main
@@ -18,14 +22,11 @@ from polytrain.models import build_model
 from polytrain.optim import make_optimizer, make_scheduler
 from polytrain.strategies import Pipeline, make_plan
 from polytrain.trainer import Trainer
-from conftest import assert_same_weights, tiny_digits
-from distributed import run_on_ranks
-from processes import polytrain as run_polytrain
 
 pytestmark = pytest.mark.multiprocess
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-STEPS = dict(epochs=1, batch_size=16, max_steps=20, device="cpu", verbose=False)    # 20 of 25 steps: mid-epoch
+STEPS = dict(epochs=1, batch_size=16, max_steps=20, device="cpu", verbose=False)  # 20 of 25 steps: mid-epoch
 
 
 def changed(after: torch.nn.Module, before: torch.nn.Module) -> float:
@@ -41,7 +42,7 @@ def lenet_on_one_device():
     start = build_model("lenet", data.input_shape, 10)
     one = copy.deepcopy(start)
     polytrain.fit(one, data, devices=1, **STEPS)
-    assert changed(one, start) > 1e-3                # it did train
+    assert changed(one, start) > 1e-3  # it did train
     return data, start, one
 
 
@@ -52,17 +53,36 @@ def _train_each_on_ranks(rank, world_size, model, data, jobs):
     for config, plan in jobs:
         torch.manual_seed(config.seed)
         strategy = Pipeline(device=torch.device("cpu"), rank=rank, world_size=world_size, plan=plan)
-        train, val = make_loaders(data, batch_size=config.batch_size, device="cpu", rank=strategy.data_rank,
-                                  world_size=strategy.data_world, seed=config.seed)
+        train, val = make_loaders(
+            data,
+            batch_size=config.batch_size,
+            device="cpu",
+            rank=strategy.data_rank,
+            world_size=strategy.data_world,
+            seed=config.seed,
+        )
         steps = len(train)
-        strategy.setup(copy.deepcopy(model),
-                       partial(make_optimizer, name=config.optimizer, lr=config.effective_lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay),
-                       partial(make_scheduler, kind=config.schedule, total_steps=config.epochs * steps,
-                               warmup_steps=round(config.warmup_epochs * steps)))
+        strategy.setup(
+            copy.deepcopy(model),
+            partial(
+                make_optimizer,
+                name=config.optimizer,
+                lr=config.effective_lr,
+                momentum=config.momentum,
+                weight_decay=config.weight_decay,
+            ),
+            partial(
+                make_scheduler,
+                kind=config.schedule,
+                total_steps=config.epochs * steps,
+                warmup_steps=round(config.warmup_epochs * steps),
+            ),
+        )
         Trainer(strategy, train, val, epochs=config.epochs, max_steps=config.max_steps).fit()
-        weights = strategy.model_state()          # every rank takes part; rank 0 gets the whole model
-        found.append({key: value.numpy() for key, value in weights.items()})   # plain pickles through the queue
+        weights = strategy.model_state()  # every rank takes part; rank 0 gets the whole model
+        found.append(
+            {key: value.numpy() for key, value in weights.items()}
+        )  # plain pickles through the queue
     return found
 
 
@@ -74,20 +94,27 @@ def every_schedule_and_microbatch_count(lenet_on_one_device):
     combos = [(schedule, m) for schedule in SCHEDULES for m in (1, 2, 4)]
     jobs = []
     for schedule, microbatches in combos:
-        config = TrainConfig(devices=2, strategy="pipeline", microbatches=microbatches, pipeline_schedule=schedule,
-                             **{k: v for k, v in STEPS.items() if k != "verbose"})
+        config = TrainConfig(
+            devices=2,
+            strategy="pipeline",
+            microbatches=microbatches,
+            pipeline_schedule=schedule,
+            **{k: v for k, v in STEPS.items() if k != "verbose"},
+        )
         jobs.append((config, make_plan("pipeline", config, start, data, device=torch.device("cpu"))))
         assert jobs[-1][1].microbatches == microbatches and jobs[-1][1].schedule == schedule
     found = run_on_ranks(_train_each_on_ranks, start, data, jobs, timeout=240)[0]
-    return {combo: {key: torch.from_numpy(value) for key, value in weights.items()}
-            for combo, weights in zip(combos, found)}
+    return {
+        combo: {key: torch.from_numpy(value) for key, value in weights.items()}
+        for combo, weights in zip(combos, found)
+    }
 
 
 @pytest.mark.parametrize("microbatches", [1, 2, 4])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_schedule_and_microbatch_count_equals_one_device(lenet_on_one_device,
-                                                               every_schedule_and_microbatch_count, schedule,
-                                                               microbatches):
+def test_every_schedule_and_microbatch_count_equals_one_device(
+    lenet_on_one_device, every_schedule_and_microbatch_count, schedule, microbatches
+):
     _, start, one = lenet_on_one_device
     weights = every_schedule_and_microbatch_count[schedule, microbatches]
     assert max(float((weights[k] - v).abs().max()) for k, v in start.state_dict().items()) > 1e-3
@@ -102,16 +129,17 @@ def test_two_pipelines_of_two_stages_on_four_processes_equal_one_device(lenet_on
     assert_same_weights(model.state_dict(), one.state_dict())
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])      # the 4-process test runs 1f1b
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])  # the 4-process test runs 1f1b
 def test_a_smaller_last_batch_that_the_microbatches_do_not_divide_equals_one_device(schedule):
-    data = tiny_digits(n_train=5 * 16 + 6, n_val=20)     # a whole epoch: 5 batches of 16, then one of 6
+    data = tiny_digits(n_train=5 * 16 + 6, n_val=20)  # a whole epoch: 5 batches of 16, then one of 6
     torch.manual_seed(0)
     start = build_model("lenet", data.input_shape, 10)
     one, two = copy.deepcopy(start), copy.deepcopy(start)
     settings = dict(epochs=1, batch_size=16, device="cpu", verbose=False)
     expected = polytrain.fit(one, data, devices=1, **settings)
-    history = polytrain.fit(two, data, devices=2, strategy="pipeline", microbatches=4, pipeline_schedule=schedule,
-                            **settings)                     # 4 micro-batches of 4; the last batch of 6 is not
+    history = polytrain.fit(
+        two, data, devices=2, strategy="pipeline", microbatches=4, pipeline_schedule=schedule, **settings
+    )  # 4 micro-batches of 4; the last batch of 6 is not
     assert changed(one, start) > 1e-3
     assert_same_weights(two.state_dict(), one.state_dict())
     # the last 6 samples count in the epoch's loss and accuracy too
@@ -122,8 +150,23 @@ def test_a_smaller_last_batch_that_the_microbatches_do_not_divide_equals_one_dev
 
 # -- checkpoints hold the whole model, by its own names ---------------------------------------------------------
 
-RESNET = ["--model", "resnet", "--dataset", "synthetic", "--synthetic-size", "64", "--synthetic-shape", "3,16,16",
-          "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--no-channels-last"]
+RESNET = [
+    "--model",
+    "resnet",
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "64",
+    "--synthetic-shape",
+    "3,16,16",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--device",
+    "cpu",
+    "--no-channels-last",
+]
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +174,23 @@ def resnet_runs(tmp_path_factory):
     """A ResNet-20 (BatchNorm, nested Sequentials) trained one epoch on a 2-stage pipeline with one micro-batch
     (so each BatchNorm sees the whole batch, as on one device), and the same on one device."""
     folder = tmp_path_factory.mktemp("resnet")
-    assert main(["train", *RESNET, "--strategy", "pipeline", "--devices", "2", "--microbatches", "1",
-                 "--out", str(folder / "pipeline")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *RESNET,
+                "--strategy",
+                "pipeline",
+                "--devices",
+                "2",
+                "--microbatches",
+                "1",
+                "--out",
+                str(folder / "pipeline"),
+            ]
+        )
+        == 0
+    )
     assert main(["train", *RESNET, "--out", str(folder / "one")]) == 0
     return folder / "pipeline", folder / "one"
 
@@ -143,28 +201,50 @@ def test_a_pipeline_checkpoint_is_the_whole_unsplit_model(resnet_runs):
     fresh = build_model("resnet", (3, 16, 16), 10)
     expected = fresh.state_dict()
     assert list(saved) == list(expected)
-    assert {key: tuple(value.shape) for key, value in saved.items()} == \
-           {key: tuple(value.shape) for key, value in expected.items()}
-    assert "stem.0.weight" in saved and "stages.3.conv1.weight" in saved and "stages.3.shortcut.1.running_var" in saved
-    fresh.load_state_dict(saved)                        # strict: no key missing, none left over
+    assert {key: tuple(value.shape) for key, value in saved.items()} == {
+        key: tuple(value.shape) for key, value in expected.items()
+    }
+    assert (
+        "stem.0.weight" in saved
+        and "stages.3.conv1.weight" in saved
+        and "stages.3.shortcut.1.running_var" in saved
+    )
+    fresh.load_state_dict(saved)  # strict: no key missing, none left over
     reference = torch.load(one / "model.pt", weights_only=True)
     parameters = {name for name, _ in fresh.named_parameters()}
-    assert_same_weights({k: v for k, v in saved.items() if k in parameters},
-                        {k: v for k, v in reference.items() if k in parameters})
+    assert_same_weights(
+        {k: v for k, v in saved.items() if k in parameters},
+        {k: v for k, v in reference.items() if k in parameters},
+    )
 
 
 def test_a_pipeline_checkpoint_keeps_batchnorm_statistics_like_one_device(resnet_runs):
     pipeline, one = resnet_runs
     # with one micro-batch each BatchNorm sees the whole batch once per step, as on one device: no extra
     # training-mode forward (a stage's shape inference) may move running_mean, running_var, num_batches_tracked
-    assert_same_weights(torch.load(pipeline / "model.pt", weights_only=True),
-                        torch.load(one / "model.pt", weights_only=True))
+    assert_same_weights(
+        torch.load(pipeline / "model.pt", weights_only=True), torch.load(one / "model.pt", weights_only=True)
+    )
 
 
 # -- resuming across strategies ---------------------------------------------------------------------------------
 
-COMMON = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--batch-size", "16", "--epochs", "1",
-          "--schedule", "constant", "--device", "cpu"]         # 6 steps; the runs below stop after 3
+COMMON = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "96",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--schedule",
+    "constant",
+    "--device",
+    "cpu",
+]  # 6 steps; the runs below stop after 3
 
 
 def train(capfd, *args) -> str:
@@ -184,19 +264,43 @@ def stopped_runs(tmp_path_factory):
     2 micro-batches) and "single" stopped after 3 of 6 steps, mid-epoch; resumed by copies of them."""
     folder = tmp_path_factory.mktemp("resume")
     assert main(["train", *COMMON, "--out", str(folder / "straight")]) == 0
-    assert main(["train", *COMMON, "--strategy", "pipeline", "--devices", "2", "--split", "3", "--microbatches", "2",
-                 "--max-steps", "3", "--out", str(folder / "pipeline")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *COMMON,
+                "--strategy",
+                "pipeline",
+                "--devices",
+                "2",
+                "--split",
+                "3",
+                "--microbatches",
+                "2",
+                "--max-steps",
+                "3",
+                "--out",
+                str(folder / "pipeline"),
+            ]
+        )
+        == 0
+    )
     assert main(["train", *COMMON, "--max-steps", "3", "--out", str(folder / "single")]) == 0
     return folder, final_weights(folder / "straight")
 
 
-@pytest.mark.parametrize("flags, strategy", [
-    (["--strategy", "data"], "data"),
-    (["--strategy", "single", "--devices", "1"], "single"),
-    (["--devices", "1"], "single"),                 # one device: the pipeline cannot stay, one device remains
-], ids=["data", "single", "devices-1"])
-def test_a_stopped_pipeline_resumes_under_another_strategy_like_one_straight_run(stopped_runs, tmp_path, capfd,
-                                                                                flags, strategy):
+@pytest.mark.parametrize(
+    "flags, strategy",
+    [
+        (["--strategy", "data"], "data"),
+        (["--strategy", "single", "--devices", "1"], "single"),
+        (["--devices", "1"], "single"),  # one device: the pipeline cannot stay, one device remains
+    ],
+    ids=["data", "single", "devices-1"],
+)
+def test_a_stopped_pipeline_resumes_under_another_strategy_like_one_straight_run(
+    stopped_runs, tmp_path, capfd, flags, strategy
+):
     folder, straight = stopped_runs
     shutil.copytree(folder / "pipeline", tmp_path / "run")
     out = train(capfd, "--resume", tmp_path / "run", *flags)
@@ -208,24 +312,43 @@ def test_a_stopped_pipeline_resumes_under_another_strategy_like_one_straight_run
 
 
 def test_a_stopped_one_device_run_resumes_as_a_pipeline_with_another_split_like_one_straight_run(
-        stopped_runs, tmp_path, capfd):
+    stopped_runs, tmp_path, capfd
+):
     folder, straight = stopped_runs
     shutil.copytree(folder / "single", tmp_path / "run")
     out = train(capfd, "--resume", tmp_path / "run", "--strategy", "pipeline", "--devices", 2, "--split", 4)
     assert "in epoch 1 at step 3 of 6 on 2 CPU processes" in out.splitlines()[0], out
-    assert "layers 0-3" in out and "layers 4-5" in out          # split before layer 4, not 3 as above
+    assert "layers 0-3" in out and "layers 4-5" in out  # split before layer 4, not 3 as above
     assert json.loads((tmp_path / "run" / "config.json").read_text())["strategy"] == "pipeline"
     assert_same_weights(final_weights(tmp_path / "run"), straight)
 
 
 # -- LeNet on the command line: where its layers run, and the checkpoint it leaves -------------------------------
 
+
 @pytest.fixture(scope="module")
 def lenet_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lenet") / "run"
-    result = run_polytrain("train", "--strategy", "pipeline", "--devices", "2", "--microbatches", "1",
-                           "--model", "lenet", "--epochs", "1", "--device", "cpu", "--max-steps", "2", "--out", run_dir,
-                           timeout=180)
+    result = run_polytrain(
+        "train",
+        "--strategy",
+        "pipeline",
+        "--devices",
+        "2",
+        "--microbatches",
+        "1",
+        "--model",
+        "lenet",
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "--max-steps",
+        "2",
+        "--out",
+        run_dir,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout, run_dir
 
@@ -241,9 +364,13 @@ def test_lenet_in_two_stages_puts_convolutions_on_one_device_and_dense_layers_on
             stages[int(stage)] = range(int(first), int(last or first) + 1)
     assert sorted(stages) == [0, 1], out
     layers = list(build_model("lenet", (1, 28, 28), 10))
-    assert [i for span in stages.values() for i in span] == list(range(len(layers)))     # each layer once, in order
-    kinds = {kind: {s for s, span in stages.items() for i in span if isinstance(layers[i], kind)}
-             for kind in (torch.nn.Conv2d, torch.nn.Linear)}
+    assert [i for span in stages.values() for i in span] == list(
+        range(len(layers))
+    )  # each layer once, in order
+    kinds = {
+        kind: {s for s, span in stages.items() for i in span if isinstance(layers[i], kind)}
+        for kind in (torch.nn.Conv2d, torch.nn.Linear)
+    }
     assert kinds == {torch.nn.Conv2d: {0}, torch.nn.Linear: {1}}, out
 
 
@@ -252,7 +379,9 @@ def test_the_run_folder_records_which_layers_each_stage_held(lenet_run):
     plan = json.loads((run_dir / "config.json").read_text())["strategy_plan"]
     names = [name for name, _ in build_model("lenet", (1, 28, 28), 10).named_children()]
     assert [stage["pipeline_rank"] for stage in plan["stages"]] == [0, 1]
-    assert [name for stage in plan["stages"] for name in stage["layers"]] == names     # each layer once, in order
+    assert [
+        name for stage in plan["stages"] for name in stage["layers"]
+    ] == names  # each layer once, in order
     first = len(plan["stages"][0]["layers"])
     assert plan["summary"].startswith("pipeline of 2 stages x 1 replica(s), schedule ")
     assert plan["summary"].endswith(f"split before layers {first}")

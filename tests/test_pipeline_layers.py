@@ -1,4 +1,5 @@
 """Flattening a model into layers, and measuring them for the split: pure, in one process."""
+
 import time
 
 import torch
@@ -25,8 +26,8 @@ def test_timed_layers_are_split_where_their_known_times_balance():
     model = nn.Sequential(Sleep(0.040), Sleep(0.010), Sleep(0.010), Sleep(0.010), Sleep(0.010))
     costs = time_layers(flatten_layers(model), torch.ones(2, 3), repeats=3)
     for cost, seconds in zip(costs, (0.040, 0.010, 0.010, 0.010, 0.010)):
-        assert seconds <= cost < seconds + 0.030             # sleep is a lower bound; load only adds
-    assert balance_by_time(costs, stages=2) == (1,)          # 40 ms | 4 x 10 ms: any other split is 50 ms or more
+        assert seconds <= cost < seconds + 0.030  # sleep is a lower bound; load only adds
+    assert balance_by_time(costs, stages=2) == (1,)  # 40 ms | 4 x 10 ms: any other split is 50 ms or more
 
 
 def test_nested_sequentials_flatten_to_layers_named_as_in_the_model():
@@ -35,8 +36,9 @@ def test_nested_sequentials_flatten_to_layers_named_as_in_the_model():
     assert [name for name, _ in layers][:4] == ["stem.0", "stem.1", "stem.2", "stages.0"]
     assert [name for name, _ in layers][-3:] == ["head.0", "head.1", "head.2"]
     part = named_subset(layers[3:5])
-    assert list(part.state_dict()) == [key for key in model.state_dict()
-                                       if key.startswith(("stages.0.", "stages.1."))]
+    assert list(part.state_dict()) == [
+        key for key in model.state_dict() if key.startswith(("stages.0.", "stages.1."))
+    ]
 
 
 def test_memory_counts_saved_activations_and_parameter_state_exactly():
@@ -49,5 +51,5 @@ def test_memory_counts_saved_activations_and_parameter_state_exactly():
 
 
 def test_the_first_layer_keeps_nothing_for_an_input_gradient_nobody_needs():
-    relu, = layer_memory([("0", nn.ReLU())], torch.randn(5, 4), optimizer_slots=1)
+    (relu,) = layer_memory([("0", nn.ReLU())], torch.randn(5, 4), optimizer_slots=1)
     assert relu == 0

@@ -1,9 +1,19 @@
 """Pipeline x tensor parallelism: the 3-D (data, pipeline, tensor) layout worked out by hand, the one-line
 refusals, `polytrain verify` of a small GPT in 2 stages of 2 tensor ranks against one device, and a run that
 moves one device -> pipeline x tensor -> one device on one straight trajectory."""
+
 import pytest
 import torch
 import torch.nn as nn
+from conftest import (
+    assert_refused_in_one_line,
+    assert_same_weights,
+    polytrain_here,
+    tiny_digits,
+)
+from conftest import (
+    load_weights as load,
+)
 
 from polytrain.config.train import TrainConfig, replicas
 from polytrain.errors import ConfigError
@@ -12,22 +22,30 @@ from polytrain.models.gpt import GPT
 from polytrain.plan.pipeline import PipelineLayout, check_tensor_cuts
 from polytrain.sources import as_dataset
 from polytrain.strategies import make_plan
-from conftest import (assert_refused_in_one_line, assert_same_weights, load_weights as load, polytrain_here,
-                      tiny_digits)
-
 
 # ---- the layout and the plan, in this process ----
 
+
 def test_tensor_ranks_are_innermost_on_the_data_pipeline_tensor_mesh():
-    layout = PipelineLayout(8, 2, 2)            # 2 pipelines x 2 stages x 2 tensor ranks
-    assert layout.replicas == 2 and layout.mesh_shape() == (2, 2, 2) and layout.mesh_names == ("dp", "pp", "tp")
+    layout = PipelineLayout(8, 2, 2)  # 2 pipelines x 2 stages x 2 tensor ranks
+    assert (
+        layout.replicas == 2 and layout.mesh_shape() == (2, 2, 2) and layout.mesh_names == ("dp", "pp", "tp")
+    )
     # rank: (replica, pipeline rank), tensor slice
     assert [(layout.coords(r), layout.tensor_index(r)) for r in range(8)] == [
-        ((0, 0), 0), ((0, 0), 1), ((0, 1), 0), ((0, 1), 1), ((1, 0), 0), ((1, 0), 1), ((1, 1), 0), ((1, 1), 1)]
+        ((0, 0), 0),
+        ((0, 0), 1),
+        ((0, 1), 0),
+        ((0, 1), 1),
+        ((1, 0), 0),
+        ((1, 0), 1),
+        ((1, 1), 0),
+        ((1, 1), 1),
+    ]
     assert [layout.rank(*layout.coords(r), layout.tensor_index(r)) for r in range(8)] == list(range(8))
     assert [layout.peer(r, layout.coords(r)[1] + 1) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
     assert layout.stage_ranks(1) == [2, 3, 6, 7]
-    plain = PipelineLayout(4, 2)                 # without tensor ranks: as before
+    plain = PipelineLayout(4, 2)  # without tensor ranks: as before
     assert plain.mesh_shape() == (2, 2) and plain.stage_ranks(1) == [1, 3] and plain.peer(2, 1) == 3
 
 
@@ -39,15 +57,17 @@ def test_replicas_count_a_pipeline_of_tensor_groups_once():
 
 
 def test_a_stage_may_not_begin_between_a_column_and_its_row_layer():
-    styles = (("1", "colwise", 1), ("3", "rowwise", 1))                  # the mlp's plan
+    styles = (("1", "colwise", 1), ("3", "rowwise", 1))  # the mlp's plan
     names = ("0", "1", "2", "3", "4", "5")
     check_tensor_cuts(styles, names, (1,))
     check_tensor_cuts(styles, names, (4,))
     for points in [(2,), (3,)]:
-        with pytest.raises(ConfigError, match=r"stage begins at layer \d, between 1 \(colwise\) and 3 \(rowwise\)"):
+        with pytest.raises(
+            ConfigError, match=r"stage begins at layer \d, between 1 \(colwise\) and 3 \(rowwise\)"
+        ):
             check_tensor_cuts(styles, names, points)
     gpt = (("1.attention.qkv", "colwise", 3), ("1.attention.proj", "rowwise", 1))
-    check_tensor_cuts(gpt, ("0", "1", "2"), (1, 2))                       # whole blocks: any cut between them
+    check_tensor_cuts(gpt, ("0", "1", "2"), (1, 2))  # whole blocks: any cut between them
 
 
 def plan(model, devices=4, **settings):
@@ -56,35 +76,77 @@ def plan(model, devices=4, **settings):
     return make_plan("pipeline", config, model, data, device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("model, settings, words", [
-    (GPT(65, context=64, layers=1, heads=2, width=32), dict(devices=8, tensor_parallel=4),
-     ["--tensor-parallel 4", "2 attention heads", "a --tensor-parallel that divides 2"]),
-    (build_model("mlp", (1, 28, 28), 10), dict(tensor_parallel=2, split="2"), ["between 1 (colwise) and 3 (rowwise)"]),
-    (nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), dict(tensor_parallel=2, split="1"),
-     ["--model mlp and gpt", "not your Sequential", "--strategy tensor"]),
-])
+@pytest.mark.parametrize(
+    "model, settings, words",
+    [
+        (
+            GPT(65, context=64, layers=1, heads=2, width=32),
+            dict(devices=8, tensor_parallel=4),
+            ["--tensor-parallel 4", "2 attention heads", "a --tensor-parallel that divides 2"],
+        ),
+        (
+            build_model("mlp", (1, 28, 28), 10),
+            dict(tensor_parallel=2, split="2"),
+            ["between 1 (colwise) and 3 (rowwise)"],
+        ),
+        (
+            nn.Sequential(nn.Flatten(), nn.Linear(784, 10)),
+            dict(tensor_parallel=2, split="1"),
+            ["--model mlp and gpt", "not your Sequential", "--strategy tensor"],
+        ),
+    ],
+)
 def test_a_pipeline_of_tensor_groups_that_cannot_work_is_one_line_before_any_worker(model, settings, words):
     with pytest.raises(ConfigError) as caught:
         plan(model, **settings)
-    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(caught.value)
+    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(
+        caught.value
+    )
 
 
-@pytest.mark.parametrize("settings, words", [
-    (dict(devices=6, pipeline_stages=2, tensor_parallel=2), ["2 x --tensor-parallel 2 = 4", "--devices 6"]),
-    (dict(devices=2, tensor_parallel=2), ["at least 2 pipeline stages", "--devices 4"]),
-    (dict(devices=4, tensor_parallel=2, split_at="2"), ["--split-at", "--tensor-parallel"]),
-    (dict(strategy="parameter-server", devices=4, tensor_parallel=2), ["--strategy tensor or pipeline only"]),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (
+            dict(devices=6, pipeline_stages=2, tensor_parallel=2),
+            ["2 x --tensor-parallel 2 = 4", "--devices 6"],
+        ),
+        (dict(devices=2, tensor_parallel=2), ["at least 2 pipeline stages", "--devices 4"]),
+        (dict(devices=4, tensor_parallel=2, split_at="2"), ["--split-at", "--tensor-parallel"]),
+        (
+            dict(strategy="parameter-server", devices=4, tensor_parallel=2),
+            ["--strategy tensor or pipeline only"],
+        ),
+    ],
+)
 def test_a_mesh_that_does_not_multiply_out_is_one_line(settings, words):
     with pytest.raises(ConfigError) as caught:
         TrainConfig(**{"strategy": "pipeline", **settings})
-    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(caught.value)
+    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(
+        caught.value
+    )
 
 
 def test_the_cli_refuses_a_split_at_with_tensor_ranks_in_one_line(tmp_path, capsys):
-    assert_refused_in_one_line(capsys, tmp_path / "run", ["--model", "gpt", "--dataset", "shakespeare", "--strategy",
-                                                          "pipeline", "--devices", "4", "--tensor-parallel", "2",
-                                                          "--split-at", "2"], ["--split-at", "--tensor-parallel"])
+    assert_refused_in_one_line(
+        capsys,
+        tmp_path / "run",
+        [
+            "--model",
+            "gpt",
+            "--dataset",
+            "shakespeare",
+            "--strategy",
+            "pipeline",
+            "--devices",
+            "4",
+            "--tensor-parallel",
+            "2",
+            "--split-at",
+            "2",
+        ],
+        ["--split-at", "--tensor-parallel"],
+    )
 
 
 # ---- on 4 processes: 2 stages, each split over 2 tensor ranks ----
@@ -98,8 +160,24 @@ MESH = ["--strategy", "pipeline", "--devices", "4", "--tensor-parallel", "2", "-
 def test_verify_a_tiny_gpt_in_two_stages_of_two_tensor_ranks(capfd):
     """The tied embedding and head on the first and last stage, each a replicated DTensor; accumulation and the
     global-norm clip over the stages' DTensor norms."""
-    result = polytrain_here(capfd, "verify", *GPT_TINY[:-2], *MESH, "--dataset", "shakespeare", "--context", "16",
-                            "--batch-size", "8", "--steps", "2", "--accumulate", "2", "--clip-grad-norm", "0.5")
+    result = polytrain_here(
+        capfd,
+        "verify",
+        *GPT_TINY[:-2],
+        *MESH,
+        "--dataset",
+        "shakespeare",
+        "--context",
+        "16",
+        "--batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--accumulate",
+        "2",
+        "--clip-grad-norm",
+        "0.5",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
@@ -111,17 +189,48 @@ def test_a_run_moves_one_device_to_pipeline_x_tensor_and_back_on_one_straight_tr
     """The pipeline x tensor part loads whole-model state into its slices, trains across an epoch's end (its
     evaluation too) and saves the whole model by its original names, fused rows in order."""
     path = tmp_path / "text.txt"
-    path.write_text("".join("ROMEO: but soft, what light through yonder window breaks?\n"[i % 58] for i in range(480)))
-    train = [*GPT_TINY, "--context", "8", "--dataset", "text", "--data-dir", path, "--batch-size", "8", "--epochs",
-             "2", "--optimizer", "adamw", "--lr", "0.003", "--schedule", "constant", "--seed", "3", "--device", "cpu"]
-    assert polytrain_here(None, "train", *train, "--devices", "1", "--out", tmp_path / "straight").returncode == 0
+    path.write_text(
+        "".join("ROMEO: but soft, what light through yonder window breaks?\n"[i % 58] for i in range(480))
+    )
+    train = [
+        *GPT_TINY,
+        "--context",
+        "8",
+        "--dataset",
+        "text",
+        "--data-dir",
+        path,
+        "--batch-size",
+        "8",
+        "--epochs",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--schedule",
+        "constant",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    assert (
+        polytrain_here(None, "train", *train, "--devices", "1", "--out", tmp_path / "straight").returncode
+        == 0
+    )
     straight = load(tmp_path / "straight" / "model.pt")
     out = tmp_path / "run"
-    assert polytrain_here(None, "train", *train, "--devices", "1", "--max-steps", "3", "--out", out).returncode == 0
+    assert (
+        polytrain_here(None, "train", *train, "--devices", "1", "--max-steps", "3", "--out", out).returncode
+        == 0
+    )
     mesh = polytrain_here(capfd, "train", "--resume", out, *MESH, "--max-steps", "9")
     assert mesh.returncode == 0, mesh.stdout + mesh.stderr
     assert "rank 3: replica 1/1, stage 1, tensor slice 2/2" in mesh.stdout
     assert list(load(out / "model.pt")) == list(straight)
-    rest = polytrain_here(capfd, "train", "--resume", out, "--strategy", "single", "--devices", "1", "--max-steps", 0)
+    rest = polytrain_here(
+        capfd, "train", "--resume", out, "--strategy", "single", "--devices", "1", "--max-steps", 0
+    )
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)

@@ -1,6 +1,7 @@
 """--split-at: a model that is not an nn.Sequential (a GPT written the nanoGPT way, forward(idx, targets=None)
 returning (logits, loss)) cut into pipeline stages by torch's tracer, against one device as `polytrain verify`
 compares them; and the mistakes refused in one line in the launching process, before any worker starts."""
+
 import copy
 import json
 import random
@@ -8,35 +9,49 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_refused_in_one_line, assert_same_weights
+from nanogpt_model import Branchy, NanoGPT, NanoGPTWithAux
 
 import polytrain
 from polytrain.config import TrainConfig
 from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
+from polytrain.plan.pipeline import PipelineLayout
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job
 from polytrain.strategies import Pipeline
 from polytrain.strategies.layers import flatten_layers
-from polytrain.plan.pipeline import PipelineLayout
 from polytrain.strategies.traced import TracedStages, micro_batch_sizes, trace
-from conftest import assert_refused_in_one_line, assert_same_weights
-from nanogpt_model import Branchy, NanoGPT, NanoGPTWithAux
 
 CONTEXT = 8
-TOLERANCE = 1e-5            # polytrain verify's default
+TOLERANCE = 1e-5  # polytrain verify's default
 CPU = torch.device("cpu")
 
 
 def tiny_text(characters: int = 260):
     """28 training windows of 8 characters: 3 batches of 8, then a short last batch of 4."""
     chooser = random.Random(0)
-    return tokenise("".join(chooser.choice("abcdefghij\n") for _ in range(characters)), name="tiny", context=CONTEXT)
+    return tokenise(
+        "".join(chooser.choice("abcdefghij\n") for _ in range(characters)), name="tiny", context=CONTEXT
+    )
 
 
 def config(**settings) -> TrainConfig:
-    values = dict(devices=2, strategy="pipeline", split_at="transformer.h.1", microbatches=2, batch_size=8,
-                  epochs=1, context=CONTEXT, device="cpu", seed=0, optimizer="sgd", lr=0.1, schedule="constant")
+    values = dict(
+        devices=2,
+        strategy="pipeline",
+        split_at="transformer.h.1",
+        microbatches=2,
+        batch_size=8,
+        epochs=1,
+        context=CONTEXT,
+        device="cpu",
+        seed=0,
+        optimizer="sgd",
+        lr=0.1,
+        schedule="constant",
+    )
     return TrainConfig(**dict(values, **settings))
 
 
@@ -56,7 +71,7 @@ def test_a_nanogpt_style_model_split_at_a_block_takes_the_one_device_steps_with_
     assert plan.split_at == ("transformer.h.1",) and plan.micro_batch == 4
     assert plan.record()["stages"][1]["layers"] == ["transformer.h.1", "transformer.ln_f", "lm_head"]
     reference = copy.deepcopy(model)
-    reference.pair = False              # the logits alone: what the one-device objective takes
+    reference.pair = False  # the logits alone: what the one-device objective takes
     common = dict(verbose=False, record_steps=True, objective=Objective(kind="language"))
     one = run_job(Job(settings.with_strategy("single", devices=1), "single", data, reference, **common))
     many = run_job(Job(settings, "pipeline", data, copy.deepcopy(model), plan=plan, **common))
@@ -78,17 +93,40 @@ def test_a_traced_run_checkpoints_the_whole_model_and_resumes_on_one_device_as_i
     text = tmp_path / "tiny.txt"
     chooser = random.Random(0)
     text.write_text("".join(chooser.choice("abcdefghij\n") for _ in range(260)))
-    common = dict(data_dir=str(text), context=CONTEXT, epochs=1, batch_size=8, optimizer="sgd", lr=0.1,
-                  schedule="constant", warmup_epochs=0.0, device="cpu", verbose=False)
+    common = dict(
+        data_dir=str(text),
+        context=CONTEXT,
+        epochs=1,
+        batch_size=8,
+        optimizer="sgd",
+        lr=0.1,
+        schedule="constant",
+        warmup_epochs=0.0,
+        device="cpu",
+        verbose=False,
+    )
     vocab = tiny_text().num_classes
-    straight = NanoGPT(vocab, CONTEXT)                 # forward(idx) returns (logits, None): fit takes the logits
+    straight = NanoGPT(vocab, CONTEXT)  # forward(idx) returns (logits, None): fit takes the logits
     polytrain.fit(straight, "text", **common)
     run = tmp_path / "run"
-    polytrain.fit(NanoGPT(vocab, CONTEXT), "text", devices=2, strategy="pipeline",
-                  split_at="transformer.h.1", microbatches=2, max_steps=2, out=str(run), **common)
+    polytrain.fit(
+        NanoGPT(vocab, CONTEXT),
+        "text",
+        devices=2,
+        strategy="pipeline",
+        split_at="transformer.h.1",
+        microbatches=2,
+        max_steps=2,
+        out=str(run),
+        **common,
+    )
     recorded = json.loads((run / "config.json").read_text())
     assert recorded["split_at"] == "transformer.h.1"
-    assert recorded["strategy_plan"]["stages"][0]["layers"] == ["transformer.wte", "transformer.wpe", "transformer.h.0"]
+    assert recorded["strategy_plan"]["stages"][0]["layers"] == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.h.0",
+    ]
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     assert list(saved["model"]) == list(straight.state_dict()) and saved["position"]["step"] == 2
     resumed = NanoGPT(vocab, CONTEXT)
@@ -106,10 +144,27 @@ def test_an_unknown_module_name_is_refused_with_the_nearest_and_the_valid_names(
 
 
 def test_the_command_line_refuses_an_unknown_name_in_one_line_before_any_worker(capsys, tmp_path):
-    argv = ["--dataset", "synthetic", "--synthetic-size", "64", "--device", "cpu", "--epochs", "1", "--model",
-            "lenet", "--strategy", "pipeline", "--devices", "2", "--split-at", "12"]
-    assert_refused_in_one_line(capsys, tmp_path / "run", argv, ["--split-at '12' is not a module of LeNet",
-                                                                "0, 1, 2, 3"])
+    argv = [
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        "64",
+        "--device",
+        "cpu",
+        "--epochs",
+        "1",
+        "--model",
+        "lenet",
+        "--strategy",
+        "pipeline",
+        "--devices",
+        "2",
+        "--split-at",
+        "12",
+    ]
+    assert_refused_in_one_line(
+        capsys, tmp_path / "run", argv, ["--split-at '12' is not a module of LeNet", "0, 1, 2, 3"]
+    )
 
 
 def test_a_model_with_control_flow_on_tensor_values_is_refused_with_how_to_write_it():
@@ -120,12 +175,17 @@ def test_a_model_with_control_flow_on_tensor_values_is_refused_with_how_to_write
     assert "without Python control flow on tensor values" in message and "nn.Sequential" in message
 
 
-@pytest.mark.parametrize("settings, words", [
-    (dict(split_at="transformer.h.0,transformer.h.1"), "names 2 module(s), which makes 3 stages, and the pipeline "
-                                                        "has 2; name 1 module(s)"),
-    (dict(split="1"), "give either --split"),
-    (dict(split_at="transformer.h.1,"), "module names separated by commas"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (
+            dict(split_at="transformer.h.0,transformer.h.1"),
+            "names 2 module(s), which makes 3 stages, and the pipeline has 2; name 1 module(s)",
+        ),
+        (dict(split="1"), "give either --split"),
+        (dict(split_at="transformer.h.1,"), "module names separated by commas"),
+    ],
+)
 def test_a_split_that_does_not_fit_the_pipeline_is_refused(settings, words):
     with pytest.raises(ConfigError, match=None) as error:
         plan_of(NanoGPT(11, CONTEXT), **settings)
@@ -142,13 +202,13 @@ def test_the_plan_traces_the_runtime_micro_batch_and_leaves_the_model_as_it_was(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = plan_of(model, microbatches=4, batch_size=16)
     assert plan.micro_batch == 4 and plan.input_dtype == "int64" and plan.points == (3,)
-    layout = PipelineLayout(2, 2)       # 28 windows: batches of 8 in micro-batches of 4, then 4 in two of 2
+    layout = PipelineLayout(2, 2)  # 28 windows: batches of 8 in micro-batches of 4, then 4 in two of 2
     assert micro_batch_sizes(config(), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
     assert micro_batch_sizes(config(batch_size=7, microbatches=7), tiny_text(), layout, "1f1b", 7, 7) == [1]
     assert "traced, split before modules transformer.h.1" in plan.describe()
-    assert "forward" not in vars(model.transformer.h[1])          # the tracer's wrapper is gone
+    assert "forward" not in vars(model.transformer.h[1])  # the tracer's wrapper is gone
     assert_same_weights(model.state_dict(), before, atol=0)
-    out = model(torch.zeros(3, CONTEXT, dtype=torch.long))        # another batch size still runs eagerly
+    out = model(torch.zeros(3, CONTEXT, dtype=torch.long))  # another batch size still runs eagerly
     assert out[0].shape == (3, CONTEXT, 11) and out[1] is None
 
 

@@ -1,12 +1,31 @@
 """The cost model against step times worked out by hand."""
+
 import pytest
 
-from polytrain.plan.costmodel import (Link, Workload, bubble, choose, data_parallel, fit_message_cost, parameter_server,
-                                      pipeline, predict_all, ring_allreduce, sharded, with_message_cost)
+from polytrain.plan.costmodel import (
+    Link,
+    Workload,
+    bubble,
+    choose,
+    data_parallel,
+    fit_message_cost,
+    parameter_server,
+    pipeline,
+    predict_all,
+    ring_allreduce,
+    sharded,
+    with_message_cost,
+)
 
-LINK = Link(alpha=1e-4, beta=1e9)          # 0.1 ms per message, 1 GB/s
-WORK = Workload(compute_seconds=0.1, parameter_bytes=4e6, batch_size=64, update_seconds=0.01, layers=4,
-                boundary_bytes=(1000.0, 4000.0, 500.0))
+LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
+WORK = Workload(
+    compute_seconds=0.1,
+    parameter_bytes=4e6,
+    batch_size=64,
+    update_seconds=0.01,
+    layers=4,
+    boundary_bytes=(1000.0, 4000.0, 500.0),
+)
 
 
 def test_ring_allreduce_is_two_n_minus_one_over_n_bytes_and_two_n_minus_one_messages():
@@ -17,7 +36,7 @@ def test_ring_allreduce_is_two_n_minus_one_over_n_bytes_and_two_n_minus_one_mess
 
 def test_data_parallel_splits_the_passes_and_repeats_the_update():
     p = data_parallel(WORK, 4, LINK)
-    assert p.compute == pytest.approx(0.09 / 4 + 0.01)                  # 32.5 ms
+    assert p.compute == pytest.approx(0.09 / 4 + 0.01)  # 32.5 ms
     assert p.communication == pytest.approx(0.0066)
     assert p.step_seconds == pytest.approx(0.0391)
     assert p.speedup(0.1) == pytest.approx(0.1 / 0.0391)
@@ -52,8 +71,8 @@ def test_sharded_on_a_backend_that_reduce_scatters_by_all_reducing_pays_a_whole_
 
 def test_pipeline_step_is_m_plus_p_minus_one_slots():
     p = pipeline(WORK, 2, LINK, microbatches=4)
-    slot = 0.09 / 8                                       # passes split over 2 stages and 4 micro-batches
-    transfer = 2 * (1e-4 + 4000 * 16 / 1e9)               # forward + backward, 16 samples, widest cut
+    slot = 0.09 / 8  # passes split over 2 stages and 4 micro-batches
+    transfer = 2 * (1e-4 + 4000 * 16 / 1e9)  # forward + backward, 16 samples, widest cut
     assert p.compute == pytest.approx(4 * slot + 0.005)
     assert p.idle == pytest.approx(slot)
     assert p.communication == pytest.approx(5 * transfer)
@@ -85,7 +104,8 @@ def test_link_fit_recovers_alpha_and_beta():
 
 def test_strategies_that_train_contiguous_are_predicted_from_the_plain_measurement():
     from dataclasses import replace
-    plain = replace(WORK, compute_seconds=0.15, update_seconds=0.01)          # default memory format: slower passes
+
+    plain = replace(WORK, compute_seconds=0.15, update_seconds=0.01)  # default memory format: slower passes
     work = replace(WORK, plain=plain)
     mixed = predict_all(work, 2, LINK, contiguous=("sharded", "pipeline"))
     alike = predict_all(WORK, 2, LINK)
@@ -99,11 +119,13 @@ def test_strategies_that_train_contiguous_are_predicted_from_the_plain_measureme
 
 
 def test_each_strategy_counts_the_messages_of_its_step():
-    assert data_parallel(WORK, 4, LINK).messages == 6                   # ring all-reduce: 2 (n-1)
-    assert parameter_server(WORK, 4, LINK).messages == 6                # 3 pushes in, 3 pulls out
-    assert sharded(WORK, 4, LINK).messages == 3 * 3 * 4                 # 3 rings of n-1 per layer, 4 layers
+    assert data_parallel(WORK, 4, LINK).messages == 6  # ring all-reduce: 2 (n-1)
+    assert parameter_server(WORK, 4, LINK).messages == 6  # 3 pushes in, 3 pulls out
+    assert sharded(WORK, 4, LINK).messages == 3 * 3 * 4  # 3 rings of n-1 per layer, 4 layers
     assert sharded(WORK, 4, LINK, scatter_by_allreduce=True).messages == 4 * 3 * 4
-    assert pipeline(WORK, 2, LINK, microbatches=4).messages == 2 * 5    # forward and backward in each of 5 slots
+    assert (
+        pipeline(WORK, 2, LINK, microbatches=4).messages == 2 * 5
+    )  # forward and backward in each of 5 slots
     assert data_parallel(WORK, 1, LINK).messages == 0 and sharded(WORK, 1, LINK).messages == 0
     # alpha is paid once per message
     for p in (data_parallel(WORK, 4, LINK), sharded(WORK, 4, LINK)):
@@ -112,14 +134,14 @@ def test_each_strategy_counts_the_messages_of_its_step():
 
 
 def test_a_cost_per_message_fitted_to_one_step_predicts_another():
-    two = sharded(WORK, 2, LINK)                     # 3 * 1/2 * 4 ms + 3 * 0.1 ms * 4 layers = 7.2 ms; 12 messages
+    two = sharded(WORK, 2, LINK)  # 3 * 1/2 * 4 ms + 3 * 0.1 ms * 4 layers = 7.2 ms; 12 messages
     assert two.communication == pytest.approx(0.0072) and two.messages == 12
-    measured = two.step_seconds + 12 * 1.5e-3       # the step took 1.5 ms more per message than the link says
+    measured = two.step_seconds + 12 * 1.5e-3  # the step took 1.5 ms more per message than the link says
     cost = fit_message_cost(measured, two)
     assert cost == pytest.approx(1.5e-3)
     assert with_message_cost(two, cost).step_seconds == pytest.approx(measured)
     four = predict_all(WORK, 4, LINK, message_costs={"sharded": cost})
     assert four["sharded"].communication == pytest.approx(0.0126 + 36 * 1.5e-3)
-    assert four["data"] == predict_all(WORK, 4, LINK)["data"]                  # no cost given: unchanged
-    assert fit_message_cost(two.step_seconds / 2, two) == 0.0                   # never negative
-    assert fit_message_cost(1.0, predict_all(WORK, 1, LINK)["single"]) == 0.0   # no messages, nothing to fit
+    assert four["data"] == predict_all(WORK, 4, LINK)["data"]  # no cost given: unchanged
+    assert fit_message_cost(two.step_seconds / 2, two) == 0.0  # never negative
+    assert fit_message_cost(1.0, predict_all(WORK, 1, LINK)["single"]) == 0.0  # no messages, nothing to fit

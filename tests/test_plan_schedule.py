@@ -1,9 +1,9 @@
 """Pipeline schedule tables: orders per rank, the tick-by-tick simulation, bubbles, and rendering."""
+
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.plan.schedule import (Action, bubble_fraction, rank_orders, render, simulate,
-                                     theoretical_bubble)
+from polytrain.plan.schedule import Action, bubble_fraction, rank_orders, render, simulate, theoretical_bubble
 
 
 def table_of(kind, *, p, m, v=1, backward_ticks=1):
@@ -54,9 +54,9 @@ def test_two_tick_backwards_fill_two_entries():
 def test_1f1b_orders_warm_up_then_alternate():
     orders = rank_orders("1f1b", ranks=3, microbatches=4)
     assert [" ".join(map(str, order)) for order in orders] == [
-        "F0 F1 F2 B0 F3 B1 B2 B3",          # 2 warm-up forwards
-        "F0 F1 B0 F2 B1 F3 B2 B3",          # 1
-        "F0 B0 F1 B1 F2 B2 F3 B3",          # 0
+        "F0 F1 F2 B0 F3 B1 B2 B3",  # 2 warm-up forwards
+        "F0 F1 B0 F2 B1 F3 B2 B3",  # 1
+        "F0 B0 F1 B1 F2 B2 F3 B3",  # 0
     ]
     assert [a.stage for a in orders[1]] == [1] * 8
 
@@ -95,13 +95,16 @@ def test_interleaved_orders_follow_megatron():
     ]
 
 
-@pytest.mark.parametrize("p, v, m, before_first_backward", [
-    # warm-up (v-1)*p + 2*(p-r-1) capped at m*v; the steady state then opens with one more forward
-    (4, 2, 8, [10 + 1, 8 + 1, 6 + 1, 4 + 1]),
-    (2, 2, 2, [4, 2 + 1]),          # rank 0: warm-up 4 is all m*v = 4 forwards
-    (2, 3, 2, [6, 4 + 1]),          # rank 0: 4+2 = 6 = m*v
-    (3, 2, 3, [6, 5 + 1, 3 + 1]),   # rank 0: 3+4 = 7, capped at 6
-])
+@pytest.mark.parametrize(
+    "p, v, m, before_first_backward",
+    [
+        # warm-up (v-1)*p + 2*(p-r-1) capped at m*v; the steady state then opens with one more forward
+        (4, 2, 8, [10 + 1, 8 + 1, 6 + 1, 4 + 1]),
+        (2, 2, 2, [4, 2 + 1]),  # rank 0: warm-up 4 is all m*v = 4 forwards
+        (2, 3, 2, [6, 4 + 1]),  # rank 0: 4+2 = 6 = m*v
+        (3, 2, 3, [6, 5 + 1, 3 + 1]),  # rank 0: 3+4 = 7, capped at 6
+    ],
+)
 def test_interleaved_warm_up_counts(p, v, m, before_first_backward):
     orders = rank_orders("interleaved-1f1b", ranks=p, microbatches=m, stages_per_rank=v)
     counted = [next(i for i, a in enumerate(order) if a.kind == "B") for order in orders]
@@ -166,12 +169,21 @@ def test_actions_on_the_wrong_rank_are_refused():
         simulate([[Action("F", 0, 1)], []], ranks=2, stages=2)
 
 
-@pytest.mark.parametrize("m, message", [
-    (3, "--microbatches 3 must be a multiple of the 2 pipeline ranks for the interleaved-1f1b schedule: "
-        "use --microbatches 2 or 4"),
-    (1, "--microbatches 1 must be a multiple of the 2 pipeline ranks for the interleaved-1f1b schedule: "
-        "use --microbatches 2"),
-])
+@pytest.mark.parametrize(
+    "m, message",
+    [
+        (
+            3,
+            "--microbatches 3 must be a multiple of the 2 pipeline ranks for the interleaved-1f1b schedule: "
+            "use --microbatches 2 or 4",
+        ),
+        (
+            1,
+            "--microbatches 1 must be a multiple of the 2 pipeline ranks for the interleaved-1f1b schedule: "
+            "use --microbatches 2",
+        ),
+    ],
+)
 def test_interleaved_needs_microbatches_a_multiple_of_ranks(m, message):
     with pytest.raises(ConfigError) as e:
         rank_orders("interleaved-1f1b", ranks=2, microbatches=m, stages_per_rank=2)
@@ -181,7 +193,9 @@ def test_interleaved_needs_microbatches_a_multiple_of_ranks(m, message):
 def test_unknown_schedule_and_bad_counts():
     with pytest.raises(ConfigError) as e:
         rank_orders("zero-bubble", ranks=2, microbatches=2)
-    assert str(e.value) == "--pipeline-schedule must be one of gpipe, 1f1b, interleaved-1f1b; got 'zero-bubble'"
+    assert (
+        str(e.value) == "--pipeline-schedule must be one of gpipe, 1f1b, interleaved-1f1b; got 'zero-bubble'"
+    )
     with pytest.raises(ValueError):
         rank_orders("1f1b", ranks=2, microbatches=2, stages_per_rank=2)
     with pytest.raises(ValueError):
@@ -191,4 +205,5 @@ def test_unknown_schedule_and_bad_counts():
 def test_render():
     assert render(table_of("gpipe", p=2, m=2)) == "rank 0: F0 F1 .  .  B0 B1\nrank 1: .  F0 F1 B0 B1 ."
     assert render(table_of("interleaved-1f1b", p=2, m=2, v=2)).splitlines()[1] == (
-        "rank 1: .     F0.s1 F1.s1 F0.s3 B0.s3 F1.s3 B1.s3 B0.s1 B1.s1 .")
+        "rank 1: .     F0.s1 F1.s1 F0.s3 B0.s3 F1.s3 B1.s3 B0.s1 B1.s1 ."
+    )

@@ -1,4 +1,5 @@
 """Partitioning parameters over servers by size: exact, against tables worked out by hand."""
+
 import pytest
 
 from polytrain.errors import ConfigError

@@ -9,6 +9,7 @@ The commands run in the README's order through `polytrain.cli.main` (what the `p
 Python process for the one-process commands and one for those that start workers (marked `multiprocess`), so
 torch is imported twice, not once per command.
 """
+
 import json
 import os
 import re
@@ -19,21 +20,22 @@ from pathlib import Path
 from typing import List, NamedTuple, Optional
 
 import pytest
-
 from processes import ENV, finish
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-CONSOLE_BLOCKS = {"text", "console"}                 # output with `$ ` before each command
+CONSOLE_BLOCKS = {"text", "console"}  # output with `$ ` before each command
 SKIPPED_BLOCKS = {"python", "py", "toml", "json", "yaml", "ini"}
-ELSEWHERE = {"torchrun": "runs on several machines; test_multinode.py runs it on 127.0.0.1",
-             "srun": "needs a SLURM allocation; test_slurm.py and test_slurm_launch.py run it"}
-RUN = "@RUN@"                                         # the first run folder the commands before it wrote
+ELSEWHERE = {
+    "torchrun": "runs on several machines; test_multinode.py runs it on 127.0.0.1",
+    "srun": "needs a SLURM allocation; test_slurm.py and test_slurm_launch.py run it",
+}
+RUN = "@RUN@"  # the first run folder the commands before it wrote
 OPERATORS = {"&&", "||", ";", "|", "&"}
 
 
 class Command(NamedTuple):
-    written: str                  # as the README writes it
-    argv: Optional[tuple]         # what runs (None: another launcher, `launcher` says which)
+    written: str  # as the README writes it
+    argv: Optional[tuple]  # what runs (None: another launcher, `launcher` says which)
     launcher: str = ""
 
 
@@ -58,7 +60,7 @@ def readme_commands(text: str) -> List[Command]:
         line = line.strip()
         if language in CONSOLE_BLOCKS:
             if not line.startswith("$ "):
-                continue                              # what a command printed
+                continue  # what a command printed
             line = line[2:]
         if line.startswith("#") or not re.search(r"(^|[\s;&|])polytrain(\s|$)", line):
             continue
@@ -99,7 +101,7 @@ def with_value(argv: list, flag: str, new: str) -> list:
     """`argv` with `flag` set to `new` (appended where it was not given)."""
     if flag in argv[:-1]:
         at = argv.index(flag)
-        return argv[:at + 1] + [new] + argv[at + 2:]
+        return argv[: at + 1] + [new] + argv[at + 2 :]
     return argv + [flag, new]
 
 
@@ -127,7 +129,7 @@ def shortened(argv: tuple) -> List[str]:
         argv = with_value(argv, "--devices", ",".join(counts or ["1", "2"]))
         argv = with_value(argv, "--batch-sizes", min(batches, key=lambda b: int(b) if b.isdigit() else 0))
         argv = with_value(with_value(argv, "--steps", "2"), "--warmup", "1")
-        if value(argv, "--strategies") is None:          # every strategy: a row each, workers started each time
+        if value(argv, "--strategies") is None:  # every strategy: a row each, workers started each time
             argv += ["--strategies", "data"]
     return argv
 
@@ -141,7 +143,7 @@ def starts_workers(argv: List[str]) -> bool:
 COMMANDS = readme_commands(README.read_text())
 RUNNABLE = [c for c in COMMANDS if c.argv is not None and c.argv]
 GROUPS = {"one process": [], "workers": []}
-for _command in dict.fromkeys(tuple(shortened(c.argv)) for c in RUNNABLE):      # each distinct command once
+for _command in dict.fromkeys(tuple(shortened(c.argv)) for c in RUNNABLE):  # each distinct command once
     GROUPS["workers" if starts_workers(list(_command)) else "one process"].append(list(_command))
 
 DRIVER = r"""
@@ -173,17 +175,24 @@ if __name__ == "__main__":
 
 def run_group(commands: List[List[str]], folder: Path, *, timeout: float) -> dict:
     """Run `commands` one after the other in `folder`: {index: (exit code, what it printed)}."""
-    needs_run = [i for i, argv in enumerate(commands) if RUN in argv or any(a.startswith("runs/LATEST") for a in argv)]
-    if needs_run and not any(argv[0] == "train" and "--out" not in argv for argv in commands[:needs_run[0]]):
-        commands = [["train", "--max-steps", "2"]] + commands        # a run folder for evaluate and predict
+    needs_run = [
+        i for i, argv in enumerate(commands) if RUN in argv or any(a.startswith("runs/LATEST") for a in argv)
+    ]
+    if needs_run and not any(argv[0] == "train" and "--out" not in argv for argv in commands[: needs_run[0]]):
+        commands = [["train", "--max-steps", "2"]] + commands  # a run folder for evaluate and predict
         offset = 1
     else:
         offset = 0
     script = folder / "readme_driver.py"
     script.write_text(DRIVER)
-    process = subprocess.Popen([sys.executable, str(script), json.dumps(commands)], cwd=folder,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **ENV})
+    process = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(commands)],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **ENV},
+    )
     out = finish(process, timeout=timeout).stdout
     results = {}
     for index in range(len(commands)):
@@ -208,64 +217,123 @@ def check(results: dict, index: int, argv: List[str]) -> None:
     assert code == 0, f"polytrain {shlex.join(argv)} (from the README) exited with {code}:\n{output[-4000:]}"
 
 
-@pytest.mark.parametrize("index", range(len(GROUPS["one process"])),
-                         ids=[shlex.join(a) for a in GROUPS["one process"]])
+@pytest.mark.parametrize(
+    "index", range(len(GROUPS["one process"])), ids=[shlex.join(a) for a in GROUPS["one process"]]
+)
 def test_a_one_process_readme_command_runs(one_process, index):
     check(one_process, index, GROUPS["one process"][index])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index", range(len(GROUPS["workers"])), ids=[shlex.join(a) for a in GROUPS["workers"]])
+@pytest.mark.parametrize(
+    "index", range(len(GROUPS["workers"])), ids=[shlex.join(a) for a in GROUPS["workers"]]
+)
 def test_a_readme_command_with_workers_runs(workers, index):
     check(workers, index, GROUPS["workers"][index])
 
 
 def test_the_readme_shows_commands_and_only_other_launchers_are_left_out():
-    assert len(RUNNABLE) >= 8 and {c.argv[0] for c in RUNNABLE} >= {"train", "evaluate", "predict", "verify", "bench"}
+    assert len(RUNNABLE) >= 8 and {c.argv[0] for c in RUNNABLE} >= {
+        "train",
+        "evaluate",
+        "predict",
+        "verify",
+        "bench",
+    }
     for command in COMMANDS:
         assert command.argv is not None or command.launcher in ELSEWHERE, command.written
 
 
 def test_commands_are_found_and_shortened_as_written_by_hand():
-    text = "\n".join([
-        "```bash", "pip install -e . && polytrain train   # trains", "polytrain bench --devices 1,2,4 \\",
-        "    --batch-sizes 512,64 --predict 8", "# polytrain train --commented-out",
-        "torchrun --nnodes 2 -m polytrain train", "```", "```text", "$ polytrain evaluate runs/20261122-224501", "done: run folder runs/20261122-224501",
-        "polytrain printed this", "```", "```python", "polytrain.fit('lenet')", "```",
-        "```bash", "python -m polytrain verify --devices 2 --steps 20", "polytrain train --resume runs/20261122-224501",
-        "```"])
+    text = "\n".join(
+        [
+            "```bash",
+            "pip install -e . && polytrain train   # trains",
+            "polytrain bench --devices 1,2,4 \\",
+            "    --batch-sizes 512,64 --predict 8",
+            "# polytrain train --commented-out",
+            "torchrun --nnodes 2 -m polytrain train",
+            "```",
+            "```text",
+            "$ polytrain evaluate runs/20261122-224501",
+            "done: run folder runs/20261122-224501",
+            "polytrain printed this",
+            "```",
+            "```python",
+            "polytrain.fit('lenet')",
+            "```",
+            "```bash",
+            "python -m polytrain verify --devices 2 --steps 20",
+            "polytrain train --resume runs/20261122-224501",
+            "```",
+        ]
+    )
     found = readme_commands(text)
     assert [c.argv for c in found] == [
-        ("train",), ("bench", "--devices", "1,2,4", "--batch-sizes", "512,64", "--predict", "8"), None,
-        ("evaluate", "runs/20261122-224501"), ("verify", "--devices", "2", "--steps", "20"),
-        ("train", "--resume", "runs/20261122-224501")]
+        ("train",),
+        ("bench", "--devices", "1,2,4", "--batch-sizes", "512,64", "--predict", "8"),
+        None,
+        ("evaluate", "runs/20261122-224501"),
+        ("verify", "--devices", "2", "--steps", "20"),
+        ("train", "--resume", "runs/20261122-224501"),
+    ]
     assert found[2].launcher == "torchrun"
     assert [shortened(c.argv) for c in found if c.argv] == [
         ["train", "--max-steps", "2"],
-        ["bench", "--devices", "1,2", "--batch-sizes", "64", "--predict", "8", "--steps", "2", "--warmup", "1",
-         "--strategies", "data"],
-        ["evaluate", RUN], ["verify", "--devices", "2", "--steps", "2"],
-        ["train", "--resume", RUN, "--max-steps", "4"]]
+        [
+            "bench",
+            "--devices",
+            "1,2",
+            "--batch-sizes",
+            "64",
+            "--predict",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--strategies",
+            "data",
+        ],
+        ["evaluate", RUN],
+        ["verify", "--devices", "2", "--steps", "2"],
+        ["train", "--resume", RUN, "--max-steps", "4"],
+    ]
     assert not starts_workers(["train", "--max-steps", "2"]) and starts_workers(["bench", "--devices", "1,2"])
 
 
 def test_the_readmes_list_of_what_a_resume_may_change_is_the_settings_declared_so():
     from polytrain.config import RESUMABLE
     from polytrain.config.flags import flag_name
-    sentence = README.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
+
+    sentence = (
+        README.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
+    )
     assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE]
 
 
 def test_the_readmes_sample_output_has_the_lines_the_tool_prints(tmp_path, capfd):
     """Each line of the opening sample, numbers aside, is a line `polytrain train` prints."""
     from conftest import polytrain_here
+
     block = README.read_text().split("```text\n$ polytrain train\n", 1)[1].split("\n$ ", 1)[0]
     sample = [line for line in block.splitlines() if line != "..."]
-    result = polytrain_here(capfd, "train", "--epochs", "1", "--dataset", "synthetic", "--synthetic-size", "256",
-                            "--out", tmp_path / "runs" / "20261122-224501")
+    result = polytrain_here(
+        capfd,
+        "train",
+        "--epochs",
+        "1",
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        "256",
+        "--out",
+        tmp_path / "runs" / "20261122-224501",
+    )
     assert result.returncode == 0, result.stderr
 
     def shape(line):
         return re.sub(r"\d[\d,.]*", "N", line.replace(str(tmp_path) + "/", ""))
+
     printed = {shape(line) for line in result.stdout.splitlines()}
     assert len(sample) == 4 and [line for line in sample if shape(line) not in printed] == []

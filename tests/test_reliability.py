@@ -1,4 +1,5 @@
 """Faults of multi-process training: a stalled rank, a killed worker, resuming on another device count."""
+
 import os
 import signal
 import sys
@@ -6,17 +7,27 @@ import time
 
 import pytest
 import torch
-
-import polytrain
-from polytrain.runtime.launch import WorkerFailed
 from conftest import polytrain_here, tiny_digits
 from distributed import MisbehavingModel
 from processes import children, command_line, finish, start, wait_for
 
+import polytrain
+from polytrain.runtime.launch import WorkerFailed
+
 pytestmark = pytest.mark.multiprocess
 
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "320", "--model", "lenet", "--batch-size", "32",
-         "--seed", "5"]
+TRAIN = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "320",
+    "--model",
+    "lenet",
+    "--batch-size",
+    "32",
+    "--seed",
+    "5",
+]
 
 
 def polytrain_cli(*args):
@@ -37,20 +48,38 @@ def assert_same_weights(a, b, atol):
 def test_a_stalled_rank_is_named_with_its_step_and_stack():
     started = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(MisbehavingModel("stall"), tiny_digits(n_train=320), devices=2, strategy="data", epochs=2,
-                      batch_size=32, hang_timeout=4, verbose=False)
+        polytrain.fit(
+            MisbehavingModel("stall"),
+            tiny_digits(n_train=320),
+            devices=2,
+            strategy="data",
+            epochs=2,
+            batch_size=32,
+            hang_timeout=4,
+            verbose=False,
+        )
     assert time.monotonic() - started < 60
     message = str(failure.value)
     assert "rank 1 made no progress" in message and "epoch 1, step 3" in message
-    assert "time.sleep(600)" in message                     # where: the stalled line of code
+    assert "time.sleep(600)" in message  # where: the stalled line of code
 
 
 def test_a_stalled_pipeline_stage_is_named_with_its_step_and_stack():
     started = time.monotonic()
-    model = torch.nn.Sequential(torch.nn.Flatten(), MisbehavingModel("stall", rank=1))   # stage 1 stalls
+    model = torch.nn.Sequential(torch.nn.Flatten(), MisbehavingModel("stall", rank=1))  # stage 1 stalls
     with pytest.raises(WorkerFailed) as failure:
-        polytrain.fit(model, tiny_digits(n_train=320), devices=2, strategy="pipeline", split="1", microbatches=2,
-                      epochs=2, batch_size=32, hang_timeout=4, verbose=False)
+        polytrain.fit(
+            model,
+            tiny_digits(n_train=320),
+            devices=2,
+            strategy="pipeline",
+            split="1",
+            microbatches=2,
+            epochs=2,
+            batch_size=32,
+            hang_timeout=4,
+            verbose=False,
+        )
     assert time.monotonic() - started < 120
     message = str(failure.value)
     assert "rank 1 made no progress" in message and "time.sleep(600)" in message
@@ -65,9 +94,12 @@ def straight_two_epochs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_resume_on_another_device_count_continues_the_same_trajectory(tmp_path, first, second, straight_two_epochs):
-    part = polytrain_cli("train", *TRAIN, "--epochs", 2, "--devices", first, "--max-steps", 13,
-                         "--out", tmp_path / "run")
+def test_resume_on_another_device_count_continues_the_same_trajectory(
+    tmp_path, first, second, straight_two_epochs
+):
+    part = polytrain_cli(
+        "train", *TRAIN, "--epochs", 2, "--devices", first, "--max-steps", 13, "--out", tmp_path / "run"
+    )
     assert part.returncode == 0, part.stderr
     rest = polytrain_cli("train", "--resume", tmp_path / "run", "--devices", second)
     assert rest.returncode == 0, rest.stderr
@@ -83,8 +115,12 @@ def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spa
     job = start(argv)
     wait_for(lambda: (out / "checkpoint.pt").exists(), timeout=120, what="first checkpoint", process=job)
     victims = []
-    wait_for(lambda: len(victims.extend(worker_pids(job.pid, marker)) or victims) >= workers or victims.clear(),
-             timeout=30, what=f"{workers} workers", process=job)
+    wait_for(
+        lambda: len(victims.extend(worker_pids(job.pid, marker)) or victims) >= workers or victims.clear(),
+        timeout=30,
+        what=f"{workers} workers",
+        process=job,
+    )
     os.kill(sorted(victims)[-1], signal.SIGKILL)
     return finish(job, timeout=240)
 
@@ -115,13 +151,23 @@ def straight_three_epochs_data_parallel(tmp_path_factory):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
-@pytest.mark.parametrize("strategy", [["--strategy", "data"], ["--strategy", "pipeline", "--microbatches", "2"],
-                                      ["--strategy", "sharded"], ["--strategy", "parameter-server"]])
-def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(tmp_path, strategy, request):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--strategy", "data"],
+        ["--strategy", "pipeline", "--microbatches", "2"],
+        ["--strategy", "sharded"],
+        ["--strategy", "parameter-server"],
+    ],
+)
+def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identically(
+    tmp_path, strategy, request
+):
     settings = [*KILLED, "--devices", 2, *strategy]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
-        [sys.executable, "-m", "polytrain", "train", *settings, "--max-restarts", 1, "--out", out], out)
+        [sys.executable, "-m", "polytrain", "train", *settings, "--max-restarts", 1, "--out", out], out
+    )
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
@@ -139,14 +185,38 @@ def test_a_killed_worker_is_restarted_from_the_checkpoint_and_finishes_identical
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds worker processes through /proc")
-def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_path,
-                                                                          straight_three_epochs_data_parallel):
+def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(
+    tmp_path, straight_three_epochs_data_parallel
+):
     settings = [*KILLED, "--strategy", "data"]
     out = tmp_path / "killed"
     killed = kill_a_worker_after_the_first_checkpoint(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-         "--local-addr", "127.0.0.1", "-m", "polytrain", "train", *settings, "--out", out], out, marker=b"polytrain")
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            "--local-addr",
+            "127.0.0.1",
+            "-m",
+            "polytrain",
+            "train",
+            *settings,
+            "--out",
+            out,
+        ],
+        out,
+        marker=b"polytrain",
+    )
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "terminate called" not in killed.stderr and "leaked" not in killed.stderr
     assert len(load(out / "checkpoint.pt")["history"]) == 3
@@ -155,9 +225,27 @@ def test_a_killed_worker_under_torchrun_max_restarts_finishes_identically(tmp_pa
 
 def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path, capfd):
     """Every rank's random streams are in the checkpoint: dropout masks continue where they were."""
-    settings = ["--dataset", "synthetic", "--synthetic-shape", "3,32,32", "--synthetic-size", "160", "--model",
-                "cifar-cnn", "--augment", "--batch-size", "32", "--epochs", "2", "--devices", "2", "--seed", "11",
-                "--strategy", "data"]
+    settings = [
+        "--dataset",
+        "synthetic",
+        "--synthetic-shape",
+        "3,32,32",
+        "--synthetic-size",
+        "160",
+        "--model",
+        "cifar-cnn",
+        "--augment",
+        "--batch-size",
+        "32",
+        "--epochs",
+        "2",
+        "--devices",
+        "2",
+        "--seed",
+        "11",
+        "--strategy",
+        "data",
+    ]
     straight = polytrain_cli("train", *settings, "--out", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr
     part = polytrain_cli("train", *settings, "--max-steps", 7, "--out", tmp_path / "run")

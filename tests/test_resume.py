@@ -1,4 +1,5 @@
 """`--resume` continues what the run had: its devices, its length; it says what it keeps and what it refuses."""
+
 import json
 import subprocess
 import sys
@@ -11,7 +12,18 @@ from polytrain.cli import main
 from polytrain.errors import UserError
 from polytrain.run_dir import in_training
 
-COMMON = ["--dataset", "synthetic", "--synthetic-size", "96", "--model", "mlp", "--batch-size", "32", "--device", "cpu"]
+COMMON = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "96",
+    "--model",
+    "mlp",
+    "--batch-size",
+    "32",
+    "--device",
+    "cpu",
+]
 
 
 def train(capsys, *args):
@@ -43,7 +55,9 @@ def test_a_constant_schedule_is_extended_to_more_epochs_like_a_longer_run(tmp_pa
     assert train(capsys, *constant, "--epochs", 2, "--out", tmp_path / "short")[0] == 0
     code, stdout, _ = train(capsys, "--resume", tmp_path / "short", "--epochs", 3)
     assert code == 0, stdout
-    assert "after epoch 2" in stdout.splitlines()[0] and "changed: --epochs 3 (was 2)" in stdout.splitlines()[0]
+    assert (
+        "after epoch 2" in stdout.splitlines()[0] and "changed: --epochs 3 (was 2)" in stdout.splitlines()[0]
+    )
     assert train(capsys, *constant, "--epochs", 3, "--out", tmp_path / "long")[0] == 0
     extended = torch.load(tmp_path / "short" / "model.pt", weights_only=True)
     longer = torch.load(tmp_path / "long" / "model.pt", weights_only=True)
@@ -67,7 +81,9 @@ def test_the_first_line_says_where_the_run_continues(tmp_path, capsys):
     assert train(capsys, *COMMON, "--epochs", 2, "--max-steps", 4, "--out", out)[0] == 0
     code, stdout, _ = train(capsys, "--resume", out, "--max-steps", 5)
     assert code == 0
-    assert stdout.splitlines()[0] == f"resuming {out} in epoch 2 at step 1 of 3 on 1 CPU process as the run had"
+    assert (
+        stdout.splitlines()[0] == f"resuming {out} in epoch 2 at step 1 of 3 on 1 CPU process as the run had"
+    )
     record = json.loads((out / "config.json").read_text())
     assert record["device_type"] == "cpu" and record["devices"] == 1
 
@@ -96,30 +112,45 @@ def test_a_torch_schedule_by_epoch_is_extended_like_a_longer_run(tmp_path, capsy
         torch.testing.assert_close(extended[key], longer[key], atol=1e-6, rtol=0)
 
 
-HOLD_LOCK = ("import sys\nfrom polytrain.run_dir import training\nwith training(sys.argv[1]):\n"
-             "    print('held', flush=True)\n    sys.stdin.read()\n")
+HOLD_LOCK = (
+    "import sys\nfrom polytrain.run_dir import training\nwith training(sys.argv[1]):\n"
+    "    print('held', flush=True)\n    sys.stdin.read()\n"
+)
 
 
 def test_a_run_that_another_process_trains_is_refused_and_a_dead_holder_blocks_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(capsys, *COMMON, "--epochs", 2, "--max-steps", 2, "--out", out)[0] == 0
     recorded = (out / "config.json").read_bytes()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         busy = f"{out} is being trained by another process (pid {holder.pid}); "
         code, stdout, err = train(capsys, "--resume", out)
-        assert code == 2 and stdout == "" and err.startswith(f"polytrain: error: {busy}wait for it") and \
-            err.count("\n") == 1, err
-        code, stdout, err = train(capsys, *COMMON, "--out", out)       # a new run into the same folder
+        assert (
+            code == 2
+            and stdout == ""
+            and err.startswith(f"polytrain: error: {busy}wait for it")
+            and err.count("\n") == 1
+        ), err
+        code, stdout, err = train(capsys, *COMMON, "--out", out)  # a new run into the same folder
         assert code == 2 and err.startswith(f"polytrain: error: {busy}choose another folder"), err
         with pytest.raises(UserError, match=f"pid {holder.pid}"):
-            polytrain.fit("mlp", "synthetic", synthetic_size=96, batch_size=32, device="cpu", epochs=2,
-                          resume=str(out), verbose=False)
+            polytrain.fit(
+                "mlp",
+                "synthetic",
+                synthetic_size=96,
+                batch_size=32,
+                device="cpu",
+                epochs=2,
+                resume=str(out),
+                verbose=False,
+            )
         assert (out / "config.json").read_bytes() == recorded
     finally:
-        holder.kill()                      # as a crash would end it: the lock file stays, its lock does not
+        holder.kill()  # as a crash would end it: the lock file stays, its lock does not
         holder.wait(timeout=60)
     assert (out / ".training.lock").is_file()
     code, stdout, err = train(capsys, "--resume", out)
@@ -132,6 +163,16 @@ def test_the_run_folder_is_locked_while_it_trains(tmp_path):
     class Look:
         def on_epoch_end(self, trainer):
             seen.append(in_training(tmp_path / "run"))
-    polytrain.fit("mlp", "synthetic", synthetic_size=96, batch_size=32, device="cpu", epochs=1, verbose=False,
-                  out=str(tmp_path / "run"), callbacks=[Look()])
+
+    polytrain.fit(
+        "mlp",
+        "synthetic",
+        synthetic_size=96,
+        batch_size=32,
+        device="cpu",
+        epochs=1,
+        verbose=False,
+        out=str(tmp_path / "run"),
+        callbacks=[Look()],
+    )
     assert seen == [True] and not in_training(tmp_path / "run")

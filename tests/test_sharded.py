@@ -1,14 +1,23 @@
 """Sharded data parallelism (FSDP2) on 2 CPU processes (gloo) against one device: the same steps, whole-model
 checkpoints that any strategy resumes, and what each rank holds."""
+
 import copy
 
 import pytest
 import torch
+from conftest import (
+    RESUME_TRAIN,
+    assert_refused_in_one_line,
+    assert_same_weights,
+    polytrain_here,
+    tiny_digits,
+)
+from conftest import (
+    load_weights as load,
+)
 
 import polytrain
 from polytrain.models import build_model
-from conftest import (RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, load_weights as load,
-                      polytrain_here, tiny_digits)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,31 +32,45 @@ def test_twenty_sharded_steps_equal_one_device():
     settings = dict(epochs=1, batch_size=16, max_steps=20, device="cpu", verbose=False)
     polytrain.fit(one, data, devices=1, **settings)
     polytrain.fit(two, data, devices=2, strategy="sharded", **settings)
-    assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), start.parameters())) > 1e-3
+    assert (
+        max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), start.parameters())) > 1e-3
+    )
     assert_same_weights(two.state_dict(), one.state_dict())
 
 
-@pytest.mark.parametrize("first, then", [
-    (["--strategy", "sharded", "--devices", "2"], ["--devices", "1"]),                      # sharded -> single
-    (["--devices", "1"], ["--strategy", "sharded", "--devices", "2"]),                      # single -> sharded
-])
-def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(straight_resume_run, tmp_path, capfd,
-                                                                            first, then):
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (["--strategy", "sharded", "--devices", "2"], ["--devices", "1"]),  # sharded -> single
+        (["--devices", "1"], ["--strategy", "sharded", "--devices", "2"]),  # single -> sharded
+    ],
+)
+def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(
+    straight_resume_run, tmp_path, capfd, first, then
+):
     straight = straight_resume_run
     out = tmp_path / "run"
-    part = polytrain_here(capfd, "train", *TRAIN, *first, "--max-steps", "9", "--out", out)  # mid-epoch 2 of 6+6
+    part = polytrain_here(
+        capfd, "train", *TRAIN, *first, "--max-steps", "9", "--out", out
+    )  # mid-epoch 2 of 6+6
     assert part.returncode == 0, part.stderr
     if "sharded" in first:
-        assert "data parallel would hold" in part.stdout                 # each rank's share, next to a replica
-        assert set(load(out / "model.pt")) == set(straight)              # whole model, original names
+        assert "data parallel would hold" in part.stdout  # each rank's share, next to a replica
+        assert set(load(out / "model.pt")) == set(straight)  # whole model, original names
     rest = polytrain_here(capfd, "train", "--resume", out, *then)
     assert rest.returncode == 0, rest.stderr
     assert_same_weights(load(out / "model.pt"), straight)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--strategy", "data", "--devices", "2", "--cpu-offload"], ["--cpu-offload", "--strategy sharded"]),
-    (["--strategy", "sharded", "--devices", "2", "--cpu-offload", "--device", "cpu"], ["host memory", "drop"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--strategy", "data", "--devices", "2", "--cpu-offload"], ["--cpu-offload", "--strategy sharded"]),
+        (
+            ["--strategy", "sharded", "--devices", "2", "--cpu-offload", "--device", "cpu"],
+            ["host memory", "drop"],
+        ),
+    ],
+)
 def test_sharded_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):
     assert_refused_in_one_line(capsys, tmp_path / "run", argv, words)

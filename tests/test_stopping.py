@@ -1,5 +1,6 @@
 """Ctrl-C and SIGTERM: every worker stops at the same step, a checkpoint is written there, the run resumes
 to the weights of a run that was never stopped; a second signal stops at once."""
+
 import os
 import re
 import signal
@@ -8,14 +9,28 @@ import time
 
 import pytest
 import torch
-
 from conftest import polytrain_here
 from distributed import run_on_ranks
-from polytrain.runtime.stopping import MAX_VOTE_INTERVAL, StopSignal
 from processes import command_line, descendants, finish, start, wait_for
 
-TRAIN = ["--dataset", "synthetic", "--synthetic-size", "640", "--model", "lenet", "--batch-size", "32",
-         "--seed", "7", "--epochs", "2", "--checkpoint-every", "2"]
+from polytrain.runtime.stopping import MAX_VOTE_INTERVAL, StopSignal
+
+TRAIN = [
+    "--dataset",
+    "synthetic",
+    "--synthetic-size",
+    "640",
+    "--model",
+    "lenet",
+    "--batch-size",
+    "32",
+    "--seed",
+    "7",
+    "--epochs",
+    "2",
+    "--checkpoint-every",
+    "2",
+]
 NOISE = ("Traceback", "terminate called", "Fatal Python error", "leaked", "Aborted", "Exception ignored")
 
 
@@ -27,7 +42,11 @@ def progress(out) -> str:
     """Where the checkpoint in `out` stands, as polytrain says it."""
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     epoch, step = state["position"]["epoch"], state["position"]["step"]
-    return f"in epoch {epoch + 1} at step {step} of {state['steps_per_epoch']}" if step else f"after epoch {epoch}"
+    return (
+        f"in epoch {epoch + 1} at step {step} of {state['steps_per_epoch']}"
+        if step
+        else f"after epoch {epoch}"
+    )
 
 
 def assert_all_gone(pids):
@@ -49,19 +68,22 @@ def test_sigint_to_the_launcher_alone_checkpoints_every_worker_and_resumes_exact
     wait_for(lambda: (out / "checkpoint.pt").exists(), timeout=120, what="first checkpoint", process=job)
     workers = descendants(job.pid)
     started = time.monotonic()
-    os.kill(job.pid, signal.SIGINT)                   # the parent only: it passes the signal on
+    os.kill(job.pid, signal.SIGINT)  # the parent only: it passes the signal on
     stopped = finish(job, timeout=60)
     assert time.monotonic() - started < 30
     assert stopped.returncode == 128 + signal.SIGINT, stopped.stdout + stopped.stderr
-    assert stopped.stderr == (f"polytrain: stopped by SIGINT {progress(out)}, checkpoint saved; continue with: "
-                              f"polytrain train --resume {out}\n")
+    assert stopped.stderr == (
+        f"polytrain: stopped by SIGINT {progress(out)}, checkpoint saved; continue with: "
+        f"polytrain train --resume {out}\n"
+    )
     assert_quiet(stopped.stdout + stopped.stderr)
     assert_all_gone(workers)
-    resumed = polytrain_here(capfd, "train", "--resume", out)        # the stopped run is a command of its own
+    resumed = polytrain_here(capfd, "train", "--resume", out)  # the stopped run is a command of its own
     assert resumed.returncode == 0, resumed.stderr
     assert "on 2 CPU processes as the run had" in resumed.stdout.splitlines()[0]
-    straight = polytrain_here(capfd, "train", *TRAIN, "--devices", 2, "--strategy", "data",
-                              "--out", tmp_path / "straight")
+    straight = polytrain_here(
+        capfd, "train", *TRAIN, "--devices", 2, "--strategy", "data", "--out", tmp_path / "straight"
+    )
     assert straight.returncode == 0, straight.stderr
     a = torch.load(out / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
@@ -81,7 +103,10 @@ def test_sigterm_on_one_device_checkpoints_and_exits_with_its_code(tmp_path):
     assert_quiet(stopped.stdout + stopped.stderr)
     position = torch.load(out / "checkpoint.pt", weights_only=True)["position"]
     said = re.search(r"in epoch (\d+) at step (\d+) of 200", stopped.stderr)
-    assert said and (int(said[1]), int(said[2])) == (position["epoch"] + 1, position["step"])   # where it stopped
+    assert said and (int(said[1]), int(said[2])) == (
+        position["epoch"] + 1,
+        position["step"],
+    )  # where it stopped
 
 
 SLOW_STEP = """
@@ -104,10 +129,10 @@ def test_a_second_signal_stops_at_once(tmp_path):
     job = start([sys.executable, "-c", SLOW_STEP, tmp_path / "run"])
     wait_for(lambda: (tmp_path / "run" / "config.json").exists(), timeout=120, what="run folder", process=job)
     time.sleep(1)
-    job.send_signal(signal.SIGINT)            # asks for a stop after this (30 s) step
+    job.send_signal(signal.SIGINT)  # asks for a stop after this (30 s) step
     time.sleep(3)
     started = time.monotonic()
-    job.send_signal(signal.SIGINT)            # a second Ctrl-C: now
+    job.send_signal(signal.SIGINT)  # a second Ctrl-C: now
     stopped = finish(job, timeout=60)
     assert time.monotonic() - started < 10
     assert stopped.returncode != 0 and "KeyboardInterrupt" in stopped.stderr
@@ -118,9 +143,9 @@ def _steps_until_stop(rank, world_size, signal_at):
     stop.connect(world_size)
     try:
         for step in range(1, 2000):
-            time.sleep(0.005)                                 # a 5 ms step
+            time.sleep(0.005)  # a 5 ms step
             if rank == 1 and step == signal_at:
-                os.kill(os.getpid(), signal.SIGTERM)          # only rank 1 hears it
+                os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 hears it
             if stop.should_stop():
                 return step, stop.interval
         return None, stop.interval
@@ -131,6 +156,6 @@ def _steps_until_stop(rank, world_size, signal_at):
 @pytest.mark.multiprocess
 def test_ranks_agree_on_the_step_to_stop_at_and_vote_only_every_few_steps():
     (step0, interval0), (step1, interval1) = run_on_ranks(_steps_until_stop, 60)
-    assert step0 == step1 and interval0 == interval1          # the same step on every rank
+    assert step0 == step1 and interval0 == interval1  # the same step on every rank
     assert 60 < step0 <= 60 + 2 * MAX_VOTE_INTERVAL
-    assert interval0 > 1                                      # 5 ms steps: a vote every several steps
+    assert interval0 > 1  # 5 ms steps: a vote every several steps

@@ -1,5 +1,6 @@
 """The built-in GPT's tensor plan runs its norms sequence-parallel where the context splits evenly
 (`polytrain verify` of it on 2 ranks and on a 2 x 2 mesh is in test_tensor.py)."""
+
 from polytrain.config import TrainConfig
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT

@@ -3,43 +3,66 @@
 Every run is two steps of a tiny model; all of them share one launch of four processes (tests/quiet_runs.py),
 since starting processes costs more than the runs themselves.
 """
+
 import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
-
 from processes import finish, start
 
 pytestmark = pytest.mark.multiprocess
 
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-size", "64"]
-DATA = {"gpt": ["--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--context", "16"],
-        "cifar-cnn": [*SYNTHETIC, "--synthetic-shape", "3,32,32"], "resnet": [*SYNTHETIC, "--synthetic-shape", "3,32,32"]}
+DATA = {
+    "gpt": ["--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--context", "16"],
+    "cifar-cnn": [*SYNTHETIC, "--synthetic-shape", "3,32,32"],
+    "resnet": [*SYNTHETIC, "--synthetic-shape", "3,32,32"],
+}
 MODELS = ["lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt"]
-PLANNED = ["mlp", "gpt"]                       # the models with a built-in tensor plan
+PLANNED = ["mlp", "gpt"]  # the models with a built-in tensor plan
 EVERY_MODEL = ["single", "data", "sharded", "pipeline", "parameter-server"]
-MESHES = ["pipeline --pipeline-stages 2",                      # 2 replicas x 2 stages
-          "pipeline --pipeline-stages 2 --tensor-parallel 2",  # 2 stages x 2 tensor ranks
-          "tensor --tensor-parallel 2"]                        # 2 replicas (FSDP2) x 2 tensor ranks
-SPLIT = {("mlp", MESHES[1]): " --split 4"}    # (its Linears 1 and 3 split the hidden units between them)
-CASES = ([(model, strategy, 1 if strategy == "single" else 2) for strategy in EVERY_MODEL for model in MODELS]
-         + [(model, "tensor", 2) for model in PLANNED]
-         + [(model, mesh + SPLIT.get((model, mesh), ""), 4) for mesh in MESHES for model in PLANNED])
+MESHES = [
+    "pipeline --pipeline-stages 2",  # 2 replicas x 2 stages
+    "pipeline --pipeline-stages 2 --tensor-parallel 2",  # 2 stages x 2 tensor ranks
+    "tensor --tensor-parallel 2",
+]  # 2 replicas (FSDP2) x 2 tensor ranks
+SPLIT = {("mlp", MESHES[1]): " --split 4"}  # (its Linears 1 and 3 split the hidden units between them)
+CASES = (
+    [(model, strategy, 1 if strategy == "single" else 2) for strategy in EVERY_MODEL for model in MODELS]
+    + [(model, "tensor", 2) for model in PLANNED]
+    + [(model, mesh + SPLIT.get((model, mesh), ""), 4) for mesh in MESHES for model in PLANNED]
+)
 WARNING = re.compile(r"Warning\b|\bWARN")
 
 
 def argv(model: str, strategy: str, devices: int) -> list:
-    return ["--model", model, *DATA.get(model, SYNTHETIC), "--batch-size", "16", "--max-steps", "2",
-            "--strategy", *strategy.split(), "--devices", str(devices), "--device", "cpu"]
+    return [
+        "--model",
+        model,
+        *DATA.get(model, SYNTHETIC),
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "2",
+        "--strategy",
+        *strategy.split(),
+        "--devices",
+        str(devices),
+        "--device",
+        "cpu",
+    ]
 
 
 def plan(folder: Path) -> dict:
     """Groups for four processes: single runs one per process, two-device runs on processes {0, 1} and {2, 3}
     in turn, then the four-device meshes."""
-    groups = [{"processes": [p], "runs": []} for p in range(4)] + \
-             [{"processes": [0, 1], "runs": []}, {"processes": [2, 3], "runs": []}, {"processes": [0, 1, 2, 3], "runs": []}]
+    groups = [{"processes": [p], "runs": []} for p in range(4)] + [
+        {"processes": [0, 1], "runs": []},
+        {"processes": [2, 3], "runs": []},
+        {"processes": [0, 1, 2, 3], "runs": []},
+    ]
     singles = pairs = 0
     for case in CASES:
         devices = case[2]

@@ -1,15 +1,16 @@
 """The trainer against a hand-written PyTorch loop: same data order, same maths, same weights."""
+
 import copy
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_digits
 
 import polytrain
 from polytrain.errors import UserError
 from polytrain.models import build_model
-from conftest import tiny_digits
 
 
 def hand_written(model, data, *, epochs, batch_size, lr, momentum, weight_decay, seed=0, optimizer="sgd"):
@@ -26,7 +27,7 @@ def hand_written(model, data, *, epochs, batch_size, lr, momentum, weight_decay,
         order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         total = 0.0
         for start in range(0, len(order), batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             loss = F.cross_entropy(model(x_all[idx]), data.train_y[idx])
             opt.zero_grad()
             loss.backward()
@@ -46,11 +47,31 @@ def test_fit_equals_a_hand_written_loop(optimizer, lr, n_train):
     model = build_model("lenet", data.input_shape, 10)
     reference = copy.deepcopy(model)
     epochs = 2 if optimizer == "sgd" else 1
-    losses = hand_written(reference, data, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, weight_decay=5e-4,
-                          optimizer=optimizer)
-    momentum = {"momentum": 0.9} if optimizer == "sgd" else {}       # Adam takes none: refused if given
-    history = polytrain.fit(model, data, epochs=epochs, batch_size=32, lr=lr, weight_decay=5e-4, **momentum,
-                            optimizer=optimizer, schedule="constant", warmup_epochs=0, device="cpu", verbose=False)
+    losses = hand_written(
+        reference,
+        data,
+        epochs=epochs,
+        batch_size=32,
+        lr=lr,
+        momentum=0.9,
+        weight_decay=5e-4,
+        optimizer=optimizer,
+    )
+    momentum = {"momentum": 0.9} if optimizer == "sgd" else {}  # Adam takes none: refused if given
+    history = polytrain.fit(
+        model,
+        data,
+        epochs=epochs,
+        batch_size=32,
+        lr=lr,
+        weight_decay=5e-4,
+        **momentum,
+        optimizer=optimizer,
+        schedule="constant",
+        warmup_epochs=0,
+        device="cpu",
+        verbose=False,
+    )
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values()):
         torch.testing.assert_close(ours, theirs, atol=1e-6 if optimizer == "sgd" else 1e-5, rtol=0)
     assert history["train_loss"] == pytest.approx(losses, abs=1e-5)
@@ -62,6 +83,7 @@ def test_same_seed_same_weights_different_seed_different_weights(digits):
         model = build_model("mlp", digits.input_shape, 10)
         polytrain.fit(model, digits, epochs=1, seed=seed, device="cpu", verbose=False)
         return torch.cat([p.flatten() for p in model.parameters()])
+
     assert torch.equal(train(3), train(3))
     assert not torch.equal(train(3), train(4))
 
@@ -69,7 +91,15 @@ def test_same_seed_same_weights_different_seed_different_weights(digits):
 def test_history_has_the_documented_keys_and_learns(digits):
     history = polytrain.fit("lenet", digits, epochs=3, verbose=False)
     assert len(history.epochs) == 3
-    for key in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_seconds", "samples_per_second"):
+    for key in (
+        "epoch",
+        "train_loss",
+        "train_acc",
+        "val_loss",
+        "val_acc",
+        "epoch_seconds",
+        "samples_per_second",
+    ):
         assert key in history.last
     assert history["train_loss"][-1] < history["train_loss"][0]
     assert history.last["val_acc"] > 0.9
@@ -78,7 +108,7 @@ def test_history_has_the_documented_keys_and_learns(digits):
 def test_validation_accuracy_counts_every_sample(digits):
     model = build_model("mlp", digits.input_shape, 10)
     result = polytrain.evaluate(model, digits, device="cpu")
-    assert model.training                                  # the caller's module is left as it was
+    assert model.training  # the caller's module is left as it was
     mean, std = digits.channel_stats()
     x = (digits.val_x.float() / 255 - mean) / std
     with torch.no_grad():
@@ -112,11 +142,13 @@ def test_a_user_module_that_flattens_with_view_trains(digits):
 
 def test_the_watchdog_stops_when_fit_fails(digits, monkeypatch):
     import threading
+
     for name, value in (("TORCHELASTIC_RUN_ID", "test"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        monkeypatch.setenv(name, value)                      # as in a worker started by torchrun
+        monkeypatch.setenv(name, value)  # as in a worker started by torchrun
     with pytest.raises(UserError):
-        polytrain.fit("lenet", digits, epochs=1, lr=1e5, momentum=0.0, hang_timeout=30, device="cpu",
-                      verbose=False)
+        polytrain.fit(
+            "lenet", digits, epochs=1, lr=1e5, momentum=0.0, hang_timeout=30, device="cpu", verbose=False
+        )
     deadline = time.monotonic() + 5
     while any(t.name == "polytrain-watchdog" and t.is_alive() for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the watchdog outlived a failed fit"

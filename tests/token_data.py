@@ -1,5 +1,6 @@
 """Variable-length token sequences padded to one length, and small models over them, for the tests of
 batches of any structure and of token-exact (sum, count) losses (importable: worker processes unpickle them)."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -68,24 +69,27 @@ def token_step(model, batch):
     return token_loss(model(batch["input_ids"])["logits"], batch["labels"])
 
 
-def reference_weights(data: PaddedTokens, *, batch_size: int, steps: int, lr: float, parts: int = 1,
-                      per_part_mean: bool = False) -> dict:
+def reference_weights(
+    data: PaddedTokens, *, batch_size: int, steps: int, lr: float, parts: int = 1, per_part_mean: bool = False
+) -> dict:
     """SGD by hand on the global batches polytrain cuts (epoch 0's seeded order): each step minimises the sum
     of the batch's token losses over its token count; or, with `per_part_mean`, the mean over `parts` parts of
     each part's own token mean (how per-batch means were once averaged over accumulation and devices)."""
     from polytrain.data.order import global_batch_order
+
     model = TokenModel()
     order = global_batch_order(len(data), epoch=0, seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        index = order[step * batch_size:(step + 1) * batch_size]
+        index = order[step * batch_size : (step + 1) * batch_size]
         items = [data[int(i)] for i in index]
         batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
         optimizer.zero_grad()
         if per_part_mean:
             loss = 0
-            for ids, labels in zip(torch.tensor_split(batch["input_ids"], parts),
-                                   torch.tensor_split(batch["labels"], parts)):
+            for ids, labels in zip(
+                torch.tensor_split(batch["input_ids"], parts), torch.tensor_split(batch["labels"], parts)
+            ):
                 total, count = model(ids, labels)["loss"]
                 loss = loss + total / count / parts
         else:
@@ -123,10 +127,11 @@ class LitTokens(TokenModel):
 def lightning_reference(data: PaddedTokens, *, batch_size: int, steps: int, lr: float, gamma: float) -> dict:
     """reference_weights with the learning rate multiplied by gamma after every step."""
     from polytrain.data.order import global_batch_order
+
     model = TokenModel()
     order = global_batch_order(len(data), epoch=0, seed=0)
     for step in range(steps):
-        index = order[step * batch_size:(step + 1) * batch_size]
+        index = order[step * batch_size : (step + 1) * batch_size]
         items = [data[int(i)] for i in index]
         batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
         model.zero_grad()
@@ -134,7 +139,7 @@ def lightning_reference(data: PaddedTokens, *, batch_size: int, steps: int, lr: 
         (total / count).backward()
         with torch.no_grad():
             for p in model.parameters():
-                p -= lr * gamma ** step * p.grad
+                p -= lr * gamma**step * p.grad
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -162,7 +167,7 @@ class TokenPairs(Dataset):
         return item["input_ids"], item["labels"]
 
 
-SEEN = []           # what LitRecorder's copies did, in this process: (what, current_epoch, global_step[, batch_idx])
+SEEN = []  # what LitRecorder's copies did, in this process: (what, current_epoch, global_step[, batch_idx])
 
 
 def token_accuracy(logits, labels):
@@ -179,7 +184,9 @@ class Recording:
 
     def _loss_and_accuracy(self, batch):
         logits = self(batch["input_ids"])["logits"]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=PAD
+        )
         return loss, token_accuracy(logits, batch["labels"])
 
     def training_step(self, batch, batch_idx):
@@ -195,19 +202,40 @@ class Recording:
         self.log("val_acc", accuracy)
 
     def configure_optimizers(self):
-        SEEN.append(("configure_optimizers", self.trainer.max_epochs, self.trainer.estimated_stepping_batches))
+        SEEN.append(
+            ("configure_optimizers", self.trainer.max_epochs, self.trainer.estimated_stepping_batches)
+        )
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
-    def on_fit_start(self): self._note("on_fit_start")
-    def on_train_start(self): self._note("on_train_start")
-    def on_train_epoch_start(self): self._note("on_train_epoch_start")
-    def on_validation_start(self): self._note("on_validation_start")
-    def on_validation_epoch_start(self): self._note("on_validation_epoch_start")
-    def on_validation_epoch_end(self): self._note("on_validation_epoch_end")
-    def on_validation_end(self): self._note("on_validation_end")
-    def on_train_epoch_end(self): self._note("on_train_epoch_end")
-    def on_train_end(self): self._note("on_train_end")
-    def on_fit_end(self): self._note("on_fit_end")
+    def on_fit_start(self):
+        self._note("on_fit_start")
+
+    def on_train_start(self):
+        self._note("on_train_start")
+
+    def on_train_epoch_start(self):
+        self._note("on_train_epoch_start")
+
+    def on_validation_start(self):
+        self._note("on_validation_start")
+
+    def on_validation_epoch_start(self):
+        self._note("on_validation_epoch_start")
+
+    def on_validation_epoch_end(self):
+        self._note("on_validation_epoch_end")
+
+    def on_validation_end(self):
+        self._note("on_validation_end")
+
+    def on_train_epoch_end(self):
+        self._note("on_train_epoch_end")
+
+    def on_train_end(self):
+        self._note("on_train_end")
+
+    def on_fit_end(self):
+        self._note("on_fit_end")
 
 
 class LitRecorder(Recording, TokenModel):

@@ -1,4 +1,5 @@
 """What happens around the training loop on the main rank: progress, summaries, metrics file, plots."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,14 @@ from .report import save_figure
 
 class Callback:
     """polytrain's own callbacks (user callbacks are plain objects, see `UserCallbacks`)."""
+
     def on_fit_start(self, trainer): ...
     def on_epoch_start(self, trainer, epoch): ...
     def on_step_start(self, trainer, step): ...
     def on_step_end(self, trainer, step): ...
     def on_eval_step(self, trainer, step): ...
-    def on_validation_start(self, trainer): ...          # every rank, before a validation pass
-    def on_figures(self, trainer, record): ...           # every rank, before a record is judged: may add figures
+    def on_validation_start(self, trainer): ...  # every rank, before a validation pass
+    def on_figures(self, trainer, record): ...  # every rank, before a record is judged: may add figures
     def on_validation_end(self, trainer, record): ...
     def on_epoch_end(self, trainer, record): ...
     def on_fit_end(self, trainer): ...
@@ -36,8 +38,10 @@ def monitor_names(metric_names) -> list:
 def check_monitor(metric: str, metric_names) -> None:
     available = monitor_names(metric_names)
     if metric not in available:
-        raise ConfigError(f"--monitor {metric!r} is not a validation figure of this run; choose one of "
-                          f"{', '.join(available)}")
+        raise ConfigError(
+            f"--monitor {metric!r} is not a validation figure of this run; choose one of "
+            f"{', '.join(available)}"
+        )
 
 
 # Figures where lower is better besides losses: errors and perplexity (Keras' `auto` mode minimises all but
@@ -57,23 +61,25 @@ class Monitor:
 
     Every rank keeps one and updates it with the same reduced figures, so every rank takes the same
     decisions (best.pt, early stopping) without talking to the others."""
+
     metric: str = "val_loss"
-    mode: Optional[str] = None       # min or max; None: min for names containing "loss", max otherwise
-    patience: int = 0                # stop after this many validations in a row without improvement (0: never)
+    mode: Optional[str] = None  # min or max; None: min for names containing "loss", max otherwise
+    patience: int = 0  # stop after this many validations in a row without improvement (0: never)
     best: Optional[float] = None
-    epoch: int = 0                   # the epoch (from 1) of the best validation
-    within: int = 0                  # its step within that epoch (0: at the epoch's end)
-    step: int = 0                    # optimizer steps done in all at the best validation
-    bad: int = 0                     # validations since the best, none better
-    stopped: bool = False            # training stopped early here (kept, so a resume says so)
+    epoch: int = 0  # the epoch (from 1) of the best validation
+    within: int = 0  # its step within that epoch (0: at the epoch's end)
+    step: int = 0  # optimizer steps done in all at the best validation
+    bad: int = 0  # validations since the best, none better
+    stopped: bool = False  # training stopped early here (kept, so a resume says so)
 
     def __post_init__(self):
         self.mode = self.mode or monitor_mode(self.metric)
 
     def update(self, value: float, *, epoch: int, within: int, step: int) -> bool:
         """Count one validation's value; True when it is the best so far (NaN never is)."""
-        better = math.isfinite(value) and (self.best is None or
-                                           (value < self.best if self.mode == "min" else value > self.best))
+        better = math.isfinite(value) and (
+            self.best is None or (value < self.best if self.mode == "min" else value > self.best)
+        )
         if better:
             self.best, self.epoch, self.within, self.step, self.bad = float(value), epoch, within, step, 0
         else:
@@ -88,20 +94,34 @@ class Monitor:
         return f"epoch {self.epoch}" + (f", step {self.within}" if self.within else "")
 
     def early_stop_line(self) -> str:
-        return (f"early stop: {self.metric} has not improved for {self.bad} validation{'s' * (self.bad != 1)} "
-                f"(best {self.best:.4g} at {self.where()})")
+        return (
+            f"early stop: {self.metric} has not improved for {self.bad} validation{'s' * (self.bad != 1)} "
+            f"(best {self.best:.4g} at {self.where()})"
+        )
 
     def summary(self) -> dict:
         """What the history says of the best: the metric, whether lower or higher is better, value and place."""
         if self.best is None:
             return {}
-        return dict(metric=self.metric, mode=self.mode, value=self.best, epoch=self.epoch,
-                    step=self.within or None, global_step=self.step)
+        return dict(
+            metric=self.metric,
+            mode=self.mode,
+            value=self.best,
+            epoch=self.epoch,
+            step=self.within or None,
+            global_step=self.step,
+        )
 
     def state(self) -> dict:
         """What a checkpoint keeps, so that a resume goes on with the same best and patience."""
-        return dict(best=self.best, epoch=self.epoch, within=self.within, step=self.step, bad=self.bad,
-                    stopped=self.stopped)
+        return dict(
+            best=self.best,
+            epoch=self.epoch,
+            within=self.within,
+            step=self.step,
+            bad=self.bad,
+            stopped=self.stopped,
+        )
 
     def restore(self, state) -> None:
         if isinstance(state, dict):
@@ -118,22 +138,29 @@ def metric_names(record: dict) -> list:
 
 
 def figures(record: dict, split: str, names) -> str:
-    """" loss 0.1234 acc 0.9000" of one split, for the figures the record has (none: no validation ran)."""
-    return "".join(f" {name} {record[f'{split}_{name}']:.4f}" for name in ("loss", *names)
-                   if f"{split}_{name}" in record)
+    """ " loss 0.1234 acc 0.9000" of one split, for the figures the record has (none: no validation ran)."""
+    return "".join(
+        f" {name} {record[f'{split}_{name}']:.4f}" for name in ("loss", *names) if f"{split}_{name}" in record
+    )
 
 
 def summary_line(record: dict, epochs: float) -> str:
     names = metric_names(record)
-    sides = "".join(f"  {split}{figures(record, split, names)}" for split in ("train", "val")
-                    if f"{split}_loss" in record)
-    if "tokens_per_second" in record:     # a language model: loss in nats per token
+    sides = "".join(
+        f"  {split}{figures(record, split, names)}" for split in ("train", "val") if f"{split}_loss" in record
+    )
+    if "tokens_per_second" in record:  # a language model: loss in nats per token
         perplexity = f" perplexity {record['perplexity']:.2f}" if "perplexity" in record else ""
-        return (f"epoch {record['epoch']}/{epochs:g}{sides}{perplexity}  {record['epoch_seconds']:.2f}s  "
-                f"{record['tokens_per_second']:,.0f} tokens/s" + (f"  {record['note']}" if record.get("note") else ""))
-    return (f"epoch {record['epoch']}/{epochs:g}{sides}  "
-            f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
-            + (f"  {record['note']}" if record.get("note") else ""))
+        return (
+            f"epoch {record['epoch']}/{epochs:g}{sides}{perplexity}  {record['epoch_seconds']:.2f}s  "
+            f"{record['tokens_per_second']:,.0f} tokens/s"
+            + (f"  {record['note']}" if record.get("note") else "")
+        )
+    return (
+        f"epoch {record['epoch']}/{epochs:g}{sides}  "
+        f"{record['epoch_seconds']:.2f}s  {record['samples_per_second']:,.0f} samples/s"
+        + (f"  {record['note']}" if record.get("note") else "")
+    )
 
 
 class ProgressBar(Callback):
@@ -155,11 +182,18 @@ class ProgressBar(Callback):
 
     def on_epoch_start(self, trainer, epoch):
         self.next_line = time.monotonic() + self.every_seconds
-        self.start_step = trainer.position.step        # a resumed epoch's earlier steps are not this pass's
+        self.start_step = trainer.position.step  # a resumed epoch's earlier steps are not this pass's
         if self.use_bar:
             from tqdm import tqdm
-            self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.position.step, file=self.stream,
-                            desc=f"epoch {epoch + 1}/{trainer.epochs:g}", leave=False, dynamic_ncols=True)
+
+            self.bar = tqdm(
+                total=trainer.steps_per_epoch,
+                initial=trainer.position.step,
+                file=self.stream,
+                desc=f"epoch {epoch + 1}/{trainer.epochs:g}",
+                leave=False,
+                dynamic_ncols=True,
+            )
 
     def on_step_end(self, trainer, step):
         if self.bar is None and time.monotonic() >= self.next_line and step + 1 < trainer.steps_per_epoch:
@@ -167,21 +201,30 @@ class ProgressBar(Callback):
             loss_sum, loss_count, _, _, seconds = trainer.running_totals()
             done = step + 1 - self.start_step
             left = seconds / max(done, 1) * (trainer.steps_per_epoch - step - 1)
-            print(f"epoch {trainer.epoch}/{trainer.epochs:g} step {step + 1}/{trainer.steps_per_epoch}  train loss "
-                  f"{loss_sum / max(loss_count, 1):.4f}  {seconds:.0f}s, about {left:.0f}s left in the epoch",
-                  file=self.stream, flush=True)
-        if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch):
+            print(
+                f"epoch {trainer.epoch}/{trainer.epochs:g} step {step + 1}/{trainer.steps_per_epoch}  train loss "
+                f"{loss_sum / max(loss_count, 1):.4f}  {seconds:.0f}s, about {left:.0f}s left in the epoch",
+                file=self.stream,
+                flush=True,
+            )
+        if self.bar is not None and (
+            (step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch
+        ):
             loss_sum, loss_count, metric_sums, count, _ = trainer.running_totals()
-            values = dict(loss=loss_sum / max(loss_count, 1), **{name: value / max(count, 1) for name, value in
-                                                                 zip(trainer.metric_names, metric_sums)})
+            values = dict(
+                loss=loss_sum / max(loss_count, 1),
+                **{name: value / max(count, 1) for name, value in zip(trainer.metric_names, metric_sums)},
+            )
             self.bar.set_postfix({name: f"{value:.4f}" for name, value in values.items()})
             self.bar.update(step + 1 - self.bar.n)
 
     def on_validation_end(self, trainer, record):
-        if "step" not in record:              # the epoch's own: its summary line follows
+        if "step" not in record:  # the epoch's own: its summary line follows
             return
-        line = (f"epoch {record['epoch']}/{trainer.epochs:g} step {record['step']}/{trainer.steps_per_epoch}  "
-                f"val{figures(record, 'val', metric_names(record))}")
+        line = (
+            f"epoch {record['epoch']}/{trainer.epochs:g} step {record['step']}/{trainer.steps_per_epoch}  "
+            f"val{figures(record, 'val', metric_names(record))}"
+        )
         if self.bar is not None:
             self.bar.write(line, file=self.stream)
         else:
@@ -209,7 +252,7 @@ class MetricsLog(Callback):
     def on_epoch_end(self, trainer, record):
         self.write(trainer)
 
-    def on_partial_record(self, trainer, record):      # a run ended by --max-steps within an epoch
+    def on_partial_record(self, trainer, record):  # a run ended by --max-steps within an epoch
         self.write(trainer)
 
     def write(self, trainer) -> None:
@@ -240,19 +283,24 @@ class Curves(Callback):
         self.path = Path(path)
 
     def on_epoch_end(self, trainer, record):
-        plot_curves(trainer.history.epochs, self.path, within=trainer.history.validations,
-                    steps_per_epoch=trainer.steps_per_epoch)
+        plot_curves(
+            trainer.history.epochs,
+            self.path,
+            within=trainer.history.validations,
+            steps_per_epoch=trainer.steps_per_epoch,
+        )
 
     def on_validation_end(self, trainer, record):
-        if "step" in record:              # within an epoch (the epoch's own is drawn at its end)
+        if "step" in record:  # within an epoch (the epoch's own is drawn at its end)
             self.on_epoch_end(trainer, record)
 
-    on_partial_record = on_validation_end     # a run ended by --max-steps within an epoch
+    on_partial_record = on_validation_end  # a run ended by --max-steps within an epoch
 
 
 def plot_curves(records, path: Path, *, within=(), steps_per_epoch: int = 1) -> dict:
     """Draw `curves.png`; returns what it drew: (figure, split) -> [(epoch, value), ...]."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -260,8 +308,11 @@ def plot_curves(records, path: Path, *, within=(), steps_per_epoch: int = 1) -> 
         return {}
     drawn = {}
     # every record at the epoch (a fraction within one) it came after
-    points = sorted([(r["epoch"] - 1 + r["step"] / steps_per_epoch, r) for r in within] +
-                    [(r["epoch"], r) for r in records], key=lambda point: point[0])
+    points = sorted(
+        [(r["epoch"] - 1 + r["step"] / steps_per_epoch, r) for r in within]
+        + [(r["epoch"], r) for r in records],
+        key=lambda point: point[0],
+    )
     keys = ["loss", *metric_names((records or within)[-1])]
     figure, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for axis, key in zip(axes[0], keys):

@@ -4,6 +4,7 @@ A file is written to a temporary name in the same folder, flushed to disk, then 
 so a crash leaves either the previous complete checkpoint or the new complete one, never half of one.
 Loading uses `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts only.
 """
+
 from __future__ import annotations
 
 import io
@@ -23,18 +24,19 @@ FORMAT = "polytrain-checkpoint-1"
 @dataclass
 class Position:
     """Where training stands: the next step to run, and the running sums of the epoch in progress."""
+
     epoch: int = 0
     step: int = 0
     loss_sum: float = 0.0
-    metrics: tuple = ()           # the objective's metric sums, in the order of its names
+    metrics: tuple = ()  # the objective's metric sums, in the order of its names
     count: float = 0.0
     seconds: float = 0.0
-    loss_count: Optional[float] = None   # elements the loss sum covers ((sum, count) losses); None: count
+    loss_count: Optional[float] = None  # elements the loss sum covers ((sum, count) losses); None: count
 
     @classmethod
     def from_dict(cls, values: dict) -> "Position":
         values = dict(values)
-        if "correct" in values:        # checkpoints written before metrics were generalised
+        if "correct" in values:  # checkpoints written before metrics were generalised
             values["metrics"] = (values.pop("correct"),)
         values["metrics"] = tuple(values.get("metrics", ()))
         position = cls(**values)
@@ -79,9 +81,11 @@ def safe_load(path: Path) -> dict:
         raise CheckpointError(f"{path}: no such checkpoint; pass the folder of a run that saved one")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:      # weights_only loading runs no code; any failure means a damaged file
-        raise CheckpointError(f"{path}: not a loadable polytrain checkpoint ({first_line(error)}); it is damaged or "
-                              f"was not written by polytrain") from None
+    except Exception as error:  # weights_only loading runs no code; any failure means a damaged file
+        raise CheckpointError(
+            f"{path}: not a loadable polytrain checkpoint ({first_line(error)}); it is damaged or "
+            f"was not written by polytrain"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a polytrain checkpoint")
     return state
@@ -97,14 +101,18 @@ def check_model_state(state, model, path: Path) -> None:
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         name = (missing or unexpected)[0]
-        raise CheckpointError(f"{path}: weights belong to a different model ({'missing' if missing else 'extra'} "
-                              f"{name!r}); use the --model the run was trained with")
+        raise CheckpointError(
+            f"{path}: weights belong to a different model ({'missing' if missing else 'extra'} "
+            f"{name!r}); use the --model the run was trained with"
+        )
     for key, tensor in expected.items():
         value = state[key]
         if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise CheckpointError(f"{path}: {key!r} has shape {shape}, the model expects {tuple(tensor.shape)}; "
-                                  f"use the --model and dataset the run was trained with")
+            raise CheckpointError(
+                f"{path}: {key!r} has shape {shape}, the model expects {tuple(tensor.shape)}; "
+                f"use the --model and dataset the run was trained with"
+            )
         if tensor.is_floating_point() and not torch.isfinite(value).all():
             raise CheckpointError(f"{path}: {key!r} holds NaN or infinite values; the file is damaged")
 
@@ -130,15 +138,22 @@ class Checkpointer:
 
     def save(self, trainer, position) -> None:
         strategy = trainer.strategy
-        state = strategy.state_dict()                 # every rank takes part (sharded strategies gather)
-        rng = strategy.gather_object(rng_state(strategy.device))      # each rank's own random streams
+        state = strategy.state_dict()  # every rank takes part (sharded strategies gather)
+        rng = strategy.gather_object(rng_state(strategy.device))  # each rank's own random streams
         if not self.is_main:
             return
-        state["gradients"] = strategy.gradients.state_dict()         # fp16's loss scale: the same on every rank
-        state.update(format=FORMAT, position=asdict(position), history=list(trainer.history.epochs),
-                     validations=list(trainer.history.validations), monitor=trainer.monitor.state(),
-                     rng=rng, batch_size=trainer.train_loader.batch_size,
-                     steps_per_epoch=trainer.steps_per_epoch, train_samples=trainer.train_loader.num_samples)
+        state["gradients"] = strategy.gradients.state_dict()  # fp16's loss scale: the same on every rank
+        state.update(
+            format=FORMAT,
+            position=asdict(position),
+            history=list(trainer.history.epochs),
+            validations=list(trainer.history.validations),
+            monitor=trainer.monitor.state(),
+            rng=rng,
+            batch_size=trainer.train_loader.batch_size,
+            steps_per_epoch=trainer.steps_per_epoch,
+            train_samples=trainer.train_loader.num_samples,
+        )
         atomic_torch_save(state, self.path)
         atomic_torch_save(state["model"], self.run_dir / "model.pt")
 
@@ -147,8 +162,9 @@ class Checkpointer:
         improved the monitored figure. Every rank calls it (split strategies gather the model)."""
         weights = trainer.strategy.model_state()
         if self.is_main:
-            atomic_torch_save({name: tensor.detach().cpu() for name, tensor in weights.items()},
-                              self.run_dir / "best.pt")
+            atomic_torch_save(
+                {name: tensor.detach().cpu() for name, tensor in weights.items()}, self.run_dir / "best.pt"
+            )
 
     def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
@@ -157,12 +173,16 @@ class Checkpointer:
             raise CheckpointError(f"{self.path}: not a polytrain checkpoint (format {state.get('format')!r})")
         written = state.get("train_samples")
         if written is not None and written != train_samples:
-            raise CheckpointError(f"{self.path}: written for {written:,} training samples, but this run's training "
-                                  f"set has {train_samples:,}: the dataset changed; resume with the data the run had")
+            raise CheckpointError(
+                f"{self.path}: written for {written:,} training samples, but this run's training "
+                f"set has {train_samples:,}: the dataset changed; resume with the data the run had"
+            )
         if (state.get("batch_size"), state.get("steps_per_epoch")) != (batch_size, steps_per_epoch):
-            raise CheckpointError(f"{self.path}: written with global batch {state.get('batch_size')} "
-                                  f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
-                                  f"({steps_per_epoch}); resume with the run's own batch size and data")
+            raise CheckpointError(
+                f"{self.path}: written with global batch {state.get('batch_size')} "
+                f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
+                f"({steps_per_epoch}); resume with the run's own batch size and data"
+            )
         check_model_state(state.get("model"), strategy.expected_state(), self.path)
         return state
 
@@ -172,8 +192,10 @@ class Checkpointer:
             strategy.load_state_dict(state)
             strategy.gradients.load_state_dict(state.get("gradients", {}))
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
-            raise CheckpointError(f"{self.path}: optimizer or scheduler state does not fit this run "
-                                  f"({str(error).splitlines()[0][:120]}); resume with the original settings") from None
+            raise CheckpointError(
+                f"{self.path}: optimizer or scheduler state does not fit this run "
+                f"({str(error).splitlines()[0][:120]}); resume with the original settings"
+            ) from None
 
 
 def rng_state(device: torch.device) -> dict:
@@ -187,7 +209,7 @@ def rng_state(device: torch.device) -> dict:
 def restore_rng(saved, *, rank: int, device: torch.device) -> None:
     """Give rank r the streams rank r had when the checkpoint was written (exact on the same device count;
     on another count, rank r takes rank r mod the old count's streams)."""
-    if isinstance(saved, torch.Tensor):             # checkpoints of earlier versions held rank 0's CPU stream
+    if isinstance(saved, torch.Tensor):  # checkpoints of earlier versions held rank 0's CPU stream
         saved = [{"cpu": saved}]
     mine = saved[rank % len(saved)] if isinstance(saved, list) and saved else None
     if not isinstance(mine, dict):
@@ -201,8 +223,9 @@ def restore_rng(saved, *, rank: int, device: torch.device) -> None:
 @dataclass
 class Progress:
     """How far a run has come, read from its checkpoint without building anything."""
-    epoch: int                 # whole epochs done
-    step: int                  # steps done in the epoch after those
+
+    epoch: int  # whole epochs done
+    step: int  # steps done in the epoch after those
     steps_per_epoch: int
     history: list
 
@@ -234,5 +257,9 @@ def read_progress(run_dir) -> Optional[Progress]:
     position = state.get("position")
     if not isinstance(position, dict) or not isinstance(state.get("steps_per_epoch"), int):
         raise CheckpointError(f"{path}: not a polytrain checkpoint (no position); it is damaged")
-    return Progress(int(position.get("epoch", 0)), int(position.get("step", 0)), state["steps_per_epoch"],
-                    list(state.get("history") or []))
+    return Progress(
+        int(position.get("epoch", 0)),
+        int(position.get("step", 0)),
+        state["steps_per_epoch"],
+        list(state.get("history") or []),
+    )

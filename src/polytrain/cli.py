@@ -1,19 +1,20 @@
 """The command line: `polytrain train | evaluate | predict | verify | bench | generate`. The only place that
 parses arguments."""
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from .version import __version__
 from .config import DEFAULTS, SETTINGS
 from .config.flags import add_setting_flags, given_settings, unknown_flag
 from .data import DATASETS
 from .errors import UserError
 from .models import MODELS
-from .strategies import STRATEGIES
 from .runtime.verify import COMPARE_HELP, TOLERANCE_HELP
+from .strategies import STRATEGIES
+from .version import __version__
 
 EXAMPLES = """examples:
   polytrain train                          # LeNet on 10,000 real MNIST digits, run folder under runs/
@@ -45,9 +46,13 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
-        prog="polytrain", description="Train PyTorch models on every device you have, with results proven "
-        "equal to one device. Start with: polytrain train", formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EXAMPLES, allow_abbrev=False)
+        prog="polytrain",
+        description="Train PyTorch models on every device you have, with results proven "
+        "equal to one device. Start with: polytrain train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"polytrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.commands = {}
@@ -56,86 +61,151 @@ def build_parser() -> argparse.ArgumentParser:
         parser.commands[name] = commands.add_parser(name, allow_abbrev=False, **kwargs)
         return parser.commands[name]
 
-    train = command("train", help="train a model and save a run folder",
-                    description="Train an image classifier (images (N, C, H, W) with integer labels; the model "
-                                "gives (N, classes) scores, trained with cross-entropy); writes config.json, "
-                                "metrics.jsonl, model.pt, checkpoint.pt and curves.png into the run folder. "
-                                "Ctrl-C or SIGTERM stops at a checkpoint; --resume continues from it.")
+    train = command(
+        "train",
+        help="train a model and save a run folder",
+        description="Train an image classifier (images (N, C, H, W) with integer labels; the model "
+        "gives (N, classes) scores, trained with cross-entropy); writes config.json, "
+        "metrics.jsonl, model.pt, checkpoint.pt and curves.png into the run folder. "
+        "Ctrl-C or SIGTERM stops at a checkpoint; --resume continues from it.",
+    )
     add_setting_flags(train, "train")
-    train.add_argument("--resume", metavar="RUN_DIR",
-                       help="continue a run from its checkpoint, on the devices it had unless --device/--devices "
-                            "say otherwise (runs/LATEST: the newest run)")
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its checkpoint, on the devices it had unless --device/--devices "
+        "say otherwise (runs/LATEST: the newest run)",
+    )
     evaluate = command("evaluate", help="validation loss and accuracy of a run's model")
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
     evaluate.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
     evaluate.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     predict = command("predict", help="predictions on validation images, optionally as a picture")
     predict.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
-    predict.add_argument("--show", type=int, default=0, metavar="N",
-                         help="draw N validation images spread evenly over the validation set (so a set sorted "
-                              "by class shows every class) with predicted and true labels into "
-                              "RUN_DIR/predictions.png, mistakes in red; without it, 10 are listed")
+    predict.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draw N validation images spread evenly over the validation set (so a set sorted "
+        "by class shows every class) with predicted and true labels into "
+        "RUN_DIR/predictions.png, mistakes in red; without it, 10 are listed",
+    )
     predict.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
     predict.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     generate = command("generate", help="text sampled from a language model run (--model gpt)")
     generate.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
     generate.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
-    generate.add_argument("--tokens", type=int, default=300, metavar="N", help="characters to sample (default: 300)")
-    generate.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                          help="below 1: safer, above 1: wilder, 0: always the likeliest (default: 1.0)")
-    generate.add_argument("--top-k", type=int, default=None, metavar="K",
-                          help="sample only from the K likeliest characters (default: all)")
-    generate.add_argument("--seed", type=int, default=0, metavar="N", help="same seed, same text (default: 0)")
+    generate.add_argument(
+        "--tokens", type=int, default=300, metavar="N", help="characters to sample (default: 300)"
+    )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="below 1: safer, above 1: wilder, 0: always the likeliest (default: 1.0)",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample only from the K likeliest characters (default: all)",
+    )
+    generate.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="same seed, same text (default: 0)"
+    )
     generate.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
     generate.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
-    verify = command("verify", help="train a few steps on 1 and on N devices and compare",
-                     description="Runs a short training on one device and with --strategy on --devices devices; "
-                                 "prints per-step losses and the largest parameter difference; exits 1 if they "
-                                 "diverge.")
+    verify = command(
+        "verify",
+        help="train a few steps on 1 and on N devices and compare",
+        description="Runs a short training on one device and with --strategy on --devices devices; "
+        "prints per-step losses and the largest parameter difference; exits 1 if they "
+        "diverge.",
+    )
     add_setting_flags(verify, "verify")
     verify.add_argument("--steps", type=int, default=20, metavar="N", help="steps to compare (default: 20)")
     verify.add_argument("--tolerance", type=float, default=None, metavar="X", help=TOLERANCE_HELP)
-    verify.add_argument("--compare-in", choices=("auto", "float64", "as-trained"), default="auto",
-                        help=COMPARE_HELP)
-    add_bench_flags(command("bench", help="time every strategy on 1..N devices; explain, predict, pick",
-                            description=BENCH_DESCRIPTION))
+    verify.add_argument(
+        "--compare-in", choices=("auto", "float64", "as-trained"), default="auto", help=COMPARE_HELP
+    )
+    add_bench_flags(
+        command(
+            "bench",
+            help="time every strategy on 1..N devices; explain, predict, pick",
+            description=BENCH_DESCRIPTION,
+        )
+    )
     return parser
 
 
-WEIGHTS_HELP = ("final: the run's last weights (model.pt); best: those of its best validation of --monitor "
-                "(best.pt); default: %(default)s")
+WEIGHTS_HELP = (
+    "final: the run's last weights (model.pt); best: those of its best validation of --monitor "
+    "(best.pt); default: %(default)s"
+)
 
 BENCH_DESCRIPTION = (
     "Runs each combination of --device, --batch-sizes, --strategies and --devices for --steps steps after "
     "--warmup steps and prints samples/s, step time, speedup and efficiency against one device, memory per "
     "rank, and the split of a step into compute, communication, data and idle, measured on every rank; "
     "explains every combination that loses to fewer devices; writes bench.json and bench.png. --predict N,M "
-    "projects larger counts with the cost model and names the strategy it would pick.")
+    "projects larger counts with the cost model and names the strategy it would pick."
+)
 
 
 def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--model", default=DEFAULTS.model, metavar="NAME", help=f"one of {', '.join(MODELS)}")
-    bench.add_argument("--dataset", default=DEFAULTS.dataset, metavar="NAME", help=f"one of {', '.join(DATASETS)}")
+    bench.add_argument(
+        "--dataset", default=DEFAULTS.dataset, metavar="NAME", help=f"one of {', '.join(DATASETS)}"
+    )
     bench.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files")
-    bench.add_argument("--devices", default=(1, 2), metavar="N,M,...",
-                       help="device counts to run (default: 1,2); one device always runs as the baseline")
-    bench.add_argument("--strategies", default=tuple(STRATEGIES), metavar="S,T,...",
-                       help=f"default: {','.join(STRATEGIES)} (tensor: where the model has a tensor plan, one group "
-                            f"of all the devices and each data x tensor mesh the count allows)")
-    bench.add_argument("--batch-sizes", default=(64,), metavar="B,C,...",
-                       help="global batch sizes (default: 64)")
-    bench.add_argument("--device", default=None, metavar="cpu,cuda",
-                       help="device kinds, side by side (default: cuda if a GPU is present, else cpu)")
+    bench.add_argument(
+        "--devices",
+        default=(1, 2),
+        metavar="N,M,...",
+        help="device counts to run (default: 1,2); one device always runs as the baseline",
+    )
+    bench.add_argument(
+        "--strategies",
+        default=tuple(STRATEGIES),
+        metavar="S,T,...",
+        help=f"default: {','.join(STRATEGIES)} (tensor: where the model has a tensor plan, one group "
+        f"of all the devices and each data x tensor mesh the count allows)",
+    )
+    bench.add_argument(
+        "--batch-sizes", default=(64,), metavar="B,C,...", help="global batch sizes (default: 64)"
+    )
+    bench.add_argument(
+        "--device",
+        default=None,
+        metavar="cpu,cuda",
+        help="device kinds, side by side (default: cuda if a GPU is present, else cpu)",
+    )
     bench.add_argument("--steps", type=int, default=20, metavar="N", help="measured steps (default: 20)")
-    bench.add_argument("--warmup", type=int, default=10, metavar="N", help="steps before measuring (default: 10)")
-    bench.add_argument("--repeats", type=int, default=1, metavar="R",
-                       help="run every combination R times, interleaved, and keep each one's median (default: 1)")
-    bench.add_argument("--predict", default=(), metavar="N,M,...",
-                       help="also predict these device counts with the cost model and name the pick")
+    bench.add_argument(
+        "--warmup", type=int, default=10, metavar="N", help="steps before measuring (default: 10)"
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every combination R times, interleaved, and keep each one's median (default: 1)",
+    )
+    bench.add_argument(
+        "--predict",
+        default=(),
+        metavar="N,M,...",
+        help="also predict these device counts with the cost model and name the pick",
+    )
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")
     for name, metavar in (("layers", "L"), ("heads", "H"), ("width", "C"), ("context", "T")):
         bench.add_argument(f"--{name}", type=int, metavar=metavar, help="--model gpt: as for polytrain train")
-    bench.add_argument("--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)")
+    bench.add_argument(
+        "--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)"
+    )
 
 
 def parse(argv=None):
@@ -168,6 +238,7 @@ def leave_without_teardown(code: int) -> None:
     result reported: nothing is lost by skipping that teardown.
     """
     from .runtime.hostenv import launcher_env
+
     try:
         launched = launcher_env() is not None
     except UserError:
@@ -188,7 +259,7 @@ def run_command(argv=None) -> int:
     from .runtime.launch import WorkerFailed
     from .runtime.stopping import TrainingInterrupted
 
-    keep_freed_memory()                    # this process is ours: see hostenv.keep_freed_memory
+    keep_freed_memory()  # this process is ours: see hostenv.keep_freed_memory
     try:
         return COMMANDS[args.command](args)
     except TrainingInterrupted as stop:

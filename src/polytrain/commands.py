@@ -1,4 +1,5 @@
 """What each subcommand does with its parsed arguments; output for people."""
+
 from __future__ import annotations
 
 import copy
@@ -9,29 +10,37 @@ from typing import Optional
 import torch
 
 from .api import evaluate, predict, spread_indices, train_run, weights_file
-from .checkpoint import load_weights
-from .sources import as_dataset, make_objective
-from .config import (REPLANNING, RESUMABLE, SETTINGS, STRATEGY_FLAGS, STRATEGY_OPTIONS, TrainConfig,
-                     options_of_other_strategies, unset_value)
+from .checkpoint import load_weights, planned_steps, read_progress
+from .config import (
+    REPLANNING,
+    RESUMABLE,
+    SETTINGS,
+    STRATEGY_FLAGS,
+    STRATEGY_OPTIONS,
+    TrainConfig,
+    options_of_other_strategies,
+    unset_value,
+)
 from .config.flags import config_from_args, flag_list, parse_list
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
-from .runtime.launch import check_devices, run_job
 from .models import build_model
-from .models.gpt import generate
 from .models.defaults import defaults_words
-from .checkpoint import planned_steps, read_progress
+from .models.gpt import generate
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
-from .strategies import make_plan, resolve_strategy_name
+from .runtime.launch import check_devices, run_job
 from .runtime.verify import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
-
+from .sources import as_dataset, make_objective
+from .strategies import make_plan, resolve_strategy_name
 
 # What a resume may change about how the run trains, recorded in its config.json (the run folder and
 # reliability settings belong to this invocation only; --plan is spent on choosing the recorded strategy).
-RECORDED_ON_RESUME = ("epochs", *(name for name in RESUMABLE
-                                  if SETTINGS[name].group != "reliability" and name != "plan"))
+RECORDED_ON_RESUME = (
+    "epochs",
+    *(name for name in RESUMABLE if SETTINGS[name].group != "reliability" and name != "plan"),
+)
 
 
 def _resumed_strategy(old: str, args) -> str:
@@ -54,6 +63,7 @@ def length_free_schedule(schedule: str) -> bool:
     lr_scheduler classes (their arguments are their own, not the run's length); polytrain's cosine and onecycle
     are laid out over --epochs."""
     from .optim import SCHEDULES
+
     return schedule == "constant" or schedule.lower() not in SCHEDULES
 
 
@@ -61,17 +71,21 @@ def resume_plan(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
-    refuse_if_training(run_dir)             # before its config.json is rewritten for this resume
+    refuse_if_training(run_dir)  # before its config.json is rewritten for this resume
     fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
     if fixed:
-        raise UserError(f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
-                        f"{flag_list(RESUMABLE)} may change, and --epochs on a schedule that does not depend on it)")
+        raise UserError(
+            f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
+            f"{flag_list(RESUMABLE)} may change, and --epochs on a schedule that does not depend on it)"
+        )
     settings = read_config(run_dir)
     if settings.get("custom_model") or settings.get("custom_data"):
-        raise UserError(f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
-                        f"there: polytrain.fit(model, data, resume={run_dir!r}, ...)")
+        raise UserError(
+            f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "
+            f"there: polytrain.fit(model, data, resume={run_dir!r}, ...)"
+        )
     before = dict(settings)
-    settings["device"] = settings.get("device_type") or settings.get("device", "auto")    # the kind it ran on
+    settings["device"] = settings.get("device_type") or settings.get("device", "auto")  # the kind it ran on
     settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args)
     settings.update(options_of_other_strategies(settings["strategy"]))
     if set(REPLANNING) & args.given:
@@ -86,27 +100,38 @@ def resume_plan(args):
     progress = read_progress(run_dir)
     extendable = length_free_schedule(config.schedule)
     if config.epochs != before.get("epochs") and not extendable:
-        raise UserError(f"--epochs: this run's {config.schedule} learning-rate schedule is laid out over its "
-                        f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
-                        f"a new run with --epochs {config.epochs} (runs on --schedule constant, or a "
-                        f"torch.optim.lr_scheduler class, can be extended)")
+        raise UserError(
+            f"--epochs: this run's {config.schedule} learning-rate schedule is laid out over its "
+            f"{before.get('epochs')} epochs, so a new length would change steps already taken; start "
+            f"a new run with --epochs {config.epochs} (runs on --schedule constant, or a "
+            f"torch.optim.lr_scheduler class, can be extended)"
+        )
     if progress is not None and progress.steps_done >= planned_steps(config.epochs, progress.steps_per_epoch):
         last = final_figures(progress.history[-1]) if progress.history else "no validation recorded"
-        return None, (f"{run_dir} already finished its {config.epochs:g} epochs ({last}); "
-                      f"nothing to resume. To train longer, start a new run"
-                      + (f", or pass --epochs N above {config.epochs:g}" if extendable else ""))
+        return None, (
+            f"{run_dir} already finished its {config.epochs:g} epochs ({last}); "
+            f"nothing to resume. To train longer, start a new run"
+            + (f", or pass --epochs N above {config.epochs:g}" if extendable else "")
+        )
     if progress is not None and config.max_steps and config.max_steps <= progress.steps_done:
-        raise UserError(f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
-                        f"give more than {progress.steps_done}, or leave --max-steps out to finish the run")
+        raise UserError(
+            f"--max-steps {config.max_steps}: this run has already done {progress.steps_done} steps; "
+            f"give more than {progress.steps_done}, or leave --max-steps out to finish the run"
+        )
     was = dict(before, device=settings["device"])
-    changed = [f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
-               for name in RECORDED_ON_RESUME if name in args.given and getattr(config, name) != was.get(name)]
+    changed = [
+        f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
+        for name in RECORDED_ON_RESUME
+        if name in args.given and getattr(config, name) != was.get(name)
+    ]
     at = progress.where() if progress is not None else "from the start (it has no checkpoint yet)"
     kept = f"; changed: {', '.join(changed)}" if changed else " as the run had"
     line = f"resuming {run_dir} {at} on {_devices_phrase(config)}{kept}"
     record = dict(before, **{name: getattr(config, name) for name in RECORDED_ON_RESUME})
-    record.update(strategy=resolve_strategy_name(config.strategy, config.devices),
-                  device_type=resolved_device_type(config.device))
+    record.update(
+        strategy=resolve_strategy_name(config.strategy, config.devices),
+        device_type=resolved_device_type(config.device),
+    )
     return (config, run_dir, record), line
 
 
@@ -121,8 +146,10 @@ def final_figures(record: dict) -> str:
 def train_command(args) -> int:
     if args.resume:
         if args.config:
-            raise UserError("--resume continues a run with its own settings, so it reads no --config file; give "
-                            "what may change (--devices, --strategy, ...) as flags")
+            raise UserError(
+                "--resume continues a run with its own settings, so it reads no --config file; give "
+                "what may change (--devices, --strategy, ...) as flags"
+            )
         plan, line = resume_plan(args)
         print(line)
         if plan is None:
@@ -137,11 +164,13 @@ def train_command(args) -> int:
         history, _, run_dir = train_run(config)
     if history is not None and run_dir is not None:
         if history.stopped:
-            pass                                    # said already: early stopping, or a callback
+            pass  # said already: early stopping, or a callback
         elif config.max_steps and len(history.epochs) < config.epochs:
             partial = history.validations[-1] if history.validations else {}
             loss = f" (train loss {partial['train_loss']:.4f})" if partial.get("partial") else ""
-            print(f"stopped after {config.max_steps} steps{loss}; continue with: polytrain train --resume {run_dir}")
+            print(
+                f"stopped after {config.max_steps} steps{loss}; continue with: polytrain train --resume {run_dir}"
+            )
         elif history.epochs:
             best, said = history.best, ""
             if best:
@@ -150,16 +179,22 @@ def train_command(args) -> int:
             print(f"done: {final_figures(history.last)}{said}; run folder {run_dir}")
         skipped = read_config(run_dir).get("skipped_files", 0)
         if skipped:
-            print(f"skipped {skipped} unreadable image file{'s' * (skipped != 1)} (--skip-bad); they are listed "
-                  f"in {Path(run_dir) / 'skipped.txt'}")
+            print(
+                f"skipped {skipped} unreadable image file{'s' * (skipped != 1)} (--skip-bad); they are listed "
+                f"in {Path(run_dir) / 'skipped.txt'}"
+            )
     return 0
 
 
 def evaluate_command(args) -> int:
     result = evaluate(resolve_run_dir(args.run_dir), device=args.device, weights=args.weights)
-    figures = f"accuracy {result['acc']:.4f}" if "acc" in result else f"perplexity {math.exp(result['loss']):.2f}"
-    print(f"validation loss {result['loss']:.4f}  {figures}  ({result['count']} samples"
-          + (", best.pt)" if args.weights == "best" else ")"))
+    figures = (
+        f"accuracy {result['acc']:.4f}" if "acc" in result else f"perplexity {math.exp(result['loss']):.2f}"
+    )
+    print(
+        f"validation loss {result['loss']:.4f}  {figures}  ({result['count']} samples"
+        + (", best.pt)" if args.weights == "best" else ")")
+    )
     return 0
 
 
@@ -172,16 +207,20 @@ def predict_command(args) -> int:
 
     def name(label: int):
         return classes[label] if classes else label
+
     wrong = int((everything["predicted"] != everything["true"]).sum())
     print(f"{len(everything['true'])} validation samples, {wrong} wrong")
     index = spread_indices(len(everything["true"]), args.show or 10)
     shown = {key: value[index] for key, value in everything.items()}
     for i, sample in enumerate(shown["index"].tolist()):
         predicted, true = int(shown["predicted"][i]), int(shown["true"][i])
-        print(f"sample {sample}: predicted {name(predicted)}, true {name(true)}"
-              + ("  <- wrong" if predicted != true else ""))
+        print(
+            f"sample {sample}: predicted {name(predicted)}, true {name(true)}"
+            + ("  <- wrong" if predicted != true else "")
+        )
     if args.show:
         from .report import prediction_grid
+
         path = Path(args.run_dir) / "predictions.png"
         prediction_grid(shown["images"], shown["predicted"], shown["true"], path, classes=classes)
         print(f"wrote {path}")
@@ -190,6 +229,7 @@ def predict_command(args) -> int:
 
 def verify_command(args) -> int:
     from .runtime.verify import compares_in_float64, in_float64, judge, step_differences
+
     config = config_from_args(args)
     if args.steps <= 0:
         raise UserError(f"--steps must be positive, got {args.steps}")
@@ -197,71 +237,118 @@ def verify_command(args) -> int:
         raise UserError(f"--tolerance must be positive, got {args.tolerance:g}")
     strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
     check_devices(config.devices, config.device)
-    float64 = compares_in_float64(args.compare_in, precision=config.precision,
-                                  device=choose_device(config.device, 0))
+    float64 = compares_in_float64(
+        args.compare_in, precision=config.precision, device=choose_device(config.device, 0)
+    )
     if float64 and config.precision != "fp32":
-        raise UserError(f"--compare-in float64 trains both sides in float64, which --precision {config.precision} "
-                        f"does not; use --compare-in as-trained (the default for {config.precision})")
+        raise UserError(
+            f"--compare-in float64 trains both sides in float64, which --precision {config.precision} "
+            f"does not; use --compare-in as-trained (the default for {config.precision})"
+        )
     full = as_dataset(config.dataset, config)
-    if hasattr(full, "head"):               # text: the windows of the first --steps batches
+    if hasattr(full, "head"):  # text: the windows of the first --steps batches
         data = full.head(args.steps * config.batch_size)
     else:
         size = min(len(full.train_y), args.steps * config.batch_size)
-        subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[:size]   # files may be sorted
-        data = ArrayDataset(full.name, full.train_x[subset], full.train_y[subset], full.val_x, full.val_y,
-                            num_classes=full.num_classes, augment=full.augment)
+        subset = global_batch_order(len(full.train_y), epoch=-1, seed=config.seed)[
+            :size
+        ]  # files may be sorted
+        data = ArrayDataset(
+            full.name,
+            full.train_x[subset],
+            full.train_y[subset],
+            full.val_x,
+            full.val_y,
+            num_classes=full.num_classes,
+            augment=full.augment,
+        )
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)
     model = build_model(config.model, data.input_shape, data.num_classes, config)
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
-    print(f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
-          f"1 device vs {config.devices} device(s) with strategy {strategy!r}, "
-          + ("both in float64" if float64 else f"both as trained ({config.precision})"))
-    channels_last = config.channels_last if config.channels_last is not None else \
-        any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    print(
+        f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
+        f"1 device vs {config.devices} device(s) with strategy {strategy!r}, "
+        + ("both in float64" if float64 else f"both as trained ({config.precision})")
+    )
+    channels_last = (
+        config.channels_last
+        if config.channels_last is not None
+        else any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    )
     common = dict(verbose=False, record_steps=True, channels_last=channels_last, objective=objective)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
         print(f"  plan: {plan.describe()}")
 
     def one_device(accumulate: int):
-        return run_job(Job(config.with_strategy("single", devices=1, accumulate=accumulate), "single", data,
-                           copy.deepcopy(model), **common))
+        return run_job(
+            Job(
+                config.with_strategy("single", devices=1, accumulate=accumulate),
+                "single",
+                data,
+                copy.deepcopy(model),
+                **common,
+            )
+        )
+
     # accumulation never changes the trajectory: the reference takes each step in one pass
     one = one_device(1)
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     differences = step_differences(one.steps, many.steps)
     floor = None
-    if not float64:             # the noise floor: the same steps on one device, each batch in two passes
+    if not float64:  # the noise floor: the same steps on one device, each batch in two passes
         floor = step_differences(one.steps, one_device(2).steps)
-    print(f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
-          f"{'param diff':>11}" + (f" {'noise floor':>12}" if floor else ""))
+    print(
+        f"{'step':>5} {'loss (1 device)':>16} {'loss (' + str(config.devices) + ' devices)':>18} "
+        f"{'param diff':>11}" + (f" {'noise floor':>12}" if floor else "")
+    )
     for step, ((loss_a, _), (loss_b, _)) in enumerate(zip(one.steps, many.steps), 1):
-        print(f"{step:>5} {loss_a:>16.6f} {loss_b:>18.6f} {differences[step - 1]:>11.3e}"
-              + (f" {floor[step - 1]:>12.3e}" if floor else ""))
-    verdict = judge(differences, steps_match=len(one.steps) == len(many.steps),
-                    tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE,
-                    floor_differences=floor)
+        print(
+            f"{step:>5} {loss_a:>16.6f} {loss_b:>18.6f} {differences[step - 1]:>11.3e}"
+            + (f" {floor[step - 1]:>12.3e}" if floor else "")
+        )
+    verdict = judge(
+        differences,
+        steps_match=len(one.steps) == len(many.steps),
+        tolerance=args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE,
+        floor_differences=floor,
+    )
     print(verdict.line())
     return 0 if verdict.passed else 1
 
 
 def bench_command(args) -> int:
     import time
+
     from .scaling.bench import BenchOptions, run_bench
     from .scaling.report import draw, report, write_json
-    kinds = parse_list(args.device, "--device") if args.device else \
-        (("cuda",) if torch.cuda.is_available() else ("cpu",))
-    options = BenchOptions(model=args.model, dataset=args.dataset, data_dir=args.data_dir,
-                           devices=parse_list(args.devices, "--devices", counts=True),
-                           strategies=parse_list(args.strategies, "--strategies"),
-                           batch_sizes=parse_list(args.batch_sizes, "--batch-sizes", counts=True), device_kinds=kinds,
-                           warmup=args.warmup, steps=args.steps,
-                           predict=parse_list(args.predict, "--predict", counts=True) if args.predict else (),
-                           seed=args.seed, repeats=args.repeats, layers=args.layers, heads=args.heads,
-                           width=args.width, context=args.context)
+
+    kinds = (
+        parse_list(args.device, "--device")
+        if args.device
+        else (("cuda",) if torch.cuda.is_available() else ("cpu",))
+    )
+    options = BenchOptions(
+        model=args.model,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        devices=parse_list(args.devices, "--devices", counts=True),
+        strategies=parse_list(args.strategies, "--strategies"),
+        batch_sizes=parse_list(args.batch_sizes, "--batch-sizes", counts=True),
+        device_kinds=kinds,
+        warmup=args.warmup,
+        steps=args.steps,
+        predict=parse_list(args.predict, "--predict", counts=True) if args.predict else (),
+        seed=args.seed,
+        repeats=args.repeats,
+        layers=args.layers,
+        heads=args.heads,
+        width=args.width,
+        context=args.context,
+    )
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for bench.json and bench.png")
@@ -274,23 +361,38 @@ def bench_command(args) -> int:
     return 0
 
 
-def generate_text(run_dir, *, prompt: str = "\n", tokens: int = 300, temperature: float = 1.0,
-                  top_k: Optional[int] = None, seed: int = 0, device: str = "auto", weights: str = "final") -> str:
+def generate_text(
+    run_dir,
+    *,
+    prompt: str = "\n",
+    tokens: int = 300,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+    device: str = "auto",
+    weights: str = "final",
+) -> str:
     """The prompt followed by `tokens` characters sampled from the run's model (`temperature` 0: always the
     likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
     settings = read_config(run_dir)
     vocab = settings.get("vocab")
     if not vocab or settings.get("custom_model"):
-        raise UserError(f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
-                        f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
-                        f"--dataset shakespeare or text")
+        raise UserError(
+            f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
+            f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
+            f"--dataset shakespeare or text"
+        )
     if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise UserError(f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
-                        f"{tokens}, --temperature {temperature}, --top-k {top_k}")
+        raise UserError(
+            f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
+            f"{tokens}, --temperature {temperature}, --top-k {top_k}"
+        )
     unknown = sorted(set(prompt) - set(vocab))
     if unknown:
-        raise UserError(f"the prompt holds {''.join(unknown)!r}, not in the {len(vocab)} characters this run "
-                        f"learnt; use only those (its config.json lists them under 'vocab')")
+        raise UserError(
+            f"the prompt holds {''.join(unknown)!r}, not in the {len(vocab)} characters this run "
+            f"learnt; use only those (its config.json lists them under 'vocab')"
+        )
     if not prompt:
         prompt = "\n" if "\n" in vocab else vocab[0]
     how = ("strategy", *STRATEGY_FLAGS, "logger")
@@ -304,15 +406,30 @@ def generate_text(run_dir, *, prompt: str = "\n", tokens: int = 300, temperature
     idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
     out = generate(model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return prompt + "".join(vocab[i] for i in out[0, idx.shape[1]:].tolist())
+    return prompt + "".join(vocab[i] for i in out[0, idx.shape[1] :].tolist())
 
 
 def generate_command(args) -> int:
-    print(generate_text(resolve_run_dir(args.run_dir), prompt=args.prompt, tokens=args.tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device,
-                        weights=args.weights))
+    print(
+        generate_text(
+            resolve_run_dir(args.run_dir),
+            prompt=args.prompt,
+            tokens=args.tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            device=args.device,
+            weights=args.weights,
+        )
+    )
     return 0
 
 
-COMMANDS = {"train": train_command, "evaluate": evaluate_command, "predict": predict_command,
-            "verify": verify_command, "bench": bench_command, "generate": generate_command}
+COMMANDS = {
+    "train": train_command,
+    "evaluate": evaluate_command,
+    "predict": predict_command,
+    "verify": verify_command,
+    "bench": bench_command,
+    "generate": generate_command,
+}

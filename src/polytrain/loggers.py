@@ -6,6 +6,7 @@ share of each global batch (the whole batch on one device): reducing every step 
 collective to each step. They are read from the device every `every` steps, in one copy, so logging adds no
 host synchronisation to the steps in between.
 """
+
 from __future__ import annotations
 
 import csv
@@ -27,30 +28,44 @@ def parse_loggers(text: Optional[str]) -> Tuple[str, ...]:
     names = tuple(name.strip() for name in (text or "").split(",") if name.strip())
     for name in names:
         if name not in LOGGERS:
-            raise ConfigError(f"unknown --logger {name!r}; choose from {', '.join(LOGGERS)} (comma-separated)")
+            raise ConfigError(
+                f"unknown --logger {name!r}; choose from {', '.join(LOGGERS)} (comma-separated)"
+            )
     return names
 
 
 def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:
     """`fit(logger=...)`: names go into the run's settings (and are resumed), objects are called directly."""
-    items = [] if logger is None else [logger] if isinstance(logger, str) or not isinstance(logger, (list, tuple)) \
+    items = (
+        []
+        if logger is None
+        else [logger]
+        if isinstance(logger, str) or not isinstance(logger, (list, tuple))
         else list(logger)
+    )
     names = [item for item in items if isinstance(item, str)]
     objects = tuple(item for item in items if not isinstance(item, str))
     for item in objects:
         if not callable(getattr(item, "log_metrics", None)):
-            raise UserError(f"logger= takes {', '.join(map(repr, LOGGERS))} or objects with a log_metrics(metrics, "
-                            f"step) method; got {type(item).__name__}")
+            raise UserError(
+                f"logger= takes {', '.join(map(repr, LOGGERS))} or objects with a log_metrics(metrics, "
+                f"step) method; got {type(item).__name__}"
+            )
     return (",".join(names) or None), objects
 
 
-def make_loggers(names: Iterable[str], objects: Iterable, run_dir: Optional[Path], *, start_step: int = 0) -> list:
+def make_loggers(
+    names: Iterable[str], objects: Iterable, run_dir: Optional[Path], *, start_step: int = 0
+) -> list:
     callbacks: List[Callback] = []
     for name in names:
         if run_dir is None:
             raise UserError(f"--logger {name} writes into the run folder; pass --out DIR")
-        callbacks.append(TensorBoard(run_dir / "tensorboard", start_step=start_step) if name == "tensorboard"
-                         else CSVLog(run_dir / "metrics.csv"))
+        callbacks.append(
+            TensorBoard(run_dir / "tensorboard", start_step=start_step)
+            if name == "tensorboard"
+            else CSVLog(run_dir / "metrics.csv")
+        )
     callbacks += [StepLogger(obj) for obj in objects]
     return callbacks
 
@@ -59,8 +74,10 @@ def check_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ConfigError("--logger tensorboard needs the tensorboard package; run: pip install "
-                          "'polytrain[tensorboard]' (or pip install tensorboard)") from None
+        raise ConfigError(
+            "--logger tensorboard needs the tensorboard package; run: pip install "
+            "'polytrain[tensorboard]' (or pip install tensorboard)"
+        ) from None
 
 
 class StepLogger(Callback):
@@ -80,11 +97,14 @@ class StepLogger(Callback):
         values = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()])
         global_step = trainer.position.epoch * trainer.steps_per_epoch + step + 1
         lr = trainer.strategy.optimizer.param_groups[0]["lr"]
-        if stats.grad_norm is not None:                # with clipping: the global norm before clipping
+        if stats.grad_norm is not None:  # with clipping: the global norm before clipping
             values = torch.cat([values, stats.grad_norm.detach().reshape(1).double().to(values.device)])
-        loss_count = stats.loss_count            # a (sum, count) loss's count stays on the device until flush
+        loss_count = stats.loss_count  # a (sum, count) loss's count stays on the device until flush
         if isinstance(loss_count, torch.Tensor):
-            values, loss_count = torch.cat([values, loss_count.detach().reshape(1).double().to(values.device)]), None
+            values, loss_count = (
+                torch.cat([values, loss_count.detach().reshape(1).double().to(values.device)]),
+                None,
+            )
         self.pending.append((global_step, values, stats.count, lr, loss_count))
         if len(self.pending) >= self.every or step + 1 == trainer.steps_per_epoch:
             self.flush(trainer.metric_names)
@@ -92,7 +112,7 @@ class StepLogger(Callback):
     def flush(self, names) -> None:
         if not self.pending:
             return
-        rows = torch.stack([values for _, values, *_ in self.pending]).tolist()    # one copy from the device
+        rows = torch.stack([values for _, values, *_ in self.pending]).tolist()  # one copy from the device
         for (global_step, _, count, lr, loss_count), row in zip(self.pending, rows):
             if loss_count is None:
                 *row, loss_count = row
@@ -106,8 +126,11 @@ class StepLogger(Callback):
 
     def on_epoch_end(self, trainer, record):
         self.flush(trainer.metric_names)
-        numbers = {key: value for key, value in record.items()
-                   if isinstance(value, (int, float)) and key != "epoch" and not isinstance(value, bool)}
+        numbers = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and key != "epoch" and not isinstance(value, bool)
+        }
         self.log({f"epoch/{key}": value for key, value in numbers.items()}, record["epoch"])
 
     def on_fit_end(self, trainer):
@@ -121,6 +144,7 @@ class TensorBoard(StepLogger):
         super().__init__()
         check_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
+
         # a resumed run drops what its predecessor logged after the checkpoint it continues from
         self.writer = SummaryWriter(str(folder), purge_step=start_step or None)
 

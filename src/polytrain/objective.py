@@ -11,6 +11,7 @@ Without `loss=` the objective is classification: cross-entropy on class scores, 
 (`kind="language"`, chosen by the dataset), next-token cross-entropy: outputs (N, T, vocab) and targets (N, T),
 each sample's loss the mean over its T tokens, so that the mean over samples is exactly the mean per token.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,41 +24,56 @@ from .data.order import leaves, rows
 from .errors import UserError
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KINDS = ("classification", "language", "model")   # model: the model returns its loss
+KINDS = ("classification", "language", "model")  # model: the model returns its loss
 
 
 class Objective:
-    def __init__(self, loss: Optional[Callable] = None, metrics: Optional[Dict[str, Metric]] = None, *,
-                 label_smoothing: float = 0.0, kind: str = "classification", step: Optional[Callable] = None,
-                 eval_step: Optional[Callable] = None):
+    def __init__(
+        self,
+        loss: Optional[Callable] = None,
+        metrics: Optional[Dict[str, Metric]] = None,
+        *,
+        label_smoothing: float = 0.0,
+        kind: str = "classification",
+        step: Optional[Callable] = None,
+        eval_step: Optional[Callable] = None,
+    ):
         for name, fn in (("loss", loss), ("step", step), ("eval_step", eval_step)):
             if fn is not None and not callable(fn):
                 raise UserError(f"{name}= must be a callable, got {type(fn).__name__}")
         if eval_step is not None and step is None:
             raise UserError("eval_step= replaces step= in validation; give step= too (or neither)")
         if step is not None and loss is not None:
-            raise UserError("give either loss=fn(outputs, targets) or step=fn(model, batch), not both: the step "
-                            "computes the loss itself")
+            raise UserError(
+                "give either loss=fn(outputs, targets) or step=fn(model, batch), not both: the step "
+                "computes the loss itself"
+            )
         if isinstance(metrics, (list, tuple, set, str)):
-            raise UserError(f"metrics= takes a dict {{name: fn(outputs, targets)}}, not names such as Keras's "
-                            f"metrics=['accuracy'] ({sorted(metrics) if not isinstance(metrics, str) else metrics!r}): "
-                            f"classification reports acc already; pass e.g. metrics={{'top5': fn}} for more")
+            raise UserError(
+                f"metrics= takes a dict {{name: fn(outputs, targets)}}, not names such as Keras's "
+                f"metrics=['accuracy'] ({sorted(metrics) if not isinstance(metrics, str) else metrics!r}): "
+                f"classification reports acc already; pass e.g. metrics={{'top5': fn}} for more"
+            )
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
-                raise UserError(f"metrics= must map names (letters, digits, _) to callables fn(outputs, targets); "
-                                f"got {name!r}: {type(fn).__name__}")
+                raise UserError(
+                    f"metrics= must map names (letters, digits, _) to callables fn(outputs, targets); "
+                    f"got {name!r}: {type(fn).__name__}"
+                )
         if kind not in KINDS:
             raise UserError(f"unknown objective kind {kind!r}; choose one of {', '.join(KINDS)}")
         if metrics and (step is not None or kind == "model"):
-            raise UserError("metrics= are computed from outputs and targets, which a "
-                            f"{'step=' if step is not None else 'model that returns its loss'} does not hand over; "
-                            f"drop metrics= (a callback can compute them from trainer.model)")
+            raise UserError(
+                "metrics= are computed from outputs and targets, which a "
+                f"{'step=' if step is not None else 'model that returns its loss'} does not hand over; "
+                f"drop metrics= (a callback can compute them from trainer.model)"
+            )
         self.loss, self.step, self.eval_step = loss, step, eval_step
         self.label_smoothing = label_smoothing
         self.kind = kind
         builtin = loss is None and step is None and kind != "model"
-        self.language = builtin and kind == "language"      # next-token cross-entropy, no accuracy
+        self.language = builtin and kind == "language"  # next-token cross-entropy, no accuracy
         self.classification = builtin and not self.language
         # the loss gives (sum, count) pairs (learnt on a sample): each step then divides by the global count
         self.counted = False
@@ -100,8 +116,10 @@ class Objective:
         if self.kind == "model":
             value = carried_loss(outputs)
             if value is None:
-                raise UserError(f"the model returned {describe_value(outputs)} without a loss, after returning "
-                                f"one on a sample; return an output with .loss (or a dict with 'loss') every time")
+                raise UserError(
+                    f"the model returned {describe_value(outputs)} without a loss, after returning "
+                    f"one on a sample; return an output with .loss (or a dict with 'loss') every time"
+                )
             return (*self.sum_and_count(value, samples, "the model's loss"), outputs)
         outputs = first_output(outputs)
         loss_sum, count = self.outputs_loss(outputs, y, training=training)
@@ -130,30 +148,47 @@ class Objective:
         value = unwrapped(value)
         if gives_pair(value):
             if not self.counted:
-                raise UserError(f"{what} returned a (sum, count) pair during training but a mean on the sample "
-                                f"checked before it; return the same kind every time")
+                raise UserError(
+                    f"{what} returned a (sum, count) pair during training but a mean on the sample "
+                    f"checked before it; return the same kind every time"
+                )
             total, count = value
             if isinstance(count, torch.Tensor):
                 count = count.detach().to(torch.float64)
             return at_least_float32(total), count
         if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-            if samples == 0:              # an empty part: a mean of nothing is NaN; it adds nothing
+            if samples == 0:  # an empty part: a mean of nothing is NaN; it adds nothing
                 return at_least_float32(value).nan_to_num(0.0) * 0.0, 0
             return at_least_float32(value) * samples, samples
-        raise UserError(f"{what} returned {describe_value(value)}; return the batch's mean loss (a scalar tensor) "
-                        f"or a pair (sum of the per-element losses, how many elements), e.g. (loss.sum(), "
-                        f"mask.sum())")
+        raise UserError(
+            f"{what} returned {describe_value(value)}; return the batch's mean loss (a scalar tensor) "
+            f"or a pair (sum of the per-element losses, how many elements), e.g. (loss.sum(), "
+            f"mask.sum())"
+        )
 
-    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor, *, training: bool = True) -> torch.Tensor:
+    def loss_sum(
+        self, outputs: torch.Tensor, targets: torch.Tensor, *, training: bool = True
+    ) -> torch.Tensor:
         """The built-in losses summed over the samples of `outputs` (differentiable); a user's loss= as
         sum of its per-sample mean."""
-        if self.language:                 # each sample's mean over its tokens, summed over the samples
+        if self.language:  # each sample's mean over its tokens, summed over the samples
             tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
-            return F.cross_entropy(at_least_float32(outputs).flatten(0, -2), targets.flatten(), reduction="sum",
-                                   label_smoothing=self.label_smoothing if training else 0.0) / tokens
+            return (
+                F.cross_entropy(
+                    at_least_float32(outputs).flatten(0, -2),
+                    targets.flatten(),
+                    reduction="sum",
+                    label_smoothing=self.label_smoothing if training else 0.0,
+                )
+                / tokens
+            )
         if self.loss is None:
-            return F.cross_entropy(at_least_float32(outputs), targets, reduction="sum",
-                                   label_smoothing=self.label_smoothing if training else 0.0)
+            return F.cross_entropy(
+                at_least_float32(outputs),
+                targets,
+                reduction="sum",
+                label_smoothing=self.label_smoothing if training else 0.0,
+            )
         return self.outputs_loss(outputs, targets, training=training)[0]
 
     @torch.no_grad()
@@ -186,8 +221,12 @@ def unwrapped(value):
 def gives_pair(value) -> bool:
     """Whether a step's or loss's value is a (sum, count) pair (also inside an output's .loss)."""
     value = unwrapped(value)
-    return isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor) and \
-        value[0].dim() == 0
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and isinstance(value[0], torch.Tensor)
+        and value[0].dim() == 0
+    )
 
 
 def first_output(output):
@@ -236,6 +275,7 @@ def per_sample_sum(name: str, value, count: int, device) -> torch.Tensor:
         return at_least_float32(value) * count if count else torch.zeros((), device=device)
     if value.shape == (count,):
         return at_least_float32(value).sum()
-    raise UserError(f"metric {name!r} returned shape {tuple(value.shape)} for {count} samples; return one value "
-                    f"per sample, shape ({count},), or the batch mean (a scalar)")
-
+    raise UserError(
+        f"metric {name!r} returned shape {tuple(value.shape)} for {count} samples; return one value "
+        f"per sample, shape ({count},), or the batch mean (a scalar)"
+    )

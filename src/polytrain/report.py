@@ -1,4 +1,5 @@
 """Pictures for people: a grid of images with predicted and true labels."""
+
 from __future__ import annotations
 
 import io
@@ -10,6 +11,7 @@ from .checkpoint import atomic_write_bytes
 
 def prediction_grid(images, predicted, true, path: Path, *, classes=None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -23,10 +25,16 @@ def prediction_grid(images, predicted, true, path: Path, *, classes=None) -> Non
         image = images[i].permute(1, 2, 0).numpy()
         axis.imshow(image.squeeze(-1) if image.shape[-1] == 1 else image, cmap="gray")
         mistake = int(predicted[i]) != int(true[i])
-        guess, label = (classes[int(predicted[i])], classes[int(true[i])]) if classes else (int(predicted[i]),
-                                                                                            int(true[i]))
-        axis.set_title(f"{guess} (true {label})" if mistake else f"{guess}",
-                       color="red" if mistake else "black", fontsize=9)
+        guess, label = (
+            (classes[int(predicted[i])], classes[int(true[i])])
+            if classes
+            else (int(predicted[i]), int(true[i]))
+        )
+        axis.set_title(
+            f"{guess} (true {label})" if mistake else f"{guess}",
+            color="red" if mistake else "black",
+            fontsize=9,
+        )
         if mistake:
             for spine in axis.spines.values():
                 spine.set_visible(True)

@@ -1,5 +1,6 @@
 """The run folder: config.json, metrics.jsonl, model.pt, checkpoint.pt, curves.png, and the lock that keeps
 two processes from training it at once."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from typing import Optional
 
 try:
     import fcntl
-except ImportError:                 # Windows: no flock, so run folders are not locked there
+except ImportError:  # Windows: no flock, so run folders are not locked there
     fcntl = None
 
 import torch
@@ -28,8 +29,9 @@ def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:
         path = Path(out).expanduser()
         refuse_if_training(path, fix="choose another folder for the new run, or wait for that one to end")
         if (path / "config.json").exists():
-            raise UserError(f"--out {path} already holds a run; choose a new folder, or continue it with "
-                            f"--resume {path}")
+            raise UserError(
+                f"--out {path} already holds a run; choose a new folder, or continue it with --resume {path}"
+            )
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {path} is a file; give a folder name")
         return path
@@ -42,8 +44,10 @@ def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:
 
 
 def write_config(run_dir: Path, settings: dict) -> None:
-    record = dict(settings, versions={"polytrain": __version__, "torch": torch.__version__,
-                                      "python": platform.python_version()})
+    record = dict(
+        settings,
+        versions={"polytrain": __version__, "torch": torch.__version__, "python": platform.python_version()},
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "config.json", (json.dumps(record, indent=2) + "\n").encode())
 
@@ -51,7 +55,9 @@ def write_config(run_dir: Path, settings: dict) -> None:
 def read_config(run_dir) -> dict:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
-        raise UserError(f"{run_dir} is not a polytrain run folder (no config.json); pass the --out folder of a run")
+        raise UserError(
+            f"{run_dir} is not a polytrain run folder (no config.json); pass the --out folder of a run"
+        )
     try:
         settings = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -69,7 +75,9 @@ def resolve_run_dir(text) -> Path:
         return path
     runs = [folder for folder in path.parent.glob("*") if (folder / "config.json").is_file()]
     if not runs:
-        raise UserError(f"{path}: there is no run folder in {path.parent}/ yet; train one with polytrain train")
+        raise UserError(
+            f"{path}: there is no run folder in {path.parent}/ yet; train one with polytrain train"
+        )
     return max(runs, key=lambda folder: (folder / "config.json").stat().st_mtime_ns)
 
 
@@ -84,6 +92,7 @@ RESUME_FIX = "wait for it to end, or stop it (Ctrl-C or kill: it saves a checkpo
 
 def _locks_here() -> bool:
     from .runtime.hostenv import launcher_env
+
     launcher = launcher_env()
     return launcher is None or launcher.rank == 0
 
@@ -116,12 +125,12 @@ def training(run_dir, *, fix: str = RESUME_FIX):
     handle = _lock(run_dir, fcntl.LOCK_EX if fcntl else 0, fix)
     if handle is not None:
         os.ftruncate(handle, 0)
-        os.pwrite(handle, str(os.getpid()).encode(), 0)     # for the line another process gets
+        os.pwrite(handle, str(os.getpid()).encode(), 0)  # for the line another process gets
     try:
         yield
     finally:
         if handle is not None:
-            os.close(handle)                                  # releases the lock
+            os.close(handle)  # releases the lock
 
 
 def refuse_if_training(run_dir, *, fix: str = RESUME_FIX) -> None:

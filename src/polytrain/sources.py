@@ -2,6 +2,7 @@
 with a loss and metrics; turned into what the workers load, and checked on a sample before any process
 starts, so that a mistake is one line here rather than an error deep inside a training step.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,17 +16,20 @@ from torch.utils.data import Dataset
 
 from .config import TrainConfig
 from .data import ArrayDataset, dataset_settings, load_dataset
+from .data.order import rows
 from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
+from .errors import DataError, UserError, first_line
 from .models import run_on_sample
 from .models.lightning import SPLITTING, LightningStep
-from .data.order import rows
-from .errors import DataError, UserError, first_line
 from .objective import Objective, carried_loss, describe_value, first_output
 
 
 def is_torch_dataset(value) -> bool:
-    return isinstance(value, Dataset) or (hasattr(value, "__getitem__") and hasattr(value, "__len__")
-                                          and not isinstance(value, (str, bytes, tuple, list, torch.Tensor)))
+    return isinstance(value, Dataset) or (
+        hasattr(value, "__getitem__")
+        and hasattr(value, "__len__")
+        and not isinstance(value, (str, bytes, tuple, list, torch.Tensor))
+    )
 
 
 def split_data(data, train, val):
@@ -34,18 +38,25 @@ def split_data(data, train, val):
         if isinstance(data, (tuple, list)) and len(data) == 2 and all(map(is_torch_dataset, data)):
             return None, data[0], data[1]
         if is_torch_dataset(data):
-            raise UserError("a single Dataset was given as data; pass train=DATASET and val=DATASET (a validation "
-                            "set is needed, e.g. from torch.utils.data.random_split)")
+            raise UserError(
+                "a single Dataset was given as data; pass train=DATASET and val=DATASET (a validation "
+                "set is needed, e.g. from torch.utils.data.random_split)"
+            )
         return data, None, None
     if data is not None:
-        raise UserError("give data either as data= (a name, an ArrayDataset or 4 tensors) or as train= and val=, "
-                        "not both")
+        raise UserError(
+            "give data either as data= (a name, an ArrayDataset or 4 tensors) or as train= and val=, not both"
+        )
     if train is None or val is None:
-        raise UserError(f"{'val' if val is None else 'train'}= is missing; pass both train= and val= Datasets")
+        raise UserError(
+            f"{'val' if val is None else 'train'}= is missing; pass both train= and val= Datasets"
+        )
     for name, value in (("train", train), ("val", val)):
         if not is_torch_dataset(value):
-            raise UserError(f"{name}= must be a torch.utils.data.Dataset (with __getitem__ and __len__), "
-                            f"got {type(value).__name__}")
+            raise UserError(
+                f"{name}= must be a torch.utils.data.Dataset (with __getitem__ and __len__), "
+                f"got {type(value).__name__}"
+            )
     return None, train, val
 
 
@@ -60,12 +71,15 @@ def as_dataset(data, config: TrainConfig) -> ArrayDataset:
         train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
         classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10
         return ArrayDataset("custom", train_x, train_y, val_x, val_y, num_classes=max(10, classes))
-    raise UserError("data must be a dataset name, what polytrain.load_dataset returns, (train_x, train_y, val_x, "
-                    "val_y) with uint8 images of shape (N, C, H, W), or train= and val= Datasets")
+    raise UserError(
+        "data must be a dataset name, what polytrain.load_dataset returns, (train_x, train_y, val_x, "
+        "val_y) with uint8 images of shape (N, C, H, W), or train= and val= Datasets"
+    )
 
 
-def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig,
-                 names=("train", "val")) -> DatasetPair:
+def dataset_pair(
+    train: Dataset, val: Dataset, *, model, objective: Objective, config: TrainConfig, names=("train", "val")
+) -> DatasetPair:
     """Two `Dataset`s as a `DatasetPair`; the classes come from `train.classes`, else from the model.
     `names` are the caller's words for them in errors (`evaluate` has one `data`)."""
     spec = spec_of(train, num_classes=None, what=names[0])
@@ -73,25 +87,45 @@ def dataset_pair(train: Dataset, val: Dataset, *, model, objective: Objective, c
     classes = getattr(train, "classes", None)
     if isinstance(classes, int) and not isinstance(classes, bool):
         if classes < 1:
-            raise UserError(f"train.classes is {classes}; give the number of classes (1 or more) or a list of names")
-        classes = [str(label) for label in range(classes)]      # a count, as some datasets give it
+            raise UserError(
+                f"train.classes is {classes}; give the number of classes (1 or more) or a list of names"
+            )
+        classes = [str(label) for label in range(classes)]  # a count, as some datasets give it
     elif classes is not None and not hasattr(classes, "__len__"):
-        raise UserError(f"train.classes is a {type(classes).__name__}; give a list of class names or their count")
-    width = output_width(model, DatasetPair(train, val, spec)) if isinstance(model, nn.Module) and \
-        classes is None and objective.classification and spec.form == "pair" else None
-    if objective.classification and spec.form == "pair" and (width or classes is not None or
-                                                               not isinstance(model, nn.Module)):
+        raise UserError(
+            f"train.classes is a {type(classes).__name__}; give a list of class names or their count"
+        )
+    width = (
+        output_width(model, DatasetPair(train, val, spec))
+        if isinstance(model, nn.Module)
+        and classes is None
+        and objective.classification
+        and spec.form == "pair"
+        else None
+    )
+    if (
+        objective.classification
+        and spec.form == "pair"
+        and (width or classes is not None or not isinstance(model, nn.Module))
+    ):
         check_class_targets(spec, names[0])
         if classes is not None:
             spec.num_classes = len(classes)
         elif isinstance(model, nn.Module):
             spec.num_classes = width
         else:
-            raise UserError(f"model {model!r} needs the number of classes: give train= a .classes list (as "
-                            f"torchvision's datasets have), or pass your own nn.Module")
+            raise UserError(
+                f"model {model!r} needs the number of classes: give train= a .classes list (as "
+                f"torchvision's datasets have), or pass your own nn.Module"
+            )
     workers = config.num_workers if config.num_workers is not None else default_workers(config.devices)
-    return DatasetPair(train, val, spec, num_workers=workers,
-                       classes=[str(c) for c in classes] if classes is not None else None)
+    return DatasetPair(
+        train,
+        val,
+        spec,
+        num_workers=workers,
+        classes=[str(c) for c in classes] if classes is not None else None,
+    )
 
 
 def output_width(model: nn.Module, pair: DatasetPair) -> Optional[int]:
@@ -103,8 +137,10 @@ def output_width(model: nn.Module, pair: DatasetPair) -> Optional[int]:
         return None
     output = run_model(model, x, pair.input_shape, first_output(output))
     if output.dim() != 2:
-        raise UserError(f"the model must return one row of class scores per sample, shape (N, classes); it "
-                        f"returned shape {tuple(output.shape)} (pass loss= for another objective)")
+        raise UserError(
+            f"the model must return one row of class scores per sample, shape (N, classes); it "
+            f"returned shape {tuple(output.shape)} (pass loss= for another objective)"
+        )
     return output.shape[1]
 
 
@@ -112,7 +148,9 @@ def run_model(model: nn.Module, x, input_shape, output=None) -> torch.Tensor:
     output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}") if output is None else output
     if not isinstance(output, torch.Tensor) or output.shape[:1] != (rows(x),):
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise UserError(f"the model must return one output row per sample; for {len(x)} samples it returned {got}")
+        raise UserError(
+            f"the model must return one output row per sample; for {len(x)} samples it returned {got}"
+        )
     return output
 
 
@@ -124,10 +162,12 @@ def check_scores_not_probabilities(output: torch.Tensor) -> None:
         return
     scores = output.detach().float()
     if bool((scores >= 0).all()) and bool(((scores.sum(-1) - 1).abs() < 1e-4).all()):
-        raise UserError(f"the model's outputs are probabilities (each row of {scores.shape[-1]} sums to 1: a final "
-                        f"Softmax?), and the default cross-entropy applies softmax itself, so training would stall "
-                        f"near loss {math.log(scores.shape[-1]):.2f}; drop the final Softmax (return scores), or pass "
-                        f"loss=lambda p, y: torch.nn.functional.nll_loss(torch.log(p), y)")
+        raise UserError(
+            f"the model's outputs are probabilities (each row of {scores.shape[-1]} sums to 1: a final "
+            f"Softmax?), and the default cross-entropy applies softmax itself, so training would stall "
+            f"near loss {math.log(scores.shape[-1]):.2f}; drop the final Softmax (return scores), or pass "
+            f"loss=lambda p, y: torch.nn.functional.nll_loss(torch.log(p), y)"
+        )
 
 
 def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
@@ -141,35 +181,44 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
     if objective.step is not None:
         return checked_step(model, objective, x if y is None else (x, y))
     output = run_on_sample(model, x, f"samples of shape {tuple(data.input_shape)}")
-    if objective.loss is None and carried_loss(output) is not None:      # e.g. a Hugging Face model
+    if objective.loss is None and carried_loss(output) is not None:  # e.g. a Hugging Face model
         objective = Objective(kind="model", metrics=objective.metrics)
         objective.learn(carried_loss(output), rows(x), "the model's loss")
         return objective
     if y is None:
-        raise UserError(f"the Dataset's items are {item_form(data)}s with no separate target, and the model returned "
-                        f"{describe_value(output)} without a loss; return an output with .loss (or a dict with "
-                        f"'loss'), or pass step=fn(model, batch) that returns the loss")
+        raise UserError(
+            f"the Dataset's items are {item_form(data)}s with no separate target, and the model returned "
+            f"{describe_value(output)} without a loss; return an output with .loss (or a dict with "
+            f"'loss'), or pass step=fn(model, batch) that returns the loss"
+        )
     output = run_model(model, x, data.input_shape, first_output(output))
     y = y.to(output.device)
     if objective.loss is None and (objective.classification or objective.language):
         check_scores_not_probabilities(output)
-    if objective.language and (output.dim() != 3 or output.shape[1] != y.shape[1]
-                               or output.shape[2] < data.num_classes):
-        raise UserError(f"--dataset {data.name} is text for a language model: the model must return scores over "
-                        f"the {data.num_classes} characters for every position, shape (N, {y.shape[1]}, "
-                        f"{data.num_classes}); it returned {tuple(output.shape)}; use --model gpt")
+    if objective.language and (
+        output.dim() != 3 or output.shape[1] != y.shape[1] or output.shape[2] < data.num_classes
+    ):
+        raise UserError(
+            f"--dataset {data.name} is text for a language model: the model must return scores over "
+            f"the {data.num_classes} characters for every position, shape (N, {y.shape[1]}, "
+            f"{data.num_classes}); it returned {tuple(output.shape)}; use --model gpt"
+        )
+
     def loss():
         if objective.loss is None:
             return objective.outputs_loss(output, y)
         return objective.learn(objective.loss(output, y), len(y), "loss=")
+
     for what, call in (("loss=", loss), ("metrics=", lambda: objective.metric_sums(output, y))):
         try:
             call()
         except UserError:
             raise
         except Exception as error:
-            raise UserError(f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
-                            f"{tuple(y.shape)}: {type(error).__name__}: {first_line(error)}") from None
+            raise UserError(
+                f"{what} failed on the model's outputs {tuple(output.shape)} and targets "
+                f"{tuple(y.shape)}: {type(error).__name__}: {first_line(error)}"
+            ) from None
     return objective
 
 
@@ -177,6 +226,7 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
 def checked_step(model: nn.Module, objective: Objective, batch) -> Objective:
     """The user's step on a sample batch, in eval mode, on the model's device; one line if it fails."""
     from .data.order import map_tree
+
     first = next(model.parameters(), None)
     if first is not None:
         batch = map_tree(lambda t: t.to(first.device), batch)
@@ -187,8 +237,9 @@ def checked_step(model: nn.Module, objective: Objective, batch) -> Objective:
     except UserError:
         raise
     except Exception as error:
-        raise UserError(f"step= failed on two training samples: {type(error).__name__}: {first_line(error)}") \
-            from None
+        raise UserError(
+            f"step= failed on two training samples: {type(error).__name__}: {first_line(error)}"
+        ) from None
     finally:
         model.train(was_training)
     return objective
@@ -203,47 +254,66 @@ def check_sizes(data, config: TrainConfig) -> None:
     """Refuse data too small for the run: empty splits, or fewer validation samples than devices."""
     if data.num_train == 0:
         raise DataError("the training set is empty (0 samples)")
-    shares = config.data_parallel_size         # a pipeline's or tensor group's ranks evaluate one share
+    shares = config.data_parallel_size  # a pipeline's or tensor group's ranks evaluate one share
     if data.num_val < shares:
         who = f"--devices {config.devices}" if shares == config.devices else f"the {shares} replicas"
-        raise DataError(f"the validation set has {data.num_val} sample{'s' * (data.num_val != 1)}, fewer than "
-                        f"{who}: each evaluates a share; give at least {shares} validation samples")
+        raise DataError(
+            f"the validation set has {data.num_val} sample{'s' * (data.num_val != 1)}, fewer than "
+            f"{who}: each evaluates a share; give at least {shares} validation samples"
+        )
 
 
 def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:
     """The line that says a global batch is larger than the training set (each epoch is then one smaller step)."""
     if config.batch_size <= data.num_train:
         return None
-    return (f"note: --batch-size {config.batch_size} is larger than the {data.num_train:,} training samples, so each "
-            f"epoch is one step of {data.num_train:,}; give --batch-size {data.num_train} or less to train as asked")
+    return (
+        f"note: --batch-size {config.batch_size} is larger than the {data.num_train:,} training samples, so each "
+        f"epoch is one step of {data.num_train:,}; give --batch-size {data.num_train} or less to train as asked"
+    )
 
 
-def make_objective(config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification", step=None,
-                   eval_step=None) -> Optional[Objective]:
+def make_objective(
+    config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification", step=None, eval_step=None
+) -> Optional[Objective]:
     """The objective: the user's step or loss, else the built-in one of the data's `kind` (a dataset's
     `.kind`); check_objective may find that the model returns its own loss."""
     if (loss is not None or step is not None) and config.label_smoothing:
-        raise UserError(f"label_smoothing= applies to the built-in cross-entropy; drop it or build it into "
-                        f"{'loss=' if loss is not None else 'step='}")
-    return Objective(loss, metrics, label_smoothing=config.label_smoothing, kind=kind, step=step,
-                     eval_step=eval_step)
+        raise UserError(
+            f"label_smoothing= applies to the built-in cross-entropy; drop it or build it into "
+            f"{'loss=' if loss is not None else 'step='}"
+        )
+    return Objective(
+        loss, metrics, label_smoothing=config.label_smoothing, kind=kind, step=step, eval_step=eval_step
+    )
 
 
 def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective, data) -> None:
     """One line for what a strategy cannot do with this objective or these batches."""
     form = item_form(data)
     if strategy == "pipeline" and (objective.step is not None or objective.kind == "model" or form != "pair"):
-        what = ("step=" if objective.step is not None else "a model that returns its own loss"
-                if objective.kind == "model" else f"batches of {form}s")
-        raise UserError(f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
-                        f"the targets, which {what} does not give; use the data or sharded strategy")
+        what = (
+            "step="
+            if objective.step is not None
+            else "a model that returns its own loss"
+            if objective.kind == "model"
+            else f"batches of {form}s"
+        )
+        raise UserError(
+            f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
+            f"the targets, which {what} does not give; use the data or sharded strategy"
+        )
     if strategy in SPLITTING and isinstance(objective.step, LightningStep):
-        raise UserError(f"the {strategy} strategy splits the model or moves its optimizer, which a LightningModule's "
-                        f"training_step and configure_optimizers are written for whole; use the data or sharded "
-                        f"strategy")
+        raise UserError(
+            f"the {strategy} strategy splits the model or moves its optimizer, which a LightningModule's "
+            f"training_step and configure_optimizers are written for whole; use the data or sharded "
+            f"strategy"
+        )
     if config.staleness and objective.counted:
-        raise UserError("the loss gives (sum, count) pairs, which need each step's global count: asynchronous "
-                        "servers (--staleness) have no global step; drop --staleness")
+        raise UserError(
+            "the loss gives (sum, count) pairs, which need each step's global count: asynchronous "
+            "servers (--staleness) have no global step; drop --staleness"
+        )
 
 
 def check_picklable(**parts) -> None:
@@ -256,33 +326,48 @@ def check_picklable(**parts) -> None:
             continue
         try:
             pickle.dumps(value)
-        except Exception as error:           # PicklingError, AttributeError or TypeError, depending on the object
-            raise UserError(f"{name}= cannot be sent to the worker processes ({first_line(error, 160)}); define it with def/class "
-                            f"at the top level of an importable module (not a lambda or a notebook cell), or use "
-                            f"devices=1") from None
+        except Exception as error:  # PicklingError, AttributeError or TypeError, depending on the object
+            raise UserError(
+                f"{name}= cannot be sent to the worker processes ({first_line(error, 160)}); define it with def/class "
+                f"at the top level of an importable module (not a lambda or a notebook cell), or use "
+                f"devices=1"
+            ) from None
         defined = main_definitions(value) if interactive else []
         if defined:
-            raise UserError(f"{name}= uses {defined[0]}, defined in {interactive}, which the worker processes cannot "
-                            f"import; put it in a module file (e.g. mymodel.py) and import it from "
-                            f"there, or use devices=1")
+            raise UserError(
+                f"{name}= uses {defined[0]}, defined in {interactive}, which the worker processes cannot "
+                f"import; put it in a module file (e.g. mymodel.py) and import it from "
+                f"there, or use devices=1"
+            )
 
 
 def interactive_main() -> Optional[str]:
     """Where the running `__main__` came from when spawned processes cannot import it (a notebook or an
     interactive session, `python -c`, standard input); None for a script or `python -m`."""
     main = sys.modules.get("__main__")
-    if main is None or getattr(main, "__file__", None) or getattr(getattr(main, "__spec__", None), "name", None):
+    if (
+        main is None
+        or getattr(main, "__file__", None)
+        or getattr(getattr(main, "__spec__", None), "name", None)
+    ):
         return None
-    return "a notebook cell or an interactive session" if "IPython" in sys.modules or hasattr(sys, "ps1") else \
-        "the code given to python -c or on standard input"
+    return (
+        "a notebook cell or an interactive session"
+        if "IPython" in sys.modules or hasattr(sys, "ps1")
+        else "the code given to python -c or on standard input"
+    )
 
 
 def main_definitions(value) -> list:
     """Names of the classes and functions defined in `__main__` that pickling `value` refers to."""
     import pickletools
+
     try:
-        data = pickle.dumps(value, protocol=2)         # protocol 2 names every global in one GLOBAL opcode
+        data = pickle.dumps(value, protocol=2)  # protocol 2 names every global in one GLOBAL opcode
     except Exception:
         return []
-    return [arg.split(" ", 1)[1] for op, arg, _ in pickletools.genops(data)
-            if op.name == "GLOBAL" and str(arg).startswith("__main__ ")]
+    return [
+        arg.split(" ", 1)[1]
+        for op, arg, _ in pickletools.genops(data)
+        if op.name == "GLOBAL" and str(arg).startswith("__main__ ")
+    ]

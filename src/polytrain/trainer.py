@@ -3,6 +3,7 @@
 Nothing here depends on which strategy runs the steps. Per-step work stays on the device: losses and
 correct counts accumulate in a device tensor and are read back once per epoch (and when a callback asks).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ class History:
     """What training produced: one record per epoch (`epochs`), the records of validations within epochs
     (`validations`, with `--val-every`: their epoch, step in it and global step), the monitored figure's best
     (`best`: metric, mode, value, epoch, step) and, when it ended before its epochs, why (`stopped`, one line)."""
+
     epochs: List[dict] = field(default_factory=list)
     validations: List[dict] = field(default_factory=list)
     best: dict = field(default_factory=dict)
@@ -44,10 +46,23 @@ class Trainer:
     `step` (optimizer steps done in all), `metrics` (the latest figures), `model`, `history`, and
     `should_stop`, which a callback sets to True to end training with a checkpoint (as in Lightning)."""
 
-    def __init__(self, strategy, train_loader, val_loader, *, epochs: int, callbacks=(),
-                 position: Optional[Position] = None, history: Optional[History] = None,
-                 checkpointer=None, checkpoint_every: int = 0, max_steps: int = 0, stop_vote=None,
-                 val_every: int = 0, monitor: Optional[Monitor] = None):
+    def __init__(
+        self,
+        strategy,
+        train_loader,
+        val_loader,
+        *,
+        epochs: int,
+        callbacks=(),
+        position: Optional[Position] = None,
+        history: Optional[History] = None,
+        checkpointer=None,
+        checkpoint_every: int = 0,
+        max_steps: int = 0,
+        stop_vote=None,
+        val_every: int = 0,
+        monitor: Optional[Monitor] = None,
+    ):
         self.strategy = strategy
         self.train_loader, self.val_loader = train_loader, val_loader
         self.epochs = epochs
@@ -55,23 +70,23 @@ class Trainer:
         self.position = position or Position()
         self.history = history or History()
         self.steps_per_epoch = len(train_loader)
-        self.total_steps = planned_steps(epochs, self.steps_per_epoch)   # --epochs 1.5 ends within epoch 2
-        self.checkpointer = checkpointer          # called on every rank; writes on the main rank only
+        self.total_steps = planned_steps(epochs, self.steps_per_epoch)  # --epochs 1.5 ends within epoch 2
+        self.checkpointer = checkpointer  # called on every rank; writes on the main rank only
         self.checkpoint_every = checkpoint_every
-        self.max_steps = max_steps                # stop early after this many steps in all (0: never)
-        self.running = None                       # (loss and correct sums on the device, count, start time)
+        self.max_steps = max_steps  # stop early after this many steps in all (0: never)
+        self.running = None  # (loss and correct sums on the device, count, start time)
         # asked on every rank after every step with whether this rank wants a stop (a callback set should_stop);
         # True (on all ranks at once: a signal, or a request) ends training with a checkpoint
         self.stop_vote = stop_vote or (lambda requested=False: requested)
-        self.should_stop = False                  # a callback's request to stop (set on the main rank)
-        self.interrupted = False                  # the stop vote ended training
-        self.val_every = val_every                # also validate every this many optimizer steps (0: never)
-        self.monitor = monitor or Monitor()       # the best validation so far and the patience spent
+        self.should_stop = False  # a callback's request to stop (set on the main rank)
+        self.interrupted = False  # the stop vote ended training
+        self.val_every = val_every  # also validate every this many optimizer steps (0: never)
+        self.monitor = monitor or Monitor()  # the best validation so far and the patience spent
         self.epoch = self.position.epoch + (self.position.step > 0)
-        self.latest: dict = {}                    # the latest validation's record
-        self.last_stats = None                    # the latest step's StepStats (on the device), for loggers
-        self.data_seconds = 0.0                   # host time the latest batch took to arrive from the loader
-        self.batch = None                         # the latest batch
+        self.latest: dict = {}  # the latest validation's record
+        self.last_stats = None  # the latest step's StepStats (on the device), for loggers
+        self.data_seconds = 0.0  # host time the latest batch took to arrive from the loader
+        self.batch = None  # the latest batch
         # False where the objective has nothing to validate with (a LightningModule without validation_step)
         self.validates = getattr(strategy.objective, "validates", True)
 
@@ -107,8 +122,11 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict:
         """Lightning's: the latest figures as tensors."""
-        return {key: torch.tensor(float(value), dtype=torch.float64) for key, value in self.metrics.items()
-                if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        return {
+            key: torch.tensor(float(value), dtype=torch.float64)
+            for key, value in self.metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
 
     @property
     def model(self):
@@ -122,27 +140,37 @@ class Trainer:
         values = dict(self.latest)
         stats = self.last_stats
         if stats is not None and stats.count:
-            row = torch.cat([stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()]).tolist()
-            values.update({f"step_{name}": value / stats.count for name, value in zip(self.metric_names, row[1:])})
-            values["step_loss"] = row[0] / float(stats.loss_count) if float(stats.loss_count) else float("nan")
+            row = torch.cat(
+                [stats.loss_sum.detach().reshape(1).double(), stats.metrics.detach().double()]
+            ).tolist()
+            values.update(
+                {f"step_{name}": value / stats.count for name, value in zip(self.metric_names, row[1:])}
+            )
+            values["step_loss"] = (
+                row[0] / float(stats.loss_count) if float(stats.loss_count) else float("nan")
+            )
         return values
 
     def fit(self) -> History:
         if self.validates:
             check_monitor(self.monitor.metric, self.metric_names)
         elif self.val_every or self.monitor.patience:
-            raise UserError(f"{'--val-every' if self.val_every else '--patience'} needs validation, and the "
-                            f"LightningModule has no validation_step; add one, or drop the option")
+            raise UserError(
+                f"{'--val-every' if self.val_every else '--patience'} needs validation, and the "
+                f"LightningModule has no validation_step; add one, or drop the option"
+            )
         self.history.best = self.monitor.summary()
         self._emit("on_fit_start")
         try:
-            if self.monitor.stopped and self.monitor.exhausted:      # a resumed run that had stopped early
-                self.history.stopped = (f"{self.monitor.early_stop_line()}; it had stopped there: resume with "
-                                        f"--patience above {self.monitor.bad} (patience= from Python) to train on")
+            if self.monitor.stopped and self.monitor.exhausted:  # a resumed run that had stopped early
+                self.history.stopped = (
+                    f"{self.monitor.early_stop_line()}; it had stopped there: resume with "
+                    f"--patience above {self.monitor.bad} (patience= from Python) to train on"
+                )
             else:
                 self._run_epochs()
         finally:
-            self._emit("on_fit_end")       # also on failure: e.g. the watchdog must stop watching
+            self._emit("on_fit_end")  # also on failure: e.g. the watchdog must stop watching
         return self.history
 
     def _agreed(self, wanted: bool) -> bool:
@@ -157,7 +185,7 @@ class Trainer:
                 break
             # an epoch a fractional --epochs had ended early, completed after a resume: its record replaced
             same = bool(self.history.epochs) and self.history.epochs[-1]["epoch"] == record["epoch"]
-            self.history.epochs[len(self.history.epochs) - same:] = [record]
+            self.history.epochs[len(self.history.epochs) - same :] = [record]
             if self.validates:
                 self._emit("on_validation_end", record)
             finished = self.max_steps and self.step >= self.max_steps
@@ -171,8 +199,9 @@ class Trainer:
     def _judge(self, record: dict) -> None:
         """Every rank, after a validation: track the best (writing best.pt) and the patience."""
         self.latest = dict(record)
-        improved = self.monitor.update(record[self.monitor.metric], epoch=record["epoch"],
-                                       within=record.get("step", 0), step=self.step)
+        improved = self.monitor.update(
+            record[self.monitor.metric], epoch=record["epoch"], within=record.get("step", 0), step=self.step
+        )
         if improved and self.checkpointer is not None:
             self.checkpointer.save_best(self)
         self.history.best = self.monitor.summary()
@@ -183,9 +212,14 @@ class Trainer:
     def _validate_within_epoch(self, epoch: int) -> bool:
         """A validation after the step just taken (--val-every); True when training is to stop here."""
         val = self.evaluate()
-        record = {"epoch": epoch + 1, "step": self.position.step, "global_step": self.step, "val_loss": val["loss"],
-                  **{f"val_{name}": val[name] for name in self.metric_names},
-                  "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        record = {
+            "epoch": epoch + 1,
+            "step": self.position.step,
+            "global_step": self.step,
+            "val_loss": val["loss"],
+            **{f"val_{name}": val[name] for name in self.metric_names},
+            "lr": self.strategy.optimizer.param_groups[0]["lr"],
+        }
         self._emit("on_figures", record)
         self.history.validations.append(record)
         self._judge(record)
@@ -198,14 +232,24 @@ class Trainer:
         so far, among the records within epochs (metrics.jsonl, curves.png; kept by the checkpoint), merged
         into a validation taken at the same step."""
         loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
-        figures = {"partial": True, "train_loss": loss_sum / loss_count if loss_count else math.nan,
-                   **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)}}
+        figures = {
+            "partial": True,
+            "train_loss": loss_sum / loss_count if loss_count else math.nan,
+            **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
+        }
         last = self.history.validations[-1] if self.history.validations else {}
         if (last.get("epoch"), last.get("step")) == (epoch + 1, step):
             last.update(figures)
         else:
-            self.history.validations.append({"epoch": epoch + 1, "step": step, "global_step": self.step, **figures,
-                                             "lr": self.strategy.optimizer.param_groups[0]["lr"]})
+            self.history.validations.append(
+                {
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "global_step": self.step,
+                    **figures,
+                    "lr": self.strategy.optimizer.param_groups[0]["lr"],
+                }
+            )
         self._emit("on_partial_record", self.history.validations[-1])
 
     def _train_epoch(self, epoch: int) -> dict:
@@ -214,9 +258,12 @@ class Trainer:
         share = 1.0 if self.strategy.is_main else 0.0
         metrics = start.metrics or (0.0,) * len(self.metric_names)
         loss_count = start.count if start.loss_count is None else start.loss_count
-        totals = torch.tensor([start.loss_sum * share, loss_count * share, *(value * share for value in metrics)],
-                              dtype=torch.float64, device=self.strategy.device)
-        loss_total, count_total, metric_totals = totals[0], totals[1], totals[2:]   # views: updated in place
+        totals = torch.tensor(
+            [start.loss_sum * share, loss_count * share, *(value * share for value in metrics)],
+            dtype=torch.float64,
+            device=self.strategy.device,
+        )
+        loss_total, count_total, metric_totals = totals[0], totals[1], totals[2:]  # views: updated in place
         count = start.count * share
         self._emit("on_epoch_start", epoch)
         self.strategy.synchronize()
@@ -242,47 +289,64 @@ class Trainer:
             last_of_epoch = batch.step + 1 == self.steps_per_epoch or done >= self.total_steps
             stop = False
             if self.val_every and done % self.val_every == 0 and not last_of_epoch:
-                batches.close()                   # (a Dataset's loader processes serve the validation too)
+                batches.close()  # (a Dataset's loader processes serve the validation too)
                 paused = time.perf_counter()
                 stop = self._validate_within_epoch(epoch)
-                began += time.perf_counter() - paused          # the epoch's time is training time
+                began += time.perf_counter() - paused  # the epoch's time is training time
                 self.running = (totals, count, began)
                 batches = self.train_loader.train_batches(epoch, start_step=batch.step + 1)
             if self.stop_vote(self.should_stop):  # a signal, or a callback's request, on any rank
                 self.interrupted = self.should_stop = True
             paused = bool(self.max_steps and done >= self.max_steps)
             stop = stop or self.interrupted or paused
-            if paused and not last_of_epoch:      # --max-steps: what the steps so far did, before the checkpoint
+            if paused and not last_of_epoch:  # --max-steps: what the steps so far did, before the checkpoint
                 self._partial_record(epoch, batch.step + 1, totals, count)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
             if (due or stop) and not last_of_epoch and self.checkpointer is not None:
-                self.checkpointer.save(self, self._global_position(epoch, batch.step + 1, totals, count, began))
+                self.checkpointer.save(
+                    self, self._global_position(epoch, batch.step + 1, totals, count, began)
+                )
             if stop and not last_of_epoch:
                 return None
-            if done >= self.total_steps:          # the last step of the run (also within an epoch)
+            if done >= self.total_steps:  # the last step of the run (also within an epoch)
                 batches.close()
                 break
         self.strategy.synchronize()
         seconds = time.perf_counter() - began
         loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
-            raise NonFiniteLoss(f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1}; the last good "
-                                f"weights are kept; lower --lr or use --precision fp32")
+            raise NonFiniteLoss(
+                f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1}; the last good "
+                f"weights are kept; lower --lr or use --precision fp32"
+            )
         val = self.evaluate() if self.validates else None
         extras = self.strategy.epoch_figures()
-        record = {**extras, "epoch": epoch + 1, "train_loss": loss_sum / loss_count,
-                **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
-                **({"val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names}}
-                   if val else {}),
-                "epoch_seconds": seconds, "samples_per_second": count / seconds if seconds > 0 else float("inf"),
-                "lr": self.strategy.optimizer.param_groups[0]["lr"]}
+        record = {
+            **extras,
+            "epoch": epoch + 1,
+            "train_loss": loss_sum / loss_count,
+            **{f"train_{name}": value / count for name, value in zip(self.metric_names, metric_sums)},
+            **(
+                {"val_loss": val["loss"], **{f"val_{name}": val[name] for name in self.metric_names}}
+                if val
+                else {}
+            ),
+            "epoch_seconds": seconds,
+            "samples_per_second": count / seconds if seconds > 0 else float("inf"),
+            "lr": self.strategy.optimizer.param_groups[0]["lr"],
+        }
         tokens = getattr(self.train_loader, "tokens_per_sample", None)
-        if tokens:                        # a language model: nats per token, perplexity, tokens per second
-            record.update(**({"perplexity": math.exp(min(val["loss"], 700.0))} if val else {}),
-                          tokens_per_second=record["samples_per_second"] * tokens)
-        steps = self.position.step                # the whole epoch, or where a fractional --epochs ends it
-        self.position = (Position(epoch + 1) if steps == self.steps_per_epoch else
-                         Position(epoch, steps, loss_sum, metric_sums, count, seconds, loss_count))
+        if tokens:  # a language model: nats per token, perplexity, tokens per second
+            record.update(
+                **({"perplexity": math.exp(min(val["loss"], 700.0))} if val else {}),
+                tokens_per_second=record["samples_per_second"] * tokens,
+            )
+        steps = self.position.step  # the whole epoch, or where a fractional --epochs ends it
+        self.position = (
+            Position(epoch + 1)
+            if steps == self.steps_per_epoch
+            else Position(epoch, steps, loss_sum, metric_sums, count, seconds, loss_count)
+        )
         self._emit("on_figures", record)
         self.strategy.end_of_epoch(record)
         if self.validates:
@@ -298,15 +362,19 @@ class Trainer:
     def reduce_sums(self, totals: torch.Tensor, count: float):
         """(loss sum, elements it covers, metric sums, samples) summed over all ranks from this rank's `totals`
         (loss sum, loss count, metric sums) and `count`: sums of counts, never means of means."""
-        with_count = torch.cat([totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)])
+        with_count = torch.cat(
+            [totals, torch.tensor([float(count)], dtype=torch.float64, device=totals.device)]
+        )
         values = self.strategy.reduce(with_count).tolist()
         return values[0], values[1], tuple(values[2:-1]), values[-1]
 
     def _global_position(self, epoch, step, totals, count, began) -> Position:
         loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
         if not math.isfinite(loss_sum):
-            raise NonFiniteLoss(f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1} before step "
-                                f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32")
+            raise NonFiniteLoss(
+                f"the training loss became {loss_sum / loss_count} in epoch {epoch + 1} before step "
+                f"{step}; the last good checkpoint is kept; lower --lr or use --precision fp32"
+            )
         return Position(epoch, step, loss_sum, metric_sums, count, time.perf_counter() - began, loss_count)
 
     def running_totals(self):
@@ -331,7 +399,12 @@ class Trainer:
             count += stats.count
         loss_sum, loss_count, metric_sums, count = self.reduce_sums(totals, count)
         if self.strategy.objective.counted and not loss_count > 0:
-            raise UserError(f"the loss counted no elements in the whole validation set of {int(count)} samples; "
-                            f"validation needs at least one counted element (e.g. not only padding)")
-        return {"loss": loss_sum / loss_count, **{name: value / count for name, value in zip(self.metric_names, metric_sums)},
-                "count": int(count)}
+            raise UserError(
+                f"the loss counted no elements in the whole validation set of {int(count)} samples; "
+                f"validation needs at least one counted element (e.g. not only padding)"
+            )
+        return {
+            "loss": loss_sum / loss_count,
+            **{name: value / count for name, value in zip(self.metric_names, metric_sums)},
+            "count": int(count),
+        }

@@ -8,6 +8,7 @@ optimizer step (the one-device reference, outside any process group, is untouche
   scale  that backward pass's gradient is scaled by 1 + 1e-6 (one rank's contribution slightly off)
   stale  after that optimizer step, one element of the first parameter keeps its value from before the step
 """
+
 import os
 import sys
 
@@ -42,6 +43,7 @@ if FAULT:
         torch.Tensor.backward = faulty_backward
     elif FAULT == "stale":
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
         steps, saved = [0], {}
 
         def before(optimizer, args, kwargs):

@@ -7,6 +7,7 @@ default), `fit()`'s keyword and its "did you mean" answer, the check of the valu
 change it, which strategy owns it, and its key in `config.json` and in `--config` files. The flags are built
 in `flags.py`; this module is pure (no argparse, no torch).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,26 +39,29 @@ RESUME = ("keep", "change", "extend")
 @dataclass(frozen=True)
 class Setting:
     """Everything polytrain knows about one setting besides its name, type and default (the field's)."""
+
     help: str
     group: str
     metavar: Optional[str] = None
-    choices: Tuple[str, ...] = ()          # a closed set of values: the flag's metavar and the check
-    check: Optional[str] = None            # a value check by kind (see CHECKS)
-    example: Any = None                    # the value an error suggests ("try --epochs 5")
-    must: Optional[str] = None             # the check's words in its error, where the kind's are not precise
-    hint: Optional[str] = None             # what the error adds after the value, instead of "; try ..."
-    strategies: Tuple[str, ...] = ()       # the strategies that read it; () for every strategy
+    choices: Tuple[str, ...] = ()  # a closed set of values: the flag's metavar and the check
+    check: Optional[str] = None  # a value check by kind (see CHECKS)
+    example: Any = None  # the value an error suggests ("try --epochs 5")
+    must: Optional[str] = None  # the check's words in its error, where the kind's are not precise
+    hint: Optional[str] = None  # what the error adds after the value, instead of "; try ..."
+    strategies: Tuple[str, ...] = ()  # the strategies that read it; () for every strategy
     resume: str = "keep"
-    replans: bool = False                  # changing it on resume plans the pipeline's split anew
-    flag: str = "value"                    # value | switch (--x) | toggle (--x / --no-x) | none (Python only)
-    parse: Optional[Callable] = None       # how the command line turns the text into a value (default: type)
+    replans: bool = False  # changing it on resume plans the pipeline's split anew
+    flag: str = "value"  # value | switch (--x) | toggle (--x / --no-x) | none (Python only)
+    parse: Optional[Callable] = None  # how the command line turns the text into a value (default: type)
     commands: Tuple[str, ...] = ("train", "verify")
 
 
 def setting(default, help: str, *, group: str, **declared) -> Any:
     """A dataclass field declaring one setting (see `Setting`)."""
     meta = Setting(help=help, group=group, **declared)
-    assert meta.group in GROUPS and meta.resume in RESUME and meta.flag in ("value", "switch", "toggle", "none")
+    assert (
+        meta.group in GROUPS and meta.resume in RESUME and meta.flag in ("value", "switch", "toggle", "none")
+    )
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata={"setting": meta})
     return field(default=default, metadata={"setting": meta})
@@ -96,9 +100,13 @@ def check_value(name: str, meta: Setting, value) -> None:
     if meta.check is not None:
         test, words = CHECKS[meta.check]
         if not test(value):
-            hint = meta.hint or (f"; try {flag} {meta.example}" if meta.example is not None
-                                 else "; see polytrain train --help for the default" if meta.check == "nonneg"
-                                 else "")
+            hint = meta.hint or (
+                f"; try {flag} {meta.example}"
+                if meta.example is not None
+                else "; see polytrain train --help for the default"
+                if meta.check == "nonneg"
+                else ""
+            )
             raise ConfigError(f"{flag} {meta.must or 'must be ' + words}, got {value!r}{hint}")
 
 

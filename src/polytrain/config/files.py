@@ -5,6 +5,7 @@ tables named for their groups (`[optimisation]`, `[pipeline]`); values as in `fi
 is such a file: it also records what ran (versions, the resolved device, the plan), which is read past, and
 its run folder, which is not reused, so `--config runs/X/config.json` repeats run X into a new folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,18 @@ from .settings import INPUTS
 from .train import SETTINGS, TrainConfig
 
 # What a run folder's config.json records beside the settings (run_dir.write_config and api.train_run).
-RUN_RECORD = ("versions", "device_type", "custom_model", "custom_data", "loss", "metrics", "classes", "vocab",
-              "skipped_files", "strategy_plan")
+RUN_RECORD = (
+    "versions",
+    "device_type",
+    "custom_model",
+    "custom_data",
+    "loss",
+    "metrics",
+    "classes",
+    "vocab",
+    "skipped_files",
+    "strategy_plan",
+)
 
 
 def _load(path: Path) -> dict:
@@ -26,12 +37,14 @@ def _load(path: Path) -> dict:
     if path.suffix == ".toml":
         try:
             import tomllib
-        except ModuleNotFoundError:                     # Python < 3.11
+        except ModuleNotFoundError:  # Python < 3.11
             try:
                 import tomli as tomllib
             except ModuleNotFoundError:
-                raise UserError(f"--config {path}: reading TOML needs Python 3.11 or 'pip install tomli'; or "
-                                f"write the settings as JSON") from None
+                raise UserError(
+                    f"--config {path}: reading TOML needs Python 3.11 or 'pip install tomli'; or "
+                    f"write the settings as JSON"
+                ) from None
         try:
             return tomllib.loads(text.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
@@ -54,8 +67,10 @@ def read_config_file(path) -> dict:
         raise UserError(f"--config {path} holds no table of settings; write name = value pairs")
     record = "versions" in raw
     if record and (raw.get("custom_model") or raw.get("custom_data")):
-        raise UserError(f"--config {path}: that run was trained from Python on a custom model or in-memory data; "
-                        f"repeat it from Python with polytrain.fit")
+        raise UserError(
+            f"--config {path}: that run was trained from Python on a custom model or in-memory data; "
+            f"repeat it from Python with polytrain.fit"
+        )
     if record:
         raw = {key: value for key, value in raw.items() if key not in RUN_RECORD}
     known = (*SETTINGS, *INPUTS)
@@ -67,26 +82,32 @@ def read_config_file(path) -> dict:
             raise UserError(f"--config {path}: unknown setting {key!r}; {said}")
         if name not in known:
             close = nearest(name, known)
-            raise UserError(f"--config {path}: unknown setting {key!r}; " +
-                            (f"did you mean {close!r}?" if close else
-                             "no setting is near it; see polytrain train --help for the settings"))
+            raise UserError(
+                f"--config {path}: unknown setting {key!r}; "
+                + (
+                    f"did you mean {close!r}?"
+                    if close
+                    else "no setting is near it; see polytrain train --help for the settings"
+                )
+            )
         meta = SETTINGS.get(name) or INPUTS[name]
         try:
             values[name] = meta.parse(value) if meta.parse is not None and isinstance(value, str) else value
-        except ValueError as error:                 # the words of the flag's parser: what form it takes
+        except ValueError as error:  # the words of the flag's parser: what form it takes
             raise UserError(f"--config {path}: {key}: {error}") from None
         values[name] = _typed(name, values[name], f"--config {path}: {key}")
     if record:
-        values.pop("out", None)           # that run's folder: the repetition gets a new one
+        values.pop("out", None)  # that run's folder: the repetition gets a new one
         if values.get("strategy") == "single":
-            values["strategy"] = "auto"   # what it resolved to on one device; --devices N may change it
+            values["strategy"] = "auto"  # what it resolved to on one device; --devices N may change it
         if "momentum" in values and not _takes_momentum(values.get("optimizer")):
-            del values["momentum"]        # the default beside a model's own optimizer (gpt: AdamW), never read
+            del values["momentum"]  # the default beside a model's own optimizer (gpt: AdamW), never read
     return values
 
 
 def _takes_momentum(optimizer) -> bool:
     from ..optim import OPTIMIZERS, _key, keywords
+
     cls = OPTIMIZERS.get(_key(optimizer)) if isinstance(optimizer, str) else None
     return cls is None or "momentum" in keywords(cls)
 
@@ -111,14 +132,23 @@ def _typed(name: str, value, where: str):
         except ValueError:
             pass
     elif kind is str and isinstance(value, (int, float, list)) and not isinstance(value, bool):
-        if not isinstance(value, list) or all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, list) or all(
+            isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
+        ):
             return ",".join(map(str, value)) if isinstance(value, list) else str(value)
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
         return value
-    elif isinstance(value, (list, tuple) if kind is tuple else kind) and not (kind is int and isinstance(value, bool)):
+    elif isinstance(value, (list, tuple) if kind is tuple else kind) and not (
+        kind is int and isinstance(value, bool)
+    ):
         return value
-    wanted = {bool: "true or false", int: "a whole number", float: "a number", str: "text in quotes",
-              tuple: "a list such as " + _example(name)}[kind]
+    wanted = {
+        bool: "true or false",
+        int: "a whole number",
+        float: "a number",
+        str: "text in quotes",
+        tuple: "a list such as " + _example(name),
+    }[kind]
     raise UserError(f"{where} takes {wanted}, got {json.dumps(value)}")
 
 
@@ -134,14 +164,17 @@ def _flatten(raw: dict, path: Path):
         if isinstance(value, dict) and key.replace("-", "_") in tables:
             for inner, inner_value in value.items():
                 if isinstance(inner_value, dict):
-                    raise UserError(f"--config {path}: [{key}.{inner}] nests too deep; settings sit at the top "
-                                    f"level or in one table per group")
+                    raise UserError(
+                        f"--config {path}: [{key}.{inner}] nests too deep; settings sit at the top "
+                        f"level or in one table per group"
+                    )
                 meta = SETTINGS.get(inner.replace("-", "_")) or INPUTS.get(inner.replace("-", "_"))
                 if meta is not None and meta.group.replace("-", "_") != key.replace("-", "_"):
                     raise UserError(f"--config {path}: {inner} belongs in [{meta.group}], not [{key}]")
                 yield inner, inner_value
         elif isinstance(value, dict):
-            raise UserError(f"--config {path}: [{key}] is not a group of settings; the groups are "
-                            f"{', '.join(GROUPS)}")
+            raise UserError(
+                f"--config {path}: [{key}] is not a group of settings; the groups are {', '.join(GROUPS)}"
+            )
         else:
             yield key, value

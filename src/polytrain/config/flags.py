@@ -3,6 +3,7 @@
 cli.py builds the parser and calls this; nothing else turns arguments into a `TrainConfig`. Precedence:
 flags given on the command line, then a `--config` file, then the declared defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,11 @@ from .names import as_flag, foreign, nearest
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS, TrainConfig, apply_inputs
 
-REGISTRIES = {"datasets": ", ".join(DATASETS), "models": ", ".join(MODELS), "strategies": ",".join(STRATEGIES)}
+REGISTRIES = {
+    "datasets": ", ".join(DATASETS),
+    "models": ", ".join(MODELS),
+    "strategies": ",".join(STRATEGIES),
+}
 
 
 def _fill(text: str) -> str:
@@ -44,8 +49,10 @@ def _add_flag(group, name: str, meta: Setting) -> None:
     elif meta.flag == "toggle":
         kwargs.update(action=argparse.BooleanOptionalAction)
     else:
-        kwargs.update(type=_argparse_type(meta.parse) if meta.parse else _value_type(name),
-                      metavar=_fill(meta.metavar or "{" + ",".join(meta.choices) + "}"))
+        kwargs.update(
+            type=_argparse_type(meta.parse) if meta.parse else _value_type(name),
+            metavar=_fill(meta.metavar or "{" + ",".join(meta.choices) + "}"),
+        )
     group.add_argument(flag_name(name), **kwargs)
 
 
@@ -55,7 +62,8 @@ def _argparse_type(parse):
             return parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-    read.__name__ = getattr(parse, "__name__", "value")     # argparse names it in "invalid int value"
+
+    read.__name__ = getattr(parse, "__name__", "value")  # argparse names it in "invalid int value"
     return read
 
 
@@ -68,9 +76,12 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str) -> None:
         if meta.group not in groups:
             groups[meta.group] = parser.add_argument_group(GROUPS[meta.group])
         _add_flag(groups[meta.group], name, meta)
-    parser.add_argument("--config", metavar="FILE",
-                        help="read settings from a TOML or JSON file (a run's config.json repeats that run); "
-                             "flags given beside it override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from a TOML or JSON file (a run's config.json repeats that run); "
+        "flags given beside it override it",
+    )
 
 
 def given_settings(args) -> dict:
@@ -95,9 +106,15 @@ def settings_of(args) -> dict:
         from_file.pop("per_device_batch_size", None)
     # JSON has no tuples: [1, 28, 28] is the default (1, 28, 28), so it was not given
     # the optimizer's settings a file writes out were chosen, default or not (a run's config.json repeats them)
-    args.given = frozenset(args.given | {name for name, value in from_file.items()
-                                         if (tuple(value) if isinstance(value, list) else value)
-                                         != getattr(DEFAULTS, name, None) or name in OWN_OPTIMIZER_SETTINGS})
+    args.given = frozenset(
+        args.given
+        | {
+            name
+            for name, value in from_file.items()
+            if (tuple(value) if isinstance(value, list) else value) != getattr(DEFAULTS, name, None)
+            or name in OWN_OPTIMIZER_SETTINGS
+        }
+    )
     return dict(from_file, **flags)
 
 
@@ -113,36 +130,49 @@ def flag_list(names) -> str:
 
 def config_from_args(args) -> TrainConfig:
     from ..runtime.hostenv import launcher_env
+
     values = settings_of(args)
-    launcher = launcher_env()              # under torchrun/srun the device count is its world size
+    launcher = launcher_env()  # under torchrun/srun the device count is its world size
     if launcher is not None:
         values["devices"] = launcher.world_size
     apply_inputs(values)
     # a model's own defaults (config.json records them) for what was not given; the caller may say them
-    args.model_defaults = apply_model_defaults(values, set(args.given) | set(values),
-                                               values.get("model", DEFAULTS.model))
+    args.model_defaults = apply_model_defaults(
+        values, set(args.given) | set(values), values.get("model", DEFAULTS.model)
+    )
     config = TrainConfig(**values)
     refuse_ignored(config, args.given)
     unused = unused_dataset_options(config.dataset, args.given)
     if unused:
-        raise UserError(f"{flag_list(unused)} {'is' if len(unused) == 1 else 'are'} not used by --dataset "
-                        f"{config.dataset}; "
-                        f"drop {'it' if len(unused) == 1 else 'them'}, or choose a dataset that uses "
-                        f"{'it' if len(unused) == 1 else 'them'} ({', '.join(datasets_using(unused[0]))})")
+        raise UserError(
+            f"{flag_list(unused)} {'is' if len(unused) == 1 else 'are'} not used by --dataset "
+            f"{config.dataset}; "
+            f"drop {'it' if len(unused) == 1 else 'them'}, or choose a dataset that uses "
+            f"{'it' if len(unused) == 1 else 'them'} ({', '.join(datasets_using(unused[0]))})"
+        )
     return config
 
 
 def refuse_ignored(config: TrainConfig, given) -> None:
     """Settings given on purpose that the chosen optimizer or schedule would not use: one line, never ignored."""
     from ..optim import OPTIMIZERS, SCHEDULES, _key, keywords
+
     cls = OPTIMIZERS.get(_key(config.optimizer)) if isinstance(config.optimizer, str) else None
     if cls is not None and "momentum" in given and "momentum" not in keywords(cls):
-        raise UserError(f"--momentum does not apply to {cls.__name__}, which takes no momentum; drop --momentum"
-                        + (" (set its betas with --betas 0.9,0.999)" if "betas" in keywords(cls) else ""))
-    if "warmup_epochs" in given and isinstance(config.schedule, str) and _key(config.schedule) not in SCHEDULES:
-        raise UserError(f"--warmup-epochs belongs to polytrain's {', '.join(SCHEDULES)} schedules, not to "
-                        f"--schedule {config.schedule}; drop --warmup-epochs (a warm-up before a torch schedule: "
-                        f"fit(scheduler=...) with torch's SequentialLR)")
+        raise UserError(
+            f"--momentum does not apply to {cls.__name__}, which takes no momentum; drop --momentum"
+            + (" (set its betas with --betas 0.9,0.999)" if "betas" in keywords(cls) else "")
+        )
+    if (
+        "warmup_epochs" in given
+        and isinstance(config.schedule, str)
+        and _key(config.schedule) not in SCHEDULES
+    ):
+        raise UserError(
+            f"--warmup-epochs belongs to polytrain's {', '.join(SCHEDULES)} schedules, not to "
+            f"--schedule {config.schedule}; drop --warmup-epochs (a warm-up before a torch schedule: "
+            f"fit(scheduler=...) with torch's SequentialLR)"
+        )
 
 
 def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:
@@ -157,13 +187,16 @@ def unknown_flag(word: str, known_flags, command: Optional[str]) -> str:
     if python_only is not None and python_only.flag == "none":
         name = bare.lstrip("-").replace("-", "_")
         what = re.split(r" \(|:", python_only.help, maxsplit=1)[0]
-        return (f"unrecognized argument {bare}: {name}= is a setting of polytrain.fit() only ({what}); the "
-                f"command line does not take it")
+        return (
+            f"unrecognized argument {bare}: {name}= is a setting of polytrain.fit() only ({what}); the "
+            f"command line does not take it"
+        )
     close = nearest(bare, [flag for flag in known_flags if flag not in ("-h", "--help")])
     if close:
         return f"unrecognized argument {bare}; did you mean {close}?"
     return f"unrecognized argument {bare}: polytrain has no such setting; see polytrain {command or ''} --help".replace(
-        "  ", " ")
+        "  ", " "
+    )
 
 
 def parse_list(text, flag: str, *, counts: bool = False) -> tuple:
@@ -180,5 +213,7 @@ def parse_list(text, flag: str, *, counts: bool = False) -> tuple:
     except ValueError:
         numbers = ()
     if not numbers or min(numbers) < 1:
-        raise UserError(f"{flag} takes positive whole numbers separated by commas such as 1,2,4, got {text!r}")
+        raise UserError(
+            f"{flag} takes positive whole numbers separated by commas such as 1,2,4, got {text!r}"
+        )
     return numbers

@@ -1,17 +1,36 @@
 """The Python API's words: which keywords `fit` takes, and messages written for the command line said in them."""
+
 from __future__ import annotations
 
 import re
 
+from ..errors import ConfigError
 from . import SETTINGS, TrainConfig
 from .names import as_keyword, foreign, nearest
 from .settings import INPUTS
-from ..errors import ConfigError
-
 
 # fit()'s own parameters; every other keyword is a declared setting (config/settings.py).
-FIT_KEYWORDS = ("model", "data", "train", "val", "loss", "metrics", "logger", "callbacks", "epochs", "devices",
-                "strategy", "out", "resume", "verbose", "optimizer", "scheduler", "param_groups", "step", "eval_step")
+FIT_KEYWORDS = (
+    "model",
+    "data",
+    "train",
+    "val",
+    "loss",
+    "metrics",
+    "logger",
+    "callbacks",
+    "epochs",
+    "devices",
+    "strategy",
+    "out",
+    "resume",
+    "verbose",
+    "optimizer",
+    "scheduler",
+    "param_groups",
+    "step",
+    "eval_step",
+)
 
 
 def check_keywords(settings: dict) -> None:
@@ -23,17 +42,25 @@ def check_keywords(settings: dict) -> None:
             raise ConfigError(f"fit() has no keyword {name}=; {said}")
         if name not in known:
             close = nearest(name, known)
-            raise ConfigError(f"fit() has no keyword {name}=" + (f"; did you mean {close}=?" if close else
-                              f"; it takes {', '.join(k + '=' for k in known)}"))
+            raise ConfigError(
+                f"fit() has no keyword {name}="
+                + (
+                    f"; did you mean {close}=?"
+                    if close
+                    else f"; it takes {', '.join(k + '=' for k in known)}"
+                )
+            )
 
 
 def keyword_words(message: str) -> str:
     """A message written for the command line, in the words of the Python API: `--batch-size 64` becomes
     `batch_size=64` and a bare `--download` becomes `download=True`."""
+
     def keyword(match):
         name, value = match.group(1).replace("-", "_"), match.group(2)
         if value is not None:
             return f"{name}={value}"
         field = TrainConfig.__dataclass_fields__.get(name)
         return f"{name}=True" if field is not None and field.type in ("bool", bool) else f"{name}="
+
     return re.sub(r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b))?", keyword, message)

@@ -8,6 +8,7 @@ shorter and at least three letters, not just in a whole first word (`--optim`, `
 name's words are a run of the other's and at least half its length (`loss_fn` and `loss`, `lr_schedule` and
 `schedule`); otherwise nothing is. Case and `-`/`_` do not count.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,13 +37,16 @@ def edit_distance(a: str, b: str) -> int:
 
 def _words_within(short: str, long: str) -> bool:
     words, within = short.split("_"), long.split("_")
-    return len(short) >= 3 and 2 * len(short) >= len(long) and any(
-        within[i:i + len(words)] == words for i in range(len(within) - len(words) + 1))
+    return (
+        len(short) >= 3
+        and 2 * len(short) >= len(long)
+        and any(within[i : i + len(words)] == words for i in range(len(within) - len(words) + 1))
+    )
 
 
 def _begin_alike(short: str, long: str) -> bool:
     common = len(os.path.commonprefix([short, long]))
-    ends_a_word = common < len(long) and long[common] == "_" and common == len(short)   # `val` of `val_every`
+    ends_a_word = common < len(long) and long[common] == "_" and common == len(short)  # `val` of `val_every`
     return common >= 3 and 4 * common >= 3 * len(short) and not ends_a_word
 
 
@@ -54,7 +58,7 @@ def nearest(name: str, known: Iterable[str]) -> Optional[str]:
     for candidate in known:
         other = _bare(candidate)
         if other == word:
-            return candidate                 # the same name in another case or spelling of `-`/`_`
+            return candidate  # the same name in another case or spelling of `-`/`_`
         if not other:
             continue
         distance = edit_distance(word, other)
@@ -67,25 +71,38 @@ def nearest(name: str, known: Iterable[str]) -> Optional[str]:
 
 # Other trainers' names for polytrain's settings: (the setting, a value to show with it, what to know besides).
 # `{name=value}` in the words is another setting, spelled as the caller spells settings.
-_PER_STEP = ("polytrain's batch size is the batch per optimizer step, so accumulating saves memory and never "
-             "changes the training")
+_PER_STEP = (
+    "polytrain's batch size is the batch per optimizer step, so accumulating saves memory and never "
+    "changes the training"
+)
 FOREIGN = {
     "gpus": ("devices", "N", "with {device=cuda}"),
     "num_gpus": ("devices", "N", "with {device=cuda}"),
     "accelerator": ("device", "cuda", "or cpu, or auto; the count is {devices=N}"),
-    "accumulate_grad_batches": ("accumulate", "K", "polytrain's batch size is the batch per optimizer step "
-                                "(Lightning's batch size x accumulate_grad_batches x devices), so accumulating "
-                                "saves memory and never changes the training"),
+    "accumulate_grad_batches": (
+        "accumulate",
+        "K",
+        "polytrain's batch size is the batch per optimizer step "
+        "(Lightning's batch size x accumulate_grad_batches x devices), so accumulating "
+        "saves memory and never changes the training",
+    ),
     "gradient_accumulation_steps": ("accumulate", "K", _PER_STEP),
     "grad_accum": ("accumulate", "K", _PER_STEP),
-    "gradient_clip_val": ("clip_grad_norm", "X", "or {clip_grad_value=X} for Lightning's "
-                          "gradient_clip_algorithm='value'"),
+    "gradient_clip_val": (
+        "clip_grad_norm",
+        "X",
+        "or {clip_grad_value=X} for Lightning's gradient_clip_algorithm='value'",
+    ),
     "max_grad_norm": ("clip_grad_norm", "X", ""),
     "early_stopping_patience": ("patience", "N", ""),
     "fp16": ("precision", "fp16", ""),
     "learning_rate": ("lr", "X", ""),
-    "lr_scheduler": ("schedule", "NAME", "constant, cosine, onecycle, or any torch.optim.lr_scheduler class by "
-                     "name with {schedule_args=K=V,...}"),
+    "lr_scheduler": (
+        "schedule",
+        "NAME",
+        "constant, cosine, onecycle, or any torch.optim.lr_scheduler class by "
+        "name with {schedule_args=K=V,...}",
+    ),
     "num_train_epochs": ("epochs", "N", ""),
     "max_epochs": ("epochs", "N", ""),
 }

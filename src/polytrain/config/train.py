@@ -4,6 +4,7 @@ Every check raises `ConfigError` with a message that names the flag and the fix,
 print it on one line. The per-value checks (choices, ranges, which strategy owns an option) come from the
 declarations; what is left here relates settings to each other.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -17,8 +18,9 @@ from .declare import check_value, declared, flag_name, unset
 from .settings import GROUP_CLASSES, INPUTS
 
 
-def replicas(devices: int, strategy: str, pipeline_stages: Optional[int] = None,
-             tensor_parallel: Optional[int] = None) -> int:
+def replicas(
+    devices: int, strategy: str, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
+) -> int:
     """How many replicas split each global batch: every device, except in a pipeline, where the devices of
     one pipeline share one slice (so a "per-device" batch is a per-pipeline batch; with --tensor-parallel T,
     its stages' T ranks each), and with tensor parallelism, where the T devices of one tensor group read the
@@ -41,34 +43,46 @@ def apply_inputs(values: dict) -> None:
     per_device = values.pop("per_device_batch_size", None)
     if per_device is not None:
         check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
-        values["batch_size"] = per_device * replicas(values.get("devices", DEFAULTS.devices),
-                                                     values.get("strategy", "auto"), values.get("pipeline_stages"),
-                                                     values.get("tensor_parallel"))
+        values["batch_size"] = per_device * replicas(
+            values.get("devices", DEFAULTS.devices),
+            values.get("strategy", "auto"),
+            values.get("pipeline_stages"),
+            values.get("tensor_parallel"),
+        )
     micro = values.pop("micro_batch_size", None)
     if micro is not None:
         apply_micro_batch_size(values, micro)
 
 
-def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=lambda name: f"--{name.replace('_', '-')}")\
-        -> None:
+def apply_micro_batch_size(
+    values: dict, micro_batch_size: int, *, flag=lambda name: f"--{name.replace('_', '-')}"
+) -> None:
     """`--micro-batch-size N` (samples per pass per replica) said as --accumulate, or for a pipeline as its
     micro-batches; refused in one line where the settings do not multiply out."""
     check_value("micro_batch_size", INPUTS["micro_batch_size"], micro_batch_size)
     batch = values.get("batch_size", DEFAULTS.batch_size)
-    shares = replicas(values.get("devices", DEFAULTS.devices), values.get("strategy", "auto"),
-                      values.get("pipeline_stages"), values.get("tensor_parallel"))
+    shares = replicas(
+        values.get("devices", DEFAULTS.devices),
+        values.get("strategy", "auto"),
+        values.get("pipeline_stages"),
+        values.get("tensor_parallel"),
+    )
     per_replica, pipeline = batch // shares, values.get("strategy") == "pipeline"
     per_pass = per_replica // (values.get("microbatches") or 1) if pipeline else per_replica
     if per_replica * shares != batch or micro_batch_size > per_pass or per_pass % micro_batch_size:
-        raise ConfigError(f"{flag('micro_batch_size')} {micro_batch_size} does not divide the {per_pass} samples "
-                          f"each replica computes per step ({flag('batch_size')} {batch} over {shares} "
-                          f"replica{'s' * (shares != 1)}); use a divisor of {per_pass}")
+        raise ConfigError(
+            f"{flag('micro_batch_size')} {micro_batch_size} does not divide the {per_pass} samples "
+            f"each replica computes per step ({flag('batch_size')} {batch} over {shares} "
+            f"replica{'s' * (shares != 1)}); use a divisor of {per_pass}"
+        )
     passes = per_pass // micro_batch_size
     if "accumulate" in values and values["accumulate"] != passes:
-        raise ConfigError(f"{flag('micro_batch_size')} {micro_batch_size} means {flag('accumulate')} {passes} "
-                          f"with {flag('batch_size')} {batch}, not {values['accumulate']}; give only one of them")
+        raise ConfigError(
+            f"{flag('micro_batch_size')} {micro_batch_size} means {flag('accumulate')} {passes} "
+            f"with {flag('batch_size')} {batch}, not {values['accumulate']}; give only one of them"
+        )
     if pipeline and not values.get("microbatches"):
-        values["microbatches"] = passes       # a pipeline's passes are its micro-batches
+        values["microbatches"] = passes  # a pipeline's passes are its micro-batches
     else:
         values["accumulate"] = passes
 
@@ -84,76 +98,112 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 
     def __post_init__(self) -> None:
         self.synthetic_shape = tuple(self.synthetic_shape)
-        if isinstance(self.split, (list, tuple)):         # the Python API may give split=(4, 7), or split=3
+        if isinstance(self.split, (list, tuple)):  # the Python API may give split=(4, 7), or split=3
             self.split = ",".join(str(point) for point in self.split)
         elif isinstance(self.split, int) and not isinstance(self.split, bool):
             self.split = str(self.split)
         for name, meta in SETTINGS.items():
             if meta.strategies and self.strategy not in meta.strategies and not unset(getattr(self, name)):
                 owner = meta.strategies[0]
-                raise ConfigError(f"{flag_name(name)} applies to --strategy {' or '.join(meta.strategies)} only; "
-                                  f"add --strategy {owner} or drop it")
+                raise ConfigError(
+                    f"{flag_name(name)} applies to --strategy {' or '.join(meta.strategies)} only; "
+                    f"add --strategy {owner} or drop it"
+                )
             check_value(name, meta, getattr(self, name))
         # None: the optimizer's own default (an optimizer given by name keeps torch's defaults)
         _need(self.lr is None or self.lr > 0, f"--lr must be greater than 0, got {self.lr!r}; try --lr 0.05")
         _need(self.lr is None or self.lr < 1e6, f"--lr {self.lr!r} is far too large to train; try --lr 0.05")
-        _need(self.momentum is None or self.momentum < 1,
-              f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9")
-        _need(self.lr is not None or self.lr_scale == "none",
-              "--lr-scale linear multiplies --lr by the replicas; give --lr (the optimizer's default is not "
-              "scaled silently)")
-        check_settings(self)          # the optimizer and schedule by name, their arguments, the interval
+        _need(
+            self.momentum is None or self.momentum < 1,
+            f"--momentum must be below 1, got {self.momentum!r}; try --momentum 0.9",
+        )
+        _need(
+            self.lr is not None or self.lr_scale == "none",
+            "--lr-scale linear multiplies --lr by the replicas; give --lr (the optimizer's default is not "
+            "scaled silently)",
+        )
+        check_settings(self)  # the optimizer and schedule by name, their arguments, the interval
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
-        _need(self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}")
-        _need(len(self.synthetic_shape) == 3 and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
-              f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}")
+        _need(
+            self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}"
+        )
+        _need(
+            len(self.synthetic_shape) == 3
+            and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
+            f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}",
+        )
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
         tp = self.tensor_parallel
-        _need(tp is None or (self.devices % tp == 0 and tp > 1),
-              f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
-              f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}")
+        _need(
+            tp is None or (self.devices % tp == 0 and tp > 1),
+            f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
+            f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}",
+        )
         if self.strategy == "pipeline":
             self._check_pipeline()
-        _need(self.plan is None or self.strategy == "auto",
-              f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}")
-        _need(self.plan is None or self.devices > 1,
-              "--plan chooses a strategy for several devices; add --devices N (2 or more) or drop --plan")
+        _need(
+            self.plan is None or self.strategy == "auto",
+            f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}",
+        )
+        _need(
+            self.plan is None or self.devices > 1,
+            "--plan chooses a strategy for several devices; add --devices N (2 or more) or drop --plan",
+        )
         shares, across = self.data_parallel_size, f"--devices {self.devices}"
         if self.strategy == "pipeline":
             across = f"the {shares} pipeline replicas"
-        _need(self.batch_size % shares == 0,
-              f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
-              f"{across}; use a multiple of {shares}, e.g. "
-              f"--batch-size {shares * -(-self.batch_size // shares)}, or give "
-              f"--per-device-batch-size instead")
+        _need(
+            self.batch_size % shares == 0,
+            f"--batch-size {self.batch_size} (the global batch) does not divide evenly across "
+            f"{across}; use a multiple of {shares}, e.g. "
+            f"--batch-size {shares * -(-self.batch_size // shares)}, or give "
+            f"--per-device-batch-size instead",
+        )
         self._check_gradient_knobs(self.batch_size // shares)
         if self.strategy == "pipeline" and self.microbatches is not None:
-            check_microbatches(self.microbatches, per_replica_batch=self.batch_size // shares,
-                               replicas=shares, batch_size=self.batch_size)
+            check_microbatches(
+                self.microbatches,
+                per_replica_batch=self.batch_size // shares,
+                replicas=shares,
+                batch_size=self.batch_size,
+            )
 
     def _check_gradient_knobs(self, per_replica: int) -> None:
-        _need(self.accumulate <= per_replica,
-              f"--accumulate {self.accumulate} makes more passes than the {per_replica} samples each replica gets "
-              f"of --batch-size {self.batch_size}; use at most --accumulate {per_replica}")
-        _need(self.clip_grad_norm is None or self.clip_grad_value is None,
-              "give either --clip-grad-norm or --clip-grad-value, not both")
+        _need(
+            self.accumulate <= per_replica,
+            f"--accumulate {self.accumulate} makes more passes than the {per_replica} samples each replica gets "
+            f"of --batch-size {self.batch_size}; use at most --accumulate {per_replica}",
+        )
+        _need(
+            self.clip_grad_norm is None or self.clip_grad_value is None,
+            "give either --clip-grad-norm or --clip-grad-value, not both",
+        )
         for name in ("clip_grad_norm", "clip_grad_value"):
-            _need(getattr(self, name) != 0, f"{flag_name(name)} 0 would zero every gradient; give a positive "
-                                            f"bound such as {flag_name(name)} 1.0, or leave it out")
+            _need(
+                getattr(self, name) != 0,
+                f"{flag_name(name)} 0 would zero every gradient; give a positive "
+                f"bound such as {flag_name(name)} 1.0, or leave it out",
+            )
         asynchronous = self.strategy == "parameter-server" and self.staleness
-        _need(not (asynchronous and (self.clip_grad_norm or self.clip_grad_value or self.precision == "fp16")),
-              "--staleness applies each worker's gradient on its own, so there is no global gradient to clip or "
-              "to check for fp16 overflow; drop --staleness (synchronous servers), or the clipping / fp16")
+        _need(
+            not (asynchronous and (self.clip_grad_norm or self.clip_grad_value or self.precision == "fp16")),
+            "--staleness applies each worker's gradient on its own, so there is no global gradient to clip or "
+            "to check for fp16 overflow; drop --staleness (synchronous servers), or the clipping / fp16",
+        )
 
     def _check_pipeline(self) -> None:
-        _need(self.split is None or isinstance(self.split, str),
-              f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}")
+        _need(
+            self.split is None or isinstance(self.split, str),
+            f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}",
+        )
         _need(not self.compile, "--compile is not supported with --strategy pipeline yet; drop --compile")
-        _need(not (self.split_at and self.tensor_parallel),
-              "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
-              "nn.Sequential (stages split by --split), or drop --tensor-parallel")
-        PipelineLayout(self.devices, self.pipeline_ranks, self.tensor_parallel or 1)      # validates the mesh
+        _need(
+            not (self.split_at and self.tensor_parallel),
+            "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
+            "nn.Sequential (stages split by --split), or drop --tensor-parallel",
+        )
+        PipelineLayout(self.devices, self.pipeline_ranks, self.tensor_parallel or 1)  # validates the mesh
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""
@@ -195,7 +245,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 # Derived from the declarations: nothing below names a setting.
 SETTINGS = {name: meta for group in GROUP_CLASSES for name, meta in declared(group).items()}
 DEFAULTS = TrainConfig()
-STRATEGY_OPTIONS = {}                       # strategy -> the options only it reads
+STRATEGY_OPTIONS = {}  # strategy -> the options only it reads
 for _name, _meta in SETTINGS.items():
     for _owner in _meta.strategies:
         STRATEGY_OPTIONS[_owner] = (*STRATEGY_OPTIONS.get(_owner, ()), _name)
@@ -206,8 +256,11 @@ REPLANNING = tuple(name for name, meta in SETTINGS.items() if meta.replans)
 
 def options_of_other_strategies(strategy: str) -> dict:
     """The options of every strategy but `strategy`, at their unset values."""
-    return {name: unset_value(name) for name, meta in SETTINGS.items()
-            if meta.strategies and strategy not in meta.strategies}
+    return {
+        name: unset_value(name)
+        for name, meta in SETTINGS.items()
+        if meta.strategies and strategy not in meta.strategies
+    }
 
 
 def unset_value(name: str):
@@ -216,4 +269,6 @@ def unset_value(name: str):
     return value if unset(value) else None
 
 
-assert [f.name for f in fields(TrainConfig)] == list(SETTINGS), "TrainConfig lists its groups' settings in order"
+assert [f.name for f in fields(TrainConfig)] == list(SETTINGS), (
+    "TrainConfig lists its groups' settings in order"
+)

@@ -3,6 +3,7 @@
 
 The registry is the single source of the names the command line offers (`polytrain train --dataset`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +13,16 @@ from ..errors import DataError, UserError
 from .arrays import ArrayDataset
 
 DATASETS: Dict[str, Callable[..., ArrayDataset]] = {}
-OPTIONS: Dict[str, Tuple[str, ...]] = {}          # the dataset settings each dataset reads
-DATASET_SETTINGS = ("data_dir", "download", "synthetic_size", "synthetic_shape", "image_size", "val_fraction",
-                    "skip_bad")
+OPTIONS: Dict[str, Tuple[str, ...]] = {}  # the dataset settings each dataset reads
+DATASET_SETTINGS = (
+    "data_dir",
+    "download",
+    "synthetic_size",
+    "synthetic_shape",
+    "image_size",
+    "val_fraction",
+    "skip_bad",
+)
 
 
 def register(name: str, *, options: Tuple[str, ...] = ()):
@@ -22,6 +30,7 @@ def register(name: str, *, options: Tuple[str, ...] = ()):
         DATASETS[name] = loader
         OPTIONS[name] = options
         return loader
+
     return add
 
 
@@ -36,23 +45,48 @@ def datasets_using(setting: str) -> List[str]:
     return [name for name, options in OPTIONS.items() if setting in options]
 
 
-def load_dataset(name: str, *, data_dir: Optional[str] = None, download: bool = False,
-                 synthetic_size: int = 2048, synthetic_shape=(1, 28, 28), seed: int = 0,
-                 image_size: Optional[int] = None, val_fraction: Optional[float] = None,
-                 skip_bad: bool = False, context: Optional[int] = None) -> ArrayDataset:
+def load_dataset(
+    name: str,
+    *,
+    data_dir: Optional[str] = None,
+    download: bool = False,
+    synthetic_size: int = 2048,
+    synthetic_shape=(1, 28, 28),
+    seed: int = 0,
+    image_size: Optional[int] = None,
+    val_fraction: Optional[float] = None,
+    skip_bad: bool = False,
+    context: Optional[int] = None,
+) -> ArrayDataset:
     """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
-    return DATASETS[name](data_dir=data_dir, download=download, size=synthetic_size,
-                          shape=tuple(synthetic_shape), seed=seed, image_size=image_size,
-                          val_fraction=val_fraction, skip_bad=skip_bad, context=context)
+    return DATASETS[name](
+        data_dir=data_dir,
+        download=download,
+        size=synthetic_size,
+        shape=tuple(synthetic_shape),
+        seed=seed,
+        image_size=image_size,
+        val_fraction=val_fraction,
+        skip_bad=skip_bad,
+        context=context,
+    )
 
 
 def dataset_settings(config) -> dict:
     """The keywords of `load_dataset` from a TrainConfig."""
-    return dict(data_dir=config.data_dir, download=config.download, synthetic_size=config.synthetic_size,
-                synthetic_shape=config.synthetic_shape, seed=config.seed, image_size=config.image_size,
-                val_fraction=config.val_fraction, skip_bad=config.skip_bad, context=config.context)
+    return dict(
+        data_dir=config.data_dir,
+        download=config.download,
+        synthetic_size=config.synthetic_size,
+        synthetic_shape=config.synthetic_shape,
+        seed=config.seed,
+        image_size=config.image_size,
+        val_fraction=config.val_fraction,
+        skip_bad=config.skip_bad,
+        context=config.context,
+    )
 
 
 def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callable):
@@ -63,11 +97,15 @@ def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callab
     folder = Path(data_dir).expanduser() if data_dir is not None else default_cache_dir() / name
     if not download:
         if data_dir is None:
-            raise DataError(f"dataset {name!r} needs its files: pass --data-dir DIR, or add --download to fetch "
-                            f"them into {folder}")
+            raise DataError(
+                f"dataset {name!r} needs its files: pass --data-dir DIR, or add --download to fetch "
+                f"them into {folder}"
+            )
         if not folder.is_dir():
-            raise DataError(f"--data-dir {folder} does not exist; point it at the folder holding the "
-                            f"{name} files, or add --download")
+            raise DataError(
+                f"--data-dir {folder} does not exist; point it at the folder holding the "
+                f"{name} files, or add --download"
+            )
         return read(folder)
     if folder.is_dir():
         try:
@@ -82,11 +120,13 @@ def _load_files(name: str, data_dir: Optional[str], download: bool, read: Callab
 @register("mnist-sample")
 def _mnist_sample(**_) -> ArrayDataset:
     from .sample import load_mnist_sample
+
     return load_mnist_sample()
 
 
 def _idx(name: str, data_dir, download) -> ArrayDataset:
     from .idx import load_idx_dataset
+
     train_x, train_y, val_x, val_y = _load_files(name, data_dir, download, load_idx_dataset)
     return ArrayDataset.from_numpy(name, train_x, train_y, val_x, val_y, augment=False)
 
@@ -104,6 +144,7 @@ def _fashion(*, data_dir=None, download=False, **_) -> ArrayDataset:
 @register("cifar10", options=("data_dir", "download"))
 def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     from .cifar import load_cifar10
+
     train_x, train_y, val_x, val_y = _load_files("cifar10", data_dir, download, load_cifar10)
     return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True, flip=True)
 
@@ -111,29 +152,42 @@ def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
 @register("folder", options=("data_dir", "image_size", "val_fraction", "skip_bad"))
 def _folder(*, data_dir=None, image_size=None, val_fraction=None, skip_bad=False, **_) -> ArrayDataset:
     from .folder import load_image_folder
+
     if data_dir is None:
-        raise DataError("--dataset folder needs --data-dir DIR: a folder with train/<class>/ and val/<class>/ "
-                        "image folders, or <class>/ folders and --val-fraction 0.1")
+        raise DataError(
+            "--dataset folder needs --data-dir DIR: a folder with train/<class>/ and val/<class>/ "
+            "image folders, or <class>/ folders and --val-fraction 0.1"
+        )
     return load_image_folder(data_dir, image_size=image_size, val_fraction=val_fraction, skip_bad=skip_bad)
 
 
 @register("synthetic", options=("synthetic_size", "synthetic_shape"))
 def _synthetic(*, size=2048, shape=(1, 28, 28), seed=0, **_) -> ArrayDataset:
     from .arrays import synthetic_dataset
+
     return synthetic_dataset(size=size, shape=shape, seed=seed)
 
 
 @register("shakespeare")
 def _shakespeare(*, context=None, **_):
     from .text import DEFAULT_CONTEXT, load_shakespeare
+
     return load_shakespeare(context=context or DEFAULT_CONTEXT)
 
 
 @register("text", options=("data_dir",))
 def _text(*, data_dir=None, context=None, **_):
     from .text import DEFAULT_CONTEXT, load_text
+
     return load_text(data_dir, context=context or DEFAULT_CONTEXT)
 
 
-__all__ = ["ArrayDataset", "DATASETS", "dataset_settings", "datasets_using", "load_dataset", "register",
-           "unused_dataset_options"]
+__all__ = [
+    "ArrayDataset",
+    "DATASETS",
+    "dataset_settings",
+    "datasets_using",
+    "load_dataset",
+    "register",
+    "unused_dataset_options",
+]

@@ -1,4 +1,5 @@
 """The in-memory dataset: uint8 images (N, C, H, W) and int64 labels, split into train and validation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,27 +14,31 @@ from ..errors import DataError
 @dataclass
 class ArrayDataset:
     name: str
-    train_x: torch.Tensor      # uint8 (N, C, H, W)
-    train_y: torch.Tensor      # int64 (N,)
+    train_x: torch.Tensor  # uint8 (N, C, H, W)
+    train_y: torch.Tensor  # int64 (N,)
     val_x: torch.Tensor
     val_y: torch.Tensor
     num_classes: int = 10
-    augment: bool = False      # random crop + flip during training by default (natural images, not digits)
-    flip: bool = False         # whether mirrored images stay valid (CIFAR yes; digits no: a flipped 2 is no 2)
-    dtype: torch.dtype = torch.float32   # of the normalised inputs (float64 where `polytrain verify` compares)
+    augment: bool = False  # random crop + flip during training by default (natural images, not digits)
+    flip: bool = False  # whether mirrored images stay valid (CIFAR yes; digits no: a flipped 2 is no 2)
+    dtype: torch.dtype = torch.float32  # of the normalised inputs (float64 where `polytrain verify` compares)
 
     def __post_init__(self) -> None:
         for split, x, y in (("train", self.train_x, self.train_y), ("validation", self.val_x, self.val_y)):
             if x.dtype != torch.uint8 or x.dim() != 4:
-                raise DataError(f"{self.name}: {split} images must be uint8 of shape (N, C, H, W), "
-                                f"got {x.dtype} {tuple(x.shape)}")
+                raise DataError(
+                    f"{self.name}: {split} images must be uint8 of shape (N, C, H, W), "
+                    f"got {x.dtype} {tuple(x.shape)}"
+                )
             if y.dim() != 1 or len(y) != len(x):
                 raise DataError(f"{self.name}: {split} has {len(x)} images but {len(y)} labels")
             if len(x) == 0:
                 raise DataError(f"{self.name}: the {split} split is empty")
         if self.train_x.shape[1:] != self.val_x.shape[1:]:
-            raise DataError(f"{self.name}: train images {tuple(self.train_x.shape[1:])} and validation images "
-                            f"{tuple(self.val_x.shape[1:])} differ in shape")
+            raise DataError(
+                f"{self.name}: train images {tuple(self.train_x.shape[1:])} and validation images "
+                f"{tuple(self.val_x.shape[1:])} differ in shape"
+            )
         self.train_y = self.train_y.long()
         self.val_y = self.val_y.long()
         top = int(max(self.train_y.max(), self.val_y.max()))
@@ -58,9 +63,19 @@ class ArrayDataset:
 
     @classmethod
     def from_numpy(cls, name, train_x, train_y, val_x, val_y, *, augment=False, flip=False, num_classes=10):
-        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))
-        return cls(name, as_tensor(train_x), as_tensor(train_y).long(), as_tensor(val_x),
-                   as_tensor(val_y).long(), num_classes=num_classes, augment=augment, flip=flip)
+        def as_tensor(a):
+            return torch.from_numpy(np.ascontiguousarray(a))
+
+        return cls(
+            name,
+            as_tensor(train_x),
+            as_tensor(train_y).long(),
+            as_tensor(val_x),
+            as_tensor(val_y).long(),
+            num_classes=num_classes,
+            augment=augment,
+            flip=flip,
+        )
 
     def channel_stats(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per-channel mean and standard deviation of the training images, on the 0..1 scale."""

@@ -47,14 +47,20 @@ def decode_cifar_batch(blob: bytes, *, name: str) -> tuple[np.ndarray, np.ndarra
     if count == 0 and extra == 0:
         _fail(name, "file is empty")
     if extra:
-        _fail(name, f"length {len(blob)} is not a multiple of the {RECORD_BYTES}-byte record "
-              f"({extra} bytes extra, or {RECORD_BYTES - extra} missing from the last record)")
+        _fail(
+            name,
+            f"length {len(blob)} is not a multiple of the {RECORD_BYTES}-byte record "
+            f"({extra} bytes extra, or {RECORD_BYTES - extra} missing from the last record)",
+        )
     records = np.frombuffer(blob, dtype=np.uint8).reshape(count, RECORD_BYTES)
     labels = records[:, 0].astype(np.int64)
     bad = np.flatnonzero(labels >= NUM_CLASSES)
     if bad.size:
-        _fail(name, f"label {labels[bad[0]]} of record {bad[0]} is outside 0..{NUM_CLASSES - 1} "
-              f"({bad.size} such records)")
+        _fail(
+            name,
+            f"label {labels[bad[0]]} of record {bad[0]} is outside 0..{NUM_CLASSES - 1} "
+            f"({bad.size} such records)",
+        )
     return records[:, 1:].reshape(count, *IMAGE_SHAPE), labels
 
 
@@ -66,14 +72,19 @@ def _read_batch_files(data_dir: Path) -> dict[str, tuple[bytes, str]]:
     archive = data_dir / ARCHIVE_NAME
     if archive.is_file():
         return _read_archive(archive)
-    raise DataError(f"{data_dir}: no CIFAR-10 binary files found (expected data_batch_1.bin.."
-                    f"data_batch_5.bin and test_batch.bin, or {ARCHIVE_NAME}); put them there "
-                    "or add --download")
+    raise DataError(
+        f"{data_dir}: no CIFAR-10 binary files found (expected data_batch_1.bin.."
+        f"data_batch_5.bin and test_batch.bin, or {ARCHIVE_NAME}); put them there "
+        "or add --download"
+    )
 
 
 def _read_folder(folder: Path) -> dict[str, tuple[bytes, str]]:
-    _require_all(folder, [name for name in ALL_FILES if (folder / name).is_file()],
-                 fix="put all six CIFAR-10 binary batch files there or add --download")
+    _require_all(
+        folder,
+        [name for name in ALL_FILES if (folder / name).is_file()],
+        fix="put all six CIFAR-10 binary batch files there or add --download",
+    )
     blobs = {}
     for name in ALL_FILES:
         path = folder / name

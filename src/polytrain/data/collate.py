@@ -1,5 +1,6 @@
 """One batch from a Dataset's items: each item unpacked and checked against the first one's form (shapes,
 dtypes, classes), stacked, or carried to the training process as a `Problem` that names the bad sample."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,11 @@ def describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return tensor_words(value.dtype, value.shape)
     kind = type(value)
-    return f"a {kind.__qualname__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
+    return (
+        f"a {kind.__qualname__}"
+        if kind.__module__ == "builtins"
+        else f"a {kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def as_tensor(value, what: str) -> torch.Tensor:
@@ -28,8 +33,10 @@ def as_tensor(value, what: str) -> torch.Tensor:
         return value
     if isinstance(value, (np.ndarray, np.generic, int, float, bool)):
         return torch.as_tensor(value)
-    raise DataError(f"{what} is {describe(value)}; a Dataset must return tensors, arrays or numbers "
-                    f"(add a transform such as torchvision.transforms.ToTensor())")
+    raise DataError(
+        f"{what} is {describe(value)}; a Dataset must return tensors, arrays or numbers "
+        f"(add a transform such as torchvision.transforms.ToTensor())"
+    )
 
 
 def unpack(sample, what: str, index):
@@ -41,8 +48,10 @@ def unpack(sample, what: str, index):
         return "pair", sample[0], sample[1]
     if isinstance(sample, (tuple, list)) and sample:
         return "tuple", tuple(sample), None
-    raise DataError(f"{what}[{index}] returned {describe(sample)}; a Dataset must return (input, target), a tuple "
-                    f"of tensors or a dict of tensors")
+    raise DataError(
+        f"{what}[{index}] returned {describe(sample)}; a Dataset must return (input, target), a tuple "
+        f"of tensors or a dict of tensors"
+    )
 
 
 def places(value, what: str, found=None, at: str = "") -> dict:
@@ -52,8 +61,10 @@ def places(value, what: str, found=None, at: str = "") -> dict:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise DataError(f"{what}{at} has the key {key!r}; a dict item needs string keys (the model's "
-                                f"argument names)")
+                raise DataError(
+                    f"{what}{at} has the key {key!r}; a dict item needs string keys (the model's "
+                    f"argument names)"
+                )
             places(item, what, found, f"{at}[{key!r}]")
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
@@ -105,11 +116,12 @@ def empty_batch(spec, value=None):
 
 @dataclass
 class Collated:
-    x: object                 # a tensor, or a tuple or dict of tensors
+    x: object  # a tensor, or a tuple or dict of tensors
     y: Optional[torch.Tensor]
 
-    def pin_memory(self) -> "Collated":         # called by the DataLoader's pinning thread on a GPU
+    def pin_memory(self) -> "Collated":  # called by the DataLoader's pinning thread on a GPU
         from .order import map_tree
+
         return Collated(map_tree(torch.Tensor.pin_memory, self.x), map_tree(torch.Tensor.pin_memory, self.y))
 
 
@@ -118,12 +130,15 @@ def fetch(dataset: Dataset, split: str, index: int):
     try:
         return dataset[index]
     except Exception as error:
-        return Problem(f"{split}[{index}] raised {type(error).__name__}: {first_line(error, 160)} ({where(error)})")
+        return Problem(
+            f"{split}[{index}] raised {type(error).__name__}: {first_line(error, 160)} ({where(error)})"
+        )
 
 
 def where(error: BaseException) -> str:
     """file:line of the innermost frame of `error`'s traceback."""
     import traceback
+
     frames = traceback.extract_tb(error.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "no traceback"
 
@@ -132,12 +147,13 @@ def where(error: BaseException) -> str:
 class Problem:
     """A bad sample (or one whose `__getitem__` raised), carried from a loader worker to the training process
     as data, not as an exception."""
+
     message: str
 
 
 def collate_checked(samples, spec):
     """Stack ((split, index), item) pairs into one batch, or say which sample is wrong."""
-    if spec.form != "pair" or list(spec.layout) != ["[0]", "[1]"]:     # not a pair of two tensors
+    if spec.form != "pair" or list(spec.layout) != ["[0]", "[1]"]:  # not a pair of two tensors
         return collate_items(samples, spec)
     xs, ys = [], []
     try:
@@ -150,21 +166,29 @@ def collate_checked(samples, spec):
                 return collate_items(samples, spec)
             x, y = as_tensor(x, f"{what}'s input"), as_tensor(y, f"{what}'s target")
             if tuple(x.shape) != spec.x_shape or x.dtype != spec.x_dtype:
-                raise DataError(f"{what}'s input is {describe(x)}, but train[0]'s is "
-                                f"{tensor_words(spec.x_dtype, spec.x_shape)}; every "
-                                f"sample must have the same shape and type (resize or pad them)")
+                raise DataError(
+                    f"{what}'s input is {describe(x)}, but train[0]'s is "
+                    f"{tensor_words(spec.x_dtype, spec.x_shape)}; every "
+                    f"sample must have the same shape and type (resize or pad them)"
+                )
             if tuple(y.shape) != spec.y_shape:
-                raise DataError(f"{what}'s target has shape {tuple(y.shape)}, but train[0]'s has {spec.y_shape}")
+                raise DataError(
+                    f"{what}'s target has shape {tuple(y.shape)}, but train[0]'s has {spec.y_shape}"
+                )
             if spec.num_classes is not None and not 0 <= int(y) < spec.num_classes:
-                raise DataError(f"{what} has label {int(y)}, outside 0..{spec.num_classes - 1} (the model gives "
-                                f"{spec.num_classes} class scores)")
+                raise DataError(
+                    f"{what} has label {int(y)}, outside 0..{spec.num_classes - 1} (the model gives "
+                    f"{spec.num_classes} class scores)"
+                )
             xs.append(x)
             ys.append(y.to(spec.y_dtype) if spec.num_classes is None else y.long())
     except DataError as error:
         return Problem(str(error))
-    if not xs:                                   # this rank's slice of a short last batch
-        return Collated(torch.empty((0, *spec.x_shape), dtype=spec.x_dtype),
-                        torch.empty((0, *spec.y_shape), dtype=torch.long if spec.num_classes else spec.y_dtype))
+    if not xs:  # this rank's slice of a short last batch
+        return Collated(
+            torch.empty((0, *spec.x_shape), dtype=spec.x_dtype),
+            torch.empty((0, *spec.y_shape), dtype=torch.long if spec.num_classes else spec.y_dtype),
+        )
     return Collated(torch.stack(xs), torch.stack(ys))
 
 
@@ -180,13 +204,17 @@ def collate_items(samples, spec):
             item = x if y is None else (x, y)
             layout = places(item, what)
             if form != spec.form or list(layout) != list(spec.layout):
-                raise DataError(f"{what} holds tensors at {', '.join(layout) or 'no place'}, but train[0] at "
-                                f"{', '.join(spec.layout)}; every item must have the same structure")
+                raise DataError(
+                    f"{what} holds tensors at {', '.join(layout) or 'no place'}, but train[0] at "
+                    f"{', '.join(spec.layout)}; every item must have the same structure"
+                )
             for at, (shape, dtype) in layout.items():
                 if (shape, dtype) != spec.layout[at]:
-                    raise DataError(f"{what}{at} is {tensor_words(dtype, shape)}, but train[0]{at} is "
-                                    f"{tensor_words(spec.layout[at][1], spec.layout[at][0])}; every sample must have "
-                                    f"the same shapes and types (pad them to one length)")
+                    raise DataError(
+                        f"{what}{at} is {tensor_words(dtype, shape)}, but train[0]{at} is "
+                        f"{tensor_words(spec.layout[at][1], spec.layout[at][0])}; every sample must have "
+                        f"the same shapes and types (pad them to one length)"
+                    )
             items.append(tensors_of(item))
     except DataError as error:
         return Problem(str(error))

@@ -90,12 +90,16 @@ def download_file(url: str, dest: str | Path, *, md5: str, timeout: float = 60) 
             out.flush()
             os.fsync(out.fileno())
         if actual != md5:
-            raise DataError(f"{dest.name}: checksum mismatch (expected md5 {md5}, got {actual}) for "
-                            f"{url}; try again later, or fetch the file yourself into {dest.parent}")
+            raise DataError(
+                f"{dest.name}: checksum mismatch (expected md5 {md5}, got {actual}) for "
+                f"{url}; try again later, or fetch the file yourself into {dest.parent}"
+            )
         os.replace(temp_name, dest)
     except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError is an OSError
-        raise DataError(f"{url}: download failed ({_one_line(exc)}); check the network or put "
-                        f"{dest.name} into {dest.parent} yourself") from None
+        raise DataError(
+            f"{url}: download failed ({_one_line(exc)}); check the network or put "
+            f"{dest.name} into {dest.parent} yourself"
+        ) from None
     finally:
         Path(temp_name).unlink(missing_ok=True)
     return dest

@@ -40,20 +40,22 @@ from .arrays import ArrayDataset
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 # Only these decoders may run: a file named .png that is really EPS must not reach Ghostscript.
-PIL_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")   # JPEG also opens MPO (multi-picture) files
+PIL_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # JPEG also opens MPO (multi-picture) files
 VAL_FOLDER_NAMES = ("val", "valid", "validation")
 GRAY_MODES = {"1", "L", "LA", "I", "F", "I;16", "I;16L", "I;16B", "I;16N"}
-PARALLEL_MIN_FILES = 2000   # below this, starting worker processes costs more than it saves
+PARALLEL_MIN_FILES = 2000  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 8
-CHUNK_MAX = 256             # files per task: big enough to amortise pickling, small enough to bound memory
+CHUNK_MAX = 256  # files per task: big enough to amortise pickling, small enough to bound memory
 SKIP_FIX = "remove or replace the file, or pass --skip-bad to skip unreadable files"
 EXTENSION_LIST = ", ".join(IMAGE_EXTENSIONS)
 
 
 @dataclass
 class FolderDataset(ArrayDataset):
-    classes: list[str] = field(default_factory=list)   # index = label
-    skipped: list[str] = field(default_factory=list)   # unreadable files skipped under skip_bad, relative to root
+    classes: list[str] = field(default_factory=list)  # index = label
+    skipped: list[str] = field(
+        default_factory=list
+    )  # unreadable files skipped under skip_bad, relative to root
 
 
 def scan_image_folder(root, *, val_fraction: float | None = None):
@@ -63,28 +65,42 @@ def scan_image_folder(root, *, val_fraction: float | None = None):
     if not root.exists():
         raise DataError(f"{root}: folder not found; check the path to the image folder")
     if not root.is_dir():
-        raise DataError(f"{root}: not a folder; pass the folder that holds the class folders "
-                        "(or train/ and val/ folders)")
+        raise DataError(
+            f"{root}: not a folder; pass the folder that holds the class folders (or train/ and val/ folders)"
+        )
     train_dir, val_dir = _split_dirs(root)
     if train_dir is None:
         return _scan_single_tree(root, val_fraction)
     if val_fraction is not None:
-        raise ConfigError(f"{root} has train/ and val/ folders, and --val-fraction applies to a folder "
-                          "without train/ and val/ sub-folders; drop it")
+        raise ConfigError(
+            f"{root} has train/ and val/ folders, and --val-fraction applies to a folder "
+            "without train/ and val/ sub-folders; drop it"
+        )
     classes = _class_names(train_dir)
     unknown = [name for name in _class_names(val_dir) if name not in classes]
     if unknown:
-        raise DataError(f"{val_dir / unknown[0]} has no matching folder in {train_dir}; add "
-                        f"{train_dir / unknown[0]} or remove it (the classes come from {train_dir})")
-    train_files = [(path, label) for label, name in enumerate(classes)
-                   for path in _image_files(train_dir / name)]
-    val_files = [(path, classes.index(name)) for name in _class_names(val_dir)
-                 for path in _image_files(val_dir / name)]
+        raise DataError(
+            f"{val_dir / unknown[0]} has no matching folder in {train_dir}; add "
+            f"{train_dir / unknown[0]} or remove it (the classes come from {train_dir})"
+        )
+    train_files = [
+        (path, label) for label, name in enumerate(classes) for path in _image_files(train_dir / name)
+    ]
+    val_files = [
+        (path, classes.index(name)) for name in _class_names(val_dir) for path in _image_files(val_dir / name)
+    ]
     return classes, train_files, val_files
 
 
-def load_image_folder(root, *, image_size: int | None = None, val_fraction: float | None = None,
-                      skip_bad: bool = False, workers: int | None = None, seed: int = 0) -> FolderDataset:
+def load_image_folder(
+    root,
+    *,
+    image_size: int | None = None,
+    val_fraction: float | None = None,
+    skip_bad: bool = False,
+    workers: int | None = None,
+    seed: int = 0,
+) -> FolderDataset:
     """Decode an image folder into a FolderDataset (uint8 N x C x H x W).
 
     `seed` is accepted for symmetry with the other readers: the split never depends on it.
@@ -106,14 +122,25 @@ def load_image_folder(root, *, image_size: int | None = None, val_fraction: floa
         good = [i for i in range(len(files)) if i not in bad]
         size = (image_size, image_size) if image_size else _common_size(paths, headers, good)
         mode = "L" if all(headers[i][1] in GRAY_MODES for i in good) else "RGB"
-        decoded = _map(pool, _decode_chunk, [(i, paths[i]) for i in good], chunk, mode, size,
-                       image_size is not None)
-        arrays, labels = _collect(decoded, files, n_train, (1 if mode == "L" else 3, size[1], size[0]),
-                                  skip_bad, bad)
+        decoded = _map(
+            pool, _decode_chunk, [(i, paths[i]) for i in good], chunk, mode, size, image_size is not None
+        )
+        arrays, labels = _collect(
+            decoded, files, n_train, (1 if mode == "L" else 3, size[1], size[0]), skip_bad, bad
+        )
     _check_survivors(root, classes, files, n_train, bad)
-    return FolderDataset("folder", arrays[0], labels[0], arrays[1], labels[1], num_classes=len(classes),
-                         augment=False, flip=False, classes=classes,
-                         skipped=[Path(paths[i]).relative_to(root).as_posix() for i in sorted(bad)])
+    return FolderDataset(
+        "folder",
+        arrays[0],
+        labels[0],
+        arrays[1],
+        labels[1],
+        num_classes=len(classes),
+        augment=False,
+        flip=False,
+        classes=classes,
+        skipped=[Path(paths[i]).relative_to(root).as_posix() for i in sorted(bad)],
+    )
 
 
 def _collect(decoded, files: list, n_train: int, shape: tuple, skip_bad: bool, bad: dict):
@@ -131,24 +158,32 @@ def _collect(decoded, files: list, n_train: int, shape: tuple, skip_bad: bool, b
             out[side][len(kept[side])] = pixels
             kept[side].append(files[i][1])
     # A prefix slice stays contiguous, so skipping costs no copy.
-    arrays = [torch.from_numpy(out[side][:len(kept[side])]) for side in (0, 1)]
+    arrays = [torch.from_numpy(out[side][: len(kept[side])]) for side in (0, 1)]
     return arrays, [torch.tensor(kept[side], dtype=torch.int64) for side in (0, 1)]
 
 
 def _check_image_size(image_size) -> None:
-    if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
-                                   or image_size < 1):
-        raise ConfigError(f"--image-size must be a positive whole number of pixels, not {image_size!r}; "
-                          "pass e.g. --image-size 32")
+    if image_size is not None and (
+        isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1
+    ):
+        raise ConfigError(
+            f"--image-size must be a positive whole number of pixels, not {image_size!r}; "
+            "pass e.g. --image-size 32"
+        )
 
 
 def _check_val_fraction(val_fraction) -> None:
     if val_fraction is None:
         return
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real) \
-            or not 0 < val_fraction < 1:
-        raise ConfigError(f"--val-fraction must lie strictly between 0 and 1, not {val_fraction!r}; "
-                          "pass e.g. --val-fraction 0.1")
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, numbers.Real)
+        or not 0 < val_fraction < 1
+    ):
+        raise ConfigError(
+            f"--val-fraction must lie strictly between 0 and 1, not {val_fraction!r}; "
+            "pass e.g. --val-fraction 0.1"
+        )
 
 
 def _split_dirs(root: Path):
@@ -156,28 +191,36 @@ def _split_dirs(root: Path):
     val_dirs = [root / name for name in VAL_FOLDER_NAMES if (root / name).is_dir()]
     train_dir = root / "train" if (root / "train").is_dir() else None
     if len(val_dirs) > 1:
-        raise DataError(f"{root} has both {val_dirs[0].name}/ and {val_dirs[1].name}/ folders; "
-                        "keep one validation folder")
+        raise DataError(
+            f"{root} has both {val_dirs[0].name}/ and {val_dirs[1].name}/ folders; keep one validation folder"
+        )
     if train_dir is not None and not val_dirs:
-        raise DataError(f"{train_dir} has no sibling val/ folder; add {root / 'val'} with one folder per "
-                        f"class, or move the class folders up into {root} and pass --val-fraction 0.1")
+        raise DataError(
+            f"{train_dir} has no sibling val/ folder; add {root / 'val'} with one folder per "
+            f"class, or move the class folders up into {root} and pass --val-fraction 0.1"
+        )
     if train_dir is None and val_dirs:
-        raise DataError(f"{val_dirs[0]} has no sibling train/ folder; add {root / 'train'} with one "
-                        "folder per class")
+        raise DataError(
+            f"{val_dirs[0]} has no sibling train/ folder; add {root / 'train'} with one folder per class"
+        )
     return train_dir, (val_dirs[0] if val_dirs else None)
 
 
 def _scan_single_tree(root: Path, val_fraction):
     classes = _class_names(root)
     if val_fraction is None:
-        raise ConfigError(f"{root} has no train/ and val/ folders; pass --val-fraction 0.1 to hold out "
-                          "a tenth of each class for validation, or add train/ and val/ folders")
+        raise ConfigError(
+            f"{root} has no train/ and val/ folders; pass --val-fraction 0.1 to hold out "
+            "a tenth of each class for validation, or add train/ and val/ folders"
+        )
     train_files, val_files = [], []
     for label, name in enumerate(classes):
         paths = _image_files(root / name)
         if len(paths) < 2:
-            raise DataError(f"{root / name} has only 1 image, and splitting with --val-fraction needs "
-                            "at least 2 per class; add images or use train/ and val/ folders")
+            raise DataError(
+                f"{root / name} has only 1 image, and splitting with --val-fraction needs "
+                "at least 2 per class; add images or use train/ and val/ folders"
+            )
         # round() first: 0.1 * 30 is 3.0000000000000004 in floating point, which must not become 4
         held_out = min(len(paths) - 1, max(1, math.ceil(round(val_fraction * len(paths), 9))))
         train_files += [(path, label) for path in paths[:-held_out]]
@@ -186,11 +229,14 @@ def _scan_single_tree(root: Path, val_fraction):
 
 
 def _class_names(folder: Path) -> list[str]:
-    names = sorted(entry.name for entry in folder.iterdir()
-                   if entry.is_dir() and not entry.name.startswith("."))
+    names = sorted(
+        entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith(".")
+    )
     if not names:
-        raise DataError(f"{folder} has no class folders; put the images in one folder per class, "
-                        f"e.g. {folder / 'cat' / '1.png'}")
+        raise DataError(
+            f"{folder} has no class folders; put the images in one folder per class, "
+            f"e.g. {folder / 'cat' / '1.png'}"
+        )
     return names
 
 
@@ -198,13 +244,16 @@ def _image_files(class_dir: Path) -> list[Path]:
     found, seen = [], set()
     for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
         real = os.path.realpath(dirpath)
-        if real in seen:           # a symlink loop: walk each real folder once
+        if real in seen:  # a symlink loop: walk each real folder once
             dirnames.clear()
             continue
         seen.add(real)
         dirnames[:] = [name for name in dirnames if not name.startswith(".")]
-        found += [Path(dirpath, name) for name in filenames
-                  if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)]
+        found += [
+            Path(dirpath, name)
+            for name in filenames
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+        ]
     if not found:
         raise DataError(f"{class_dir} has no images ({EXTENSION_LIST}); remove the folder or add images")
     return sorted(found)
@@ -221,7 +270,7 @@ def _worker_count(workers) -> int:
 
 def _map(pool, function, items, chunk, *args):
     """Yield function(chunk_of_items, *args) in order, in the pool or (pool None) in this process."""
-    chunks = [items[start:start + chunk] for start in range(0, len(items), chunk)]
+    chunks = [items[start : start + chunk] for start in range(0, len(items), chunk)]
     if pool is None:
         return (function(part, *args) for part in chunks)
     return pool.map(function, chunks, *([arg] * len(chunks) for arg in args))
@@ -264,7 +313,7 @@ def _read_headers(paths: list[str]) -> list:
         try:
             with Image.open(path, formats=_formats()) as image:
                 results.append((image.size, image.mode))
-        except Exception as exc:     # Pillow raises many types on garbage input; all mean "unreadable"
+        except Exception as exc:  # Pillow raises many types on garbage input; all mean "unreadable"
             results.append(_reason(exc, path))
     return results
 
@@ -276,7 +325,7 @@ def _decode_chunk(jobs: list, mode: str, size: tuple, resize: bool) -> list:
         for index, path in jobs:
             try:
                 results.append((index, _decode(path, mode, size, resize)))
-            except Exception as exc:     # as in _read_headers: any failure means the file is unreadable
+            except Exception as exc:  # as in _read_headers: any failure means the file is unreadable
                 results.append((index, _reason(exc, path)))
     return results
 
@@ -284,7 +333,7 @@ def _decode_chunk(jobs: list, mode: str, size: tuple, resize: bool) -> list:
 def _decode(path: str, mode: str, size: tuple, resize: bool) -> np.ndarray:
     with Image.open(path, formats=_formats()) as image:
         image.load()
-        if image.mode.startswith("I;16"):    # Pillow would clip 16-bit values at 255; scale them instead
+        if image.mode.startswith("I;16"):  # Pillow would clip 16-bit values at 255; scale them instead
             image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
         image = image.convert(mode)
         if resize and image.size != size:
@@ -311,8 +360,10 @@ def _common_size(paths: list[str], headers: list, good: list[int]) -> tuple:
         if headers[i][0] != (width, height):
             w, h = headers[i][0]
             side = min(width, height)
-            raise DataError(f"{paths[i]} is {w}x{h} but {paths[reference]} is {width}x{height}; "
-                            f"pass --image-size {side} to resize every image to {side}x{side}")
+            raise DataError(
+                f"{paths[i]} is {w}x{h} but {paths[reference]} is {width}x{height}; "
+                f"pass --image-size {side} to resize every image to {side}x{side}"
+            )
     return width, height
 
 
@@ -322,8 +373,12 @@ def _check_survivors(root: Path, classes: list[str], files: list, n_train: int, 
     for label, name in enumerate(classes):
         if label not in train_left:
             example = next(i for i, (_, lab) in enumerate(files[:n_train]) if lab == label)
-            raise DataError(f"{root}: no training image of class {name!r} can be decoded "
-                            f"(e.g. {files[example][0]}: {bad[example]}); replace the files")
+            raise DataError(
+                f"{root}: no training image of class {name!r} can be decoded "
+                f"(e.g. {files[example][0]}: {bad[example]}); replace the files"
+            )
     if all(i in bad for i in range(n_train, len(files))):
-        raise DataError(f"{root}: no validation image can be decoded (e.g. {files[n_train][0]}: "
-                        f"{bad[n_train]}); replace the files")
+        raise DataError(
+            f"{root}: no validation image can be decoded (e.g. {files[n_train][0]}: "
+            f"{bad[n_train]}); replace the files"
+        )

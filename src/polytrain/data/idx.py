@@ -30,12 +30,15 @@ def read_idx(path: str | Path, *, expected_ndim: int | None = None) -> np.ndarra
     path = Path(path)
     is_gzip = path.suffix == ".gz"
     try:
-        with (gzip.open(path, "rb") if is_gzip else open(path, "rb")) as stream:
+        with gzip.open(path, "rb") if is_gzip else open(path, "rb") as stream:
             shape, header_bytes = _read_header(stream, path, expected_ndim)
             claimed = math.prod(shape)
             if claimed > MAX_PAYLOAD_BYTES:
-                _fail(path, f"header claims {claimed} bytes of data, over the "
-                      f"{MAX_PAYLOAD_BYTES // 1024**3} GiB limit, so the header is corrupt")
+                _fail(
+                    path,
+                    f"header claims {claimed} bytes of data, over the "
+                    f"{MAX_PAYLOAD_BYTES // 1024**3} GiB limit, so the header is corrupt",
+                )
             if not is_gzip:
                 _check_plain_size(path, header_bytes, claimed)
             payload = _read_bounded(stream, claimed + 1)
@@ -59,8 +62,10 @@ def load_idx_split(data_dir: str | Path, prefix: str) -> tuple[np.ndarray, np.nd
     images = read_idx(images_path, expected_ndim=3)
     labels = read_idx(labels_path, expected_ndim=1)
     if len(images) != len(labels):
-        raise DataError(f"{images_path} and {labels_path}: {len(images)} images but {len(labels)} "
-                        f"labels, so the files do not belong together; {REDOWNLOAD}")
+        raise DataError(
+            f"{images_path} and {labels_path}: {len(images)} images but {len(labels)} "
+            f"labels, so the files do not belong together; {REDOWNLOAD}"
+        )
     _check_labels(labels_path, labels)
     return images[:, np.newaxis], labels.astype(np.int64)
 
@@ -77,8 +82,10 @@ def _read_header(stream: BinaryIO, path: Path, expected_ndim: int | None) -> tup
     if len(magic) < 4:
         _fail(path, f"file is truncated (an IDX header needs 4 bytes, found {len(magic)})")
     if magic[:2] == b"\x1f\x8b":
-        raise DataError(f"{path}: file is gzip-compressed but its name lacks .gz; rename it to "
-                        f"{path.name}.gz or decompress it")
+        raise DataError(
+            f"{path}: file is gzip-compressed but its name lacks .gz; rename it to "
+            f"{path.name}.gz or decompress it"
+        )
     if magic[0] != 0 or magic[1] != 0:
         _fail(path, f"not an IDX file (magic bytes {magic.hex()} should start with 0000)")
     if magic[2] != UNSIGNED_BYTE:
@@ -87,8 +94,11 @@ def _read_header(stream: BinaryIO, path: Path, expected_ndim: int | None) -> tup
     if not 1 <= ndim <= 4:
         _fail(path, f"IDX header claims {ndim} dimensions (expected 1 to 4)")
     if expected_ndim is not None and ndim != expected_ndim:
-        _fail(path, f"file has {ndim} dimensions but {expected_ndim} are expected here "
-              "(are the images and labels files swapped?)")
+        _fail(
+            path,
+            f"file has {ndim} dimensions but {expected_ndim} are expected here "
+            "(are the images and labels files swapped?)",
+        )
     raw_dims = stream.read(4 * ndim)
     if len(raw_dims) < 4 * ndim:
         _fail(path, f"file is truncated (the header needs {4 * ndim} bytes of sizes, found {len(raw_dims)})")
@@ -133,8 +143,11 @@ def _find_idx_file(data_dir: Path, prefix: str, kind: str, ndim: int) -> Path:
 def _check_labels(path: Path, labels: np.ndarray) -> None:
     bad = np.flatnonzero(labels >= NUM_CLASSES)
     if bad.size:
-        _fail(path, f"label {labels[bad[0]]} at index {bad[0]} is outside 0..{NUM_CLASSES - 1} "
-              f"({bad.size} such labels)")
+        _fail(
+            path,
+            f"label {labels[bad[0]]} at index {bad[0]} is outside 0..{NUM_CLASSES - 1} "
+            f"({bad.size} such labels)",
+        )
 
 
 def _one_line(exc: BaseException) -> str:

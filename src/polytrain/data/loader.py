@@ -5,6 +5,7 @@ batch b is `order[b*B:(b+1)*B]`, and rank r of W takes the r-th of W near-equal 
 W devices therefore see the same samples in the same steps, and any (epoch, step) can be recomputed from the
 seed alone, which is what makes mid-epoch resume exact.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional
@@ -21,10 +22,23 @@ __all__ = ["Batch", "DeviceLoader", "global_batch_order", "make_loaders", "rank_
 class DeviceLoader:
     """Normalised training or evaluation batches for one rank, from uint8 tensors moved once to `device`."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int, mean: torch.Tensor,
-                 std: torch.Tensor, device: torch.device, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 augment: bool = False, flip: bool = True, channels_last: bool = False,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        batch_size: int,
+        mean: torch.Tensor,
+        std: torch.Tensor,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        augment: bool = False,
+        flip: bool = True,
+        channels_last: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.images = images.to(device)
         self.labels = labels.to(device)
         self.batch_size = batch_size
@@ -55,7 +69,7 @@ class DeviceLoader:
         # waits for a copy from the host.
         order = global_batch_order(len(self.labels), epoch=epoch, seed=self.seed).to(self.device)
         for step in range(start_step, len(self)):
-            global_batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+            global_batch = order[step * self.batch_size : (step + 1) * self.batch_size]
             index = rank_slice(global_batch, rank=self.rank, world_size=self.world_size)
             images = self.images[index]
             if self.augment:
@@ -66,7 +80,7 @@ class DeviceLoader:
         """This rank's contiguous shard of the split in order: no sample padded, dropped or repeated."""
         shard = rank_slice(torch.arange(len(self.labels)), rank=self.rank, world_size=self.world_size)
         for step, start in enumerate(range(0, len(shard), self.batch_size)):
-            index = shard[start:start + self.batch_size].to(self.device, non_blocking=True)
+            index = shard[start : start + self.batch_size].to(self.device, non_blocking=True)
             yield Batch(self.normalise(self.images[index]), self.labels[index], len(index), step)
 
     def _augment(self, images: torch.Tensor, global_count: int, *, epoch: int, step: int) -> torch.Tensor:
@@ -80,23 +94,60 @@ class DeviceLoader:
         return crop_and_flip(images, offsets[rows].to(self.device), flips[rows].to(self.device), pad=pad)
 
 
-def make_loaders(dataset, *, batch_size: int, device, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 augment: Optional[bool] = None, channels_last: bool = False, eval_batch_size: Optional[int] = None):
+def make_loaders(
+    dataset,
+    *,
+    batch_size: int,
+    device,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    augment: Optional[bool] = None,
+    channels_last: bool = False,
+    eval_batch_size: Optional[int] = None,
+):
     """Training and validation loaders: device-resident for an in-memory dataset (normalised with the training
     set's per-channel statistics) and for text (token windows, text.py), loader processes for `Dataset`s (see
     stream.py)."""
     if getattr(dataset, "kind", None) == "language":
         from .text import make_token_loaders
-        return make_token_loaders(dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size,
-                                  seed=seed, eval_batch_size=eval_batch_size)
+
+        return make_token_loaders(
+            dataset,
+            batch_size=batch_size,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            eval_batch_size=eval_batch_size,
+        )
     if isinstance(dataset, DatasetPair):
-        return make_stream_loaders(dataset, batch_size=batch_size, device=device, rank=rank, world_size=world_size,
-                                   seed=seed, channels_last=channels_last, eval_batch_size=eval_batch_size)
+        return make_stream_loaders(
+            dataset,
+            batch_size=batch_size,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            channels_last=channels_last,
+            eval_batch_size=eval_batch_size,
+        )
     mean, std = dataset.channel_stats()
     augment = dataset.augment if augment is None else augment
-    common = dict(mean=mean, std=std, device=device, rank=rank, world_size=world_size, seed=seed,
-                  channels_last=channels_last, dtype=getattr(dataset, "dtype", torch.float32))
-    train = DeviceLoader(dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment,
-                         flip=dataset.flip, **common)
-    val = DeviceLoader(dataset.val_x, dataset.val_y, batch_size=eval_batch_size or max(batch_size, 1024), **common)
+    common = dict(
+        mean=mean,
+        std=std,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        channels_last=channels_last,
+        dtype=getattr(dataset, "dtype", torch.float32),
+    )
+    train = DeviceLoader(
+        dataset.train_x, dataset.train_y, batch_size=batch_size, augment=augment, flip=dataset.flip, **common
+    )
+    val = DeviceLoader(
+        dataset.val_x, dataset.val_y, batch_size=eval_batch_size or max(batch_size, 1024), **common
+    )
     return train, val

@@ -4,6 +4,7 @@ One device and W devices see the same samples in the same steps because both cut
 the same way; any (epoch, step) can be recomputed from the seed alone, which is what makes mid-epoch resume
 exact. The device-resident loader (loader.py) and the Dataset stream (stream.py) both build on this.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,11 +26,13 @@ def rank_slice(global_batch: torch.Tensor, *, rank: int, world_size: int) -> tor
 
 @dataclass
 class Batch:
-    x: Any                     # this rank's slice of the inputs: a tensor (images: float, normalised), or a
-                               # tuple or dict of tensors (a Dataset's items without a separate target)
-    y: Optional[torch.Tensor]  # the targets (None: the items carry none; the model or the step computes the loss)
-    global_count: int          # samples in the whole global batch (all ranks)
-    step: int                  # index of the batch within the epoch
+    x: Any  # this rank's slice of the inputs: a tensor (images: float, normalised), or a
+    # tuple or dict of tensors (a Dataset's items without a separate target)
+    y: Optional[
+        torch.Tensor
+    ]  # the targets (None: the items carry none; the model or the step computes the loss)
+    global_count: int  # samples in the whole global batch (all ranks)
+    step: int  # index of the batch within the epoch
 
     def __len__(self) -> int:
         """Samples in this rank's slice."""

@@ -15,6 +15,7 @@ training set. With the shipped files that is exactly 8,000 training and 2,000 va
 
 Both splits keep file order (training first-to-last, validation first-to-last).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,14 +57,18 @@ def read_sample(folder: Optional[Union[str, Path]] = None) -> Tuple[np.ndarray, 
     images = _read(images_path, 3)
     labels = _read(labels_path, 1)
     if images.shape != (DIGITS, *IMAGE_SIZE):
-        raise DataError(f"{images_path}: expected {DIGITS} images of 28x28, found "
-                        f"{images.shape[0]} of {images.shape[1]}x{images.shape[2]}; {REINSTALL}")
+        raise DataError(
+            f"{images_path}: expected {DIGITS} images of 28x28, found "
+            f"{images.shape[0]} of {images.shape[1]}x{images.shape[2]}; {REINSTALL}"
+        )
     if labels.shape != (DIGITS,):
         raise DataError(f"{labels_path}: expected {DIGITS} labels, found {labels.shape[0]}; {REINSTALL}")
     bad = np.flatnonzero(labels >= NUM_CLASSES)
     if bad.size:
-        raise DataError(f"{labels_path}: label {labels[bad[0]]} at index {bad[0]} is outside 0..{NUM_CLASSES - 1} "
-                        f"({bad.size} such labels); {REINSTALL}")
+        raise DataError(
+            f"{labels_path}: label {labels[bad[0]]} at index {bad[0]} is outside 0..{NUM_CLASSES - 1} "
+            f"({bad.size} such labels); {REINSTALL}"
+        )
     # reshape, not images[:, np.newaxis]: the channel axis gets the stride of a whole image, so torch sees
     # plain NCHW tensors (stride 1 there reads as channels-last, and conv layers then return channels-last)
     return images.reshape(DIGITS, 1, *IMAGE_SIZE), labels.astype(np.int64)
@@ -73,8 +78,9 @@ def load_mnist_sample(path: Optional[Union[str, Path]] = None) -> ArrayDataset:
     """The `mnist-sample` dataset; `path` is the folder holding the two IDX files (default: the shipped copy)."""
     images, labels = read_sample(path)
     validation = validation_mask(labels)
-    return ArrayDataset.from_numpy("mnist-sample", images[~validation], labels[~validation],
-                                   images[validation], labels[validation])
+    return ArrayDataset.from_numpy(
+        "mnist-sample", images[~validation], labels[~validation], images[validation], labels[validation]
+    )
 
 
 def _read(path: Path, ndim: int) -> np.ndarray:

@@ -7,10 +7,10 @@ GPU); one pool per rank serves both the training and the validation set. Every c
 the worker: a sample of the wrong type or shape, or a label out of range, comes back as one line naming the
 dataset and the index, never as a traceback from a worker process.
 """
+
 from __future__ import annotations
 
 import contextlib
-
 import os
 import random
 from dataclasses import dataclass
@@ -22,34 +22,36 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..errors import DataError
-from .collate import (Collated, Problem, collate_checked, fetch, places, skeleton,
-                      tensor_words, unpack)
+from .collate import Collated, Problem, collate_checked, fetch, places, skeleton, tensor_words, unpack
 from .order import Batch, global_batch_order, map_tree, rank_slice, rows
+
 
 @dataclass
 class SampleSpec:
     """What every sample must look like: the first training sample's input and target (for items without a
     separate target, the first tensor), and the shape and type of every tensor of it by its place."""
+
     x_shape: Tuple[int, ...]
     x_dtype: torch.dtype
     y_shape: Tuple[int, ...]
     y_dtype: torch.dtype
-    num_classes: Optional[int] = None      # classification: labels must lie in 0..num_classes-1
-    form: str = "pair"                     # pair: (input, target); dict or tuple: tensors without a target
-    layout: Optional[dict] = None          # place ("[0]", "['input_ids']") -> (shape, dtype) of every tensor
-    skeleton: object = None                # the item's structure with each tensor's place in its stead
+    num_classes: Optional[int] = None  # classification: labels must lie in 0..num_classes-1
+    form: str = "pair"  # pair: (input, target); dict or tuple: tensors without a target
+    layout: Optional[dict] = None  # place ("[0]", "['input_ids']") -> (shape, dtype) of every tensor
+    skeleton: object = None  # the item's structure with each tensor's place in its stead
 
 
 @dataclass
 class DatasetPair:
     """A training and a validation `Dataset` of (input, target) pairs, with what polytrain learned of them."""
+
     train: Dataset
     val: Dataset
     spec: SampleSpec
     num_workers: int = 0
     name: str = "dataset"
     classes: Optional[List[str]] = None
-    augment: bool = False              # augmentation belongs in the Dataset's own transforms
+    augment: bool = False  # augmentation belongs in the Dataset's own transforms
     flip: bool = False
 
     @property
@@ -76,8 +78,10 @@ class DatasetPair:
 
     def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first `count` training samples, collated and checked like every batch."""
-        batch = collate_checked([(("train", i), fetch(self.train, "train", i))
-                                 for i in range(min(count, len(self.train)))], self.spec)
+        batch = collate_checked(
+            [(("train", i), fetch(self.train, "train", i)) for i in range(min(count, len(self.train)))],
+            self.spec,
+        )
         if isinstance(batch, Problem):
             raise DataError(batch.message)
         return batch.x, batch.y
@@ -112,8 +116,10 @@ def spec_of(dataset: Dataset, *, num_classes: Optional[int], what: str = "train"
 def check_class_targets(spec: SampleSpec, what: str = "train") -> None:
     """Classification needs targets that are single class indices."""
     if spec.y_shape != () or spec.y_dtype.is_floating_point or spec.y_dtype == torch.bool:
-        raise DataError(f"{what}[0]'s target is {tensor_words(spec.y_dtype, spec.y_shape)}; classification needs "
-                        f"one whole-number class index per sample (or pass loss= for another objective)")
+        raise DataError(
+            f"{what}[0]'s target is {tensor_words(spec.y_dtype, spec.y_shape)}; classification needs "
+            f"one whole-number class index per sample (or pass loss= for another objective)"
+        )
 
 
 class _Indexed(Dataset):
@@ -153,15 +159,27 @@ class _Plan:
 class StreamLoader:
     """Training or evaluation batches of one rank from a `DatasetPair`, in the global sample order."""
 
-    def __init__(self, data: DatasetPair, split: str, *, batch_size: int, device, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, channels_last: bool = False, pool=None):
+    def __init__(
+        self,
+        data: DatasetPair,
+        split: str,
+        *,
+        batch_size: int,
+        device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        channels_last: bool = False,
+        pool=None,
+    ):
         self.data, self.split = data, split
         self.dataset = data.train if split == "train" else data.val
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.memory_format = torch.channels_last if channels_last and len(data.spec.x_shape) == 3 \
-            else torch.contiguous_format
+        self.memory_format = (
+            torch.channels_last if channels_last and len(data.spec.x_shape) == 3 else torch.contiguous_format
+        )
         self.pool = pool or _Pool(data, self.device, seed)
 
     def __len__(self) -> int:
@@ -174,16 +192,20 @@ class StreamLoader:
     def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
         order = global_batch_order(len(self.dataset), epoch=epoch, seed=self.seed)
         steps = range(start_step, len(self))
-        globals_ = [order[step * self.batch_size:(step + 1) * self.batch_size] for step in steps]
-        keys = [[(self.split, int(i), epoch) for i in rank_slice(g, rank=self.rank, world_size=self.world_size)]
-                for g in globals_]
+        globals_ = [order[step * self.batch_size : (step + 1) * self.batch_size] for step in steps]
+        keys = [
+            [(self.split, int(i), epoch) for i in rank_slice(g, rank=self.rank, world_size=self.world_size)]
+            for g in globals_
+        ]
         for step, global_batch, batch in zip(steps, globals_, self.pool.run(keys)):
             yield self._batch(batch, len(global_batch), step)
 
     def eval_batches(self) -> Iterator[Batch]:
         shard = rank_slice(torch.arange(len(self.dataset)), rank=self.rank, world_size=self.world_size)
-        keys = [[(self.split, int(i), -1) for i in shard[start:start + self.batch_size]]
-                for start in range(0, len(shard), self.batch_size)]
+        keys = [
+            [(self.split, int(i), -1) for i in shard[start : start + self.batch_size]]
+            for start in range(0, len(shard), self.batch_size)
+        ]
         for step, batch in enumerate(self.pool.run(keys)):
             yield self._batch(batch, rows(batch.x) if batch.y is None else len(batch.y), step)
 
@@ -203,9 +225,9 @@ def sample_random_state(seed: int):
     in_training_process = get_worker_info() is None
     if in_training_process:
         saved = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
-    torch.default_generator.manual_seed(seed % (2 ** 63))
+    torch.default_generator.manual_seed(seed % (2**63))
     random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
+    np.random.seed(seed % (2**32))
     try:
         yield
     finally:
@@ -225,10 +247,15 @@ class _Pool:
         # the global generator that dropout draws from, once per pass without loader processes and once per
         # run with them (the same seed gave other weights with another core count)
         self.loader = DataLoader(
-            _Indexed(data.train, data.val, seed), batch_sampler=self.plan, num_workers=workers,
-            collate_fn=partial(collate_checked, spec=data.spec), pin_memory=device.type == "cuda",
-            persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed),
-            **({"prefetch_factor": 4} if workers > 0 else {}))
+            _Indexed(data.train, data.val, seed),
+            batch_sampler=self.plan,
+            num_workers=workers,
+            collate_fn=partial(collate_checked, spec=data.spec),
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(seed),
+            **({"prefetch_factor": 4} if workers > 0 else {}),
+        )
 
     def run(self, batches: List[List[tuple]]) -> Iterator[Collated]:
         self.plan.batches = batches
@@ -238,9 +265,20 @@ class _Pool:
             yield batch
 
 
-def make_stream_loaders(data: DatasetPair, *, batch_size: int, device, rank: int = 0, world_size: int = 1,
-                        seed: int = 0, channels_last: bool = False, eval_batch_size: Optional[int] = None):
+def make_stream_loaders(
+    data: DatasetPair,
+    *,
+    batch_size: int,
+    device,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    channels_last: bool = False,
+    eval_batch_size: Optional[int] = None,
+):
     common = dict(device=device, rank=rank, world_size=world_size, seed=seed, channels_last=channels_last)
     train = StreamLoader(data, "train", batch_size=batch_size, **common)
-    val = StreamLoader(data, "val", batch_size=eval_batch_size or max(batch_size, 256), pool=train.pool, **common)
+    val = StreamLoader(
+        data, "val", batch_size=eval_batch_size or max(batch_size, 256), pool=train.pool, **common
+    )
     return train, val

@@ -10,6 +10,7 @@ as for images: one device and N devices see the same samples in the same steps, 
 Validation reads the validation split in windows from its start, every `context` tokens, so the whole split
 is predicted once (but for a tail shorter than one window).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,19 +35,33 @@ def windows_in(length: int, context: int, *, shifted: bool) -> int:
 
 class TokenDataset:
     """A tokenised text split into training and validation tokens (int64), with its vocabulary."""
+
     kind = "language"
 
-    def __init__(self, name: str, train_tokens: torch.Tensor, val_tokens: torch.Tensor, vocab: List[str], *,
-                 context: int = DEFAULT_CONTEXT, source: str = ""):
+    def __init__(
+        self,
+        name: str,
+        train_tokens: torch.Tensor,
+        val_tokens: torch.Tensor,
+        vocab: List[str],
+        *,
+        context: int = DEFAULT_CONTEXT,
+        source: str = "",
+    ):
         self.name, self.vocab, self.context = name, list(vocab), int(context)
         self.train_tokens, self.val_tokens = train_tokens.long(), val_tokens.long()
         where = f" of {source}" if source else ""
-        for split, tokens, shifted in (("training", self.train_tokens, True), ("validation", self.val_tokens, False)):
+        for split, tokens, shifted in (
+            ("training", self.train_tokens, True),
+            ("validation", self.val_tokens, False),
+        ):
             if windows_in(len(tokens), self.context, shifted=shifted) < 1:
                 need = 2 * self.context if shifted else self.context + 1
-                raise DataError(f"--context {self.context} is too long for the {len(tokens):,} characters of the "
-                                f"{split} split{where} (it needs at least {need:,}); give a smaller --context "
-                                f"or more text")
+                raise DataError(
+                    f"--context {self.context} is too long for the {len(tokens):,} characters of the "
+                    f"{split} split{where} (it needs at least {need:,}); give a smaller --context "
+                    f"or more text"
+                )
 
     @property
     def num_classes(self) -> int:
@@ -68,7 +83,7 @@ class TokenDataset:
         """The first `count` training windows as (inputs, targets), int64 (N, context) each."""
         starts = torch.arange(min(count, self.num_train)) * self.context
         positions = starts[:, None] + torch.arange(self.context)
-        return self.train_tokens[positions], self.train_tokens[positions + 1]       # contiguous, as nanoGPT's
+        return self.train_tokens[positions], self.train_tokens[positions + 1]  # contiguous, as nanoGPT's
 
     def sample_inputs(self, count: int) -> torch.Tensor:
         """The first `count` training windows' input ids (to probe a model's shapes and speed)."""
@@ -77,7 +92,9 @@ class TokenDataset:
     def head(self, windows: int) -> "TokenDataset":
         """The same text with only the tokens of the first `windows` training windows (for `verify`)."""
         keep = (max(1, windows) + 1) * self.context
-        return TokenDataset(self.name, self.train_tokens[:keep], self.val_tokens, self.vocab, context=self.context)
+        return TokenDataset(
+            self.name, self.train_tokens[:keep], self.val_tokens, self.vocab, context=self.context
+        )
 
 
 def tokenise(text: str, *, name: str, context: int, source: str = "") -> TokenDataset:
@@ -88,30 +105,35 @@ def tokenise(text: str, *, name: str, context: int, source: str = "") -> TokenDa
     distinct, ids = np.unique(codes, return_inverse=True)
     tokens = torch.from_numpy(ids.astype(np.int64).reshape(-1))
     cut = int(len(tokens) * TRAIN_FRACTION)
-    return TokenDataset(name, tokens[:cut], tokens[cut:], [chr(int(c)) for c in distinct], context=context,
-                        source=source)
+    return TokenDataset(
+        name, tokens[:cut], tokens[cut:], [chr(int(c)) for c in distinct], context=context, source=source
+    )
 
 
 def read_text(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise DataError(f"{path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
-                        f"convert it, e.g. iconv -f latin1 -t utf-8 {path.name}") from None
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
+            f"convert it, e.g. iconv -f latin1 -t utf-8 {path.name}"
+        ) from None
 
 
 def load_text(data_dir: Optional[str], *, context: int) -> TokenDataset:
     """`--dataset text --data-dir FILE_OR_FOLDER`: one UTF-8 file, or a folder's *.txt files joined in name
     order."""
     if data_dir is None:
-        raise DataError("--dataset text needs --data-dir FILE_OR_FOLDER: a UTF-8 text file, or a folder of .txt "
-                        "files")
+        raise DataError(
+            "--dataset text needs --data-dir FILE_OR_FOLDER: a UTF-8 text file, or a folder of .txt files"
+        )
     path = Path(data_dir).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".txt")
         if not files:
-            raise DataError(f"--data-dir {path} holds no .txt files; give a UTF-8 text file or a folder of .txt "
-                            f"files")
+            raise DataError(
+                f"--data-dir {path} holds no .txt files; give a UTF-8 text file or a folder of .txt files"
+            )
         text = "".join(read_text(p) for p in files)
     elif path.is_file():
         text = read_text(path)
@@ -128,8 +150,18 @@ class TokenLoader:
     """Batches of (input ids, target ids), int64 (n, context) each, for one rank, from the split's tokens
     moved once to `device`. The same interface as the image loader (loader.DeviceLoader)."""
 
-    def __init__(self, tokens: torch.Tensor, *, context: int, batch_size: int, device, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, training: bool = True):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        *,
+        context: int,
+        batch_size: int,
+        device,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        training: bool = True,
+    ):
         self.tokens = tokens.to(device)
         self.context, self.batch_size, self.training = context, batch_size, training
         self.device = torch.device(device)
@@ -161,21 +193,30 @@ class TokenLoader:
         order = global_batch_order(self.num_samples, epoch=epoch, seed=self.seed).to(self.device)
         offset = self.offset(epoch)
         for step in range(start_step, len(self)):
-            global_batch = order[step * self.batch_size:(step + 1) * self.batch_size]
+            global_batch = order[step * self.batch_size : (step + 1) * self.batch_size]
             index = rank_slice(global_batch, rank=self.rank, world_size=self.world_size)
             yield self._batch(offset + index * self.context, len(global_batch), step)
 
     def eval_batches(self) -> Iterator[Batch]:
         shard = rank_slice(torch.arange(self.num_samples), rank=self.rank, world_size=self.world_size)
         for step, start in enumerate(range(0, len(shard), self.batch_size)):
-            index = shard[start:start + self.batch_size].to(self.device)
+            index = shard[start : start + self.batch_size].to(self.device)
             yield self._batch(index * self.context, len(index), step)
 
 
-def make_token_loaders(dataset: TokenDataset, *, batch_size: int, device, rank: int = 0, world_size: int = 1,
-                       seed: int = 0, eval_batch_size: Optional[int] = None):
+def make_token_loaders(
+    dataset: TokenDataset,
+    *,
+    batch_size: int,
+    device,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    eval_batch_size: Optional[int] = None,
+):
     common = dict(context=dataset.context, device=device, rank=rank, world_size=world_size, seed=seed)
     train = TokenLoader(dataset.train_tokens, batch_size=batch_size, **common)
-    val = TokenLoader(dataset.val_tokens, batch_size=eval_batch_size or max(batch_size, 256), training=False,
-                      **common)
+    val = TokenLoader(
+        dataset.val_tokens, batch_size=eval_batch_size or max(batch_size, 256), training=False, **common
+    )
     return train, val

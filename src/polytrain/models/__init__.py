@@ -1,5 +1,6 @@
 """Models by name. Each builder takes the dataset's input shape ((C, H, W) for images, (context,) for text) and
 number of classes (the vocabulary size for text), plus the model's own settings (`MODEL_OPTIONS`)."""
+
 from __future__ import annotations
 
 import copy
@@ -26,15 +27,18 @@ MODELS: Dict[str, Callable[[Tuple[int, int, int], int], nn.Module]] = {
 }
 
 
-def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None) \
-        -> nn.Module:
+def build_model(
+    name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None
+) -> nn.Module:
     """The registry's model `name`; `options` (a TrainConfig or a dict) gives its own settings (`--layers`, ...
     of --model gpt), refused in one line for a model that does not read them."""
     if name not in MODELS:
         raise UserError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
     if len(input_shape) == 1 and name != "gpt":
-        raise UserError(f"--model {name} reads images, and this dataset is text (windows of {input_shape[0]} "
-                        f"token ids); use --model gpt")
+        raise UserError(
+            f"--model {name} reads images, and this dataset is text (windows of {input_shape[0]} "
+            f"token ids); use --model gpt"
+        )
     return MODELS[name](tuple(input_shape), num_classes, **model_options_of(name, options))
 
 
@@ -44,22 +48,29 @@ def run_on_sample(model: nn.Module, x, what: str):
     eval mode on the model's device (mode restored); one line naming `what` if it fails."""
     from ..data.order import map_tree
     from ..objective import call_model
+
     if type(model).forward is nn.Module.forward:
-        raise UserError(f"{type(model).__name__} has no forward method; define forward(self, x) returning the "
-                        f"model's outputs")
+        raise UserError(
+            f"{type(model).__name__} has no forward method; define forward(self, x) returning the "
+            f"model's outputs"
+        )
     if isinstance(x, dict):
         check_keywords(model, x)
     first = next(model.parameters(), None)
     if first is not None:
-        x = map_tree(lambda t: t.to(device=first.device, dtype=first.dtype if t.dtype.is_floating_point else t.dtype),
-                     x)
+        x = map_tree(
+            lambda t: t.to(device=first.device, dtype=first.dtype if t.dtype.is_floating_point else t.dtype),
+            x,
+        )
     was_training = model.training
     try:
         model.eval()
         return call_model(model, x)
-    except Exception as error:           # the user's module on the data: say what went wrong, in one line
-        raise UserError(f"the model cannot take {what}: {type(error).__name__}: {first_line(error)}; make its "
-                        f"first layers fit that shape") from None
+    except Exception as error:  # the user's module on the data: say what went wrong, in one line
+        raise UserError(
+            f"the model cannot take {what}: {type(error).__name__}: {first_line(error)}; make its "
+            f"first layers fit that shape"
+        ) from None
     finally:
         model.train(was_training)
 
@@ -71,6 +82,7 @@ def takes_channels_last(model: nn.Module, sample) -> bool:
     if not isinstance(sample, torch.Tensor) or sample.dim() != 4 or not sample.is_floating_point():
         return False
     from ..objective import call_model, first_output
+
     try:
         expected = first_output(run_on_sample(model, sample, "a sample"))
         probe = copy.deepcopy(model).to(memory_format=torch.channels_last).eval()
@@ -78,15 +90,19 @@ def takes_channels_last(model: nn.Module, sample) -> bool:
         x = sample.to(device=first.device if first is not None else "cpu")
         with torch.no_grad():
             got = first_output(call_model(probe, x.contiguous(memory_format=torch.channels_last)))
-        return isinstance(got, torch.Tensor) and got.shape == expected.shape and \
-            torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-4)
-    except Exception:             # any failure in either layout: keep the default one
+        return (
+            isinstance(got, torch.Tensor)
+            and got.shape == expected.shape
+            and torch.allclose(got.float(), expected.float(), rtol=1e-3, atol=1e-4)
+        )
+    except Exception:  # any failure in either layout: keep the default one
         return False
 
 
 def check_keywords(model: nn.Module, batch: dict) -> None:
     """Refuse, in one line, a dict batch whose keys the model's forward does not take."""
     import inspect
+
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -96,10 +112,12 @@ def check_keywords(model: nn.Module, batch: dict) -> None:
     names = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = [key for key in batch if key not in names]
     if unknown:
-        raise UserError(f"the batches are dicts with the key{'s' * (len(unknown) > 1)} {', '.join(unknown)}, which "
-                        f"{type(model).__name__}.forward({', '.join(names)}) does not take (a dict batch is passed as "
-                        f"model(**batch)); rename the Dataset's keys to forward's arguments, or pass "
-                        f"step=fn(model, batch)")
+        raise UserError(
+            f"the batches are dicts with the key{'s' * (len(unknown) > 1)} {', '.join(unknown)}, which "
+            f"{type(model).__name__}.forward({', '.join(names)}) does not take (a dict batch is passed as "
+            f"model(**batch)); rename the Dataset's keys to forward's arguments, or pass "
+            f"step=fn(model, batch)"
+        )
 
 
 @torch.no_grad()
@@ -114,15 +132,21 @@ def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> Opti
     classes = dataset.num_classes if exact else needed
     if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != len(sample):
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise UserError(f"the model must return one row of {classes} class scores per image, shape (N, {classes}); "
-                        f"for {len(sample)} images it returned {got}")
+        raise UserError(
+            f"the model must return one row of {classes} class scores per image, shape (N, {classes}); "
+            f"for {len(sample)} images it returned {got}"
+        )
     if output.shape[1] < needed or (exact and output.shape[1] != classes):
-        raise UserError(f"the model gives {output.shape[1]} outputs per image, but the dataset has {classes} "
-                        f"classes (labels 0..{classes - 1}); make its last layer give {classes} outputs")
+        raise UserError(
+            f"the model gives {output.shape[1]} outputs per image, but the dataset has {classes} "
+            f"classes (labels 0..{classes - 1}); make its last layer give {classes} outputs"
+        )
     if output.shape[1] > needed:
-        return (f"note: the model gives {output.shape[1]} outputs per image, but the labels use only 0..{needed - 1} "
-                f"({needed} classes): outputs {needed}..{output.shape[1] - 1} are trained never to be chosen; if the "
-                f"data has {needed} classes, make the last layer give {needed} outputs")
+        return (
+            f"note: the model gives {output.shape[1]} outputs per image, but the labels use only 0..{needed - 1} "
+            f"({needed} classes): outputs {needed}..{output.shape[1] - 1} are trained never to be chosen; if the "
+            f"data has {needed} classes, make the last layer give {needed} outputs"
+        )
     return None
 
 

@@ -5,6 +5,7 @@ strategy can split it between blocks. It takes token ids (B, T) as int64 and ret
 The head's weight is the token embedding's (tied, as in GPT-2); the attention keeps heads as a dimension of
 its own (`view(B, T, heads, head_dim)`), so heads can later be split across devices.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,20 +66,35 @@ class GPT(nn.Sequential):
     """[Embeddings, Block x layers, LayerNorm, Linear head tied to the token embedding (`tied=False`: a head
     of its own, which a pipeline can put on another stage than the embedding)]."""
 
-    def __init__(self, vocab: int, *, context: int = 64, layers: int = 4, heads: int = 4, width: int = 128,
-                 tied: bool = True):
-        for name, value in (("layers", layers), ("heads", heads), ("width", width), ("context", context),
-                            ("vocab", vocab)):
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        context: int = 64,
+        layers: int = 4,
+        heads: int = 4,
+        width: int = 128,
+        tied: bool = True,
+    ):
+        for name, value in (
+            ("layers", layers),
+            ("heads", heads),
+            ("width", width),
+            ("context", context),
+            ("vocab", vocab),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--{name} must be a positive whole number, got {value!r}")
         if width % heads:
             near = min((h for h in range(1, width + 1) if width % h == 0), key=lambda h: (abs(h - heads), -h))
-            raise ConfigError(f"--heads {heads} does not divide --width {width}; give --heads {near}, or a "
-                              f"--width that is a multiple of {heads} such as {heads * max(1, round(width / heads))}")
+            raise ConfigError(
+                f"--heads {heads} does not divide --width {width}; give --heads {near}, or a "
+                f"--width that is a multiple of {heads} such as {heads * max(1, round(width / heads))}"
+            )
         embeddings = Embeddings(vocab, context, width)
         head = nn.Linear(width, vocab, bias=False)
         if tied:
-            head.weight = embeddings.token.weight              # tied input and output embeddings
+            head.weight = embeddings.token.weight  # tied input and output embeddings
         super().__init__(embeddings, *(Block(width, heads) for _ in range(layers)), nn.LayerNorm(width), head)
         self.vocab, self.context = vocab, context
         self._init_weights(layers)
@@ -99,20 +115,23 @@ class GPT(nn.Sequential):
 def build_gpt(input_shape, num_classes: int, *, layers=None, heads=None, width=None, context=None) -> GPT:
     """The registry's builder: `input_shape` is (context,), `num_classes` the vocabulary size."""
     if len(input_shape) != 1:
-        raise ConfigError(f"--model gpt reads text, not images of shape {tuple(input_shape)}; use --dataset "
-                          f"shakespeare or --dataset text --data-dir FILE")
+        raise ConfigError(
+            f"--model gpt reads text, not images of shape {tuple(input_shape)}; use --dataset "
+            f"shakespeare or --dataset text --data-dir FILE"
+        )
     given = dict(layers=layers, heads=heads, width=width)
     sizes = {name: DEFAULT_SIZES[name] if value is None else value for name, value in given.items()}
     return GPT(num_classes, context=int(input_shape[0]) if context is None else context, **sizes)
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0, top_k=None,
-             generator=None) -> torch.Tensor:
+def generate(
+    model: GPT, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0, top_k=None, generator=None
+) -> torch.Tensor:
     """Extend the ids `idx` (1, T) by `tokens` samples, each conditioned on the last `context` ids."""
     model.eval()
     for _ in range(tokens):
-        logits = model(idx[:, -model.context:])[:, -1, :].float()
+        logits = model(idx[:, -model.context :])[:, -1, :].float()
         if temperature == 0:
             following = logits.argmax(-1, keepdim=True)
         else:

@@ -16,6 +16,7 @@ on the copy being trained, on every rank; a module that defines a hook polytrain
 `configure_optimizers` may return an optimizer, ([optimizers], [schedulers]) or Lightning's dict; polytrain builds the same optimizer over the
 parameters its strategy trains (one optimizer: several need manual optimisation, which is refused).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,26 +36,73 @@ from .lightning_state import Logged, LoopState, attach
 # strategies that split the module or move its optimizer away from it
 SPLITTING = ("pipeline", "tensor", "parameter-server")
 # the module's hooks polytrain calls, and those it does not (a module that defines one is refused)
-TRAIN_HOOKS = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_train_end",
-               "on_fit_end")
-VALIDATION_HOOKS = ("on_validation_start", "on_validation_epoch_start", "on_validation_epoch_end",
-                    "on_validation_end")
-NOT_CALLED = ("setup", "teardown", "configure_model", "configure_sharded_model", "prepare_data",
-              "on_train_batch_start", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end",
-              "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-              "optimizer_step", "optimizer_zero_grad", "backward", "lr_scheduler_step", "configure_gradient_clipping",
-              "on_save_checkpoint", "on_load_checkpoint", "on_before_batch_transfer", "on_after_batch_transfer",
-              "transfer_batch_to_device", "on_validation_model_eval", "on_validation_model_train",
-              "training_step_end", "validation_step_end", "training_epoch_end", "validation_epoch_end",
-              "configure_callbacks")
+TRAIN_HOOKS = (
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+)
+VALIDATION_HOOKS = (
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_validation_end",
+)
+NOT_CALLED = (
+    "setup",
+    "teardown",
+    "configure_model",
+    "configure_sharded_model",
+    "prepare_data",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "backward",
+    "lr_scheduler_step",
+    "configure_gradient_clipping",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+    "transfer_batch_to_device",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "training_step_end",
+    "validation_step_end",
+    "training_epoch_end",
+    "validation_epoch_end",
+    "configure_callbacks",
+)
 # Lightning's self.log(name, value, ...) options after the value, in order
-LOG_OPTIONS = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "sync_dist",
-               "sync_dist_group", "add_dataloader_idx", "batch_size")
+LOG_OPTIONS = (
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "reduce_fx",
+    "enable_graph",
+    "sync_dist",
+    "sync_dist_group",
+    "add_dataloader_idx",
+    "batch_size",
+)
 
 
 def is_lightning(model) -> bool:
-    return isinstance(model, nn.Module) and callable(getattr(model, "training_step", None)) and \
-        callable(getattr(model, "configure_optimizers", None))
+    return (
+        isinstance(model, nn.Module)
+        and callable(getattr(model, "training_step", None))
+        and callable(getattr(model, "configure_optimizers", None))
+    )
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -69,19 +117,24 @@ def unwrapped(model: nn.Module) -> nn.Module:
 def defines(module, name: str) -> bool:
     """Whether the module's own class defines `name` (Lightning's base classes define every hook, doing nothing)."""
     owner = next((cls for cls in type(module).__mro__ if name in vars(cls)), None)
-    return owner is not None and owner not in (nn.Module, object) and \
-        not (owner.__module__ or "").startswith(("lightning.", "pytorch_lightning."))
+    return (
+        owner is not None
+        and owner not in (nn.Module, object)
+        and not (owner.__module__ or "").startswith(("lightning.", "pytorch_lightning."))
+    )
 
 
 @contextlib.contextmanager
 def logging_to(module: nn.Module, logged: "Logged", batch_size: int):
     """`module.log` and `module.log_dict` record into `logged` (each value weighted by `batch_size`), for a call."""
+
     def log(name, value, *args, **options):
         logged.add(name, value, dict(zip(LOG_OPTIONS, args), **options), batch_size)
 
     def log_dict(values, *args, **options):
         for name, value in values.items():
             log(name, value, *args, **options)
+
     saved = {key: module.__dict__[key] for key in ("log", "log_dict") if key in module.__dict__}
     module.log, module.log_dict = log, log_dict
     try:
@@ -97,11 +150,12 @@ def redirected(module: nn.Module, method: str, logged: "Logged", batch_size: int
     """`module.forward` is `module.<method>`, and `module.log`/`log_dict` record into `logged`, for a call."""
     saved = module.__dict__.get("forward")
 
-    def step(*args, **kwargs):            # inside the step, self(...) is the module's own forward again
+    def step(*args, **kwargs):  # inside the step, self(...) is the module's own forward again
         module.__dict__.pop("forward", None)
         if saved is not None:
             module.forward = saved
         return getattr(module, method)(*args, **kwargs)
+
     module.forward = step
     try:
         with logging_to(module, logged, batch_size):
@@ -119,8 +173,8 @@ class LightningStep:
         self.method = method
         self.__name__ = method
         self.loop = loop or LoopState()
-        self.validates = validates        # (training_step's) False: the module has no validation_step
-        self.calls = 0                    # batch_idx: batches handed to the step since the loop began
+        self.validates = validates  # (training_step's) False: the module has no validation_step
+        self.calls = 0  # batch_idx: batches handed to the step since the loop began
         self.logged = Logged()
 
     def __call__(self, model: nn.Module, batch):
@@ -135,15 +189,21 @@ class LightningStep:
             losses = [name for name in logged if name.endswith("loss")]
             key = "val_loss" if "val_loss" in logged else losses[0] if len(losses) == 1 else None
             if key is None:
-                raise UserError("validation_step returned nothing and logged no val_loss; return the loss or "
-                                "self.log('val_loss', loss)")
+                raise UserError(
+                    "validation_step returned nothing and logged no val_loss; return the loss or "
+                    "self.log('val_loss', loss)"
+                )
             value = logged[key]
         if value is None:
-            raise UserError(f"{self.method} returned None (Lightning's way to skip a batch); return the loss: "
-                            f"polytrain takes every batch on every rank")
+            raise UserError(
+                f"{self.method} returned None (Lightning's way to skip a batch); return the loss: "
+                f"polytrain takes every batch on every rank"
+            )
         if isinstance(value, dict) and "loss" not in value:
-            raise UserError(f"{self.method} returned a dict without 'loss' (keys {', '.join(map(str, value))}); "
-                            f"return the loss or a dict with 'loss'")
+            raise UserError(
+                f"{self.method} returned a dict without 'loss' (keys {', '.join(map(str, value))}); "
+                f"return the loss or a dict with 'loss'"
+            )
         return value
 
 
@@ -153,7 +213,7 @@ class LightningLoop(Callback):
 
     def __init__(self, train: LightningStep, val: LightningStep = None):
         self.train, self.val, self.state = train, val, train.loop
-        self.train_hooks, self.val_hooks = Logged(), Logged()     # what the hooks logged: weight 1 per rank
+        self.train_hooks, self.val_hooks = Logged(), Logged()  # what the hooks logged: weight 1 per rank
 
     def _hook(self, trainer, name: str, logged: Logged) -> None:
         module = unwrapped(trainer.model)
@@ -162,13 +222,13 @@ class LightningLoop(Callback):
         if callable(method):
             with logging_to(module, logged, 1):
                 method()
-        if self.state.should_stop:        # self.trainer.should_stop = True, as in Lightning
+        if self.state.should_stop:  # self.trainer.should_stop = True, as in Lightning
             trainer.should_stop = True
 
     def on_fit_start(self, trainer):
         self.state.global_step, self.state.current_epoch = trainer.step, trainer.position.epoch
         for step in (self.train, self.val):
-            if step is not None:          # (the check before training called the steps too)
+            if step is not None:  # (the check before training called the steps too)
                 step.calls = 0
                 step.logged.reset()
         for name in ("on_fit_start", "on_train_start"):
@@ -197,13 +257,17 @@ class LightningLoop(Callback):
             for name in ("on_validation_epoch_end", "on_validation_end"):
                 self._hook(trainer, name, self.val_hooks)
             figures.update(self._means(trainer, self.val.logged if self.val else Logged(), self.val_hooks))
-        if "train_loss" in record:        # an epoch's record (a validation within an epoch has none)
+        if "train_loss" in record:  # an epoch's record (a validation within an epoch has none)
             self._hook(trainer, "on_train_epoch_end", self.train_hooks)
             figures.update(self._means(trainer, self.train.logged, self.train_hooks))
         record.update({name: value for name, value in figures.items() if name not in record})
-        self.state.callback_metrics.update({key: torch.tensor(float(value), dtype=torch.float64)
-                                            for key, value in record.items()
-                                            if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        self.state.callback_metrics.update(
+            {
+                key: torch.tensor(float(value), dtype=torch.float64)
+                for key, value in record.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+            }
+        )
 
     @staticmethod
     def _means(trainer, steps: Logged, hooks: Logged) -> dict:
@@ -213,16 +277,17 @@ class LightningLoop(Callback):
         return means
 
     def on_epoch_end(self, trainer, record):
-        self.state.current_epoch = record["epoch"]       # Lightning counts an epoch done after its hooks
+        self.state.current_epoch = record["epoch"]  # Lightning counts an epoch done after its hooks
 
     def on_fit_end(self, trainer):
-        if sys.exc_info()[0] is None:     # (not when training failed)
+        if sys.exc_info()[0] is None:  # (not when training failed)
             for name in ("on_train_end", "on_fit_end"):
                 self._hook(trainer, name, self.train_hooks)
 
 
-def plan_loop(objective, *, epochs: float, steps_per_epoch: int, max_steps: int = 0, rank: int = 0,
-              world_size: int = 1):
+def plan_loop(
+    objective, *, epochs: float, steps_per_epoch: int, max_steps: int = 0, rank: int = 0, world_size: int = 1
+):
     """For a LightningModule's steps: set what `self.trainer` answers (before `configure_optimizers` runs) and
     return the callback that runs its loop on this rank; None for any other objective."""
     step = getattr(objective, "step", None)
@@ -243,10 +308,16 @@ def configured(module: nn.Module, *, validates: bool = True):
     """(optimizer, scheduler or None, interval) of `module.configure_optimizers()` in any of Lightning's forms."""
     result = module.configure_optimizers()
     scheduler, interval, monitor = None, "epoch", "val_loss"
-    if isinstance(result, (tuple, list)) and len(result) == 2 and all(isinstance(r, (tuple, list)) for r in result):
+    if (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and all(isinstance(r, (tuple, list)) for r in result)
+    ):
         optimizers, schedulers = result
-        result = {"optimizer": optimizers[0] if len(optimizers) == 1 else optimizers,
-                  "lr_scheduler": schedulers[0] if len(schedulers) == 1 else schedulers or None}
+        result = {
+            "optimizer": optimizers[0] if len(optimizers) == 1 else optimizers,
+            "lr_scheduler": schedulers[0] if len(schedulers) == 1 else schedulers or None,
+        }
     if isinstance(result, (tuple, list)) and len(result) == 1:
         result = result[0]
     if isinstance(result, dict):
@@ -254,24 +325,35 @@ def configured(module: nn.Module, *, validates: bool = True):
         monitor = result.get("monitor", monitor)
         if isinstance(scheduler, dict):
             if scheduler.get("frequency", 1) != 1:
-                raise UserError(f"configure_optimizers' scheduler has frequency {scheduler['frequency']}; polytrain "
-                                f"steps a scheduler every interval (frequency 1)")
+                raise UserError(
+                    f"configure_optimizers' scheduler has frequency {scheduler['frequency']}; polytrain "
+                    f"steps a scheduler every interval (frequency 1)"
+                )
             interval = scheduler.get("interval", "epoch")
             monitor = scheduler.get("monitor", monitor)
             scheduler = scheduler.get("scheduler")
     else:
         optimizer = result
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UserError(f"configure_optimizers returned {type(optimizer).__name__} where polytrain takes one "
-                        f"optimizer (with at most one scheduler): several optimizers need manual optimisation; "
-                        f"train such a module with step= and optimizer= of your own")
+        raise UserError(
+            f"configure_optimizers returned {type(optimizer).__name__} where polytrain takes one "
+            f"optimizer (with at most one scheduler): several optimizers need manual optimisation; "
+            f"train such a module with step= and optimizer= of your own"
+        )
     if scheduler is not None and not hasattr(scheduler, "step"):
-        raise UserError(f"configure_optimizers gave a scheduler of type {type(scheduler).__name__}; give one "
-                        f"torch.optim.lr_scheduler")
+        raise UserError(
+            f"configure_optimizers gave a scheduler of type {type(scheduler).__name__}; give one "
+            f"torch.optim.lr_scheduler"
+        )
     if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) and (monitor != "val_loss" or not validates):
-        raise UserError("configure_optimizers' ReduceLROnPlateau steps here on the epoch's val_loss, " +
-                        (f"not {monitor!r}; monitor val_loss" if validates else
-                         "and the module has no validation_step; add one"))
+        raise UserError(
+            "configure_optimizers' ReduceLROnPlateau steps here on the epoch's val_loss, "
+            + (
+                f"not {monitor!r}; monitor val_loss"
+                if validates
+                else "and the module has no validation_step; add one"
+            )
+        )
     return optimizer, scheduler, interval
 
 
@@ -283,32 +365,41 @@ class Configured:
 
     def __init__(self, module: nn.Module, loop: LoopState = None, *, validates: bool = True):
         self.module = module
-        self.loop = loop or LoopState()   # what self.trainer answers (shared with the steps)
+        self.loop = loop or LoopState()  # what self.trainer answers (shared with the steps)
         self.validates = validates
-        self.made = None                  # (optimizer, scheduler, interval) of the latest call in this process
+        self.made = None  # (optimizer, scheduler, interval) of the latest call in this process
         self.__qualname__ = f"{type(module).__name__}.configure_optimizers"
 
     def __getstate__(self):
-        return {"module": self.module, "loop": self.loop, "validates": self.validates, "made": None,
-                "__qualname__": self.__qualname__}
+        return {
+            "module": self.module,
+            "loop": self.loop,
+            "validates": self.validates,
+            "made": None,
+            "__qualname__": self.__qualname__,
+        }
 
     def optimizer(self, params):
         params = list(params)
         position = {id(p): i for i, p in enumerate(self.module.parameters())}
         if len(params) != len(position):
-            raise UserError(f"configure_optimizers is laid out over the whole model's {len(position)} tensors; "
-                            f"this strategy trains {len(params)} of them: use the data or sharded strategy")
+            raise UserError(
+                f"configure_optimizers is laid out over the whole model's {len(position)} tensors; "
+                f"this strategy trains {len(params)} of them: use the data or sharded strategy"
+            )
         attach(self.module, self.loop)
         self.made = configured(self.module, validates=self.validates)
         optimizer = self.made[0]
-        for group in optimizer.param_groups:   # never stepped: no state refers to the module's own tensors
+        for group in optimizer.param_groups:  # never stepped: no state refers to the module's own tensors
             group["params"] = [params[position[id(p)]] for p in group["params"]]
         return optimizer
 
     def scheduler(self, optimizer):
         if self.made is None or self.made[0] is not optimizer:
-            raise UserError("configure_optimizers' scheduler goes with its own optimizer; give scheduler= only "
-                            "together with optimizer=")
+            raise UserError(
+                "configure_optimizers' scheduler goes with its own optimizer; give scheduler= only "
+                "together with optimizer="
+            )
         _, scheduler, interval = self.made
         if scheduler is None:
             return {"scheduler": lr_scheduler.LambdaLR(optimizer, constant), "interval": "step"}
@@ -326,18 +417,23 @@ def lightning_parts(model: nn.Module, *, step, eval_step, optimizer, scheduler):
     name = type(model).__name__
     for hook in NOT_CALLED:
         if defines(model, hook) and callable(getattr(model, hook, None)):
-            raise UserError(f"{name}.{hook}: polytrain does not call this LightningModule hook; remove it, do its "
-                            f"work in a hook polytrain calls ({', '.join(TRAIN_HOOKS + VALIDATION_HOOKS)}), or train "
-                            f"with Lightning")
+            raise UserError(
+                f"{name}.{hook}: polytrain does not call this LightningModule hook; remove it, do its "
+                f"work in a hook polytrain calls ({', '.join(TRAIN_HOOKS + VALIDATION_HOOKS)}), or train "
+                f"with Lightning"
+            )
     loop = LoopState()
-    validates = eval_step is not None or (callable(getattr(model, "validation_step", None)) and
-                                          defines(model, "validation_step"))
+    validates = eval_step is not None or (
+        callable(getattr(model, "validation_step", None)) and defines(model, "validation_step")
+    )
     step = LightningStep("training_step", loop, validates=validates)
     if eval_step is None and validates:
         eval_step = LightningStep("validation_step", loop)
     if (optimizer is None) != (scheduler is None):
-        raise UserError("a LightningModule's configure_optimizers gives the optimizer and its scheduler together; "
-                        "pass both optimizer= and scheduler= or neither")
+        raise UserError(
+            "a LightningModule's configure_optimizers gives the optimizer and its scheduler together; "
+            "pass both optimizer= and scheduler= or neither"
+        )
     if optimizer is None:
         # run on a copy: the module's own tensors stay untouched
         made = Configured(copy.deepcopy(model), loop, validates=validates)

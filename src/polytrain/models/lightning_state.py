@@ -1,5 +1,6 @@
 """What a LightningModule reads of its loop and gives it: the stand-in for Lightning's Trainer (`self.trainer`,
 `self.global_step`, `self.current_epoch`) and the epoch means of what it passed to `self.log`."""
+
 from __future__ import annotations
 
 import torch
@@ -14,21 +15,25 @@ class Logged:
 
     def __init__(self):
         self.sums = {}
-        self.latest = {}                  # this call's values, as given
+        self.latest = {}  # this call's values, as given
 
     def add(self, name: str, value, options: dict, batch_size: int) -> None:
         reduce = options.get("reduce_fx", "mean")
         if not (reduce in ("mean", "avg") or reduce is torch.mean):
-            raise UserError(f"self.log({name!r}, ..., reduce_fx={getattr(reduce, '__name__', reduce)!r}): polytrain "
-                            f"records the epoch's mean of each logged value (Lightning's default); log what the mean "
-                            f"should be taken of")
+            raise UserError(
+                f"self.log({name!r}, ..., reduce_fx={getattr(reduce, '__name__', reduce)!r}): polytrain "
+                f"records the epoch's mean of each logged value (Lightning's default); log what the mean "
+                f"should be taken of"
+            )
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             number = value.detach().reshape(()).double()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         else:
-            raise UserError(f"self.log({name!r}, ...) was given {type(value).__name__}; polytrain records numbers and "
-                            f"one-element tensors (for a torchmetrics metric, log metric(preds, target))")
+            raise UserError(
+                f"self.log({name!r}, ...) was given {type(value).__name__}; polytrain records numbers and "
+                f"one-element tensors (for a torchmetrics metric, log metric(preds, target))"
+            )
         self.latest[name] = value
         weight = float(options.get("batch_size") or batch_size or 1)
         total, weights = self.sums.get(name, (0.0, 0.0))
@@ -49,7 +54,9 @@ class Logged:
                 values[2 * i] = torch.as_tensor(total, dtype=torch.float64).to(strategy.device)
                 values[2 * i + 1] = weights
         values = strategy.reduce(values).tolist()
-        return {name: values[2 * i] / values[2 * i + 1] for i, name in enumerate(names) if values[2 * i + 1] > 0}
+        return {
+            name: values[2 * i] / values[2 * i + 1] for i, name in enumerate(names) if values[2 * i + 1] > 0
+        }
 
 
 class LoopState:
@@ -57,11 +64,11 @@ class LoopState:
     the numbers of the run, set before `configure_optimizers` and advanced as training goes."""
 
     def __init__(self):
-        self.global_step = 0              # optimizer steps done
-        self.current_epoch = 0            # the epoch in progress, from 0
+        self.global_step = 0  # optimizer steps done
+        self.current_epoch = 0  # the epoch in progress, from 0
         self.max_epochs = None
         self.max_steps = -1
-        self.estimated_stepping_batches = None      # optimizer steps the run takes
+        self.estimated_stepping_batches = None  # optimizer steps the run takes
         self.num_training_batches = None
         self.global_rank = self.local_rank = self.node_rank = 0
         self.world_size = self.num_devices = self.num_nodes = 1
@@ -77,9 +84,11 @@ class LoopState:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(f"polytrain's stand-in for Lightning's Trainer has no {name!r}; it answers global_step, "
-                             f"current_epoch, max_epochs, max_steps, estimated_stepping_batches, num_training_batches, "
-                             f"global_rank, world_size, is_global_zero, should_stop and callback_metrics")
+        raise AttributeError(
+            f"polytrain's stand-in for Lightning's Trainer has no {name!r}; it answers global_step, "
+            f"current_epoch, max_epochs, max_steps, estimated_stepping_batches, num_training_batches, "
+            f"global_rank, world_size, is_global_zero, should_stop and callback_metrics"
+        )
 
 
 def attach(module: nn.Module, state: LoopState) -> None:
@@ -88,4 +97,6 @@ def attach(module: nn.Module, state: LoopState) -> None:
     if isinstance(getattr(type(module), "global_step", None), property):
         module.__dict__["_trainer"] = state
     else:
-        module.__dict__.update(trainer=state, global_step=state.global_step, current_epoch=state.current_epoch)
+        module.__dict__.update(
+            trainer=state, global_step=state.global_step, current_epoch=state.current_epoch
+        )

@@ -1,4 +1,5 @@
 """ResNet-20 for CIFAR-10 (He et al. 2016, section 4.2): 3 stages of 3 basic blocks, 16/32/64 channels."""
+
 from collections import OrderedDict
 
 import torch.nn as nn
@@ -14,8 +15,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(outputs)
         self.shortcut = nn.Sequential()
         if stride != 1 or inputs != outputs:
-            self.shortcut = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False),
-                                          nn.BatchNorm2d(outputs))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs)
+            )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -26,7 +28,9 @@ class ResNet20(nn.Sequential):
     """stem -> stages -> head, as a Sequential of named parts so a pipeline can split it between blocks."""
 
     def __init__(self, input_shape=(3, 32, 32), num_classes=10, blocks_per_stage: int = 3):
-        stem = nn.Sequential(nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        stem = nn.Sequential(
+            nn.Conv2d(input_shape[0], 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU()
+        )
         layers, inputs = [], 16
         for stage, width in enumerate((16, 32, 64)):
             for block in range(blocks_per_stage):

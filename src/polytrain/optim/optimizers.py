@@ -1,5 +1,6 @@
 """Optimizers by name, class or factory: their keyword arguments, parameter groups laid out over the whole
 model (a group with no parameter on a rank gets a zero-size placeholder), and the kernels they run."""
+
 from __future__ import annotations
 
 import inspect
@@ -14,11 +15,13 @@ from torch.optim import lr_scheduler
 from ..config.names import nearest
 from ..errors import ConfigError, UserError
 
-SCHEDULES = ("constant", "cosine", "onecycle")        # polytrain's, after a linear warm-up
-FROM_PYTHON = " (from Python)"                         # how config.json names an object given to fit()
-REFUSED = {torch.optim.LBFGS: "calls the model again inside step(closure), and polytrain takes one step per "
-                              "batch; choose another optimizer",
-           torch.optim.SparseAdam: "needs sparse gradients, and polytrain's strategies make dense ones; use adam"}
+SCHEDULES = ("constant", "cosine", "onecycle")  # polytrain's, after a linear warm-up
+FROM_PYTHON = " (from Python)"  # how config.json names an object given to fit()
+REFUSED = {
+    torch.optim.LBFGS: "calls the model again inside step(closure), and polytrain takes one step per "
+    "batch; choose another optimizer",
+    torch.optim.SparseAdam: "needs sparse gradients, and polytrain's strategies make dense ones; use adam",
+}
 
 
 def _key(name: str) -> str:
@@ -26,8 +29,11 @@ def _key(name: str) -> str:
 
 
 def _classes(module, base) -> dict:
-    return {_key(name): cls for name, cls in vars(module).items()
-            if isinstance(cls, type) and issubclass(cls, base) and cls is not base and not name.startswith("_")}
+    return {
+        _key(name): cls
+        for name, cls in vars(module).items()
+        if isinstance(cls, type) and issubclass(cls, base) and cls is not base and not name.startswith("_")
+    }
 
 
 OPTIMIZERS = _classes(torch.optim, torch.optim.Optimizer)
@@ -41,14 +47,20 @@ def resolve(name: str, table: dict, flag: str, extra=()):
         return table[_key(name)]
     names = [*extra, *(cls.__name__.lower() for cls in table.values())]
     close = nearest(name, names)
-    raise ConfigError(f"unknown {flag} {name!r}" + (f" (did you mean {close}?)" if close else "")
-                      + f"; choose one of {', '.join(names)}")
+    raise ConfigError(
+        f"unknown {flag} {name!r}"
+        + (f" (did you mean {close}?)" if close else "")
+        + f"; choose one of {', '.join(names)}"
+    )
 
 
 def keywords(cls) -> list:
     """The keyword arguments a class takes besides what it works on (params, optimizer)."""
-    return [name for name, p in inspect.signature(cls.__init__).parameters.items()
-            if name not in ("self", "params", "optimizer") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [
+        name
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name not in ("self", "params", "optimizer") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
 
 
 def _value(text: str):
@@ -87,7 +99,9 @@ def check_keywords(cls, given, flag: str) -> None:
     known = keywords(cls)
     for name in given:
         if name not in known:
-            raise ConfigError(f"{flag}: {cls.__name__} takes no keyword {name!r}; its keywords: {', '.join(known)}")
+            raise ConfigError(
+                f"{flag}: {cls.__name__} takes no keyword {name!r}; its keywords: {', '.join(known)}"
+            )
 
 
 def describe(obj) -> str:
@@ -102,13 +116,18 @@ def optimizer_kwargs(cls, *, lr, momentum, weight_decay, betas=None, eps=None, e
     """The keyword arguments of `cls` from the settings: lr, weight decay and momentum where it takes them,
     betas and eps where given (refused for a class without them), then `extra` (checked against its keywords)."""
     takes, extra = keywords(cls), dict(extra or {})
-    kwargs = {name: value for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum))
-              if name in takes and value is not None}
+    kwargs = {
+        name: value
+        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum))
+        if name in takes and value is not None
+    }
     for name, value in (("betas", betas), ("eps", eps)):
         if value is None:
             continue
         if name not in takes:
-            raise ConfigError(f"--{name} does not apply to {cls.__name__}, which takes no {name}; drop --{name}")
+            raise ConfigError(
+                f"--{name} does not apply to {cls.__name__}, which takes no {name}; drop --{name}"
+            )
         if name == "betas" and len(value) != 2:
             raise ConfigError(f"--betas takes two numbers B1,B2 such as 0.9,0.999, got {value!r}")
         kwargs[name] = tuple(value) if name == "betas" else value
@@ -121,7 +140,11 @@ def speed_options(cls, params: list, given: dict) -> dict:
     loop over the parameters; nothing where the caller chose."""
     if "fused" in given or "foreach" in given or not isinstance(cls, type):
         return {}
-    if cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) and params and all(p.is_cuda for p in params):
+    if (
+        cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+        and params
+        and all(p.is_cuda for p in params)
+    ):
         return {"fused": True}
     return {"foreach": True} if "foreach" in keywords(cls) else {}
 
@@ -136,8 +159,10 @@ def plan_groups(named_params, *, no_decay: bool = False, options_of: Optional[Ca
         if options_of is not None:
             extra = options_of(name, parameter)
             if not isinstance(extra, dict) and extra is not None:
-                raise UserError(f"param_groups= must return a dict of group options (or None) for each parameter; "
-                                f"for {name!r} it returned {type(extra).__name__}")
+                raise UserError(
+                    f"param_groups= must return a dict of group options (or None) for each parameter; "
+                    f"for {name!r} it returned {type(extra).__name__}"
+                )
             options.update(extra or {})
         if options not in groups:
             groups.append(options)
@@ -157,12 +182,24 @@ def group_params(named_params, groups: Optional[tuple]):
     lists = [[] for _ in options]
     for name, parameter in named:
         lists[member[name]].append(parameter)
-    return [dict(group, params=params or [nn.Parameter(torch.zeros(0, device=device))])
-            for group, params in zip(options, lists)]
+    return [
+        dict(group, params=params or [nn.Parameter(torch.zeros(0, device=device))])
+        for group, params in zip(options, lists)
+    ]
 
 
-def make_optimizer(named_params, *, name="sgd", lr=None, momentum=None, weight_decay=None,
-                   betas=None, eps=None, options: Optional[dict] = None, groups: Optional[tuple] = None):
+def make_optimizer(
+    named_params,
+    *,
+    name="sgd",
+    lr=None,
+    momentum=None,
+    weight_decay=None,
+    betas=None,
+    eps=None,
+    options: Optional[dict] = None,
+    groups: Optional[tuple] = None,
+):
     """An optimizer over `named_params` ((name, parameter) pairs; the name "" marks a placeholder of a rank
     that holds no parameters) in `groups` (`plan_groups`; None: one group). `name` is a torch.optim class
     name (any case) with its keyword arguments (lr, ... where it takes them; `options` add to and override
@@ -172,6 +209,7 @@ def make_optimizer(named_params, *, name="sgd", lr=None, momentum=None, weight_d
     cls = resolve(name, OPTIMIZERS, "--optimizer") if isinstance(name, str) else name
     if not isinstance(cls, type):
         return cls(params)
-    kwargs = optimizer_kwargs(cls, lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps,
-                              extra=options)
+    kwargs = optimizer_kwargs(
+        cls, lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps, extra=options
+    )
     return cls(params, **kwargs, **speed_options(cls, [p for n, p in named if n != ""], kwargs))

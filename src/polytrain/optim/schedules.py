@@ -1,4 +1,5 @@
 """Learning-rate schedules: polytrain's warm-up schedules per optimizer step, or any torch.optim.lr_scheduler."""
+
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ from typing import Optional
 from torch.optim import lr_scheduler
 
 from .optimizers import SCHEDULERS, SCHEDULES, resolve
+
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, kind: str) -> float:
     """The multiplier of the base learning rate before optimizer step `step` (0-based).
@@ -27,15 +29,18 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, kind: str) -> f
     raise ValueError(f"unknown schedule {kind!r}")
 
 
-def make_scheduler(optimizer, *, kind="onecycle", total_steps: int = 1, warmup_steps: int = 0,
-                   options: Optional[dict] = None):
+def make_scheduler(
+    optimizer, *, kind="onecycle", total_steps: int = 1, warmup_steps: int = 0, options: Optional[dict] = None
+):
     """polytrain's schedule `kind` over `total_steps` (after `warmup_steps`), a torch.optim.lr_scheduler class
     (by name or object, with `options`), or what a factory fn(optimizer) returns (a Lightning-style
     {"scheduler": s, "interval": ...} gives s)."""
     if kind in SCHEDULES:
         factor = partial(lr_factor, total_steps=total_steps, warmup_steps=warmup_steps, kind=kind)
         return lr_scheduler.LambdaLR(optimizer, factor)
-    made = (resolve(kind, SCHEDULERS, "--schedule") if isinstance(kind, str) else kind)(optimizer, **(options or {}))
+    made = (resolve(kind, SCHEDULERS, "--schedule") if isinstance(kind, str) else kind)(
+        optimizer, **(options or {})
+    )
     return made["scheduler"] if isinstance(made, dict) else made
 
 

@@ -4,6 +4,7 @@ Pure functions of per-layer costs (measured seconds, FLOPs, parameter counts: an
 A split is written as its points: the index of the first layer of every stage after the first, so 10 layers
 split at (4, 7) give stage 0 layers 0-3, stage 1 layers 4-6 and stage 2 layers 7-9.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,10 @@ def balance_by_time(costs: Sequence[float], *, stages: int) -> Tuple[int, ...]:
     if stages < 1:
         raise ValueError(f"a pipeline needs at least 1 stage, not {stages}")
     if stages > layers:
-        raise ConfigError(f"cannot split {_plural(layers, 'layer')} into {_plural(stages, 'stage')}: use "
-                          f"--devices/--pipeline-stages of at most {layers}, or a model with more layers")
+        raise ConfigError(
+            f"cannot split {_plural(layers, 'layer')} into {_plural(stages, 'stage')}: use "
+            f"--devices/--pipeline-stages of at most {layers}, or a model with more layers"
+        )
     spans = _spans(costs)
     # best[j]: for the first j layers in k stages, (stage costs sorted slowest first, points). Adding the
     # same stage to two splits keeps their order in both keys, so extending only the best prefix is exact.
@@ -99,18 +102,24 @@ def parse_split(text: str, *, layers: int, stages: int) -> Tuple[int, ...]:
         message = f"--split must be 'auto' or increasing layer indices like 4,7; got {text!r}"
         raise ConfigError(message) from None
     if len(points) != stages - 1:
-        raise ConfigError(f"--split {text!r} gives {_plural(len(points), 'point')}; a pipeline of "
-                          f"{_plural(stages, 'stage')} needs {stages - 1}: "
-                          "the first layer of each stage after the first")
+        raise ConfigError(
+            f"--split {text!r} gives {_plural(len(points), 'point')}; a pipeline of "
+            f"{_plural(stages, 'stage')} needs {stages - 1}: "
+            "the first layer of each stage after the first"
+        )
     for p in points:
         if not 1 <= p <= layers - 1:
-            raise ConfigError(f"--split point {p} is outside 1..{layers - 1}: the model has "
-                              f"{_plural(layers, 'layer')}, and every stage needs at least one")
+            raise ConfigError(
+                f"--split point {p} is outside 1..{layers - 1}: the model has "
+                f"{_plural(layers, 'layer')}, and every stage needs at least one"
+            )
     for i, p in enumerate(points):
         if p in points[:i]:
             raise ConfigError(f"--split repeats layer {p}: give each point once, so every stage has a layer")
     for a, b in zip(points, points[1:]):
         if b < a:
-            raise ConfigError(f"--split points must increase: {b} comes after {a}; write them in order, like "
-                              + ",".join(map(str, sorted(points))))
+            raise ConfigError(
+                f"--split points must increase: {b} comes after {a}; write them in order, like "
+                + ",".join(map(str, sorted(points)))
+            )
     return points

@@ -58,6 +58,7 @@ Models (n devices, the update not split except where sharded):
   outnumber the cores (`turns` processes per core) both stretch by the turns: the link given is already turned
   (`link_for`), and the cost per collective is multiplied by `Prediction.turns`.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,8 @@ from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 @dataclass(frozen=True)
 class Link:
-    alpha: float          # seconds per message (latency)
-    beta: float           # bytes per second (bandwidth)
+    alpha: float  # seconds per message (latency)
+    beta: float  # bytes per second (bandwidth)
 
     def seconds(self, nbytes: float, messages: float = 1.0) -> float:
         return messages * self.alpha + nbytes / self.beta
@@ -85,21 +86,22 @@ class Link:
         total = sum(weights)
         mean_x = sum(w * x for w, x in zip(weights, sizes)) / total
         mean_y = sum(w * y for w, y in zip(weights, seconds)) / total
-        slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, sizes, seconds)) / \
-            sum(w * (x - mean_x) ** 2 for w, x in zip(weights, sizes))
-        slope = max(slope, 1e-15)                      # noise must not give an infinite or negative bandwidth
+        slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, sizes, seconds)) / sum(
+            w * (x - mean_x) ** 2 for w, x in zip(weights, sizes)
+        )
+        slope = max(slope, 1e-15)  # noise must not give an infinite or negative bandwidth
         return cls(alpha=max(0.0, mean_y - slope * mean_x), beta=1.0 / slope)
 
 
 @dataclass(frozen=True)
 class Workload:
-    compute_seconds: float          # one global batch on one device: forward + backward + update
-    parameter_bytes: float          # S
-    batch_size: int                 # the global batch
-    update_seconds: float = 0.0     # the optimizer update's part of compute_seconds
-    layers: int = 1                 # parameter-holding layers (messages per collective under FSDP2)
-    boundary_bytes: Tuple[float, ...] = ()    # activation bytes per sample at each cut between layers
-    activation_bytes: float = 0.0   # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
+    compute_seconds: float  # one global batch on one device: forward + backward + update
+    parameter_bytes: float  # S
+    batch_size: int  # the global batch
+    update_seconds: float = 0.0  # the optimizer update's part of compute_seconds
+    layers: int = 1  # parameter-holding layers (messages per collective under FSDP2)
+    boundary_bytes: Tuple[float, ...] = ()  # activation bytes per sample at each cut between layers
+    activation_bytes: float = 0.0  # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
@@ -107,14 +109,16 @@ class Workload:
     # the same measurements in the default memory format, where the ones above are channels-last
     plain: Optional["Workload"] = None
     # tensor parallelism, where the model has a plan (`tensor_splits` empty: none)
-    tensor_splits: Tuple[int, ...] = ()       # the group sizes T the plan splits the model into
-    split_bytes: float = 0.0                  # parameter bytes of the layers the plan splits (the rest: replicated)
-    split_share: float = 0.0                  # the share of one device's forward + backward spent in those layers
-    tensor_reductions: Tuple[float, ...] = ()     # bytes per sample of each activation all-reduce of a step
-    tensor_gathers: Tuple[float, ...] = ()    # bytes per sample of each output gathered whole (a vocabulary's scores)
-    sequence_splits: Tuple[int, ...] = ()     # the T at which the plan runs sequence-parallel
-    sequence_parameters: int = 0              # parameter tensors of the modules run on parts of the sequence
-    sequence_gathers: int = 0                 # sequence-parallel: gathers of the widest activation more (whole head)
+    tensor_splits: Tuple[int, ...] = ()  # the group sizes T the plan splits the model into
+    split_bytes: float = 0.0  # parameter bytes of the layers the plan splits (the rest: replicated)
+    split_share: float = 0.0  # the share of one device's forward + backward spent in those layers
+    tensor_reductions: Tuple[float, ...] = ()  # bytes per sample of each activation all-reduce of a step
+    tensor_gathers: Tuple[
+        float, ...
+    ] = ()  # bytes per sample of each output gathered whole (a vocabulary's scores)
+    sequence_splits: Tuple[int, ...] = ()  # the T at which the plan runs sequence-parallel
+    sequence_parameters: int = 0  # parameter tensors of the modules run on parts of the sequence
+    sequence_gathers: int = 0  # sequence-parallel: gathers of the widest activation more (whole head)
     # measured forward + backward of one tensor rank's share (split layers at 1/T, its group's batch), by (n, T)
     tensor_seconds: Mapping[Tuple[int, int], float] = field(default_factory=dict)
 
@@ -147,16 +151,18 @@ class Workload:
 class Prediction:
     strategy: str
     devices: int
-    compute: float            # seconds of a step spent computing
-    communication: float      # seconds of a step spent moving bytes (not overlapped)
-    idle: float = 0.0         # seconds of a step waiting (pipeline bubble)
+    compute: float  # seconds of a step spent computing
+    communication: float  # seconds of a step spent moving bytes (not overlapped)
+    idle: float = 0.0  # seconds of a step waiting (pipeline bubble)
     note: str = ""
     # sequential messages of a step (each pays alpha, and any per-message cost); counted for one collective of
     # the whole tensor where the strategy may split it (DDP's buckets): a fitted cost per message absorbs that
     messages: float = 0.0
-    shard_messages: float = 0.0     # of them, FSDP2's (a (data, tensor) mesh): priced at sharded's cost where known
-    collectives: float = 0.0        # host-side collective calls (tensor): priced per call, not per ring message
-    turns: float = 1.0              # CPU processes per core: host work per collective stretches by it
+    shard_messages: float = (
+        0.0  # of them, FSDP2's (a (data, tensor) mesh): priced at sharded's cost where known
+    )
+    collectives: float = 0.0  # host-side collective calls (tensor): priced per call, not per ring message
+    turns: float = 1.0  # CPU processes per core: host work per collective stretches by it
 
     @property
     def step_seconds(self) -> float:
@@ -174,15 +180,20 @@ def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
 
 def data_parallel(work: Workload, devices: int, link: Link) -> Prediction:
     compute = work.replica_pass(devices) + work.update_seconds
-    return Prediction("data", devices, compute, ring_allreduce(devices, work.parameter_bytes, link),
-                      messages=2 * (devices - 1))
+    return Prediction(
+        "data",
+        devices,
+        compute,
+        ring_allreduce(devices, work.parameter_bytes, link),
+        messages=2 * (devices - 1),
+    )
 
 
 def parameter_server(work: Workload, devices: int, link: Link, *, servers: int = 1) -> Prediction:
     compute = work.replica_pass(devices) + work.update_seconds / servers
     if devices == 1:
         return Prediction("parameter-server", devices, compute, 0.0)
-    messages = 2 * (devices - 1)                          # every other rank's push in and pull out
+    messages = 2 * (devices - 1)  # every other rank's push in and pull out
     communication = messages * work.parameter_bytes / (servers * link.beta) + messages * link.alpha
     return Prediction("parameter-server", devices, compute, communication, messages=messages)
 
@@ -191,7 +202,7 @@ def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: b
     compute = work.replica_pass(devices) + work.update_seconds / devices
     if devices == 1:
         return Prediction("sharded", devices, compute, 0.0)
-    rings = 2 + (2 if scatter_by_allreduce else 1)        # two all-gathers, then the gradient's reduction
+    rings = 2 + (2 if scatter_by_allreduce else 1)  # two all-gathers, then the gradient's reduction
     messages = rings * (devices - 1) * work.layers
     communication = rings * (devices - 1) / devices * work.parameter_bytes / link.beta + messages * link.alpha
     return Prediction("sharded", devices, compute, communication, messages=messages)
@@ -199,16 +210,31 @@ def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: b
 
 def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> Prediction:
     if stages > 1 and len(work.boundary_bytes) < stages - 1:
-        return Prediction("pipeline", stages, 0.0, 0.0, float("inf"),
-                          note=f"{stages} stages need {stages - 1} cuts; the model has {len(work.boundary_bytes)}")
+        return Prediction(
+            "pipeline",
+            stages,
+            0.0,
+            0.0,
+            float("inf"),
+            note=f"{stages} stages need {stages - 1} cuts; the model has {len(work.boundary_bytes)}",
+        )
     slots = microbatches + stages - 1
-    work_per_slot = work.microbatch_seconds[stages] / stages if stages in work.microbatch_seconds \
+    work_per_slot = (
+        work.microbatch_seconds[stages] / stages
+        if stages in work.microbatch_seconds
         else work.pass_seconds / (stages * microbatches)
+    )
     per_sample = max(work.boundary_bytes) if stages > 1 else 0.0
     transfer = 2 * link.seconds(per_sample * work.batch_size / microbatches) if stages > 1 else 0.0
     compute = microbatches * work_per_slot + work.update_seconds / stages
-    return Prediction("pipeline", stages, compute, slots * transfer, (stages - 1) * work_per_slot,
-                      messages=2 * slots if stages > 1 else 0)
+    return Prediction(
+        "pipeline",
+        stages,
+        compute,
+        slots * transfer,
+        (stages - 1) * work_per_slot,
+        messages=2 * slots if stages > 1 else 0,
+    )
 
 
 def bubble(stages: int, microbatches: int) -> float:
@@ -241,24 +267,44 @@ def tensor_collectives(work: Workload, devices: int, tensor: int) -> dict:
         return {"all-reduce": sizes, "all-gather": whole}
     widest = max(sizes, default=0.0)
     small = work.sequence_parameters * (SEQUENCE_REDUCTIONS if groups == 1 else MESH_SEQUENCE_REDUCTIONS)
-    return {"reduce-scatter": sizes, "all-gather": sizes + [widest] * work.sequence_gathers + whole,
-            "small all-reduce": [0.0] * small}
+    return {
+        "reduce-scatter": sizes,
+        "all-gather": sizes + [widest] * work.sequence_gathers + whole,
+        "small all-reduce": [0.0] * small,
+    }
 
 
-def tensor_parallel(work: Workload, devices: int, link: Link, *, tensor: Optional[int] = None,
-                    scatter_by_allreduce: bool = False, turns: float = 1.0) -> Prediction:
+def tensor_parallel(
+    work: Workload,
+    devices: int,
+    link: Link,
+    *,
+    tensor: Optional[int] = None,
+    scatter_by_allreduce: bool = False,
+    turns: float = 1.0,
+) -> Prediction:
     """Groups of `tensor` ranks (default: all `devices`) splitting the plan's layers; several groups split the
     batch, FSDP2 sharding each rank's weights over them. Each ring message costs alpha twice (its latency, and
     its rank's CPU time); `turns`: CPU processes per core, which stretch the host work per collective."""
     tensor = tensor or devices
     groups, name = devices // tensor, tensor_name(devices, tensor)
     if devices % tensor or tensor not in work.tensor_splits:
-        return Prediction(name, devices, 0.0, 0.0, float("inf"),
-                          note=f"the model's tensor plan does not split over {tensor} ranks")
+        return Prediction(
+            name,
+            devices,
+            0.0,
+            0.0,
+            float("inf"),
+            note=f"the model's tensor plan does not split over {tensor} ranks",
+        )
     held = work.tensor_rank_bytes(tensor)
     compute = work.tensor_pass(devices, tensor) + work.update_seconds * held / work.parameter_bytes / groups
-    rings = {"all-reduce": 2, "reduce-scatter": 2 if scatter_by_allreduce else 1, "all-gather": 1,
-             "small all-reduce": 2}       # passes around the ring of each kind (gloo reduce-scatters by all-reducing)
+    rings = {
+        "all-reduce": 2,
+        "reduce-scatter": 2 if scatter_by_allreduce else 1,
+        "all-gather": 1,
+        "small all-reduce": 2,
+    }  # passes around the ring of each kind (gloo reduce-scatters by all-reducing)
     moved = messages = calls = 0.0
     for kind, sizes in tensor_collectives(work, devices, tensor).items():
         moved += rings[kind] * sum(sizes)
@@ -266,12 +312,22 @@ def tensor_parallel(work: Workload, devices: int, link: Link, *, tensor: Optiona
         calls += len(sizes)
     communication = (tensor - 1) / tensor * moved / link.beta + 2 * messages * link.alpha
     shard_messages = 0.0
-    if groups > 1:                   # FSDP2 over the data dimension, on each rank's weights
-        data = sharded(replace(work, parameter_bytes=held), groups, link, scatter_by_allreduce=scatter_by_allreduce)
+    if groups > 1:  # FSDP2 over the data dimension, on each rank's weights
+        data = sharded(
+            replace(work, parameter_bytes=held), groups, link, scatter_by_allreduce=scatter_by_allreduce
+        )
         communication, messages = communication + data.communication, messages + data.messages
         shard_messages = data.messages
-    return Prediction(name, devices, compute, communication, messages=messages, shard_messages=shard_messages,
-                      collectives=calls, turns=turns)
+    return Prediction(
+        name,
+        devices,
+        compute,
+        communication,
+        messages=messages,
+        shard_messages=shard_messages,
+        collectives=calls,
+        turns=turns,
+    )
 
 
 def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
@@ -291,29 +347,47 @@ def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
     return max(0.0, (measured_seconds - prediction.step_seconds) / shared)
 
 
-def predict_all(work: Workload, devices: int, link: Link, *, microbatches: int = 4, servers: int = 1,
-                contiguous: Collection[str] = (), scatter_by_allreduce: bool = False,
-                message_costs: Optional[Mapping[str, float]] = None, meshes: bool = True,
-                turns: float = 1.0) -> Dict[str, Prediction]:
+def predict_all(
+    work: Workload,
+    devices: int,
+    link: Link,
+    *,
+    microbatches: int = 4,
+    servers: int = 1,
+    contiguous: Collection[str] = (),
+    scatter_by_allreduce: bool = False,
+    message_costs: Optional[Mapping[str, float]] = None,
+    meshes: bool = True,
+    turns: float = 1.0,
+) -> Dict[str, Prediction]:
     """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
     in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
     reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s: per
     collective, for every tensor layout); `turns`: CPU processes per core. Tensor parallelism where the model
     has a plan: one group of all devices (`tensor`), and with `meshes` each (data, tensor) mesh of smaller
     groups (`tensor RxT`)."""
+
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
+
     if devices == 1:
         return {"single": Prediction("single", 1, of("single").compute_seconds, 0.0)}
     predictions = {
         "data": data_parallel(of("data"), devices, link),
         "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
         "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
-        "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches)}
+        "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches),
+    }
     for tensor in work.tensor_splits:
         if devices % tensor == 0 and (tensor == devices or meshes):
-            predicted = tensor_parallel(of("tensor"), devices, link, tensor=tensor,
-                                        scatter_by_allreduce=scatter_by_allreduce, turns=turns)
+            predicted = tensor_parallel(
+                of("tensor"),
+                devices,
+                link,
+                tensor=tensor,
+                scatter_by_allreduce=scatter_by_allreduce,
+                turns=turns,
+            )
             predictions[predicted.strategy] = predicted
     costs = message_costs or {}
     return {name: priced(p, costs) for name, p in predictions.items()}
@@ -326,18 +400,23 @@ def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
     own = costs.get(prediction.strategy.split()[0], 0.0)
     if not prediction.collectives:
         return with_message_cost(prediction, own)
-    extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get("sharded", own)
+    extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get(
+        "sharded", own
+    )
     return replace(prediction, communication=prediction.communication + extra)
 
 
-def choose(predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None) -> Optional[Prediction]:
+def choose(
+    predictions: Dict[str, Prediction], *, fits: Optional[Dict[str, bool]] = None
+) -> Optional[Prediction]:
     """The fastest prediction among the strategies that fit in memory (all, when `fits` is None)."""
     candidates = [p for name, p in predictions.items() if fits is None or fits.get(name, False)]
     return min(candidates, key=lambda p: p.step_seconds, default=None)
 
 
-def memory_per_rank(work: Workload, strategy: str, devices: int, *, optimizer_slots: int = 1,
-                    servers: int = 1) -> float:
+def memory_per_rank(
+    work: Workload, strategy: str, devices: int, *, optimizer_slots: int = 1, servers: int = 1
+) -> float:
     """Bytes the busiest rank holds: weights, gradients and `optimizer_slots` tensors of optimizer state per
     weight, plus the activations kept for backward for its slice (`activation_bytes` per sample; without them,
     each cut's bytes per sample).

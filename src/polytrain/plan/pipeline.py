@@ -9,6 +9,7 @@ With `--tensor-parallel T` every stage is split over T consecutive ranks (the te
 TensorPlan.coords): rank (replica x stages + stage) x T + t holds tensor slice t of that stage, so
 `--devices 8 --pipeline-stages 2 --tensor-parallel 2` is a 2 x 2 x 2 (data, pipeline, tensor) mesh.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,23 +34,31 @@ def divisors(n: int) -> list:
 @dataclass(frozen=True)
 class PipelineLayout:
     devices: int
-    ranks: int               # pipeline ranks per replica (--pipeline-stages)
-    tensor: int = 1          # ranks each stage is split over (--tensor-parallel), consecutive
+    ranks: int  # pipeline ranks per replica (--pipeline-stages)
+    tensor: int = 1  # ranks each stage is split over (--tensor-parallel), consecutive
 
     def __post_init__(self) -> None:
         if self.ranks < 2 and self.tensor > 1:
-            raise ConfigError(f"--strategy pipeline --tensor-parallel {self.tensor} needs at least 2 pipeline stages "
-                              f"of {self.tensor} ranks, got {self.ranks}; use --devices {2 * self.tensor} or more")
+            raise ConfigError(
+                f"--strategy pipeline --tensor-parallel {self.tensor} needs at least 2 pipeline stages "
+                f"of {self.tensor} ranks, got {self.ranks}; use --devices {2 * self.tensor} or more"
+            )
         if self.ranks < 2:
-            raise ConfigError(f"--strategy pipeline needs at least 2 pipeline stages, got {self.ranks}; use "
-                              f"--devices 2 or more (or --strategy data for replicas only)")
+            raise ConfigError(
+                f"--strategy pipeline needs at least 2 pipeline stages, got {self.ranks}; use "
+                f"--devices 2 or more (or --strategy data for replicas only)"
+            )
         if self.tensor == 1 and self.devices % self.ranks:
-            raise ConfigError(f"--pipeline-stages {self.ranks} does not divide --devices {self.devices}; use one "
-                              f"of {', '.join(str(d) for d in divisors(self.devices) if d > 1)}")
+            raise ConfigError(
+                f"--pipeline-stages {self.ranks} does not divide --devices {self.devices}; use one "
+                f"of {', '.join(str(d) for d in divisors(self.devices) if d > 1)}"
+            )
         if self.tensor > 1 and self.devices % (self.ranks * self.tensor):
-            raise ConfigError(f"--pipeline-stages {self.ranks} x --tensor-parallel {self.tensor} = "
-                              f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
-                              f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages")
+            raise ConfigError(
+                f"--pipeline-stages {self.ranks} x --tensor-parallel {self.tensor} = "
+                f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
+                f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages"
+            )
 
     @property
     def replicas(self) -> int:
@@ -81,7 +90,7 @@ class PipelineLayout:
 
     @property
     def mesh_names(self) -> Tuple[str, ...]:
-        return ("dp", "pp", "tp")[:len(self.mesh_shape())]
+        return ("dp", "pp", "tp")[: len(self.mesh_shape())]
 
 
 def default_microbatches(per_replica_batch: int, ranks: int) -> int:
@@ -97,8 +106,10 @@ def check_microbatches(microbatches: int, *, per_replica_batch: int, replicas: i
     if microbatches > per_replica_batch or per_replica_batch % microbatches:
         choices = ", ".join(map(str, divisors(per_replica_batch)))
         problem = "is larger than" if microbatches > per_replica_batch else "does not divide"
-        raise ConfigError(f"--microbatches {microbatches} {problem} the batch of {per_replica_batch} each "
-                          f"pipeline gets ({where}); use one of {choices}")
+        raise ConfigError(
+            f"--microbatches {microbatches} {problem} the batch of {per_replica_batch} each "
+            f"pipeline gets ({where}); use one of {choices}"
+        )
 
 
 def microbatches_for(samples: int, wanted: int, *, schedule: str, ranks: int) -> int:
@@ -126,19 +137,20 @@ def runnable_schedule(schedule: str, microbatches: int, ranks: int) -> str:
 @dataclass(frozen=True)
 class PipelinePlan:
     """Everything a pipeline worker needs, computed once in the launching process."""
+
     layout: PipelineLayout
     schedule: str
     microbatches: int
-    points: Tuple[int, ...]                 # first layer of model stages 1..n-1
-    layer_names: Tuple[str, ...]            # the flattened layers, by their names in the model
-    input_shape: Tuple[int, ...] = ()       # one sample (C, H, W), to work out the shapes stages exchange
-    costs: Optional[Tuple[float, ...]] = None     # per layer, measured for --split auto
-    cost_unit: str = "seconds"              # "seconds" (forward + backward) or "bytes" (memory held)
-    input_dtype: str = "float32"            # of the model's input: token ids reach the first stage as int64
-    split_at: Tuple[str, ...] = ()          # --split-at: traced stages begin at these modules (layer_names:
+    points: Tuple[int, ...]  # first layer of model stages 1..n-1
+    layer_names: Tuple[str, ...]  # the flattened layers, by their names in the model
+    input_shape: Tuple[int, ...] = ()  # one sample (C, H, W), to work out the shapes stages exchange
+    costs: Optional[Tuple[float, ...]] = None  # per layer, measured for --split auto
+    cost_unit: str = "seconds"  # "seconds" (forward + backward) or "bytes" (memory held)
+    input_dtype: str = "float32"  # of the model's input: token ids reach the first stage as int64
+    split_at: Tuple[str, ...] = ()  # --split-at: traced stages begin at these modules (layer_names:
     #                                         the modules each traced stage holds, in order)
-    micro_batch: int = 0                    # --split-at: samples of a training micro-batch, the traced shape
-    tensor: Optional[TensorPlan] = None     # --tensor-parallel: how each stage's layers are split, by their
+    micro_batch: int = 0  # --split-at: samples of a training micro-batch, the traced shape
+    tensor: Optional[TensorPlan] = None  # --tensor-parallel: how each stage's layers are split, by their
     #                                         names in the whole model (layout.tensor ranks per stage)
 
     def __post_init__(self) -> None:
@@ -146,19 +158,36 @@ class PipelinePlan:
             check_tensor_cuts(self.tensor.styles, self.layer_names, self.points)
 
     def describe(self) -> str:
-        where = (f"traced, split before modules {', '.join(self.split_at)}" if self.split_at else
-                 f"split before layers {', '.join(map(str, self.points))}")
-        tensor = (f"; each stage split over {self.layout.tensor} tensor ranks: "
-                  f"{self.tensor.describe().split(': ', 1)[-1]}" if self.tensor else "")
-        return (f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
-                f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}")
+        where = (
+            f"traced, split before modules {', '.join(self.split_at)}"
+            if self.split_at
+            else f"split before layers {', '.join(map(str, self.points))}"
+        )
+        tensor = (
+            f"; each stage split over {self.layout.tensor} tensor ranks: "
+            f"{self.tensor.describe().split(': ', 1)[-1]}"
+            if self.tensor
+            else ""
+        )
+        return (
+            f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
+            f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}"
+        )
 
     def record(self) -> dict:
         """The placement, for config.json: each model stage's layers by name, and the pipeline rank holding it
         (and how each stage is split over its tensor ranks)."""
-        return {"stages": [{"stage": stage, "pipeline_rank": stage % self.layout.ranks,
-                            "layers": [self.layer_names[i] for i in self.stage_layers(stage)]}
-                           for stage in range(self.model_stages)], **(self.tensor.record() if self.tensor else {})}
+        return {
+            "stages": [
+                {
+                    "stage": stage,
+                    "pipeline_rank": stage % self.layout.ranks,
+                    "layers": [self.layer_names[i] for i in self.stage_layers(stage)],
+                }
+                for stage in range(self.model_stages)
+            ],
+            **(self.tensor.record() if self.tensor else {}),
+        }
 
     @property
     def model_stages(self) -> int:
@@ -177,18 +206,28 @@ def check_tensor_cuts(styles, layer_names, points) -> None:
     """One line where a stage would begin between a column-wise layer and the row-wise layer that sums its parts
     (or after a column-wise layer that none sums): the activations between them are split over the tensor ranks,
     and stages exchange whole activations."""
+
     def layer_of(module: str) -> int:
-        return next(i for i, name in enumerate(layer_names) if module == name or module.startswith(name + "."))
+        return next(
+            i for i, name in enumerate(layer_names) if module == name or module.startswith(name + ".")
+        )
+
     opened = None
     for module, style, _ in (*styles, ("", "end", 1)):
         at = len(layer_names) if style == "end" else layer_of(module)
         if opened and style in ("rowwise", "end"):
             cut = [point for point in points if opened[1] < point <= at]
             if cut:
-                then = f"and {module} (rowwise)" if style == "rowwise" else "and the model's end (no rowwise layer)"
-                raise ConfigError(f"--tensor-parallel: a pipeline stage begins at layer {cut[0]}, between "
-                                  f"{opened[0]} (colwise) {then}, whose activations are split over the tensor "
-                                  f"ranks; give a --split that keeps them on one stage")
+                then = (
+                    f"and {module} (rowwise)"
+                    if style == "rowwise"
+                    else "and the model's end (no rowwise layer)"
+                )
+                raise ConfigError(
+                    f"--tensor-parallel: a pipeline stage begins at layer {cut[0]}, between "
+                    f"{opened[0]} (colwise) {then}, whose activations are split over the tensor "
+                    f"ranks; give a --split that keeps them on one stage"
+                )
             opened = None
         if style == "colwise":
             opened = (module, at)

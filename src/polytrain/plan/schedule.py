@@ -4,6 +4,7 @@ Pure functions of counts, for tests, planning and printing. A forward takes one 
 `backward_ticks`, and sending activations or gradients between ranks is free. With `ranks` ranks and
 `stages_per_rank` model chunks on each, stage s lives on rank s % ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ KINDS = ("gpipe", "1f1b", "interleaved-1f1b")
 @dataclass(frozen=True)
 class Action:
     """One forward ("F") or backward ("B") of one microbatch through one stage."""
+
     kind: str
     microbatch: int
     stage: int
@@ -37,7 +39,7 @@ def _one_f_one_b(warmup: int, forwards: List[Action], backwards: List[Action]) -
     order = forwards[:warmup]
     for k in range(len(forwards) - warmup):
         order += [forwards[warmup + k], backwards[k]]
-    return order + backwards[len(forwards) - warmup:]
+    return order + backwards[len(forwards) - warmup :]
 
 
 def _interleaved(rank: int, ranks: int, microbatches: int, chunks: int) -> List[Action]:
@@ -50,7 +52,9 @@ def _interleaved(rank: int, ranks: int, microbatches: int, chunks: int) -> List[
 
     total = microbatches * chunks
     warmup = min(total, (chunks - 1) * ranks + 2 * (ranks - rank - 1))
-    return _one_f_one_b(warmup, [action("F", k) for k in range(total)], [action("B", k) for k in range(total)])
+    return _one_f_one_b(
+        warmup, [action("F", k) for k in range(total)], [action("B", k) for k in range(total)]
+    )
 
 
 def rank_orders(kind: str, *, ranks: int, microbatches: int, stages_per_rank: int = 1) -> List[List[Action]]:
@@ -66,14 +70,18 @@ def rank_orders(kind: str, *, ranks: int, microbatches: int, stages_per_rank: in
     if kind not in KINDS:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(KINDS)}; got {kind!r}")
     if ranks < 1 or microbatches < 1 or stages_per_rank < 1:
-        raise ValueError(f"ranks ({ranks}), microbatches ({microbatches}) and stages per rank "
-                         f"({stages_per_rank}) must all be at least 1")
+        raise ValueError(
+            f"ranks ({ranks}), microbatches ({microbatches}) and stages per rank "
+            f"({stages_per_rank}) must all be at least 1"
+        )
     if kind == "interleaved-1f1b":
         if microbatches % ranks:
             low, high = microbatches // ranks * ranks, (microbatches // ranks + 1) * ranks
             fix = f"{low} or {high}" if low else str(high)
-            raise ConfigError(f"--microbatches {microbatches} must be a multiple of the {ranks} pipeline ranks "
-                              f"for the interleaved-1f1b schedule: use --microbatches {fix}")
+            raise ConfigError(
+                f"--microbatches {microbatches} must be a multiple of the {ranks} pipeline ranks "
+                f"for the interleaved-1f1b schedule: use --microbatches {fix}"
+            )
         return [_interleaved(r, ranks, microbatches, stages_per_rank) for r in range(ranks)]
     if stages_per_rank != 1:
         raise ValueError(f"the {kind} schedule runs one stage per rank, not {stages_per_rank}")
@@ -95,8 +103,9 @@ def _ready(action: Action, finished: dict, tick: int, stages: int) -> bool:
     return done("F", action.stage) and (action.stage == stages - 1 or done("B", action.stage + 1))
 
 
-def simulate(orders: Sequence[Sequence[Action]], *, ranks: int, stages: int,
-             backward_ticks: int = 1) -> List[List[Optional[Action]]]:
+def simulate(
+    orders: Sequence[Sequence[Action]], *, ranks: int, stages: int, backward_ticks: int = 1
+) -> List[List[Optional[Action]]]:
     """The clock-tick table of `orders`: table[rank][tick] is the action running then, or None (idle).
 
     Each rank runs its actions strictly in its order, one at a time, each as soon as its inputs exist:
@@ -110,17 +119,21 @@ def simulate(orders: Sequence[Sequence[Action]], *, ranks: int, stages: int,
     for r, order in enumerate(orders):
         for a in order:
             if not 0 <= a.stage < stages or a.stage % ranks != r:
-                raise ValueError(f"rank {r} cannot run {a!r}: it holds the stages s < {stages} "
-                                 f"with s % {ranks} == {r}")
-    finished = {}               # (kind, microbatch, stage) -> the last tick it occupies
+                raise ValueError(
+                    f"rank {r} cannot run {a!r}: it holds the stages s < {stages} with s % {ranks} == {r}"
+                )
+    finished = {}  # (kind, microbatch, stage) -> the last tick it occupies
     table: List[List[Optional[Action]]] = [[] for _ in range(ranks)]
     position, running, busy_until = [0] * ranks, [None] * ranks, [-1] * ranks
     tick = 0
     while any(position[r] < len(orders[r]) or busy_until[r] >= tick for r in range(ranks)):
         moved = False
         for r in range(ranks):
-            if busy_until[r] < tick and position[r] < len(orders[r]) \
-                    and _ready(orders[r][position[r]], finished, tick, stages):
+            if (
+                busy_until[r] < tick
+                and position[r] < len(orders[r])
+                and _ready(orders[r][position[r]], finished, tick, stages)
+            ):
                 running[r] = action = orders[r][position[r]]
                 position[r] += 1
                 busy_until[r] = tick + (backward_ticks if action.kind == "B" else 1) - 1
@@ -130,8 +143,11 @@ def simulate(orders: Sequence[Sequence[Action]], *, ranks: int, stages: int,
             moved |= busy
             table[r].append(running[r] if busy else None)
         if not moved:
-            stuck = ", ".join(f"rank {r} at {orders[r][position[r]]!r}" for r in range(ranks)
-                              if position[r] < len(orders[r]))
+            stuck = ", ".join(
+                f"rank {r} at {orders[r][position[r]]!r}"
+                for r in range(ranks)
+                if position[r] < len(orders[r])
+            )
             raise RuntimeError(f"pipeline schedule deadlocks at tick {tick}: {stuck}")
         tick += 1
     return table
@@ -154,5 +170,6 @@ def render(table: Sequence[Sequence[Optional[Action]]]) -> str:
     """The table as text, one line per rank and one column per tick; "." marks an idle tick."""
     cells = [[str(a) if a is not None else "." for a in row] for row in table]
     width = max((len(c) for row in cells for c in row), default=1)
-    return "\n".join(f"rank {r}: " + " ".join(c.ljust(width) for c in row).rstrip()
-                     for r, row in enumerate(cells))
+    return "\n".join(
+        f"rank {r}: " + " ".join(c.ljust(width) for c in row).rstrip() for r, row in enumerate(cells)
+    )

@@ -1,4 +1,5 @@
 """What a sharded run's workers are told, checked in the launching process."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """The process's surroundings: what a launcher told it, its share of the cores, the C allocator."""
+
 from __future__ import annotations
 
 import ctypes
@@ -19,13 +20,14 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 class LauncherEnv:
     """What the launcher that started this process told it: torchrun (or another torch elastic agent), or
     SLURM's srun (one task per device)."""
+
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     restart_count: int
     max_restarts: int
-    rendezvous: Optional[str] = None       # "tcp://host:port" under srun; None: torchrun's environment
+    rendezvous: Optional[str] = None  # "tcp://host:port" under srun; None: torchrun's environment
 
 
 def launcher_env() -> Optional[LauncherEnv]:
@@ -33,18 +35,29 @@ def launcher_env() -> Optional[LauncherEnv]:
     (also inside an interactive SLURM allocation with one task, where --devices N starts its own workers)."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
-        return LauncherEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
-                           int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-                           int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                           int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+        return LauncherEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", "0")),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+        )
     try:
         task = slurm_task(env)
     except ValueError as error:
         raise UserError(f"under srun: {error}") from None
     if task is None:
         return None
-    return LauncherEnv(task.rank, task.world_size, task.local_rank, task.local_world_size, task.restart_count, 0,
-                       rendezvous=f"tcp://{task.master_addr}:{task.master_port}")
+    return LauncherEnv(
+        task.rank,
+        task.world_size,
+        task.local_rank,
+        task.local_world_size,
+        task.restart_count,
+        0,
+        rendezvous=f"tcp://{task.master_addr}:{task.master_port}",
+    )
 
 
 def usable_cores() -> int:
@@ -80,7 +93,8 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and \
-            bool(libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+        )
     except (OSError, AttributeError):
         return False

@@ -1,6 +1,7 @@
 """How worker processes start: in this process, under an external torchrun, or spawned by torch's elastic
 agent (the machinery behind torchrun) on this machine. Strategies know nothing of this.
 """
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError, UserError
 from ..checkpoint import read_progress
+from ..errors import ConfigError, UserError
 from .hostenv import launcher_env, most_cpu_processes, usable_cores
 from .stopping import TrainingInterrupted, interrupted_message
 from .worker import Job, WorkerResult, train_worker
@@ -33,13 +34,17 @@ def check_devices(devices: int, device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu")
     if wants_cuda and devices > torch.cuda.device_count():
-        raise ConfigError(f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
-                          f"use --devices {torch.cuda.device_count()} or fewer")
+        raise ConfigError(
+            f"--devices {devices} is more than the {torch.cuda.device_count()} GPU(s) present; "
+            f"use --devices {torch.cuda.device_count()} or fewer"
+        )
     most = most_cpu_processes()
     if not wants_cuda and devices > most:
-        raise ConfigError(f"--devices {devices}: this machine has {usable_cores()} cores, and more than {most} CPU "
-                          f"processes would only take turns on them; use --devices {most} or fewer (polytrain bench "
-                          f"--predict {devices} projects larger counts)")
+        raise ConfigError(
+            f"--devices {devices}: this machine has {usable_cores()} cores, and more than {most} CPU "
+            f"processes would only take turns on them; use --devices {most} or fewer (polytrain bench "
+            f"--predict {devices} projects larger counts)"
+        )
 
 
 def check_main_guard(devices: int) -> None:
@@ -48,9 +53,11 @@ def check_main_guard(devices: int) -> None:
     again inside it, which ends in a page of multiprocessing tracebacks."""
     where = unguarded_main_call()
     if where is not None:
-        raise UserError(f"polytrain trains on devices={devices} in worker processes that import your script again, "
-                        f"and {where} would start training again in each of them; put the code that trains under "
-                        f"`if __name__ == \"__main__\":`")
+        raise UserError(
+            f"polytrain trains on devices={devices} in worker processes that import your script again, "
+            f"and {where} would start training again in each of them; put the code that trains under "
+            f'`if __name__ == "__main__":`'
+        )
 
 
 def unguarded_main_call() -> Optional[str]:
@@ -59,20 +66,23 @@ def unguarded_main_call() -> Optional[str]:
     main = sys.modules.get("__main__")
     spec_name = getattr(getattr(main, "__spec__", None), "name", None)
     if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
-        return None              # `python -m package`: multiprocessing does not re-run a package's __main__
+        return None  # `python -m package`: multiprocessing does not re-run a package's __main__
     path = getattr(main, "__file__", None)
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
     if path is None or frame is None:
-        return None              # an interactive session or notebook: nothing is imported again
-    try:                         # bytes: the parser honours the script's own coding line
+        return None  # an interactive session or notebook: nothing is imported again
+    try:  # bytes: the parser honours the script's own coding line
         tree = ast.parse(Path(frame.f_code.co_filename).read_bytes(), frame.f_code.co_filename)
     except (OSError, SyntaxError, ValueError):
         return None
     line = frame.f_lineno
-    if any(_is_main_guard(node.test) and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
-           for node in ast.walk(tree) if isinstance(node, ast.If)):
+    if any(
+        _is_main_guard(node.test) and node.body[0].lineno <= line <= (node.body[-1].end_lineno or line)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+    ):
         return None
     return f"{Path(frame.f_code.co_filename).name}:{line}"
 
@@ -82,13 +92,19 @@ def _is_main_guard(test: ast.expr) -> bool:
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return False
     sides = (test.left, test.comparators[0])
-    return any(isinstance(a, ast.Name) and a.id == "__name__" and isinstance(b, ast.Constant) and b.value == "__main__"
-               for a, b in (sides, sides[::-1]))
+    return any(
+        isinstance(a, ast.Name)
+        and a.id == "__name__"
+        and isinstance(b, ast.Constant)
+        and b.value == "__main__"
+        for a, b in (sides, sides[::-1])
+    )
 
 
 def spawns_workers(strategy: str, devices: int) -> bool:
     """Whether training `strategy` on `devices` starts worker processes here (not under torchrun or srun)."""
     from ..strategies import STRATEGIES
+
     return launcher_env() is None and (devices > 1 or STRATEGIES[strategy].needs_process_group)
 
 
@@ -103,18 +119,29 @@ def spawn_workers(job: Job) -> WorkerResult:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = job.config
-    check_main_guard(config.devices)          # fit() checked it before writing anything; bench and verify here
+    check_main_guard(config.devices)  # fit() checked it before writing anything; bench and verify here
     loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     with tempfile.TemporaryDirectory(prefix="polytrain-agent-") as agent_files:
         launch = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=config.devices,
-            run_id=f"polytrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-            max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
-            **loopback, **_logs_in(agent_files))
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=config.devices,
+            run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            max_restarts=config.max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            **loopback,
+            **_logs_in(agent_files),
+        )
         # polytrain reports a failed worker or a signal itself (one line, or its traceback); the agent's own
         # log would say it a second time. Its loggers set their own levels, so each is quietened.
-        quiet = [logging.getLogger(name) for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]
-                 if name.startswith("torch.distributed.elastic")]
+        quiet = [
+            logging.getLogger(name)
+            for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]
+            if name.startswith("torch.distributed.elastic")
+        ]
         levels = [logger.level for logger in quiet]
         for logger in quiet:
             logger.setLevel(logging.CRITICAL)
@@ -135,7 +162,9 @@ def spawn_workers(job: Job) -> WorkerResult:
 def interrupted(signal_number: int, run_dir) -> TrainingInterrupted:
     progress = read_progress(run_dir) if run_dir else None
     where = progress.where() if progress is not None else None
-    return TrainingInterrupted(interrupted_message(signal_number, run_dir, where), signal_number=signal_number)
+    return TrainingInterrupted(
+        interrupted_message(signal_number, run_dir, where), signal_number=signal_number
+    )
 
 
 def _logs_in(folder: str) -> dict:
@@ -154,7 +183,9 @@ def worker_failure(failed) -> WorkerFailed:
     message = str(record.get("message") or "").strip()
     trace = str(record.get("extraInfo", {}).get("py_callstack", ""))
     if message == "" or message.startswith("Signal") or message == "<N/A>":
-        message = f"exited with code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.signal else "")
+        message = f"exited with code {failure.exitcode}" + (
+            f" ({failure.signal_name()})" if failure.signal else ""
+        )
         return WorkerFailed(f"worker rank {rank} failed: {message}")
     error_class = message.split(":", 1)[0]
     if error_class == "WorkerHang":

@@ -2,6 +2,7 @@
 
 Pure functions of an environment mapping (no torch, no os.environ) so callers can test and reuse them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -78,6 +79,7 @@ def port_for_job(job_id: str) -> int:
 @dataclass(frozen=True)
 class SlurmTask:
     """One task's place in a multi-task srun step and the address its group meets at."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -119,7 +121,9 @@ def _local_world_size(env: Mapping[str, str], node_rank: int, world_size: int) -
         if env.get(name):
             counts = _parse(env, name, tasks_per_node, "set SLURM_NTASKS_PER_NODE")
             if node_rank >= len(counts):
-                raise ValueError(f"{name}={env[name]!r} lists {len(counts)} nodes but SLURM_NODEID is {node_rank}")
+                raise ValueError(
+                    f"{name}={env[name]!r} lists {len(counts)} nodes but SLURM_NODEID is {node_rank}"
+                )
             return counts[node_rank]
     return world_size
 
@@ -132,10 +136,12 @@ def slurm_task(env: Mapping[str, str]) -> Optional[SlurmTask]:
     if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
         return None
     world_size, rank = _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_PROCID")
-    if world_size <= 1:             # srun -n 1 behaves as a plain machine: --devices N starts its own workers
+    if world_size <= 1:  # srun -n 1 behaves as a plain machine: --devices N starts its own workers
         return None
     if rank >= world_size:
-        raise ValueError(f"SLURM_PROCID={rank} is not below SLURM_STEP_NUM_TASKS={world_size}: fix the srun options")
+        raise ValueError(
+            f"SLURM_PROCID={rank} is not below SLURM_STEP_NUM_TASKS={world_size}: fix the srun options"
+        )
     node_rank = _int(env, "SLURM_NODEID", 0)
     if env.get("MASTER_PORT"):
         port = _int(env, "MASTER_PORT")
@@ -145,5 +151,13 @@ def slurm_task(env: Mapping[str, str]) -> Optional[SlurmTask]:
         port = _parse(env, "SLURM_JOB_ID", port_for_job, "set MASTER_PORT")
     else:
         raise ValueError("SLURM_JOB_ID is not set: set MASTER_PORT")
-    return SlurmTask(rank, world_size, _int(env, "SLURM_LOCALID", 0), _local_world_size(env, node_rank, world_size),
-                     node_rank, env.get("MASTER_ADDR") or _first_host(env), port, _int(env, "SLURM_RESTART_COUNT", 0))
+    return SlurmTask(
+        rank,
+        world_size,
+        _int(env, "SLURM_LOCALID", 0),
+        _local_world_size(env, node_rank, world_size),
+        node_rank,
+        env.get("MASTER_ADDR") or _first_host(env),
+        port,
+        _int(env, "SLURM_RESTART_COUNT", 0),
+    )

@@ -15,6 +15,7 @@ every rank the same way, without the signal's exit.
 A second signal stops at once. A Ctrl-C reaches every process of the terminal's group and the launcher
 passes it on once more, so a repeat within `REPEAT_WINDOW` seconds counts as the same request.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ from ..errors import UserError
 
 REPEAT_WINDOW = 2.0
 VOTE_SECONDS = 0.2
-MAX_VOTE_INTERVAL = 100          # steps
+MAX_VOTE_INTERVAL = 100  # steps
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -60,19 +61,19 @@ class StopSignal:
     """Catches SIGINT/SIGTERM while training runs; `should_stop()` says when every rank is to stop."""
 
     def __init__(self, *, exit_on_repeat: bool):
-        self.exit_on_repeat = exit_on_repeat      # a worker process of ours: leave at once; else raise
+        self.exit_on_repeat = exit_on_repeat  # a worker process of ours: leave at once; else raise
         self.received: Optional[int] = None
         self.first_at = 0.0
         self.previous = {}
         self.group = None
         self.world_size = 1
-        self.pending = None          # the vote in flight, and the number of steps it covers
+        self.pending = None  # the vote in flight, and the number of steps it covers
         self.vote = None
         self.covered = 1
-        self.interval = 1            # steps from one vote to the next; the same on every rank
+        self.interval = 1  # steps from one vote to the next; the same on every rank
         self.steps = 0
         self.voted_at = 0.0
-        self.signalled = False       # the agreed stop came from a signal (not only from a request)
+        self.signalled = False  # the agreed stop came from a signal (not only from a request)
 
     def install(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
@@ -92,7 +93,11 @@ class StopSignal:
         if now - self.first_at < REPEAT_WINDOW:
             return
         if self.exit_on_repeat:
-            print(f"polytrain: second {signal.Signals(number).name}, stopping at once", file=sys.stderr, flush=True)
+            print(
+                f"polytrain: second {signal.Signals(number).name}, stopping at once",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + number)
         raise KeyboardInterrupt
 
@@ -116,7 +121,7 @@ class StopSignal:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            wanted, asked, seconds = self.vote.tolist()   # identical on every rank, so are the decisions
+            wanted, asked, seconds = self.vote.tolist()  # identical on every rank, so are the decisions
             if wanted > 0 or asked > 0:
                 self.signalled = wanted > 0
                 return True
@@ -124,13 +129,15 @@ class StopSignal:
             self.interval = max(1, min(MAX_VOTE_INTERVAL, int(VOTE_SECONDS / max(step_seconds, 1e-6))))
         now = time.monotonic()
         signalled = 0.0 if self.received is None else 1.0
-        self.vote = torch.tensor([signalled, float(bool(requested)), now - self.voted_at], dtype=torch.float64)
+        self.vote = torch.tensor(
+            [signalled, float(bool(requested)), now - self.voted_at], dtype=torch.float64
+        )
         self.pending = dist.all_reduce(self.vote, group=self.group, async_op=True)
         self.covered, self.steps, self.voted_at = self.steps, 0, now
         return False
 
     def close(self) -> None:
-        if self.pending is not None:          # every rank issued it: it completes
+        if self.pending is not None:  # every rank issued it: it completes
             self.pending.wait()
             self.pending = None
         self.uninstall()

@@ -8,6 +8,7 @@ autocast, a GPU without float64 speed), both sides train as configured, and the 
 in another summation order (each batch in two accumulation passes): the difference between those two is
 the noise floor, and N devices pass within `FLOOR_MULTIPLE` times it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,18 +21,22 @@ import torch
 # every strategy measured 1e-16 .. 1e-13 (docs/benchmarks.md), while the smallest fault verify must catch, one
 # rank's gradient scaled by 1 + 1e-6, moves the parameters by 1e-9 .. 1e-7 of their scale
 DEFAULT_TOLERANCE = 1e-10
-FLOOR_MULTIPLE = 10          # as trained: N devices may differ from one by this many times the noise floor
+FLOOR_MULTIPLE = 10  # as trained: N devices may differ from one by this many times the noise floor
 # GPUs whose float64 runs at half their float32 speed or better (P100, V100, A100, H100, B200)
 FLOAT64_GPUS = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 
-TOLERANCE_HELP = (f"largest allowed parameter difference, relative to the largest parameter's magnitude "
-                  f"(default: {DEFAULT_TOLERANCE:g}: float64 runs of every strategy agree to 1e-13 or better, "
-                  f"and one rank's gradient off by 1e-6 moves the parameters by 1e-9 or more); as trained "
-                  f"(fp16, bf16): {FLOOR_MULTIPLE} times the measured noise floor")
-COMPARE_HELP = ("float64: both sides train in float64 (exact to rounding; fp32 runs only); as-trained: in the "
-                "run's own precision, against the noise floor of the one-device run repeated in another "
-                "summation order; auto (default): float64 where the precision is fp32 and the device computes "
-                "float64 at speed (CPUs; P100/V100/A100/H100 GPUs)")
+TOLERANCE_HELP = (
+    f"largest allowed parameter difference, relative to the largest parameter's magnitude "
+    f"(default: {DEFAULT_TOLERANCE:g}: float64 runs of every strategy agree to 1e-13 or better, "
+    f"and one rank's gradient off by 1e-6 moves the parameters by 1e-9 or more); as trained "
+    f"(fp16, bf16): {FLOOR_MULTIPLE} times the measured noise floor"
+)
+COMPARE_HELP = (
+    "float64: both sides train in float64 (exact to rounding; fp32 runs only); as-trained: in the "
+    "run's own precision, against the noise floor of the one-device run repeated in another "
+    "summation order; auto (default): float64 where the precision is fp32 and the device computes "
+    "float64 at speed (CPUs; P100/V100/A100/H100 GPUs)"
+)
 
 
 def relative_difference(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -59,20 +64,30 @@ def compares_in_float64(compare: str, *, precision: str, device: torch.device) -
 @dataclass
 class Verdict:
     passed: bool
-    worst: float                    # the largest relative parameter difference, N devices against one
-    limit: float                    # what it had to stay within
-    floor: Optional[float] = None   # as trained: one device against itself in another summation order
+    worst: float  # the largest relative parameter difference, N devices against one
+    limit: float  # what it had to stay within
+    floor: Optional[float] = None  # as trained: one device against itself in another summation order
 
     def line(self) -> str:
-        floor = "" if self.floor is None else \
-            f"; noise floor {self.floor:.3e} (one device, each batch in two passes), limit {FLOOR_MULTIPLE} x " \
+        floor = (
+            ""
+            if self.floor is None
+            else f"; noise floor {self.floor:.3e} (one device, each batch in two passes), limit {FLOOR_MULTIPLE} x "
             f"max(floor, float32 epsilon)"
-        return (f"{'PASS' if self.passed else 'FAIL'}: largest parameter difference {self.worst:.3e} of the "
-                f"parameters' scale ({'within' if self.passed else 'beyond'} {self.limit:.3g}{floor})")
+        )
+        return (
+            f"{'PASS' if self.passed else 'FAIL'}: largest parameter difference {self.worst:.3e} of the "
+            f"parameters' scale ({'within' if self.passed else 'beyond'} {self.limit:.3g}{floor})"
+        )
 
 
-def judge(differences: Sequence[float], *, steps_match: bool, tolerance: float,
-          floor_differences: Optional[Sequence[float]] = None) -> Verdict:
+def judge(
+    differences: Sequence[float],
+    *,
+    steps_match: bool,
+    tolerance: float,
+    floor_differences: Optional[Sequence[float]] = None,
+) -> Verdict:
     """PASS where every step's difference stays within `tolerance` (float64), or within FLOOR_MULTIPLE times
     the noise floor where `floor_differences` (the one-device run against itself) are given."""
     worst = max(differences, default=0.0)

@@ -7,6 +7,7 @@ so the elastic agent stops every other worker and polytrain exits non-zero with 
 Ranks blocked in a collective (waiting for the stuck one) wait a grace period before reporting, so the
 report names the rank that is really stuck rather than the ones waiting for it.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ class Watchdog(Callback):
         self.beat(trainer.position.epoch, step + 1)
 
     def on_eval_step(self, trainer, step):
-        self.last_beat = time.monotonic()       # a long validation pass is progress too
+        self.last_beat = time.monotonic()  # a long validation pass is progress too
 
     def on_epoch_end(self, trainer, record):
         self.beat(record["epoch"], 0)
@@ -72,7 +73,7 @@ class Watchdog(Callback):
             if silent < self._limit():
                 continue
             stack = self.main_stack()
-            waiting = any(marker in stack[-1] for marker in WAITING_IN)     # the innermost frame
+            waiting = any(marker in stack[-1] for marker in WAITING_IN)  # the innermost frame
             # probably waiting for the stuck rank: let that one report first, also when it is still in its
             # first step (a pipeline's first stage can run a step ahead of a later stage)
             if waiting and silent < max(self._limit(), self.first_step_timeout) + max(5.0, self.timeout / 2):
@@ -86,14 +87,17 @@ class Watchdog(Callback):
     def describe(self, silent: float, stack: list, waiting: bool) -> str:
         epoch, step = self.position
         where = "waiting in a collective operation for another rank" if waiting else "stuck"
-        return (f"rank {self.rank} made no progress for {silent:.0f}s ({where}) in epoch {epoch + 1}, step "
-                f"{step + 1}; raise --hang-timeout if this step is legitimately slow. Its stack:\n"
-                + "".join(stack[-12:]).rstrip())
+        return (
+            f"rank {self.rank} made no progress for {silent:.0f}s ({where}) in epoch {epoch + 1}, step "
+            f"{step + 1}; raise --hang-timeout if this step is legitimately slow. Its stack:\n"
+            + "".join(stack[-12:]).rstrip()
+        )
 
     def report(self, silent: float, stack: list, waiting: bool) -> None:
         message = self.describe(silent, stack, waiting)
         try:
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
             ErrorHandler().record_exception(WorkerHang(message))
         finally:
             print(f"polytrain: {message}", file=sys.stderr, flush=True)

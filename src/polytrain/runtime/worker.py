@@ -1,4 +1,5 @@
 """What one training process does: join the group, build the strategy and loaders, run the trainer."""
+
 from __future__ import annotations
 
 import copy
@@ -13,51 +14,52 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder
-from ..user_callbacks import UserCallbacks
 from ..checkpoint import Checkpointer, Position, describe_position, restore_rng
 from ..config import TrainConfig
-from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
 from ..data import ArrayDataset
+from ..data.loader import make_loaders
 from ..errors import UserError
 from ..loggers import make_loggers, parse_loggers
 from ..models.lightning import plan_loop
 from ..objective import Objective
-from ..data.loader import make_loaders
 from ..optim import make_recipe
-from .stopping import StopSignal, TrainingInterrupted, interrupted_message
-from ..strategies import STRATEGIES
-from ..trainer import History, Trainer
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
+from ..strategies import STRATEGIES
+from ..trainer import History, Trainer
+from ..user_callbacks import UserCallbacks
+from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
+from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .watchdog import Watchdog
 
 
 @dataclass
 class Job:
     """Everything a worker needs; pickled to each spawned process."""
+
     config: TrainConfig
     strategy: str
     dataset: ArrayDataset
     model: nn.Module
-    run_dir: Optional[str] = None      # None: keep nothing on disk (Python API without out=)
+    run_dir: Optional[str] = None  # None: keep nothing on disk (Python API without out=)
     resume: bool = False
     verbose: bool = True
-    record_steps: bool = False         # per-step global loss and parameters, for `polytrain verify`
-    channels_last: bool = False        # resolved by the caller: on for registry models with convolutions
-    plan: object = None                # the strategy's plan, computed by the caller (Strategy.make_plan)
-    objective: Objective = None        # the loss and metrics; None: classification with --label-smoothing
-    loggers: tuple = ()                # logger objects given to fit(logger=...), called on the main rank
-    callbacks: tuple = ()              # the user's callback objects (fit(callbacks=...)), called on the main rank
-    bench: Optional[tuple] = None      # (warm-up steps, measured steps): time each step (`polytrain bench`)
-    optim: object = None               # optim.Recipe checked by the caller; None: made from the config
+    record_steps: bool = False  # per-step global loss and parameters, for `polytrain verify`
+    channels_last: bool = False  # resolved by the caller: on for registry models with convolutions
+    plan: object = None  # the strategy's plan, computed by the caller (Strategy.make_plan)
+    objective: Objective = None  # the loss and metrics; None: classification with --label-smoothing
+    loggers: tuple = ()  # logger objects given to fit(logger=...), called on the main rank
+    callbacks: tuple = ()  # the user's callback objects (fit(callbacks=...)), called on the main rank
+    bench: Optional[tuple] = None  # (warm-up steps, measured steps): time each step (`polytrain bench`)
+    optim: object = None  # optim.Recipe checked by the caller; None: made from the config
 
 
 @dataclass
 class WorkerResult:
     history: History
-    weights: dict          # the trained state dict, on the CPU
-    steps: list = None     # with Job.record_steps: (global loss, flat parameters) after each step
-    timings: list = None   # with Job.bench: every rank's measured steps and memory (stepclock.StepClock)
+    weights: dict  # the trained state dict, on the CPU
+    steps: list = None  # with Job.record_steps: (global loss, flat parameters) after each step
+    timings: list = None  # with Job.bench: every rank's measured steps and memory (stepclock.StepClock)
 
 
 def choose_device(kind: str, local_rank: int) -> torch.device:
@@ -82,12 +84,15 @@ def join_process_group(backend: str, launcher: LauncherEnv) -> None:
     env = os.environ
     if launcher.rendezvous is not None:
         try:
-            dist.init_process_group(backend, init_method=launcher.rendezvous, rank=launcher.rank,
-                                    world_size=launcher.world_size)
+            dist.init_process_group(
+                backend, init_method=launcher.rendezvous, rank=launcher.rank, world_size=launcher.world_size
+            )
         except dist.DistNetworkError as error:
             reason = str(error).strip().splitlines()[0][:160]
-            raise UserError(f"cannot meet the other tasks at {launcher.rendezvous[6:]} ({reason}); if the port "
-                            f"is taken, set MASTER_PORT to a free one for every task") from None
+            raise UserError(
+                f"cannot meet the other tasks at {launcher.rendezvous[6:]} ({reason}); if the port "
+                f"is taken, set MASTER_PORT to a free one for every task"
+            ) from None
         return
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)
@@ -99,14 +104,17 @@ def join_process_group(backend: str, launcher: LauncherEnv) -> None:
 
 def train_worker(job: Job) -> Optional[WorkerResult]:
     config = job.config
-    launcher = launcher_env()             # None: one process of its own (the caller's)
-    rank, world, local_rank, local_world = (launcher.rank, launcher.world_size, launcher.local_rank,
-                                            launcher.local_world_size) if launcher else (0, 1, 0, 1)
+    launcher = launcher_env()  # None: one process of its own (the caller's)
+    rank, world, local_rank, local_world = (
+        (launcher.rank, launcher.world_size, launcher.local_rank, launcher.local_world_size)
+        if launcher
+        else (0, 1, 0, 1)
+    )
     device = choose_device(config.device, local_rank)
     distributed = STRATEGIES[job.strategy].needs_process_group
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if launcher is not None:               # a process started for training: tune it (never the caller's)
+    if launcher is not None:  # a process started for training: tune it (never the caller's)
         keep_freed_memory()
         if device.type == "cpu":
             share_cores(local_world)
@@ -115,7 +123,7 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     stop = StopSignal(exit_on_repeat=launcher is not None).install()
     try:
         stop.connect(world)
-        if distributed and job.plan is not None:     # under torchrun every rank planned: follow rank 0's plan
+        if distributed and job.plan is not None:  # under torchrun every rank planned: follow rank 0's plan
             box = [job.plan]
             dist.broadcast_object_list(box, src=0)
             job.plan = box[0]
@@ -126,26 +134,48 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
             dist.destroy_process_group()
 
 
-def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv],
-           stop: StopSignal) -> Optional[WorkerResult]:
+def _train(
+    job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv], stop: StopSignal
+) -> Optional[WorkerResult]:
     config = job.config
     torch.manual_seed(config.seed)
     strategy = STRATEGIES[job.strategy](
-        device=device, rank=rank, world_size=world, precision=config.precision, compile=config.compile,
-        channels_last=job.channels_last, plan=job.plan, accumulate=config.accumulate,
-        clip_grad_norm=config.clip_grad_norm, clip_grad_value=config.clip_grad_value,
-        objective=job.objective or Objective(label_smoothing=config.label_smoothing))
+        device=device,
+        rank=rank,
+        world_size=world,
+        precision=config.precision,
+        compile=config.compile,
+        channels_last=job.channels_last,
+        plan=job.plan,
+        accumulate=config.accumulate,
+        clip_grad_norm=config.clip_grad_norm,
+        clip_grad_value=config.clip_grad_value,
+        objective=job.objective or Objective(label_smoothing=config.label_smoothing),
+    )
     train_loader, val_loader = make_loaders(
-        job.dataset, batch_size=config.batch_size, device=device, rank=strategy.data_rank,
-        world_size=strategy.data_world, seed=config.seed, augment=config.augment,
-        channels_last=strategy.channels_last, eval_batch_size=config.eval_batch_size)
+        job.dataset,
+        batch_size=config.batch_size,
+        device=device,
+        rank=strategy.data_rank,
+        world_size=strategy.data_world,
+        seed=config.seed,
+        augment=config.augment,
+        channels_last=strategy.channels_last,
+        eval_batch_size=config.eval_batch_size,
+    )
     steps = len(train_loader)
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
-    recipe = (job.optim or make_recipe(config)).planned(job.model)     # groups laid out over the whole model
+    recipe = (job.optim or make_recipe(config)).planned(job.model)  # groups laid out over the whole model
     # a LightningModule's self.trainer answers in configure_optimizers; its loop runs on every rank
-    module_loop = plan_loop(strategy.objective, epochs=config.epochs, steps_per_epoch=steps,
-                            max_steps=config.max_steps, rank=rank, world_size=world)
+    module_loop = plan_loop(
+        strategy.objective,
+        epochs=config.epochs,
+        steps_per_epoch=steps,
+        max_steps=config.max_steps,
+        rank=rank,
+        world_size=world,
+    )
     strategy.schedule_per_step = recipe.per_step
     strategy.setup(copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps))
     if job.verbose and strategy.placement:
@@ -156,14 +186,23 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     monitor = Monitor(config.monitor, config.monitor_mode, config.patience)
     restarted = launcher is not None and launcher.restart_count > 0
     if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
-        loaded = checkpointer.read(strategy, batch_size=config.batch_size, steps_per_epoch=steps,
-                                   train_samples=train_loader.num_samples) \
-            if strategy.is_main else None
+        loaded = (
+            checkpointer.read(
+                strategy,
+                batch_size=config.batch_size,
+                steps_per_epoch=steps,
+                train_samples=train_loader.num_samples,
+            )
+            if strategy.is_main
+            else None
+        )
         state = strategy.broadcast_object(loaded)
         checkpointer.apply(strategy, state)
         restore_rng(state.get("rng"), rank=rank, device=device)
-        position, history = Position.from_dict(state["position"]), History(list(state["history"]),
-                                                                           list(state.get("validations") or []))
+        position, history = (
+            Position.from_dict(state["position"]),
+            History(list(state["history"]), list(state.get("validations") or [])),
+        )
         monitor.restore(state.get("monitor"))
     callbacks = [module_loop] if module_loop is not None else []
     if strategy.is_main and job.verbose:
@@ -171,14 +210,23 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
     if strategy.is_main:
-        callbacks += make_loggers(parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None,
-                                  start_step=position.epoch * steps + position.step)
+        callbacks += make_loggers(
+            parse_loggers(config.logger),
+            job.loggers,
+            Path(run_dir) if run_dir else None,
+            start_step=position.epoch * steps + position.step,
+        )
         if job.callbacks:
             callbacks.append(UserCallbacks(job.callbacks))
-    if launcher is not None:                # in a process of its own, ending it on a hang is safe
+    if launcher is not None:  # in a process of its own, ending it on a hang is safe
         compiling = 10 if config.compile else 1
-        callbacks.append(Watchdog(rank=rank, timeout=config.hang_timeout,
-                                  first_step_timeout=config.hang_timeout * compiling + 30))
+        callbacks.append(
+            Watchdog(
+                rank=rank,
+                timeout=config.hang_timeout,
+                first_step_timeout=config.hang_timeout * compiling + 30,
+            )
+        )
     if config.timeline and run_dir:
         callbacks.append(Timeline(Path(run_dir) / "pipeline.png"))
     recorder = StepRecorder() if job.record_steps else None
@@ -187,24 +235,38 @@ def _train(job: Job, device, rank: int, world: int, launcher: Optional[LauncherE
     clock = StepClock(warmup=job.bench[0], steps=job.bench[1], model=job.model) if job.bench else None
     if clock is not None:
         callbacks.append(clock)
-    trainer = Trainer(strategy, train_loader, val_loader, epochs=config.epochs, callbacks=callbacks,
-                      position=position, history=history, checkpointer=checkpointer,
-                      checkpoint_every=config.checkpoint_every, max_steps=config.max_steps,
-                      stop_vote=stop.should_stop, val_every=config.val_every, monitor=monitor)
+    trainer = Trainer(
+        strategy,
+        train_loader,
+        val_loader,
+        epochs=config.epochs,
+        callbacks=callbacks,
+        position=position,
+        history=history,
+        checkpointer=checkpointer,
+        checkpoint_every=config.checkpoint_every,
+        max_steps=config.max_steps,
+        stop_vote=stop.should_stop,
+        val_every=config.val_every,
+        monitor=monitor,
+    )
     history = trainer.fit()
     strategy.close()
     where = describe_position(trainer.position.epoch, trainer.position.step, steps)
     if trainer.should_stop and not (trainer.interrupted and stop.signalled):
-        history.stopped = f"stopped by a callback (trainer.should_stop) {where}" + \
-            (", checkpoint saved" if run_dir else "; nothing was saved (no run folder: give out=DIR)")
+        history.stopped = f"stopped by a callback (trainer.should_stop) {where}" + (
+            ", checkpoint saved" if run_dir else "; nothing was saved (no run folder: give out=DIR)"
+        )
     elif trainer.interrupted:
-        number = stop.received or signal.SIGTERM          # a rank that only heard of it through the vote
+        number = stop.received or signal.SIGTERM  # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
-    weights = strategy.model_state()          # every rank takes part (split models gather)
+    weights = strategy.model_state()  # every rank takes part (split models gather)
     if not strategy.is_main:
         return None
     weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
-    return WorkerResult(history, weights, recorder.steps if recorder else None, clock.result if clock else None)
+    return WorkerResult(
+        history, weights, recorder.steps if recorder else None, clock.result if clock else None
+    )
 
 
 def _has_checkpoint(checkpointer: Checkpointer, strategy) -> bool:

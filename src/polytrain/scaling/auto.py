@@ -3,6 +3,7 @@ is only about speed and memory. The cost model predicts each one's step from a f
 this process (or from a `polytrain bench` file given with `--plan`), and the fastest that fits is used, unless
 a simpler one is predicted within 10% of it (data parallelism first): the same machine chooses the same way.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from ..errors import ConfigError, first_line
 from ..plan import costmodel
 from ..plan.pipeline import default_microbatches
 
-SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}   # optimizer state tensors per weight (sgd: momentum)
+SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
 # A strategy replaces a simpler one only when predicted at least this much faster: measurements move by
 # several percent from run to run, and the same settings should choose the same strategy.
 PREFER_DATA = 1.10
@@ -29,7 +30,7 @@ AUTO_REPEATS, AUTO_SECONDS = 3, 2.0
 # Tensor parallelism is last: `auto` takes it only where it is predicted clearly faster, or alone fits. It
 # considers one group of all the devices only: it names a strategy, and a (data, tensor) mesh needs
 # --tensor-parallel as well.
-SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")    # ties go to the earlier
+SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  # ties go to the earlier
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -47,43 +48,72 @@ def candidates(model, work: costmodel.Workload, devices: int, *, device_type: st
     from ..errors import UserError
     from ..strategies.layers import flatten_layers
     from ..strategies.pipeline import check_torch, torch_version
+
     refused = {}
     try:
         flatten_layers(model)
-        check_torch(torch_version(), device_type=device_type, ranks=devices,
-                    fewest_microbatches=default_microbatches(work.batch_size, devices))
+        check_torch(
+            torch_version(),
+            device_type=device_type,
+            ranks=devices,
+            fewest_microbatches=default_microbatches(work.batch_size, devices),
+        )
         if len(work.boundary_bytes) < devices - 1:
-            refused["pipeline"] = f"{devices} stages need {devices - 1} cuts, the model has {len(work.boundary_bytes)}"
+            refused["pipeline"] = (
+                f"{devices} stages need {devices - 1} cuts, the model has {len(work.boundary_bytes)}"
+            )
     except UserError as error:
         refused["pipeline"] = str(error)
     return refused
 
 
-def pick(work: costmodel.Workload, link: costmodel.Link, *, devices: int, device_type: str, refused: dict,
-         available: float, optimizer: str = "sgd",
-         message_costs: Optional[dict] = None) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
+def pick(
+    work: costmodel.Workload,
+    link: costmodel.Link,
+    *,
+    devices: int,
+    device_type: str,
+    refused: dict,
+    available: float,
+    optimizer: str = "sgd",
+    message_costs: Optional[dict] = None,
+) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the prediction `steady_choice` takes among those that can run and fit, every prediction, which fit) —
     pure numbers. Tensor parallelism is among them where the workload has a tensor plan for `devices` ranks; being
     last in `SIMPLEST_FIRST`, it is taken only when predicted `PREFER_DATA` faster than every other that fits, or
     when no other fits."""
     from .workload import predictions_for
-    predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs,
-                                  meshes=False)
-    fits = {name: name not in refused and costmodel.memory_per_rank(
-        work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1)) <= available for name in predictions}
+
+    predictions = predictions_for(
+        work, link, devices=devices, kind=device_type, message_costs=message_costs, meshes=False
+    )
+    fits = {
+        name: name not in refused
+        and costmodel.memory_per_rank(work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1))
+        <= available
+        for name in predictions
+    }
     # tensor parallelism's host work around each collective (DTensor's) is most of its step on small models and
     # only a bench measures it (its cost per message): unpriced, it is taken only where nothing else fits
-    priced = {name: p for name, p in predictions.items() if name != "tensor" or "tensor" in (message_costs or {})}
+    priced = {
+        name: p for name, p in predictions.items() if name != "tensor" or "tensor" in (message_costs or {})
+    }
     best = steady_choice(priced, fits=fits) or steady_choice(predictions, fits=fits)
     return best, predictions, fits
 
 
-def steady_choice(predictions: Dict[str, costmodel.Prediction], *, fits: Optional[Dict[str, bool]] = None,
-                  margin: float = PREFER_DATA) -> Optional[costmodel.Prediction]:
+def steady_choice(
+    predictions: Dict[str, costmodel.Prediction],
+    *,
+    fits: Optional[Dict[str, bool]] = None,
+    margin: float = PREFER_DATA,
+) -> Optional[costmodel.Prediction]:
     """The simplest strategy (data parallelism first, `SIMPLEST_FIRST`) that fits and that no fitting strategy
     is predicted to beat by `margin`: a near tie goes to the common choice, and the same one run after run."""
-    name = steady_name({name: p.step_seconds for name, p in predictions.items()
-                        if fits is None or fits.get(name, False)}, margin=margin)
+    name = steady_name(
+        {name: p.step_seconds for name, p in predictions.items() if fits is None or fits.get(name, False)},
+        margin=margin,
+    )
     return predictions[name] if name is not None else None
 
 
@@ -94,77 +124,136 @@ def steady_name(seconds: Dict[str, float], *, margin: float = PREFER_DATA) -> Op
     if not finite:
         return None
     fastest = min(finite.values())
-    order = sorted(finite, key=lambda name: SIMPLEST_FIRST.index(name) if name in SIMPLEST_FIRST
-                   else len(SIMPLEST_FIRST))
+    order = sorted(
+        finite, key=lambda name: SIMPLEST_FIRST.index(name) if name in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
+    )
     return next((name for name in order if finite[name] < fastest * margin), min(finite, key=finite.get))
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
-    others = ", ".join(f"{name} {p.step_seconds * 1e3:.1f}" for name, p in predictions.items()
-                       if name != best.strategy and math.isfinite(p.step_seconds))
-    line = (f"--strategy auto: {best.strategy} on {devices} {kind} device(s), predicted {best.step_seconds * 1e3:.1f} "
-            f"ms/step (others, ms: {others}; one device {one_device * 1e3:.1f}), from {source}")
+    others = ", ".join(
+        f"{name} {p.step_seconds * 1e3:.1f}"
+        for name, p in predictions.items()
+        if name != best.strategy and math.isfinite(p.step_seconds)
+    )
+    line = (
+        f"--strategy auto: {best.strategy} on {devices} {kind} device(s), predicted {best.step_seconds * 1e3:.1f} "
+        f"ms/step (others, ms: {others}; one device {one_device * 1e3:.1f}), from {source}"
+    )
     if best.step_seconds > one_device:
         line += f"; one device would be faster: {devices} are predicted at {one_device / best.step_seconds:.2f}x its speed"
     return line
 
 
-def choose_strategy(config, model, dataset, objective, *, device: torch.device, channels_last: bool) -> Tuple[str, str]:
+def choose_strategy(
+    config, model, dataset, objective, *, device: torch.device, channels_last: bool
+) -> Tuple[str, str]:
     """(strategy name, the line that says why) for `--strategy auto` with several devices."""
     from .workload import measure
+
     n = config.devices
     costs = None
     if config.plan:
         work, link, source = read_plan(config.plan, device_type=device.type, batch_size=config.batch_size)
         costs = read_message_costs(config.plan, device_type=device.type)
-        measured = measured_choice(config.plan, device_type=device.type, devices=n, batch_size=config.batch_size)
+        measured = measured_choice(
+            config.plan, device_type=device.type, devices=n, batch_size=config.batch_size
+        )
         if measured:
             return measured
     else:
         try:
-            work, (link, _) = measure(model, dataset, objective, batch_size=config.batch_size, device=device,
-                                      devices=[n], repeats=AUTO_REPEATS, channels_last=channels_last,
-                                      plain=channels_last, link=True, min_seconds=AUTO_SECONDS,
-                                      tensor_plan=getattr(config, "tensor_plan", None), tensor_devices=[n])
+            work, (link, _) = measure(
+                model,
+                dataset,
+                objective,
+                batch_size=config.batch_size,
+                device=device,
+                devices=[n],
+                repeats=AUTO_REPEATS,
+                channels_last=channels_last,
+                plain=channels_last,
+                link=True,
+                min_seconds=AUTO_SECONDS,
+                tensor_plan=getattr(config, "tensor_plan", None),
+                tensor_devices=[n],
+            )
             source = "a few seconds of measurement"
-        except Exception as error:          # a model the probe cannot drive: train as before, say why
-            return "data", (f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
-                            f"--strategy to choose)")
+        except Exception as error:  # a model the probe cannot drive: train as before, say why
+            return "data", (
+                f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
+                f"--strategy to choose)"
+            )
     refused = candidates(model, work, n, device_type=device.type)
-    best, predictions, _ = pick(work, link, devices=n, device_type=device.type, refused=refused,
-                                available=available_bytes(device, n), optimizer=config.optimizer, message_costs=costs)
+    best, predictions, _ = pick(
+        work,
+        link,
+        devices=n,
+        device_type=device.type,
+        refused=refused,
+        available=available_bytes(device, n),
+        optimizer=config.optimizer,
+        message_costs=costs,
+    )
     if best is None:
         return "data", "--strategy auto: no strategy is predicted to fit in memory; trying data"
-    return best.strategy, describe(best, {k: v for k, v in predictions.items() if k not in refused},
-                                   work.compute_seconds, devices=n, kind=device.type, source=source)
+    return best.strategy, describe(
+        best,
+        {k: v for k, v in predictions.items() if k not in refused},
+        work.compute_seconds,
+        devices=n,
+        kind=device.type,
+        source=source,
+    )
 
 
 def _load(path: str) -> dict:
     try:
         document = json.loads(Path(path).expanduser().read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--plan {path}: no such file; give the bench.json that polytrain bench wrote") from None
+        raise ConfigError(
+            f"--plan {path}: no such file; give the bench.json that polytrain bench wrote"
+        ) from None
     except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--plan {path} is not a bench.json written by polytrain bench ({type(error).__name__}); "
-                          f"run polytrain bench --out DIR and pass DIR/bench.json") from None
-    if not isinstance(document, dict) or not isinstance(document.get("rows"), list) or \
-            not isinstance(document.get("workloads"), list) or not isinstance(document.get("links"), dict):
-        raise ConfigError(f"--plan {path} is not a bench.json written by polytrain bench (no rows, workloads or "
-                          f"links); run polytrain bench --out DIR and pass DIR/bench.json")
+        raise ConfigError(
+            f"--plan {path} is not a bench.json written by polytrain bench ({type(error).__name__}); "
+            f"run polytrain bench --out DIR and pass DIR/bench.json"
+        ) from None
+    if (
+        not isinstance(document, dict)
+        or not isinstance(document.get("rows"), list)
+        or not isinstance(document.get("workloads"), list)
+        or not isinstance(document.get("links"), dict)
+    ):
+        raise ConfigError(
+            f"--plan {path} is not a bench.json written by polytrain bench (no rows, workloads or "
+            f"links); run polytrain bench --out DIR and pass DIR/bench.json"
+        )
     return document
 
 
-def measured_choice(path: str, *, device_type: str, devices: int, batch_size: int) -> Optional[Tuple[str, str]]:
+def measured_choice(
+    path: str, *, device_type: str, devices: int, batch_size: int
+) -> Optional[Tuple[str, str]]:
     """The strategy the bench file measured fastest at exactly this device kind, count and batch (a simpler one
     within `PREFER_DATA` of it, as `steady_choice` takes)."""
-    rows = [r for r in _load(path)["rows"] if isinstance(r, dict) and r.get("device") == device_type
-            and r.get("devices") == devices and r.get("batch_size") == batch_size and not r.get("skipped")
-            and r.get("strategy") != "single" and r.get("tensor_parallel", 0) in (0, devices)]
+    rows = [
+        r
+        for r in _load(path)["rows"]
+        if isinstance(r, dict)
+        and r.get("device") == device_type
+        and r.get("devices") == devices
+        and r.get("batch_size") == batch_size
+        and not r.get("skipped")
+        and r.get("strategy") != "single"
+        and r.get("tensor_parallel", 0) in (0, devices)
+    ]
     try:
         seconds = {str(r["strategy"]): float(r["step_seconds"]) for r in rows}
     except (KeyError, TypeError, ValueError):
-        raise ConfigError(f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain "
-                          f"bench") from None
+        raise ConfigError(
+            f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain bench"
+        ) from None
     name = steady_name(seconds)
     if name is None:
         return None
@@ -172,11 +261,15 @@ def measured_choice(path: str, *, device_type: str, devices: int, batch_size: in
     line = f"--strategy auto: {name} on {devices} {device_type} device(s), measured "
     if name == fastest:
         return name, line + f"fastest at {seconds[name] * 1e3:.1f} ms/step in {path}"
-    return name, line + (f"at {seconds[name] * 1e3:.1f} ms/step in {path}, within {PREFER_DATA - 1:.0%} of "
-                         f"{fastest} ({seconds[fastest] * 1e3:.1f}), the simpler kept")
+    return name, line + (
+        f"at {seconds[name] * 1e3:.1f} ms/step in {path}, within {PREFER_DATA - 1:.0%} of "
+        f"{fastest} ({seconds[fastest] * 1e3:.1f}), the simpler kept"
+    )
 
 
-def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmodel.Workload, costmodel.Link, str]:
+def read_plan(
+    path: str, *, device_type: str, batch_size: int
+) -> Tuple[costmodel.Workload, costmodel.Link, str]:
     """The workload measured nearest this batch size, and the link, on this device kind, from a bench file."""
     document = _load(path)
     try:
@@ -188,8 +281,10 @@ def read_plan(path: str, *, device_type: str, batch_size: int) -> Tuple[costmode
         nearest = min(works, key=lambda w: abs(math.log(int(w["batch_size"]) / batch_size)))
         work = _scaled_workload(nearest, batch_size)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        raise ConfigError(f"--plan {path} holds no measurement on {device_type}; run polytrain bench --device "
-                          f"{device_type} and pass its bench.json") from None
+        raise ConfigError(
+            f"--plan {path} holds no measurement on {device_type}; run polytrain bench --device "
+            f"{device_type} and pass its bench.json"
+        ) from None
     return work, link, f"{path} (batch {nearest['batch_size']}, scaled to {batch_size})"
 
 
@@ -200,8 +295,10 @@ def read_message_costs(path: str, *, device_type: str) -> Dict[str, float]:
         costs = document["links"][device_type].get("message_costs") or {}
         return {str(name): float(seconds) for name, seconds in costs.items()}
     except (AttributeError, KeyError, TypeError, ValueError):
-        raise ConfigError(f"--plan {path}: its message_costs are not numbers by strategy; write the file again "
-                          f"with polytrain bench") from None
+        raise ConfigError(
+            f"--plan {path}: its message_costs are not numbers by strategy; write the file again "
+            f"with polytrain bench"
+        ) from None
 
 
 def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
@@ -209,29 +306,36 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
     grows with the batch; sizes and the update do not)."""
     scale = batch_size / int(measured["batch_size"])
     pass_seconds = float(measured["compute_seconds"]) - float(measured["update_seconds"])
-    plain = measured.get("plain")                     # absent in files written before it was measured
+    plain = measured.get("plain")  # absent in files written before it was measured
     return costmodel.Workload(
         compute_seconds=pass_seconds * scale + float(measured["update_seconds"]),
-        parameter_bytes=float(measured["parameter_bytes"]), batch_size=batch_size,
-        update_seconds=float(measured["update_seconds"]), layers=int(measured["layers"]),
+        parameter_bytes=float(measured["parameter_bytes"]),
+        batch_size=batch_size,
+        update_seconds=float(measured["update_seconds"]),
+        layers=int(measured["layers"]),
         boundary_bytes=tuple(float(b) for b in measured["boundary_bytes"]),
-        activation_bytes=float(measured.get("activation_bytes", 0.0)),      # absent in older files
+        activation_bytes=float(measured.get("activation_bytes", 0.0)),  # absent in older files
         replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
         plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None,
-        **_tensor_fields(measured, scale))
+        **_tensor_fields(measured, scale),
+    )
 
 
 def _tensor_fields(measured: dict, scale: float) -> dict:
     """A bench file's tensor-parallel measurements (absent in files written before them), compute scaled; the
     ranks' shares are keyed "n/T"."""
-    return dict(tensor_splits=tuple(int(t) for t in measured.get("tensor_splits", ())),
-                split_bytes=float(measured.get("split_bytes", 0.0)),
-                split_share=float(measured.get("split_share", 0.0)),
-                tensor_reductions=tuple(float(b) for b in measured.get("tensor_reductions", ())),
-                tensor_gathers=tuple(float(b) for b in measured.get("tensor_gathers", ())),
-                sequence_splits=tuple(int(t) for t in measured.get("sequence_splits", ())),
-                sequence_parameters=int(measured.get("sequence_parameters", 0)),
-                sequence_gathers=int(measured.get("sequence_gathers", 0)),
-                tensor_seconds={tuple(int(part) for part in key.split("/")): float(value) * scale
-                                for key, value in measured.get("tensor_seconds", {}).items()})
+    return dict(
+        tensor_splits=tuple(int(t) for t in measured.get("tensor_splits", ())),
+        split_bytes=float(measured.get("split_bytes", 0.0)),
+        split_share=float(measured.get("split_share", 0.0)),
+        tensor_reductions=tuple(float(b) for b in measured.get("tensor_reductions", ())),
+        tensor_gathers=tuple(float(b) for b in measured.get("tensor_gathers", ())),
+        sequence_splits=tuple(int(t) for t in measured.get("sequence_splits", ())),
+        sequence_parameters=int(measured.get("sequence_parameters", 0)),
+        sequence_gathers=int(measured.get("sequence_gathers", 0)),
+        tensor_seconds={
+            tuple(int(part) for part in key.split("/")): float(value) * scale
+            for key, value in measured.get("tensor_seconds", {}).items()
+        },
+    )

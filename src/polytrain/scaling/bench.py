@@ -6,6 +6,7 @@ explanations, bench.json and bench.png.
 Any strategy in the registry can be benchmarked: the bench only asks it to train, and reads the phases it
 reports (`Strategy.phases`, `Strategy.settle_phases`).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,15 +17,15 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError, UserError, first_line
-from ..runtime.hostenv import most_cpu_processes, usable_cores
-from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
 from ..models import MODELS, build_model
 from ..models.defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..objective import Objective
 from ..plan import costmodel
+from ..runtime.hostenv import most_cpu_processes, usable_cores
+from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
+from ..runtime.worker import Job, choose_device
 from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
-from ..runtime.worker import Job, choose_device
 from .auto import steady_choice
 from .flops import flops_per_sample, matmul_peak
 from .workload import measure_link, measure_workload, predictions_for, turns
@@ -46,7 +47,7 @@ class BenchOptions:
     steps: int = 20
     predict: Tuple[int, ...] = ()
     seed: int = 0
-    repeats: int = 1             # interleaved rounds; each row keeps its median round
+    repeats: int = 1  # interleaved rounds; each row keeps its median round
     # the model's own sizes (--layers, --heads, --width, --context of --model gpt); None: its defaults
     layers: Optional[int] = None
     heads: Optional[int] = None
@@ -61,26 +62,37 @@ class BenchOptions:
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
-            raise ConfigError(f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+            raise ConfigError(
+                f"--strategies: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
+            )
         if self.model not in MODELS:
             raise ConfigError(f"--model: unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         bad = [k for k in self.device_kinds if k not in DEVICE_KINDS]
         if bad:
             raise ConfigError(f"--device: unknown device kind {bad[0]!r}; give cpu, cuda or cpu,cuda")
-        for flag, values in (("--devices", self.devices), ("--batch-sizes", self.batch_sizes),
-                             ("--predict", self.predict)):
+        for flag, values in (
+            ("--devices", self.devices),
+            ("--batch-sizes", self.batch_sizes),
+            ("--predict", self.predict),
+        ):
             if any(not isinstance(v, int) or v < 1 for v in values):
-                raise ConfigError(f"{flag} takes positive whole numbers separated by commas, got "
-                                  f"{','.join(map(str, values))}")
+                raise ConfigError(
+                    f"{flag} takes positive whole numbers separated by commas, got "
+                    f"{','.join(map(str, values))}"
+                )
         if self.repeats < 1:
             raise ConfigError(f"--repeats must be at least 1, got {self.repeats}")
         if self.steps < 1 or self.warmup < 0:
-            raise ConfigError(f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})")
+            raise ConfigError(
+                f"--steps must be at least 1 and --warmup at least 0 (got {self.steps}, {self.warmup})"
+            )
         most = most_cpu_processes()
         if "cpu" in self.device_kinds and max(self.devices) > most:
-            raise ConfigError(f"--devices {max(self.devices)}: this machine has {usable_cores()} cores, and more than "
-                              f"{most} CPU processes would only take turns on them; project larger counts with "
-                              f"--predict {max(self.devices)}")
+            raise ConfigError(
+                f"--devices {max(self.devices)}: this machine has {usable_cores()} cores, and more than "
+                f"{most} CPU processes would only take turns on them; project larger counts with "
+                f"--predict {max(self.devices)}"
+            )
         if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
             raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
         for key in MODEL_SETTINGS:
@@ -96,22 +108,22 @@ class Row:
     strategy: str
     devices: int
     batch_size: int
-    skipped: str = ""                          # why this combination did not run
-    step_seconds: float = math.nan             # median over measured steps, data and waiting included
+    skipped: str = ""  # why this combination did not run
+    step_seconds: float = math.nan  # median over measured steps, data and waiting included
     samples_per_second: float = math.nan
-    tokens_per_second: float = math.nan        # text: samples/s times the tokens each sample predicts
-    peak_fraction: float = math.nan            # counted FLOPs per second over the devices' float32 matmul peak
-    speedup: float = math.nan                  # against `single` on one device of the same kind and batch
-    efficiency: float = math.nan               # speedup / devices
-    phases: Dict[str, float] = field(default_factory=dict)      # seconds per step, mean over ranks
-    held_bytes: int = 0                        # most any rank keeps between steps (weights, grads, optimizer)
-    peak_bytes: Optional[int] = None           # most any GPU rank allocated (CUDA only)
-    predicted_seconds: float = math.nan        # the cost model's step time for this combination
-    fitted: bool = False                       # its strategy's cost per message was fitted to this row
+    tokens_per_second: float = math.nan  # text: samples/s times the tokens each sample predicts
+    peak_fraction: float = math.nan  # counted FLOPs per second over the devices' float32 matmul peak
+    speedup: float = math.nan  # against `single` on one device of the same kind and batch
+    efficiency: float = math.nan  # speedup / devices
+    phases: Dict[str, float] = field(default_factory=dict)  # seconds per step, mean over ranks
+    held_bytes: int = 0  # most any rank keeps between steps (weights, grads, optimizer)
+    peak_bytes: Optional[int] = None  # most any GPU rank allocated (CUDA only)
+    predicted_seconds: float = math.nan  # the cost model's step time for this combination
+    fitted: bool = False  # its strategy's cost per message was fitted to this row
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
-    link: dict = field(default_factory=dict)   # message bytes -> seconds of an all-reduce over the ranks
-    warning: str = ""                          # why its figures cannot be right (see `impossible`)
-    tensor_parallel: int = 0                   # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
+    link: dict = field(default_factory=dict)  # message bytes -> seconds of an all-reduce over the ranks
+    warning: str = ""  # why its figures cannot be right (see `impossible`)
+    tensor_parallel: int = 0  # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -141,10 +153,14 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                     continue
                 for n in options.devices:
                     if strategy == "single" or n == 1:
-                        continue                   # one device is the baseline row
+                        continue  # one device is the baseline row
                     rows.append(Row(kind, strategy, n, batch))
                     if strategy == "tensor":
-                        rows += [Row(kind, strategy, n, batch, tensor_parallel=t) for t in range(2, n) if n % t == 0]
+                        rows += [
+                            Row(kind, strategy, n, batch, tensor_parallel=t)
+                            for t in range(2, n)
+                            if n % t == 0
+                        ]
     return rows
 
 
@@ -165,27 +181,34 @@ def summarize(row: Row, timings: list) -> None:
                 compute = max(0.0, record["step"] - communication - idle)
             for phase, value in zip(PHASES, (compute, communication, record["data"], idle)):
                 sums[phase] += value
-        outside = rank["window"] - sum(r["step"] + r["data"] for r in steps)    # between steps, closing barrier
+        outside = rank["window"] - sum(r["step"] + r["data"] for r in steps)  # between steps, closing barrier
         sums["idle"] += max(0.0, outside)
         per_rank.append({phase: value / len(steps) for phase, value in sums.items()})
     row.step_seconds = timings[0]["window"] / len(timings[0]["steps"])
     row.samples_per_second = row.batch_size / row.step_seconds
     mean = {phase: sum(r[phase] for r in per_rank) / len(per_rank) for phase in PHASES}
-    scale = row.step_seconds / (sum(mean.values()) or 1.0)      # a GPU's steps are timed on the device
+    scale = row.step_seconds / (sum(mean.values()) or 1.0)  # a GPU's steps are timed on the device
     row.phases = {phase: value * scale for phase, value in mean.items()}
     row.held_bytes = max(rank["held_bytes"] for rank in timings)
     peaks = [rank["peak_bytes"] for rank in timings if rank["peak_bytes"] is not None]
     row.peak_bytes = max(peaks) if peaks else None
     links = [rank["link"] for rank in timings if rank.get("link")]
     row.link = {size: max(link[size] for link in links) for size in links[0]} if links else {}
-    row.ranks = [{key: rank[key] for key in ("rank", "device", "threads", "reference", "held_bytes", "peak_bytes")}
-                 | {"phases": phases} for rank, phases in zip(timings, per_rank)]
+    row.ranks = [
+        {key: rank[key] for key in ("rank", "device", "threads", "reference", "held_bytes", "peak_bytes")}
+        | {"phases": phases}
+        for rank, phases in zip(timings, per_rank)
+    ]
 
 
-def link_of(rows: List[Row], kind: str, *, cores: Optional[int] = None) -> Optional[Tuple[costmodel.Link, str]]:
+def link_of(
+    rows: List[Row], kind: str, *, cores: Optional[int] = None
+) -> Optional[Tuple[costmodel.Link, str]]:
     """The link fitted to the all-reduces timed by the fewest processes that trained on `kind`: as one rank per
     core would see it (`link_for` adds the turns that more CPU processes than cores take)."""
-    timed = sorted((r for r in rows if r.device == kind and r.link and not r.skipped), key=lambda r: r.devices)
+    timed = sorted(
+        (r for r in rows if r.device == kind and r.link and not r.skipped), key=lambda r: r.devices
+    )
     if not timed:
         return None
     n, samples = timed[0].devices, timed[0].link
@@ -199,6 +222,7 @@ def link_of(rows: List[Row], kind: str, *, cores: Optional[int] = None) -> Optio
 def has_tensor_plan(model) -> bool:
     """Whether tensor parallelism has a plan for this registry model (the built-in gpt and mlp)."""
     from ..plan.tensor import BUILTIN_PLANS
+
     return f"{type(model).__module__}.{type(model).__qualname__}" in BUILTIN_PLANS
 
 
@@ -210,10 +234,21 @@ def convolutional(model) -> bool:
 def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) -> TrainConfig:
     """The training settings of one combination: a constant learning rate (no warm-up), and the model's own
     recipe where it brings one (--model gpt: AdamW, clipping at 1.0), so that each step does what training does."""
-    values = dict(model=options.model, dataset=options.dataset, data_dir=options.data_dir,
-                  batch_size=row.batch_size, strategy=row.strategy, devices=row.devices, device=row.device,
-                  epochs=epochs, max_steps=max_steps, schedule="constant", warmup_epochs=0, seed=options.seed,
-                  **options.model_options)
+    values = dict(
+        model=options.model,
+        dataset=options.dataset,
+        data_dir=options.data_dir,
+        batch_size=row.batch_size,
+        strategy=row.strategy,
+        devices=row.devices,
+        device=row.device,
+        epochs=epochs,
+        max_steps=max_steps,
+        schedule="constant",
+        warmup_epochs=0,
+        seed=options.seed,
+        **options.model_options,
+    )
     if row.tensor_parallel:
         values["tensor_parallel"] = row.tensor_parallel
     apply_model_defaults(values, set(values), options.model)
@@ -237,8 +272,19 @@ def run_row(row: Row, options: BenchOptions, dataset, model) -> None:
         config = row_config(options, row, epochs=-(-steps // per_epoch), max_steps=steps)
         check_devices(row.devices, row.device)
         plan = make_plan(row.strategy, config, model, dataset, device=choose_device(row.device, 0))
-        result = run_job(Job(config, row.strategy, dataset, model, verbose=False, channels_last=convolutional(model),
-                             plan=plan, bench=(options.warmup, options.steps), objective=objective_for(dataset)))
+        result = run_job(
+            Job(
+                config,
+                row.strategy,
+                dataset,
+                model,
+                verbose=False,
+                channels_last=convolutional(model),
+                plan=plan,
+                bench=(options.warmup, options.steps),
+                objective=objective_for(dataset),
+            )
+        )
     except (UserError, WorkerFailed) as error:
         row.skipped = first_line(error)
         return
@@ -252,7 +298,9 @@ def fill_peak_fraction(row: Row, flops: float, peaks: dict) -> None:
     processes share the cores whose peak was measured."""
     peak = peaks.get(row.device)
     if not row.skipped and peak and math.isfinite(flops):
-        row.peak_fraction = flops * row.samples_per_second / (peak * (row.devices if row.device == "cuda" else 1))
+        row.peak_fraction = (
+            flops * row.samples_per_second / (peak * (row.devices if row.device == "cuda" else 1))
+        )
 
 
 def median_row(runs: List[Row]) -> Row:
@@ -270,10 +318,14 @@ def fit_message_costs(rows: List[Row], workloads: dict, links: dict) -> Dict[str
         if row.devices > 1 and not row.skipped and row.key in workloads:
             first.setdefault((row.device, row.strategy), row)
     for (kind, strategy), row in first.items():
-        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(row.label)
+        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(
+            row.label
+        )
         if prediction is not None and prediction.messages:
-            costs.setdefault(kind, {})[strategy] = cost = costmodel.fit_message_cost(row.step_seconds, prediction)
-            row.fitted = cost > 0          # a model already slower than the row fits nothing: its error shows
+            costs.setdefault(kind, {})[strategy] = cost = costmodel.fit_message_cost(
+                row.step_seconds, prediction
+            )
+            row.fitted = cost > 0  # a model already slower than the row fits nothing: its error shows
     return costs
 
 
@@ -286,8 +338,13 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: O
         if row.strategy == "single":
             row.predicted_seconds = work.compute_seconds
             continue
-        predictions = predictions_for(work, link, devices=row.devices, kind=row.device,
-                                      message_costs=(message_costs or {}).get(row.device))
+        predictions = predictions_for(
+            work,
+            link,
+            devices=row.devices,
+            kind=row.device,
+            message_costs=(message_costs or {}).get(row.device),
+        )
         if row.label in predictions:
             row.predicted_seconds = predictions[row.label].step_seconds
 
@@ -307,36 +364,46 @@ def impossible(row: Row) -> str:
     by other programs on the machine while it ran)."""
     if row.device != "cpu" or row.devices < 2 or not row.efficiency > 1.0:
         return ""
-    return (f"efficiency {row.efficiency:.0%} cannot be a real speed-up: {row.devices} CPU processes share the "
-            f"cores that one device had to itself, so the one-device row (the baseline) was slowed, most likely by "
-            f"other load; run again on an idle machine, or with --repeats 3")
+    return (
+        f"efficiency {row.efficiency:.0%} cannot be a real speed-up: {row.devices} CPU processes share the "
+        f"cores that one device had to itself, so the one-device row (the baseline) was slowed, most likely by "
+        f"other load; run again on an idle machine, or with --repeats 3"
+    )
 
 
 @dataclass
 class BenchResult:
     options: BenchOptions
     rows: List[Row]
-    workloads: dict          # (device, batch) -> costmodel.Workload
-    links: dict              # device kind -> (Link, how it was obtained)
-    projections: list        # (device, batch, devices, {strategy: Prediction}, chosen name)
-    message_costs: dict = field(default_factory=dict)    # device kind -> {strategy: seconds per message}
-    flops_per_sample: float = math.nan                   # one sample's training pass, as FlopCounterMode counts
-    peaks: dict = field(default_factory=dict)            # device kind -> one device's float32 matmul FLOP/s
+    workloads: dict  # (device, batch) -> costmodel.Workload
+    links: dict  # device kind -> (Link, how it was obtained)
+    projections: list  # (device, batch, devices, {strategy: Prediction}, chosen name)
+    message_costs: dict = field(default_factory=dict)  # device kind -> {strategy: seconds per message}
+    flops_per_sample: float = math.nan  # one sample's training pass, as FlopCounterMode counts
+    peaks: dict = field(default_factory=dict)  # device kind -> one device's float32 matmul FLOP/s
 
 
 def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     if max(options.devices) > 1:
-        check_main_guard(max(options.devices))      # once, not as the reason on every multi-device row
-    config = TrainConfig(model=options.model, dataset=options.dataset, data_dir=options.data_dir, seed=options.seed,
-                         **options.model_options)
+        check_main_guard(max(options.devices))  # once, not as the reason on every multi-device row
+    config = TrainConfig(
+        model=options.model,
+        dataset=options.dataset,
+        data_dir=options.data_dir,
+        seed=options.seed,
+        **options.model_options,
+    )
     dataset = as_dataset(options.dataset, config)
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
     rounds = [combinations(options, tensor=has_tensor_plan(model)) for _ in range(options.repeats)]
     flops = flops_per_sample(model, dataset, objective_for(dataset))
-    peaks = {kind: matmul_peak(choose_device(kind, 0)) for kind in options.device_kinds
-             if kind == "cpu" or torch.cuda.is_available()}
-    for number, rows in enumerate(rounds, 1):            # interleaved: a burst of outside load hits all alike
+    peaks = {
+        kind: matmul_peak(choose_device(kind, 0))
+        for kind in options.device_kinds
+        if kind == "cpu" or torch.cuda.is_available()
+    }
+    for number, rows in enumerate(rounds, 1):  # interleaved: a burst of outside load hits all alike
         for index, row in enumerate(rows, 1):
             if number > 1 and rounds[0][index - 1].skipped:
                 row.skipped = rounds[0][index - 1].skipped
@@ -344,10 +411,15 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
             run_row(row, options, dataset, model)
             fill_peak_fraction(row, flops, peaks)
             what = f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}"
-            tokens = f", {row.tokens_per_second:,.0f} tokens/s" if math.isfinite(row.tokens_per_second) else ""
+            tokens = (
+                f", {row.tokens_per_second:,.0f} tokens/s" if math.isfinite(row.tokens_per_second) else ""
+            )
             tokens += f", {row.peak_fraction:.1%} of peak" if math.isfinite(row.peak_fraction) else ""
-            outcome = f"skipped: {row.skipped}" if row.skipped else \
-                f"{row.samples_per_second:,.0f} samples/s{tokens}, {row.step_seconds * 1e3:.1f} ms/step"
+            outcome = (
+                f"skipped: {row.skipped}"
+                if row.skipped
+                else f"{row.samples_per_second:,.0f} samples/s{tokens}, {row.step_seconds * 1e3:.1f} ms/step"
+            )
             where = f" (round {number}/{options.repeats})" if options.repeats > 1 else ""
             progress(f"bench {index}/{len(rows)}{where}: {what}: {outcome}")
     rows = [median_row(list(runs)) for runs in zip(*rounds)]
@@ -362,10 +434,17 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
             # as many passes as the rows' measured steps, at least 5: with 5, one slow pass of the replicas timed
             # side by side put the 2-process slice at 156 ms against 98 ms for 4 processes and 88 ms in the rows
             workloads[(kind, batch)] = measure_workload(
-                model, dataset, objective_for(dataset), batch_size=batch, device=device, devices=counts,
-                repeats=max(5, options.steps), channels_last=convolutional(model),
+                model,
+                dataset,
+                objective_for(dataset),
+                batch_size=batch,
+                device=device,
+                devices=counts,
+                repeats=max(5, options.steps),
+                channels_last=convolutional(model),
                 plain=bool(options.predict) or bool(set(options.strategies) & set(contiguous_strategies())),
-                tensor_devices=options.devices if "tensor" in options.strategies else ())
+                tensor_devices=options.devices if "tensor" in options.strategies else (),
+            )
     fitted_links = {kind: link for kind, (link, _) in links.items()}
     costs = fit_message_costs(rows, workloads, fitted_links)
     predict_rows(rows, workloads, fitted_links, costs)
@@ -374,18 +453,21 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     return BenchResult(options, rows, workloads, links, projections, costs, flops, peaks)
 
 
-def project(options: BenchOptions, workloads: dict, links: dict, message_costs: Optional[dict] = None) -> list:
+def project(
+    options: BenchOptions, workloads: dict, links: dict, message_costs: Optional[dict] = None
+) -> list:
     """For each `--predict` count: every strategy's predicted step, and the fastest."""
     projections = []
     for (kind, batch), work in workloads.items():
         for n in options.predict:
             if n == 1:
                 continue
-            if batch % n:                      # no slice was timed, and no strategy here would run it
+            if batch % n:  # no slice was timed, and no strategy here would run it
                 projections.append((kind, batch, n, {}, None))
                 continue
-            predictions = predictions_for(work, links[kind], devices=n, kind=kind,
-                                          message_costs=(message_costs or {}).get(kind))
+            predictions = predictions_for(
+                work, links[kind], devices=n, kind=kind, message_costs=(message_costs or {}).get(kind)
+            )
             # as --strategy auto would: without the (data, tensor) meshes (`tensor RxT`), which it does not choose
             best = steady_choice({name: p for name, p in predictions.items() if " " not in name})
             projections.append((kind, batch, n, predictions, best.strategy if best else None))

@@ -1,6 +1,7 @@
 """How near the hardware's limit a step runs: the FLOPs of one sample's training pass as torch's
 `FlopCounterMode` counts them (matrix products, convolutions, attention; not norms, activations or the optimizer),
 against the FLOP/s of a large float32 matrix product on the same device, its practical peak."""
+
 from __future__ import annotations
 
 import copy
@@ -16,6 +17,7 @@ def flops_per_sample(model, dataset, objective, *, count: int = 2) -> float:
     """FLOPs of one forward, loss and backward per sample, counted on a copy of `model` (BatchNorm's statistics
     move) over `count` samples; nan where the objective cannot score the outputs alone."""
     from torch.utils.flop_counter import FlopCounterMode
+
     x, y = sample_batch(dataset, count)
     model = copy.deepcopy(model).train()
     try:
@@ -40,4 +42,4 @@ def matmul_peak(device: torch.device, *, size: int = 1024, repeats: int = 3) -> 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         fastest = min(fastest, time.perf_counter() - began)
-    return 2 * size ** 3 / fastest
+    return 2 * size**3 / fastest

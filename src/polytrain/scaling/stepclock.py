@@ -17,6 +17,7 @@ the same slice, on every rank at once, after the window: its median is the compu
 step is communication. Every rank with others also times all-reduces of a few sizes over its process group,
 the link the cost model needs, measured between the processes that train.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,8 +41,12 @@ def held_bytes(strategy) -> int:
     tensors += [p.grad for p in strategy.model.parameters() if p.grad is not None]
     for group in strategy.optimizer.param_groups:
         tensors += list(group["params"])
-    tensors += [value for state in strategy.optimizer.state.values() for value in state.values()
-                if isinstance(value, torch.Tensor)]
+    tensors += [
+        value
+        for state in strategy.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
     for tensor in tensors:
         part = local(tensor)
         key = (part.device, part.data_ptr()) if part.numel() else id(part)
@@ -54,12 +59,12 @@ def held_bytes(strategy) -> int:
 class StepClock(Callback):
     def __init__(self, *, warmup: int, steps: int, model, reference_repeats: int = 5):
         self.warmup, self.steps = warmup, steps
-        self.model = model                      # the untouched model, for the compute reference
+        self.model = model  # the untouched model, for the compute reference
         self.reference_repeats = reference_repeats
         self.started = 0
-        self.records = []                        # per measured step: phases, step, data (seconds)
-        self.paused, self.excluded = None, 0.0   # between epochs (evaluation) inside the window
-        self.result = None                       # on rank 0 at the end: every rank's records and memory
+        self.records = []  # per measured step: phases, step, data (seconds)
+        self.paused, self.excluded = None, 0.0  # between epochs (evaluation) inside the window
+        self.result = None  # on rank 0 at the end: every rank's records and memory
 
     def _measuring(self) -> bool:
         return self.warmup < self.started <= self.warmup + self.steps
@@ -80,7 +85,7 @@ class StepClock(Callback):
                 torch.cuda.reset_peak_memory_stats(strategy.device)
             self._barrier(strategy)
             self.window = time.perf_counter()
-        if self.paused is not None:             # an epoch ended inside the window: its evaluation is no step
+        if self.paused is not None:  # an epoch ended inside the window: its evaluation is no step
             self.excluded += time.perf_counter() - self.paused
             self.paused = None
         strategy.phases = {}
@@ -97,8 +102,9 @@ class StepClock(Callback):
         strategy = trainer.strategy
         if self.events is not None:
             self.events[1].record()
-        self.records.append(dict(strategy.phases, step=time.perf_counter() - self.began, data=self.data,
-                                 events=self.events))
+        self.records.append(
+            dict(strategy.phases, step=time.perf_counter() - self.began, data=self.data, events=self.events)
+        )
         if self.started == self.warmup + self.steps:
             self._barrier(strategy)
             self.window = time.perf_counter() - self.window - self.excluded
@@ -109,25 +115,39 @@ class StepClock(Callback):
     def _finish(self, trainer) -> None:
         strategy = trainer.strategy
         strategy.stop_trace()
-        for record in self.records:              # GPU steps: the device's time between the events
+        for record in self.records:  # GPU steps: the device's time between the events
             events = record.pop("events")
             if events is not None:
                 record["step"] = events[0].elapsed_time(events[1]) / 1e3
-        attributed = strategy.reduce(torch.tensor([float(any("communication" in r or "idle" in r
-                                                              for r in self.records))], device=strategy.device))
+        attributed = strategy.reduce(
+            torch.tensor(
+                [float(any("communication" in r or "idle" in r for r in self.records))],
+                device=strategy.device,
+            )
+        )
         reference = None
         if strategy.world_size > 1 and float(attributed) == 0:
             reference = self._reference(trainer)
         link = self._link(strategy) if strategy.world_size > 1 else None
         peak = torch.cuda.max_memory_allocated(strategy.device) if strategy.device.type == "cuda" else None
-        mine = {"rank": strategy.rank, "device": str(strategy.device), "steps": self.records, "window": self.window,
-                "reference": reference, "held_bytes": held_bytes(strategy), "peak_bytes": peak,
-                "threads": torch.get_num_threads(), "link": link}
+        mine = {
+            "rank": strategy.rank,
+            "device": str(strategy.device),
+            "steps": self.records,
+            "window": self.window,
+            "reference": reference,
+            "held_bytes": held_bytes(strategy),
+            "peak_bytes": peak,
+            "threads": torch.get_num_threads(),
+            "link": link,
+        }
         gathered = strategy.gather_object(mine)
         if strategy.is_main:
             self.result = gathered
 
-    def _link(self, strategy, sizes=(4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20), repeats: int = 10) -> dict:
+    def _link(
+        self, strategy, sizes=(4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20), repeats: int = 10
+    ) -> dict:
         """Median seconds of an all-reduce over all ranks, by message bytes."""
         timings = {}
         for size in sizes:
@@ -149,7 +169,9 @@ class StepClock(Callback):
         strategy, batch = trainer.strategy, trainer.batch
         replica = copy.deepcopy(self.model).to(strategy.device)
         plan = getattr(strategy, "plan", None)
-        if isinstance(plan, TensorPlan) and plan.styles:       # a tensor rank computes its share of the split layers
+        if (
+            isinstance(plan, TensorPlan) and plan.styles
+        ):  # a tensor rank computes its share of the split layers
             replica = narrowed(replica, plan) or replica
         if strategy.channels_last:
             replica = replica.to(memory_format=torch.channels_last)

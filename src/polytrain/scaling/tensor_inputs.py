@@ -5,6 +5,7 @@ Linear narrowed to its 1/T (a column-wise one to 1/T of its outputs, a row-wise 
 which runs what a rank of the group runs, without its collectives. `workload.measure` times the stand-in as it
 times the replicas; `StepClock` uses it as the compute reference of a tensor-parallel row.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,7 @@ def tensor_plans(model: nn.Module, counts: Iterable[int], *, tensor_plan=None) -
     the plan (`tensor_plan`, or the built-in one) splits evenly; empty for a model without a plan, or with a
     plan given as a function (which only the workers can apply)."""
     from ..strategies.tensor import plan_for
+
     config = SimpleNamespace(tensor_plan=tensor_plan)
     plans = {}
     for tensor in sorted({t for n in counts for t in range(2, n + 1) if n % t == 0}):
@@ -46,7 +48,7 @@ class _Gathered(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.share(x)
-        return torch.cat([part] * -(-self.width // part.shape[-1]), dim=-1)[..., :self.width]
+        return torch.cat([part] * -(-self.width // part.shape[-1]), dim=-1)[..., : self.width]
 
 
 def narrowed(model: nn.Module, plan: TensorPlan) -> Optional[nn.Module]:
@@ -63,11 +65,15 @@ def narrowed(model: nn.Module, plan: TensorPlan) -> Optional[nn.Module]:
             return None
         ins, outs = layer.in_features, layer.out_features
         ins, outs = (ins, -(-outs // plan.devices)) if style == "colwise" else (ins // plan.devices, outs)
-        share = nn.Linear(ins, outs, bias=layer.bias is not None, device=layer.weight.device,
-                          dtype=layer.weight.dtype)
+        share = nn.Linear(
+            ins, outs, bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype
+        )
         parent, _, leaf = name.rpartition(".")
-        setattr(own.get_submodule(parent) if parent else own, leaf,
-                _Gathered(share, layer.out_features) if name in vocabulary else share)
+        setattr(
+            own.get_submodule(parent) if parent else own,
+            leaf,
+            _Gathered(share, layer.out_features) if name in vocabulary else share,
+        )
     return own
 
 
@@ -91,8 +97,9 @@ def _unique_bytes(modules: Iterable[nn.Module]) -> float:
     return float(sum(seen.values()))
 
 
-def collectives(model: nn.Module, plan: TensorPlan, objective, x: torch.Tensor,
-                y: torch.Tensor) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+def collectives(
+    model: nn.Module, plan: TensorPlan, objective, x: torch.Tensor, y: torch.Tensor
+) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """Bytes per sample of each activation all-reduce of a training step: the output of every row-wise layer
     (its ranks' partial sums, in forward) and the input of every column-wise layer whose input needs a gradient
     (the ranks' partial gradients, in backward; not the model's own inputs); and of each output gathered whole
@@ -111,11 +118,19 @@ def collectives(model: nn.Module, plan: TensorPlan, objective, x: torch.Tensor,
 
     def whole(module, inputs, output):
         gathered.append(output.numel() * output.element_size())
-    hooks = [own.get_submodule(name).register_forward_hook(forward) if style == "rowwise" else
-             own.get_submodule(name).register_forward_pre_hook(backward)
-             for name, style in styles.items() if style in ("rowwise", "colwise")]
-    hooks += [own.get_submodule(name).register_forward_hook(whole) for name in vocabulary
-              if styles.get(name) == "colwise"]
+
+    hooks = [
+        own.get_submodule(name).register_forward_hook(forward)
+        if style == "rowwise"
+        else own.get_submodule(name).register_forward_pre_hook(backward)
+        for name, style in styles.items()
+        if style in ("rowwise", "colwise")
+    ]
+    hooks += [
+        own.get_submodule(name).register_forward_hook(whole)
+        for name in vocabulary
+        if styles.get(name) == "colwise"
+    ]
     count = min(2, len(x))
     try:
         with torch.enable_grad():
@@ -126,24 +141,35 @@ def collectives(model: nn.Module, plan: TensorPlan, objective, x: torch.Tensor,
     return tuple(size / count for size in sizes), tuple(size / count for size in gathered)
 
 
-def tensor_fields(model: nn.Module, plans: Dict[int, TensorPlan], objective, x: torch.Tensor,
-                  y: torch.Tensor) -> dict:
+def tensor_fields(
+    model: nn.Module, plans: Dict[int, TensorPlan], objective, x: torch.Tensor, y: torch.Tensor
+) -> dict:
     """The `Workload` fields of tensor parallelism that sizes give (none where there is no plan)."""
     if not plans:
         return {}
     plan = plans[min(plans)]
     split = [model.get_submodule(name) for name, style, _ in plan.styles if style != "replicate"]
     sequence = tuple(t for t, p in plans.items() if p.sequence_parallel)
-    norms = sum(1 for m in model.modules() if isinstance(m, nn.LayerNorm) for _ in m.parameters(recurse=False))
+    norms = sum(
+        1 for m in model.modules() if isinstance(m, nn.LayerNorm) for _ in m.parameters(recurse=False)
+    )
     reduced, gathered = collectives(model, plan, objective, x, y)
     # sequence-parallel, the built-in GPT's whole embeddings and head gather the sequence twice more (into the
     # head, out of the embeddings); split by the vocabulary, they reduce-scatter and gather it as the blocks do
-    return dict(tensor_splits=tuple(sorted(plans)), split_bytes=_unique_bytes(split), tensor_reductions=reduced,
-                tensor_gathers=gathered, sequence_splits=sequence, sequence_parameters=norms if sequence else 0,
-                sequence_gathers=2 if sequence and not getattr(plan, "vocabulary", ()) else 0)
+    return dict(
+        tensor_splits=tuple(sorted(plans)),
+        split_bytes=_unique_bytes(split),
+        tensor_reductions=reduced,
+        tensor_gathers=gathered,
+        sequence_splits=sequence,
+        sequence_parameters=norms if sequence else 0,
+        sequence_gathers=2 if sequence and not getattr(plan, "vocabulary", ()) else 0,
+    )
 
 
-def split_share(pass_seconds: float, narrow_seconds: Optional[float], *, tensor: int, fallback: float) -> float:
+def split_share(
+    pass_seconds: float, narrow_seconds: Optional[float], *, tensor: int, fallback: float
+) -> float:
     """The share of a pass spent in the split layers, from the pass with them narrowed to 1/`tensor`
     (pass - narrow = share x pass x (1 - 1/T)), between 0 and 1; `fallback` where there is no such timing."""
     if narrow_seconds is None or pass_seconds <= 0:

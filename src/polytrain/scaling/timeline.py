@@ -5,6 +5,7 @@ measured bubble next to the theoretical one.
 An event is (rank, step, kind, microbatch, stage, start, end): kind "F" or "B", times in seconds from
 the step's start, which all ranks of a pipeline take together after a barrier.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -12,9 +13,9 @@ from pathlib import Path
 from typing import Iterable, List, Tuple
 
 from ..callbacks import Callback
-from ..report import save_figure
 from ..plan.pipeline import stages_per_rank
 from ..plan.schedule import bubble_fraction, rank_orders, simulate, theoretical_bubble
+from ..report import save_figure
 
 Event = Tuple[int, int, str, int, int, float, float]
 
@@ -46,10 +47,11 @@ def expected_bubble(schedule: str, *, ranks: int, microbatches: int) -> float:
 
 def draw_timeline(events: List[Event], path: Path, *, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    step = min(e[1] for e in events)                 # one step, the first recorded
+    step = min(e[1] for e in events)  # one step, the first recorded
     shown = [e for e in events if e[1] == step]
     ranks = sorted({e[0] for e in shown})
     origin = min(e[5] for e in shown)
@@ -58,13 +60,25 @@ def draw_timeline(events: List[Event], path: Path, *, title: str) -> None:
     for rank, kind, micro, stage, start, end in ((e[0], e[2], e[3], e[4], e[5], e[6]) for e in shown):
         lane = ranks.index(rank)
         width = (end - start) * 1e3
-        axes.barh(lane, width, left=(start - origin) * 1e3, color=colours[kind], edgecolor="white", height=0.8)
+        axes.barh(
+            lane, width, left=(start - origin) * 1e3, color=colours[kind], edgecolor="white", height=0.8
+        )
         label = f"{kind}{micro}" + (f"/s{stage}" if len({e[4] for e in shown if e[0] == rank}) > 1 else "")
-        axes.text((start - origin) * 1e3 + width / 2, lane, label, ha="center", va="center", fontsize=7,
-                  color="white", clip_on=True)
+        axes.text(
+            (start - origin) * 1e3 + width / 2,
+            lane,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+            clip_on=True,
+        )
     axes.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     axes.invert_yaxis()
-    axes.set_xlabel("milliseconds from the step's first forward (blue: forward, orange: backward, blank: idle)")
+    axes.set_xlabel(
+        "milliseconds from the step's first forward (blue: forward, orange: backward, blank: idle)"
+    )
     axes.set_title(title, fontsize=9)
     figure.tight_layout()
     save_figure(figure, path)
@@ -90,7 +104,7 @@ class Timeline(Callback):
             self.finish(trainer)
 
     def on_epoch_end(self, trainer, record):
-        if not self.done and self.steps >= self.first:          # an epoch shorter than the recording
+        if not self.done and self.steps >= self.first:  # an epoch shorter than the recording
             self.finish(trainer)
 
     def finish(self, trainer):
@@ -106,9 +120,14 @@ class Timeline(Callback):
         schedule, ranks, microbatches = strategy.trace_layout()
         measured = measured_bubble(events, ranks_per_pipeline=ranks)
         expected = expected_bubble(schedule, ranks=ranks, microbatches=microbatches)
-        title = (f"{schedule}, {ranks} stages x {microbatches} micro-batches: bubble measured {measured:.2f}, "
-                 f"theoretical {expected:.2f}")
+        title = (
+            f"{schedule}, {ranks} stages x {microbatches} micro-batches: bubble measured {measured:.2f}, "
+            f"theoretical {expected:.2f}"
+        )
         draw_timeline(events, self.path, title=title)
         formula = "(p-1)/(m+p-1)" if stages_per_rank(schedule) == 1 else "of the interleaved table"
-        print(f"timeline: {len({e[1] for e in events})} steps recorded; bubble measured {measured:.3f}, theoretical "
-              f"{formula} = {expected:.3f} (p={ranks}, m={microbatches}); wrote {self.path}", flush=True)
+        print(
+            f"timeline: {len({e[1] for e in events})} steps recorded; bubble measured {measured:.3f}, theoretical "
+            f"{formula} = {expected:.3f} (p={ranks}, m={microbatches}); wrote {self.path}",
+            flush=True,
+        )

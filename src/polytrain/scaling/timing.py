@@ -6,6 +6,7 @@ steps taken in a row put one device's 30 ms step at 64 to 484 ms on a loaded 2-c
 `Step` times one model on one batch; `Together` runs one callable per thread, all started at once each round
 (replicas sharing the cores as CPU processes would, or the two ranks of a loopback link).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-TIMEOUT = 120.0          # seconds a round may take before the measurement gives up
+TIMEOUT = 120.0  # seconds a round may take before the measurement gives up
 
 
 def low(times: Sequence[float]) -> float:
@@ -29,8 +30,14 @@ def low_by_key(rounds: Sequence[Dict[Hashable, float]]) -> Dict[Hashable, float]
     return {key: low([r[key] for r in rounds]) for key in rounds[0]}
 
 
-def interleave(probes: Dict[Hashable, Callable[[], Any]], *, rounds: int, warm: int = 1,
-               min_seconds: float = 0.0, most_rounds: Optional[int] = None) -> Dict[Hashable, List[Any]]:
+def interleave(
+    probes: Dict[Hashable, Callable[[], Any]],
+    *,
+    rounds: int,
+    warm: int = 1,
+    min_seconds: float = 0.0,
+    most_rounds: Optional[int] = None,
+) -> Dict[Hashable, List[Any]]:
     """Each probe's results, one per round: every round calls every probe once, in turn, after `warm` untimed
     rounds. At least `rounds` rounds, more until `min_seconds` have passed (at most `most_rounds`), so that the
     rounds span a burst of other load rather than fall inside it."""
@@ -43,7 +50,9 @@ def interleave(probes: Dict[Hashable, Callable[[], Any]], *, rounds: int, warm: 
         for key, probe in probes.items():
             results[key].append(probe())
         done += 1
-        if done >= rounds and (time.perf_counter() - began >= min_seconds or done >= (most_rounds or math.inf)):
+        if done >= rounds and (
+            time.perf_counter() - began >= min_seconds or done >= (most_rounds or math.inf)
+        ):
             return results
 
 
@@ -56,8 +65,16 @@ class Step:
     """`model` trained on one batch, one timed step per call: (forward + backward, SGD-with-momentum update)
     seconds. The model is moved to `device` (and channels-last) in place."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective, *, device: torch.device,
-                 channels_last: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        objective,
+        *,
+        device: torch.device,
+        channels_last: bool = False,
+    ):
         self.model, self.x, self.y = model.to(device), x.to(device), y.to(device)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -88,7 +105,9 @@ class Together:
         self.results: List[Any] = [None] * count
         self.errors: List[BaseException] = []
         self.argument, self.closed = None, False
-        self.threads = [threading.Thread(target=self._run, args=(i, setup), daemon=True) for i in range(count)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, setup), daemon=True) for i in range(count)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -103,7 +122,7 @@ class Together:
                 self.done.wait()
         except threading.BrokenBarrierError:
             return
-        except Exception as error:              # raised again in the calling thread
+        except Exception as error:  # raised again in the calling thread
             self.errors.append(error)
             self.start.abort()
             self.done.abort()
@@ -136,7 +155,9 @@ def gloo_pair(sizes: Sequence[int]) -> Together:
     """Two ranks of a gloo group over loopback in this process; a call all-reduces one message of each size
     and returns, per size, the slower rank's seconds."""
     import datetime
+
     import torch.distributed as dist
+
     store = dist.HashStore()
 
     def setup(index: int):
@@ -150,7 +171,9 @@ def gloo_pair(sizes: Sequence[int]) -> Together:
                 group.allreduce([tensor]).wait()
                 timings[size] = time.perf_counter() - began
             return timings
+
         return round_
+
     return Together(2, setup)
 
 
@@ -167,4 +190,5 @@ def gpu_copies(sizes: Sequence[int]) -> Callable[[], Dict[int, float]]:
             torch.cuda.synchronize("cuda:1")
             timings[size] = time.perf_counter() - began
         return timings
+
     return round_

@@ -1,4 +1,5 @@
 """Strategies by name; `auto` picks `single` for one device and `data` for several."""
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -11,8 +12,14 @@ from .sharded import Sharded
 from .single import SingleDevice
 from .tensor import TensorParallel
 
-STRATEGIES = {"single": SingleDevice, "data": DataParallel, "pipeline": Pipeline, "sharded": Sharded,
-              "parameter-server": ParameterServer, "tensor": TensorParallel}
+STRATEGIES = {
+    "single": SingleDevice,
+    "data": DataParallel,
+    "pipeline": Pipeline,
+    "sharded": Sharded,
+    "parameter-server": ParameterServer,
+    "tensor": TensorParallel,
+}
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -21,8 +28,10 @@ def resolve_strategy_name(name: str, devices: int) -> str:
     if name not in STRATEGIES:
         raise ConfigError(f"unknown --strategy {name!r}; choose one of auto, {', '.join(STRATEGIES)}")
     if name == "single" and devices != 1:
-        raise ConfigError(f"--strategy single runs on one device, but --devices is {devices}; "
-                          f"use --strategy data or --devices 1")
+        raise ConfigError(
+            f"--strategy single runs on one device, but --devices is {devices}; "
+            f"use --strategy data or --devices 1"
+        )
     if name == "pipeline" and devices < 2:
         raise ConfigError("--strategy pipeline splits the model over --devices 2 or more; add --devices 2")
     return name
@@ -38,4 +47,17 @@ def make_plan(name: str, config, model, dataset, *, device):
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
-__all__ = ["DataParallel", "ParameterServer", "Pipeline", "Sharded", "SingleDevice", "STRATEGIES", "StepStats", "Strategy", "TensorParallel", "contiguous_strategies", "make_plan", "resolve_strategy_name"]
+__all__ = [
+    "DataParallel",
+    "ParameterServer",
+    "Pipeline",
+    "Sharded",
+    "SingleDevice",
+    "STRATEGIES",
+    "StepStats",
+    "Strategy",
+    "TensorParallel",
+    "contiguous_strategies",
+    "make_plan",
+    "resolve_strategy_name",
+]

@@ -12,6 +12,7 @@ used by one thread only. Every update's staleness is recorded: how many updates 
 the weights the worker computed on and its gradient (`version_lag`), and how far the worker was ahead of
 the slowest when it started (`lead`, at most S).
 """
+
 from __future__ import annotations
 
 import queue
@@ -28,7 +29,7 @@ def set_mean_gradients(master: list, summed: torch.Tensor, *, workers: int) -> N
     offset = 0
     for weight in master:
         size = weight.numel()
-        weight.grad = (summed[offset:offset + size] / workers).view_as(weight).to(weight.device)
+        weight.grad = (summed[offset : offset + size] / workers).view_as(weight).to(weight.device)
         offset += size
 
 
@@ -38,32 +39,37 @@ def flat_gradients(params: list) -> torch.Tensor:
 
 
 class ServerThread:
-    def __init__(self, *, rank: int, world_size: int, groups, master: list, optimizer, scheduler, staleness: int):
+    def __init__(
+        self, *, rank: int, world_size: int, groups, master: list, optimizer, scheduler, staleness: int
+    ):
         self.rank, self.world_size = rank, world_size
         self.inbound, self.outbound = groups
         self.master, self.optimizer, self.scheduler = master, optimizer, scheduler
         self.staleness = staleness
         self.version = 0
-        self.clocks = [0] * world_size          # updates applied from each worker
-        self.pulled = [0] * world_size          # version each worker computes on
-        self.started_lead = [0] * world_size    # how far ahead of the slowest it was when it started
-        self.held = []                          # workers whose answer waits for the slowest
-        self.records = []                       # (worker, version_lag, lead) of every applied update
-        self.inbox = queue.Queue()              # (worker, gradients), or the end of a source
-        self.answers = queue.Queue()            # weights for this rank's own worker
-        self.lock = threading.Lock()            # the training thread takes the records at epoch ends
+        self.clocks = [0] * world_size  # updates applied from each worker
+        self.pulled = [0] * world_size  # version each worker computes on
+        self.started_lead = [0] * world_size  # how far ahead of the slowest it was when it started
+        self.held = []  # workers whose answer waits for the slowest
+        self.records = []  # (worker, version_lag, lead) of every applied update
+        self.inbox = queue.Queue()  # (worker, gradients), or the end of a source
+        self.answers = queue.Queue()  # weights for this rank's own worker
+        self.lock = threading.Lock()  # the training thread takes the records at epoch ends
         self.size = sum(w.numel() for w in master)
-        self.threads = [threading.Thread(target=self._apply_loop, name=f"polytrain-server-{rank}", daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._apply_loop, name=f"polytrain-server-{rank}", daemon=True)
+        ]
         if world_size > 1:
-            self.threads.append(threading.Thread(target=self._receive_loop, name=f"polytrain-inbox-{rank}",
-                                                 daemon=True))
+            self.threads.append(
+                threading.Thread(target=self._receive_loop, name=f"polytrain-inbox-{rank}", daemon=True)
+            )
         else:
             self.inbox.put(("remote-done",))
         for thread in self.threads:
             thread.start()
 
     def _receive_loop(self) -> None:
-        remote = self.world_size - 1             # remote workers that have not said they are done
+        remote = self.world_size - 1  # remote workers that have not said they are done
         header = torch.empty(1, dtype=torch.int64)
         while remote:
             source = dist.recv(header, group=self.inbound)
@@ -89,7 +95,7 @@ class ServerThread:
             set_mean_gradients(self.master, grads, workers=self.world_size)
             self.optimizer.step()
             self.version += 1
-            if self.version % self.world_size == 0:      # the schedule counts global steps of W updates
+            if self.version % self.world_size == 0:  # the schedule counts global steps of W updates
                 self.scheduler.step()
             self.records.append((worker, self.version - 1 - self.pulled[worker], self.started_lead[worker]))
             self.clocks[worker] += 1
@@ -137,4 +143,3 @@ def push_remote(grads: torch.Tensor, *, server: int, groups) -> torch.Tensor:
 
 def say_done(*, server: int, groups) -> None:
     dist.send(torch.tensor([DONE], dtype=torch.int64), dst=server, group=groups[0])
-

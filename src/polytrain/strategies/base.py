@@ -2,6 +2,7 @@
 
 The trainer calls only these methods and never asks which strategy it holds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,16 +17,16 @@ from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
-from .optimizer_state import load_part, numbered_part, positions, whole_state
 from .gradients import Gradients
+from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 
 @dataclass
 class StepStats:
-    loss_sum: torch.Tensor     # summed over this rank's samples, detached, still on the device
-    metrics: torch.Tensor      # one sum over this rank's samples per metric of the objective, on the device
-    count: int                 # this rank's samples
-    grad_norm: Optional[torch.Tensor] = None   # with clipping: the global gradient norm before clipping
+    loss_sum: torch.Tensor  # summed over this rank's samples, detached, still on the device
+    metrics: torch.Tensor  # one sum over this rank's samples per metric of the objective, on the device
+    count: int  # this rank's samples
+    grad_norm: Optional[torch.Tensor] = None  # with clipping: the global gradient norm before clipping
     loss_count: object = None  # how many elements loss_sum covers (a (sum, count) loss; else the samples)
 
     def __post_init__(self):
@@ -37,28 +38,45 @@ class Strategy:
     """One process, one device: the reference every other strategy must reproduce."""
 
     name = "single"
-    needs_process_group = False        # True: every rank must join a torch.distributed group first
-    keeps_channels_last = True         # False: trains in the default memory format even when asked otherwise
-    schedule_per_step = True           # False: the schedule steps once per epoch (end_of_epoch), not per step
+    needs_process_group = False  # True: every rank must join a torch.distributed group first
+    keeps_channels_last = True  # False: trains in the default memory format even when asked otherwise
+    schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
 
-    def __init__(self, *, device: torch.device, rank: int = 0, world_size: int = 1, precision: str = "fp32",
-                 compile: bool = False, channels_last: bool = False, objective: Objective = None, plan=None,
-                 accumulate: int = 1, clip_grad_norm=None, clip_grad_value=None):
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        precision: str = "fp32",
+        compile: bool = False,
+        channels_last: bool = False,
+        objective: Objective = None,
+        plan=None,
+        accumulate: int = 1,
+        clip_grad_norm=None,
+        clip_grad_value=None,
+    ):
         self.device = torch.device(device)
         # fp16 loss scaling, clipping and their figures; `accumulate` passes per optimizer step
-        self.gradients = Gradients(device=self.device, accumulate=accumulate, clip_norm=clip_grad_norm,
-                                   clip_value=clip_grad_value, fp16=precision == "fp16")
+        self.gradients = Gradients(
+            device=self.device,
+            accumulate=accumulate,
+            clip_norm=clip_grad_norm,
+            clip_value=clip_grad_value,
+            fp16=precision == "fp16",
+        )
         self.rank, self.world_size = rank, world_size
         self.precision = precision
         self.compile = compile
         self.channels_last = channels_last and self.keeps_channels_last
         self.objective = objective or Objective()
-        self.model: nn.Module = None          # the plain module: its state_dict is what gets saved
-        self.runner: nn.Module = None         # what the training step calls (compiled or wrapped)
+        self.model: nn.Module = None  # the plain module: its state_dict is what gets saved
+        self.runner: nn.Module = None  # what the training step calls (compiled or wrapped)
         self.optimizer = None
         self.scheduler = None
-        self.parameter_names: list = []       # the whole model's, in `model.parameters()` order
-        self.placement: list = []             # lines that say where each part of the model runs (rank 0)
+        self.parameter_names: list = []  # the whole model's, in `model.parameters()` order
+        self.placement: list = []  # lines that say where each part of the model runs (rank 0)
         # seconds of the latest train_step that this strategy can attribute ("communication", "idle": waiting
         # on other ranks); `polytrain bench` clears it before each step and calls the rest compute
         self.phases: dict = {}
@@ -116,8 +134,9 @@ class Strategy:
 
     def autocast(self):
         if self.precision in ("bf16", "fp16"):
-            return torch.autocast(self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else
-                                  torch.float16)
+            return torch.autocast(
+                self.device.type, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16
+            )
         return contextlib.nullcontext()
 
     def train_step(self, batch) -> StepStats:
@@ -128,7 +147,7 @@ class Strategy:
         global batch, also when the last batch splits unevenly. Every rank makes the same number of passes
         (some may be empty in a short last batch): sharded ranks gather weights together in each.
         """
-        if not self.model.training:           # only after an evaluation: train() walks every submodule
+        if not self.model.training:  # only after an evaluation: train() walks every submodule
             self.runner.train()
         self.zero_grad()
         share = batch.global_count / self.replicas
@@ -157,9 +176,11 @@ class Strategy:
             return
         total = float(self.reduce(torch.as_tensor(count, dtype=torch.float64, device=self.device).reshape(1)))
         if not total > 0:
-            raise UserError(f"the loss counted {total:g} elements in a whole global batch of {global_count} samples "
-                            f"(its (sum, count) pairs); every batch needs at least one counted element (e.g. not "
-                            f"only padding): check the count, or drop such samples")
+            raise UserError(
+                f"the loss counted {total:g} elements in a whole global batch of {global_count} samples "
+                f"(its (sum, count) pairs); every batch needs at least one counted element (e.g. not "
+                f"only padding): check the count, or drop such samples"
+            )
         if total != global_count:
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -181,8 +202,12 @@ class Strategy:
     def apply_gradients(self) -> None:
         """Turn this rank's gradients into the step's new weights: unscale and clip them where asked, the
         optimizer (skipped after an fp16 overflow), then the schedule."""
-        self.gradients.step(self.optimizer, list(self.model.parameters()), norm_group=self.norm_group,
-                            overflow_group=self.overflow_group)
+        self.gradients.step(
+            self.optimizer,
+            list(self.model.parameters()),
+            norm_group=self.norm_group,
+            overflow_group=self.overflow_group,
+        )
         if self.schedule_per_step:
             self.scheduler.step()
 
@@ -211,8 +236,9 @@ class Strategy:
     def eval_step(self, batch) -> StepStats:
         if self.model.training:
             self.model.eval()
-        loss_sum, count, outputs = self.objective.compute(self.model, batch.x, batch.y, training=False,
-                                                          autocast=self.autocast)
+        loss_sum, count, outputs = self.objective.compute(
+            self.model, batch.x, batch.y, training=False, autocast=self.autocast
+        )
         metrics = self.objective.metric_sums(outputs, batch.y) if self.objective.names else self.no_metrics
         return StepStats(loss_sum, metrics, len(batch), loss_count=count)
 
@@ -261,8 +287,11 @@ class Strategy:
 
     def state_dict(self) -> dict:
         mine = numbered_part(self.optimizer, positions(self.model.parameters()))
-        return {"model": self.model_state(), "optimizer": whole_state(self.optimizer, [mine]),
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": self.model_state(),
+            "optimizer": whole_state(self.optimizer, [mine]),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

@@ -1,4 +1,5 @@
 """Data parallelism: the model replicated on every rank, gradients all-reduced by DistributedDataParallel."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,9 @@ class DataParallel(Distributed):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not dist.is_initialized():
-            raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
+            raise RuntimeError(
+                "the data strategy needs an initialised process group; start it with --devices N"
+            )
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
         # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).

@@ -10,6 +10,7 @@ Each strategy knows where its gradients live and over which ranks they differ, a
   skip the same step. None where every rank sees the same gradients.
 Where both are the same group, the squared norm and the overflow flag travel in one all-reduce of two numbers.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ def total_norm(grads: list) -> torch.Tensor:
         return torch.zeros(())
     if hasattr(torch.nn.utils, "get_total_norm"):
         return _local(torch.nn.utils.get_total_norm(grads, 2.0))
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)) for g in grads]))
+    return torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)) for g in grads])
+    )
 
 
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -58,15 +61,22 @@ def scale_to_norm(grads: list, max_norm: float, norm: torch.Tensor) -> None:
 class Gradients:
     """Loss scaling, clipping and their per-epoch figures for one rank's optimizer."""
 
-    def __init__(self, *, device: torch.device, accumulate: int = 1, clip_norm: Optional[float] = None,
-                 clip_value: Optional[float] = None, fp16: bool = False):
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        accumulate: int = 1,
+        clip_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        fp16: bool = False,
+    ):
         self.device = torch.device(device)
         self.accumulate = accumulate
         self.clip_norm, self.clip_value = clip_norm, clip_value
         self.scaler = None
         if fp16:
             self.scaler = torch.amp.GradScaler(self.device.type)
-            self.scaler.scale(torch.ones((), device=self.device))     # every rank holds the scale, loss or not
+            self.scaler.scale(torch.ones((), device=self.device))  # every rank holds the scale, loss or not
         # per epoch, on the device: sum and max of the norms before clipping, clipped steps, skipped steps
         self.figures = torch.zeros(4, dtype=torch.float64, device=self.device)
         self.steps = 0
@@ -105,7 +115,9 @@ class Gradients:
             scale_to_norm(grads, self.clip_norm, norm)
             self.last_norm = norm
             finite = torch.isfinite(norm)
-            value = torch.where(finite, norm.double(), torch.zeros((), dtype=torch.float64, device=norm.device))
+            value = torch.where(
+                finite, norm.double(), torch.zeros((), dtype=torch.float64, device=norm.device)
+            )
             self.figures[0] += value.to(self.figures.device)
             self.figures[1] = torch.maximum(self.figures[1], value.to(self.figures.device))
             self.figures[2] += ((norm > self.clip_norm) & finite).to(self.figures.device, torch.float64)
@@ -138,7 +150,7 @@ class Gradients:
 
     def _found_inf(self, optimizer) -> torch.Tensor:
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        if not found:           # no gradient on this rank (a placeholder, frozen layers): nothing overflowed
+        if not found:  # no gradient on this rank (a placeholder, frozen layers): nothing overflowed
             found[self.device] = torch.zeros((), dtype=torch.float32, device=self.device)
         return sum(value.to(self.device) for value in found.values()).reshape(())
 
@@ -155,14 +167,21 @@ class Gradients:
         figures, notes = {}, []
         if self.clip_norm is not None:
             counted = self.steps - skipped
-            figures.update(grad_norm_mean=norm_sum / counted if counted else math.nan, grad_norm_max=norm_max,
-                           clipped_steps=int(clipped))
-            notes.append(f"grad norm {figures['grad_norm_mean']:.3g} (max {norm_max:.3g}), clipped {int(clipped)}"
-                         f"/{self.steps} steps")
+            figures.update(
+                grad_norm_mean=norm_sum / counted if counted else math.nan,
+                grad_norm_max=norm_max,
+                clipped_steps=int(clipped),
+            )
+            notes.append(
+                f"grad norm {figures['grad_norm_mean']:.3g} (max {norm_max:.3g}), clipped {int(clipped)}"
+                f"/{self.steps} steps"
+            )
         if self.scaler is not None:
             figures.update(skipped_steps=int(skipped), loss_scale=float(self.scaler.get_scale()))
-            notes.append(f"fp16 scale {figures['loss_scale']:g}, skipped {int(skipped)} step"
-                         f"{'s' if skipped != 1 else ''}")
+            notes.append(
+                f"fp16 scale {figures['loss_scale']:g}, skipped {int(skipped)} step"
+                f"{'s' if skipped != 1 else ''}"
+            )
         self.figures.zero_()
         self.steps = 0
         return dict(figures, note="; ".join(notes))
@@ -185,6 +204,7 @@ def check_fp16(device_type: str) -> None:
     import warnings
 
     from ..errors import ConfigError
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -194,6 +214,8 @@ def check_fp16(device_type: str) -> None:
         except RuntimeError:
             supported = False
     if not supported:
-        raise ConfigError(f"--precision fp16 on {device_type} needs a torch that autocasts to float16 and scales "
-                          f"the loss there (torch.amp.GradScaler; this is {torch.__version__}); upgrade torch, or use "
-                          f"--precision bf16 or fp32")
+        raise ConfigError(
+            f"--precision fp16 on {device_type} needs a torch that autocasts to float16 and scales "
+            f"the loss there (torch.amp.GradScaler; this is {torch.__version__}); upgrade torch, or use "
+            f"--precision bf16 or fp32"
+        )

@@ -1,5 +1,6 @@
 """What a rank holds, as the splitting strategies' start-up lines say it: its parameters (its part of each
 DTensor), as many gradients, and the optimizer's state slots per parameter, next to what a whole replica holds."""
+
 from __future__ import annotations
 
 import torch
@@ -36,4 +37,6 @@ def heading(slots: int) -> str:
 
 def figures(parameters: int, slots: int, stepped: int = None) -> str:
     """`P + P + S`: parameters, as many gradients, and the optimizer's state of the `stepped` bytes (default all)."""
-    return f"{mib(parameters)} + {mib(parameters)} + {mib((parameters if stepped is None else stepped) * slots)}"
+    return (
+        f"{mib(parameters)} + {mib(parameters)} + {mib((parameters if stepped is None else stepped) * slots)}"
+    )

@@ -1,5 +1,6 @@
 """A model as a chain of layers: flattened from nested `nn.Sequential`s, cut into stages that keep each
 layer's name in the model, and timed layer by layer for balancing."""
+
 from __future__ import annotations
 
 import statistics
@@ -11,7 +12,7 @@ import torch.nn as nn
 
 from ..errors import UserError
 
-Layers = List[Tuple[str, nn.Module]]        # (name in the model, module), in the order data flows
+Layers = List[Tuple[str, nn.Module]]  # (name in the model, module), in the order data flows
 
 
 def _plain_sequential(module: nn.Module) -> bool:
@@ -21,10 +22,12 @@ def _plain_sequential(module: nn.Module) -> bool:
 def flatten_layers(model: nn.Module) -> Layers:
     """The layers of an `nn.Sequential`, nested Sequentials expanded, each named as in `model.state_dict()`."""
     if not _plain_sequential(model):
-        raise UserError(f"the pipeline strategy splits an nn.Sequential, and {type(model).__name__} is not one; "
-                        f"write the model as nn.Sequential(layer, layer, ...) (nested Sequentials are "
-                        f"flattened; put code of forward() into small modules), or name the modules where stages begin "
-                        f"with --split-at NAME,... (torch's tracer), or use --strategy data")
+        raise UserError(
+            f"the pipeline strategy splits an nn.Sequential, and {type(model).__name__} is not one; "
+            f"write the model as nn.Sequential(layer, layer, ...) (nested Sequentials are "
+            f"flattened; put code of forward() into small modules), or name the modules where stages begin "
+            f"with --split-at NAME,... (torch's tracer), or use --strategy data"
+        )
     layers: Layers = []
 
     def visit(module: nn.Module, prefix: str) -> None:
@@ -32,18 +35,24 @@ def flatten_layers(model: nn.Module) -> Layers:
             path = f"{prefix}{name}"
             if _plain_sequential(child):
                 if child._parameters or child._buffers:
-                    raise UserError(f"the Sequential {path!r} holds its own parameters or buffers, which a split "
-                                    f"would lose; move them into a layer of their own")
+                    raise UserError(
+                        f"the Sequential {path!r} holds its own parameters or buffers, which a split "
+                        f"would lose; move them into a layer of their own"
+                    )
                 visit(child, path + ".")
             else:
                 layers.append((path, child))
 
     visit(model, "")
     if model._parameters or model._buffers:
-        raise UserError("the model holds parameters or buffers outside its layers, which a split would lose; "
-                        "move them into a layer of their own")
+        raise UserError(
+            "the model holds parameters or buffers outside its layers, which a split would lose; "
+            "move them into a layer of their own"
+        )
     if not layers:
-        raise UserError("the model has no layers to split; give it at least as many layers as pipeline stages")
+        raise UserError(
+            "the model has no layers to split; give it at least as many layers as pipeline stages"
+        )
     return layers
 
 
@@ -100,14 +109,14 @@ def named_subset(layers: Layers) -> nn.Module:
 
 def describe_layers(layers: Layers, indices: range) -> str:
     first, last = layers[indices[0]], layers[indices[-1]]
-    kind = lambda entry: type(entry[1]).__name__        # noqa: E731
+    kind = lambda entry: type(entry[1]).__name__  # noqa: E731
     if len(indices) == 1:
         return f"{indices[0]} {kind(first)}"
     return f"{indices[0]}-{indices[-1]} ({kind(first)} .. {kind(last)})"
 
 
 def _run(layer: nn.Module, x: torch.Tensor, *, first: bool) -> torch.Tensor:
-    inp = x.detach().requires_grad_(not first and x.is_floating_point())     # stage 0 needs no input grad
+    inp = x.detach().requires_grad_(not first and x.is_floating_point())  # stage 0 needs no input grad
     out = layer(inp)
     if out.requires_grad:
         out.backward(torch.ones_like(out))
@@ -148,8 +157,10 @@ def layer_memory(layers: Layers, sample: torch.Tensor, *, optimizer_slots: int) 
     for i, (_, layer) in enumerate(layers):
         saved = {}
 
-        def keep(tensor):
-            saved[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+        def keep(tensor, saved=saved):
+            saved[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))] = (
+                tensor.numel() * tensor.element_size()
+            )
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):

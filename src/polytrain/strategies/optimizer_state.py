@@ -6,6 +6,7 @@ it and each of `param_groups` lists the numbers of its parameters (one group: `p
 `torch.optim` numbers one device's optimizer). `position_of` maps `id(parameter)` of a rank's parameters to
 their numbers; a rank's zero-size placeholders are in no map and counted nowhere.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from ..optim import make_recipe
 
-SPEED = ("foreach", "fused")          # how a rank runs its update, not what it computes: kept on loading
+SPEED = ("foreach", "fused")  # how a rank runs its update, not what it computes: kept on loading
 
 
 def to_cpu(value):
@@ -38,30 +39,45 @@ def numbered_part(optimizer, position_of: dict) -> dict:
     """This rank's per-parameter state keyed by number, on the CPU, and the numbers in each of its groups."""
     flat = [p for group in optimizer.param_groups for p in group["params"]]
     state = optimizer.state_dict()["state"]
-    return {"state": {position_of[id(flat[i])]: to_cpu(value) for i, value in state.items()
-                      if id(flat[i]) in position_of},
-            "groups": [[position_of[id(p)] for p in group["params"] if id(p) in position_of]
-                       for group in optimizer.param_groups]}
+    return {
+        "state": {
+            position_of[id(flat[i])]: to_cpu(value)
+            for i, value in state.items()
+            if id(flat[i]) in position_of
+        },
+        "groups": [
+            [position_of[id(p)] for p in group["params"] if id(p) in position_of]
+            for group in optimizer.param_groups
+        ],
+    }
 
 
 def whole_state(optimizer, parts) -> dict:
     """The whole model's optimizer state dict from every rank's `numbered_part` (empty parts skipped); the
     groups' options from this rank's optimizer (every rank has the same groups, in the same order)."""
     parts = [part for part in parts if part]
-    options = [{key: value for key, value in group.items() if key != "params"}
-               for group in optimizer.state_dict()["param_groups"]]
+    options = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in optimizer.state_dict()["param_groups"]
+    ]
     state = dict(sorted((key, value) for part in parts for key, value in part["state"].items()))
-    return {"state": state,
-            "param_groups": [dict(group, params=sorted(n for part in parts for n in part["groups"][g]))
-                             for g, group in enumerate(options)]}
+    return {
+        "state": state,
+        "param_groups": [
+            dict(group, params=sorted(n for part in parts for n in part["groups"][g]))
+            for g, group in enumerate(options)
+        ],
+    }
 
 
 def load_part(optimizer, saved: dict, position_of: dict) -> None:
     """Load this rank's share of a whole-model optimizer state dict (`whole_state`'s form)."""
     groups = saved["param_groups"]
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"it has {len(groups)} parameter group(s), this run {len(optimizer.param_groups)} "
-                         f"(--no-decay-norms-and-biases or param_groups= differ)")
+        raise ValueError(
+            f"it has {len(groups)} parameter group(s), this run {len(optimizer.param_groups)} "
+            f"(--no-decay-norms-and-biases or param_groups= differ)"
+        )
     local_state, local_groups, index = {}, [], 0
     for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
         listed, first = set(theirs["params"]), index
@@ -89,10 +105,13 @@ def state_slots(cls, kwargs: Optional[dict] = None) -> int:
     try:
         optimizer = cls([probe], **{k: v for k, v in (kwargs or {}).items() if k not in ("fused", "foreach")})
         optimizer.step()
-    except Exception:            # a class or factory of the user's that this probe cannot drive
+    except Exception:  # a class or factory of the user's that this probe cannot drive
         return 2
-    return sum(1 for value in optimizer.state[probe].values()
-               if isinstance(value, torch.Tensor) and value.shape == probe.shape)
+    return sum(
+        1
+        for value in optimizer.state[probe].values()
+        if isinstance(value, torch.Tensor) and value.shape == probe.shape
+    )
 
 
 def state_slots_of(config) -> int:

@@ -7,6 +7,7 @@ their gradients (summed onto the server with `reduce`), the server averages them
 optimizer to its master weights, and the workers pull the new weights (`broadcast` from the server). This
 is synchronous: the step equals the one-device step.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,8 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
-from .base import Distributed
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
+from .base import Distributed
 from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 
@@ -28,19 +29,23 @@ class ParameterServer(Distributed):
     def __init__(self, *, plan: ServerPlan, **common):
         super().__init__(**common)
         self.plan = plan
-        self.waited = 0.0                 # seconds this rank spent pushing, waiting and pulling this epoch
+        self.waited = 0.0  # seconds this rank spent pushing, waiting and pulling this epoch
 
     @classmethod
     def make_plan(cls, config: TrainConfig, model: nn.Module, dataset, *, device: torch.device) -> ServerPlan:
         servers = config.servers or 1
         check_servers(servers, devices=config.devices)
         sizes = [p.numel() for p in model.parameters()]
-        return ServerPlan(servers, config.server_device or "cpu", partition_by_size(sizes, servers=servers),
-                          config.staleness or 0)
+        return ServerPlan(
+            servers,
+            config.server_device or "cpu",
+            partition_by_size(sizes, servers=servers),
+            config.staleness or 0,
+        )
 
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         model = model.to(self.device)
-        if self.channels_last:            # the loader hands over channels-last images: match them (as base does)
+        if self.channels_last:  # the loader hands over channels-last images: match them (as base does)
             model = model.to(memory_format=torch.channels_last)
         self.model = self.runner = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -58,12 +63,20 @@ class ParameterServer(Distributed):
         if self.plan.staleness:
             # one process group per server: on each rank, one thread uses it (the server's own thread on
             # the server rank, the training thread elsewhere)
-            self.groups = [(dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
-                           for _ in range(self.plan.servers)]
+            self.groups = [
+                (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+                for _ in range(self.plan.servers)
+            ]
             if self.master:
-                self.server = ServerThread(rank=self.rank, world_size=self.world_size, groups=self.groups[self.rank],
-                                           master=self.master, optimizer=self.optimizer, scheduler=self.scheduler,
-                                           staleness=self.plan.staleness)
+                self.server = ServerThread(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    groups=self.groups[self.rank],
+                    master=self.master,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    staleness=self.plan.staleness,
+                )
 
     def _placement(self) -> list:
         if not self.is_main:
@@ -81,7 +94,7 @@ class ParameterServer(Distributed):
     def apply_gradients(self) -> None:
         began = time.perf_counter()
         if self.gradients.active and not self.plan.staleness:
-            self._push_step_pull()        # clipping and fp16 need every server's gradient before any step
+            self._push_step_pull()  # clipping and fp16 need every server's gradient before any step
         else:
             for server, indices in self.owned.items():
                 if self.plan.staleness:
@@ -89,8 +102,8 @@ class ParameterServer(Distributed):
                 else:
                     self._push_and_pull(server, indices)
         if not self.master and not self.gradients.active:
-            self.optimizer.step()         # a no-op on the placeholder; keeps the schedule's order of calls
-        if self.server is None and self.schedule_per_step:   # an asynchronous server steps it with its updates
+            self.optimizer.step()  # a no-op on the placeholder; keeps the schedule's order of calls
+        if self.server is None and self.schedule_per_step:  # an asynchronous server steps it with its updates
             self.scheduler.step()
         self.waited += time.perf_counter() - began
 
@@ -117,8 +130,11 @@ class ParameterServer(Distributed):
         asynchronous, once all updates are in: every worker has had the answer to its last push)."""
         for server, indices in self.owned.items():
             params = [self.replica[i] for i in indices]
-            flat = torch.cat([w.detach().flatten() for w in self.master]).to(self.device) if server == self.rank \
+            flat = (
+                torch.cat([w.detach().flatten() for w in self.master]).to(self.device)
+                if server == self.rank
                 else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+            )
             dist.broadcast(flat, src=server)
             self._set(params, flat)
 
@@ -135,7 +151,7 @@ class ParameterServer(Distributed):
         params = [self.replica[i] for i in indices]
         grads = flat_gradients(params)
         began = time.perf_counter()
-        dist.reduce(grads, dst=server)                            # push: the sum lands on the server
+        dist.reduce(grads, dst=server)  # push: the sum lands on the server
         pushing = time.perf_counter() - began
         if self.rank == server:
             set_mean_gradients(self.master, grads, workers=self.world_size)
@@ -145,7 +161,7 @@ class ParameterServer(Distributed):
         else:
             flat = torch.empty_like(grads)
         pulling = time.perf_counter()
-        dist.broadcast(flat, src=server)                          # pull: every worker gets the new weights
+        dist.broadcast(flat, src=server)  # pull: every worker gets the new weights
         self.add_phase("communication", pushing + time.perf_counter() - pulling)
         self._set(params, flat)
 
@@ -167,8 +183,9 @@ class ParameterServer(Distributed):
             if self.rank == server:
                 set_mean_gradients(self.master, grads, workers=self.world_size)
         pushed = time.perf_counter()
-        self.gradients.step(self.optimizer, self.master, norm_group=self.norm_group,
-                            overflow_group=self.overflow_group)
+        self.gradients.step(
+            self.optimizer, self.master, norm_group=self.norm_group, overflow_group=self.overflow_group
+        )
         updated = time.perf_counter()
         self._pull_latest()
         self.add_phase("server_update", updated - pushed)
@@ -181,7 +198,9 @@ class ParameterServer(Distributed):
         settled = [[dict(step) for step in steps] for steps in ranks]
         for rank, steps in enumerate(settled):
             for i, step in enumerate(steps):
-                waiting = sum(other[i].get("server_update", 0.0) for k, other in enumerate(ranks) if k != rank)
+                waiting = sum(
+                    other[i].get("server_update", 0.0) for k, other in enumerate(ranks) if k != rank
+                )
                 moved = min(waiting, step.get("communication", 0.0))
                 step["communication"] = step.get("communication", 0.0) - moved
                 step["idle"] = step.get("idle", 0.0) + moved
@@ -199,10 +218,16 @@ class ParameterServer(Distributed):
             records = [record for part in parts for record in part] if self.is_main else []
             if records:
                 lags, leads = [r[1] for r in records], [r[2] for r in records]
-                extras.update(updates=len(records), version_lag_mean=sum(lags) / len(lags),
-                              version_lag_max=max(lags), lead_max=max(leads))
-                note += (f"; {len(records)} updates, {sum(lags) / len(lags):.2f} behind on average (max {max(lags)}), "
-                         f"lead at most {max(leads)} of {self.plan.staleness}")
+                extras.update(
+                    updates=len(records),
+                    version_lag_mean=sum(lags) / len(lags),
+                    version_lag_max=max(lags),
+                    lead_max=max(leads),
+                )
+                note += (
+                    f"; {len(records)} updates, {sum(lags) / len(lags):.2f} behind on average (max {max(lags)}), "
+                    f"lead at most {max(leads)} of {self.plan.staleness}"
+                )
         return dict(extras, note=note)
 
     # -- the whole model and its optimizer, as one device numbers them --------------------------------

@@ -7,6 +7,7 @@ the whole global batch's size, and gradients are summed (never rescaled): the st
 one-device step. Evaluation sends activations rank to rank without gradients; the model is never gathered
 except to save it. With `--tensor-parallel T` each stage is split over T ranks (pipeline_tensor.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,16 +20,24 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..plan.balance import balance_by_time, parse_split
-from ..plan.pipeline import (DEFAULT_SCHEDULE, PipelineLayout, PipelinePlan, default_microbatches,
-                             microbatches_for, runnable_schedule, stages_per_rank)
-from .base import Distributed, StepStats
-from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
-from .layers import (Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers)
+from ..plan.pipeline import (
+    DEFAULT_SCHEDULE,
+    PipelineLayout,
+    PipelinePlan,
+    default_microbatches,
+    microbatches_for,
+    runnable_schedule,
+    stages_per_rank,
+)
 from .activations import receive, send
-from .tensor import plan_for_stages
+from .base import Distributed, StepStats
 from .holdings import local
+from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
+from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
+from .tensor import plan_for_stages
 from .tied import TiedWeights
 from .traced import setup_traced, traced_plan
+
 
 def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
@@ -40,26 +49,37 @@ def check_torch(version: tuple, *, device_type: str, fewest_microbatches: int, r
     Before 2.8 a schedule waited on only one of gloo's send/recv handles and could hang (pytorch PR
     152938); 2.7 to 2.10 refuse fewer micro-batches than stages in every single-stage schedule.
     """
+
     def need(release: str, why: str):
-        raise ConfigError(f"--strategy pipeline {why} needs torch {release} or newer (this is {torch.__version__}); "
-                          f"upgrade torch, or use --strategy data")
+        raise ConfigError(
+            f"--strategy pipeline {why} needs torch {release} or newer (this is {torch.__version__}); "
+            f"upgrade torch, or use --strategy data"
+        )
+
     if version < (2, 6):
         need("2.6", "")
     if device_type == "cpu" and version < (2, 8):
         need("2.8", "on CPU processes (gloo)")
     if (2, 7) <= version < (2, 11) and fewest_microbatches < ranks:
-        need("2.11", f"with {fewest_microbatches} micro-batch(es) for {ranks} stages (also a smaller last batch)")
+        need(
+            "2.11",
+            f"with {fewest_microbatches} micro-batch(es) for {ranks} stages (also a smaller last batch)",
+        )
 
 
 def _schedule_class(kind: str):
     from torch.distributed import pipelining
-    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-            "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B}[kind]
+
+    return {
+        "gpipe": pipelining.ScheduleGPipe,
+        "1f1b": pipelining.Schedule1F1B,
+        "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B,
+    }[kind]
 
 
 class Pipeline(Distributed):
     name = "pipeline"
-    keeps_channels_last = False           # activations cross processes as plain contiguous tensors
+    keeps_channels_last = False  # activations cross processes as plain contiguous tensors
 
     def __new__(cls, *, plan: PipelinePlan = None, **common):
         """Stages split over tensor ranks (--tensor-parallel) run on the subclass that splits them
@@ -75,16 +95,16 @@ class Pipeline(Distributed):
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
         self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
         self.pp_group = self.dp_group = None
-        self.schedules = {}                   # (micro-batches, their size) -> schedule over this rank's stages
+        self.schedules = {}  # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
-        self.tied = None                      # weights shared across stages (tied.py)
+        self.tied = None  # weights shared across stages (tied.py)
 
     @property
     def norm_group(self):
         """The ranks of this pipeline: each holds some stages' gradients (replicas have summed theirs)."""
         return self.pp_group if self.pp_group is not None else dist.group.WORLD
 
-    overflow_group = norm_group       # the stages' gradients overflow apart; replicas share theirs
+    overflow_group = norm_group  # the stages' gradients overflow apart; replicas share theirs
 
     @property
     def data_rank(self) -> int:
@@ -105,33 +125,50 @@ class Pipeline(Distributed):
         microbatches = config.microbatches or default_microbatches(whole, layout.ranks)
         passes = microbatches * config.accumulate
         if config.accumulate > 1 and per_replica % passes:
-            fitting = [k for k in range(2, per_replica // microbatches + 1) if per_replica % (microbatches * k) == 0]
-            raise ConfigError(f"--accumulate {config.accumulate} runs {microbatches} x {config.accumulate} = {passes} "
-                              f"micro-batches in each step, which do not cut the {per_replica} samples each pipeline "
-                              f"gets into equal parts; use --accumulate "
-                              f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches")
+            fitting = [
+                k for k in range(2, per_replica // microbatches + 1) if per_replica % (microbatches * k) == 0
+            ]
+            raise ConfigError(
+                f"--accumulate {config.accumulate} runs {microbatches} x {config.accumulate} = {passes} "
+                f"micro-batches in each step, which do not cut the {per_replica} samples each pipeline "
+                f"gets into equal parts; use --accumulate "
+                f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches"
+            )
         last = dataset.num_train % config.batch_size or config.batch_size
         parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
         if min(parts) == 0:
-            raise ConfigError(f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
-                              f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)")
-        fewest = min(microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts)
+            raise ConfigError(
+                f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
+                f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)"
+            )
+        fewest = min(
+            microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts
+        )
         check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
-        if config.split_at:                   # any model, cut by torch's tracer at named modules
+        if config.split_at:  # any model, cut by torch's tracer at named modules
             return traced_plan(config, model, dataset, layout, schedule, microbatches, per_replica)
         tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
         layers = flatten_layers(model)
         names = tuple(name for name, _ in layers)
         stages = layout.ranks * stages_per_rank(schedule)
         if stages > len(layers):
-            raise ConfigError(f"cannot split {len(layers)} layers into {stages} stages; use at most "
-                              f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model")
-        dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")      # token ids stay integers
+            raise ConfigError(
+                f"cannot split {len(layers)} layers into {stages} stages; use at most "
+                f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model"
+            )
+        dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")  # token ids stay integers
         if config.split not in (None, "auto"):
-            return PipelinePlan(layout, schedule, microbatches, parse_split(config.split, layers=len(layers),
-                                                                            stages=stages), names,
-                                tuple(dataset.input_shape), input_dtype=dtype, tensor=tensor)
-        measured = flatten_layers(copy.deepcopy(model).to(device))     # must not touch the model's statistics
+            return PipelinePlan(
+                layout,
+                schedule,
+                microbatches,
+                parse_split(config.split, layers=len(layers), stages=stages),
+                names,
+                tuple(dataset.input_shape),
+                input_dtype=dtype,
+                tensor=tensor,
+            )
+        measured = flatten_layers(copy.deepcopy(model).to(device))  # must not touch the model's statistics
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
             # One micro-batch: the stages run one after another whatever the split, so no split is faster
@@ -140,33 +177,55 @@ class Pipeline(Distributed):
             costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
         else:
             costs, unit = tuple(time_layers(measured, sample)), "seconds"
-        return PipelinePlan(layout, schedule, microbatches, balance_by_time(costs, stages=stages), names,
-                            tuple(dataset.input_shape), costs, unit, dtype, tensor=tensor)
+        return PipelinePlan(
+            layout,
+            schedule,
+            microbatches,
+            balance_by_time(costs, stages=stages),
+            names,
+            tuple(dataset.input_shape),
+            costs,
+            unit,
+            dtype,
+            tensor=tensor,
+        )
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout = self.plan.layout
-        if layout.replicas > 1 or layout.tensor > 1:          # a (data, pipeline[, tensor]) mesh
+        if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
             from torch.distributed.device_mesh import init_device_mesh
-            self.mesh = init_device_mesh(self.device.type, layout.mesh_shape(), mesh_dim_names=layout.mesh_names)
+
+            self.mesh = init_device_mesh(
+                self.device.type, layout.mesh_shape(), mesh_dim_names=layout.mesh_names
+            )
             self.pp_group = self.mesh["pp"].get_group()
             self.dp_group = self.mesh["dp"].get_group() if layout.replicas > 1 else None
         model = model.to(self.device)
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        self.full_meta = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
+        }
         if self.plan.split_at:
             return setup_traced(self, model, make_optimizer, make_scheduler)
         layers = flatten_layers(model)
         self.boundaries = self._boundary_shapes(layers)
-        self.stage_modules = [Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device)
-                              for s in self.my_stages]
+        self.stage_modules = [
+            Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device) for s in self.my_stages
+        ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         self.split_stages()
-        self.build_optimizer([(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
-                             make_optimizer, make_scheduler)
+        self.build_optimizer(
+            [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
+            make_optimizer,
+            make_scheduler,
+        )
         self.placement = self.placement_lines(
-            lambda stage: describe_stage(layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit))
+            lambda stage: describe_stage(
+                layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit
+            )
+        )
 
     def split_stages(self) -> None:
         """Where a subclass splits its stages' layers further, before the optimizer sees them."""
@@ -185,7 +244,9 @@ class Pipeline(Distributed):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        x = torch.zeros(1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device)
+        x = torch.zeros(
+            1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device
+        )
         grads = False
         shapes = []
         for _, layer in layers:
@@ -204,6 +265,7 @@ class Pipeline(Distributed):
 
         def make(shape, dtype, grads):
             return torch.empty((batch, *shape), dtype=dtype, device=self.device, requires_grad=grads)
+
         return make(*self.boundaries[span[0]]), make(*self.boundaries[span[-1] + 1])
 
     def placement_lines(self, holds) -> list:
@@ -212,17 +274,23 @@ class Pipeline(Distributed):
         if not self.is_main:
             return []
         plan, where = self.plan, dict(devices)
-        lines = [f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
-                 f"ranks x {plan.layout.replicas} replica(s), {plan.microbatches} micro-batches per step, schedule "
-                 f"{plan.schedule}"]
+        lines = [
+            f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
+            f"ranks x {plan.layout.replicas} replica(s), {plan.microbatches} micro-batches per step, schedule "
+            f"{plan.schedule}"
+        ]
         for stage in range(plan.model_stages):
             ranks = plan.layout.stage_ranks(stage % plan.layout.ranks)
-            lines.append(f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
-                         f"{holds(stage)}")
+            lines.append(
+                f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
+                f"{holds(stage)}"
+            )
         runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
         if runs != plan.schedule:
-            lines.append(f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
-                         f"it runs as gpipe")
+            lines.append(
+                f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
+                f"it runs as gpipe"
+            )
         return lines
 
     def _schedule(self, samples: int):
@@ -230,23 +298,45 @@ class Pipeline(Distributed):
         micro-batch (the smaller last batch of an epoch has its own) gets its own stages and schedule."""
         # accumulation multiplies the micro-batches of one schedule step: several step() calls would each
         # rescale the whole accumulated gradient
-        microbatches = microbatches_for(samples, self.plan.microbatches * self.gradients.accumulate,
-                                        schedule=self.plan.schedule, ranks=self.plan.layout.ranks)
+        microbatches = microbatches_for(
+            samples,
+            self.plan.microbatches * self.gradients.accumulate,
+            schedule=self.plan.schedule,
+            ranks=self.plan.layout.ranks,
+        )
         key = (microbatches, samples // microbatches)
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
+
             kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
-            stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []   # or below
+            stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []  # or below
             for s, module in zip(self.my_stages, self.stage_modules):
                 inputs, outputs = self._stage_tensors(s, samples // microbatches)
-                stages.append(PipelineStage(module, s, self.plan.model_stages, self.device, input_args=inputs,
-                                            output_args=outputs, group=self.pp_group))
+                stages.append(
+                    PipelineStage(
+                        module,
+                        s,
+                        self.plan.model_stages,
+                        self.device,
+                        input_args=inputs,
+                        output_args=outputs,
+                        group=self.pp_group,
+                    )
+                )
             for stage, index in zip(stages, self.my_stages):
                 self._record_calls(stage, index)
             schedule_class = _schedule_class(kind)
-            options = {"scale_grads": False} if "scale_grads" in inspect.signature(schedule_class).parameters else {}
+            options = (
+                {"scale_grads": False}
+                if "scale_grads" in inspect.signature(schedule_class).parameters
+                else {}
+            )
             self.schedules[key] = schedule_class(
-                stages if kind == "interleaved-1f1b" else stages[0], microbatches, loss_fn=self._loss, **options)
+                stages if kind == "interleaved-1f1b" else stages[0],
+                microbatches,
+                loss_fn=self._loss,
+                **options,
+            )
         return self.schedules[key], microbatches
 
     # -- what each rank ran when (--timeline) -----------------------------------------------------------
@@ -261,9 +351,19 @@ class Pipeline(Distributed):
                 began = time.perf_counter() - self.trace_origin
                 result = _run(chunk, *args, **kwargs)
                 self.synchronize()
-                self.trace.append((self.rank, self.traced_steps, _kind, chunk, index, began,
-                                   time.perf_counter() - self.trace_origin))
+                self.trace.append(
+                    (
+                        self.rank,
+                        self.traced_steps,
+                        _kind,
+                        chunk,
+                        index,
+                        began,
+                        time.perf_counter() - self.trace_origin,
+                    )
+                )
                 return result
+
             setattr(stage, method, recorded)
 
     def start_trace(self) -> None:
@@ -291,21 +391,21 @@ class Pipeline(Distributed):
         schedule, microbatches = self._schedule(len(batch.y))
         inputs = (batch.x,) if self.is_first else ()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.tracing:                      # the ranks of a pipeline start the step's clock together
+        if self.tracing:  # the ranks of a pipeline start the step's clock together
             self.synchronize()
             dist.barrier(group=self.pp_group)
             self.trace_origin, self.traced_steps = time.perf_counter(), self.traced_steps + 1
         began = time.perf_counter()
         with self.autocast():
             schedule.step(*inputs, target=batch.y if self.is_last else None)
-        if self.tracing:                      # what the schedule did besides this rank's passes: waiting
+        if self.tracing:  # what the schedule did besides this rank's passes: waiting
             self.synchronize()
             busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)
             self.phases["idle"] = max(0.0, time.perf_counter() - began - busy)
-        if self.objective.counted:        # only the last stages know the counts
+        if self.objective.counted:  # only the last stages know the counts
             counted = torch.stack(self._sums[-microbatches:])[:, 1].sum() if self.is_last else 0
             self.per_counted_element(counted, batch.global_count)
-        if self.tied is not None:         # tied weights: the copies' gradients join the owners'
+        if self.tied is not None:  # tied weights: the copies' gradients join the owners'
             self.tied.send_gradients()
         if self.dp_group is not None:
             summing = time.perf_counter()
@@ -326,9 +426,12 @@ class Pipeline(Distributed):
                 grad.copy_(summed)
 
     def _stats(self, count: int, *, last: int = 0) -> StepStats:
-        if not self.is_last:               # sums, not means: stages that compute no loss add zeros
-            return StepStats(torch.zeros((), device=self.device),
-                             torch.zeros(len(self.objective.names), device=self.device), 0)
+        if not self.is_last:  # sums, not means: stages that compute no loss add zeros
+            return StepStats(
+                torch.zeros((), device=self.device),
+                torch.zeros(len(self.objective.names), device=self.device),
+                0,
+            )
         sums = torch.stack(self._sums[-last:]).sum(0)
         return StepStats(sums[0], sums[2:], count, self.gradients.last_norm, sums[1].double())
 
@@ -340,7 +443,7 @@ class Pipeline(Distributed):
             self.model.eval()
         ranks, layout = self.plan.layout.ranks, self.plan.layout
         self._sums, pending = [], []
-        parts = min(self.plan.microbatches, len(batch.y))        # a small last batch: no empty micro-batches
+        parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
         for chunk, target in zip(torch.tensor_split(batch.x, parts), torch.tensor_split(batch.y, parts)):
             x = chunk
             for stage in range(self.plan.model_stages):
@@ -354,7 +457,7 @@ class Pipeline(Distributed):
                     pending.append(send(x, layout.peer(self.rank, stage + 1)))
                 else:
                     self._loss(x, target)
-        for works, _ in pending:           # the tensors stay referenced until their sends complete
+        for works, _ in pending:  # the tensors stay referenced until their sends complete
             for work in works:
                 work.wait()
         return self._stats(len(batch.y))
@@ -391,4 +494,3 @@ class Pipeline(Distributed):
         self.model.load_state_dict({key: state["model"][key] for key in own})
         load_part(self.optimizer, state["optimizer"], positions(self.trained, self.global_index))
         self.scheduler.load_state_dict(state["scheduler"])
-

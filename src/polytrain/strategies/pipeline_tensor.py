@@ -13,6 +13,7 @@ same loss, so sums are counted from slice 0 only; the global norm is each stage'
 once), summed over the stages. Checkpoints hold the whole model by its original names, fused rows in their
 original order, so `--resume` moves runs between this and any other strategy.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,7 +33,7 @@ class PipelineTensor(Pipeline):
     def __init__(self, *, plan, **common):
         super().__init__(plan=plan, **common)
         self.tensor_index = plan.layout.tensor_index(self.rank)
-        self.fused = {}                      # parameter name -> row order of a fused layer's rows on the ranks
+        self.fused = {}  # parameter name -> row order of a fused layer's rows on the ranks
 
     @property
     def overflow_group(self):
@@ -42,7 +43,9 @@ class PipelineTensor(Pipeline):
     def split_stages(self) -> None:
         mesh = self.mesh["tp"]
         held = {name for name, _ in self.model.named_modules()}
-        mine = replace(self.plan.tensor, styles=tuple(entry for entry in self.plan.tensor.styles if entry[0] in held))
+        mine = replace(
+            self.plan.tensor, styles=tuple(entry for entry in self.plan.tensor.styles if entry[0] in held)
+        )
         if mine.styles:
             self.fused = split_layers(self.model, mesh, mine)
         replicate_rest(self.model, mesh)
@@ -55,38 +58,54 @@ class PipelineTensor(Pipeline):
         """The pipeline's lines, then what each rank holds (its parameters, as many gradients, and the optimizer's
         slots per parameter) next to a replica of the whole model."""
         lines = super().placement_lines(holds)
-        params = list(self.model.parameters())            # a tied copy is held too, but stepped by its owner
-        held = self.gather_object((local_bytes(params), local_bytes(p for p in params if not self.tied.is_copy(p))))
+        params = list(self.model.parameters())  # a tied copy is held too, but stepped by its owner
+        held = self.gather_object(
+            (local_bytes(params), local_bytes(p for p in params if not self.tied.is_copy(p)))
+        )
         if not lines:
             return lines
         layout, slots = self.plan.layout, optimizer_slots(self.optimizer)
-        full = sum(self.full_meta[name].numel() * self.full_meta[name].element_size() for name in self.parameter_names)
-        lines.append(f"  each stage split over {layout.tensor} tensor ranks: "
-                     f"{self.plan.tensor.describe().split(': ', 1)[-1]}; {heading(slots)}, where a replica "
-                     f"would hold {figures(full, slots)}")
+        full = sum(
+            self.full_meta[name].numel() * self.full_meta[name].element_size()
+            for name in self.parameter_names
+        )
+        lines.append(
+            f"  each stage split over {layout.tensor} tensor ranks: "
+            f"{self.plan.tensor.describe().split(': ', 1)[-1]}; {heading(slots)}, where a replica "
+            f"would hold {figures(full, slots)}"
+        )
         for rank in range(layout.devices):
             replica, pipeline_rank = layout.coords(rank)
             stages = "/".join(map(str, self.plan.stages_of_rank(pipeline_rank)))
-            lines.append(f"  rank {rank}: replica {replica + 1}/{layout.replicas}, stage {stages}, tensor slice "
-                         f"{layout.tensor_index(rank) + 1}/{layout.tensor}: "
-                         f"{figures(held[rank][0], slots, stepped=held[rank][1])}")
+            lines.append(
+                f"  rank {rank}: replica {replica + 1}/{layout.replicas}, stage {stages}, tensor slice "
+                f"{layout.tensor_index(rank) + 1}/{layout.tensor}: "
+                f"{figures(held[rank][0], slots, stepped=held[rank][1])}"
+            )
         return lines
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def stage_state(self) -> dict:
         """The stages' whole tensors (every tensor rank of the stage gathers), fused rows in their original order;
         from tensor slice 0 only."""
-        state = reordered({key: _whole(value) for key, value in self.model.state_dict().items()}, self.fused,
-                          back=True)
+        state = reordered(
+            {key: _whole(value) for key, value in self.model.state_dict().items()}, self.fused, back=True
+        )
         return to_cpu(state) if self.tensor_index == 0 else {}
 
     def stage_optimizer_state(self, numbers: dict) -> dict:
         """numbered_part's form of this rank's optimizer state, its tensors whole as in `stage_state`."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = {numbers[id(p)]: {slot: to_cpu(_whole(value)) for slot, value in self.optimizer.state[p].items()}
-                 for p in params if id(p) in numbers and p in self.optimizer.state}
+        state = {
+            numbers[id(p)]: {slot: to_cpu(_whole(value)) for slot, value in self.optimizer.state[p].items()}
+            for p in params
+            if id(p) in numbers and p in self.optimizer.state
+        }
         state = reordered_optimizer({"state": state}, self.fused, self.parameter_names, back=True)["state"]
-        groups = [[numbers[id(p)] for p in group["params"] if id(p) in numbers] for group in self.optimizer.param_groups]
+        groups = [
+            [numbers[id(p)] for p in group["params"] if id(p) in numbers]
+            for group in self.optimizer.param_groups
+        ]
         return {"state": state, "groups": groups} if self.tensor_index == 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -96,9 +115,15 @@ class PipelineTensor(Pipeline):
         model = reordered(state["model"], self.fused, back=False)
         model = {key: _slice_like(value, own[key]) if key in own else value for key, value in model.items()}
         saved = reordered_optimizer(state["optimizer"], self.fused, names, back=False)
-        saved = dict(saved, state={number: {slot: _slice_like(value, params[names[number]])
-                                            for slot, value in slots.items()} if names[number] in params else slots
-                                   for number, slots in saved["state"].items()})
+        saved = dict(
+            saved,
+            state={
+                number: {slot: _slice_like(value, params[names[number]]) for slot, value in slots.items()}
+                if names[number] in params
+                else slots
+                for number, slots in saved["state"].items()
+            },
+        )
         super().load_state_dict(dict(state, model=model, optimizer=saved))
 
 
@@ -112,6 +137,7 @@ def _slice_like(value, like):
     if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor) or value.shape != like.shape:
         return value
     from torch.distributed.tensor import DTensor
+
     mesh, part = like.device_mesh, value
     for dim, placement in enumerate(like.placements):
         if placement.is_shard():

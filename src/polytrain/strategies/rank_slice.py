@@ -1,6 +1,7 @@
 """A tensor plan tried on one rank's slice in the launching process: a model whose forward cannot run on the
 widths a rank holds (nanoGPT's `self.c_attn(x).split(self.n_embd, dim=2)` expects all of q, k and v, where a
 rank holds a T-th of each) is one line before any worker starts, not a traceback from every worker."""
+
 from __future__ import annotations
 
 import copy
@@ -34,7 +35,7 @@ def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
             mine = part // devices
             _keep_rows(module, torch.cat([torch.arange(p * part, p * part + mine) for p in range(parts)]))
         elif style == "rowwise":
-            module.weight = nn.Parameter(module.weight.detach()[:, :module.in_features // devices])
+            module.weight = nn.Parameter(module.weight.detach()[:, : module.in_features // devices])
             module.in_features //= devices
     return probe
 
@@ -43,6 +44,7 @@ def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
     """Run rank 0's slice of `model` on `sample` (two samples, as the data give them); one line if it fails."""
     from ..data.order import map_tree
     from ..objective import call_model
+
     named = [f"{name} ({style})" for name, style, _ in plan.styles if style != "replicate"]
     split = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
     probe = rank_zero_slice(model, plan).eval()
@@ -52,9 +54,11 @@ def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
     try:
         with torch.no_grad():
             call_model(probe, sample)
-    except Exception as error:           # the user's forward on a rank's widths: say what failed, in one line
-        raise ConfigError(f"tensor_plan: {type(model).__name__}'s forward fails on the share each of the "
-                          f"{plan.devices} ranks holds of {split} ({type(error).__name__}: {first_line(error)}); "
-                          f"compute widths from the layer's output, not the model's width: q, k, v = "
-                          f"self.c_attn(x).chunk(3, dim=-1), then view(B, T, -1, head_dim) so each rank runs its "
-                          f"heads") from None
+    except Exception as error:  # the user's forward on a rank's widths: say what failed, in one line
+        raise ConfigError(
+            f"tensor_plan: {type(model).__name__}'s forward fails on the share each of the "
+            f"{plan.devices} ranks holds of {split} ({type(error).__name__}: {first_line(error)}); "
+            f"compute widths from the layer's output, not the model's width: q, k, v = "
+            f"self.c_attn(x).chunk(3, dim=-1), then view(B, T, -1, head_dim) so each rank runs its "
+            f"heads"
+        ) from None

@@ -6,6 +6,7 @@ The loss is scaled as in data parallelism, so the averaged gradient is exactly t
 Checkpoints gather the whole model and optimizer state to rank 0 under the original parameter names and
 `torch.optim` numbering, so any strategy can resume them; loading slices the whole state into shards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ from .optimizer_state import keep_speed
 
 def _full(**extra):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     return StateDictOptions(full_state_dict=True, **extra)
 
 
@@ -37,7 +39,7 @@ def _own_tensor(module, inputs, output):
 
 class Sharded(Distributed):
     name = "sharded"
-    keeps_channels_last = False           # FSDP2 shards contiguous parameters only
+    keeps_channels_last = False  # FSDP2 shards contiguous parameters only
 
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
@@ -46,17 +48,21 @@ class Sharded(Distributed):
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> ShardedPlan:
         if config.cpu_offload and device.type != "cuda":
-            raise ConfigError("--cpu-offload moves each GPU's shards to host memory; CPU processes keep them there "
-                              "already: drop --cpu-offload, or train on GPUs")
+            raise ConfigError(
+                "--cpu-offload moves each GPU's shards to host memory; CPU processes keep them there "
+                "already: drop --cpu-offload, or train on GPUs"
+            )
         return ShardedPlan(cpu_offload=config.cpu_offload)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
+
         return self.shard(model, init_device_mesh(self.device.type, (self.world_size,)))
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
         """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
         options = {"mesh": mesh}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
@@ -71,7 +77,7 @@ class Sharded(Distributed):
             mine = [p for p in module._parameters.values() if p is not None]
             if mine and all(holders[id(p)] == 1 for p in mine):
                 if isinstance(module, nn.Linear):
-                    module.register_forward_hook(_own_tensor)        # (before FSDP2's hook, which checks it)
+                    module.register_forward_hook(_own_tensor)  # (before FSDP2's hook, which checks it)
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model
@@ -94,7 +100,9 @@ class Sharded(Distributed):
 
     def setup(self, model, make_optimizer, make_scheduler) -> None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.full_meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        self.full_meta = {
+            k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
+        }
         super().setup(model, make_optimizer, make_scheduler)
         self.placement = self._memory_lines(full)
 
@@ -106,18 +114,24 @@ class Sharded(Distributed):
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
-        lines = [f"sharded: {self.world_size} ranks; {heading(slots)}"
-                 + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")]
+        lines = [
+            f"sharded: {self.world_size} ranks; {heading(slots)}"
+            + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")
+        ]
         for rank, device, size in rows:
-            lines.append(f"  rank {rank} ({device}): {figures(size, slots)}; data parallel would hold "
-                         f"{figures(full, slots)}")
+            lines.append(
+                f"  rank {rank} ({device}): {figures(size, slots)}; data parallel would hold "
+                f"{figures(full, slots)}"
+            )
         return lines
 
     def epoch_extras(self) -> dict:
         """On a GPU, the most device memory any rank had allocated this epoch."""
         if self.device.type != "cuda":
             return {}
-        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device)
+        peak = torch.tensor(
+            [torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device
+        )
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         torch.cuda.reset_peak_memory_stats(self.device)
         mib = float(peak) / 2**20
@@ -125,6 +139,7 @@ class Sharded(Distributed):
 
     def model_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         state = get_model_state_dict(self.model, options=_full(cpu_offload=True))
         return state if self.is_main else {}
 
@@ -133,26 +148,38 @@ class Sharded(Distributed):
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         model = self.model_state()
         optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=_full(cpu_offload=True))
         if not self.is_main:
             return {}
         index = {name: i for i, name in enumerate(self.parameter_names)}
-        numbered = {"state": {index[name]: value for name, value in optimizer["state"].items()},
-                    "param_groups": [dict(group, params=[index[name] for name in group["params"]])
-                                     for group in optimizer["param_groups"]]}
+        numbered = {
+            "state": {index[name]: value for name, value in optimizer["state"].items()},
+            "param_groups": [
+                dict(group, params=[index[name] for name in group["params"]])
+                for group in optimizer["param_groups"]
+            ],
+        }
         return {"model": model, "optimizer": numbered, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
         set_model_state_dict(self.model, state["model"], options=_full())
         names, saved = self.parameter_names, state["optimizer"]
         if len(saved["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"it has {len(saved['param_groups'])} parameter group(s), this run "
-                             f"{len(self.optimizer.param_groups)} (--no-decay-norms-and-biases or param_groups= "
-                             f"differ)")
-        named = {"state": {names[i]: value for i, value in saved["state"].items()},
-                 "param_groups": [dict(group, params=[names[i] for i in group["params"]], **keep_speed(mine))
-                                  for group, mine in zip(saved["param_groups"], self.optimizer.param_groups)]}
+            raise ValueError(
+                f"it has {len(saved['param_groups'])} parameter group(s), this run "
+                f"{len(self.optimizer.param_groups)} (--no-decay-norms-and-biases or param_groups= "
+                f"differ)"
+            )
+        named = {
+            "state": {names[i]: value for i, value in saved["state"].items()},
+            "param_groups": [
+                dict(group, params=[names[i] for i in group["params"]], **keep_speed(mine))
+                for group, mine in zip(saved["param_groups"], self.optimizer.param_groups)
+            ],
+        }
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=named, options=_full())
         self.scheduler.load_state_dict(state["scheduler"])

@@ -10,6 +10,7 @@ the loss is divided by the whole batch (`replicas` is 1) and the epoch's sums ar
 sums the split layers' gradients itself. Checkpoints hold the whole model by its original names and the
 whole-model optimizer numbering (as `sharded`), so `--resume` moves runs between any strategies.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,12 +24,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .rank_slice import check_rank_slice
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .holdings import figures, heading, local, local_bytes, optimizer_slots
+from .rank_slice import check_rank_slice
 from .sharded import Sharded
 
-NEEDS = "2.5"        # torch.distributed.tensor (public DTensor) and its parallel styles
+NEEDS = "2.5"  # torch.distributed.tensor (public DTensor) and its parallel styles
 
 
 def check_torch() -> None:
@@ -36,8 +37,10 @@ def check_torch() -> None:
         from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: F401
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa
     except ImportError:
-        raise ConfigError(f"--strategy tensor needs torch {NEEDS} or newer (DTensor tensor parallelism); this is "
-                          f"{torch.__version__}: upgrade torch, or use --strategy sharded or data") from None
+        raise ConfigError(
+            f"--strategy tensor needs torch {NEEDS} or newer (DTensor tensor parallelism); this is "
+            f"{torch.__version__}: upgrade torch, or use --strategy sharded or data"
+        ) from None
 
 
 def model_layers(model: nn.Module) -> dict:
@@ -47,8 +50,13 @@ def model_layers(model: nn.Module) -> dict:
     for name, module in model.named_modules():
         holds = any(p is not None for p in module._parameters.values())
         if isinstance(module, nn.Linear):
-            layers[name] = Layer("linear", module.in_features, module.out_features, holds,
-                                 tied_embedding=id(module.weight) in tables)
+            layers[name] = Layer(
+                "linear",
+                module.in_features,
+                module.out_features,
+                holds,
+                tied_embedding=id(module.weight) in tables,
+            )
         elif isinstance(module, nn.Embedding):
             layers[name] = Layer("embedding", module.num_embeddings, module.embedding_dim, holds)
         else:
@@ -76,26 +84,37 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
     for name, style, _ in plan.styles:
         if style != "replicate":
             for parameter in model.get_submodule(name)._parameters.values():
-                if parameter is not None and len(owners[id(parameter)]) > 1 and \
-                        not owners[id(parameter)] <= set(plan.vocabulary):     # (a vocabulary: one DTensor)
+                if (
+                    parameter is not None
+                    and len(owners[id(parameter)]) > 1
+                    and not owners[id(parameter)] <= set(plan.vocabulary)
+                ):  # (a vocabulary: one DTensor)
                     others = sorted(owners[id(parameter)] - {name})
-                    raise ConfigError(f"tensor_plan splits {name}, whose weight is shared with {others[0]} (tied); "
-                                      f"split the embedding rowwise and the head colwise (by the vocabulary), "
-                                      f"replicate both, or untie them")
+                    raise ConfigError(
+                        f"tensor_plan splits {name}, whose weight is shared with {others[0]} (tied); "
+                        f"split the embedding rowwise and the head colwise (by the vocabulary), "
+                        f"replicate both, or untie them"
+                    )
     for name, module in model.named_modules():
         if any(b is not None for b in module._buffers.values()):
-            raise ConfigError(f"--strategy tensor: {name or 'the model'} ({type(module).__name__}) keeps buffers "
-                              f"such as running statistics, which tensor parallelism does not handle yet; use "
-                              f"--strategy data or sharded")
-        if any(p is not None for p in module._parameters.values()) and \
-                any(p is not None for child in module.children() for p in child.parameters()):
-            raise ConfigError(f"--strategy tensor: {name or 'the model'} holds parameters of its own beside layers "
-                              f"that hold theirs; move them into a layer (e.g. an nn.Embedding) so each layer "
-                              f"can be split or replicated on its own")
+            raise ConfigError(
+                f"--strategy tensor: {name or 'the model'} ({type(module).__name__}) keeps buffers "
+                f"such as running statistics, which tensor parallelism does not handle yet; use "
+                f"--strategy data or sharded"
+            )
+        if any(p is not None for p in module._parameters.values()) and any(
+            p is not None for child in module.children() for p in child.parameters()
+        ):
+            raise ConfigError(
+                f"--strategy tensor: {name or 'the model'} holds parameters of its own beside layers "
+                f"that hold theirs; move them into a layer (e.g. an nn.Embedding) so each layer "
+                f"can be split or replicated on its own"
+            )
 
 
-def plan_for(config, model: nn.Module, *, devices: int, run: Optional[str] = None,
-             divisor: str = "--devices") -> TensorPlan:
+def plan_for(
+    config, model: nn.Module, *, devices: int, run: Optional[str] = None, divisor: str = "--devices"
+) -> TensorPlan:
     """The plan from `tensor_plan` (a dict, or a function fn(model, mesh) that applies its own) or the
     built-in one for polytrain's mlp and gpt; one line for a model that has none (`run`, `divisor`: how its
     errors name the run and the setting to change, as `resolve`'s)."""
@@ -105,18 +124,24 @@ def plan_for(config, model: nn.Module, *, devices: int, run: Optional[str] = Non
     if callable(given):
         return TensorPlan(devices, (), name, apply=given)
     if isinstance(given, str):
-        raise ConfigError(f"this run's tensor_plan was a function given from Python ({given}); pass it again: "
-                          f"polytrain.fit(..., tensor_plan=fn, resume=RUN_DIR)")
+        raise ConfigError(
+            f"this run's tensor_plan was a function given from Python ({given}); pass it again: "
+            f"polytrain.fit(..., tensor_plan=fn, resume=RUN_DIR)"
+        )
     patterns = given if given is not None else BUILTIN_PLANS.get(kind)
     if given is None and kind == "polytrain.models.gpt.GPT" and not min(shares(model.vocab, devices)):
         # torch's chunks of a vocabulary smaller than about devices**2 leave a rank none: keep it whole
         patterns = {key: style for key, style in patterns.items() if key not in ("0.token", HEAD)}
     if patterns is None:
-        raise ConfigError(f"--strategy tensor needs a plan for {name}: pass fit(tensor_plan={{'layer.name': "
-                          f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
-                          f"function fn(model, mesh) that calls parallelize_module")
+        raise ConfigError(
+            f"--strategy tensor needs a plan for {name}: pass fit(tensor_plan={{'layer.name': "
+            f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
+            f"function fn(model, mesh) that calls parallelize_module"
+        )
     heads = _heads(model) if given is None else None
-    plan = resolve(patterns, model_layers(model), devices=devices, model=name, heads=heads, run=run, divisor=divisor)
+    plan = resolve(
+        patterns, model_layers(model), devices=devices, model=name, heads=heads, run=run, divisor=divisor
+    )
     _check_shapes(model, plan)
     # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole)
     sequence = given is None and kind == "polytrain.models.gpt.GPT" and model.context % devices == 0
@@ -130,12 +155,19 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
     check_torch()
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     if kind not in BUILTIN_PLANS:
-        raise ConfigError(f"--strategy pipeline --tensor-parallel splits the stages of --model "
-                          f"{' and '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
-                          f"not your {type(model).__name__}; drop --tensor-parallel, or use --strategy tensor with "
-                          f"fit(tensor_plan=...)")
-    plan = plan_for(config, model, devices=tensor, run=f"--strategy pipeline --tensor-parallel {tensor}",
-                    divisor="a --tensor-parallel")
+        raise ConfigError(
+            f"--strategy pipeline --tensor-parallel splits the stages of --model "
+            f"{' and '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
+            f"not your {type(model).__name__}; drop --tensor-parallel, or use --strategy tensor with "
+            f"fit(tensor_plan=...)"
+        )
+    plan = plan_for(
+        config,
+        model,
+        devices=tensor,
+        run=f"--strategy pipeline --tensor-parallel {tensor}",
+        divisor="a --tensor-parallel",
+    )
     # the first and last stages hold the embedding and the head whole (tied across stages by tied.py)
     return replace(plan.without_vocabulary(), sequence_parallel=False)
 
@@ -144,8 +176,9 @@ def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
     """Rows of a fused `parts`-part output reordered so that rank r's contiguous slice is its rows of every
     part: [part 0 of rank 0, part 1 of rank 0, ..., part 0 of rank 1, ...]."""
     part, share = size // parts, size // parts // devices
-    return torch.tensor([k * part + r * share + j for r in range(devices) for k in range(parts)
-                         for j in range(share)])
+    return torch.tensor(
+        [k * part + r * share + j for r in range(devices) for k in range(parts) for j in range(share)]
+    )
 
 
 class TensorParallel(Sharded):
@@ -165,16 +198,20 @@ class TensorParallel(Sharded):
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> TensorPlan:
         check_torch()
         if config.devices < 2:
-            raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
+            raise ConfigError(
+                "--strategy tensor splits every layer over --devices 2 or more; add --devices 2"
+            )
         group = config.tensor_parallel or config.devices
         plan = plan_for(config, model, devices=group)
-        if isinstance(config.tensor_plan, dict) and dataset is not None:    # the user's: tried on a rank's slice
+        if (
+            isinstance(config.tensor_plan, dict) and dataset is not None
+        ):  # the user's: tried on a rank's slice
             check_rank_slice(model, plan, dataset.sample_inputs(2))
         return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None)
 
     @property
     def data_rank(self) -> int:
-        return self.plan.coords(self.rank)[0]     # the ranks of a tensor group read the same slice
+        return self.plan.coords(self.rank)[0]  # the ranks of a tensor group read the same slice
 
     @property
     def data_world(self) -> int:
@@ -196,7 +233,7 @@ class TensorParallel(Sharded):
         return tensor
 
     def gradient_sync(self, *, last: bool):
-        if self.plan.replicas > 1:       # FSDP2 over the data dimension: reduce-scatter in the last pass only
+        if self.plan.replicas > 1:  # FSDP2 over the data dimension: reduce-scatter in the last pass only
             return super().gradient_sync(last=last)
         return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
 
@@ -207,17 +244,19 @@ class TensorParallel(Sharded):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(self.device.type, (self.plan.replicas, self.plan.devices),
-                               mesh_dim_names=("data", "tensor"))
+
+        mesh = init_device_mesh(
+            self.device.type, (self.plan.replicas, self.plan.devices), mesh_dim_names=("data", "tensor")
+        )
         self.mesh, self.data_group = mesh["tensor"], mesh["data"].get_group()
         if self.plan.apply is not None:
             self.plan.apply(model, self.mesh)
         else:
             self._split(model)
         replicate_rest(model, self.mesh)
-        if self.plan.sequence_parallel and not self.plan.vocabulary:     # (else sequence_styles cuts them)
+        if self.plan.sequence_parallel and not self.plan.vocabulary:  # (else sequence_styles cuts them)
             next(model.children()).register_forward_hook(self._my_positions)
-        if self.plan.replicas > 1:        # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
+        if self.plan.replicas > 1:  # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
             # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
             # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
@@ -232,6 +271,7 @@ class TensorParallel(Sharded):
         """Embeddings whole on every rank (a vocabulary too small to split): each keeps its part of the sequence,
         through DTensor, so that backward gathers the parts' gradients for the embeddings."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
+
         whole = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
         return whole.redistribute(self.mesh, [Shard(1)]).to_local()
 
@@ -247,8 +287,10 @@ class TensorParallel(Sharded):
         for rank, device, size in rows:
             data, part = self.plan.coords(rank)
             where = f", data shard {data + 1}/{self.plan.replicas}" if self.plan.replicas > 1 else ""
-            lines.append(f"  rank {rank} ({device}{where}, tensor slice {part + 1}/{self.plan.devices}): "
-                         f"{figures(size, slots)}; a replica would hold {figures(full, slots)}")
+            lines.append(
+                f"  rank {rank} ({device}{where}, tensor slice {part + 1}/{self.plan.devices}): "
+                f"{figures(size, slots)}; a replica would hold {figures(full, slots)}"
+            )
         return lines
 
     def _reordered(self, state: dict, *, back: bool) -> dict:
@@ -268,12 +310,16 @@ class TensorParallel(Sharded):
 
     def load_state_dict(self, state: dict) -> None:
         if self.fused:
-            state = dict(state, model=self._reordered(state["model"], back=False),
-                         optimizer=self._reordered_optimizer(state["optimizer"], back=False))
+            state = dict(
+                state,
+                model=self._reordered(state["model"], back=False),
+                optimizer=self._reordered_optimizer(state["optimizer"], back=False),
+            )
         super().load_state_dict(state)
 
 
 # -- splitting a model's layers on a 1-D tensor mesh (also each stage of pipeline_tensor.py) ----------------
+
 
 def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     """Split `model`'s layers as `plan` names them (colwise, rowwise; fused colwise:K rows interleaved first,
@@ -281,11 +327,15 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     returns parameter name -> the row order of each fused layer's parameters as the ranks hold them."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     styles, fused = {}, {}
     for name, style, parts in plan.styles:
-        if name in plan.vocabulary:   # ids in (whole), the sum of the ranks' rows out; the head's scores whole
-            styles[name] = RowwiseParallel(input_layouts=Replicate()) if style == "rowwise" else \
-                ColwiseParallel(output_layouts=Replicate())
+        if name in plan.vocabulary:  # ids in (whole), the sum of the ranks' rows out; the head's scores whole
+            styles[name] = (
+                RowwiseParallel(input_layouts=Replicate())
+                if style == "rowwise"
+                else ColwiseParallel(output_layouts=Replicate())
+            )
         elif style == "colwise":
             styles[name] = ColwiseParallel()
             if parts > 1:
@@ -294,10 +344,14 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
             styles[name] = RowwiseParallel()
     if plan.sequence_parallel:
         sequence_styles(model, styles, vocabulary=plan.vocabulary)
-    held = [(module, key, id(p)) for module in map(model.get_submodule, plan.vocabulary)
-            for key, p in module._parameters.items() if p is not None]
+    held = [
+        (module, key, id(p))
+        for module in map(model.get_submodule, plan.vocabulary)
+        for key, p in module._parameters.items()
+        if p is not None
+    ]
     parallelize_module(model, mesh, styles)
-    first = {}        # a tied embedding and head are split one by one: tie them again (both Shard(0) DTensors)
+    first = {}  # a tied embedding and head are split one by one: tie them again (both Shard(0) DTensors)
     for module, key, was in held:
         module._parameters[key] = first.setdefault(was, module._parameters[key])
     return fused
@@ -310,27 +364,39 @@ def sequence_styles(model: nn.Module, styles: dict, *, vocabulary=()) -> None:
     before each attention and MLP, and before the head. A token embedding split by the vocabulary
     reduce-scatters into it too, and the (whole) position embedding beside it gives each rank its positions."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     gather = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for name in [name for name in styles if name not in vocabulary]:
         if isinstance(styles[name], RowwiseParallel):
             styles[name] = RowwiseParallel(output_layouts=Shard(1))
-        styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)       # its attention or MLP
+        styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)  # its attention or MLP
     for name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm):
             styles[name] = SequenceParallel(use_local_output=True)
     *_, (head, _) = model.named_children()
-    styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()) if head in vocabulary else \
-        PrepareModuleInput(**gather, use_local_output=True)                # the head takes it whole
+    styles[head] = (
+        ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        if head in vocabulary
+        else PrepareModuleInput(**gather, use_local_output=True)
+    )  # the head takes it whole
     for name in [name for name in vocabulary if isinstance(model.get_submodule(name), nn.Embedding)]:
         styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
         parent = name.rpartition(".")[0]
-        for other, table in model.get_submodule(parent).named_children():   # (B, T, width) + positions (T, width)
+        for other, table in model.get_submodule(
+            parent
+        ).named_children():  # (B, T, width) + positions (T, width)
             other = f"{parent}.{other}" if parent else other
             if isinstance(table, nn.Embedding) and other not in styles:
-                styles[other] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
-                                                    use_local_output=True)
+                styles[other] = PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True
+                )
 
 
 @torch.no_grad()
@@ -353,16 +419,24 @@ def replicate_rest(model: nn.Module, mesh) -> dict:
     from torch.distributed.tensor import DTensor, Replicate
 
     def to_replicated(module, inputs):
-        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
     made = {}
     for module in model.modules():
-        own = [(key, p) for key, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+        own = [
+            (key, p) for key, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)
+        ]
         for key, parameter in own:
             if id(parameter) not in made:
-                made[id(parameter)] = nn.Parameter(DTensor.from_local(parameter.data, mesh, [Replicate()],
-                                                                      run_check=False),
-                                                   requires_grad=parameter.requires_grad)
+                made[id(parameter)] = nn.Parameter(
+                    DTensor.from_local(parameter.data, mesh, [Replicate()], run_check=False),
+                    requires_grad=parameter.requires_grad,
+                )
             module._parameters[key] = made[id(parameter)]
         if own:
             module.register_forward_pre_hook(to_replicated)
@@ -372,15 +446,23 @@ def replicate_rest(model: nn.Module, mesh) -> dict:
 
 def reordered(state: dict, fused: dict, *, back: bool) -> dict:
     """A whole-model state dict with the fused layers' rows in the original order (back) or the ranks'."""
-    return {key: _rows(value, fused[key], back=back) if key in fused else value for key, value in state.items()}
+    return {
+        key: _rows(value, fused[key], back=back) if key in fused else value for key, value in state.items()
+    }
 
 
 def reordered_optimizer(saved: dict, fused: dict, names: list, *, back: bool) -> dict:
     """The same for a whole-model optimizer state dict (keyed by parameter number; `names` the parameters' by
     number): each fused parameter's per-row state (momentum, Adam's moments) follows its rows."""
-    return dict(saved, state={number: {slot: _rows(value, fused[names[number]], back=back)
-                                       for slot, value in slots.items()} if names[number] in fused
-                              else slots for number, slots in saved["state"].items()})
+    return dict(
+        saved,
+        state={
+            number: {slot: _rows(value, fused[names[number]], back=back) for slot, value in slots.items()}
+            if names[number] in fused
+            else slots
+            for number, slots in saved["state"].items()
+        },
+    )
 
 
 def _rows(value, order: torch.Tensor, *, back: bool):
@@ -396,4 +478,3 @@ def _rows(value, order: torch.Tensor, *, back: bool):
 
 def _to_local(module, inputs, output):
     return local(output)
-

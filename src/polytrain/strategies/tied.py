@@ -4,6 +4,7 @@ holds a copy: after the backward pass the copy's gradient is summed into the own
 norm counts the weight once), and after the optimizer step the owner sends the new weight to the copy. Stages
 on the same rank share the parameter itself and need neither.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -32,7 +33,7 @@ class TiedWeights:
         for first, later, name, later_name in shared_between(layers):
             owner_rank, copy_rank = stage_of[first] % layout.ranks, stage_of[later] % layout.ranks
             if owner_rank == copy_rank:
-                continue                   # one rank holds both stages: they share the parameter itself
+                continue  # one rank holds both stages: they share the parameter itself
             for r in range(layout.replicas):
                 for t in range(layout.tensor):
                     owner, holder = layout.rank(r, owner_rank, t), layout.rank(r, copy_rank, t)

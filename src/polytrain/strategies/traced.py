@@ -12,6 +12,7 @@ holds the very same parameter objects, so one optimizer trains one set. Validati
 The stages hold the model's own parameter objects under the model's names, so the strategy's state dicts, and
 so model.pt and checkpoints, use the original names. Every rank keeps the whole model to trace new sizes from.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -24,8 +25,10 @@ import torch.nn as nn
 from ..errors import ConfigError, first_line
 from ..plan.pipeline import PipelinePlan, microbatches_for, stages_per_rank
 
-HOW = ("write forward() without Python control flow on tensor values (if x.sum() > 0, .item(), loops over a "
-       "tensor's values), or write the model as an nn.Sequential and leave out --split-at, or use --strategy data")
+HOW = (
+    "write forward() without Python control flow on tensor values (if x.sum() > 0, .item(), loops over a "
+    "tensor's values), or write the model as an nn.Sequential and leave out --split-at, or use --strategy data"
+)
 
 
 def split_names(value) -> Tuple[str, ...]:
@@ -33,8 +36,9 @@ def split_names(value) -> Tuple[str, ...]:
     names = value.split(",") if isinstance(value, str) else list(value)
     names = tuple(str(name).strip() for name in names)
     if not names or any(not name for name in names):
-        raise ConfigError(f"--split-at takes module names separated by commas, such as transformer.h.2, got "
-                          f"{value!r}")
+        raise ConfigError(
+            f"--split-at takes module names separated by commas, such as transformer.h.2, got {value!r}"
+        )
     return names
 
 
@@ -47,34 +51,45 @@ def check_names(model: nn.Module, names: Iterable[str]) -> None:
             continue
         parent = name.rpartition(".")[0]
         near = difflib.get_close_matches(name, list(modules), n=1, cutoff=0.0)
-        siblings = [n for n in modules if n.rpartition(".")[0] == (parent if parent in modules else
-                                                                  near[0].rpartition(".")[0] if near else "")]
+        siblings = [
+            n
+            for n in modules
+            if n.rpartition(".")[0]
+            == (parent if parent in modules else near[0].rpartition(".")[0] if near else "")
+        ]
         top = [n for n in modules if "." not in n]
         listed = ", ".join(dict.fromkeys(top + siblings[:12]))
-        raise ConfigError(f"--split-at {name!r} is not a module of {type(model).__name__}"
-                          f"{f'; did you mean {near[0]!r}' if near else ''}? its modules include {listed}")
+        raise ConfigError(
+            f"--split-at {name!r} is not a module of {type(model).__name__}"
+            f"{f'; did you mean {near[0]!r}' if near else ''}? its modules include {listed}"
+        )
 
 
 def trace(model: nn.Module, names: Tuple[str, ...], example: torch.Tensor, *, training: bool = True):
     """torch's Pipe of `model` cut before each of `names`, traced on `example` (a micro-batch), in training or
     eval mode; the model is left as it was (the tracer wraps the named modules' forward for the trace)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
+
     was_training = model.training
     model.train(training)
     try:
-        with warnings.catch_warnings():           # torch's own deprecations inside export
+        with warnings.catch_warnings():  # torch's own deprecations inside export
             warnings.simplefilter("ignore", FutureWarning)
-            pipe = pipeline(model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in names})
+            pipe = pipeline(
+                model, mb_args=(example,), split_spec={name: SplitPoint.BEGINNING for name in names}
+            )
         return outputs_logits(pipe)
-    except Exception as error:          # what torch.export refused, said in one line
+    except Exception as error:  # what torch.export refused, said in one line
         cause = error.__cause__ or error
-        raise ConfigError(f"--split-at: torch's tracer cannot follow {type(model).__name__}.forward "
-                          f"({type(cause).__name__}: {first_line(cause, 160)}); {HOW}") from None
+        raise ConfigError(
+            f"--split-at: torch's tracer cannot follow {type(model).__name__}.forward "
+            f"({type(cause).__name__}: {first_line(cause, 160)}); {HOW}"
+        ) from None
     finally:
         model.train(was_training)
         for name in names:
             module = model.get_submodule(name)
-            module.__dict__.pop("forward", None)          # back to the class's forward
+            module.__dict__.pop("forward", None)  # back to the class's forward
             module.__dict__.pop("_orig_forward", None)
 
 
@@ -106,35 +121,54 @@ def modules_of(owners: List[str], depth: int) -> List[str]:
     return list(dict.fromkeys(cut))
 
 
-def traced_plan(config, model: nn.Module, dataset, layout, schedule: str, microbatches: int,
-                per_replica: int) -> PipelinePlan:
+def traced_plan(
+    config, model: nn.Module, dataset, layout, schedule: str, microbatches: int, per_replica: int
+) -> PipelinePlan:
     """The plan of a traced split, checked here, in the launching process: the names, the trace at the
     runtime micro-batch's shape, the number of stages it gives, and no weight on two stages."""
     stages = layout.ranks * stages_per_rank(schedule)
     names = split_names(config.split_at)
     if config.split not in (None, "auto"):
-        raise ConfigError("give either --split (layer indices of an nn.Sequential) or --split-at (module names), "
-                          "not both")
+        raise ConfigError(
+            "give either --split (layer indices of an nn.Sequential) or --split-at (module names), not both"
+        )
     if len(names) != stages - 1:
-        raise ConfigError(f"--split-at names {len(names)} module(s), which makes {len(names) + 1} stages, and the "
-                          f"pipeline has {stages}; name {stages - 1} module(s) where a stage begins")
+        raise ConfigError(
+            f"--split-at names {len(names)} module(s), which makes {len(names) + 1} stages, and the "
+            f"pipeline has {stages}; name {stages - 1} module(s) where a stage begins"
+        )
     check_names(model, names)
     dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")
     sizes = micro_batch_sizes(config, dataset, layout, schedule, microbatches, per_replica)
     device = next(model.parameters(), torch.empty(0)).device
-    pipe = trace(model, names, torch.zeros(sizes[0], *dataset.input_shape, dtype=getattr(torch, dtype), device=device))
+    pipe = trace(
+        model, names, torch.zeros(sizes[0], *dataset.input_shape, dtype=getattr(torch, dtype), device=device)
+    )
     if pipe.num_stages != stages:
-        raise ConfigError(f"--split-at {','.join(names)} gave {pipe.num_stages} stages instead of {stages}: each "
-                          f"named module must run once in each forward; {HOW}")
+        raise ConfigError(
+            f"--split-at {','.join(names)} gave {pipe.num_stages} stages instead of {stages}: each "
+            f"named module must run once in each forward; {HOW}"
+        )
     refuse_copies(model, pipe)
-    for size in sizes[1:]:                # the short last batch's trace, once to see that it works
-        trace(model, names, torch.zeros(size, *dataset.input_shape, dtype=getattr(torch, dtype), device=device))
+    for size in sizes[1:]:  # the short last batch's trace, once to see that it works
+        trace(
+            model, names, torch.zeros(size, *dataset.input_shape, dtype=getattr(torch, dtype), device=device)
+        )
     owners = stage_owners(pipe)
     depth = max(name.count(".") + 1 for name in names)
     per_stage = [modules_of(tensors, depth) for tensors in owners]
     points = tuple(sum(len(part) for part in per_stage[:s]) for s in range(1, stages))
-    return PipelinePlan(layout, schedule, microbatches, points, tuple(n for part in per_stage for n in part),
-                        tuple(dataset.input_shape), input_dtype=dtype, split_at=names, micro_batch=sizes[0])
+    return PipelinePlan(
+        layout,
+        schedule,
+        microbatches,
+        points,
+        tuple(n for part in per_stage for n in part),
+        tuple(dataset.input_shape),
+        input_dtype=dtype,
+        split_at=names,
+        micro_batch=sizes[0],
+    )
 
 
 def micro_batch_sizes(config, dataset, layout, schedule: str, microbatches: int, per_replica: int) -> list:
@@ -142,7 +176,9 @@ def micro_batch_sizes(config, dataset, layout, schedule: str, microbatches: int,
     (as Pipeline._schedule cuts them), so that those traces are known to work before any worker starts."""
     wanted = microbatches * config.accumulate
     last = dataset.num_train % config.batch_size
-    parts = [per_replica] + [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)] * bool(last)
+    parts = [per_replica] + [
+        len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)
+    ] * bool(last)
     sizes = [part // microbatches_for(part, wanted, schedule=schedule, ranks=layout.ranks) for part in parts]
     return list(dict.fromkeys(sizes))
 
@@ -156,14 +192,17 @@ def refuse_copies(model: nn.Module, pipe) -> None:
         aliases.setdefault(id(tensor), []).append(name)
     tied = [names for names in aliases.values() if len(names) > 1]
     if tied:
-        raise ConfigError(f"{' and '.join(tied[0])} are one tensor (tied weights), which torch's tracer copies "
-                          f"for each stage, so the copies would train apart; untie them for --split-at, or use "
-                          f"--strategy data or sharded")
+        raise ConfigError(
+            f"{' and '.join(tied[0])} are one tensor (tied weights), which torch's tracer copies "
+            f"for each stage, so the copies would train apart; untie them for --split-at, or use "
+            f"--strategy data or sharded"
+        )
     for stage in range(pipe.num_stages):
         for name, tensor in _tensors(pipe.get_stage_module(stage)):
             if own.get(name) is not tensor:
-                raise ConfigError(f"torch's tracer gave stage {stage} a copy of {name} instead of the model's "
-                                  f"tensor; {HOW}")
+                raise ConfigError(
+                    f"torch's tracer gave stage {stage} a copy of {name} instead of the model's tensor; {HOW}"
+                )
 
 
 def view_of(modules: Iterable[nn.Module], keys) -> nn.Module:
@@ -191,14 +230,16 @@ class TracedStages:
     """This rank's stages of a traced pipeline, for each micro-batch size and mode, built on demand."""
 
     def __init__(self, strategy, model: nn.Module):
-        self.strategy, self.model = strategy, model       # the whole model: later traces start from it
-        self.built = {}                                   # (size, training) -> [this rank's stage modules]
+        self.strategy, self.model = strategy, model  # the whole model: later traces start from it
+        self.built = {}  # (size, training) -> [this rank's stage modules]
 
     def modules(self, size: int, *, training: bool = True) -> list:
         key = (size, training)
         if key not in self.built:
             s, plan = self.strategy, self.strategy.plan
-            example = torch.zeros(size, *plan.input_shape, dtype=getattr(torch, plan.input_dtype), device=s.device)
+            example = torch.zeros(
+                size, *plan.input_shape, dtype=getattr(torch, plan.input_dtype), device=s.device
+            )
             pipe = trace(self.model, plan.split_at, example, training=training)
             self.built[key] = (pipe, [pipe.get_stage_module(stage) for stage in s.my_stages])
         return self.built[key][1]
@@ -214,16 +255,21 @@ class TracedStages:
     def eval_step(self, batch):
         """Validation through a forward-only schedule over eval-mode traces of this batch's micro-batches."""
         from torch.distributed.pipelining import ScheduleGPipe
+
         s = self.strategy
         if s.model.training:
             s.model.eval()
-        microbatches = microbatches_for(len(batch.y), s.plan.microbatches, schedule=s.plan.schedule,
-                                        ranks=s.plan.layout.ranks)
+        microbatches = microbatches_for(
+            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.plan.layout.ranks
+        )
         key = ("eval", microbatches, len(batch.y) // microbatches)
         if key not in s.schedules:
             stages = self.stages(key[2], training=False)
-            s.schedules[key] = ScheduleGPipe(stages[0], microbatches, loss_fn=s._loss) if len(stages) == 1 else \
-                _interleaved(stages, microbatches, s._loss)
+            s.schedules[key] = (
+                ScheduleGPipe(stages[0], microbatches, loss_fn=s._loss)
+                if len(stages) == 1
+                else _interleaved(stages, microbatches, s._loss)
+            )
         schedule, s._sums = s.schedules[key], []
         with s.autocast():
             _forward_only(schedule, (batch.x,) if s.is_first else (), batch.y if s.is_last else None)
@@ -232,6 +278,7 @@ class TracedStages:
 
 def _interleaved(stages, microbatches: int, loss):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
     return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss)
 
 
@@ -239,7 +286,7 @@ def _forward_only(schedule, inputs, target) -> None:
     if hasattr(schedule, "eval"):
         schedule.eval(*inputs, target=target)
         return
-    kept, schedule._has_backward = schedule._has_backward, False        # torch before eval()
+    kept, schedule._has_backward = schedule._has_backward, False  # torch before eval()
     try:
         schedule.step(*inputs, target=target)
     finally:
@@ -251,8 +298,9 @@ def setup_traced(strategy, model: nn.Module, make_optimizer, make_scheduler) -> 
     s, plan = strategy, strategy.plan
     s.traced = TracedStages(s, model)
     s.model = view_of(s.traced.modules(plan.micro_batch), s.full_meta)
-    s.stage_modules = []                  # Pipeline._schedule takes the traced stages instead
+    s.stage_modules = []  # Pipeline._schedule takes the traced stages instead
     # traced stages refuse tied weights: this rank steps every parameter it holds
     s.build_optimizer(list(s.model.named_parameters()), make_optimizer, make_scheduler)
     s.placement = s.placement_lines(
-        lambda stage: f"modules {', '.join(plan.layer_names[i] for i in plan.stage_layers(stage))}")
+        lambda stage: f"modules {', '.join(plan.layer_names[i] for i in plan.stage_layers(stage))}"
+    )

@@ -1,9 +1,11 @@
-"""The Python API: `fit`, `evaluate` and `predict`, the same code the command line runs.
+"""The Python API: `fit` (and `evaluate`, `predict` from runtime/inference.py), the same code the command
+line runs.
 
-    import polytrain
-    history = polytrain.fit("lenet", "mnist-sample", epochs=3)            # names from the registries
-    history = polytrain.fit(my_module, my_dataset, devices=2, strategy="data")   # or objects
+import polytrain
+history = polytrain.fit("lenet", "mnist-sample", epochs=3)            # names from the registries
+history = polytrain.fit(my_module, my_dataset, devices=2, strategy="data")   # or objects
 """
+
 from __future__ import annotations
 
 import shutil
@@ -15,75 +17,120 @@ import torch
 import torch.nn as nn
 
 from .callbacks import check_monitor
-from .user_callbacks import check_callbacks
-from .checkpoint import atomic_write_bytes, load_weights
-from .config import STRATEGY_FLAGS, TrainConfig
+from .checkpoint import atomic_write_bytes
+from .config import TrainConfig
 from .config.flags import refuse_ignored
-from .config.train import apply_inputs
 from .config.keywords import check_keywords, keyword_words
-from .data import ArrayDataset, dataset_settings, load_dataset, unused_dataset_options
-from .data.loader import make_loaders
+from .config.train import apply_inputs
+from .data import ArrayDataset, unused_dataset_options
 from .errors import ConfigError, UserError
-from .runtime.hostenv import launcher_env
-from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .loggers import split_logger_argument
 from .models import build_model, check_model_output, takes_channels_last
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts, plan_loop
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
-from .run_dir import (LOCK_FILE, in_training, new_run_dir, read_config, refuse_if_training, training,
-                      write_config)
-from .sources import (as_dataset, check_objective, check_picklable, check_sizes, dataset_pair, is_torch_dataset,
-                      item_form, make_objective, oversized_batch_note, refuse_for_strategy, split_data)
-from .strategies import SingleDevice, make_plan, resolve_strategy_name
-from .strategies.gradients import check_fp16
-from .trainer import History, Trainer
+from .run_dir import (
+    LOCK_FILE,
+    in_training,
+    new_run_dir,
+    read_config,
+    refuse_if_training,
+    training,
+    write_config,
+)
+from .runtime.hostenv import launcher_env
+from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
+from .runtime.launch import check_devices, check_main_guard, run_job, spawns_workers
 from .runtime.worker import Job, choose_device, resolved_device_type
+from .sources import (
+    as_dataset,
+    check_objective,
+    check_picklable,
+    check_sizes,
+    dataset_pair,
+    item_form,
+    make_objective,
+    oversized_batch_note,
+    refuse_for_strategy,
+    split_data,
+)
+from .strategies import make_plan, resolve_strategy_name
+from .strategies.gradients import check_fp16
+from .trainer import History
+from .user_callbacks import check_callbacks
 
 
-def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None, data=None, train=None,
-              val=None, loss=None, metrics=None, loggers=(), resume_dir: Optional[str] = None,
-              keep_files: bool = True, verbose: bool = True, callbacks=(), optimizer=None, scheduler=None,
-              param_groups=None, step=None, eval_step=None):
+def train_run(
+    config: TrainConfig,
+    *,
+    model: Union[str, nn.Module, None] = None,
+    data=None,
+    train=None,
+    val=None,
+    loss=None,
+    metrics=None,
+    loggers=(),
+    resume_dir: Optional[str] = None,
+    keep_files: bool = True,
+    verbose: bool = True,
+    callbacks=(),
+    optimizer=None,
+    scheduler=None,
+    param_groups=None,
+    step=None,
+    eval_step=None,
+):
     """Validate everything, prepare the run folder, then train on `config.devices` devices.
 
     Returns (history, model with the trained weights, run folder or None).
     """
     launcher = launcher_env()
-    if launcher is not None:            # under torchrun: its world size, revalidated (batch must divide)
+    if launcher is not None:  # under torchrun: its world size, revalidated (batch must divide)
         config = replace(config, devices=launcher.world_size)
         if launcher.max_restarts > 0 and config.out is None and resume_dir is None:
-            raise UserError("under torchrun --max-restarts, pass --out DIR so restarted workers find the run's "
-                            "checkpoint")
+            raise UserError(
+                "under torchrun --max-restarts, pass --out DIR so restarted workers find the run's checkpoint"
+            )
         if launcher.restart_count > 0 and resume_dir is None:
-            resume_dir = config.out     # a restarted attempt continues the run its predecessor started
+            resume_dir = config.out  # a restarted attempt continues the run its predecessor started
     strategy = resolve_strategy_name(config.strategy, config.devices)
     # under srun each task may see only the GPU it is bound to
-    check_devices(config.devices if launcher is None else 1 if launcher.rendezvous else launcher.local_world_size,
-                  config.device)
+    check_devices(
+        config.devices if launcher is None else 1 if launcher.rendezvous else launcher.local_world_size,
+        config.device,
+    )
     data, train, val = split_data(data, train, val)
     registry_data = train is None and (data is None or isinstance(data, str))
     objective = make_objective(config, loss, metrics, step=step, eval_step=eval_step)
     if config.num_workers is not None and train is None:
-        raise UserError("--num-workers applies to train= and val= Datasets; in-memory data is read on the device")
+        raise UserError(
+            "--num-workers applies to train= and val= Datasets; in-memory data is read on the device"
+        )
     if config.augment and train is not None:
-        raise UserError("--augment applies to in-memory datasets; put augmentation in your Dataset's transforms")
+        raise UserError(
+            "--augment applies to in-memory datasets; put augmentation in your Dataset's transforms"
+        )
     if train is not None:
         dataset = dataset_pair(train, val, model=model or config.model, objective=objective, config=config)
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
-    if getattr(dataset, "kind", "classification") != "classification":      # text: next-token cross-entropy
+    if getattr(dataset, "kind", "classification") != "classification":  # text: next-token cross-entropy
         objective = make_objective(config, loss, metrics, kind=dataset.kind, step=step, eval_step=eval_step)
     check_sizes(dataset, config)
     note = oversized_batch_note(dataset, config)
     if verbose and note and (launcher is None or launcher.rank == 0):
         print(note, flush=True)
     if verbose and getattr(dataset, "skipped", None):
-        print(f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}")
+        print(
+            f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}"
+        )
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
-    module = build_model(model or config.model, dataset.input_shape, dataset.num_classes, config) \
-        if registry_model else model
+    module = (
+        build_model(model or config.model, dataset.input_shape, dataset.num_classes, config)
+        if registry_model
+        else model
+    )
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         note = check_model_output(module, dataset, exact=not isinstance(data, (tuple, list)))
@@ -91,82 +138,131 @@ def train_run(config: TrainConfig, *, model: Union[str, nn.Module, None] = None,
             print(note, flush=True)
     # what a LightningModule's self.trainer answers in its steps and configure_optimizers
     steps_per_epoch = -(-dataset.num_train // config.batch_size)
-    plan_loop(objective, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
-              max_steps=config.max_steps, world_size=config.devices)
+    plan_loop(
+        objective,
+        epochs=config.epochs,
+        steps_per_epoch=steps_per_epoch,
+        max_steps=config.max_steps,
+        world_size=config.devices,
+    )
     objective = check_objective(module, objective, dataset)
     check_monitor(config.monitor, objective.names)
     refuse_for_strategy(strategy, config, objective, dataset)
-    recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler,
-                         param_groups=param_groups).checked(module, staleness=config.staleness or 0)
+    recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups).checked(
+        module, staleness=config.staleness or 0
+    )
     if spawns_workers(strategy, config.devices):
         check_main_guard(config.devices)
-        check_picklable(model=None if registry_model else module, loss=loss, metrics=metrics, train=train, val=val,
-                        logger=tuple(loggers) or None, callbacks=tuple(callbacks) or None,
-                        optimizer=recipe.optimizer, scheduler=recipe.schedule, step=step, eval_step=eval_step)
+        check_picklable(
+            model=None if registry_model else module,
+            loss=loss,
+            metrics=metrics,
+            train=train,
+            val=val,
+            logger=tuple(loggers) or None,
+            callbacks=tuple(callbacks) or None,
+            optimizer=recipe.optimizer,
+            scheduler=recipe.schedule,
+            step=step,
+            eval_step=eval_step,
+        )
     device = choose_device(config.device, launcher.local_rank if launcher else 0)
     if config.precision == "fp16":
         check_fp16(device.type)
         if device.type == "cpu" and verbose and (launcher is None or launcher.rank == 0):
-            print("note: --precision fp16 on a CPU computes in emulated half precision, about 3.5x slower than "
-                  "fp32 here, and saves no time; it is for GPUs (use it on a CPU only to test fp16)", flush=True)
+            print(
+                "note: --precision fp16 on a CPU computes in emulated half precision, about 3.5x slower than "
+                "fp32 here, and saves no time; it is for GPUs (use it on a CPU only to test fp16)",
+                flush=True,
+            )
     channels_last = config.channels_last
-    if channels_last is None:           # a user module that flattens with .view() cannot take it: probed
-        channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules()) and \
-            (registry_model or takes_channels_last(module, dataset.sample_inputs(2)))
+    if channels_last is None:  # a user module that flattens with .view() cannot take it: probed
+        channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules()) and (
+            registry_model or takes_channels_last(module, dataset.sample_inputs(2))
+        )
     if config.strategy == "auto" and config.devices > 1:
-        strategy, line = auto_strategy(config, module, dataset, objective, device=device,
-                                       channels_last=channels_last, launched=launcher is not None)
+        strategy, line = auto_strategy(
+            config,
+            module,
+            dataset,
+            objective,
+            device=device,
+            channels_last=channels_last,
+            launched=launcher is not None,
+        )
         config = config.with_strategy(strategy, plan=None)
         refuse_for_strategy(strategy, config, objective, dataset)
         if verbose and (launcher is None or launcher.rank == 0):
             print(line, flush=True)
     plan = make_plan(strategy, config, module, dataset, device=device)
     if verbose and (launcher is None or launcher.rank == 0):
-        print(recipe_line(recipe), flush=True)      # what trains, beside torch's defaults: never a silent change
+        print(recipe_line(recipe), flush=True)  # what trains, beside torch's defaults: never a silent change
         for line in recipe_notes(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs):
             print(line, flush=True)
     run_dir, fresh = None, False
     if resume_dir is not None:
         run_dir = Path(resume_dir)
-        refuse_if_training(run_dir)                  # before its config.json may be rewritten below
+        refuse_if_training(run_dir)  # before its config.json may be rewritten below
         recorded = read_config(run_dir) if launcher is None and (run_dir / "config.json").is_file() else {}
         now = dict(strategy=strategy, strategy_plan=plan_record(plan))
         if recorded and any(recorded.get(key) != value for key, value in now.items()):
-            recorded.pop("versions", None)           # --strategy auto chose anew, or the layout changed
+            recorded.pop("versions", None)  # --strategy auto chose anew, or the layout changed
             write_config(run_dir, dict(recorded, **now))
     elif keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)
         fresh = not run_dir.exists()
-        model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
-        settings = dict(config.to_dict(), strategy=strategy, dataset=dataset.name, model=model_name,
-                        device_type=resolved_device_type(config.device), custom_model=not registry_model,
-                        custom_data=not registry_data, loss=objective.describe_loss(), metrics=list(objective.names),
-                        strategy_plan=plan_record(plan))
-        if callable(settings.get("tensor_plan")):       # a function from Python: recorded by its name
+        model_name = (
+            config.model if model is None else model if isinstance(model, str) else type(model).__name__
+        )
+        settings = dict(
+            config.to_dict(),
+            strategy=strategy,
+            dataset=dataset.name,
+            model=model_name,
+            device_type=resolved_device_type(config.device),
+            custom_model=not registry_model,
+            custom_data=not registry_data,
+            loss=objective.describe_loss(),
+            metrics=list(objective.names),
+            strategy_plan=plan_record(plan),
+        )
+        if callable(settings.get("tensor_plan")):  # a function from Python: recorded by its name
             settings["tensor_plan"] = describe(settings["tensor_plan"]) + FROM_PYTHON
         if getattr(dataset, "classes", None):
             settings["classes"] = list(dataset.classes)
         if getattr(dataset, "vocab", None):
-            settings["vocab"] = "".join(dataset.vocab)      # `polytrain generate` decodes with it
+            settings["vocab"] = "".join(dataset.vocab)  # `polytrain generate` decodes with it
         skipped = getattr(dataset, "skipped", None)
         if skipped:
             settings["skipped_files"] = len(skipped)
         write_config(run_dir, settings)
         if skipped:
             atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())
-    job = Job(config, strategy, dataset, module, str(run_dir) if run_dir else None,
-              resume=resume_dir is not None, verbose=verbose, channels_last=channels_last, plan=plan,
-              objective=objective, loggers=tuple(loggers), callbacks=tuple(callbacks), optim=recipe)
+    job = Job(
+        config,
+        strategy,
+        dataset,
+        module,
+        str(run_dir) if run_dir else None,
+        resume=resume_dir is not None,
+        verbose=verbose,
+        channels_last=channels_last,
+        plan=plan,
+        objective=objective,
+        loggers=tuple(loggers),
+        callbacks=tuple(callbacks),
+        optim=recipe,
+    )
     try:
-        with training(run_dir):                      # one process trains a run folder at a time
+        with training(run_dir):  # one process trains a run folder at a time
             result = run_job(job)
     except BaseException:
-        if resume_dir is None and run_dir is not None and launcher is None:   # torchrun restarts keep it
+        if resume_dir is None and run_dir is not None and launcher is None:  # torchrun restarts keep it
             forget_unstarted_run(run_dir, whole_folder=fresh)
         raise
     if result is not None:
         module.load_state_dict(result.weights)
-        if verbose and result.history.stopped:      # early stopping, or a callback
+        if verbose and result.history.stopped:  # early stopping, or a callback
             print(result.history.stopped + (f"; run folder {run_dir}" if run_dir else ""), flush=True)
         return result.history, module, run_dir
     return None, module, run_dir
@@ -189,12 +285,20 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
     rank would measure for itself and might choose differently, so there only a --plan file chooses."""
     from .scaling.auto import choose_strategy
+
     if objective.step is not None or item_form(dataset) != "pair":
-        return "data", "--strategy auto: data (a step= or batches without separate targets are measured only as data)"
+        return (
+            "data",
+            "--strategy auto: data (a step= or batches without separate targets are measured only as data)",
+        )
     if launched and not config.plan:
-        return "data", ("--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
-                        "--plan bench.json from polytrain bench to choose by measurement)")
-    strategy, line = choose_strategy(config, module, dataset, objective, device=device, channels_last=channels_last)
+        return "data", (
+            "--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
+            "--plan bench.json from polytrain bench to choose by measurement)"
+        )
+    strategy, line = choose_strategy(
+        config, module, dataset, objective, device=device, channels_last=channels_last
+    )
     try:
         config.with_strategy(strategy, plan=None)
     except UserError as error:
@@ -210,11 +314,29 @@ def plan_record(plan) -> Optional[dict]:
     return dict(summary=plan.describe(), **(plan.record() if hasattr(plan, "record") else {}))
 
 
-def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None] = None, *,
-        train=None, val=None, loss=None, metrics=None, logger=None, callbacks=None,
-        optimizer=None, scheduler=None, param_groups=None, step=None, eval_step=None,
-        epochs: Optional[float] = None, devices: int = 1, strategy: str = "auto", out: Optional[str] = None,
-        resume: Optional[str] = None, verbose: bool = True, **settings) -> History:
+def fit(
+    model: Union[str, nn.Module],
+    data: Union[str, ArrayDataset, tuple, None] = None,
+    *,
+    train=None,
+    val=None,
+    loss=None,
+    metrics=None,
+    logger=None,
+    callbacks=None,
+    optimizer=None,
+    scheduler=None,
+    param_groups=None,
+    step=None,
+    eval_step=None,
+    epochs: Optional[float] = None,
+    devices: int = 1,
+    strategy: str = "auto",
+    out: Optional[str] = None,
+    resume: Optional[str] = None,
+    verbose: bool = True,
+    **settings,
+) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 
     `data` is a dataset name (default "mnist-sample"; "shakespeare" or "text" for a language model such as
@@ -254,10 +376,11 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
     """
     try:
         check_keywords(settings)
-        if is_lightning(model):           # its training_step, validation_step and configure_optimizers
-            step, eval_step, optimizer, scheduler = lightning_parts(model, step=step, eval_step=eval_step,
-                                                                    optimizer=optimizer, scheduler=scheduler)
-        optimizer, scheduler = take_objects(settings, optimizer, scheduler)     # objects out, names in
+        if is_lightning(model):  # its training_step, validation_step and configure_optimizers
+            step, eval_step, optimizer, scheduler = lightning_parts(
+                model, step=step, eval_step=eval_step, optimizer=optimizer, scheduler=scheduler
+            )
+        optimizer, scheduler = take_objects(settings, optimizer, scheduler)  # objects out, names in
         if "per_device_batch_size" in settings and "batch_size" in settings:
             raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
         values = dict(settings, devices=devices, strategy=strategy)
@@ -277,106 +400,33 @@ def fit(model: Union[str, nn.Module], data: Union[str, ArrayDataset, tuple, None
         named = data if isinstance(data, str) else config.dataset if data is None and train is None else None
         unused = unused_dataset_options(named, settings)
         if unused:
-            raise UserError(f"{', '.join(name + '=' for name in unused)} "
-                            f"{'is' if len(unused) == 1 else 'are'} not used with "
-                            f"{'dataset ' + repr(named) if named else 'data given as objects'}; "
-                            f"drop {'it' if len(unused) == 1 else 'them'}")
-        history, _, _ = train_run(config, model=model, data=data, train=train, val=val, loss=loss, metrics=metrics,
-                                  loggers=loggers, resume_dir=resume, callbacks=check_callbacks(callbacks),
-                                  keep_files=out is not None, verbose=verbose, optimizer=optimizer,
-                                  scheduler=scheduler, param_groups=param_groups, step=step, eval_step=eval_step)
+            raise UserError(
+                f"{', '.join(name + '=' for name in unused)} "
+                f"{'is' if len(unused) == 1 else 'are'} not used with "
+                f"{'dataset ' + repr(named) if named else 'data given as objects'}; "
+                f"drop {'it' if len(unused) == 1 else 'them'}"
+            )
+        history, _, _ = train_run(
+            config,
+            model=model,
+            data=data,
+            train=train,
+            val=val,
+            loss=loss,
+            metrics=metrics,
+            loggers=loggers,
+            resume_dir=resume,
+            callbacks=check_callbacks(callbacks),
+            keep_files=out is not None,
+            verbose=verbose,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            param_groups=param_groups,
+            step=step,
+            eval_step=eval_step,
+        )
     except UserError as error:
-        raise type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error \
-            from None
+        raise (
+            type(error)(keyword_words(str(error))) if type(error).__init__ is UserError.__init__ else error
+        ) from None
     return history
-
-
-# The weights a run folder keeps: --weights NAME reads the file.
-WEIGHTS = {"final": "model.pt", "best": "best.pt"}
-
-
-def weights_file(run_dir, weights: str = "final") -> Path:
-    """The file of the run's `weights`: final (model.pt, the last weights) or best (best.pt)."""
-    if weights not in WEIGHTS:
-        raise UserError(f"unknown weights {weights!r}; choose final (model.pt) or best (best.pt)")
-    path = Path(run_dir) / WEIGHTS[weights]
-    if weights == "best" and not path.is_file() and (Path(run_dir) / "model.pt").is_file():
-        raise UserError(f"{run_dir} has no best.pt (a run writes it at its first validation; runs of earlier "
-                        f"versions have none); use --weights final")
-    return path
-
-
-def load_run(run_dir, *, weights: str = "final") -> tuple:
-    """(config, dataset, model with the run's trained weights) of a finished run folder; `weights="best"`
-    loads best.pt, the weights of the best validation of the run's --monitor."""
-    settings = read_config(run_dir)
-    path = weights_file(run_dir, weights)
-    if settings.get("custom_model"):
-        raise UserError(f"{run_dir} was trained on a custom model ({settings.get('model')}); evaluate it from "
-                        f"Python: polytrain.evaluate(model, data) after loading {path} into it")
-    if settings.get("custom_data"):
-        raise UserError(f"{run_dir} was trained on an in-memory dataset; evaluate it from Python with "
-                        f"polytrain.evaluate(model, data)")
-    how = ("strategy", *STRATEGY_FLAGS, "logger")      # how it trained does not matter to the weights
-    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
-    dataset = load_dataset(config.dataset, **dict(dataset_settings(config), download=False))
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes, config)
-    load_weights(path, model)
-    return config, dataset, model
-
-
-def evaluate(run_or_model, data=None, *, loss=None, metrics=None, batch_size: int = 1024,
-             device: str = "auto", num_workers: int = 0, weights: str = "final") -> dict:
-    """Validation loss and metrics (accuracy for classification) of a run folder's model (`weights="best"`:
-    its best.pt), or of a module on `data`: a dataset name, an ArrayDataset, 4 tensors, or a
-    `torch.utils.data.Dataset` to evaluate on."""
-    objective = make_objective(TrainConfig(), loss, metrics)
-    if isinstance(run_or_model, nn.Module):
-        model, dataset = run_or_model, None
-    else:
-        _, dataset, model = load_run(run_or_model, weights=weights)
-        if getattr(dataset, "kind", "classification") != "classification" and loss is None:
-            objective = make_objective(TrainConfig(), loss, metrics, kind=dataset.kind)
-    if is_torch_dataset(data):
-        config = TrainConfig(num_workers=num_workers)
-        dataset = dataset_pair(data, data, model=model, objective=objective, config=config, names=("data", "data"))
-    elif data is not None or dataset is None:
-        dataset = as_dataset(data, TrainConfig())
-    check_devices(1, device)
-    strategy = SingleDevice(device=choose_device(device, 0), objective=objective)
-    objective = check_objective(model, objective, dataset)
-    strategy.objective = objective
-    first = next(model.parameters(), None)
-    home, was_training = (first.device if first is not None else strategy.device), model.training
-    strategy.model = model.to(strategy.device)
-    _, val = make_loaders(dataset, batch_size=batch_size, device=strategy.device)
-    try:
-        return Trainer(strategy, val, val, epochs=0).evaluate()
-    finally:
-        model.to(home).train(was_training)         # leave the caller's module where and as it was
-
-
-def spread_indices(total: int, count: Optional[int]) -> torch.Tensor:
-    """`count` indices evenly spaced over 0..total-1 (all when None), so a class-sorted validation set
-    still shows every class."""
-    count = total if count is None else max(0, min(count, total))
-    return torch.linspace(0, total - 1, count).round().long() if count < total else torch.arange(total)
-
-
-@torch.no_grad()
-def predict(run_dir, *, count: Optional[int] = None, device: str = "auto", weights: str = "final") -> dict:
-    """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
-    over the validation set (all of them when `count` is None); `weights="best"` uses its best.pt."""
-    check_devices(1, device)
-    config, dataset, model = load_run(run_dir, weights=weights)
-    if getattr(dataset, "kind", "classification") != "classification":
-        raise UserError(f"predict shows the labels an image classifier gives; {run_dir} is a language model (--model "
-                        f"{config.model} on --dataset {config.dataset}): sample its text with polytrain generate "
-                        f"{run_dir}")
-    dev = choose_device(device, 0)
-    model = model.to(dev).eval()
-    _, val = make_loaders(dataset, batch_size=1024, device=dev)
-    predicted = torch.cat([model(batch.x).argmax(1).cpu() for batch in val.eval_batches()])
-    index = spread_indices(len(predicted), count)
-    return {"index": index, "images": dataset.val_x[index], "predicted": predicted[index],
-            "true": dataset.val_y[index], "classes": getattr(dataset, "classes", None)}

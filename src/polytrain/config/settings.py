@@ -4,13 +4,20 @@ A new setting is one field in its group here (see `declare.setting`) plus the co
 `fit()`'s keyword, the check, the resume rule and `config.json` follow from the declaration. Help texts may
 name `{datasets}`, `{models}` and `{strategies}`, filled in from the registries when the flags are built.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ..plan.pipeline import DEFAULT_SCHEDULE, SCHEDULES as PIPELINE_SCHEDULES
 from .declare import setting
+from .layout_settings import (
+    DeviceSettings,
+    PipelineSettings,
+    ServerSettings,
+    ShardedSettings,
+    TensorSettings,
+)
 
 
 def numbers_text(text: str) -> tuple:
@@ -40,246 +47,420 @@ def shape_text(text: str) -> tuple:
 
 @dataclass
 class DataSettings:
-    dataset: str = setting("mnist-sample", "default: %(default)s (10,000 real MNIST digits shipped with "
-                           "polytrain); one of {datasets}", group="data", metavar="NAME")
-    data_dir: Optional[str] = setting(None, "folder holding the dataset files (IDX or CIFAR binary), the image "
-                                      "folder of --dataset folder, or the UTF-8 text file or folder of .txt files "
-                                      "of --dataset text", group="data", metavar="DIR")
-    image_size: Optional[int] = setting(None, "--dataset folder: resize every image to S x S (default: keep, all "
-                                        "must share one size)", group="data", metavar="S", check="count", example=32,
-                                        must="must be a positive whole number of pixels")
-    val_fraction: Optional[float] = setting(None, "--dataset folder with <class>/ folders only: hold out the last F "
-                                            "of each class's sorted files for validation", group="data", metavar="F",
-                                            check="fraction", example=0.1,
-                                            must="must lie strictly between 0 and 1")
-    skip_bad: bool = setting(False, "--dataset folder: skip unreadable images and report how many (default: stop, "
-                             "naming the file)", group="data", flag="switch")
-    download: bool = setting(False, "fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)",
-                             group="data", flag="switch")
-    augment: Optional[bool] = setting(None, "random crop (4-pixel shifts), plus mirroring for cifar10, as batched "
-                                      "ops on the device (default: on for cifar10, off for digits)", group="data",
-                                      flag="toggle")
-    synthetic_size: int = setting(2048, "training samples of --dataset synthetic (default: %(default)s)",
-                                  group="data", metavar="N", check="count")
-    synthetic_shape: tuple = setting((1, 28, 28), "image shape of --dataset synthetic (default: 1,28,28)",
-                                     group="data", metavar="C,H,W", parse=shape_text)
-    eval_batch_size: Optional[int] = setting(None, "validation batch per device (default: the larger of --batch-size "
-                                             "and 1024; of --batch-size and 256 for train=/val= Datasets)",
-                                             group="data", metavar="N", check="count", resume="change")
-    num_workers: Optional[int] = setting(None, "loader processes per rank for train=/val= Datasets (default: from "
-                                         "the cores; 0: load in the training process)", group="data",
-                                         check="count0", flag="none", hint=" (0: load in the training process)")
+    dataset: str = setting(
+        "mnist-sample",
+        "default: %(default)s (10,000 real MNIST digits shipped with polytrain); one of {datasets}",
+        group="data",
+        metavar="NAME",
+    )
+    data_dir: Optional[str] = setting(
+        None,
+        "folder holding the dataset files (IDX or CIFAR binary), the image "
+        "folder of --dataset folder, or the UTF-8 text file or folder of .txt files "
+        "of --dataset text",
+        group="data",
+        metavar="DIR",
+    )
+    image_size: Optional[int] = setting(
+        None,
+        "--dataset folder: resize every image to S x S (default: keep, all must share one size)",
+        group="data",
+        metavar="S",
+        check="count",
+        example=32,
+        must="must be a positive whole number of pixels",
+    )
+    val_fraction: Optional[float] = setting(
+        None,
+        "--dataset folder with <class>/ folders only: hold out the last F "
+        "of each class's sorted files for validation",
+        group="data",
+        metavar="F",
+        check="fraction",
+        example=0.1,
+        must="must lie strictly between 0 and 1",
+    )
+    skip_bad: bool = setting(
+        False,
+        "--dataset folder: skip unreadable images and report how many (default: stop, naming the file)",
+        group="data",
+        flag="switch",
+    )
+    download: bool = setting(
+        False,
+        "fetch missing files into --data-dir or ~/.cache/polytrain (checksum-verified)",
+        group="data",
+        flag="switch",
+    )
+    augment: Optional[bool] = setting(
+        None,
+        "random crop (4-pixel shifts), plus mirroring for cifar10, as batched "
+        "ops on the device (default: on for cifar10, off for digits)",
+        group="data",
+        flag="toggle",
+    )
+    synthetic_size: int = setting(
+        2048,
+        "training samples of --dataset synthetic (default: %(default)s)",
+        group="data",
+        metavar="N",
+        check="count",
+    )
+    synthetic_shape: tuple = setting(
+        (1, 28, 28),
+        "image shape of --dataset synthetic (default: 1,28,28)",
+        group="data",
+        metavar="C,H,W",
+        parse=shape_text,
+    )
+    eval_batch_size: Optional[int] = setting(
+        None,
+        "validation batch per device (default: the larger of --batch-size "
+        "and 1024; of --batch-size and 256 for train=/val= Datasets)",
+        group="data",
+        metavar="N",
+        check="count",
+        resume="change",
+    )
+    num_workers: Optional[int] = setting(
+        None,
+        "loader processes per rank for train=/val= Datasets (default: from "
+        "the cores; 0: load in the training process)",
+        group="data",
+        check="count0",
+        flag="none",
+        hint=" (0: load in the training process)",
+    )
 
 
 @dataclass
 class ModelSettings:
     model: str = setting("lenet", "one of {models} (default: %(default)s)", group="model", metavar="NAME")
-    precision: str = setting("fp32", "bf16 runs the forward pass under autocast (use on GPUs); fp16 also scales "
-                             "the loss dynamically (torch.amp.GradScaler), every rank skipping the same step when "
-                             "any gradient overflows; default: %(default)s", group="model",
-                             choices=("fp32", "bf16", "fp16"))
-    layers: Optional[int] = setting(None, "--model gpt: transformer blocks (default: 4)", group="model",
-                                    metavar="L", check="count", example=4)
-    heads: Optional[int] = setting(None, "--model gpt: attention heads, dividing --width (default: 4)",
-                                   group="model", metavar="H", check="count", example=4)
-    width: Optional[int] = setting(None, "--model gpt: embedding width (default: 128)", group="model",
-                                   metavar="C", check="count", example=128)
-    context: Optional[int] = setting(None, "--model gpt: tokens the model sees at once, the length of each "
-                                     "training sequence (default: 64)", group="model", metavar="T",
-                                     check="count", example=64)
+    precision: str = setting(
+        "fp32",
+        "bf16 runs the forward pass under autocast (use on GPUs); fp16 also scales "
+        "the loss dynamically (torch.amp.GradScaler), every rank skipping the same step when "
+        "any gradient overflows; default: %(default)s",
+        group="model",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    layers: Optional[int] = setting(
+        None,
+        "--model gpt: transformer blocks (default: 4)",
+        group="model",
+        metavar="L",
+        check="count",
+        example=4,
+    )
+    heads: Optional[int] = setting(
+        None,
+        "--model gpt: attention heads, dividing --width (default: 4)",
+        group="model",
+        metavar="H",
+        check="count",
+        example=4,
+    )
+    width: Optional[int] = setting(
+        None,
+        "--model gpt: embedding width (default: 128)",
+        group="model",
+        metavar="C",
+        check="count",
+        example=128,
+    )
+    context: Optional[int] = setting(
+        None,
+        "--model gpt: tokens the model sees at once, the length of each training sequence (default: 64)",
+        group="model",
+        metavar="T",
+        check="count",
+        example=64,
+    )
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
-    channels_last: Optional[bool] = setting(None, "channels-last memory format (default: on for convolutional "
-                                            "models that give the same outputs in it; a module that flattens "
-                                            "with .view() keeps the default format)", group="model",
-                                            flag="toggle")
+    channels_last: Optional[bool] = setting(
+        None,
+        "channels-last memory format (default: on for convolutional "
+        "models that give the same outputs in it; a module that flattens "
+        "with .view() keeps the default format)",
+        group="model",
+        flag="toggle",
+    )
 
 
 @dataclass
 class OptimisationSettings:
-    epochs: float = setting(5, "passes over the training set; a fraction such as 1.5 ends within the last one, "
-                            "with the schedule laid over the steps taken and a validation at the end (default: "
-                            "%(default)s)", group="optimisation", metavar="N", check="positive", example=5,
-                            resume="extend", parse=epochs_text)
-    batch_size: int = setting(64, "GLOBAL batch, split across --devices (default: %(default)s)",
-                              group="optimisation", metavar="N", check="count", example=64)
-    optimizer: str = setting("sgd", "any torch.optim class by name, any case: sgd, adam, adamw, rmsprop, adadelta, "
-                             "... (default: %(default)s)", group="optimisation", metavar="NAME")
-    optimizer_args: Optional[str] = setting(None, "more keyword arguments of the optimizer as key=value pairs, e.g. "
-                                            "nesterov=true,dampening=0", group="optimisation",
-                                            metavar="K=V,...")
-    betas: Optional[tuple] = setting(None, "Adam-family betas, e.g. 0.9,0.95 (default: the optimizer's)",
-                                     group="optimisation", metavar="B1,B2", parse=numbers_text)
-    eps: Optional[float] = setting(None, "the optimizer's epsilon (default: the optimizer's)", group="optimisation",
-                                   metavar="X", check="nonneg")
-    no_decay_norms_and_biases: bool = setting(False, "two parameter groups: no weight decay on biases and "
-                                              "normalisation weights (every tensor of one dimension)",
-                                              group="optimisation", flag="switch")
-    lr: Optional[float] = setting(0.05, "peak learning rate (default: %(default)s with polytrain's own SGD; an "
-                                  "--optimizer you name keeps torch's default lr, momentum and weight decay "
-                                  "unless given)", group="optimisation", metavar="X", check="nonneg")
-    lr_scale: str = setting("none", "linear: multiply --lr by --devices (the linear scaling rule, for a global "
-                            "batch that grows with the devices); default: %(default)s", group="optimisation",
-                            choices=("none", "linear"))
-    momentum: Optional[float] = setting(0.9, "default: %(default)s with polytrain's own SGD, torch's with a named "
-                                        "--optimizer", group="optimisation", metavar="X", check="nonneg")
-    weight_decay: Optional[float] = setting(5e-4, "default: %(default)s with polytrain's own SGD, torch's with a "
-                                            "named --optimizer", group="optimisation", metavar="X", check="nonneg")
-    schedule: str = setting("onecycle", "learning-rate schedule after warm-up: constant, cosine, onecycle, or any "
-                            "torch.optim.lr_scheduler class by name (steplr, ...) with --schedule-args "
-                            "(default: %(default)s)", group="optimisation", metavar="NAME")
-    schedule_args: Optional[str] = setting(None, "keyword arguments of a torch.optim.lr_scheduler class, e.g. "
-                                           "step_size=2,gamma=0.5", group="optimisation", metavar="K=V,...")
-    schedule_interval: Optional[str] = setting(None, "step the schedule after every optimizer step or every "
-                                               "epoch (default: step for constant/cosine/onecycle, epoch for "
-                                               "torch.optim.lr_scheduler classes, as Lightning does)",
-                                               group="optimisation", choices=("step", "epoch"))
-    accumulate: int = setting(1, "compute each optimizer step's batch in K passes per replica, synchronising "
-                              "gradients on the last only: K-fold less activation memory, the same training "
-                              "(default: %(default)s)", group="optimisation", metavar="K", check="count",
-                              example=4, resume="change")
-    clip_grad_norm: Optional[float] = setting(None, "scale the gradients so that their global L2 norm (over the "
-                                              "whole model, on every strategy) is at most X", group="optimisation",
-                                              metavar="X", check="nonneg", example=1.0)
-    clip_grad_value: Optional[float] = setting(None, "clamp every gradient element to [-X, X]",
-                                               group="optimisation", metavar="X", check="nonneg", example=1.0)
-    warmup_epochs: float = setting(0.5, "linear warm-up length (default: %(default)s)", group="optimisation",
-                                   metavar="X", check="nonneg")
-    label_smoothing: float = setting(0.0, "default: %(default)s", group="optimisation", metavar="X", check="nonneg")
-    seed: int = setting(0, "same seed, same batches and weights (default: %(default)s)", group="optimisation",
-                        metavar="N")
-
-
-@dataclass
-class DeviceSettings:
-    device: str = setting("auto", "auto: CUDA GPUs if present, else CPU processes (default: %(default)s)",
-                          group="devices", choices=("auto", "cpu", "cuda"), resume="change")
-    devices: int = setting(1, "GPUs, or CPU processes sharing the cores (default: %(default)s)", group="devices",
-                           metavar="N", check="count", example=1, resume="change", replans=True)
-    strategy: str = setting("auto", "auto: single for one device; for several, the one the cost model predicts "
-                            "fastest that fits in memory (a few seconds of measurement, or --plan); data: replicas "
-                            "+ all-reduce; pipeline: the model split into stages over the devices; sharded: each "
-                            "device holds a shard of the weights and optimizer state (FSDP2); parameter-server: "
-                            "master weights on server ranks, workers push gradients and pull weights; tensor: "
-                            "every layer split across the devices (DTensor; gpt, mlp, or fit(tensor_plan=))",
-                            group="devices", metavar="{auto,{strategies}}", resume="change", replans=True)
-    plan: Optional[str] = setting(None, "with --strategy auto: choose from this polytrain bench result instead of "
-                                  "measuring", group="devices", metavar="BENCH_JSON", resume="change")
-
-
-@dataclass
-class PipelineSettings:
-    microbatches: Optional[int] = setting(
-        None, "micro-batches each step's batch is cut into; 1: plain model parallelism (default: 4 per stage, or "
-        "fewer that divide the batch)", group="pipeline", metavar="M", strategies=("pipeline",), resume="change")
-    pipeline_schedule: Optional[str] = setting(
-        None, f"order of forward and backward passes (default: {DEFAULT_SCHEDULE})", group="pipeline",
-        choices=PIPELINE_SCHEDULES, strategies=("pipeline",), resume="change", replans=True)
-    split: Optional[str] = setting(
-        None, "auto: balance the stages by each layer's measured time; or the index of the first layer of every "
-        "stage after the first (default: auto)", group="pipeline", metavar="auto|I1,I2,...",
-        strategies=("pipeline",), resume="change")
-    split_at: Optional[str] = setting(
-        None, "split a model that is not an nn.Sequential with torch's tracer (torch.export): the modules, by "
-        "their names in the model, where each stage after the first begins, e.g. transformer.h.2 (instead of "
-        "--split)", group="pipeline", metavar="NAME,...", strategies=("pipeline",), resume="change")
-    pipeline_stages: Optional[int] = setting(
-        None, "stages per pipeline; --devices / S pipelines then run data-parallel on a 2-D mesh (default: "
-        "--devices, one pipeline)", group="pipeline", metavar="S", check="count", strategies=("pipeline",),
-        resume="change", replans=True)
-    timeline: bool = setting(
-        False, "record when each rank ran each micro-batch for a few steps; draws pipeline.png and prints the "
-        "measured bubble", group="pipeline", flag="switch", strategies=("pipeline",), resume="change")
-
-
-@dataclass
-class ShardedSettings:
-    cpu_offload: bool = setting(
-        False, "keep parameter, gradient and optimizer shards in host memory; the GPU holds only the layer in use "
-        "(FSDP2's offload policy)", group="sharded", flag="switch", strategies=("sharded",), resume="change")
-
-
-@dataclass
-class ServerSettings:
-    servers: Optional[int] = setting(
-        None, "server roles the parameters are split over by size, on ranks 0..K-1 (default: 1)",
-        group="parameter-server", metavar="K", strategies=("parameter-server",), resume="change")
-    server_device: Optional[str] = setting(
-        None, "where the master weights and optimizer state live: cpu (host memory, default) or same (the server "
-        "rank's device)", group="parameter-server", metavar="{cpu,same}", strategies=("parameter-server",),
-        resume="change")
-    staleness: Optional[int] = setting(
-        None, "asynchronous: servers apply each worker's gradient as it arrives; a worker runs at most S updates "
-        "ahead of the slowest (default: 0, synchronous, equal to one device)", group="parameter-server",
-        metavar="S", check="count0", strategies=("parameter-server",), resume="change")
+    epochs: float = setting(
+        5,
+        "passes over the training set; a fraction such as 1.5 ends within the last one, "
+        "with the schedule laid over the steps taken and a validation at the end (default: "
+        "%(default)s)",
+        group="optimisation",
+        metavar="N",
+        check="positive",
+        example=5,
+        resume="extend",
+        parse=epochs_text,
+    )
+    batch_size: int = setting(
+        64,
+        "GLOBAL batch, split across --devices (default: %(default)s)",
+        group="optimisation",
+        metavar="N",
+        check="count",
+        example=64,
+    )
+    optimizer: str = setting(
+        "sgd",
+        "any torch.optim class by name, any case: sgd, adam, adamw, rmsprop, adadelta, "
+        "... (default: %(default)s)",
+        group="optimisation",
+        metavar="NAME",
+    )
+    optimizer_args: Optional[str] = setting(
+        None,
+        "more keyword arguments of the optimizer as key=value pairs, e.g. nesterov=true,dampening=0",
+        group="optimisation",
+        metavar="K=V,...",
+    )
+    betas: Optional[tuple] = setting(
+        None,
+        "Adam-family betas, e.g. 0.9,0.95 (default: the optimizer's)",
+        group="optimisation",
+        metavar="B1,B2",
+        parse=numbers_text,
+    )
+    eps: Optional[float] = setting(
+        None,
+        "the optimizer's epsilon (default: the optimizer's)",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+    )
+    no_decay_norms_and_biases: bool = setting(
+        False,
+        "two parameter groups: no weight decay on biases and "
+        "normalisation weights (every tensor of one dimension)",
+        group="optimisation",
+        flag="switch",
+    )
+    lr: Optional[float] = setting(
+        0.05,
+        "peak learning rate (default: %(default)s with polytrain's own SGD; an "
+        "--optimizer you name keeps torch's default lr, momentum and weight decay "
+        "unless given)",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+    )
+    lr_scale: str = setting(
+        "none",
+        "linear: multiply --lr by --devices (the linear scaling rule, for a global "
+        "batch that grows with the devices); default: %(default)s",
+        group="optimisation",
+        choices=("none", "linear"),
+    )
+    momentum: Optional[float] = setting(
+        0.9,
+        "default: %(default)s with polytrain's own SGD, torch's with a named --optimizer",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+    )
+    weight_decay: Optional[float] = setting(
+        5e-4,
+        "default: %(default)s with polytrain's own SGD, torch's with a named --optimizer",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+    )
+    schedule: str = setting(
+        "onecycle",
+        "learning-rate schedule after warm-up: constant, cosine, onecycle, or any "
+        "torch.optim.lr_scheduler class by name (steplr, ...) with --schedule-args "
+        "(default: %(default)s)",
+        group="optimisation",
+        metavar="NAME",
+    )
+    schedule_args: Optional[str] = setting(
+        None,
+        "keyword arguments of a torch.optim.lr_scheduler class, e.g. step_size=2,gamma=0.5",
+        group="optimisation",
+        metavar="K=V,...",
+    )
+    schedule_interval: Optional[str] = setting(
+        None,
+        "step the schedule after every optimizer step or every "
+        "epoch (default: step for constant/cosine/onecycle, epoch for "
+        "torch.optim.lr_scheduler classes, as Lightning does)",
+        group="optimisation",
+        choices=("step", "epoch"),
+    )
+    accumulate: int = setting(
+        1,
+        "compute each optimizer step's batch in K passes per replica, synchronising "
+        "gradients on the last only: K-fold less activation memory, the same training "
+        "(default: %(default)s)",
+        group="optimisation",
+        metavar="K",
+        check="count",
+        example=4,
+        resume="change",
+    )
+    clip_grad_norm: Optional[float] = setting(
+        None,
+        "scale the gradients so that their global L2 norm (over the "
+        "whole model, on every strategy) is at most X",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+        example=1.0,
+    )
+    clip_grad_value: Optional[float] = setting(
+        None,
+        "clamp every gradient element to [-X, X]",
+        group="optimisation",
+        metavar="X",
+        check="nonneg",
+        example=1.0,
+    )
+    warmup_epochs: float = setting(
+        0.5, "linear warm-up length (default: %(default)s)", group="optimisation", metavar="X", check="nonneg"
+    )
+    label_smoothing: float = setting(
+        0.0, "default: %(default)s", group="optimisation", metavar="X", check="nonneg"
+    )
+    seed: int = setting(
+        0, "same seed, same batches and weights (default: %(default)s)", group="optimisation", metavar="N"
+    )
 
 
 @dataclass
 class ValidationSettings:
-    val_every: int = setting(0, "also validate every STEPS optimizer steps within an epoch (default: 0, at epoch "
-                             "ends only)", group="validation", metavar="STEPS", check="count0", resume="change")
-    monitor: str = setting("val_loss", "the validation figure that decides the best weights (best.pt) and early "
-                           "stopping: val_loss, val_acc, val_<metric> (default: %(default)s)", group="validation",
-                           metavar="METRIC")
-    monitor_mode: Optional[str] = setting(None, "whether lower or higher --monitor is better (default: min for "
-                                          "losses, errors (mae, mse, error, ...) and perplexity, max otherwise)",
-                                          group="validation", choices=("min", "max"))
-    patience: int = setting(0, "stop after N validations in a row without improving --monitor (default: 0, never "
-                            "stop early)", group="validation", metavar="N", check="count0", resume="change")
+    val_every: int = setting(
+        0,
+        "also validate every STEPS optimizer steps within an epoch (default: 0, at epoch ends only)",
+        group="validation",
+        metavar="STEPS",
+        check="count0",
+        resume="change",
+    )
+    monitor: str = setting(
+        "val_loss",
+        "the validation figure that decides the best weights (best.pt) and early "
+        "stopping: val_loss, val_acc, val_<metric> (default: %(default)s)",
+        group="validation",
+        metavar="METRIC",
+    )
+    monitor_mode: Optional[str] = setting(
+        None,
+        "whether lower or higher --monitor is better (default: min for "
+        "losses, errors (mae, mse, error, ...) and perplexity, max otherwise)",
+        group="validation",
+        choices=("min", "max"),
+    )
+    patience: int = setting(
+        0,
+        "stop after N validations in a row without improving --monitor (default: 0, never stop early)",
+        group="validation",
+        metavar="N",
+        check="count0",
+        resume="change",
+    )
 
 
 @dataclass
 class ReliabilitySettings:
-    out: Optional[str] = setting(None, "run folder (default: a new folder under runs/)", group="reliability",
-                                 metavar="DIR", commands=("train",))
-    checkpoint_every: int = setting(0, "also checkpoint every STEPS steps (always at each epoch end, and on "
-                                    "Ctrl-C/SIGTERM)", group="reliability", metavar="STEPS", check="count0",
-                                    resume="change", commands=("train",))
-    max_steps: int = setting(0, "stop after N steps in all, with a checkpoint to --resume from (default: 0, all "
-                             "epochs)", group="reliability", metavar="N", check="count0", resume="change",
-                             commands=("train",))
-    hang_timeout: float = setting(60.0, "with several devices, report the rank that makes no progress for this "
-                                  "long, with its stack, and stop (default: %(default)g)", group="reliability",
-                                  metavar="SECONDS", check="nonneg", resume="change", commands=("train",))
-    max_restarts: int = setting(0, "restart failed workers up to R times from the last checkpoint (default: "
-                                "%(default)s)", group="reliability", metavar="R", check="count0", resume="change",
-                                commands=("train",))
+    out: Optional[str] = setting(
+        None,
+        "run folder (default: a new folder under runs/)",
+        group="reliability",
+        metavar="DIR",
+        commands=("train",),
+    )
+    checkpoint_every: int = setting(
+        0,
+        "also checkpoint every STEPS steps (always at each epoch end, and on Ctrl-C/SIGTERM)",
+        group="reliability",
+        metavar="STEPS",
+        check="count0",
+        resume="change",
+        commands=("train",),
+    )
+    max_steps: int = setting(
+        0,
+        "stop after N steps in all, with a checkpoint to --resume from (default: 0, all epochs)",
+        group="reliability",
+        metavar="N",
+        check="count0",
+        resume="change",
+        commands=("train",),
+    )
+    hang_timeout: float = setting(
+        60.0,
+        "with several devices, report the rank that makes no progress for this "
+        "long, with its stack, and stop (default: %(default)g)",
+        group="reliability",
+        metavar="SECONDS",
+        check="nonneg",
+        resume="change",
+        commands=("train",),
+    )
+    max_restarts: int = setting(
+        0,
+        "restart failed workers up to R times from the last checkpoint (default: %(default)s)",
+        group="reliability",
+        metavar="R",
+        check="count0",
+        resume="change",
+        commands=("train",),
+    )
 
 
 @dataclass
 class LoggingSettings:
-    logger: Optional[str] = setting(None, "also log to TensorBoard (RUN_DIR/tensorboard; pip install "
-                                    "'polytrain[tensorboard]') and/or RUN_DIR/metrics.csv, beside metrics.jsonl",
-                                    group="logging", metavar="tensorboard,csv")
-
-
-@dataclass
-class TensorSettings:
-    tensor_plan: Optional[dict] = setting(
-        None, "which layers --strategy tensor splits: {module name or fnmatch pattern: colwise | rowwise | "
-        "replicate | colwise:K (K fused parts)}, or a function fn(model, mesh) that splits the model itself "
-        "(default: the built-in plan of --model mlp and gpt)", group="tensor", flag="none", strategies=("tensor",),
-        resume="change")
-    tensor_parallel: Optional[int] = setting(
-        None, "ranks each layer is split across; --devices / T such groups then split each batch as sharded data "
-        "parallelism (FSDP2) on a 2-D mesh (default: --devices, one group); with --strategy pipeline, the ranks each "
-        "stage is split across", group="tensor", metavar="T", check="count", strategies=("tensor", "pipeline"),
-        resume="change", replans=True)
+    logger: Optional[str] = setting(
+        None,
+        "also log to TensorBoard (RUN_DIR/tensorboard; pip install "
+        "'polytrain[tensorboard]') and/or RUN_DIR/metrics.csv, beside metrics.jsonl",
+        group="logging",
+        metavar="tensorboard,csv",
+    )
 
 
 # The groups TrainConfig is made of, in the order of `--help` (a dataclass lists inherited fields from the
 # last base to the first, hence reversed there).
-GROUP_CLASSES = (DataSettings, ModelSettings, OptimisationSettings, DeviceSettings, PipelineSettings,
-                 ShardedSettings, ServerSettings, TensorSettings, ValidationSettings, ReliabilitySettings,
-                 LoggingSettings)
+GROUP_CLASSES = (
+    DataSettings,
+    ModelSettings,
+    OptimisationSettings,
+    DeviceSettings,
+    PipelineSettings,
+    ShardedSettings,
+    ServerSettings,
+    TensorSettings,
+    ValidationSettings,
+    ReliabilitySettings,
+    LoggingSettings,
+)
 
 # Ways to give a setting in other terms: accepted as flags and keywords, turned into the setting they stand
 # for (config.json records that one), never stored themselves.
 INPUTS = {
-    "per_device_batch_size": setting(None, "alternatively, the batch of each device; the global batch is N x "
-                                     "--devices (with --strategy pipeline, N x the number of pipelines: the devices "
-                                     "of one pipeline share a batch)", group="optimisation", metavar="N",
-                                     check="count").metadata["setting"],
-    "micro_batch_size": setting(None, "alternatively to --accumulate: the samples of one pass per replica; "
-                                "--accumulate is then the replica's batch / N", group="optimisation", metavar="N",
-                                check="count").metadata["setting"],
+    "per_device_batch_size": setting(
+        None,
+        "alternatively, the batch of each device; the global batch is N x "
+        "--devices (with --strategy pipeline, N x the number of pipelines: the devices "
+        "of one pipeline share a batch)",
+        group="optimisation",
+        metavar="N",
+        check="count",
+    ).metadata["setting"],
+    "micro_batch_size": setting(
+        None,
+        "alternatively to --accumulate: the samples of one pass per replica; "
+        "--accumulate is then the replica's batch / N",
+        group="optimisation",
+        metavar="N",
+        check="count",
+    ).metadata["setting"],
 }

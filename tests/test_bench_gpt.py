@@ -150,5 +150,5 @@ def test_bench_refuses_gpt_sizes_for_another_model():
     from polytrain.errors import ConfigError
     from polytrain.scaling.bench import BenchOptions
 
-    with pytest.raises(ConfigError, match="--layers applies to the gpt model only"):
+    with pytest.raises(ConfigError, match="--layers applies to the gpt and llama models only"):
         BenchOptions(model="lenet", layers=2)

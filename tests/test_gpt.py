@@ -55,10 +55,12 @@ def test_shapes_tied_head_and_parameter_count():
 def test_heads_must_divide_the_width_and_gpt_sizes_are_refused_for_other_models():
     with pytest.raises(ConfigError, match="--heads 3 does not divide --width 32; give --heads 4"):
         build_model("gpt", (8,), 11, dict(heads=3, width=32))
-    with pytest.raises(ConfigError, match="--layers applies to the gpt model only, not lenet; drop it"):
+    with pytest.raises(
+        ConfigError, match="--layers applies to the gpt and llama models only, not lenet; drop it"
+    ):
         build_model("lenet", (1, 28, 28), 10, dict(layers=2))
     _, args = parse(["train", "--heads", "2"])
-    with pytest.raises(ConfigError, match="--heads applies to the gpt model only"):
+    with pytest.raises(ConfigError, match="--heads applies to the gpt and llama models only"):
         config_from_args(args)
 
 

@@ -92,7 +92,7 @@ def plan(model, devices=4, **settings):
         (
             nn.Sequential(nn.Flatten(), nn.Linear(784, 10)),
             dict(tensor_parallel=2, split="1"),
-            ["--model mlp and gpt", "not your Sequential", "--strategy tensor"],
+            ["--model mlp, gpt, llama", "not your Sequential", "--strategy tensor"],
         ),
     ],
 )

@@ -51,7 +51,11 @@ def test_builtin_plans_split_megatron_style():
     # torch's chunks of 3 of a 9-entry vocabulary would leave the 4th rank none: the built-in plan keeps it whole
     small = plan(GPT(9, context=8, layers=1, heads=4, width=32), devices=4)
     assert small.vocabulary == () and [name for name, *_ in small.styles][0] == "1.attention.qkv"
-    assert set(BUILTIN_PLANS) == {"polytrain.models.mlp.MLP", "polytrain.models.gpt.GPT"}
+    assert set(BUILTIN_PLANS) == {
+        "polytrain.models.mlp.MLP",
+        "polytrain.models.gpt.GPT",
+        "polytrain.models.llama.Llama",
+    }
 
 
 def test_on_a_data_and_tensor_mesh_the_vocabulary_splits_only_where_all_the_devices_divide_it():

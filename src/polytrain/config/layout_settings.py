@@ -37,7 +37,7 @@ class DeviceSettings:
         "+ all-reduce; pipeline: the model split into stages over the devices; sharded: each "
         "device holds a shard of the weights and optimizer state (FSDP2); parameter-server: "
         "master weights on server ranks, workers push gradients and pull weights; tensor: "
-        "every layer split across the devices (DTensor; gpt, mlp, or fit(tensor_plan=))",
+        "every layer split across the devices (DTensor; gpt, llama, mlp, or fit(tensor_plan=))",
         group="devices",
         metavar="{auto,{strategies}}",
         resume="change",
@@ -163,7 +163,7 @@ class TensorSettings:
         None,
         "which layers --strategy tensor splits: {module name or fnmatch pattern: colwise | rowwise | "
         "replicate | colwise:K (K fused parts)}, or a function fn(model, mesh) that splits the model itself "
-        "(default: the built-in plan of --model mlp and gpt)",
+        "(default: the built-in plan of --model mlp, gpt and llama)",
         group="tensor",
         flag="none",
         strategies=("tensor",),

@@ -14,6 +14,7 @@ from .cifar_cnn import CifarCNN
 from .defaults import MODEL_OPTIONS, model_options_of
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
+from .llama import build_llama
 from .mlp import MLP
 from .resnet import ResNet20
 
@@ -24,20 +25,22 @@ MODELS: Dict[str, Callable[[Tuple[int, int, int], int], nn.Module]] = {
     "cifar-cnn": CifarCNN,
     "resnet": ResNet20,
     "gpt": build_gpt,
+    "llama": build_llama,
 }
+TEXT_MODELS = ("gpt", "llama")
 
 
 def build_model(
     name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None
 ) -> nn.Module:
     """The registry's model `name`; `options` (a TrainConfig or a dict) gives its own settings (`--layers`, ...
-    of --model gpt), refused in one line for a model that does not read them."""
+    of --model gpt and llama), refused in one line for a model that does not read them."""
     if name not in MODELS:
         raise UserError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
-    if len(input_shape) == 1 and name != "gpt":
+    if len(input_shape) == 1 and name not in TEXT_MODELS:
         raise UserError(
             f"--model {name} reads images, and this dataset is text (windows of {input_shape[0]} "
-            f"token ids); use --model gpt"
+            f"token ids); use --model gpt or llama"
         )
     return MODELS[name](tuple(input_shape), num_classes, **model_options_of(name, options))
 

@@ -1,6 +1,6 @@
-"""Settings that belong to one model: its own sizes (`--layers`, ... of --model gpt), refused for the others,
-and the training recipe a model brings when the user does not give a setting (a transformer wants AdamW and a
-cosine schedule, not the image models' SGD). Pure: no torch."""
+"""Settings that belong to one model: its own sizes (`--layers`, ... of --model gpt and llama), refused for the
+others, its named shapes (`--size`), and the training recipe a model brings when the user does not give a
+setting (a transformer wants AdamW and a cosine schedule, not the image models' SGD). Pure: no torch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,52 @@ from typing import Dict, Optional, Tuple
 from ..errors import ConfigError
 
 # model -> the model settings its builder reads
-MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {"gpt": ("layers", "heads", "width", "context")}
-MODEL_SETTINGS = ("layers", "heads", "width", "context")
+MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
+    "gpt": ("layers", "heads", "width", "context"),
+    "llama": (
+        "size",
+        "layers",
+        "heads",
+        "kv_heads",
+        "width",
+        "ffn_width",
+        "vocab_size",
+        "context",
+        "rope_theta",
+        "tie_embeddings",
+    ),
+}
+MODEL_SETTINGS = tuple(dict.fromkeys(key for keys in MODEL_OPTIONS.values() for key in keys))
+
+# model -> its named shapes (--size NAME): the sizes each fills where not given. Llama 3's published shapes are
+# for planning (built on the meta device); "tiny" trains on a CPU in seconds and is the default.
+PRESETS: Dict[str, Dict[str, dict]] = {
+    "llama": {
+        "tiny": dict(
+            layers=4, heads=4, kv_heads=2, width=128, ffn_width=384, context=64, rope_theta=500000.0
+        ),
+        "8b": dict(
+            layers=32,
+            heads=32,
+            kv_heads=8,
+            width=4096,
+            ffn_width=14336,
+            vocab_size=128256,
+            context=8192,
+            rope_theta=500000.0,
+        ),
+        "70b": dict(
+            layers=80,
+            heads=64,
+            kv_heads=8,
+            width=8192,
+            ffn_width=28672,
+            vocab_size=128256,
+            context=8192,
+            rope_theta=500000.0,
+        ),
+    },
+}
 
 # model -> the settings it trains with unless given: recorded in config.json and printed at the start
 MODEL_DEFAULTS: Dict[str, dict] = {
@@ -31,6 +75,34 @@ MODEL_DEFAULTS: Dict[str, dict] = {
         clip_grad_norm=1.0,
     ),
 }
+# the Llama's recipe is the GPT's; its shape is the tiny preset's, --kv-heads and --ffn-width following the
+# --heads and --width given
+MODEL_DEFAULTS["llama"] = dict(
+    MODEL_DEFAULTS["gpt"],
+    **{k: v for k, v in PRESETS["llama"]["tiny"].items() if k not in ("kv_heads", "ffn_width")},
+)
+
+
+def preset(model: str, size: Optional[str]) -> dict:
+    """The sizes of model `model`'s shape named `size` ({} for None); one line for a name it does not have."""
+    if size is None:
+        return {}
+    names = PRESETS.get(model, {})
+    if size not in names:
+        raise ConfigError(f"unknown --size {size!r} for --model {model}; choose one of {', '.join(names)}")
+    return dict(names[size])
+
+
+def derived_sizes(heads, width) -> dict:
+    """The Llama's --kv-heads and --ffn-width where not given: half the heads where even (grouped-query
+    attention, two query heads per key/value head), and 8/3 of the width rounded up to a multiple of 64
+    (SwiGLU's three matrices then hold about what a 4x MLP's two do). Sizes not yet valid derive nothing."""
+    sizes = {}
+    if isinstance(heads, int) and heads > 0:
+        sizes["kv_heads"] = heads // 2 if heads % 2 == 0 else heads
+    if isinstance(width, int) and width > 0:
+        sizes["ffn_width"] = 64 * -(-8 * width // (3 * 64))
+    return sizes
 
 
 def _flag(name: str) -> str:
@@ -54,11 +126,12 @@ def check_model_settings(name: Optional[str], given) -> None:
     reads = MODEL_OPTIONS.get(name, ()) if name is not None else ("context",)
     unused = [key for key in MODEL_SETTINGS if key in given and key not in reads]
     if unused:
-        readers = ", ".join(model for model, keys in MODEL_OPTIONS.items() if unused[0] in keys)
+        readers = [model for model, keys in MODEL_OPTIONS.items() if unused[0] in keys]
         them = "it" if len(unused) == 1 else "them"
         raise ConfigError(
             f"{', '.join(map(_flag, unused))} {'applies' if len(unused) == 1 else 'apply'} to the "
-            f"{readers} model only, not {name or 'your own module'}; drop {them}"
+            f"{' and '.join(readers)} model{'s' * (len(readers) > 1)} only, not {name or 'your own module'}; "
+            f"drop {them}"
         )
 
 
@@ -79,12 +152,13 @@ def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
         "schedule": ("schedule", "warmup_epochs"),
     }
     skipped = {key for given_key, keys in tied.items() if given_key in given for key in keys}
-    applied = {
-        key: value
-        for key, value in MODEL_DEFAULTS.get(model, {}).items()
-        if key not in given and key not in skipped
-    }
+    own = dict(MODEL_DEFAULTS.get(model, {}), **preset(model, values.get("size")))
+    applied = {key: value for key, value in own.items() if key not in given and key not in skipped}
     values.update(applied)
+    if model == "llama":
+        derived = derived_sizes(values.get("heads"), values.get("width"))
+        applied.update({key: value for key, value in derived.items() if values.get(key) is None})
+        values.update(applied)
     if "optimizer" in given or "optimizer" in applied:  # not polytrain's SGD: its settings do not apply
         for key in OWN_OPTIMIZER_SETTINGS:
             if key not in given and key not in applied:

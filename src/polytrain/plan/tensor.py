@@ -38,6 +38,17 @@ BUILTIN_PLANS = {
         "*.mlp.2": "rowwise",
         HEAD: "colwise",
     },
+    # the Llama's separate projections need no interleaving; its untied head would give each rank a slice of
+    # the scores, so it and the embedding stay whole, as its RMSNorms (no sequence parallelism)
+    "polytrain.models.llama.Llama": {
+        "*.attention.wq": "colwise",
+        "*.attention.wk": "colwise",
+        "*.attention.wv": "colwise",
+        "*.attention.wo": "rowwise",
+        "*.feed_forward.w1": "colwise",
+        "*.feed_forward.w3": "colwise",
+        "*.feed_forward.w2": "rowwise",
+    },
 }
 
 
@@ -202,13 +213,15 @@ def resolve(
     devices: int,
     model: str = "your model",
     heads: Optional[int] = None,
+    kv_heads: Optional[int] = None,
     run: Optional[str] = None,
     divisor: str = "--devices",
 ) -> TensorPlan:
     """The plan for a model whose modules are `layers` (name -> Layer, in model order), given as
     {pattern: style}; one-line errors for a pattern that names nothing, a style on a layer that is not an
     nn.Linear or nn.Embedding, a size `devices` does not divide, or `heads` it does not divide. The errors
-    name the run as `run` (default `--strategy tensor --devices N`) and the setting to change as `divisor`."""
+    name the run as `run` (default `--strategy tensor --devices N`) and the setting to change as `divisor`;
+    `kv_heads`, where fewer than `heads` (grouped-query attention), must split evenly too."""
     run = run or f"--strategy tensor --devices {devices}"
     if not isinstance(patterns, dict) or not patterns:
         raise ConfigError(
@@ -219,6 +232,11 @@ def resolve(
         raise ConfigError(
             f"{run}: the model's {heads} attention heads do not split evenly; use {divisor} that "
             f"divides {heads} (or --heads a multiple of {devices})"
+        )
+    if kv_heads is not None and kv_heads != heads and kv_heads % devices:  # each rank needs whole ones
+        raise ConfigError(
+            f"{run}: the model's {kv_heads} key/value heads do not split evenly; use {divisor} that "
+            f"divides {kv_heads} (or --kv-heads a multiple of {devices})"
         )
     chosen = {}
     for pattern, text in patterns.items():

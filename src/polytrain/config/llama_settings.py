@@ -1,0 +1,61 @@
+"""The settings of --model llama beside the sizes it shares with the GPT (--layers, --heads, --width, --context
+in settings.py), in the model group of --help. Declared as in settings.py; none has a default of its own here
+(None: the model's, see models/defaults.py), so another model given none of them is never refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .declare import setting
+
+
+@dataclass
+class LlamaSettings:
+    size: Optional[str] = setting(
+        None,
+        "--model llama: a named shape whose sizes fill those not given: tiny (the default: 4 layers, "
+        "width 128, 4 heads, 2 key/value heads; trains on a CPU in seconds), 8b or 70b (Llama 3's published "
+        "shapes, vocabulary 128256 and context 8192: for planning, as built on the meta device)",
+        group="model",
+        metavar="NAME",
+    )
+    kv_heads: Optional[int] = setting(
+        None,
+        "--model llama: key/value heads, dividing --heads (grouped-query attention; default: half of --heads)",
+        group="model",
+        metavar="K",
+        check="count",
+        example=2,
+    )
+    ffn_width: Optional[int] = setting(
+        None,
+        "--model llama: hidden width of the SwiGLU MLP (default: 8/3 of --width, up to a multiple of 64)",
+        group="model",
+        metavar="F",
+        check="count",
+        example=384,
+    )
+    vocab_size: Optional[int] = setting(
+        None,
+        "--model llama: token embedding and head rows, at least the dataset's vocabulary (default: the "
+        "dataset's; more rows are never a target)",
+        group="model",
+        metavar="V",
+        check="count",
+        example=128256,
+    )
+    rope_theta: Optional[float] = setting(
+        None,
+        "--model llama: base of the rotary position embedding's wavelengths (default: 500000, Llama 3's)",
+        group="model",
+        metavar="X",
+        check="positive",
+        example=500000,
+    )
+    tie_embeddings: Optional[bool] = setting(
+        None,
+        "--model llama: the output head shares the token embedding's weight (default: off, a head of its own)",
+        group="model",
+        flag="toggle",
+    )

@@ -1,0 +1,208 @@
+"""A Llama-style decoder (Llama 3's design, as torchtitan's llama3 model lays it out): RMSNorm before attention
+and MLP, rotary position embeddings, grouped-query attention (fewer key/value heads than query heads), a SwiGLU
+MLP, no biases, and an output head of its own (tied to the token embedding with --tie-embeddings).
+
+    polytrain train --model llama --dataset shakespeare
+    polytrain verify --model llama --dataset shakespeare --devices 2 --strategy tensor
+    polytrain train --model llama --size 8b ...     (Llama 3 8B's shape; 70b too: for planning)
+
+As the GPT, the model is an `nn.Sequential` of [token embedding, block x L, final RMSNorm, head], so the
+pipeline splits it between blocks, and its attention reshapes with `view(B, T, -1, head_dim)`, so a rank of a
+tensor-parallel run that holds some of the wq/wk/wv rows (and wo columns) runs those heads only. The rotary
+angles are computed in each forward from the positions 0..T-1 (no buffer: a tensor plan replicates
+parameters only, and a model built on the meta device needs nothing restored), and they rotate the two halves
+of each head (Hugging Face's layout: its LlamaForCausalLM's weights load by name, see `HF_NAMES`; Meta's and
+torchtitan's turn neighbouring pairs, so their wq and wk rows would need Hugging Face's permutation). Token ids
+(B, T) as int64 in, scores (B, T, vocab) out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .defaults import MODEL_DEFAULTS, derived_sizes, preset
+
+NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon
+
+# Hugging Face LlamaForCausalLM parameter names -> this model's: `{i}` is block i (from 0) in theirs and the
+# block's index in the Sequential (i + 1) in ours; `{last}` the final norm's index, `{head}` the head's.
+HF_NAMES = {
+    "model.embed_tokens.weight": "0.weight",
+    "model.layers.{i}.input_layernorm.weight": "{i}.attention_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "{i}.attention.wq.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "{i}.attention.wk.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "{i}.attention.wo.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "{i}.feed_forward.w2.weight",
+    "model.norm.weight": "{last}.weight",
+    "lm_head.weight": "{head}.weight",
+}
+
+
+def rotary(positions: int, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:
+    """cos and sin (positions, head_dim) of the rotary embedding: position p turns the pair (j, j + head_dim/2)
+    of a head by p * theta ** (-2j / head_dim). Computed in float32 (float64 for float64 activations), then
+    given the activations' dtype, as Llama's reference does."""
+    exact = torch.float64 if like.dtype == torch.float64 else torch.float32
+    steps = torch.arange(0, head_dim, 2, device=like.device, dtype=exact) / head_dim
+    angles = torch.outer(torch.arange(positions, device=like.device, dtype=exact), 1.0 / theta**steps)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) with each head's halves turned by the rotary angles."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.rope_theta = rope_theta
+        self.wq = nn.Linear(width, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (
+            layer(x).view(B, T, -1, self.head_dim).transpose(1, 2) for layer in (self.wq, self.wk, self.wv)
+        )
+        cos, sin = rotary(T, self.head_dim, self.rope_theta, like=q)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(width, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, width, bias=False)
+        self.w3 = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then x + feed_forward(norm(x))."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, ffn_width: int, rope_theta: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(width, eps=NORM_EPS)
+        self.attention = Attention(width, heads, kv_heads, rope_theta)
+        self.ffn_norm = nn.RMSNorm(width, eps=NORM_EPS)
+        self.feed_forward = FeedForward(width, ffn_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
+    heads, kv_heads, width = sizes["heads"], sizes["kv_heads"], sizes["width"]
+    if width % heads or (width // heads) % 2:
+        near = 2 * heads * max(1, round(width / heads / 2))
+        raise ConfigError(
+            f"--width {width} over --heads {heads} must give each head an even width (rotary embeddings turn "
+            f"pairs); give a --width that is a multiple of {2 * heads}, such as {near}"
+        )
+    if heads % kv_heads:
+        divisor = max(d for d in range(1, kv_heads + 1) if heads % d == 0)
+        raise ConfigError(
+            f"--kv-heads {kv_heads} does not divide --heads {heads} (each key/value head serves a group of "
+            f"query heads); give a divisor of {heads} such as {divisor}"
+        )
+
+
+class Llama(nn.Sequential):
+    """[nn.Embedding, Block x layers, RMSNorm, Linear head] (the head tied to the embedding with
+    `tie_embeddings=True`). `kv_heads` and `ffn_width` default as `derived_sizes` says."""
+
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        context: int = 64,
+        layers: int = 4,
+        heads: int = 4,
+        kv_heads=None,
+        width: int = 128,
+        ffn_width=None,
+        rope_theta: float = 500000.0,
+        tie_embeddings: bool = False,
+    ):
+        derived = derived_sizes(heads, width)
+        kv_heads = derived.get("kv_heads") if kv_heads is None else kv_heads
+        ffn_width = derived.get("ffn_width") if ffn_width is None else ffn_width
+        _check_sizes(
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            width=width,
+            ffn_width=ffn_width,
+            context=context,
+            vocab_size=vocab,
+        )
+        if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool) or not rope_theta > 0:
+            raise ConfigError(
+                f"--rope-theta must be a number above 0, got {rope_theta!r}; Llama 3's is 500000"
+            )
+        embedding = nn.Embedding(vocab, width)
+        head = nn.Linear(width, vocab, bias=False)
+        if tie_embeddings:
+            head.weight = embedding.weight
+        blocks = (Block(width, heads, kv_heads, ffn_width, float(rope_theta)) for _ in range(layers))
+        super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=NORM_EPS), head)
+        self.vocab, self.context = vocab, context
+        self._init_weights(layers)
+
+    @torch.no_grad()
+    def _init_weights(self, layers: int) -> None:
+        """The GPT's initialisation: N(0, 0.02), the residual projections (wo, w2) scaled by
+        1/sqrt(2 * layers); the norms' weights one."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        for name, parameter in self.named_parameters():
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / (2 * layers) ** 0.5)
+
+
+def build_llama(input_shape, num_classes: int, *, size=None, vocab_size=None, context=None, **sizes) -> Llama:
+    """The registry's builder: `input_shape` is (context,), `num_classes` the dataset's vocabulary; `size` a
+    named shape whose sizes fill those not given; --vocab-size may exceed the dataset's vocabulary."""
+    if len(input_shape) != 1:
+        raise ConfigError(
+            f"--model llama reads text, not images of shape {tuple(input_shape)}; use --dataset "
+            f"shakespeare or --dataset text --data-dir FILE"
+        )
+    named = preset("llama", size)
+    shape = {key: MODEL_DEFAULTS["llama"][key] for key in ("layers", "heads", "width", "rope_theta")}
+    shape.update({key: named[key] for key in named if key not in ("vocab_size", "context")})
+    shape.update({key: value for key, value in sizes.items() if value is not None})
+    vocab = vocab_size if vocab_size is not None else named.get("vocab_size", num_classes)
+    if isinstance(vocab, int) and vocab < num_classes:
+        raise ConfigError(
+            f"--vocab-size {vocab} is smaller than the dataset's {num_classes} tokens; give --vocab-size "
+            f"{num_classes} or more, or leave it out (default: the dataset's)"
+        )
+    context = context if context is not None else named.get("context", int(input_shape[0]))
+    return Llama(vocab, context=context, **shape)

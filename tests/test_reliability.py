@@ -37,7 +37,9 @@ def polytrain_cli(*args):
 
 
 def load(path):
-    return torch.load(path, weights_only=True)
+    from polytrain.checkpoint import read_weights  # follows model.pt to the shards a sharded run wrote
+
+    return read_weights(path)
 
 
 def assert_same_weights(a, b, atol):

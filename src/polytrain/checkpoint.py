@@ -3,6 +3,14 @@
 A file is written to a temporary name in the same folder, flushed to disk, then renamed over the old one,
 so a crash leaves either the previous complete checkpoint or the new complete one, never half of one.
 Loading uses `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts only.
+
+A strategy that shards the model (`writes_shards`) writes no whole copy: every rank writes its own shards into a
+new folder (runtime/shards.py), and `checkpoint.pt` keeps only where training stands (position, history,
+RNG, scheduler) and that folder's name; `model.pt` and `best.pt` are then small pointers naming a folder
+(`{"format": "polytrain-shards-1", "shards": NAME, "names": [...]}`), which `load_weights` follows and
+`polytrain export` turns into one file. The pointers are replaced atomically after the folder is complete,
+and older folders are removed only then. Any strategy resumes either form; one-file checkpoints of earlier
+versions load as before.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from .errors import UserError, first_line
+from .errors import CheckpointError, first_line
+from .runtime import shards
 
 FORMAT = "polytrain-checkpoint-1"
 
@@ -43,10 +52,6 @@ class Position:
         if position.loss_count is None:
             position.loss_count = position.count
         return position
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, damaged, or from another model."""
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -91,9 +96,9 @@ def safe_load(path: Path) -> dict:
     return state
 
 
-def check_model_state(state, model, path: Path) -> None:
+def check_model_state(state, model, path: Path, *, values: bool = True) -> None:
     """Refuse a state dict whose names or shapes differ from `model`'s (a module, or the state dict it
-    expects), naming the first difference."""
+    expects), naming the first difference (and, with `values`, one holding NaN or infinite numbers)."""
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: the model weights are missing or damaged")
     expected = model if isinstance(model, dict) else model.state_dict()
@@ -113,15 +118,60 @@ def check_model_state(state, model, path: Path) -> None:
                 f"{path}: {key!r} has shape {shape}, the model expects {tuple(tensor.shape)}; "
                 f"use the --model and dataset the run was trained with"
             )
-        if tensor.is_floating_point() and not torch.isfinite(value).all():
+        if values and tensor.is_floating_point() and not torch.isfinite(value).all():
             raise CheckpointError(f"{path}: {key!r} holds NaN or infinite values; the file is damaged")
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load `model.pt` (a plain state dict) into `model` after checking it fits."""
+def shard_folder(state: dict, path: Path) -> Optional[Path]:
+    """The shard folder a pointer file (model.pt, best.pt) names, or None for a plain state dict."""
+    if not isinstance(state.get("format"), str) or state["format"] != shards.POINTER:
+        return None
+    name = state.get("shards")
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise CheckpointError(f"{path}: names no shard folder; the file is damaged")
+    return Path(path).parent / name
+
+
+def check_shards(folder: Path, expected) -> None:
+    """Refuse a shard folder that is damaged or holds another model's names or shapes (read from its index)."""
+    entries = shards.model_entries(shards.check(folder))
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in entries.items()}
+    check_model_state(meta, expected, folder, values=False)
+
+
+def read_weights(path: Path) -> dict:
+    """The whole state dict a weights file (model.pt, best.pt) holds, read from its shards where it names
+    them (in this process, no process group)."""
     state = safe_load(path)
+    folder = shard_folder(state, path)
+    return state if folder is None else shards.read_model(folder, state.get("names"))
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load `model.pt` (a plain state dict, or a pointer to shards) into `model` after checking it fits."""
+    state = safe_load(path)
+    folder = shard_folder(state, path)
+    if folder is not None:
+        check_shards(folder, model)
+        path, state = folder, shards.read_model(folder, list(model.state_dict()))
     check_model_state(state, model, path)
     model.load_state_dict(state)
+
+
+def pointer(name: str, names) -> dict:
+    return {"format": shards.POINTER, "shards": name, "names": list(names)}
+
+
+def pointed_folder(path: Path) -> Optional[str]:
+    """The shard folder's name that model.pt, best.pt or checkpoint.pt names, read without loading weights."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing or damaged: it keeps no folder alive
+        return None
+    if not isinstance(state, dict):
+        return None
+    name = state.get("shards")
+    return name if isinstance(name, str) else None
 
 
 class Checkpointer:
@@ -138,7 +188,12 @@ class Checkpointer:
 
     def save(self, trainer, position) -> None:
         strategy = trainer.strategy
-        state = strategy.state_dict()  # every rank takes part (sharded strategies gather)
+        name = None
+        if strategy.writes_shards:  # every rank writes its own shards: nothing is gathered
+            name = self._write_shards(strategy, "checkpoint", strategy.shard_state())
+            state = {"shards": name, "scheduler": strategy.scheduler.state_dict()}
+        else:
+            state = strategy.state_dict()  # every rank takes part (split strategies gather)
         rng = strategy.gather_object(rng_state(strategy.device))  # each rank's own random streams
         if not self.is_main:
             return
@@ -155,11 +210,33 @@ class Checkpointer:
             train_samples=trainer.train_loader.num_samples,
         )
         atomic_torch_save(state, self.path)
-        atomic_torch_save(state["model"], self.run_dir / "model.pt")
+        weights = pointer(name, strategy.expected_state()) if name else state["model"]
+        atomic_torch_save(weights, self.run_dir / "model.pt")
+        self._remove_unused()
+
+    def _write_shards(self, strategy, stem: str, state: dict) -> str:
+        """Every rank writes its part of `state` into a new folder of the run; its name (the same on all)."""
+        name = strategy.broadcast_object(shards.next_name(self.run_dir, stem) if self.is_main else None)
+        shards.save(state, self.run_dir, name, is_main=self.is_main)
+        return name
+
+    def _remove_unused(self) -> None:
+        """Remove shard folders that no file of the run names any more (after the pointers were replaced)."""
+        if any(self.run_dir.glob("checkpoint-*")) or any(self.run_dir.glob("best-*")):
+            files = (self.path, self.run_dir / "model.pt", self.run_dir / "best.pt")
+            shards.remove_unused(self.run_dir, {pointed_folder(path) for path in files} - {None})
 
     def save_best(self, trainer) -> None:
         """`best.pt`: the whole model by its original names, as `model.pt` holds it, after a validation that
-        improved the monitored figure. Every rank calls it (split strategies gather the model)."""
+        improved the monitored figure. Every rank calls it (split strategies gather the model; strategies that
+        write shards write them, and best.pt names their folder)."""
+        strategy = trainer.strategy
+        if strategy.writes_shards:
+            name = self._write_shards(strategy, "best", strategy.shard_state(optimizer=False))
+            if self.is_main:
+                atomic_torch_save(pointer(name, strategy.expected_state()), self.run_dir / "best.pt")
+                self._remove_unused()
+            return
         weights = trainer.strategy.model_state()
         if self.is_main:
             atomic_torch_save(
@@ -183,13 +260,26 @@ class Checkpointer:
                 f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
                 f"({steps_per_epoch}); resume with the run's own batch size and data"
             )
+        if isinstance(state.get("shards"), str):
+            folder = shard_folder(dict(state, format=shards.POINTER), self.path)
+            check_shards(folder, strategy.expected_state())
+            if strategy.writes_shards:
+                return state  # every rank reads its own shards in `apply`
+            whole = shards.read_whole(folder)  # a strategy that loads whole state dicts
+            state = dict(state, model=whole["model"])
+            state["optimizer"] = shards.numbered_optimizer(whole["optimizer"], strategy.parameter_names)
+            del state["shards"]
         check_model_state(state.get("model"), strategy.expected_state(), self.path)
         return state
 
     def apply(self, strategy, state: dict) -> None:
         """Load a read checkpoint into `strategy`; every rank calls it (sharded strategies load collectively)."""
         try:
-            strategy.load_state_dict(state)
+            if "shards" in state:
+                folder = self.run_dir / state["shards"]
+                strategy.load_shards(lambda template: shards.load_into(folder, template), state["scheduler"])
+            else:
+                strategy.load_state_dict(state)
             strategy.gradients.load_state_dict(state.get("gradients", {}))
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(

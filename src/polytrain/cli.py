@@ -1,5 +1,5 @@
-"""The command line: `polytrain train | evaluate | predict | verify | bench | generate`. The only place that
-parses arguments."""
+"""The command line: `polytrain train | evaluate | predict | verify | bench | generate | export`. The only
+place that parses arguments."""
 
 from __future__ import annotations
 
@@ -118,6 +118,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
     generate.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
+    export = command(
+        "export",
+        help="write a run's weights as one file (safetensors or .pt)",
+        description="Writes the run's weights as one file by the one-device parameter names, also when "
+        "they were saved as shards by every rank (--strategy sharded): read and written one tensor at a "
+        "time, so it never holds more than the largest tensor.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument(
+        "--format",
+        default="safetensors",
+        choices=("safetensors", "pt"),
+        help="safetensors, or pt: a state dict for torch.load (default: %(default)s)",
+    )
+    export.add_argument(
+        "--out",
+        metavar="FILE",
+        help="where to write it (default: RUN_DIR/model.safetensors, RUN_DIR/model-export.pt; best-*)",
+    )
+    export.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     verify = command(
         "verify",
         help="train a few steps on 1 and on N devices and compare",

@@ -286,7 +286,9 @@ def verify_command(args) -> int:
     def one_device(accumulate: int):
         return run_job(
             Job(
-                config.with_strategy("single", devices=1, accumulate=accumulate),
+                config.with_strategy(
+                    "single", devices=1, accumulate=accumulate, activation_checkpointing="none"
+                ),
                 "single",
                 data,
                 copy.deepcopy(model),
@@ -294,7 +296,8 @@ def verify_command(args) -> int:
             )
         )
 
-    # accumulation never changes the trajectory: the reference takes each step in one pass
+    # accumulation and activation checkpointing never change the trajectory: the reference takes each step in
+    # one pass and keeps every activation
     one = one_device(1)
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     differences = step_differences(one.steps, many.steps)
@@ -425,6 +428,15 @@ def generate_command(args) -> int:
     return 0
 
 
+def export_command(args) -> int:
+    from .runtime.export import export_run
+
+    run_dir = resolve_run_dir(args.run_dir)
+    path, count, size = export_run(run_dir, weights=args.weights, format=args.format, out=args.out)
+    print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({args.format})")
+    return 0
+
+
 COMMANDS = {
     "train": train_command,
     "evaluate": evaluate_command,
@@ -432,4 +444,5 @@ COMMANDS = {
     "verify": verify_command,
     "bench": bench_command,
     "generate": generate_command,
+    "export": export_command,
 }

@@ -20,8 +20,9 @@ from .data.order import rows
 from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
 from .errors import DataError, UserError, first_line
 from .models import run_on_sample
-from .models.lightning import SPLITTING, LightningStep
+from .models.lightning import LightningStep
 from .objective import Objective, carried_loss, describe_value, first_output
+from .strategies import STRATEGIES
 
 
 def is_torch_dataset(value) -> bool:
@@ -290,8 +291,10 @@ def make_objective(
 
 def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective, data) -> None:
     """One line for what a strategy cannot do with this objective or these batches."""
-    form = item_form(data)
-    if strategy == "pipeline" and (objective.step is not None or objective.kind == "model" or form != "pair"):
+    form, kind = item_form(data), STRATEGIES[strategy]
+    if kind.loss_from_outputs_only and (
+        objective.step is not None or objective.kind == "model" or form != "pair"
+    ):
         what = (
             "step="
             if objective.step is not None
@@ -303,7 +306,7 @@ def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective
             f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
             f"the targets, which {what} does not give; use the data or sharded strategy"
         )
-    if strategy in SPLITTING and isinstance(objective.step, LightningStep):
+    if not kind.keeps_model_whole and isinstance(objective.step, LightningStep):
         raise UserError(
             f"the {strategy} strategy splits the model or moves its optimizer, which a LightningModule's "
             f"training_step and configure_optimizers are written for whole; use the data or sharded "

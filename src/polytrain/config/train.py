@@ -13,7 +13,8 @@ from typing import Optional
 from ..errors import ConfigError
 from ..loggers import check_tensorboard, parse_loggers
 from ..optim import check_settings
-from ..plan.pipeline import PipelineLayout, check_microbatches
+from ..plan.layout import Layout, data_degree_or_devices, layout_of
+from ..plan.pipeline import check_microbatches
 from .declare import check_value, declared, flag_name, unset
 from .settings import GROUP_CLASSES, INPUTS
 
@@ -21,20 +22,10 @@ from .settings import GROUP_CLASSES, INPUTS
 def replicas(
     devices: int, strategy: str, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
 ) -> int:
-    """How many replicas split each global batch: every device, except in a pipeline, where the devices of
-    one pipeline share one slice (so a "per-device" batch is a per-pipeline batch; with --tensor-parallel T,
-    its stages' T ranks each), and with tensor parallelism, where the T devices of one tensor group read the
-    same slice (one group: the whole batch)."""
-    if strategy == "tensor":
-        group = tensor_parallel or devices
-        valid = isinstance(devices, int) and isinstance(group, int) and group > 0 and devices % group == 0
-        return devices // group if valid else 1
-    if strategy != "pipeline" or not isinstance(devices, int):
-        return devices
-    tensor = tensor_parallel if isinstance(tensor_parallel, int) and tensor_parallel > 0 else 1
-    stages = pipeline_stages or devices // tensor
-    group = stages * tensor if isinstance(stages, int) and stages > 0 else 0
-    return devices // group if group and devices % group == 0 else devices
+    """How many replicas split each global batch: the layout's data degree (every device, except in a pipeline,
+    where the devices of one pipeline share one slice, and with tensor parallelism, where the T devices of one
+    tensor group read the same slice); before validation, `devices` where the settings make no layout."""
+    return data_degree_or_devices(strategy, devices, pipeline_stages, tensor_parallel)
 
 
 def apply_inputs(values: dict) -> None:
@@ -67,7 +58,8 @@ def apply_micro_batch_size(
         values.get("pipeline_stages"),
         values.get("tensor_parallel"),
     )
-    per_replica, pipeline = batch // shares, values.get("strategy") == "pipeline"
+    layout = _layout_or_none(values)
+    per_replica, pipeline = batch // shares, layout is not None and layout.pipeline > 1
     per_pass = per_replica // (values.get("microbatches") or 1) if pipeline else per_replica
     if per_replica * shares != batch or micro_batch_size > per_pass or per_pass % micro_batch_size:
         raise ConfigError(
@@ -85,6 +77,18 @@ def apply_micro_batch_size(
         values["microbatches"] = passes  # a pipeline's passes are its micro-batches
     else:
         values["accumulate"] = passes
+
+
+def _layout_or_none(values: dict) -> Optional[Layout]:
+    try:
+        return layout_of(
+            values.get("strategy", "auto"),
+            values.get("devices", DEFAULTS.devices),
+            pipeline_stages=values.get("pipeline_stages"),
+            tensor_parallel=values.get("tensor_parallel"),
+        )
+    except (ConfigError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _need(condition: bool, message: str) -> None:
@@ -140,7 +144,8 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
             f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}",
         )
-        if self.strategy == "pipeline":
+        layout = self.layout  # validates the degrees: one line where they do not multiply out
+        if layout.pipeline > 1:
             self._check_pipeline()
         _need(
             self.plan is None or self.strategy == "auto",
@@ -151,7 +156,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--plan chooses a strategy for several devices; add --devices N (2 or more) or drop --plan",
         )
         shares, across = self.data_parallel_size, f"--devices {self.devices}"
-        if self.strategy == "pipeline":
+        if layout.pipeline > 1:
             across = f"the {shares} pipeline replicas"
         _need(
             self.batch_size % shares == 0,
@@ -161,7 +166,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             f"--per-device-batch-size instead",
         )
         self._check_gradient_knobs(self.batch_size // shares)
-        if self.strategy == "pipeline" and self.microbatches is not None:
+        if layout.pipeline > 1 and self.microbatches is not None:
             check_microbatches(
                 self.microbatches,
                 per_replica_batch=self.batch_size // shares,
@@ -185,7 +190,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
                 f"{flag_name(name)} 0 would zero every gradient; give a positive "
                 f"bound such as {flag_name(name)} 1.0, or leave it out",
             )
-        asynchronous = self.strategy == "parameter-server" and self.staleness
+        asynchronous = bool(self.staleness)  # (a parameter-server setting)
         _need(
             not (asynchronous and (self.clip_grad_norm or self.clip_grad_value or self.precision == "fp16")),
             "--staleness applies each worker's gradient on its own, so there is no global gradient to clip or "
@@ -203,7 +208,6 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
             "nn.Sequential (stages split by --split), or drop --tensor-parallel",
         )
-        PipelineLayout(self.devices, self.pipeline_ranks, self.tensor_parallel or 1)  # validates the mesh
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""
@@ -212,18 +216,24 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         return TrainConfig.from_dict(values)
 
     @property
+    def layout(self) -> Layout:
+        """The degrees of parallelism these settings name (plan/layout.py)."""
+        return layout_of(
+            self.strategy,
+            self.devices,
+            pipeline_stages=self.pipeline_stages,
+            tensor_parallel=self.tensor_parallel,
+        )
+
+    @property
     def pipeline_ranks(self) -> int:
         """Pipeline stages per replica (ranks each micro-batch passes through); 1 without a pipeline."""
-        if self.strategy != "pipeline":
-            return 1
-        return self.pipeline_stages or self.devices // (self.tensor_parallel or 1)
+        return self.layout.pipeline
 
     @property
     def data_parallel_size(self) -> int:
         """Replicas that split each global batch between them (the T ranks of a tensor group read one slice)."""
-        if self.strategy in ("tensor", "pipeline"):
-            return replicas(self.devices, self.strategy, self.pipeline_stages, self.tensor_parallel)
-        return self.devices
+        return self.layout.data_degree
 
     @property
     def effective_lr(self) -> Optional[float]:

@@ -33,8 +33,6 @@ from ..data.order import rows
 from ..errors import UserError
 from .lightning_state import Logged, LoopState, attach
 
-# strategies that split the module or move its optimizer away from it
-SPLITTING = ("pipeline", "tensor", "parameter-server")
 # the module's hooks polytrain calls, and those it does not (a module that defines one is refused)
 TRAIN_HOOKS = (
     "on_fit_start",

@@ -65,6 +65,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
+from .layout import layout_of_label
+
 
 @dataclass(frozen=True)
 class Link:
@@ -253,7 +255,7 @@ def tensor_name(devices: int, tensor: int) -> str:
 
 def tensor_size(name: str, devices: int) -> int:
     """The group size T a `tensor_name` stands for."""
-    return devices if name == "tensor" else int(name.rsplit("x", 1)[1])
+    return layout_of_label(name, devices).tensor
 
 
 def tensor_collectives(work: Workload, devices: int, tensor: int) -> dict:
@@ -430,20 +432,12 @@ def memory_per_rank(
     """
     weights = work.parameter_bytes
     per_sample = work.activation_bytes or sum(work.boundary_bytes) or 0.0
-    if strategy == "single" or devices == 1:
-        return weights * (2 + optimizer_slots) + per_sample * work.batch_size
-    slice_activations = per_sample * work.batch_size / devices
-    if strategy == "data":
-        return weights * (2 + optimizer_slots) + slice_activations
-    if strategy == "parameter-server":
-        return weights * 2 + weights / servers * (1 + optimizer_slots) + slice_activations
-    if strategy == "sharded":
-        return weights * (2 + optimizer_slots) / devices + weights + slice_activations
-    if strategy == "pipeline":
-        return weights * (2 + optimizer_slots) / devices + per_sample / devices * work.batch_size
-    if strategy.split()[0] == "tensor":
-        tensor = tensor_size(strategy, devices)
-        groups, held = devices // tensor, work.tensor_rank_bytes(tensor)
-        states = held * (2 + optimizer_slots) / groups + (held if groups > 1 else 0.0)
-        return states + per_sample * work.batch_size / groups
-    return weights * (2 + optimizer_slots) + slice_activations
+    layout = layout_of_label(strategy, devices)
+    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'
+    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
+    if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
+        return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
+    held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
+    states = held * (2 + optimizer_slots) / (layout.shard * layout.pipeline)
+    gathered = held if layout.shard > 1 else 0.0  # FSDP2 gathers a layer whole: the model, an upper bound
+    return states + gathered + activations

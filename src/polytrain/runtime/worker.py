@@ -25,7 +25,7 @@ from ..objective import Objective
 from ..optim import make_recipe
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
-from ..strategies import STRATEGIES
+from ..strategies import STRATEGIES, strategy_class
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
@@ -139,7 +139,7 @@ def _train(
 ) -> Optional[WorkerResult]:
     config = job.config
     torch.manual_seed(config.seed)
-    strategy = STRATEGIES[job.strategy](
+    strategy = strategy_class(job.strategy, job.plan)(
         device=device,
         rank=rank,
         world_size=world,
@@ -150,6 +150,7 @@ def _train(
         accumulate=config.accumulate,
         clip_grad_norm=config.clip_grad_norm,
         clip_grad_value=config.clip_grad_value,
+        activation_checkpointing=config.activation_checkpointing,
         objective=job.objective or Objective(label_smoothing=config.label_smoothing),
     )
     train_loader, val_loader = make_loaders(

@@ -96,7 +96,9 @@ def pick(
     # tensor parallelism's host work around each collective (DTensor's) is most of its step on small models and
     # only a bench measures it (its cost per message): unpriced, it is taken only where nothing else fits
     priced = {
-        name: p for name, p in predictions.items() if name != "tensor" or "tensor" in (message_costs or {})
+        name: p
+        for name, p in predictions.items()
+        if costmodel.layout_of_label(name, devices).tensor < devices or name in (message_costs or {})
     }
     best = steady_choice(priced, fits=fits) or steady_choice(predictions, fits=fits)
     return best, predictions, fits
@@ -245,7 +247,7 @@ def measured_choice(
         and r.get("devices") == devices
         and r.get("batch_size") == batch_size
         and not r.get("skipped")
-        and r.get("strategy") != "single"
+        and r.get("devices", 1) > 1
         and r.get("tensor_parallel", 0) in (0, devices)
     ]
     try:

@@ -21,6 +21,7 @@ from ..models import MODELS, build_model
 from ..models.defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..objective import Objective
 from ..plan import costmodel
+from ..plan.layout import Layout, layout_of_label
 from ..runtime.hostenv import most_cpu_processes, usable_cores
 from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
 from ..runtime.worker import Job, choose_device
@@ -57,7 +58,9 @@ class BenchOptions:
     @property
     def model_options(self) -> dict:
         """The model settings given (checked in `__post_init__` against the model that reads them)."""
-        return {key: getattr(self, key) for key in MODEL_SETTINGS if getattr(self, key) is not None}
+        return {
+            key: getattr(self, key, None) for key in MODEL_SETTINGS if getattr(self, key, None) is not None
+        }
 
     def __post_init__(self):
         unknown = [s for s in self.strategies if s not in STRATEGIES]
@@ -96,7 +99,7 @@ class BenchOptions:
         if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
             raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
         for key in MODEL_SETTINGS:
-            value = getattr(self, key)
+            value = getattr(self, key, None)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{key} must be a positive whole number, got {value!r}")
         check_model_settings(self.model, self.model_options)
@@ -132,9 +135,14 @@ class Row:
     @property
     def label(self) -> str:
         """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh)."""
-        if self.strategy != "tensor" or self.tensor_parallel in (0, self.devices):
+        if self.tensor_parallel in (0, self.devices):  # set on tensor rows of smaller groups only
             return self.strategy
         return costmodel.tensor_name(self.devices, self.tensor_parallel)
+
+    @property
+    def layout(self) -> Layout:
+        """The degrees of parallelism this row ran."""
+        return layout_of_label(self.label, self.devices)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,13 +157,14 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
         for batch in options.batch_sizes:
             rows.append(Row(kind, "single", 1, batch))
             for strategy in options.strategies:
-                if strategy == "tensor" and not tensor:
+                splits_layers = STRATEGIES[strategy].splits_layers
+                if splits_layers and not tensor:
                     continue
                 for n in options.devices:
-                    if strategy == "single" or n == 1:
+                    if STRATEGIES[strategy].reference or n == 1:
                         continue  # one device is the baseline row
                     rows.append(Row(kind, strategy, n, batch))
-                    if strategy == "tensor":
+                    if splits_layers:
                         rows += [
                             Row(kind, strategy, n, batch, tensor_parallel=t)
                             for t in range(2, n)
@@ -335,7 +344,7 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: O
         if row.key not in workloads or row.skipped:
             continue
         work, link = workloads[row.key], links[row.device]
-        if row.strategy == "single":
+        if row.devices == 1:
             row.predicted_seconds = work.compute_seconds
             continue
         predictions = predictions_for(
@@ -350,7 +359,7 @@ def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: O
 
 
 def fill_speedups(rows: List[Row]) -> None:
-    base = {row.key: row.step_seconds for row in rows if row.strategy == "single" and not row.skipped}
+    base = {row.key: row.step_seconds for row in rows if row.devices == 1 and not row.skipped}
     for row in rows:
         if not row.skipped and row.key in base:
             row.speedup = base[row.key] / row.step_seconds

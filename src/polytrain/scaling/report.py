@@ -20,6 +20,7 @@ from ..plan.costmodel import bubble, tensor_collectives, tensor_size
 from ..plan.pipeline import default_microbatches
 from ..report import save_figure
 from ..runtime.hostenv import usable_cores
+from ..strategies import STRATEGIES
 from .bench import PHASES, BenchResult, Row
 
 MB = 1e6
@@ -110,12 +111,7 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
         )
         overhead = max(("communication", "idle", "data"), key=lambda p: share[p])
         slice_ = row.batch_size // row.devices
-        if (
-            overhead == "communication"
-            and share["communication"] >= 0.15
-            and row.strategy == "tensor"
-            and work
-        ):
+        if overhead == "communication" and share["communication"] >= 0.15 and row.layout.tensor > 1 and work:
             reason = (
                 f"communication is {share['communication']:.0%} of each step: "
                 f"{collectives(work, row)}; they grow with the batch as the compute does, so "
@@ -124,7 +120,7 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
             )
         elif overhead == "communication" and share["communication"] >= 0.15:
             nbytes = (
-                f"{work.parameter_bytes / MB:.1f} MB of {'weights and gradients' if row.strategy == 'sharded' else 'gradients'}"
+                f"{work.parameter_bytes / MB:.1f} MB of {'weights and gradients' if row.layout.shard > 1 else 'gradients'}"
                 if work
                 else "the exchanged tensors"
             )
@@ -133,7 +129,7 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
                 f"communication is {share['communication']:.0%} of each step: {nbytes} per {slice_}-sample "
                 f"slice; a global batch of {batch} would make it {after:.0%}"
             )
-        elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "pipeline":
+        elif overhead == "idle" and share["idle"] >= 0.15 and row.layout.pipeline > 1:
             m = default_microbatches(row.batch_size, row.devices)
             gap = bubble(row.devices, m)
             if share["idle"] <= 2 * gap:  # the schedule's bubble is the waiting: more micro-batches shrink it
@@ -158,7 +154,7 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
                     + "; a pipeline pays off where a stage's compute outweighs its transfers (a larger model "
                     "or batch)"
                 )
-        elif overhead == "idle" and share["idle"] >= 0.15 and row.strategy == "parameter-server":
+        elif overhead == "idle" and share["idle"] >= 0.15 and STRATEGIES[row.strategy].waits_on_servers:
             reason = (
                 f"waiting on the server is {share['idle']:.0%} of each step: every worker's pull waits for "
                 f"the server's update; --servers {row.devices} spreads it, or --strategy data has no server"
@@ -233,7 +229,7 @@ def tensor_lines(result: BenchResult) -> List[str]:
         f"  {row.label} on {row.devices} {row.device}, batch {row.batch_size}: "
         f"{collectives(result.workloads[row.key], row)}"
         for row in result.rows
-        if row.strategy == "tensor"
+        if row.layout.tensor > 1
         and not row.skipped
         and row.key in result.workloads
         and result.workloads[row.key].tensor_splits
@@ -289,7 +285,8 @@ def report(result: BenchResult) -> List[str]:
         costs = result.message_costs.get(kind)
         if costs:
             each = ", ".join(
-                f"{name} {seconds * 1e3:.2f} ms" + (" per collective" if name == "tensor" else "")
+                f"{name} {seconds * 1e3:.2f} ms"
+                + (" per collective" if name in STRATEGIES and STRATEGIES[name].splits_layers else "")
                 for name, seconds in costs.items()
             )
             lines.append(
@@ -360,7 +357,7 @@ def draw(result: BenchResult, path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.32 * len(done) + 3.5))
     lines = {}
     for row in done:
-        if row.strategy != "single" and math.isfinite(row.speedup):  # one device: the point (1, 1) of each
+        if row.devices > 1 and math.isfinite(row.speedup):  # one device: the point (1, 1) of each
             lines.setdefault((row.device, row.batch_size, row.label), []).append((row.devices, row.speedup))
     most = max([r.devices for r in done], default=1)
     for (kind, batch, strategy), points in lines.items():

@@ -27,6 +27,8 @@ from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_
 
 LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
 ASSUMED_GPU_LINK = Link(alpha=10e-6, beta=100e9)  # NVLink-class; used only where no link can be measured
+# the key of a tensor-parallel layer timing among the measured samples
+TENSOR_PROBE = "tensor"
 
 
 def sample_batch(dataset, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -337,7 +339,7 @@ class _TensorProbes:
                 side = stack.enter_context(
                     _side_by_side(stand_in, x, y, objective, [size], copies=n, channels_last=channels_last)
                 )
-                probes[(channels_last, "tensor", n, tensor)] = partial(_slowest, side, 0, cpu_threads(n))
+                probes[(channels_last, TENSOR_PROBE, n, tensor)] = partial(_slowest, side, 0, cpu_threads(n))
             else:
                 alone = Step(
                     copy.deepcopy(stand_in),
@@ -347,7 +349,7 @@ class _TensorProbes:
                     device=device,
                     channels_last=channels_last,
                 )
-                probes[(channels_last, "tensor", n, tensor)] = partial(lambda step: step()[0], alone)
+                probes[(channels_last, TENSOR_PROBE, n, tensor)] = partial(lambda step: step()[0], alone)
         return probes
 
     def fill(self, work: Workload, fields: dict, samples: Dict[tuple, list], memory_format: bool) -> Workload:
@@ -364,7 +366,7 @@ class _TensorProbes:
         timed = {
             (key[2], key[3]): low(values)
             for key, values in samples.items()
-            if key != "link" and key[0] == memory_format and key[1] == "tensor"
+            if key != "link" and key[0] == memory_format and key[1] == TENSOR_PROBE
         }
         return dataclasses.replace(work, split_share=share, tensor_seconds=timed, **fields)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
+from .activation_checkpoint import check_activation_checkpointing
 from .base import StepStats, Strategy
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .pipeline import Pipeline
-from .pipeline_tensor import PipelineTensor  # noqa: F401  (Pipeline() builds it for --tensor-parallel)
+from .pipeline_tensor import PipelineTensor
 from .sharded import Sharded
 from .single import SingleDevice
 from .tensor import TensorParallel
@@ -20,6 +21,20 @@ STRATEGIES = {
     "parameter-server": ParameterServer,
     "tensor": TensorParallel,
 }
+
+
+# a strategy whose plan splits layers over tensor ranks runs on its tensor form
+TENSOR_FORMS = {Pipeline: PipelineTensor}
+
+
+def strategy_class(name: str, plan=None) -> type:
+    """The class that executes `plan` for `--strategy name`: a pipeline whose stages are split over tensor ranks
+    (--tensor-parallel) runs on PipelineTensor."""
+    chosen = STRATEGIES[name]
+    layout = getattr(plan, "layout", None)
+    if chosen in TENSOR_FORMS and getattr(layout, "tensor", 1) > 1:
+        return TENSOR_FORMS[chosen]
+    return chosen
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -44,6 +59,12 @@ def contiguous_strategies() -> tuple:
 
 def make_plan(name: str, config, model, dataset, *, device):
     """The strategy's plan for these settings, checked in the launching process (None: nothing to plan)."""
+    if config.activation_checkpointing != "none" and config.split_at:
+        raise ConfigError(
+            "--activation-checkpointing does not combine with --split-at (traced stages); write the model as "
+            "an nn.Sequential (stages split by --split), or drop --activation-checkpointing"
+        )
+    check_activation_checkpointing(model, config.activation_checkpointing)  # the blocks it means, or one line
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 
@@ -59,5 +80,6 @@ __all__ = [
     "TensorParallel",
     "contiguous_strategies",
     "make_plan",
+    "strategy_class",
     "resolve_strategy_name",
 ]

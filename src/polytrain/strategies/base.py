@@ -17,6 +17,7 @@ from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
+from .activation_checkpoint import apply_activation_checkpointing
 from .gradients import Gradients
 from .optimizer_state import load_part, numbered_part, positions, whole_state
 
@@ -41,6 +42,15 @@ class Strategy:
     needs_process_group = False  # True: every rank must join a torch.distributed group first
     keeps_channels_last = True  # False: trains in the default memory format even when asked otherwise
     schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
+    # what the strategy is, asked of it rather than decided by its name
+    reference = True  # the one-device run every other strategy reproduces (bench's baseline row)
+    splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
+    waits_on_servers = False  # True: workers pull weights from server ranks (their waiting is the servers')
+    keeps_model_whole = True  # False: splits the module or moves its optimizer away from it
+    loss_from_outputs_only = False  # True: the loss is computed from the outputs and targets (no own step)
+    # True: each rank writes and reads its own part of checkpoints (shard_state, load_shards); False: state_dict
+    # gathers the whole state into one file on rank 0
+    writes_shards = False
 
     def __init__(
         self,
@@ -56,8 +66,10 @@ class Strategy:
         accumulate: int = 1,
         clip_grad_norm=None,
         clip_grad_value=None,
+        activation_checkpointing: str = "none",
     ):
         self.device = torch.device(device)
+        self.activation_checkpointing = activation_checkpointing  # none | full | selective | selective:K
         # fp16 loss scaling, clipping and their figures; `accumulate` passes per optimizer step
         self.gradients = Gradients(
             device=self.device,
@@ -123,11 +135,21 @@ class Strategy:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
+        self.split_model(model)
+        self.checkpoint_activations(model)
         self.runner = self.wrap(model)
         if self.compile:
             self.runner = torch.compile(self.runner)
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
+
+    def split_model(self, model: nn.Module) -> None:
+        """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""
+
+    def checkpoint_activations(self, model: nn.Module) -> None:
+        """Activation checkpointing of the model's blocks as asked, in place (after any split of its layers,
+        before FSDP2 or DDP wraps it); its structure and parameter names stay the model's."""
+        apply_activation_checkpointing(model, self.activation_checkpointing)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -298,11 +320,22 @@ class Strategy:
         load_part(self.optimizer, state["optimizer"], positions(self.model.parameters()))
         self.scheduler.load_state_dict(state["scheduler"])
 
+    def shard_state(self, *, optimizer: bool = True) -> dict:
+        """{"model": ..., "optimizer": ...} (only "model" without `optimizer`): this rank's part of the state,
+        keyed by the one-device names, for torch.distributed.checkpoint (strategies that write shards)."""
+        raise NotImplementedError(f"the {self.name} strategy writes whole checkpoints (state_dict)")
+
+    def load_shards(self, load: Callable, scheduler: dict) -> None:
+        """Load a checkpoint of shards: `load(template)` fills `shard_state()`'s form in place, re-sharded for
+        this layout (every rank calls it); `scheduler` is the schedule's state dict."""
+        raise NotImplementedError(f"the {self.name} strategy reads whole checkpoints (load_state_dict)")
+
 
 class Distributed(Strategy):
     """A strategy whose ranks form one torch.distributed group: sums and objects go through it."""
 
     needs_process_group = True
+    reference = False
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()

@@ -25,6 +25,8 @@ from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 class ParameterServer(Distributed):
     name = "parameter-server"
+    keeps_model_whole = False
+    waits_on_servers = True
 
     def __init__(self, *, plan: ServerPlan, **common):
         super().__init__(**common)
@@ -47,6 +49,7 @@ class ParameterServer(Distributed):
         model = model.to(self.device)
         if self.channels_last:  # the loader hands over channels-last images: match them (as base does)
             model = model.to(memory_format=torch.channels_last)
+        self.checkpoint_activations(model)
         self.model = self.runner = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.replica = list(model.parameters())

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..plan.balance import balance_by_time, parse_split
+from ..plan.layout import Layout
 from ..plan.pipeline import (
     DEFAULT_SCHEDULE,
     PipelineLayout,
@@ -33,6 +34,7 @@ from .activations import receive, send
 from .base import Distributed, StepStats
 from .holdings import local
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
+from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
 from .tensor import plan_for_stages
 from .tied import TiedWeights
@@ -79,14 +81,9 @@ def _schedule_class(kind: str):
 
 class Pipeline(Distributed):
     name = "pipeline"
+    keeps_model_whole = False
+    loss_from_outputs_only = True  # on the last stage, per micro-batch
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
-
-    def __new__(cls, *, plan: PipelinePlan = None, **common):
-        """Stages split over tensor ranks (--tensor-parallel) run on the subclass that splits them
-        (pipeline_tensor.PipelineTensor)."""
-        if cls is Pipeline and plan is not None and plan.layout.tensor > 1:
-            cls = next(sub for sub in Pipeline.__subclasses__() if sub.__name__ == "PipelineTensor")
-        return super().__new__(cls)
 
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
@@ -194,13 +191,10 @@ class Pipeline(Distributed):
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout = self.plan.layout
         if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.mesh = init_device_mesh(
-                self.device.type, layout.mesh_shape(), mesh_dim_names=layout.mesh_names
-            )
+            degrees = Layout(replicate=layout.replicas, pipeline=layout.ranks, tensor=layout.tensor)
+            self.mesh = device_mesh(degrees, self.device.type, keep=("replicate", "pipeline"))
             self.pp_group = self.mesh["pp"].get_group()
-            self.dp_group = self.mesh["dp"].get_group() if layout.replicas > 1 else None
+            self.dp_group = self.mesh["dp_replicate"].get_group() if layout.replicas > 1 else None
         model = model.to(self.device)
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
@@ -216,6 +210,7 @@ class Pipeline(Distributed):
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         self.split_stages()
+        self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,

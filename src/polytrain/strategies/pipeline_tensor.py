@@ -28,7 +28,8 @@ from .tensor import reordered, reordered_optimizer, replicate_rest, split_layers
 
 
 class PipelineTensor(Pipeline):
-    """Pipeline() builds one where the plan splits its stages over tensor ranks (plan.layout.tensor > 1)."""
+    """The pipeline whose plan splits its stages over tensor ranks (plan.layout.tensor > 1; see
+    strategies.strategy_class)."""
 
     def __init__(self, *, plan, **common):
         super().__init__(plan=plan, **common)

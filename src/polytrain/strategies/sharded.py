@@ -3,8 +3,10 @@ of each layer's parameters, gradients and optimizer state, gathers a layer's ful
 it and frees them after; gradients are reduce-scattered (averaged) back into shards.
 
 The loss is scaled as in data parallelism, so the averaged gradient is exactly the one-device gradient.
-Checkpoints gather the whole model and optimizer state to rank 0 under the original parameter names and
-`torch.optim` numbering, so any strategy can resume them; loading slices the whole state into shards.
+Checkpoints are shards: every rank writes its own part of the model and optimizer state under the original
+parameter names (`shard_state`, written by torch.distributed.checkpoint, see runtime/shards.py), and loading
+re-shards for any number of ranks. `state_dict`/`load_state_dict` gather and slice the whole state in
+`torch.optim` numbering, for one-file checkpoints of other strategies and of earlier versions.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..plan.layout import Layout
 from ..plan.sharded import ShardedPlan
 from .base import Distributed
 from .holdings import figures, heading, local_bytes, optimizer_slots
+from .mesh import device_mesh
 from .optimizer_state import keep_speed
 
 
@@ -40,6 +44,7 @@ def _own_tensor(module, inputs, output):
 class Sharded(Distributed):
     name = "sharded"
     keeps_channels_last = False  # FSDP2 shards contiguous parameters only
+    writes_shards = True
 
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
@@ -55,9 +60,9 @@ class Sharded(Distributed):
         return ShardedPlan(cpu_offload=config.cpu_offload)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        return self.shard(model, init_device_mesh(self.device.type, (self.world_size,)))
+        return self.shard(
+            model, device_mesh(Layout(shard=self.world_size), self.device.type, keep=("shard",))
+        )
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
         """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
@@ -183,3 +188,24 @@ class Sharded(Distributed):
         }
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=named, options=_full())
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def shard_state(self, *, optimizer: bool = True) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if not optimizer:
+            return {"model": get_model_state_dict(self.model)}
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optim}
+
+    def load_shards(self, load, scheduler: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        speeds = [keep_speed(group) for group in self.optimizer.param_groups]
+        state = self.shard_state()  # this rank's shards (optimizer slots created), filled in place
+        load(state)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        for group, speed in zip(self.optimizer.param_groups, speeds):
+            group.update(speed)
+        self.scheduler.load_state_dict(scheduler)

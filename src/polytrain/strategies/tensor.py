@@ -24,8 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .holdings import figures, heading, local, local_bytes, optimizer_slots
+from .mesh import device_mesh
 from .rank_slice import check_rank_slice
 from .sharded import Sharded
 
@@ -64,13 +66,16 @@ def model_layers(model: nn.Module) -> dict:
     return layers
 
 
-def _heads(model: nn.Module):
-    """The attention heads of polytrain's GPT (a fused q/k/v Linear and `head_dim`), else None."""
+def _heads(model: nn.Module) -> dict:
+    """`resolve`'s heads= of polytrain's GPT (a fused q/k/v Linear and `head_dim`), or heads= and kv_heads= of
+    its Llama; {} for another model."""
     for module in model.modules():
         qkv = getattr(module, "qkv", None)
         if isinstance(qkv, nn.Linear) and getattr(module, "head_dim", None):
-            return qkv.out_features // 3 // module.head_dim
-    return None
+            return dict(heads=qkv.out_features // 3 // module.head_dim)
+        if isinstance(getattr(module, "wq", None), nn.Linear) and getattr(module, "kv_heads", None):
+            return dict(heads=module.heads, kv_heads=module.kv_heads)
+    return {}
 
 
 def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
@@ -116,8 +121,8 @@ def plan_for(
     config, model: nn.Module, *, devices: int, run: Optional[str] = None, divisor: str = "--devices"
 ) -> TensorPlan:
     """The plan from `tensor_plan` (a dict, or a function fn(model, mesh) that applies its own) or the
-    built-in one for polytrain's mlp and gpt; one line for a model that has none (`run`, `divisor`: how its
-    errors name the run and the setting to change, as `resolve`'s)."""
+    built-in one for polytrain's mlp, gpt and llama; one line for a model that has none (`run`, `divisor`: how
+    its errors name the run and the setting to change, as `resolve`'s)."""
     given = getattr(config, "tensor_plan", None)
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     name = type(model).__name__
@@ -138,9 +143,9 @@ def plan_for(
             f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
             f"function fn(model, mesh) that calls parallelize_module"
         )
-    heads = _heads(model) if given is None else None
+    heads = _heads(model) if given is None else {}
     plan = resolve(
-        patterns, model_layers(model), devices=devices, model=name, heads=heads, run=run, divisor=divisor
+        patterns, model_layers(model), devices=devices, model=name, run=run, divisor=divisor, **heads
     )
     _check_shapes(model, plan)
     # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole)
@@ -157,7 +162,7 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
     if kind not in BUILTIN_PLANS:
         raise ConfigError(
             f"--strategy pipeline --tensor-parallel splits the stages of --model "
-            f"{' and '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
+            f"{', '.join(k.split('.')[-2] for k in BUILTIN_PLANS)} (their tensor plans are built in), "
             f"not your {type(model).__name__}; drop --tensor-parallel, or use --strategy tensor with "
             f"fit(tensor_plan=...)"
         )
@@ -186,6 +191,9 @@ class TensorParallel(Sharded):
     torch.distributed.checkpoint, numbered as on one device) are sharded's; the step is the base class's."""
 
     name = "tensor"
+    keeps_model_whole = False
+    splits_layers = True
+    writes_shards = False  # whole checkpoints: fused layers' rows are reordered to the one-device layout
 
     def __init__(self, *, plan: TensorPlan = None, **common):
         super().__init__(plan=None, **common)
@@ -242,13 +250,10 @@ class TensorParallel(Sharded):
         """Each rank unscales its own slices of the split layers, so all must agree on an overflow."""
         return dist.group.WORLD
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(
-            self.device.type, (self.plan.replicas, self.plan.devices), mesh_dim_names=("data", "tensor")
-        )
-        self.mesh, self.data_group = mesh["tensor"], mesh["data"].get_group()
+    def split_model(self, model: nn.Module) -> None:
+        layout = Layout(shard=self.plan.replicas, tensor=self.plan.devices)
+        self.full_mesh = device_mesh(layout, self.device.type, keep=("shard", "tensor"))
+        self.mesh, self.data_group = self.full_mesh["tp"], self.full_mesh["dp_shard"].get_group()
         if self.plan.apply is not None:
             self.plan.apply(model, self.mesh)
         else:
@@ -256,12 +261,14 @@ class TensorParallel(Sharded):
         replicate_rest(model, self.mesh)
         if self.plan.sequence_parallel and not self.plan.vocabulary:  # (else sequence_styles cuts them)
             next(model.children()).register_forward_hook(self._my_positions)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
         if self.plan.replicas > 1:  # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
             # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
             # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            self.shard(model, mesh["data"])
+            self.shard(model, self.full_mesh["dp_shard"])
         return model
 
     def _split(self, model: nn.Module) -> None:

@@ -1,0 +1,167 @@
+"""The layout of a run's devices: independent degrees of parallelism whose product is the world size.
+
+`Layout(replicate=2, tensor=2)` is 2 data-parallel replicas of 2 tensor ranks each. The degrees are
+torchtitan's `ParallelDims`: data-parallel replicate (whole copies that all-reduce gradients), data-parallel
+shard (FSDP2 ranks that each keep a shard), pipeline (stages), tensor (each layer split); context and expert
+degrees have their place beside them when they come. The device mesh is laid out in that order, the tensor
+dimension innermost, so a tensor group is consecutive ranks (one machine's devices).
+
+What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
+gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
+(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel` and `--pipeline-stages`) are presets of
+degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers are replicas.
+
+Pure: numbers in, numbers out (no torch), so a layout for hundreds of devices is planned anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from ..errors import ConfigError
+from .pipeline import PipelineLayout
+
+# mesh order, outermost first; the names are the device mesh's dimension names
+DEGREES = ("replicate", "shard", "pipeline", "tensor")
+MESH_NAMES = {"replicate": "dp_replicate", "shard": "dp_shard", "pipeline": "pp", "tensor": "tp"}
+WORDS = {"replicate": "replica", "shard": "shard", "pipeline": "stage", "tensor": "tensor rank"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of parallelism (each at least 1); their product is the number of devices."""
+
+    replicate: int = 1
+    shard: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DEGREES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"the {name} degree must be a whole number of at least 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.pipeline * self.tensor
+
+    @property
+    def data_degree(self) -> int:
+        """Into how many slices each global batch is cut, and over how many the gradient is averaged: the
+        data-parallel ranks (the ranks of one pipeline, and of one tensor group, read the same slice)."""
+        return self.replicate * self.shard
+
+    @property
+    def splits_model(self) -> bool:
+        """True where no rank holds the whole model's parameters."""
+        return self.shard > 1 or self.pipeline > 1 or self.tensor > 1
+
+    def degrees(self) -> Dict[str, int]:
+        """Every degree above 1, in mesh order (empty on one device)."""
+        return {name: getattr(self, name) for name in DEGREES if getattr(self, name) > 1}
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        return tuple(self.degrees().values())
+
+    @property
+    def mesh_names(self) -> Tuple[str, ...]:
+        return tuple(MESH_NAMES[name] for name in self.degrees())
+
+    def coordinates(self, rank: int) -> Dict[str, int]:
+        """This rank's index along every degree (the tensor index varies fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.world_size} devices")
+        found = {}
+        for name in reversed(DEGREES):
+            rank, found[name] = divmod(rank, getattr(self, name))
+        return {name: found[name] for name in DEGREES}
+
+    def data_rank(self, rank: int) -> int:
+        """Which slice of each global batch `rank` reads."""
+        where = self.coordinates(rank)
+        return where["replicate"] * self.shard + where["shard"]
+
+    def describe(self) -> str:
+        """In words: '2 replicas x 2 tensor ranks'; 'one device'."""
+        parts = [f"{size} {WORDS[name]}s" for name, size in self.degrees().items()]
+        return " x ".join(parts) if parts else "one device"
+
+
+def _one_device(devices: int, **_) -> Layout:
+    if devices != 1:
+        raise ConfigError(
+            f"--strategy single runs on one device, but --devices is {devices}; "
+            f"use --strategy data or --devices 1"
+        )
+    return Layout()
+
+
+def _tensor(devices: int, *, tensor_parallel: Optional[int] = None, **_) -> Layout:
+    group = tensor_parallel or devices
+    if group < 1 or devices % group:
+        raise ConfigError(
+            f"--tensor-parallel {group} must divide --devices {devices}; use a divisor of {devices}"
+        )
+    return Layout(shard=devices // group, tensor=group)  # the data dimension is sharded (FSDP2)
+
+
+def _pipeline(devices: int, *, pipeline_stages: Optional[int] = None, tensor_parallel=None, **_) -> Layout:
+    tensor = tensor_parallel or 1
+    mesh = PipelineLayout(
+        devices, pipeline_stages or devices // tensor, tensor
+    )  # one line if it does not fit
+    return Layout(replicate=mesh.replicas, pipeline=mesh.ranks, tensor=tensor)
+
+
+# The strategy names as presets of degrees. `auto` is planned as replicas until the cost model has chosen;
+# the parameter server's workers are replicas of the whole model.
+PRESETS: Dict[str, Callable[..., Layout]] = {
+    "single": _one_device,
+    "auto": lambda devices, **_: Layout(replicate=devices),
+    "data": lambda devices, **_: Layout(replicate=devices),
+    "parameter-server": lambda devices, **_: Layout(replicate=devices),
+    "sharded": lambda devices, **_: Layout(shard=devices),
+    "tensor": _tensor,
+    "pipeline": _pipeline,
+}
+
+
+def layout_of(
+    strategy: str,
+    devices: int,
+    *,
+    pipeline_stages: Optional[int] = None,
+    tensor_parallel: Optional[int] = None,
+) -> Layout:
+    """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel); one line
+    naming the fix where they do not multiply out."""
+    if strategy not in PRESETS:
+        raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[strategy](devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)
+
+
+def layout_of_label(label: str, devices: int) -> Layout:
+    """The layout a cost-model or bench row's label stands for: a strategy name, or `tensor RxT` (R groups of
+    T tensor ranks)."""
+    name, _, mesh = label.partition(" ")
+    if devices == 1:
+        return Layout()
+    if mesh:
+        return layout_of(name, devices, tensor_parallel=int(mesh.rsplit("x", 1)[1]))
+    return layout_of(name, devices)
+
+
+def data_degree_or_devices(
+    strategy: str, devices, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
+):
+    """The data degree of these settings, for arithmetic done before they are validated: `devices` where
+    they do not make a layout (the validation then says why)."""
+    try:
+        return layout_of(
+            strategy, devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel
+        ).data_degree
+    except (ConfigError, TypeError, ZeroDivisionError):
+        return devices

@@ -201,3 +201,19 @@ def test_lightning_itself_runs_the_same_loop_and_logs_the_same_means(data):
     for ours, theirs in zip(history.epochs, figures.epochs):
         for key in ("train_acc", "val_acc", "val_loss"):
             assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
+def test_monitor_may_name_what_validation_step_logs(data, tmp_path):
+    # LitRecorder logs val_acc in validation_step: known only once validation ran, as in Lightning
+    history = polytrain.fit(
+        LitRecorder(), train=data[0], val=data[1], monitor="val_acc", out=str(tmp_path / "a"), **SETTINGS
+    )
+    best = max(range(2), key=lambda epoch: history["val_acc"][epoch])
+    assert history.best["metric"] == "val_acc" and history.best["mode"] == "max"
+    assert history.best["value"] == history["val_acc"][best] and history.best["epoch"] == best + 1
+    with pytest.raises(
+        UserError, match=r"monitor='val_f1' is not a figure the validation gave \(it gave val_acc"
+    ):
+        polytrain.fit(
+            LitRecorder(), train=data[0], val=data[1], monitor="val_f1", out=str(tmp_path / "b"), **SETTINGS
+        )

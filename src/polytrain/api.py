@@ -146,7 +146,7 @@ def train_run(
         world_size=config.devices,
     )
     objective = check_objective(module, objective, dataset)
-    check_monitor(config.monitor, objective.names)
+    check_monitor(config.monitor, objective.names, logs_more=is_lightning(module))
     refuse_for_strategy(strategy, config, objective, dataset)
     recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups).checked(
         module, staleness=config.staleness or 0

@@ -35,9 +35,11 @@ def monitor_names(metric_names) -> list:
     return ["val_loss", *(f"val_{name}" for name in metric_names)]
 
 
-def check_monitor(metric: str, metric_names) -> None:
+def check_monitor(metric: str, metric_names, *, logs_more: bool = False) -> None:
+    """Refuse a --monitor that names no validation figure of the run. `logs_more`: the model logs figures of
+    its own (a LightningModule's `self.log`), known at its first validation; any `val_` name waits for it."""
     available = monitor_names(metric_names)
-    if metric not in available:
+    if metric not in available and not (logs_more and metric.startswith("val_")):
         raise ConfigError(
             f"--monitor {metric!r} is not a validation figure of this run; choose one of "
             f"{', '.join(available)}"
@@ -47,6 +49,17 @@ def check_monitor(metric: str, metric_names) -> None:
 # Figures where lower is better besides losses: errors and perplexity (Keras' `auto` mode minimises all but
 # accuracies; the rule here also maximises a user's own score, such as val_f1 or val_iou).
 LOWER_IS_BETTER = ("loss", "error", "err", "mae", "mse", "rmse", "perplexity", "ppl", "cer", "wer")
+
+
+def check_logged(metric: str, record: dict) -> None:
+    """After a validation: the monitored figure is among those the validation gave (a LightningModule's
+    validation_step may not have logged it)."""
+    if metric not in record:
+        given = sorted(key for key in record if key.startswith("val_"))
+        raise ConfigError(
+            f"monitor={metric!r} is not a figure the validation gave (it gave {', '.join(given)}); "
+            f"log it in validation_step with self.log({metric!r}, value), or monitor one of those"
+        )
 
 
 def monitor_mode(metric: str) -> str:

@@ -88,6 +88,11 @@ class Objective:
         return not (self.classification or self.language)
 
     @property
+    def logs_more(self) -> bool:
+        """Whether the step logs figures of its own (a LightningModule's self.log), beyond `names`."""
+        return hasattr(self.step, "logged") or hasattr(self.eval_step, "logged")
+
+    @property
     def validates(self) -> bool:
         """Whether validation runs: not for a step that says it has nothing to validate with (a LightningModule
         without validation_step trains without validation, as in Lightning)."""

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from .callbacks import Monitor, check_monitor
+from .callbacks import Monitor, check_logged, check_monitor
 from .checkpoint import Position, planned_steps
 from .errors import UserError
 
@@ -89,6 +89,7 @@ class Trainer:
         self.batch = None  # the latest batch
         # False where the objective has nothing to validate with (a LightningModule without validation_step)
         self.validates = getattr(strategy.objective, "validates", True)
+        self.logs_more = getattr(strategy.objective, "logs_more", False)
 
     def _emit(self, event: str, *args) -> None:
         for callback in self.callbacks:
@@ -153,7 +154,7 @@ class Trainer:
 
     def fit(self) -> History:
         if self.validates:
-            check_monitor(self.monitor.metric, self.metric_names)
+            check_monitor(self.monitor.metric, self.metric_names, logs_more=self.logs_more)
         elif self.val_every or self.monitor.patience:
             raise UserError(
                 f"{'--val-every' if self.val_every else '--patience'} needs validation, and the "
@@ -199,6 +200,7 @@ class Trainer:
     def _judge(self, record: dict) -> None:
         """Every rank, after a validation: track the best (writing best.pt) and the patience."""
         self.latest = dict(record)
+        check_logged(self.monitor.metric, record)
         improved = self.monitor.update(
             record[self.monitor.metric], epoch=record["epoch"], within=record.get("step", 0), step=self.step
         )

@@ -72,6 +72,7 @@ def test_the_resume_rules_come_from_the_declarations():
         "val_every",
         "patience",
         "accumulate",
+        "activation_checkpointing",
         *[n for names in STRATEGY_OPTIONS.values() for n in names],
     }
     assert STRATEGY_OPTIONS == {

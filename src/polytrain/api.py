@@ -25,9 +25,10 @@ from .config.train import apply_inputs
 from .data import ArrayDataset, unused_dataset_options
 from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
-from .models import build_model, check_model_output, takes_channels_last
+from .models import build_model_on_meta, check_model_output, takes_channels_last
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts, plan_loop
+from .models.meta import from_factory, give_values, materialised_copy
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
 from .run_dir import (
     LOCK_FILE,
@@ -93,6 +94,7 @@ def train_run(
             )
         if launcher.restart_count > 0 and resume_dir is None:
             resume_dir = config.out  # a restarted attempt continues the run its predecessor started
+    model = from_factory(model)  # a function that builds the model: built on the meta device
     strategy = resolve_strategy_name(config.strategy, config.devices)
     # under srun each task may see only the GPU it is bound to
     check_devices(
@@ -126,8 +128,9 @@ def train_run(
         )
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
+    # a registry model is built without storage: each worker materialises what its rank holds
     module = (
-        build_model(model or config.model, dataset.input_shape, dataset.num_classes, config)
+        build_model_on_meta(model or config.model, dataset.input_shape, dataset.num_classes, config)
         if registry_model
         else model
     )
@@ -183,7 +186,7 @@ def train_run(
     if config.strategy == "auto" and config.devices > 1:
         strategy, line = auto_strategy(
             config,
-            module,
+            materialised_copy(module, device="cpu", seed=config.seed),  # measured: needs values
             dataset,
             objective,
             device=device,
@@ -261,7 +264,7 @@ def train_run(
             forget_unstarted_run(run_dir, whole_folder=fresh)
         raise
     if result is not None:
-        module.load_state_dict(result.weights)
+        give_values(module, device="cpu", seed=config.seed).load_state_dict(result.weights)
         if verbose and result.history.stopped:  # early stopping, or a callback
             print(result.history.stopped + (f"; run folder {run_dir}" if run_dir else ""), flush=True)
         return result.history, module, run_dir
@@ -339,6 +342,8 @@ def fit(
 ) -> History:
     """Train `model` (a registry name or any `nn.Module`) on `data`; return the per-epoch history.
 
+    `model` may also be a function that returns the module (called under `torch.device("meta")`: built
+    without storage, each rank materialises only what it holds; see docs/several-devices.md).
     `data` is a dataset name (default "mnist-sample"; "shakespeare" or "text" for a language model such as
     "gpt"), an `ArrayDataset` or (train_x, train_y, val_x, val_y) uint8 tensors, all kept on the device;
     or pass `train=` and `val=` `torch.utils.data.Dataset`s of (input, target) pairs, read by `num_workers=`

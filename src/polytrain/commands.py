@@ -25,7 +25,7 @@ from .config.flags import config_from_args, flag_list, parse_list
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
-from .models import build_model
+from .models import build_model, build_model_on_meta
 from .models.defaults import defaults_words
 from .models.gpt import generate
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
@@ -228,7 +228,13 @@ def predict_command(args) -> int:
 
 
 def verify_command(args) -> int:
-    from .runtime.verify import compares_in_float64, in_float64, judge, step_differences
+    from .runtime.verify import (
+        check_whole_batch_layers,
+        compares_in_float64,
+        in_float64,
+        judge,
+        step_differences,
+    )
 
     config = config_from_args(args)
     if args.steps <= 0:
@@ -264,7 +270,9 @@ def verify_command(args) -> int:
         )
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)
-    model = build_model(config.model, data.input_shape, data.num_classes, config)
+    # built without storage, as train builds it: both sides materialise their parts of the same initial values
+    model = build_model_on_meta(config.model, data.input_shape, data.num_classes, config)
+    check_whole_batch_layers(model, config, strategy)
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))

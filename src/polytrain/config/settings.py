@@ -18,6 +18,7 @@ from .layout_settings import (
     ShardedSettings,
     TensorSettings,
 )
+from .llama_settings import LlamaSettings
 
 
 def numbers_text(text: str) -> tuple:
@@ -146,7 +147,7 @@ class ModelSettings:
     )
     layers: Optional[int] = setting(
         None,
-        "--model gpt: transformer blocks (default: 4)",
+        "--model gpt, llama: transformer blocks (default: 4)",
         group="model",
         metavar="L",
         check="count",
@@ -154,7 +155,7 @@ class ModelSettings:
     )
     heads: Optional[int] = setting(
         None,
-        "--model gpt: attention heads, dividing --width (default: 4)",
+        "--model gpt, llama: attention heads, dividing --width (default: 4)",
         group="model",
         metavar="H",
         check="count",
@@ -162,7 +163,7 @@ class ModelSettings:
     )
     width: Optional[int] = setting(
         None,
-        "--model gpt: embedding width (default: 128)",
+        "--model gpt, llama: embedding width (default: 128)",
         group="model",
         metavar="C",
         check="count",
@@ -170,13 +171,25 @@ class ModelSettings:
     )
     context: Optional[int] = setting(
         None,
-        "--model gpt: tokens the model sees at once, the length of each training sequence (default: 64)",
+        "--model gpt, llama: tokens the model sees at once, the length of each training sequence (default: 64)",
         group="model",
         metavar="T",
         check="count",
         example=64,
     )
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
+    activation_checkpointing: str = setting(
+        "none",
+        "recompute activations in the backward pass instead of keeping them (the same numbers, less "
+        "memory, more compute), per block (each repeated module of the model's own, e.g. GPT's Block): full: "
+        "keep only each block's input; selective: keep the outputs of matrix multiplications, recompute the "
+        "rest; selective:K: every K-th block in full (default: %(default)s)",
+        group="model",
+        metavar="none|full|selective|selective:K",
+        check="checkpointing",
+        example="full",
+        resume="change",
+    )
     channels_last: Optional[bool] = setting(
         None,
         "channels-last memory format (default: on for convolutional "
@@ -386,6 +399,15 @@ class ReliabilitySettings:
         resume="change",
         commands=("train",),
     )
+    async_checkpoint: bool = setting(
+        False,
+        "write checkpoints of shards (sharded, tensor, pipeline) in the background while training goes on; "
+        "each replaces the previous one once complete",
+        group="reliability",
+        flag="switch",
+        resume="change",
+        commands=("train",),
+    )
     max_steps: int = setting(
         0,
         "stop after N steps in all, with a checkpoint to --resume from (default: 0, all epochs)",
@@ -432,6 +454,7 @@ class LoggingSettings:
 GROUP_CLASSES = (
     DataSettings,
     ModelSettings,
+    LlamaSettings,
     OptimisationSettings,
     DeviceSettings,
     PipelineSettings,

@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..errors import UserError
+
 # largest parameter difference over the largest parameter magnitude that passes in float64: float64 runs of
 # every strategy measured 1e-16 .. 1e-13 (docs/benchmarks.md), while the smallest fault verify must catch, one
 # rank's gradient scaled by 1 + 1e-6, moves the parameters by 1e-9 .. 1e-7 of their scale
@@ -105,3 +107,35 @@ def in_float64(model: torch.nn.Module, data):
         data = copy.copy(data)
         data.dtype = torch.float64
     return model, data
+
+
+def check_whole_batch_layers(model: torch.nn.Module, config, strategy: str) -> None:
+    """Refuse, in one line, a comparison that cannot hold: BatchNorm and Dropout compute over the global batch
+    on data-parallel layouts (strategies/global_batch.py), but not over the micro-batches of a pipeline or the
+    ranks of a tensor group, and BatchNorm normalises over each accumulation pass, which N devices cut from
+    other samples than one device."""
+    from ..strategies import STRATEGIES
+    from ..strategies.global_batch import unmatched_dropout, uses_whole_batch
+
+    other = unmatched_dropout(model)
+    if other is not None:
+        raise UserError(
+            f"verify: the model's {other} layers draw their masks on each rank, so {config.devices} devices "
+            f"draw other masks than one; verify a copy without them, or use nn.Dropout (drawn over the global "
+            f"batch on data-parallel layouts)"
+        )
+    kind = uses_whole_batch(model)
+    if kind is None:
+        return
+    if not STRATEGIES[strategy].normalises_global_batch:
+        raise UserError(
+            f"verify: the model's {kind} layers compute over the samples each rank holds, which the "
+            f"{strategy} strategy cuts otherwise than one device (data-parallel strategies compute them over "
+            f"the global batch); verify --strategy data, sharded or parameter-server"
+        )
+    if kind == "BatchNorm" and config.accumulate > 1:
+        raise UserError(
+            f"verify: BatchNorm normalises over each pass, and --accumulate {config.accumulate} makes "
+            f"{config.devices} devices' passes of other samples than one device's; verify without "
+            f"--accumulate (training with it is fine: each pass is normalised over its samples)"
+        )

@@ -151,6 +151,7 @@ def _train(
         clip_grad_norm=config.clip_grad_norm,
         clip_grad_value=config.clip_grad_value,
         activation_checkpointing=config.activation_checkpointing,
+        seed=config.seed,
         objective=job.objective or Objective(label_smoothing=config.label_smoothing),
     )
     train_loader, val_loader = make_loaders(
@@ -182,7 +183,11 @@ def _train(
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)
     run_dir = strategy.broadcast_object(job.run_dir)
-    checkpointer = Checkpointer(Path(run_dir), is_main=strategy.is_main) if run_dir else None
+    checkpointer = (
+        Checkpointer(Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint)
+        if run_dir
+        else None
+    )
     position, history = Position(), History()
     monitor = Monitor(config.monitor, config.monitor_mode, config.patience)
     restarted = launcher is not None and launcher.restart_count > 0
@@ -252,6 +257,8 @@ def _train(
         monitor=monitor,
     )
     history = trainer.fit()
+    if checkpointer is not None:
+        checkpointer.finish()  # a checkpoint still being written in the background is switched in
     strategy.close()
     where = describe_position(trainer.position.epoch, trainer.position.step, steps)
     if trainer.should_stop and not (trainer.interrupted and stop.signalled):

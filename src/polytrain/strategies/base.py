@@ -6,6 +6,7 @@ The trainer calls only these methods and never asks which strategy it holds.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -18,7 +19,9 @@ from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
 from .activation_checkpoint import apply_activation_checkpointing
+from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .gradients import Gradients
+from .materialise import is_meta, materialise
 from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 
@@ -44,6 +47,9 @@ class Strategy:
     schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
     # what the strategy is, asked of it rather than decided by its name
     reference = True  # the one-device run every other strategy reproduces (bench's baseline row)
+    # True: each data-parallel rank computes a slice of the batch through the whole model, so BatchNorm and
+    # Dropout are made to compute over the global batch (strategies/global_batch.py)
+    normalises_global_batch = False
     splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
     waits_on_servers = False  # True: workers pull weights from server ranks (their waiting is the servers')
     keeps_model_whole = True  # False: splits the module or moves its optimizer away from it
@@ -67,8 +73,11 @@ class Strategy:
         clip_grad_norm=None,
         clip_grad_value=None,
         activation_checkpointing: str = "none",
+        seed: int = 0,
     ):
         self.device = torch.device(device)
+        self.seed = seed  # the run's: a model built on the meta device is initialised from it (materialise)
+        self.blueprint = None  # such a model before it was split: its shapes and names, for `materialise`
         self.activation_checkpointing = activation_checkpointing  # none | full | selective | selective:K
         # fp16 loss scaling, clipping and their figures; `accumulate` passes per optimizer step
         self.gradients = Gradients(
@@ -92,6 +101,8 @@ class Strategy:
         # seconds of the latest train_step that this strategy can attribute ("communication", "idle": waiting
         # on other ranks); `polytrain bench` clears it before each step and calls the rest compute
         self.phases: dict = {}
+        self.global_rows = None  # which rows of the global batch a pass holds (whole-batch layers only)
+        self.whole_batch_steps = 0
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device=None):
@@ -129,22 +140,60 @@ class Strategy:
         return self.world_size
 
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
-        """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it."""
-        model = model.to(self.device)
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it. A model
+        built on the meta device is split and wrapped without storage, then each rank materialises what it
+        holds."""
+        model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.split_model(model)
         self.checkpoint_activations(model)
+        self.whole_batch_layers(model)
         self.runner = self.wrap(model)
+        self.materialise(model)
         if self.compile:
             self.runner = torch.compile(self.runner)
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
 
+    def place(self, model: nn.Module) -> nn.Module:
+        """`model` on this rank's device (channels-last where asked); one built on the meta device stays there,
+        its blueprint kept, until `materialise`."""
+        if is_meta(model):
+            self.blueprint = copy.deepcopy(model)
+        else:
+            model = model.to(self.device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        return model
+
+    def materialise(self, model: nn.Module) -> None:
+        """Storage for what this rank holds of a meta-device `model` (its shards, slices or stage), filled with
+        its part of the one-device initial values (strategies/materialise.py); nothing for a model with values."""
+        if self.blueprint is not None:
+            reorder = getattr(self, "fused", None)
+            materialise(model, self.blueprint, device=self.device, seed=self.seed, reorder=reorder)
+
     def split_model(self, model: nn.Module) -> None:
         """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""
+
+    def whole_batch_layers(self, model: nn.Module) -> None:
+        """With data-parallel ranks that each compute a slice (`normalises_global_batch`): BatchNorm and Dropout
+        layers compute over the global batch, as on one device (strategies/global_batch.py)."""
+        across = self.normalises_global_batch and self.data_world > 1
+        if across or self.reference:  # (one device draws its dropout masks alike: the reference)
+            self.global_rows = GlobalRows()
+            whole_batch_layers(model, self.global_rows, batchnorm=across)
+
+    def _mark_rows(self, batch, index: int, passes: int) -> None:
+        """Tell the whole-batch layers which rows of the global batch this pass holds."""
+        if self.global_rows is None:
+            return
+        if index == 0:
+            self.whole_batch_steps += 1
+        start = slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
+        first, last = slice_offsets(len(batch), passes)[index]
+        self.global_rows.set(start + first, start + last, batch.global_count, step=self.whole_batch_steps)
 
     def checkpoint_activations(self, model: nn.Module) -> None:
         """Activation checkpointing of the model's blocks as asked, in place (after any split of its layers,
@@ -176,6 +225,7 @@ class Strategy:
         passes = self.gradients.accumulate
         loss_total, metric_total, count_total = None, None, 0
         for i, (x, y) in enumerate(zip(split_rows(batch.x, passes), split_rows(batch.y, passes))):
+            self._mark_rows(batch, i, passes)
             with self.gradient_sync(last=i == passes - 1):
                 loss_sum, count, outputs = self.objective.compute(self.runner, x, y, autocast=self.autocast)
                 self.gradients.scale(loss_sum / share).backward()

@@ -13,12 +13,14 @@ from .base import Distributed
 
 class DataParallel(Distributed):
     name = "data"
+    normalises_global_batch = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not dist.is_initialized():
             raise RuntimeError(
                 "the data strategy needs an initialised process group; start it with --devices N"
             )
+        self.materialise(model)  # DDP starts from rank 0's values: every rank holds them all anyway
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
         # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).

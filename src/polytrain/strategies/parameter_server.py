@@ -25,6 +25,7 @@ from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 class ParameterServer(Distributed):
     name = "parameter-server"
+    normalises_global_batch = True
     keeps_model_whole = False
     waits_on_servers = True
 
@@ -46,10 +47,10 @@ class ParameterServer(Distributed):
         )
 
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
-        model = model.to(self.device)
-        if self.channels_last:  # the loader hands over channels-last images: match them (as base does)
-            model = model.to(memory_format=torch.channels_last)
+        model = self.place(model)  # (channels-last where the loader hands over channels-last images)
+        self.materialise(model)  # every rank holds a whole replica
         self.checkpoint_activations(model)
+        self.whole_batch_layers(model)
         self.model = self.runner = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.replica = list(model.parameters())

@@ -43,6 +43,7 @@ def _own_tensor(module, inputs, output):
 
 class Sharded(Distributed):
     name = "sharded"
+    normalises_global_batch = True
     keeps_channels_last = False  # FSDP2 shards contiguous parameters only
     writes_shards = True
 
@@ -68,7 +69,7 @@ class Sharded(Distributed):
         """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        options = {"mesh": mesh}
+        options = {"mesh": mesh, **self.mixed_precision()}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         # one unit per layer that holds parameters: only one layer's full weights exist at a time; layers that
@@ -86,6 +87,16 @@ class Sharded(Distributed):
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model
+
+    def mixed_precision(self) -> dict:
+        """fully_shard's options for --precision bf16: parameters cast to bfloat16 for the forward and
+        backward passes and gathered so (half the bytes of each all-gather and of the layer gathered whole),
+        gradients reduced in float32 into the float32 shards the optimizer steps (the master weights)."""
+        if self.precision != "bf16":
+            return {}
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
     @property
     def overflow_group(self):
@@ -122,6 +133,7 @@ class Sharded(Distributed):
         lines = [
             f"sharded: {self.world_size} ranks; {heading(slots)}"
             + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")
+            + (", gathered in bf16 for compute (float32 master shards)" if self.mixed_precision() else "")
         ]
         for rank, device, size in rows:
             lines.append(

@@ -7,8 +7,9 @@ an all-reduce); every other parameter is a replicated DTensor on the same mesh.
 
 There is no data-parallel dimension: every rank reads the whole global batch and computes the same loss, so
 the loss is divided by the whole batch (`replicas` is 1) and the epoch's sums are the one replica's. DTensor
-sums the split layers' gradients itself. Checkpoints hold the whole model by its original names and the
-whole-model optimizer numbering (as `sharded`), so `--resume` moves runs between any strategies.
+sums the split layers' gradients itself. Checkpoints are shards, as `sharded` writes them: every rank writes
+its slices under the original names, fused layers' rows at their one-device places (checkpoint_parts.py), so
+`--resume` moves runs between any strategies and device counts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
+from .checkpoint_parts import apply_groups, in_one_device_rows
 from .holdings import figures, heading, local, local_bytes, optimizer_slots
 from .mesh import device_mesh
 from .rank_slice import check_rank_slice
@@ -191,9 +193,9 @@ class TensorParallel(Sharded):
     torch.distributed.checkpoint, numbered as on one device) are sharded's; the step is the base class's."""
 
     name = "tensor"
+    normalises_global_batch = False  # (its BatchNorm-free plans: layers split, not batches)
     keeps_model_whole = False
     splits_layers = True
-    writes_shards = False  # whole checkpoints: fused layers' rows are reordered to the one-device layout
 
     def __init__(self, *, plan: TensorPlan = None, **common):
         super().__init__(plan=None, **common)
@@ -314,6 +316,17 @@ class TensorParallel(Sharded):
         if state and self.fused:
             state["optimizer"] = self._reordered_optimizer(state["optimizer"], back=True)
         return state
+
+    def shard_state(self, *, optimizer: bool = True) -> dict:
+        """Sharded's, the fused layers' rows at their one-device places."""
+        return in_one_device_rows(super().shard_state(optimizer=optimizer), self.fused)
+
+    def load_shards(self, load, scheduler: dict) -> None:
+        """DCP reads each rank's slices into its parameters and optimizer state in place (`shard_state`)."""
+        state = self.shard_state()
+        load(state)
+        apply_groups(self.optimizer, state["optimizer"]["param_groups"])
+        self.scheduler.load_state_dict(scheduler)
 
     def load_state_dict(self, state: dict) -> None:
         if self.fused:

@@ -3,6 +3,7 @@
 BatchNorm statistics those of the whole batch, and verify passes on the built-in models that hold them."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -43,6 +44,14 @@ def test_each_slice_and_pass_gets_its_rows_of_the_one_device_mask():
     # a Bernoulli(1 - p) mask scaled by 1 / (1 - p), as F.dropout's
     big = dropped(one, one_rows, torch.ones(4096, 16, dtype=torch.float64), 0, 4096, 4096, step=4)
     assert set(big.unique().tolist()) == {0.0, 2.0} and abs(float((big == 0).double().mean()) - 0.5) < 0.01
+    # outside polytrain's steps the layer is torch's own; the model deep-copies and pickles
+    one_rows.active = False
+    torch.manual_seed(0)
+    native = F.dropout(x, 0.5)
+    torch.manual_seed(0)
+    assert torch.equal(one(x), native)
+    clone = copy.deepcopy(one)
+    assert clone[0].forward.module is clone[0] and pickle.loads(pickle.dumps(one))[0].p == 0.5
     # plain per-rank dropout, what this replaces: the second rank's mask is not the one device's
     torch.manual_seed(0)
     assert not torch.equal(F.dropout(x[4:8], 0.5), whole[4:])

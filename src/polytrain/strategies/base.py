@@ -233,6 +233,8 @@ class Strategy:
             loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
             metric_total = metrics if metric_total is None else metric_total + metrics
             count_total = count_total + count
+        if self.global_rows is not None:
+            self.global_rows.active = False
         self.per_counted_element(count_total, batch.global_count)
         self.apply_gradients()
         return StepStats(loss_total, metric_total, len(batch), self.gradients.last_norm, count_total)

@@ -32,9 +32,11 @@ class GlobalRows:
 
     def __init__(self):
         self.start, self.stop, self.total, self.step = 0, 0, 0, 0
+        self.active = False  # only within a training step: elsewhere the layers are torch's own
 
     def set(self, start: int, stop: int, total: int, *, step: int) -> None:
         self.start, self.stop, self.total, self.step = start, stop, total, step
+        self.active = True
 
 
 def slice_offsets(total: int, parts: int) -> List[Tuple[int, int]]:
@@ -85,6 +87,8 @@ def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, group, x: torch.
 
 
 def _dropout_forward(module: nn.Dropout, rows: GlobalRows, cache: dict, x: torch.Tensor) -> torch.Tensor:
+    if not rows.active:
+        return type(module).forward(module, x)
     if not module.training or module.p == 0:
         return x
     if module.p == 1:
@@ -106,19 +110,27 @@ def whole_batch_layers(model: nn.Module, rows: GlobalRows, *, batchnorm: bool, g
             and isinstance(module, nn.modules.batchnorm._BatchNorm)
             and not isinstance(module, nn.SyncBatchNorm)
         ):
-            module.forward = _bound(_batchnorm_forward, module, group)
+            module.forward = _WholeBatch(module, rows, group=group)
             changed.append(name)
         elif type(module) is nn.Dropout:
-            module.forward = _bound(_dropout_forward, module, rows, {})
+            module.forward = _WholeBatch(module, rows)
             changed.append(name)
     return changed
 
 
-def _bound(function, module, *extra):
-    def forward(x):
-        return function(module, *extra, x)
+class _WholeBatch:
+    """A layer's forward over the global batch within polytrain's training steps, and its class's own elsewhere
+    (an object holding the layer, not a closure: the model still deep-copies and pickles)."""
 
-    return forward
+    def __init__(self, module: nn.Module, rows: GlobalRows, *, group=None):
+        self.module, self.rows, self.group, self.cache = module, rows, group, {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rows.active:
+            return type(self.module).forward(self.module, x)
+        if isinstance(self.module, nn.modules.batchnorm._BatchNorm):
+            return _batchnorm_forward(self.module, self.group, x)
+        return _dropout_forward(self.module, self.rows, self.cache, x)
 
 
 def uses_whole_batch(model: nn.Module) -> Optional[str]:

@@ -151,6 +151,8 @@ class Objective:
         """A loss as a step or loss function gives it (the batch mean, a (sum, count) pair, or an output with
         .loss / a dict with "loss", as Lightning's training_step returns) as (sum, count)."""
         value = unwrapped(value)
+        if self.counted is None:  # not checked before training (a LightningModule's step): its first value
+            self.counted = gives_pair(value)
         if gives_pair(value):
             if not self.counted:
                 raise UserError(

@@ -159,8 +159,8 @@ def check_scores_not_probabilities(output: torch.Tensor) -> None:
     """Refuse outputs whose rows are probabilities (non-negative, summing to 1: a final Softmax, as in every
     Keras translation) for the built-in cross-entropy, which applies softmax itself: trained so, the loss stalls
     near ln(classes) with no word."""
-    if not output.is_floating_point() or output.dim() < 2 or output.shape[-1] < 2:
-        return
+    if not output.is_floating_point() or output.dim() < 2 or output.shape[-1] < 2 or output.is_meta:
+        return  # (a model built on the meta device gives shapes, no values)
     scores = output.detach().float()
     if bool((scores >= 0).all()) and bool(((scores.sum(-1) - 1).abs() < 1e-4).all()):
         raise UserError(
@@ -179,6 +179,11 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
         x, y = data.sample_batch(2)
     else:
         x, y = data.sample_inputs(2), data.train_y[:2]
+    if isinstance(objective.step, LightningStep):
+        # as in Lightning, training_step first runs in training (after on_fit_start); its loss is a mean or a
+        # {"loss": ...} dict, or a (sum, count) pair, learnt from its first step
+        objective.counted = None
+        return objective
     if objective.step is not None:
         return checked_step(model, objective, x if y is None else (x, y))
     output = run_on_sample(model, x, f"samples of shape {tuple(data.input_shape)}")

@@ -68,6 +68,7 @@ class Layer:
     outputs: int = 0
     holds_parameters: bool = False
     tied_embedding: bool = False  # a Linear whose weight is an Embedding's [vocab, width] (a tied head)
+    transposed: bool = False  # a Linear with its weight stored [inputs, outputs] (Hugging Face's Conv1D)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,11 @@ def _divisible(name: str, layer: Layer, style: str, parts: int, devices: int, ru
         ("embedding", "colwise"): (layer.outputs, "embedding width"),
         ("embedding", "rowwise"): (layer.inputs, "vocabulary entries"),
     }[(layer.kind, style)]
+    if layer.transposed and parts > 1:
+        raise ConfigError(
+            f"tensor_plan: {name} is a Conv1D (a Linear with its weight transposed), whose fused parts "
+            f"(colwise:{parts}) are not split here; replicate it, or split separate q/k/v Linear layers"
+        )
     if linear and style == "colwise" and layer.outputs % parts:
         raise ConfigError(
             f"tensor_plan: {name} has {layer.outputs} outputs, which do not split into {parts} "

@@ -20,6 +20,16 @@ def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     linear.out_features = len(rows)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's `Conv1D` (GPT-2): a Linear whose weight is stored [inputs, outputs] (`x @ W + b`)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and getattr(weight, "dim", lambda: 0)() == 2
+    )
+
+
 def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
     """A copy of `model` with rank 0's share of every layer `plan` splits: a colwise Linear's first T-th of the
     rows of each of its parts, a rowwise Linear's first T-th of the columns (its partial sums have the whole
@@ -28,7 +38,18 @@ def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
     devices = plan.devices
     for name, style, parts in plan.styles:
         module = probe.get_submodule(name)
-        if name in plan.vocabulary or not isinstance(module, nn.Linear):
+        if name in plan.vocabulary:
+            continue
+        if is_conv1d(module):
+            inputs, outputs = module.weight.shape
+            if style == "colwise":
+                module.weight = nn.Parameter(module.weight.detach()[:, : outputs // devices])
+                module.bias = nn.Parameter(module.bias.detach()[: outputs // devices])
+                module.nf = outputs // devices
+            elif style == "rowwise":
+                module.weight = nn.Parameter(module.weight.detach()[: inputs // devices])
+            continue
+        if not isinstance(module, nn.Linear):
             continue
         if style == "colwise":
             part = module.out_features // parts

@@ -1,0 +1,57 @@
+"""Hugging Face GPT-2 under --strategy tensor: its `Conv1D` layers (a Linear with the weight stored [inputs,
+outputs]) can be named in a tensor plan, and training equals one device; fused parts of one are refused in one
+line."""
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_weights
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import polytrain
+from polytrain.errors import ConfigError
+from polytrain.strategies.tensor import model_layers
+
+PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int):
+        self.ids = torch.randint(0, 32, (count, 8), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def gpt2():
+    torch.manual_seed(0)
+    zero = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2, **zero))
+
+
+def test_conv1d_layers_are_linear_layers_with_their_weight_transposed():
+    layers = model_layers(gpt2())
+    fc = layers["transformer.h.0.mlp.c_fc"]
+    assert (fc.kind, fc.inputs, fc.outputs, fc.transposed) == ("linear", 16, 64, True)
+
+
+@pytest.mark.multiprocess
+def test_gpt2_mlp_split_by_a_tensor_plan_trains_as_one_device():
+    train, val = Tokens(32, seed=1), Tokens(8, seed=2)
+    settings = dict(epochs=1, batch_size=8, optimizer="sgd", lr=0.1, verbose=False)
+    one, two = gpt2(), gpt2()
+    polytrain.fit(one, train=train, val=val, **settings)
+    polytrain.fit(two, train=train, val=val, devices=2, strategy="tensor", tensor_plan=PLAN, **settings)
+    start = gpt2().state_dict()
+    moved = max((one.state_dict()[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3  # the comparison below is not between two untrained models
+    assert_same_weights(two.state_dict(), one.state_dict(), atol=1e-5)
+    with pytest.raises(ConfigError, match=r"c_attn is a Conv1D .*\(colwise:3\)"):
+        polytrain.fit(
+            copy.deepcopy(one), train=train, val=val, devices=2, strategy="tensor",
+            tensor_plan={**PLAN, "transformer.h.*.attn.c_attn": "colwise:3"}, **settings,
+        )  # fmt: skip

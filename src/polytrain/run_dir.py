@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -149,3 +150,16 @@ def in_training(run_dir) -> bool:
     except UserError:
         return True
     return False
+
+
+def forget_unstarted_run(run_dir: Path, *, whole_folder: bool) -> None:
+    """After a run failed before its first checkpoint, remove what it wrote (the folder, if it made it), so
+    that the same command can be tried again; a run with a checkpoint is kept for --resume, and a folder that
+    another process is training is left to it."""
+    if (run_dir / "checkpoint.pt").exists() or in_training(run_dir):
+        return
+    if whole_folder:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in ("config.json", "skipped.txt", LOCK_FILE):
+        (run_dir / name).unlink(missing_ok=True)

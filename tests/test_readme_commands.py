@@ -1,13 +1,18 @@
-"""Every command the README shows runs as written: each `polytrain ...` command in its code blocks (shell blocks,
-and the `$ ` lines of console ones) runs in a temporary folder, shortened where it trains by flags appended to it:
+"""Every command the README and the pages in docs/ show runs as written: each `polytrain ...` command in their code
+blocks (shell blocks, and the `$ ` lines of console ones) runs in a temporary folder, shortened where it trains by
+flags appended to it:
 `--max-steps 2`; verify `--steps 2`; bench 2 steps on at most 2 devices at the smallest batch and, unless it
-names strategies, data parallelism only (each strategy's row starts its workers again). A run folder the README
+names strategies, data parallelism only (each strategy's row starts its workers again). A run folder a page
 names (`runs/20261122-224501`) is the first run that the commands before it wrote. Commands that need another
-launcher (torchrun on two machines, srun) are tested elsewhere and only listed here.
+launcher (torchrun on two machines, srun) are tested elsewhere and only listed here. The pages that record
+measurements (`RECORDS`: docs/benchmarks.md, docs/install-size.md) are left out: their commands are the
+measurements themselves, minutes each, run by hand.
 
-The commands run in the README's order through `polytrain.cli.main` (what the `polytrain` script runs), one
-Python process for the one-process commands and one for those that start workers (marked `multiprocess`), so
-torch is imported twice, not once per command.
+The commands run in order (the README's, then each page's, pages sorted by path) through `polytrain.cli.main`
+(what the `polytrain` script runs), one Python process for the one-process commands and one for those that
+start workers (marked `multiprocess`), so torch is imported twice, not once per command; each distinct command
+runs once. The checks of what a page says (the README's sample output, the list of what --resume may change in
+docs/reliability.md) are at the end.
 """
 
 import json
@@ -22,7 +27,10 @@ from typing import List, NamedTuple, Optional
 import pytest
 from processes import ENV, finish
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+RECORDS = {"benchmarks.md", "install-size.md"}  # measurements, run by hand (see above)
 CONSOLE_BLOCKS = {"text", "console"}  # output with `$ ` before each command
 SKIPPED_BLOCKS = {"python", "py", "toml", "json", "yaml", "ini"}
 ELSEWHERE = {
@@ -34,13 +42,23 @@ OPERATORS = {"&&", "||", ";", "|", "&"}
 
 
 class Command(NamedTuple):
-    written: str  # as the README writes it
+    written: str  # as the page writes it
     argv: Optional[tuple]  # what runs (None: another launcher, `launcher` says which)
     launcher: str = ""
+    page: str = "README.md"  # where it is written, relative to the repository
+
+
+def pages() -> List[Path]:
+    """The README, then every page under docs/ but the records, sorted by path."""
+    return [README] + sorted(path for path in DOCS.rglob("*.md") if path.name not in RECORDS)
+
+
+def page_name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 
 
 def shell_lines(text: str):
-    """(language of the block, one logical line) for every line of the README's fenced code blocks, with
+    """(language of the block, one logical line) for every line of a page's fenced code blocks, with
     backslash continuations joined."""
     for language, body in re.findall(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.S | re.M):
         if language.lower() in SKIPPED_BLOCKS:
@@ -54,7 +72,8 @@ def shell_lines(text: str):
             pending = ""
 
 
-def readme_commands(text: str) -> List[Command]:
+def readme_commands(text: str, page: str = "README.md") -> List[Command]:
+    """The commands a page's code blocks show, in order."""
     found = []
     for language, line in shell_lines(text):
         line = line.strip()
@@ -69,7 +88,7 @@ def readme_commands(text: str) -> List[Command]:
         try:
             tokens = list(lexer)
         except ValueError as error:
-            raise ValueError(f"README: {line!r} does not read as a shell command ({error})") from None
+            raise ValueError(f"{page}: {line!r} does not read as a shell command ({error})") from None
         segment: list = []
         for token in tokens + [";"]:
             if token not in OPERATORS:
@@ -77,7 +96,7 @@ def readme_commands(text: str) -> List[Command]:
                 continue
             command = as_command(segment)
             if command is not None:
-                found.append(command)
+                found.append(command._replace(page=page))
             segment = []
     return found
 
@@ -106,7 +125,7 @@ def with_value(argv: list, flag: str, new: str) -> list:
 
 
 def run_folder(argument: str) -> str:
-    """A run folder as the README writes it (a time stamp of its own example) stands for the first run the
+    """A run folder as a page writes it (a time stamp of its own example) stands for the first run the
     commands before it wrote; `runs/LATEST` and others are kept."""
     return RUN if re.fullmatch(r"(\./)?runs/\d{8}-\d{6}(-\d+)?/?", argument) else argument
 
@@ -140,10 +159,13 @@ def starts_workers(argv: List[str]) -> bool:
     return argv[0] == "verify" or any(c > 1 for c in counts)
 
 
-COMMANDS = readme_commands(README.read_text())
+COMMANDS = [command for path in pages() for command in readme_commands(path.read_text(), page_name(path))]
 RUNNABLE = [c for c in COMMANDS if c.argv is not None and c.argv]
+WHERE = {}  # each distinct command once, with the first page that shows it
+for _command in RUNNABLE:
+    WHERE.setdefault(tuple(shortened(_command.argv)), _command.page)
 GROUPS = {"one process": [], "workers": []}
-for _command in dict.fromkeys(tuple(shortened(c.argv)) for c in RUNNABLE):  # each distinct command once
+for _command in WHERE:
     GROUPS["workers" if starts_workers(list(_command)) else "one process"].append(list(_command))
 
 DRIVER = r"""
@@ -214,34 +236,38 @@ def workers(tmp_path_factory):
 
 def check(results: dict, index: int, argv: List[str]) -> None:
     code, output = results[index]
-    assert code == 0, f"polytrain {shlex.join(argv)} (from the README) exited with {code}:\n{output[-4000:]}"
+    page = WHERE[tuple(argv)]
+    assert code == 0, f"polytrain {shlex.join(argv)} (from {page}) exited with {code}:\n{output[-4000:]}"
 
 
-@pytest.mark.parametrize(
-    "index", range(len(GROUPS["one process"])), ids=[shlex.join(a) for a in GROUPS["one process"]]
-)
+def ids(group: str) -> List[str]:
+    return [f"{WHERE[tuple(argv)]}: {shlex.join(argv)}" for argv in GROUPS[group]]
+
+
+# The first test of a group waits for the whole group (its fixture); the group's own limit (run_group's timeout,
+# which prints every process's stack) must end it before pytest-timeout's 300 s would.
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("index", range(len(GROUPS["one process"])), ids=ids("one process"))
 def test_a_one_process_readme_command_runs(one_process, index):
     check(one_process, index, GROUPS["one process"][index])
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "index", range(len(GROUPS["workers"])), ids=[shlex.join(a) for a in GROUPS["workers"]]
-)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(GROUPS["workers"])), ids=ids("workers"))
 def test_a_readme_command_with_workers_runs(workers, index):
     check(workers, index, GROUPS["workers"][index])
 
 
-def test_the_readme_shows_commands_and_only_other_launchers_are_left_out():
-    assert len(RUNNABLE) >= 8 and {c.argv[0] for c in RUNNABLE} >= {
-        "train",
-        "evaluate",
-        "predict",
-        "verify",
-        "bench",
-    }
+def test_the_pages_show_commands_and_only_other_launchers_are_left_out():
+    commands = {"train", "evaluate", "predict", "verify", "bench"}
+    in_readme = [c for c in RUNNABLE if c.page == "README.md"]
+    assert len(in_readme) >= 6 and {c.argv[0] for c in in_readme} >= commands  # the 30-second start
+    assert len(RUNNABLE) >= 20 and {c.argv[0] for c in RUNNABLE} >= commands | {"generate"}
+    assert {"docs/gpt.md", "docs/knobs.md", "docs/strategies/pipeline.md"} <= {c.page for c in RUNNABLE}
+    assert not any(name in c.page for c in COMMANDS for name in RECORDS)
     for command in COMMANDS:
-        assert command.argv is not None or command.launcher in ELSEWHERE, command.written
+        assert command.argv is not None or command.launcher in ELSEWHERE, f"{command.page}: {command.written}"
 
 
 def test_commands_are_found_and_shortened_as_written_by_hand():
@@ -302,14 +328,16 @@ def test_commands_are_found_and_shortened_as_written_by_hand():
     assert not starts_workers(["train", "--max-steps", "2"]) and starts_workers(["bench", "--devices", "1,2"])
 
 
-def test_the_readmes_list_of_what_a_resume_may_change_is_the_settings_declared_so():
+def test_the_list_of_what_a_resume_may_change_is_the_settings_declared_so():
+    """docs/reliability.md lists the flags a resume may change; the declarations (resume="change") decide."""
     from polytrain.config import RESUMABLE
     from polytrain.config.flags import flag_name
 
-    sentence = (
-        README.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
+    page = DOCS / "reliability.md"
+    sentence = page.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
+    assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE], (
+        f"update the list in {page_name(page)} (## Resume) to the settings declared with resume='change'"
     )
-    assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE]
 
 
 def test_the_readmes_sample_output_has_the_lines_the_tool_prints(tmp_path, capfd):

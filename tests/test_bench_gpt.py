@@ -152,3 +152,11 @@ def test_bench_refuses_gpt_sizes_for_another_model():
 
     with pytest.raises(ConfigError, match="--layers applies to the gpt and llama models only"):
         BenchOptions(model="lenet", layers=2)
+    with pytest.raises(ConfigError, match="--kv-heads applies to the llama model only"):
+        BenchOptions(model="gpt", kv_heads=2)
+    with pytest.raises(ConfigError, match="--kv-heads must be a positive whole number"):
+        BenchOptions(model="llama", kv_heads=0)
+    assert BenchOptions(model="llama", kv_heads=2, size="tiny").model_options == {
+        "size": "tiny",
+        "kv_heads": 2,
+    }

@@ -222,7 +222,23 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")
     for name, metavar in (("layers", "L"), ("heads", "H"), ("width", "C"), ("context", "T")):
-        bench.add_argument(f"--{name}", type=int, metavar=metavar, help="--model gpt: as for polytrain train")
+        bench.add_argument(
+            f"--{name}", type=int, metavar=metavar, help="--model gpt, llama: as for polytrain train"
+        )
+    llama = (
+        ("kv-heads", "K", int),
+        ("ffn-width", "F", int),
+        ("vocab-size", "V", int),
+        ("rope-theta", "F", float),
+    )
+    for name, metavar, kind in llama:
+        bench.add_argument(
+            f"--{name}", type=kind, metavar=metavar, help="--model llama: as for polytrain train"
+        )
+    bench.add_argument("--size", metavar="NAME", help="--model llama: as for polytrain train")
+    bench.add_argument(
+        "--tie-embeddings", action="store_true", default=None, help="--model llama: as for polytrain train"
+    )
     bench.add_argument(
         "--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)"
     )

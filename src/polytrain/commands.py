@@ -26,7 +26,7 @@ from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
 from .models import build_model, build_model_on_meta
-from .models.defaults import defaults_words
+from .models.defaults import MODEL_SETTINGS, defaults_words
 from .models.gpt import generate
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.launch import check_devices, run_job
@@ -355,10 +355,7 @@ def bench_command(args) -> int:
         predict=parse_list(args.predict, "--predict", counts=True) if args.predict else (),
         seed=args.seed,
         repeats=args.repeats,
-        layers=args.layers,
-        heads=args.heads,
-        width=args.width,
-        context=args.context,
+        **{key: getattr(args, key, None) for key in MODEL_SETTINGS},
     )
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
     if out.exists() and not out.is_dir():

@@ -49,11 +49,18 @@ class BenchOptions:
     predict: Tuple[int, ...] = ()
     seed: int = 0
     repeats: int = 1  # interleaved rounds; each row keeps its median round
-    # the model's own sizes (--layers, --heads, --width, --context of --model gpt); None: its defaults
+    # the model's own settings (--layers, --heads, --width, --context of --model gpt and llama, and llama's
+    # --size, --kv-heads, ...); None: its defaults
     layers: Optional[int] = None
     heads: Optional[int] = None
     width: Optional[int] = None
     context: Optional[int] = None
+    size: Optional[str] = None
+    kv_heads: Optional[int] = None
+    ffn_width: Optional[int] = None
+    vocab_size: Optional[int] = None
+    rope_theta: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
 
     @property
     def model_options(self) -> dict:
@@ -98,11 +105,15 @@ class BenchOptions:
             )
         if self.device_kinds == ("cuda",) and not torch.cuda.is_available():
             raise ConfigError("--device cuda: PyTorch sees no CUDA GPU here; use --device cpu")
-        for key in MODEL_SETTINGS:
+        for key in COUNTS:
             value = getattr(self, key, None)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{key} must be a positive whole number, got {value!r}")
+                raise ConfigError(f"--{key.replace('_', '-')} must be a positive whole number, got {value!r}")
         check_model_settings(self.model, self.model_options)
+
+
+# the model settings that are sizes (positive whole numbers)
+COUNTS = ("layers", "heads", "width", "context", "kv_heads", "ffn_width", "vocab_size")
 
 
 @dataclass

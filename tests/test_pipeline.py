@@ -10,7 +10,7 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import assert_same_weights, tiny_digits
+from conftest import assert_same_weights, load_weights, tiny_digits
 from distributed import run_on_ranks
 from processes import polytrain as run_polytrain
 
@@ -197,7 +197,7 @@ def resnet_runs(tmp_path_factory):
 
 def test_a_pipeline_checkpoint_is_the_whole_unsplit_model(resnet_runs):
     pipeline, one = resnet_runs
-    saved = torch.load(pipeline / "model.pt", weights_only=True)
+    saved = load_weights(pipeline / "model.pt")
     fresh = build_model("resnet", (3, 16, 16), 10)
     expected = fresh.state_dict()
     assert list(saved) == list(expected)
@@ -210,7 +210,7 @@ def test_a_pipeline_checkpoint_is_the_whole_unsplit_model(resnet_runs):
         and "stages.3.shortcut.1.running_var" in saved
     )
     fresh.load_state_dict(saved)  # strict: no key missing, none left over
-    reference = torch.load(one / "model.pt", weights_only=True)
+    reference = load_weights(one / "model.pt")
     parameters = {name for name, _ in fresh.named_parameters()}
     assert_same_weights(
         {k: v for k, v in saved.items() if k in parameters},
@@ -222,9 +222,7 @@ def test_a_pipeline_checkpoint_keeps_batchnorm_statistics_like_one_device(resnet
     pipeline, one = resnet_runs
     # with one micro-batch each BatchNorm sees the whole batch once per step, as on one device: no extra
     # training-mode forward (a stage's shape inference) may move running_mean, running_var, num_batches_tracked
-    assert_same_weights(
-        torch.load(pipeline / "model.pt", weights_only=True), torch.load(one / "model.pt", weights_only=True)
-    )
+    assert_same_weights(load_weights(pipeline / "model.pt"), load_weights(one / "model.pt"))
 
 
 # -- resuming across strategies ---------------------------------------------------------------------------------
@@ -255,7 +253,7 @@ def train(capfd, *args) -> str:
 
 
 def final_weights(run_dir) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
+    return load_weights(run_dir / "model.pt")
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +387,7 @@ def test_the_run_folder_records_which_layers_each_stage_held(lenet_run):
 
 def test_a_lenet_checkpoint_loads_into_the_unsplit_model(lenet_run):
     _, run_dir = lenet_run
-    saved = torch.load(run_dir / "model.pt", weights_only=True)
+    saved = load_weights(run_dir / "model.pt")
     fresh = build_model("lenet", (1, 28, 28), 10)
     assert [(k, v.shape) for k, v in saved.items()] == [(k, v.shape) for k, v in fresh.state_dict().items()]
     fresh.load_state_dict(saved)
@@ -400,7 +398,7 @@ def test_a_lenet_checkpoint_loads_into_the_unsplit_model(lenet_run):
 def test_evaluate_reads_pipeline_run_folders(lenet_run, resnet_runs):
     _, run_dir = lenet_run
     fresh = build_model("lenet", (1, 28, 28), 10)
-    fresh.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+    fresh.load_state_dict(load_weights(run_dir / "model.pt"))
     from_folder = polytrain.evaluate(str(run_dir), device="cpu")
     from_module = polytrain.evaluate(fresh, "mnist-sample", device="cpu")
     assert from_folder["count"] == from_module["count"] > 0

@@ -9,7 +9,7 @@ import torch
 from conftest import RESUME_TRAIN, assert_same_weights, polytrain_here
 from conftest import load_weights as load
 
-from polytrain.checkpoint import atomic_torch_save, pointer
+from polytrain.checkpoint import Checkpointer, atomic_torch_save, pointer
 from polytrain.cli import main
 from polytrain.runtime import export, shards
 
@@ -38,6 +38,41 @@ def test_four_sharded_ranks_write_shards_that_two_resume_and_export_like_a_strai
     assert_same_weights({k: exported[k] for k in straight_resume_run}, straight_resume_run)
     assert main(["export", str(out), "--format", "pt", "--out", str(tmp_path / "model.pt")]) == 0
     assert_same_weights(load(tmp_path / "model.pt"), straight_resume_run)
+
+
+# a tiny GPT on Shakespeare: its 65-token vocabulary splits unevenly over 2 tensor ranks (33 + 32 rows), and its
+# fused q/k/v rows are reordered on the tensor ranks
+GPT_RUN = [
+    *("--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--context", "8", "--eps", "1e-5"),
+    *("--dataset", "shakespeare", "--batch-size", "8", "--epochs", "1", "--optimizer", "adamw"),
+    *("--lr", "0.003", "--schedule", "constant", "--seed", "3", "--device", "cpu"),
+]
+
+
+@pytest.mark.multiprocess
+def test_sharded_4_then_sharded_2_then_tensor_2_then_one_device_is_the_straight_run(tmp_path, capfd):
+    """Each leg resumes the shards the previous one wrote (DCP re-shards them); the tensor leg writes its slices,
+    fused rows at their one-device places, and the one-device leg reads them whole."""
+    straight = tmp_path / "straight"
+    assert polytrain_here(None, "train", *GPT_RUN, "--max-steps", 8, "--out", straight).returncode == 0
+    out = tmp_path / "run"
+    for leg, (strategy, devices, steps) in enumerate(
+        [("sharded", 4, 2), ("sharded", 2, 4), ("tensor", 2, 6), ("single", 1, 8)]
+    ):
+        start = [*GPT_RUN, "--out", out] if leg == 0 else ["--resume", out]
+        run = polytrain_here(
+            capfd, "train", *start, "--strategy", strategy, "--devices", devices, "--max-steps", steps
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        progress = torch.load(out / "checkpoint.pt", weights_only=True)
+        assert ("shards" in progress) == (strategy != "single") and "model" not in progress or leg == 3
+    assert_same_weights(load(out / "model.pt"), load(straight / "model.pt"))
+    # Adam's moments keep each leg's gradients (its weights' steps are near lr x a sign whatever the gradient)
+    ours, theirs = (
+        torch.load(run / "checkpoint.pt", weights_only=True)["optimizer"] for run in (out, straight)
+    )
+    for number, slots in theirs["state"].items():
+        torch.testing.assert_close(ours["state"][number]["exp_avg"], slots["exp_avg"], atol=1e-6, rtol=1e-4)
 
 
 @pytest.fixture
@@ -107,5 +142,48 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_folder(shar
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
     with pytest.raises(BaseException, match="No space left"):
         shards.save({"model": {k: v + 1 for k, v in weights.items()}}, run, "checkpoint-2", is_main=True)
+    assert not (run / "checkpoint-2.tmp").exists() and not (run / "checkpoint-2").exists()
+    assert_same_weights(load(run / "model.pt"), weights)
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_written_in_the_background_resume_like_a_straight_run(
+    straight_resume_run, tmp_path, capfd
+):
+    out = tmp_path / "run"
+    argv = [*RESUME_TRAIN, "--strategy", "sharded", "--devices", 2, "--async-checkpoint"]
+    part = polytrain_here(capfd, "train", *argv, "--checkpoint-every", 2, "--max-steps", 9, "--out", out)
+    assert part.returncode == 0, part.stderr
+    progress = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert progress["position"]["step"] == 3 and not list(out.glob("*.tmp"))  # the last one, switched in
+    rest = polytrain_here(capfd, "train", "--resume", out, "--strategy", "sharded", "--devices", 2)
+    assert rest.returncode == 0, rest.stderr
+    assert_same_weights(load(out / "model.pt"), straight_resume_run)
+
+
+def test_a_failed_background_write_leaves_the_previous_checkpoint(shard_run, monkeypatch, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run, weights = shard_run
+
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+        checkpointer = Checkpointer(run, is_main=True, asynchronous=True)
+        changed = {"model": {k: v + 1 for k, v in weights.items()}}
+        future = shards.save_async(changed, run, "checkpoint-2", group=None)
+        checkpointer.pending = (
+            future,
+            "checkpoint-2",
+            ({"shards": "checkpoint-2"}, pointer("checkpoint-2", [])),
+        )
+        with pytest.raises(BaseException, match="No space"):
+            checkpointer.finish()
+    finally:
+        dist.destroy_process_group()
     assert not (run / "checkpoint-2.tmp").exists() and not (run / "checkpoint-2").exists()
     assert_same_weights(load(run / "model.pt"), weights)

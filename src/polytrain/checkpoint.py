@@ -11,13 +11,19 @@ RNG, scheduler) and that folder's name; `model.pt` and `best.pt` are then small 
 `polytrain export` turns into one file. The pointers are replaced atomically after the folder is complete,
 and older folders are removed only then. Any strategy resumes either form; one-file checkpoints of earlier
 versions load as before.
+
+With `--async-checkpoint` the shards are written in the background while training goes on (shards.save_async):
+`checkpoint.pt` and the pointers are replaced only when that write is complete (`finish`: at the next save and
+at the end of training), so a crash in between leaves the previous checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -178,9 +184,14 @@ class Checkpointer:
     """Writes `checkpoint.pt` (everything needed to resume), `model.pt` (weights) and `best.pt` (the weights
     of the best validation) into a run folder."""
 
-    def __init__(self, run_dir: Path, *, is_main: bool):
+    def __init__(self, run_dir: Path, *, is_main: bool, asynchronous: bool = False):
         self.run_dir = Path(run_dir)
         self.is_main = is_main
+        self.asynchronous = asynchronous  # shards written in the background (--async-checkpoint)
+        self.pending = None  # such a write in progress: (its future, folder name, what rank 0 then writes)
+        self.group = None  # the process group of background writes, apart from training's
+        if asynchronous:
+            shards.check_async()
 
     @property
     def path(self) -> Path:
@@ -188,14 +199,23 @@ class Checkpointer:
 
     def save(self, trainer, position) -> None:
         strategy = trainer.strategy
-        name = None
-        if strategy.writes_shards:  # every rank writes its own shards: nothing is gathered
+        self.finish()  # the previous checkpoint is switched in first: they stay in order
+        name = future = None
+        if strategy.writes_shards and self.asynchronous and torch.distributed.is_initialized():
+            name = strategy.broadcast_object(
+                shards.next_name(self.run_dir, "checkpoint") if self.is_main else None
+            )
+            self.group = self.group or torch.distributed.new_group(backend="gloo")
+            future = shards.save_async(strategy.shard_state(), self.run_dir, name, group=self.group)
+            state = {"shards": name, "scheduler": strategy.scheduler.state_dict()}
+        elif strategy.writes_shards:  # every rank writes its own shards: nothing is gathered
             name = self._write_shards(strategy, "checkpoint", strategy.shard_state())
             state = {"shards": name, "scheduler": strategy.scheduler.state_dict()}
         else:
             state = strategy.state_dict()  # every rank takes part (split strategies gather)
         rng = strategy.gather_object(rng_state(strategy.device))  # each rank's own random streams
         if not self.is_main:
+            self.pending = (future, name, None) if future is not None else None
             return
         state["gradients"] = strategy.gradients.state_dict()  # fp16's loss scale: the same on every rank
         state.update(
@@ -209,10 +229,33 @@ class Checkpointer:
             steps_per_epoch=trainer.steps_per_epoch,
             train_samples=trainer.train_loader.num_samples,
         )
-        atomic_torch_save(state, self.path)
         weights = pointer(name, strategy.expected_state()) if name else state["model"]
+        if future is not None:  # written when the shards are
+            self.pending = (future, name, copy.deepcopy((state, weights)))
+        else:
+            self._switch_in(state, weights)
+
+    def _switch_in(self, state: dict, weights: dict) -> None:
+        atomic_torch_save(state, self.path)
         atomic_torch_save(weights, self.run_dir / "model.pt")
         self._remove_unused()
+
+    def finish(self) -> None:
+        """Wait until the checkpoint written in the background is complete (every rank), then switch it in
+        (rank 0: the folder renamed, then checkpoint.pt and model.pt replaced). A failed write leaves the
+        previous checkpoint in place, its partial folder removed, and is raised."""
+        if self.pending is None:
+            return
+        (future, name, written), self.pending = self.pending, None
+        try:
+            future.result()
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(self.run_dir / f"{name}.tmp", ignore_errors=True)
+            raise
+        if self.is_main:
+            shards.publish(self.run_dir, name)
+            self._switch_in(*written)
 
     def _write_shards(self, strategy, stem: str, state: dict) -> str:
         """Every rank writes its part of `state` into a new folder of the run; its name (the same on all)."""
@@ -224,7 +267,8 @@ class Checkpointer:
         """Remove shard folders that no file of the run names any more (after the pointers were replaced)."""
         if any(self.run_dir.glob("checkpoint-*")) or any(self.run_dir.glob("best-*")):
             files = (self.path, self.run_dir / "model.pt", self.run_dir / "best.pt")
-            shards.remove_unused(self.run_dir, {pointed_folder(path) for path in files} - {None})
+            keep = {pointed_folder(path) for path in files} - {None}
+            shards.remove_unused(self.run_dir, keep | ({f"{self.pending[1]}.tmp"} if self.pending else set()))
 
     def save_best(self, trainer) -> None:
         """`best.pt`: the whole model by its original names, as `model.pt` holds it, after a validation that

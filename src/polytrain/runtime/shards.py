@@ -9,6 +9,10 @@ checkpoint.py replaces the small `checkpoint.pt` (position, history, RNG, schedu
 and the pointer files `model.pt` / `best.pt`; older folders are removed after that, so a crash at any point
 leaves the previous complete checkpoint in place.
 
+With --async-checkpoint, `save_async` copies the state (a snapshot, in memory) and DCP writes it from a thread
+over a process group of its own, while training goes on; `publish` renames the folder once every rank's write is
+done, and only then does checkpoint.py switch it in (a crash before leaves the previous checkpoint).
+
 Reading: a strategy that shards loads the folder collectively (`dcp.load` re-shards for any number of ranks);
 any other reader (one device, data parallelism, `evaluate`, `export`) reads whole tensors in one process
 without a process group (`no_dist`), one tensor at a time where it asks for that.
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, first_line
+from ..errors import CheckpointError, ConfigError, first_line
 
 POINTER = "polytrain-shards-1"  # the format of model.pt / best.pt that name a shard folder
 STEMS = ("checkpoint", "best")
@@ -53,6 +57,34 @@ def next_name(run_dir: Path, stem: str) -> str:
     return f"{stem}-{max(numbers) + 1}"
 
 
+def _planners():
+    """DCP's default planners, which also find the blocks of a `Blocks` value (strategies/checkpoint_parts.py:
+    a rank's rows that lie apart in the one-device tensor) by their offsets."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    class SavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            value = self.state_dict.get(index.fqn)
+            return value.piece(index.offset) if hasattr(value, "piece") else super().lookup_object(index)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # DefaultLoadPlanner's, without its pass that gives meta tensors storage (the templates here have
+            # storage), which turns values of other types (Blocks) into None
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+            self.original_state_dict = state_dict
+            if self.flatten_state_dict:
+                state_dict, self.mappings = flatten_state_dict(state_dict)
+            self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+        def lookup_tensor(self, index):
+            value = self.state_dict.get(index.fqn)
+            return value.piece(index.offset) if hasattr(value, "piece") else super().lookup_tensor(index)
+
+    return SavePlanner, LoadPlanner
+
+
 def save(state: dict, run_dir: Path, name: str, *, is_main: bool) -> None:
     """Every rank writes its shards of `state` into RUN_DIR/NAME.tmp; rank 0 renames it to NAME when all are
     written. A failure removes the partial folder and is raised on every rank."""
@@ -61,14 +93,79 @@ def save(state: dict, run_dir: Path, name: str, *, is_main: bool) -> None:
     temporary = Path(run_dir) / f"{name}.tmp"
     try:
         with _quiet():
-            dcp.save(state, checkpoint_id=temporary, no_dist=not _distributed())
+            dcp.save(state, checkpoint_id=temporary, planner=_planners()[0](), no_dist=not _distributed())
     except BaseException:  # DCP's CheckpointException is a BaseException: what every rank raised
         if is_main:
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     if is_main:
-        os.replace(temporary, Path(run_dir) / name)
-        _sync_folder(Path(run_dir))
+        publish(run_dir, name)
+
+
+def publish(run_dir: Path, name: str) -> None:
+    """Rename the complete NAME.tmp to NAME (rank 0, after every rank's write finished)."""
+    os.replace(Path(run_dir) / f"{name}.tmp", Path(run_dir) / name)
+    _sync_folder(Path(run_dir))
+
+
+ASYNC_NEEDS = "2.6"  # dcp.async_save with a stager of the caller's (async_stager=)
+
+
+def check_async() -> None:
+    """One line where this torch cannot write checkpoints in the background."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "async_stager" not in inspect.signature(getattr(dcp, "async_save", lambda: None)).parameters:
+        raise ConfigError(
+            f"--async-checkpoint needs torch {ASYNC_NEEDS} or newer (torch.distributed.checkpoint.async_save); "
+            f"this is {torch.__version__}: upgrade torch, or drop --async-checkpoint"
+        )
+
+
+def snapshot(value):
+    """A copy of a state dict's tensors (DTensors, Blocks) that the next steps do not change."""
+    if isinstance(value, dict):
+        return {key: snapshot(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [snapshot(item) for item in value]
+    if hasattr(value, "piece"):
+        return value.clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+class _Staged:
+    """DCP's stager for a state that is a snapshot already: passed on as it is."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def save_async(state: dict, run_dir: Path, name: str, *, group):
+    """Every rank starts writing a snapshot of `state` into RUN_DIR/NAME.tmp in the background (over `group`, a
+    process group apart from training's) and returns at once: a future that completes when its part is written
+    (rank 0's: when the whole folder is). `publish` it after `result()`."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet():
+        return dcp.async_save(
+            snapshot(state),
+            checkpoint_id=Path(run_dir) / f"{name}.tmp",
+            planner=_planners()[0](),
+            process_group=group,
+            async_stager=_Staged(),
+        )
 
 
 def _sync_folder(folder: Path) -> None:
@@ -131,7 +228,7 @@ def _load(template: dict, folder: Path, *, no_dist: bool) -> None:
 
     try:
         with _quiet():
-            dcp.load(template, checkpoint_id=folder, no_dist=no_dist)
+            dcp.load(template, checkpoint_id=folder, planner=_planners()[1](), no_dist=no_dist)
     except BaseException as error:  # CheckpointException: each failing rank's error, wrapped
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise

@@ -4,13 +4,13 @@ micro-batches that flow through the stages (torch.distributed.pipelining runs th
 With `--pipeline-stages` below `--devices`, several pipelines (replicas) run side by side on a 2-D mesh
 and average their gradients stage by stage. The loss of each micro-batch is its summed cross-entropy over
 the whole global batch's size, and gradients are summed (never rescaled): the step is exactly the
-one-device step. Evaluation sends activations rank to rank without gradients; the model is never gathered
-except to save it. With `--tensor-parallel T` each stage is split over T ranks (pipeline_tensor.py).
+one-device step. Evaluation sends activations rank to rank without gradients; checkpoints are each rank's
+stages, written as shards (checkpoint_parts.py). With `--tensor-parallel T` each stage is split over T ranks
+(pipeline_tensor.py).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..models.meta import materialised_copy
 from ..plan.balance import balance_by_time, parse_split
 from ..plan.layout import Layout
 from ..plan.pipeline import (
@@ -32,6 +33,7 @@ from ..plan.pipeline import (
 )
 from .activations import receive, send
 from .base import Distributed, StepStats
+from .checkpoint_parts import load_stage_shards, stage_shard_state
 from .holdings import local
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
 from .mesh import device_mesh
@@ -84,6 +86,8 @@ class Pipeline(Distributed):
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
+    writes_shards = property(lambda self: not self.plan.split_at)  # (traced stages: the tracer's names)
+    shard_state, load_shards = stage_shard_state, load_stage_shards  # each rank its stages' own state
 
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
@@ -165,7 +169,8 @@ class Pipeline(Distributed):
                 input_dtype=dtype,
                 tensor=tensor,
             )
-        measured = flatten_layers(copy.deepcopy(model).to(device))  # must not touch the model's statistics
+        # a copy (timing must not touch the model's statistics), with values where it was built on meta
+        measured = flatten_layers(materialised_copy(model, device=device, seed=config.seed))
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
             # One micro-batch: the stages run one after another whatever the split, so no split is faster
@@ -195,22 +200,24 @@ class Pipeline(Distributed):
             self.mesh = device_mesh(degrees, self.device.type, keep=("replicate", "pipeline"))
             self.pp_group = self.mesh["pp"].get_group()
             self.dp_group = self.mesh["dp_replicate"].get_group() if layout.replicas > 1 else None
-        model = model.to(self.device)
+        model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
             k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
         }
-        if self.plan.split_at:
+        if self.plan.split_at:  # the tracer runs the whole model: it is materialised first
+            self.materialise(model)
             return setup_traced(self, model, make_optimizer, make_scheduler)
         layers = flatten_layers(model)
         self.boundaries = self._boundary_shapes(layers)
         self.stage_modules = [
-            Stage([layers[i][1] for i in self.plan.stage_layers(s)]).to(self.device) for s in self.my_stages
+            Stage([layers[i][1] for i in self.plan.stage_layers(s)]) for s in self.my_stages
         ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         self.split_stages()
         self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
+        self.materialise(self.model)  # only this rank's stages get storage
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,
@@ -239,9 +246,9 @@ class Pipeline(Distributed):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        x = torch.zeros(
-            1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device
-        )
+        # (a model built on the meta device gives the shapes on the meta device, computing nothing)
+        device = "meta" if self.blueprint is not None else self.device
+        x = torch.zeros(1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=device)
         grads = False
         shapes = []
         for _, layer in layers:

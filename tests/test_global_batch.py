@@ -1,6 +1,7 @@
 """BatchNorm and Dropout compute over the global batch on data-parallel layouts, so that N devices equal one
 (strategies/global_batch.py): the dropout masks of every slice and pass are the rows of one device's mask, the
-BatchNorm statistics those of the whole batch, and verify passes on the built-in models that hold them."""
+BatchNorm statistics those of the whole batch, and verify passes on the built-in models that hold them (on a
+pipeline against one device in as many passes as micro-batches, BatchNorm normalising over each)."""
 
 import copy
 import pickle
@@ -87,7 +88,9 @@ def test_batchnorm_over_the_gathered_statistics_is_torchs(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model, strategy", [("resnet", "data"), ("cifar-cnn", "sharded")])
+@pytest.mark.parametrize(
+    "model, strategy", [("resnet", "data"), ("cifar-cnn", "sharded"), ("resnet", "pipeline")]
+)
 def test_verify_passes_on_models_with_batchnorm_and_dropout(model, strategy, capfd):
     result = polytrain_here(
         capfd, "verify", "--model", model, "--strategy", strategy, "--devices", "2", "--steps", "3",
@@ -100,7 +103,7 @@ def test_verify_passes_on_models_with_batchnorm_and_dropout(model, strategy, cap
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--strategy", "pipeline"], "BatchNorm layers compute over the samples each rank holds"),
+        (["--model", "cifar-cnn", "--strategy", "pipeline"], "Dropout layers compute over the samples"),
         (["--strategy", "data", "--accumulate", "2"], "BatchNorm normalises over each pass"),
     ],
 )

@@ -229,10 +229,10 @@ def predict_command(args) -> int:
 
 def verify_command(args) -> int:
     from .runtime.verify import (
-        check_whole_batch_layers,
         compares_in_float64,
         in_float64,
         judge,
+        reference_passes,
         step_differences,
     )
 
@@ -272,7 +272,6 @@ def verify_command(args) -> int:
     torch.manual_seed(config.seed)
     # built without storage, as train builds it: both sides materialise their parts of the same initial values
     model = build_model_on_meta(config.model, data.input_shape, data.num_classes, config)
-    check_whole_batch_layers(model, config, strategy)
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
@@ -290,6 +289,11 @@ def verify_command(args) -> int:
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
         print(f"  plan: {plan.describe()}")
+    passes = reference_passes(model, config, strategy, plan, float64=float64)
+    if passes > 1:
+        print(
+            f"  reference: 1 device in {passes} passes per step (BatchNorm normalises over each micro-batch)"
+        )
 
     def one_device(accumulate: int):
         return run_job(
@@ -306,7 +310,7 @@ def verify_command(args) -> int:
 
     # accumulation and activation checkpointing never change the trajectory: the reference takes each step in
     # one pass and keeps every activation
-    one = one_device(1)
+    one = one_device(passes)
     many = run_job(Job(config, strategy, data, copy.deepcopy(model), plan=plan, **common))
     differences = step_differences(one.steps, many.steps)
     floor = None

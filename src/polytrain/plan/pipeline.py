@@ -157,6 +157,13 @@ class PipelinePlan:
         if self.tensor is not None:
             check_tensor_cuts(self.tensor.styles, self.layer_names, self.points)
 
+    @property
+    def micro_batch_passes(self) -> Optional[int]:
+        """The passes in which one device computes what this pipeline computes per micro-batch (BatchNorm
+        normalises over each): its micro-batches, where one pipeline takes the whole batch; None otherwise."""
+        whole = self.layout.replicas == 1 and self.layout.tensor == 1 and not self.split_at
+        return self.microbatches if whole else None
+
     def describe(self) -> str:
         where = (
             f"traced, split before modules {', '.join(self.split_at)}"

@@ -109,11 +109,12 @@ def in_float64(model: torch.nn.Module, data):
     return model, data
 
 
-def check_whole_batch_layers(model: torch.nn.Module, config, strategy: str) -> None:
-    """Refuse, in one line, a comparison that cannot hold: BatchNorm and Dropout compute over the global batch
-    on data-parallel layouts (strategies/global_batch.py), but not over the micro-batches of a pipeline or the
-    ranks of a tensor group, and BatchNorm normalises over each accumulation pass, which N devices cut from
-    other samples than one device."""
+def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, float64: bool) -> int:
+    """In how many passes the one-device reference takes each step: 1, or a pipeline's micro-batches for a
+    model with BatchNorm (which normalises over each micro-batch there). One line where no reference can be
+    equal: BatchNorm and Dropout compute over the global batch on data-parallel layouts
+    (strategies/global_batch.py), but not over the ranks of a tensor group, nor Dropout over a pipeline's stages;
+    and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
     from ..strategies import STRATEGIES
     from ..strategies.global_batch import unmatched_dropout, uses_whole_batch
 
@@ -124,18 +125,29 @@ def check_whole_batch_layers(model: torch.nn.Module, config, strategy: str) -> N
             f"draw other masks than one; verify a copy without them, or use nn.Dropout (drawn over the global "
             f"batch on data-parallel layouts)"
         )
-    kind = uses_whole_batch(model)
-    if kind is None:
-        return
-    if not STRATEGIES[strategy].normalises_global_batch:
+    kinds = uses_whole_batch(model)
+    if not kinds:
+        return 1
+    if "BatchNorm" in kinds and not float64:
         raise UserError(
-            f"verify: the model's {kind} layers compute over the samples each rank holds, which the "
-            f"{strategy} strategy cuts otherwise than one device (data-parallel strategies compute them over "
-            f"the global batch); verify --strategy data, sharded or parameter-server"
+            "verify: BatchNorm normalises over each pass, so the noise floor of a comparison as trained "
+            "(the same steps in two passes) would not be rounding alone; verify in float64 (--precision fp32 "
+            "--compare-in float64)"
         )
-    if kind == "BatchNorm" and config.accumulate > 1:
-        raise UserError(
-            f"verify: BatchNorm normalises over each pass, and --accumulate {config.accumulate} makes "
-            f"{config.devices} devices' passes of other samples than one device's; verify without "
-            f"--accumulate (training with it is fine: each pass is normalised over its samples)"
-        )
+    if STRATEGIES[strategy].normalises_global_batch:
+        if "BatchNorm" in kinds and config.accumulate > 1:
+            raise UserError(
+                f"verify: BatchNorm normalises over each pass, and --accumulate {config.accumulate} makes "
+                f"{config.devices} devices' passes of other samples than one device's; verify without "
+                f"--accumulate (training with it is fine: each pass is normalised over its samples)"
+            )
+        return 1
+    passes = getattr(plan, "micro_batch_passes", None)
+    if kinds == {"BatchNorm"} and passes and config.accumulate == 1:
+        return passes
+    raise UserError(
+        f"verify: the model's {' and '.join(sorted(kinds))} layers compute over the samples each rank holds, "
+        f"which the {strategy} strategy cuts otherwise than one device (data-parallel strategies compute them "
+        f"over the global batch, one pipeline BatchNorm over its micro-batches); verify --strategy data, "
+        f"sharded or parameter-server"
+    )

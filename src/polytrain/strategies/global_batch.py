@@ -133,14 +133,16 @@ class _WholeBatch:
         return _dropout_forward(self.module, self.rows, self.cache, x)
 
 
-def uses_whole_batch(model: nn.Module) -> Optional[str]:
-    """The kind of the first layer whose output depends on the whole batch or its random draws, if any."""
+def uses_whole_batch(model: nn.Module) -> set:
+    """The kinds of layer whose output depends on the whole batch or its random draws ("BatchNorm",
+    "Dropout") that `model` holds."""
+    kinds = set()
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return "BatchNorm"
+            kinds.add("BatchNorm")
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return "Dropout"
-    return None
+            kinds.add("Dropout")
+    return kinds
 
 
 def unmatched_dropout(model: nn.Module) -> Optional[str]:

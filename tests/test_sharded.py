@@ -61,7 +61,9 @@ def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(
         assert len(list((out / pointer["shards"]).glob("*.distcp"))) == 2
     rest = polytrain_here(capfd, "train", "--resume", out, *then)
     assert rest.returncode == 0, rest.stderr
-    assert_same_weights(load(out / "model.pt"), straight)
+    # float32 with Adam: where a gradient is near eps, summation order moves a weight by ~1e-5 (one of 409,600
+    # at 1.07e-5 from these initial weights); a wrong resume moves every weight far more
+    assert_same_weights(load(out / "model.pt"), straight, atol=2e-5)
 
 
 @pytest.mark.parametrize(

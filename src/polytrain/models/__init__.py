@@ -15,6 +15,7 @@ from .defaults import MODEL_OPTIONS, model_options_of
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .llama import build_llama
+from .meta import on_meta
 from .mlp import MLP
 from .resnet import ResNet20
 
@@ -43,6 +44,13 @@ def build_model(
             f"token ids); use --model gpt or llama"
         )
     return MODELS[name](tuple(input_shape), num_classes, **model_options_of(name, options))
+
+
+def build_model_on_meta(
+    name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None
+) -> nn.Module:
+    """`build_model` under `torch.device("meta")`: its shapes without storage (meta.py gives it values)."""
+    return on_meta(lambda: build_model(name, input_shape, num_classes, options))
 
 
 @torch.no_grad()
@@ -153,4 +161,11 @@ def check_model_output(model: nn.Module, dataset, *, exact: bool = True) -> Opti
     return None
 
 
-__all__ = ["MODEL_OPTIONS", "MODELS", "build_model", "check_model_output", "run_on_sample"]
+__all__ = [
+    "MODEL_OPTIONS",
+    "MODELS",
+    "build_model",
+    "build_model_on_meta",
+    "check_model_output",
+    "run_on_sample",
+]

@@ -96,8 +96,21 @@ class GPT(nn.Sequential):
         if tied:
             head.weight = embeddings.token.weight  # tied input and output embeddings
         super().__init__(embeddings, *(Block(width, heads) for _ in range(layers)), nn.LayerNorm(width), head)
-        self.vocab, self.context = vocab, context
+        self.vocab, self.context, self.layers = vocab, context, layers
         self._init_weights(layers)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The initialisation of `_init_weights` for one module, `name` in this model (models built on the
+        meta device are initialised module by module: models/meta.py)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = name.endswith(("attention.proj", "mlp.2"))
+            std = 0.02 / math.sqrt(2 * self.layers) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
 
     @torch.no_grad()
     def _init_weights(self, layers: int) -> None:

@@ -171,8 +171,20 @@ class Llama(nn.Sequential):
             head.weight = embedding.weight
         blocks = (Block(width, heads, kv_heads, ffn_width, float(rope_theta)) for _ in range(layers))
         super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=NORM_EPS), head)
-        self.vocab, self.context = vocab, context
+        self.vocab, self.context, self.layers = vocab, context, layers
         self._init_weights(layers)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The initialisation of `_init_weights` for one module, `name` in this model (models built on the
+        meta device are initialised module by module: models/meta.py)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = name.endswith(("attention.wo", "feed_forward.w2"))
+            nn.init.normal_(
+                module.weight, mean=0.0, std=0.02 / (2 * self.layers) ** 0.5 if residual else 0.02
+            )
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
 
     @torch.no_grad()
     def _init_weights(self, layers: int) -> None:

@@ -104,6 +104,7 @@ class Workload:
     layers: int = 1  # parameter-holding layers (messages per collective under FSDP2)
     boundary_bytes: Tuple[float, ...] = ()  # activation bytes per sample at each cut between layers
     activation_bytes: float = 0.0  # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
+    largest_layer_bytes: float = 0.0  # the most parameter bytes one layer holds (0: unknown, the whole model)
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
@@ -425,8 +426,8 @@ def memory_per_rank(
 
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
     share of the master weights and their state; sharded: 1/n of everything plus one layer gathered whole
-    (taken as the whole model here, an upper bound); pipeline: about 1/p of the weights, and activations
-    for as many micro-batches as stages in flight; tensor (`tensor` or `tensor RxT`): the split layers' 1/T and
+    (`largest_layer_bytes`, else the whole model, an upper bound); pipeline: about 1/p of the weights, and
+    activations for as many micro-batches as stages in flight; tensor (`tensor` or `tensor RxT`): the split layers' 1/T and
     the replicated ones whole, over R groups sharded as `sharded` is, and the activations of its group's batch
     (all of them, an upper bound: the split layers' are 1/T).
     """
@@ -439,5 +440,6 @@ def memory_per_rank(
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     states = held * (2 + optimizer_slots) / (layout.shard * layout.pipeline)
-    gathered = held if layout.shard > 1 else 0.0  # FSDP2 gathers a layer whole: the model, an upper bound
+    # FSDP2 gathers a layer whole: the largest where known, else the model (an upper bound)
+    gathered = (work.largest_layer_bytes or held) if layout.shard > 1 else 0.0
     return states + gathered + activations

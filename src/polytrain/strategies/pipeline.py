@@ -11,6 +11,7 @@ stages, written as shards (checkpoint_parts.py). With `--tensor-parallel T` each
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..models.meta import materialised_copy
+from ..models.meta import materialised_copy, to_empty
 from ..plan.balance import balance_by_time, parse_split
 from ..plan.layout import Layout
 from ..plan.pipeline import (
@@ -246,17 +247,18 @@ class Pipeline(Distributed):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        # (a model built on the meta device gives the shapes on the meta device, computing nothing)
-        device = "meta" if self.blueprint is not None else self.device
-        x = torch.zeros(1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=device)
+        x = torch.zeros(
+            1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device
+        )
         grads = False
         shapes = []
         for _, layer in layers:
             shapes.append((tuple(x.shape[1:]), x.dtype, grads))
             was_training = layer.training
-            layer.eval()
+            # built on meta: each layer in turn gets storage, no values (only shapes and autocast's dtypes count)
+            run = (to_empty(copy.deepcopy(layer), device=self.device) if self.blueprint else layer).eval()
             with self.autocast():
-                x = layer(x)
+                x = run(x)
             layer.train(was_training)
             grads = grads or any(p.requires_grad for p in layer.parameters())
         return shapes + [(tuple(x.shape[1:]), x.dtype, grads)]

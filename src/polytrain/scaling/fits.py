@@ -1,0 +1,121 @@
+"""Refuse, before any worker starts, a layout whose ranks cannot hold the model: the cost model's bytes per
+rank (plan/costmodel.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
+gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
+is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
+memory shared among the CPU processes. Activations are not counted (the figure is a lower bound), so a layout
+refused here cannot run, and one accepted may still need --activation-checkpointing or a smaller batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import UserError
+from ..plan.costmodel import Workload, memory_per_rank
+from .auto import available_bytes
+
+
+def available_per_rank(device: torch.device, devices: int) -> float:
+    """What one rank may hold: a GPU's free memory, or the host's MemAvailable shared among `devices`
+    processes."""
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                fields = dict(line.split(":", 1) for line in meminfo)
+            return int(fields["MemAvailable"].split()[0]) * 1024 / devices
+        except (OSError, KeyError, ValueError):
+            pass
+    return available_bytes(device, devices)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0) -> Workload:
+    """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine)."""
+    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    layers = [
+        sum(sizes[id(p)] for p in module.parameters(recurse=False))
+        for module in model.modules()
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    return Workload(
+        compute_seconds=0.0,
+        parameter_bytes=float(sum(sizes.values())),
+        batch_size=batch_size,
+        layers=max(1, len(layers)),
+        largest_layer_bytes=float(max(layers, default=0)),
+        split_bytes=split_bytes,
+    )
+
+
+def label_of(strategy: str, devices: int, tensor_parallel: Optional[int]) -> str:
+    """The cost model's name for this layout (`tensor RxT` for R tensor groups of T ranks)."""
+    if strategy == "tensor" and tensor_parallel and tensor_parallel < devices:
+        return f"tensor {devices // tensor_parallel}x{tensor_parallel}"
+    return strategy
+
+
+def _split_bytes(config, model: nn.Module, devices: int) -> float:
+    """Bytes of the layers the tensor plan splits (0 where the model has no plan: all replicated)."""
+    from ..strategies.tensor import plan_for
+
+    try:
+        plan = plan_for(config, model, devices=devices)
+    except UserError:
+        return 0.0
+    return float(
+        sum(
+            p.numel() * p.element_size()
+            for name, _, _ in plan.styles
+            for p in model.get_submodule(name).parameters(recurse=False)
+        )
+    )
+
+
+def check_fits(
+    config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int
+) -> None:
+    """One line, before any worker starts, where each rank of `strategy` on `config.devices` would need more
+    memory than it has: the figures, and the settings that would make it fit."""
+    devices = config.devices
+    tensor = (config.tensor_parallel or devices) if strategy == "tensor" else 1
+    split = _split_bytes(config, model, tensor) if tensor > 1 else 0.0
+    work = model_workload(model, batch_size=config.batch_size, split_bytes=split)
+    label = label_of(strategy, devices, config.tensor_parallel)
+    needed = memory_per_rank(work, label if devices > 1 else "single", devices, optimizer_slots=slots)
+    available = available_per_rank(device, devices)
+    if needed <= available:
+        return
+    where = (
+        "free on the GPU"
+        if device.type == "cuda"
+        else f"the host's available memory / {devices} process{'es' * (devices > 1)}"
+    )
+    fixes = []
+    if strategy != "sharded" and devices > 1:
+        sharded = memory_per_rank(work, "sharded", devices, optimizer_slots=slots)
+        fixes.append(f"--strategy sharded ({_gib(sharded)} per rank)")
+    more = next(
+        (
+            n
+            for n in (2**k for k in range(1, 17))
+            if n > devices and memory_per_rank(work, "sharded", n, optimizer_slots=slots) <= available
+        ),
+        None,
+    )
+    if more is not None:
+        fixes.append(f"--strategy sharded --devices {more} or more (with as much memory per device)")
+    else:
+        fixes.append("more memory per device: even sharded over 65536 devices it does not fit")
+    raise UserError(
+        f"{name} ({sum(p.numel() for p in model.parameters()) / 1e9:,.2f}B parameters) "
+        f"does not fit --strategy {strategy} on {devices} device(s): each rank needs at least "
+        f"{_gib(needed)} (parameters, gradients and {slots} optimizer slot(s) per parameter, before "
+        f"activations), and has {_gib(available)} ({where}); use {'; or '.join(fixes)}; the activations "
+        f"come on top (--activation-checkpointing full and --precision bf16 lower them)"
+    )

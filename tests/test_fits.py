@@ -1,0 +1,70 @@
+"""A layout whose ranks cannot hold the model is refused in one line before any worker starts (scaling/fits.py),
+judged from the model's shapes on the meta device: Llama 3 8B and 70B are never allocated."""
+
+import pytest
+import torch
+from processes import polytrain
+
+from polytrain.config import TrainConfig
+from polytrain.errors import UserError
+from polytrain.models import build_model_on_meta
+from polytrain.scaling import fits
+
+GIB = 2**30
+# Llama 3 8B's shape, counted by hand: 32 blocks of wq, wo (4096^2), wk, wv (4096 x 1024), three SwiGLU
+# matrices (4096 x 14336) and two norms, an embedding and a head of 128256 x 4096, and the final norm
+BLOCK = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+PARAMETERS_8B = 32 * BLOCK + 2 * 128256 * 4096 + 4096
+EMBEDDING_BYTES = 128256 * 4096 * 4
+
+
+@pytest.fixture
+def llama_8b():
+    model = build_model_on_meta("llama", (64,), 65, dict(size="8b"))
+    assert all(p.is_meta for p in model.parameters())  # built without storage
+    return model
+
+
+def refusal(model, monkeypatch, *, available_gib: float, **settings) -> str:
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: available_gib * GIB)
+    config = TrainConfig(model="llama", **settings)
+    with pytest.raises(UserError) as caught:
+        fits.check_fits(config, model, config.strategy, name="llama", device=torch.device("cpu"), slots=2)
+    return str(caught.value)
+
+
+def test_the_8b_preset_is_refused_with_the_figures_and_the_settings_that_fit(llama_8b, monkeypatch):
+    assert sum(p.numel() for p in llama_8b.parameters()) == PARAMETERS_8B
+    line = refusal(llama_8b, monkeypatch, available_gib=64, strategy="data", devices=2)
+    assert "\n" not in line
+    # AdamW: parameters, gradients and two moments in float32, on every replica
+    assert f"needs at least {PARAMETERS_8B * 16 / GIB:,.1f} GiB" in line and "has 64.0 GiB" in line
+    assert "8.03B parameters" in line
+    # sharded over the same 2 devices: half of it, plus the largest layer gathered whole (the embedding)
+    sharded = PARAMETERS_8B * 16 / 2 + EMBEDDING_BYTES
+    assert f"--strategy sharded ({sharded / GIB:,.1f} GiB per rank)" in line
+    assert "--activation-checkpointing full and --precision bf16" in line
+
+
+def test_more_devices_are_named_where_sharding_over_these_is_not_enough(llama_8b, monkeypatch):
+    line = refusal(llama_8b, monkeypatch, available_gib=20, strategy="sharded", devices=2)
+    # 8 x 20 GiB: each holds 1/8 of 119.7 GiB and the 1.96 GiB embedding, 16.9 GiB
+    assert "--strategy sharded --devices 8 or more" in line and "--strategy sharded (" not in line
+
+
+def test_a_layout_that_fits_passes(llama_8b, monkeypatch):
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: 64 * GIB)
+    config = TrainConfig(model="llama", strategy="sharded", devices=4)
+    fits.check_fits(config, llama_8b, "sharded", name="llama", device=torch.device("cpu"), slots=2)
+
+
+def test_the_70b_preset_is_refused_in_one_line_before_any_worker_starts():
+    result = polytrain(
+        *("train", "--model", "llama", "--size", "70b", "--dataset", "shakespeare"),
+        *("--devices", "2", "--strategy", "sharded"),
+        timeout=240,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "does not fit --strategy sharded on 2 device(s)" in errors[0], result.stderr
+    assert "70.55B parameters" in errors[0] and "worker" not in result.stderr

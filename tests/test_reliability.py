@@ -256,3 +256,18 @@ def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path, 
     assert rest.returncode == 0, rest.stderr
     assert "in epoch 2 at step 2 of 5 on 2 CPU processes as the run had" in rest.stdout
     assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 0)
+
+
+def test_a_worker_killed_by_a_signal_is_one_line_naming_it():
+    from types import SimpleNamespace
+
+    from polytrain.runtime.launch import exit_words, worker_failure
+
+    killed = SimpleNamespace(
+        message="", exitcode=-9
+    )  # as torch elastic reports the out-of-memory killer's work
+    failed = SimpleNamespace(get_first_failure=lambda: (3, killed))
+    error = worker_failure(failed)
+    assert str(error).startswith("worker rank 3 failed: killed by SIGKILL, most often the system running out")
+    assert "\n" not in str(error)
+    assert exit_words(-15) == "killed by SIGTERM" and exit_words(1) == "exited with code 1"

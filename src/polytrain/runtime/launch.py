@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import signal
 import sys
 import tempfile
 import uuid
@@ -176,6 +177,23 @@ def _logs_in(folder: str) -> dict:
     return {"logs_specs": DefaultLogsSpecs(log_dir=folder)}
 
 
+def exit_words(code: int) -> str:
+    """How a worker process ended, in words: killed by a signal where the code is negative (SIGKILL, most
+    often the system's out-of-memory killer)."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGKILL":
+        return (
+            "killed by SIGKILL, most often the system running out of memory; use more devices, "
+            "--strategy sharded, --activation-checkpointing full or a smaller batch"
+        )
+    return f"killed by {name}"
+
+
 def worker_failure(failed) -> WorkerFailed:
     """The first failing rank's error, as one line for a user mistake, else with its traceback."""
     rank, failure = failed.get_first_failure()
@@ -183,10 +201,7 @@ def worker_failure(failed) -> WorkerFailed:
     message = str(record.get("message") or "").strip()
     trace = str(record.get("extraInfo", {}).get("py_callstack", ""))
     if message == "" or message.startswith("Signal") or message == "<N/A>":
-        message = f"exited with code {failure.exitcode}" + (
-            f" ({failure.signal_name()})" if failure.signal else ""
-        )
-        return WorkerFailed(f"worker rank {rank} failed: {message}")
+        return WorkerFailed(f"worker rank {rank} failed: {exit_words(failure.exitcode)}")
     error_class = message.split(":", 1)[0]
     if error_class == "WorkerHang":
         return WorkerFailed(f"worker hang: {message.split(':', 1)[-1].strip()}")

@@ -81,20 +81,27 @@ def share_cores(processes_on_this_machine: int) -> int:
     return threads
 
 
-def keep_freed_memory() -> bool:
+LARGE_MODEL = 2**30  # bytes of parameters from which a process gives freed memory back at once
+
+
+def keep_freed_memory(*, model_bytes: int = 0) -> bool:
     """Stop glibc from returning and re-mapping activation buffers on every step.
 
     By default glibc serves blocks over 128 KB with mmap and gives them back on free, so each training step
     page-faults its activations in again (measured: ~30k faults and 90-100 ms per step instead of 61-70 ms,
     LeNet at batch 512 on 2 threads; docs/benchmarks.md). Fixed thresholds keep the memory in the heap.
+    For a model of `LARGE_MODEL` bytes or more the opposite: blocks over 1 MB are mapped on their own and
+    given back when freed, since a heap that keeps up to a GiB per process of freed gathered layers and
+    optimizer temporaries is what makes 8 processes of a 1e9-parameter model run out of memory (measured).
     Only for processes polytrain owns (the command line and its workers); a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
         return False
+    large = model_bytes >= LARGE_MODEL
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)) and bool(
-            libc.mallopt(M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, (1 if large else 32) * 1024 * 1024)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, (64 if large else 1024) * 1024 * 1024)
         )
     except (OSError, AttributeError):
         return False

@@ -115,7 +115,7 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if launcher is not None:  # a process started for training: tune it (never the caller's)
-        keep_freed_memory()
+        keep_freed_memory(model_bytes=sum(p.numel() * p.element_size() for p in job.model.parameters()))
         if device.type == "cpu":
             share_cores(local_world)
     if distributed and not dist.is_initialized():

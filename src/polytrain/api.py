@@ -80,9 +80,11 @@ def train_run(
     param_groups=None,
     step=None,
     eval_step=None,
+    return_weights: bool = True,
 ):
     """Validate everything, prepare the run folder, then train on `config.devices` devices: the phases below,
-    in order, each a function of its own. Returns (history, model with the trained weights, run folder or None).
+    in order, each a function of its own. Returns (history, model with the trained weights, run folder or None);
+    `return_weights=False` (the command line, whose run folder holds them) leaves the model as it was given.
     """
     launcher = launcher_env()
     config, resume_dir = under_launcher(config, launcher, resume_dir)
@@ -185,6 +187,7 @@ def train_run(
         loggers=tuple(loggers),
         callbacks=tuple(callbacks),
         optim=recipe,
+        return_weights=return_weights,
     )
     try:
         with training(run_dir):  # one process trains a run folder at a time
@@ -195,7 +198,8 @@ def train_run(
         raise
     if result is None:  # (a rank other than 0 under a launcher)
         return None, module, run_dir
-    give_values(module, device="cpu", seed=config.seed).load_state_dict(result.weights)
+    if return_weights:
+        give_values(module, device="cpu", seed=config.seed).load_state_dict(result.weights)
     if verbose and result.history.stopped:  # early stopping, or a callback
         print(result.history.stopped + (f"; run folder {run_dir}" if run_dir else ""), flush=True)
     return result.history, module, run_dir

@@ -156,12 +156,12 @@ def train_command(args) -> int:
             return 0
         config, run_dir, record = plan
         write_config(Path(run_dir), {k: v for k, v in record.items() if k != "versions"})
-        history, _, run_dir = train_run(config, resume_dir=run_dir)
+        history, _, run_dir = train_run(config, resume_dir=run_dir, return_weights=False)
     else:
         config = config_from_args(args)
         if args.model_defaults:
             print(defaults_words(config.model, args.model_defaults), flush=True)
-        history, _, run_dir = train_run(config)
+        history, _, run_dir = train_run(config, return_weights=False)
     if history is not None and run_dir is not None:
         if history.stopped:
             pass  # said already: early stopping, or a callback

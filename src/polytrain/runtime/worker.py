@@ -52,6 +52,9 @@ class Job:
     callbacks: tuple = ()  # the user's callback objects (fit(callbacks=...)), called on the main rank
     bench: Optional[tuple] = None  # (warm-up steps, measured steps): time each step (`polytrain bench`)
     optim: object = None  # optim.Recipe checked by the caller; None: made from the config
+    # False: the caller does not take the trained weights back (the command line: they are in the run folder),
+    # so a split model is never gathered whole onto one rank
+    return_weights: bool = True
 
 
 @dataclass
@@ -268,7 +271,9 @@ def _train(
     elif trainer.interrupted:
         number = stop.received or signal.SIGTERM  # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
-    weights = strategy.model_state()  # every rank takes part (split models gather)
+    weights = (
+        strategy.model_state() if job.return_weights else {}
+    )  # every rank takes part (split models gather)
     if not strategy.is_main:
         return None
     weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}

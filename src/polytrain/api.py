@@ -27,7 +27,7 @@ from .loggers import split_logger_argument
 from .models import build_model_on_meta, check_model_output, takes_channels_last
 from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts, plan_loop
-from .models.meta import from_factory, give_values, materialised_copy
+from .models.meta import from_factory, give_values
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects
 from .run_dir import (
     forget_unstarted_run,
@@ -142,7 +142,7 @@ def train_run(
     if config.strategy == "auto" and config.devices > 1:
         strategy, line = auto_strategy(
             config,
-            materialised_copy(module, device="cpu", seed=config.seed),  # measured: needs values
+            module,  # measuring materialises a copy, where it fits (scaling/whole_model.py)
             dataset,
             objective,
             device=device,

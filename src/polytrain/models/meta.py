@@ -146,6 +146,36 @@ def give_values(module: nn.Module, *, device, seed: int) -> nn.Module:
 
 def materialised_copy(module: nn.Module, *, device, seed: int = 0) -> nn.Module:
     """A copy of `module` on `device` with values (initial ones where it was built on the meta device): for
-    the launching process's measurements, which need numbers."""
+    the launching process's measurements, which need numbers. The whole model: planning a large one takes
+    `one_by_one` instead."""
     copied = copy.deepcopy(module)
     return give_values(copied, device=device, seed=seed) if is_meta(module) else copied.to(device)
+
+
+def one_by_one(model: nn.Module, parts, *, device, seed: int = 0) -> Iterator[Tuple[str, nn.Module]]:
+    """(name, copy) for each (name, module) of `parts`, modules of `model`, one at a time: a copy on `device`
+    with the values it has in `model`, or, built on the meta device, its initial values in the whole model
+    (tied weights included). Each copy is made only when the previous one is asked past, so a caller that
+    drops it holds one module's tensors at a time, however large the model."""
+    for name, module in parts:
+        if not is_meta(module):
+            yield name, copy.deepcopy(module).to(device)
+            continue
+        copied = to_empty(copy.deepcopy(module), device=device)
+        prefix = f"{name}." if name else ""
+        targets = {
+            prefix + key: tensor
+            for key, tensor in [
+                *copied.named_parameters(remove_duplicate=False),
+                *copied.named_buffers(remove_duplicate=False),
+            ]
+        }
+        # a fresh blueprint each time: full_values gives a module storage and takes it back, which unties
+        # the blueprint's tied tensors
+        for names, value in full_values(copy.deepcopy(model), seed, wanted=targets):
+            for target in names:
+                if target in targets:
+                    with torch.no_grad():
+                        targets[target].copy_(value)
+        yield name, copied
+        del copied, targets

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -17,6 +16,7 @@ import torch
 from ..errors import ConfigError, first_line
 from ..plan import costmodel
 from ..plan.pipeline import default_microbatches
+from .fits import available_bytes
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
 # A strategy replaces a simpler one only when predicted at least this much faster: measurements move by
@@ -31,16 +31,6 @@ AUTO_REPEATS, AUTO_SECONDS = 3, 2.0
 # considers one group of all the devices only: it names a strategy, and a (data, tensor) mesh needs
 # --tensor-parallel as well.
 SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  # ties go to the earlier
-
-
-def available_bytes(device: torch.device, devices: int) -> float:
-    """What one rank may hold: a GPU's free memory, or a 1/n share of the host's available memory."""
-    if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / devices
-    except (ValueError, OSError, AttributeError):
-        return math.inf
 
 
 def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
@@ -151,6 +141,7 @@ def choose_strategy(
     config, model, dataset, objective, *, device: torch.device, channels_last: bool
 ) -> Tuple[str, str]:
     """(strategy name, the line that says why) for `--strategy auto` with several devices."""
+    from .whole_model import measurable_copy
     from .workload import measure
 
     n = config.devices
@@ -164,9 +155,17 @@ def choose_strategy(
         if measured:
             return measured
     else:
+        measured_model = measurable_copy(
+            model,
+            copies=n + 3,  # itself, one device's, n replicas side by side, one more for the sizes
+            device=device,
+            seed=config.seed,
+            what="--strategy auto times whole steps of the model and",
+            instead="name the strategy (--strategy sharded), or pass --plan bench.json from polytrain bench",
+        )
         try:
             work, (link, _) = measure(
-                model,
+                measured_model,
                 dataset,
                 objective,
                 batch_size=config.batch_size,

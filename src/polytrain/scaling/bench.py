@@ -17,7 +17,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError, UserError, first_line
-from ..models import MODELS, build_model
+from ..models import MODELS, build_model, build_model_on_meta
 from ..models.defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..objective import Objective
 from ..plan import costmodel
@@ -29,6 +29,7 @@ from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
 from .auto import steady_choice
 from .flops import flops_per_sample, matmul_peak
+from .whole_model import check_bench
 from .workload import measure_link, measure_workload, predictions_for, turns
 
 PHASES = ("compute", "communication", "data", "idle")
@@ -414,10 +415,14 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
         **options.model_options,
     )
     dataset = as_dataset(options.dataset, config)
+    shapes = build_model_on_meta(
+        options.model, dataset.input_shape, dataset.num_classes, options.model_options
+    )
+    check_bench(shapes, devices=max(options.devices), kinds=options.device_kinds)  # before it is built
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
     rounds = [combinations(options, tensor=has_tensor_plan(model)) for _ in range(options.repeats)]
-    flops = flops_per_sample(model, dataset, objective_for(dataset))
+    flops = flops_per_sample(shapes, dataset, objective_for(dataset))
     peaks = {
         kind: matmul_peak(choose_device(kind, 0))
         for kind in options.device_kinds

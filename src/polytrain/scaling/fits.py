@@ -8,6 +8,8 @@ refused here cannot run, and one accepted may still need --activation-checkpoint
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Optional
 
 import torch
@@ -15,7 +17,16 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..plan.costmodel import Workload, memory_per_rank
-from .auto import available_bytes
+
+
+def available_bytes(device: torch.device, devices: int) -> float:
+    """What one rank may hold: a GPU's free memory, or a 1/n share of the host's available memory."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / devices
+    except (ValueError, OSError, AttributeError):
+        return math.inf
 
 
 def available_per_rank(device: torch.device, devices: int) -> float:

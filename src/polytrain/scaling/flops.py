@@ -10,16 +10,21 @@ import time
 
 import torch
 
+from ..models.meta import is_meta
 from .workload import sample_batch
 
 
 def flops_per_sample(model, dataset, objective, *, count: int = 2) -> float:
-    """FLOPs of one forward, loss and backward per sample, counted on a copy of `model` (BatchNorm's statistics
-    move) over `count` samples; nan where the objective cannot score the outputs alone."""
+    """FLOPs of one forward, loss and backward per sample, over `count` samples; nan where the objective cannot
+    score the outputs alone. A model built on the meta device is counted as it is, on meta tensors (no weights
+    are made, so a model of any size is counted; attention runs as its matrix products there, which count),
+    any other on a copy (BatchNorm's statistics move)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     x, y = sample_batch(dataset, count)
-    model = copy.deepcopy(model).train()
+    if is_meta(model):
+        x, y = x.to("meta"), y.to("meta")
+    model = (model if is_meta(model) else copy.deepcopy(model)).train()
     try:
         with FlopCounterMode(display=False) as counter:
             objective.loss_sum(model(x), y).backward()

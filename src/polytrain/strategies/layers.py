@@ -107,9 +107,15 @@ def named_subset(layers: Layers) -> nn.Module:
     return root
 
 
+def _class_name(cls: type) -> str:
+    """A layer's class name; a layer sharded by FSDP2 (of its class FSDP<Name>) by its own class's."""
+    own = cls.__bases__[-1]
+    return own.__name__ if cls.__name__ == f"FSDP{own.__name__}" else cls.__name__
+
+
 def describe_layers(layers: Layers, indices: range) -> str:
     first, last = layers[indices[0]], layers[indices[-1]]
-    kind = lambda entry: type(entry[1]).__name__  # noqa: E731
+    kind = lambda entry: _class_name(type(entry[1]))  # noqa: E731
     if len(indices) == 1:
         return f"{indices[0]} {kind(first)}"
     return f"{indices[0]}-{indices[-1]} ({kind(first)} .. {kind(last)})"
@@ -123,18 +129,17 @@ def _run(layer: nn.Module, x: torch.Tensor, *, first: bool) -> torch.Tensor:
     return out.detach()
 
 
-def time_layers(layers: Layers, sample: torch.Tensor, *, repeats: int = 5) -> List[float]:
+def time_layers(layers, sample: torch.Tensor, *, repeats: int = 5) -> List[float]:
     """Seconds each layer takes for forward + backward on `sample` (a micro-batch, on the device the layers
-    are on): after two warm-up passes through the whole chain (first calls pay for kernel selection), the
-    median of `repeats` runs, each layer fed the previous one's output."""
+    are on): after two untimed runs (first calls pay for kernel selection), the median of `repeats` runs, each
+    layer fed the previous one's output. `layers` is read once, in order, and no layer is kept after its turn:
+    an iterable that materialises each in turn (meta.py `one_by_one`) keeps one layer at a time."""
     device = sample.device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        x = sample
-        for i, (_, layer) in enumerate(layers):
-            x = _run(layer, x, first=i == 0)
     costs, x = [], sample
     for i, (_, layer) in enumerate(layers):
+        for _ in range(2):
+            _run(layer, x, first=i == 0)
         runs = []
         for _ in range(repeats):
             sync()
@@ -143,13 +148,13 @@ def time_layers(layers: Layers, sample: torch.Tensor, *, repeats: int = 5) -> Li
             sync()
             runs.append(time.perf_counter() - began)
         costs.append(statistics.median(runs))
-        x = out
-    for _, layer in layers:
         layer.zero_grad(set_to_none=True)
+        x = out
+        del layer
     return costs
 
 
-def layer_memory(layers: Layers, sample: torch.Tensor, *, optimizer_slots: int) -> List[float]:
+def layer_memory(layers, sample: torch.Tensor, *, optimizer_slots: int) -> List[float]:
     """Bytes each layer holds during a step on `sample`: the tensors autograd saves for its backward (the
     activations a stage keeps per micro-batch in flight), plus its parameters, their gradients and
     `optimizer_slots` optimizer tensors per parameter (momentum: 1, Adam: 2)."""
@@ -169,4 +174,5 @@ def layer_memory(layers: Layers, sample: torch.Tensor, *, optimizer_slots: int) 
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
         sizes.append(float(sum(saved.values()) + params * (2 + optimizer_slots)))
         x = out.detach()
+        del layer, out, keep  # read in turn (meta.py `one_by_one`): one layer at a time
     return sizes

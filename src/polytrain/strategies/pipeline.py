@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..models.meta import materialised_copy, to_empty
+from ..models.meta import one_by_one, to_empty
 from ..plan.balance import balance_by_time, parse_split
 from ..plan.layout import Layout
 from ..plan.pipeline import (
@@ -170,8 +170,8 @@ class Pipeline(Distributed):
                 input_dtype=dtype,
                 tensor=tensor,
             )
-        # a copy (timing must not touch the model's statistics), with values where it was built on meta
-        measured = flatten_layers(materialised_copy(model, device=device, seed=config.seed))
+        # copied one layer at a time (never the whole model here), with initial values where built on meta
+        measured = one_by_one(model, layers, device=device, seed=config.seed)
         sample = dataset.sample_inputs(per_replica // microbatches).to(device)
         if microbatches == 1:
             # One micro-batch: the stages run one after another whatever the split, so no split is faster

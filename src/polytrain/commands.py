@@ -417,7 +417,9 @@ def generate_text(
     index = {char: i for i, char in enumerate(vocab)}
     idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
-    out = generate(model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator)
+    out = generate(
+        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=len(vocab)
+    )
     return prompt + "".join(vocab[i] for i in out[0, idx.shape[1] :].tolist())
 
 

@@ -9,6 +9,7 @@ its own (`view(B, T, heads, head_dim)`), so heads can later be split across devi
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -139,12 +140,21 @@ def build_gpt(input_shape, num_classes: int, *, layers=None, heads=None, width=N
 
 @torch.no_grad()
 def generate(
-    model: GPT, idx: torch.Tensor, tokens: int, *, temperature: float = 1.0, top_k=None, generator=None
+    model: GPT,
+    idx: torch.Tensor,
+    tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k=None,
+    generator=None,
+    vocabulary: Optional[int] = None,
 ) -> torch.Tensor:
-    """Extend the ids `idx` (1, T) by `tokens` samples, each conditioned on the last `context` ids."""
+    """Extend the ids `idx` (1, T) by `tokens` samples, each conditioned on the last `context` ids. With
+    `vocabulary`, only ids below it are drawn: a model with more rows than the data's tokens (--vocab-size)
+    never emits one the tokenizer cannot decode (the other rows' scores are dropped before sampling)."""
     model.eval()
     for _ in range(tokens):
-        logits = model(idx[:, -model.context :])[:, -1, :].float()
+        logits = model(idx[:, -model.context :])[:, -1, :vocabulary].float()
         if temperature == 0:
             following = logits.argmax(-1, keepdim=True)
         else:

@@ -40,9 +40,9 @@ from interleaved import save  # benchmarks/interleaved.py (run as python benchma
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from polytrain.config.model_defaults import MODEL_DEFAULTS
 from polytrain.data.text import SHAKESPEARE, tokenise
 from polytrain.models import build_model
-from polytrain.models.defaults import MODEL_DEFAULTS
 
 RECIPE = MODEL_DEFAULTS["gpt"]
 

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from interleaved import interleave, report, save  # benchmarks/interleaved.py (run as python benchmarks/...)
 
 import polytrain
+from polytrain.config.model_defaults import MODEL_DEFAULTS
 from polytrain.data.order import global_batch_order
 from polytrain.data.text import SHAKESPEARE, TokenLoader, tokenise
 from polytrain.models import build_model
-from polytrain.models.defaults import MODEL_DEFAULTS
 from polytrain.optim import lr_factor
 
 RECIPE = MODEL_DEFAULTS["gpt"]

@@ -316,7 +316,7 @@ def test_a_gpt_trains_on_a_pipeline_as_on_one_device(tmp_path, tied):
 
 
 def test_another_optimizer_or_schedule_takes_its_own_defaults_not_the_recipes():
-    from polytrain.models.defaults import apply_model_defaults
+    from polytrain.config.model_defaults import apply_model_defaults
 
     values = {"optimizer": "sgd", "schedule": "steplr"}
     applied = apply_model_defaults(values, {"optimizer", "schedule"}, "gpt")

@@ -397,7 +397,7 @@ def _built(**settings):
     """The optimizer polytrain builds for a run with these settings (as fit() and the command line resolve
     them), over one parameter."""
     from polytrain.config import TrainConfig
-    from polytrain.models.defaults import apply_model_defaults
+    from polytrain.config.model_defaults import apply_model_defaults
     from polytrain.optim import make_recipe
 
     values = dict(settings)

@@ -20,12 +20,12 @@ from .checkpoint import atomic_write_bytes
 from .config import TrainConfig
 from .config.flags import refuse_ignored
 from .config.keywords import check_keywords, keyword_words
+from .config.model_defaults import apply_model_defaults, defaults_words
 from .config.train import apply_inputs
 from .data import ArrayDataset, unused_dataset_options
 from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models import build_model_on_meta, check_model_output, takes_channels_last
-from .models.defaults import apply_model_defaults, defaults_words
 from .models.lightning import is_lightning, lightning_parts, plan_loop
 from .models.meta import from_factory, give_values
 from .optim import FROM_PYTHON, describe, make_recipe, recipe_line, recipe_notes, take_objects

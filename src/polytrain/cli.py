@@ -9,11 +9,9 @@ import sys
 
 from .config import DEFAULTS, SETTINGS
 from .config.flags import add_setting_flags, given_settings, unknown_flag
-from .data import DATASETS
+from .config.registry_names import DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES
 from .errors import UserError
-from .models import MODELS
-from .runtime.verify import COMPARE_HELP, TOLERANCE_HELP
-from .strategies import STRATEGIES
+from .runtime.verify_limits import COMPARE_HELP, TOLERANCE_HELP
 from .version import __version__
 
 EXAMPLES = """examples:
@@ -176,9 +174,11 @@ BENCH_DESCRIPTION = (
 
 
 def add_bench_flags(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--model", default=DEFAULTS.model, metavar="NAME", help=f"one of {', '.join(MODELS)}")
     bench.add_argument(
-        "--dataset", default=DEFAULTS.dataset, metavar="NAME", help=f"one of {', '.join(DATASETS)}"
+        "--model", default=DEFAULTS.model, metavar="NAME", help=f"one of {', '.join(MODEL_NAMES)}"
+    )
+    bench.add_argument(
+        "--dataset", default=DEFAULTS.dataset, metavar="NAME", help=f"one of {', '.join(DATASET_NAMES)}"
     )
     bench.add_argument("--data-dir", metavar="DIR", help="folder holding the dataset files")
     bench.add_argument(
@@ -189,9 +189,9 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--strategies",
-        default=tuple(STRATEGIES),
+        default=STRATEGY_NAMES,
         metavar="S,T,...",
-        help=f"default: {','.join(STRATEGIES)} (tensor: where the model has a tensor plan, one group "
+        help=f"default: {','.join(STRATEGY_NAMES)} (tensor: where the model has a tensor plan, one group "
         f"of all the devices and each data x tensor mesh the count allows)",
     )
     bench.add_argument(

@@ -22,15 +22,15 @@ from .config import (
     unset_value,
 )
 from .config.flags import config_from_args, flag_list, parse_list
+from .config.model_defaults import MODEL_SETTINGS, defaults_words
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
 from .models import build_model, build_model_on_meta
-from .models.defaults import MODEL_SETTINGS, defaults_words
 from .models.gpt import generate
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.launch import check_devices, run_job
-from .runtime.verify import DEFAULT_TOLERANCE
+from .runtime.verify_limits import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
 from .sources import as_dataset, make_objective
 from .strategies import make_plan, resolve_strategy_name

@@ -18,20 +18,8 @@ import torch
 
 from .callbacks import Callback
 from .checkpoint import atomic_write_bytes
-from .errors import ConfigError, UserError
-
-LOGGERS = ("tensorboard", "csv")
-
-
-def parse_loggers(text: Optional[str]) -> Tuple[str, ...]:
-    """`--logger tensorboard,csv` as names, each checked."""
-    names = tuple(name.strip() for name in (text or "").split(",") if name.strip())
-    for name in names:
-        if name not in LOGGERS:
-            raise ConfigError(
-                f"unknown --logger {name!r}; choose from {', '.join(LOGGERS)} (comma-separated)"
-            )
-    return names
+from .config.registry_names import LOGGERS, check_tensorboard
+from .errors import UserError
 
 
 def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:
@@ -68,16 +56,6 @@ def make_loggers(
         )
     callbacks += [StepLogger(obj) for obj in objects]
     return callbacks
-
-
-def check_tensorboard() -> None:
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--logger tensorboard needs the tensorboard package; run: pip install "
-            "'polytrain[tensorboard]' (or pip install tensorboard)"
-        ) from None
 
 
 class StepLogger(Callback):

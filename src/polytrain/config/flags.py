@@ -10,21 +10,19 @@ import argparse
 import re
 from typing import Optional
 
-from ..data import DATASETS, datasets_using, unused_dataset_options
 from ..errors import UserError
-from ..models import MODELS
-from ..models.defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
-from ..strategies import STRATEGIES
 from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
+from .model_defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
 from .names import as_flag, foreign, nearest
+from .registry_names import DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES, datasets_using, unused_dataset_options
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS, TrainConfig, apply_inputs
 
 REGISTRIES = {
-    "datasets": ", ".join(DATASETS),
-    "models": ", ".join(MODELS),
-    "strategies": ",".join(STRATEGIES),
+    "datasets": ", ".join(DATASET_NAMES),
+    "models": ", ".join(MODEL_NAMES),
+    "strategies": ",".join(STRATEGY_NAMES),
 }
 
 

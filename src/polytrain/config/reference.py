@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 from typing import Iterable, List
 
-from ..models.defaults import MODEL_DEFAULTS
 from .declare import GROUPS, Setting, flag_name
 from .flags import _fill
+from .model_defaults import MODEL_DEFAULTS
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS
 

@@ -7,15 +7,14 @@ declarations; what is left here relates settings to each other.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..loggers import check_tensorboard, parse_loggers
-from ..optim import check_settings
 from ..plan.layout import Layout, data_degree_or_devices, layout_of, layout_or_none
 from ..plan.pipeline import check_microbatches
 from .declare import check_value, declared, flag_name, unset
+from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 
 
@@ -98,6 +97,13 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
     """All settings of a run, flat (`config.batch_size`), as `config.json` records them."""
 
     def __post_init__(self) -> None:
+        # in this order, so that of several mistakes the same one is named first
+        self._check_values()
+        check_optimizer_settings(self)
+        self._check_together()
+
+    def _check_values(self) -> None:
+        """Each setting's declared check (and which strategy owns it), the learning rate and the momentum."""
         self.synthetic_shape = tuple(self.synthetic_shape)
         if isinstance(self.split, (list, tuple)):  # the Python API may give split=(4, 7), or split=3
             self.split = ",".join(str(point) for point in self.split)
@@ -123,7 +129,9 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--lr-scale linear multiplies --lr by the replicas; give --lr (the optimizer's default is not "
             "scaled silently)",
         )
-        check_settings(self)  # the optimizer and schedule by name, their arguments, the interval
+
+    def _check_together(self) -> None:
+        """The values left, then the settings against each other: the layout, the batch, the pipeline."""
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(
             self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}"
@@ -249,9 +257,28 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         return cls(**{k: v for k, v in values.items() if k in SETTINGS})
 
 
+def check_optimizer_settings(config: TrainConfig) -> None:
+    """The optimizer and schedule by name, their arguments, the interval: the one check that needs torch.optim,
+    imported here so that importing `polytrain.config` imports no torch."""
+    from ..optim import check_settings
+
+    check_settings(config)
+
+
+def _declared_defaults() -> TrainConfig:
+    """`TrainConfig()` without its optimizer's check, which needs torch (tests/test_config_imports.py checks
+    that `TrainConfig()` passes it and equals this)."""
+    defaults = object.__new__(TrainConfig)
+    for f in fields(TrainConfig):
+        setattr(defaults, f.name, f.default_factory() if f.default is MISSING else f.default)
+    defaults._check_values()
+    defaults._check_together()
+    return defaults
+
+
 # Derived from the declarations: nothing below names a setting.
 SETTINGS = {name: meta for group in GROUP_CLASSES for name, meta in declared(group).items()}
-DEFAULTS = TrainConfig()
+DEFAULTS = _declared_defaults()
 STRATEGY_OPTIONS = {}  # strategy -> the options only it reads
 for _name, _meta in SETTINGS.items():
     for _owner in _meta.strategies:

@@ -1,48 +1,34 @@
 """Datasets by name. Each loader returns an `ArrayDataset` of uint8 images held in memory, or for text a
 `TokenDataset` of token ids (text.py).
 
-The registry is the single source of the names the command line offers (`polytrain train --dataset`).
+The names, and the dataset settings each one reads, are declared in config/registry_names.py, where the
+command line reads them without importing torch; this registry maps them to loaders and checks at import that
+both name the same datasets.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
+from ..config.registry_names import (
+    DATASET_NAMES,
+    check_registry,
+    datasets_using,
+    unused_dataset_options,
+)
 from ..errors import DataError, UserError
 from .arrays import ArrayDataset
 
 DATASETS: Dict[str, Callable[..., ArrayDataset]] = {}
-OPTIONS: Dict[str, Tuple[str, ...]] = {}  # the dataset settings each dataset reads
-DATASET_SETTINGS = (
-    "data_dir",
-    "download",
-    "synthetic_size",
-    "synthetic_shape",
-    "image_size",
-    "val_fraction",
-    "skip_bad",
-)
 
 
-def register(name: str, *, options: Tuple[str, ...] = ()):
+def register(name: str):
     def add(loader):
         DATASETS[name] = loader
-        OPTIONS[name] = options
         return loader
 
     return add
-
-
-def unused_dataset_options(name: Optional[str], given) -> List[str]:
-    """The dataset settings in `given` that dataset `name` does not read (all of them when `name` is None:
-    data passed as objects), so that they are refused instead of silently ignored."""
-    used = OPTIONS.get(name, ()) if name is not None else ()
-    return [setting for setting in DATASET_SETTINGS if setting in given and setting not in used]
-
-
-def datasets_using(setting: str) -> List[str]:
-    return [name for name, options in OPTIONS.items() if setting in options]
 
 
 def load_dataset(
@@ -131,17 +117,17 @@ def _idx(name: str, data_dir, download) -> ArrayDataset:
     return ArrayDataset.from_numpy(name, train_x, train_y, val_x, val_y, augment=False)
 
 
-@register("mnist", options=("data_dir", "download"))
+@register("mnist")
 def _mnist(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return _idx("mnist", data_dir, download)
 
 
-@register("fashion-mnist", options=("data_dir", "download"))
+@register("fashion-mnist")
 def _fashion(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return _idx("fashion-mnist", data_dir, download)
 
 
-@register("cifar10", options=("data_dir", "download"))
+@register("cifar10")
 def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     from .cifar import load_cifar10
 
@@ -149,7 +135,7 @@ def _cifar10(*, data_dir=None, download=False, **_) -> ArrayDataset:
     return ArrayDataset.from_numpy("cifar10", train_x, train_y, val_x, val_y, augment=True, flip=True)
 
 
-@register("folder", options=("data_dir", "image_size", "val_fraction", "skip_bad"))
+@register("folder")
 def _folder(*, data_dir=None, image_size=None, val_fraction=None, skip_bad=False, **_) -> ArrayDataset:
     from .folder import load_image_folder
 
@@ -161,7 +147,7 @@ def _folder(*, data_dir=None, image_size=None, val_fraction=None, skip_bad=False
     return load_image_folder(data_dir, image_size=image_size, val_fraction=val_fraction, skip_bad=skip_bad)
 
 
-@register("synthetic", options=("synthetic_size", "synthetic_shape"))
+@register("synthetic")
 def _synthetic(*, size=2048, shape=(1, 28, 28), seed=0, **_) -> ArrayDataset:
     from .arrays import synthetic_dataset
 
@@ -175,12 +161,14 @@ def _shakespeare(*, context=None, **_):
     return load_shakespeare(context=context or DEFAULT_CONTEXT)
 
 
-@register("text", options=("data_dir",))
+@register("text")
 def _text(*, data_dir=None, context=None, **_):
     from .text import DEFAULT_CONTEXT, load_text
 
     return load_text(data_dir, context=context or DEFAULT_CONTEXT)
 
+
+check_registry("dataset", DATASETS, DATASET_NAMES)
 
 __all__ = [
     "ArrayDataset",

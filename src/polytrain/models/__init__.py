@@ -1,5 +1,8 @@
 """Models by name. Each builder takes the dataset's input shape ((C, H, W) for images, (context,) for text) and
-number of classes (the vocabulary size for text), plus the model's own settings (`MODEL_OPTIONS`)."""
+number of classes (the vocabulary size for text), plus the model's own settings (`MODEL_OPTIONS`).
+
+The names are declared in config/registry_names.py (the command line reads them without importing torch);
+`MODELS` maps them to builders and is checked against them at import."""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..config.model_defaults import MODEL_OPTIONS, model_options_of
+from ..config.registry_names import MODEL_NAMES, TEXT_MODELS, check_registry
 from ..errors import UserError, first_line
 from .cifar_cnn import CifarCNN
-from .defaults import MODEL_OPTIONS, model_options_of
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .llama import build_llama
@@ -28,7 +32,7 @@ MODELS: Dict[str, Callable[[Tuple[int, int, int], int], nn.Module]] = {
     "gpt": build_gpt,
     "llama": build_llama,
 }
-TEXT_MODELS = ("gpt", "llama")
+check_registry("model", MODELS, MODEL_NAMES)
 
 
 def build_model(

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, preset
 from ..errors import ConfigError
-from .defaults import MODEL_DEFAULTS, derived_sizes, preset
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon
 

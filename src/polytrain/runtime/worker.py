@@ -16,10 +16,11 @@ import torch.nn as nn
 from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder
 from ..checkpoint import Checkpointer, Position, describe_position, restore_rng
 from ..config import TrainConfig
+from ..config.registry_names import parse_loggers
 from ..data import ArrayDataset
 from ..data.loader import make_loaders
 from ..errors import UserError
-from ..loggers import make_loggers, parse_loggers
+from ..loggers import make_loggers
 from ..models.lightning import plan_loop
 from ..objective import Objective
 from ..optim import make_recipe

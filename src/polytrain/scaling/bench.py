@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..config import TrainConfig
+from ..config.model_defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
-from ..models.defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..objective import Objective
 from ..plan import costmodel
 from ..plan.layout import Layout, layout_of_label

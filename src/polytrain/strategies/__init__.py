@@ -1,7 +1,10 @@
-"""Strategies by name; `auto` picks `single` for one device and `data` for several."""
+"""Strategies by name; `auto` picks `single` for one device and `data` for several. The names are declared in
+config/registry_names.py (the command line reads them without importing torch); `STRATEGIES` maps them to
+classes and is checked against them at import."""
 
 from __future__ import annotations
 
+from ..config.registry_names import STRATEGY_NAMES, check_registry
 from ..errors import ConfigError
 from .activation_checkpoint import check_activation_checkpointing
 from .base import StepStats, Strategy
@@ -21,6 +24,7 @@ STRATEGIES = {
     "parameter-server": ParameterServer,
     "tensor": TensorParallel,
 }
+check_registry("strategy", STRATEGIES, STRATEGY_NAMES)
 
 
 # a strategy whose plan splits layers over tensor ranks runs on its tensor form

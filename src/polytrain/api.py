@@ -154,7 +154,9 @@ def train_run(
         if shout:
             print(line, flush=True)
     name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
-    check_fits(config, module, strategy, name=name, device=device, slots=state_slots_of(config))
+    check_fits(
+        config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset
+    )
     plan = make_plan(strategy, config, module, dataset, device=device)
     if shout:
         print(recipe_line(recipe), flush=True)  # what trains, beside torch's defaults: never a silent change

@@ -65,6 +65,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
+from .activations import peak_bytes
 from .layout import layout_of_label
 
 
@@ -105,6 +106,12 @@ class Workload:
     boundary_bytes: Tuple[float, ...] = ()  # activation bytes per sample at each cut between layers
     activation_bytes: float = 0.0  # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
     largest_layer_bytes: float = 0.0  # the most parameter bytes one layer holds (0: unknown, the whole model)
+    # what activation checkpointing changes (plan/activations.py): the blocks it recomputes, and per sample the
+    # bytes one keeps, its input, its matrix products' outputs (0: unknown, every mode keeps activation_bytes)
+    blocks: int = 0
+    block_bytes: float = 0.0
+    block_input_bytes: float = 0.0
+    block_matmul_bytes: float = 0.0
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
@@ -418,10 +425,17 @@ def choose(
 
 
 def memory_per_rank(
-    work: Workload, strategy: str, devices: int, *, optimizer_slots: int = 1, servers: int = 1
+    work: Workload,
+    strategy: str,
+    devices: int,
+    *,
+    optimizer_slots: int = 1,
+    servers: int = 1,
+    checkpointing: str = "none",
 ) -> float:
     """Bytes the busiest rank holds: weights, gradients and `optimizer_slots` tensors of optimizer state per
-    weight, plus the activations kept for backward for its slice (`activation_bytes` per sample; without them,
+    weight, plus the activations held for backward for its slice (per sample: `activation_bytes` at the peak of
+    the backward pass under `--activation-checkpointing` `checkpointing`, plan/activations.py; without them,
     each cut's bytes per sample).
 
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
@@ -432,7 +446,7 @@ def memory_per_rank(
     (all of them, an upper bound: the split layers' are 1/T).
     """
     weights = work.parameter_bytes
-    per_sample = work.activation_bytes or sum(work.boundary_bytes) or 0.0
+    per_sample = peak_bytes(work, checkpointing) if work.activation_bytes else sum(work.boundary_bytes)
     layout = layout_of_label(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)

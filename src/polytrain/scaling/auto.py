@@ -67,6 +67,7 @@ def pick(
     available: float,
     optimizer: str = "sgd",
     message_costs: Optional[dict] = None,
+    checkpointing: str = "none",
 ) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the prediction `steady_choice` takes among those that can run and fit, every prediction, which fit) —
     pure numbers. Tensor parallelism is among them where the workload has a tensor plan for `devices` ranks; being
@@ -79,7 +80,9 @@ def pick(
     )
     fits = {
         name: name not in refused
-        and costmodel.memory_per_rank(work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1))
+        and costmodel.memory_per_rank(
+            work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1), checkpointing=checkpointing
+        )
         <= available
         for name in predictions
     }
@@ -195,6 +198,7 @@ def choose_strategy(
         available=available_bytes(device, n),
         optimizer=config.optimizer,
         message_costs=costs,
+        checkpointing=config.activation_checkpointing,
     )
     if best is None:
         return "data", "--strategy auto: no strategy is predicted to fit in memory; trying data"
@@ -316,6 +320,10 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         layers=int(measured["layers"]),
         boundary_bytes=tuple(float(b) for b in measured["boundary_bytes"]),
         activation_bytes=float(measured.get("activation_bytes", 0.0)),  # absent in older files
+        blocks=int(measured.get("blocks", 0)),  # the checkpointing figures: absent in older files
+        block_bytes=float(measured.get("block_bytes", 0.0)),
+        block_input_bytes=float(measured.get("block_input_bytes", 0.0)),
+        block_matmul_bytes=float(measured.get("block_matmul_bytes", 0.0)),
         replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
         plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None,

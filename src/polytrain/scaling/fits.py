@@ -2,12 +2,15 @@
 rank (plan/costmodel.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
 gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
 is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
-memory shared among the CPU processes. Activations are not counted (the figure is a lower bound), so a layout
-refused here cannot run, and one accepted may still need --activation-checkpointing or a smaller batch.
+memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
+holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (plan/activations.py,
+measured on fake tensors by activation_memory.py); where they cannot be measured they are left out and the
+figure is a lower bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Optional
@@ -46,8 +49,9 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.1f} GiB"
 
 
-def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0) -> Workload:
-    """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine)."""
+def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, **activations) -> Workload:
+    """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine),
+    with the `activations` figures of activation_memory.py where they were measured."""
     sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     layers = [
         sum(sizes[id(p)] for p in module.parameters(recurse=False))
@@ -61,7 +65,25 @@ def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.
         layers=max(1, len(layers)),
         largest_layer_bytes=float(max(layers, default=0)),
         split_bytes=split_bytes,
+        **activations,
     )
+
+
+def measured_activations(model: nn.Module, dataset, device: torch.device) -> dict:
+    """The activation figures of a training forward of `model` on two samples of `dataset` with the built-in
+    objective of its kind ({} without data, or where it cannot be measured)."""
+    if dataset is None:
+        return {}
+    from ..objective import Objective
+    from .activation_memory import activation_profile
+    from .workload import sample_batch
+
+    try:
+        x, y = sample_batch(dataset, 2)
+    except Exception:
+        return {}
+    objective = Objective(kind=getattr(dataset, "kind", "classification"))
+    return activation_profile(model, objective, x, y, device=device.type)
 
 
 def label_of(strategy: str, devices: int, tensor_parallel: Optional[int]) -> str:
@@ -89,16 +111,19 @@ def _split_bytes(config, model: nn.Module, devices: int) -> float:
 
 
 def check_fits(
-    config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int
+    config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int, dataset=None
 ) -> None:
     """One line, before any worker starts, where each rank of `strategy` on `config.devices` would need more
-    memory than it has: the figures, and the settings that would make it fit."""
+    memory than it has: the figures, and the settings that would make it fit. With `dataset`, the activations
+    of each rank's slice of the batch are counted."""
     devices = config.devices
     tensor = (config.tensor_parallel or devices) if strategy == "tensor" else 1
     split = _split_bytes(config, model, tensor) if tensor > 1 else 0.0
-    work = model_workload(model, batch_size=config.batch_size, split_bytes=split)
-    label = label_of(strategy, devices, config.tensor_parallel)
-    needed = memory_per_rank(work, label if devices > 1 else "single", devices, optimizer_slots=slots)
+    activations = measured_activations(model, dataset, device)
+    work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
+    label = label_of(strategy, devices, config.tensor_parallel) if devices > 1 else "single"
+    mode = getattr(config, "activation_checkpointing", "none") or "none"
+    needed = memory_per_rank(work, label, devices, optimizer_slots=slots, checkpointing=mode)
     available = available_per_rank(device, devices)
     if needed <= available:
         return
@@ -109,13 +134,14 @@ def check_fits(
     )
     fixes = []
     if strategy != "sharded" and devices > 1:
-        sharded = memory_per_rank(work, "sharded", devices, optimizer_slots=slots)
+        sharded = memory_per_rank(work, "sharded", devices, optimizer_slots=slots, checkpointing=mode)
         fixes.append(f"--strategy sharded ({_gib(sharded)} per rank)")
     more = next(
         (
             n
             for n in (2**k for k in range(1, 17))
-            if n > devices and memory_per_rank(work, "sharded", n, optimizer_slots=slots) <= available
+            if n > devices
+            and memory_per_rank(work, "sharded", n, optimizer_slots=slots, checkpointing=mode) <= available
         ),
         None,
     )
@@ -123,10 +149,16 @@ def check_fits(
         fixes.append(f"--strategy sharded --devices {more} or more (with as much memory per device)")
     else:
         fixes.append("more memory per device: even sharded over 65536 devices it does not fit")
+    held, lower = "before activations", "; the activations come on top"
+    if work.activation_bytes:
+        weights_only = dataclasses.replace(work, activation_bytes=0.0)
+        per_rank = needed - memory_per_rank(weights_only, label, devices, optimizer_slots=slots)
+        held, lower = f"{_gib(per_rank)} of activations with --activation-checkpointing {mode}", ""
+    if mode != "full":
+        lower += "; --activation-checkpointing full and --precision bf16 lower the activations"
     raise UserError(
         f"{name} ({sum(p.numel() for p in model.parameters()) / 1e9:,.2f}B parameters) "
         f"does not fit --strategy {strategy} on {devices} device(s): each rank needs at least "
-        f"{_gib(needed)} (parameters, gradients and {slots} optimizer slot(s) per parameter, before "
-        f"activations), and has {_gib(available)} ({where}); use {'; or '.join(fixes)}; the activations "
-        f"come on top (--activation-checkpointing full and --precision bf16 lower them)"
+        f"{_gib(needed)} (parameters, gradients and {slots} optimizer slot(s) per parameter, "
+        f"{held}), and has {_gib(available)} ({where}); use {'; or '.join(fixes)}{lower}"
     )

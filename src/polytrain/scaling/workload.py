@@ -74,6 +74,15 @@ def boundary_bytes(model: nn.Module, sample: torch.Tensor) -> Tuple[float, ...]:
     return tuple(sizes)
 
 
+def checkpointing_fields(model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """The block figures activation checkpointing changes (blocks, and per sample what one keeps, its input,
+    its matrix products' outputs), from a forward on fake tensors (activation_memory.py)."""
+    from .activation_memory import activation_profile
+
+    profile = activation_profile(model, objective, x, y)
+    return {key: value for key, value in profile.items() if key != "activation_bytes"}
+
+
 def activation_bytes(model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor) -> float:
     """Bytes per sample that a training forward pass (and its loss) keeps for the backward pass, counted as
     autograd saves them: each storage once (q, k and v are views of one), the weights not at all; over the
@@ -300,6 +309,7 @@ def _workload(
         layers=parameter_layers(model),
         boundary_bytes=boundary_bytes(plain_model, x[:1].cpu()),
         activation_bytes=activation_bytes(plain_model, objective, x.cpu(), y.cpu()),  # (a copy)
+        **checkpointing_fields(plain_model, objective, x[:2].cpu(), y[:2].cpu()),
         replica_seconds=timed["replica"],
         microbatch_seconds=timed["micro"],
     )

@@ -1,0 +1,56 @@
+"""The activation bytes a training step holds per sample under each `--activation-checkpointing` mode: pure
+arithmetic on what one forward of the model saves for its backward pass (measured by
+scaling/activation_memory.py, on fake tensors, so any model size is measured without memory).
+
+Per sample, with A the bytes autograd keeps after a forward with nothing recomputed (each storage once,
+weights not at all), n the blocks checkpointing recomputes (strategies/activation_checkpoint.py `find_blocks`),
+and, averaged over the blocks, b the bytes one block keeps, i its input and m the outputs of its matrix
+multiplications (mm, addmm, bmm, attention: what selective checkpointing keeps), O = A - n b is what is kept
+outside the blocks (embeddings, the last norm, the head's scores, the loss):
+
+    mode          kept after the forward         held at the peak (during the backward pass)
+    none          A                              A
+    full          O + n i                        O + n i + b
+    selective:K   O + (n - c) b + c i            O + (n - c) b + c i + b      c = floor(n / K) blocks in full
+    selective     O + n (i + m)                  O + n (i + m) + b
+
+A checkpointed block keeps only its input (and, selective, its matrix products' outputs); in the backward
+pass its forward runs again, one block at a time, and holds that block's b until its gradients are computed:
+the peak adds one block's b (an upper bound for selective, which recomputes only what is not kept). A model
+without blocks (n = 0) keeps A in every mode.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+MODES = ("none", "full", "selective")
+
+
+def checkpointed(mode: str, blocks: int) -> Tuple[str, int]:
+    """(kind, how many of `blocks` it recomputes) of a mode: "full" all, "selective:K" every K-th in full,
+    "selective" all at op level, "none" none."""
+    kind, _, every = (mode or "none").partition(":")
+    if every:
+        return "full", blocks // int(every)
+    return kind, 0 if kind == "none" else blocks
+
+
+def kept_bytes(work, mode: str = "none") -> float:
+    """Bytes per sample kept after the forward pass (the table's middle column), from `work`'s
+    `activation_bytes` and block figures (`blocks`, `block_bytes`, `block_input_bytes`, `block_matmul_bytes`)."""
+    kind, count = checkpointed(mode, work.blocks)
+    if not count or not work.block_bytes:
+        return work.activation_bytes
+    outside = work.activation_bytes - work.blocks * work.block_bytes
+    if kind == "selective":
+        return outside + count * (work.block_input_bytes + work.block_matmul_bytes)
+    return outside + (work.blocks - count) * work.block_bytes + count * work.block_input_bytes
+
+
+def peak_bytes(work, mode: str = "none") -> float:
+    """Bytes per sample held at the peak of the backward pass (the table's last column): what the forward
+    kept, plus one recomputed block where any is recomputed."""
+    kind, count = checkpointed(mode, work.blocks)
+    recomputed = work.block_bytes if count and work.block_bytes else 0.0
+    return kept_bytes(work, mode) + recomputed

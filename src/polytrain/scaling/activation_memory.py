@@ -1,0 +1,114 @@
+"""What one training forward of a model keeps for its backward pass, per sample, as the cost model's
+activation figures (plan/activations.py): all of it, and per checkpointing block what it keeps, its input and
+its matrix products' outputs.
+
+The forward runs on fake tensors (torch's FakeTensorMode: shapes, dtypes and the device's choice of kernels,
+no memory), on a copy of the model whose weights are fake too, so a model built on the meta device, of any
+size, is measured in the launching process without allocating it; the CPU's attention kernel (which keeps its
+output and log-sum-exp, not the T x T scores) is the one measured, as it runs. Saved tensors are counted
+by storage (q, k and v are views of one), weights not at all.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+import torch
+import torch.nn as nn
+
+FIELDS = ("activation_bytes", "blocks", "block_bytes", "block_input_bytes", "block_matmul_bytes")
+
+
+def fake_copy(model: nn.Module, device: str) -> nn.Module:
+    """`model` with every parameter and buffer replaced by an empty fake tensor on `device` (call inside a
+    FakeTensorMode); ties kept, no weight copied."""
+    memo = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            keep = isinstance(tensor, nn.Parameter)
+            memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if keep else empty
+    return copy.deepcopy(model, memo)
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor, *, device: str = "cpu"):
+    """The Workload's activation fields (`FIELDS`), per sample of `x`, for a training forward and loss of
+    `model` on `device`'s kernels; {} where the forward cannot run on fake tensors or the objective needs more
+    than outputs and targets."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..strategies.activation_checkpoint import KEPT_OPS, find_blocks
+
+    class MatmulOutputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if current[0] is not None and func.overloadpacket in KEPT_OPS:
+                for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(tensor, torch.Tensor):
+                        products.setdefault(current[0], {})[_key(tensor)] = (tensor, _nbytes(tensor))
+            return out
+
+    saved: Dict[int, tuple] = {}  # storage -> (tensor, bytes, block index or None)
+    products: Dict[int, dict] = {}  # block -> {storage: (tensor, bytes)}
+    inputs: Dict[int, int] = {}
+    current = [None]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = fake_copy(model, device).train()
+            weights = {_key(p) for p in fake.parameters()}
+            blocks = [module for _, module in find_blocks(fake)]
+            hooks = []
+            for index, block in enumerate(blocks):
+                hooks.append(block.register_forward_pre_hook(_enter(current, index, inputs)))
+                hooks.append(block.register_forward_hook(_leave(current)))
+
+            def pack(tensor):
+                if _key(tensor) not in weights:
+                    saved.setdefault(_key(tensor), (tensor, _nbytes(tensor), current[0]))
+                return tensor
+
+            fx, fy = torch.zeros_like(x, device=device), torch.zeros_like(y, device=device)
+            with MatmulOutputs(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                objective.loss_sum(fake(fx), fy)
+            for hook in hooks:
+                hook.remove()
+    except Exception:  # a forward fake tensors cannot run (data-dependent control flow): unknown
+        return {}
+    count = len(x)
+    within = [sum(size for _, size, block in saved.values() if block == b) for b in range(len(blocks))]
+    total = sum(size for _, size, _ in saved.values())
+    per_block = lambda values: sum(values) / len(blocks) / count if blocks else 0.0  # noqa: E731
+    return dict(
+        activation_bytes=total / count,
+        blocks=len(blocks),
+        block_bytes=per_block(within),
+        block_input_bytes=per_block(inputs.values()),
+        block_matmul_bytes=per_block(
+            [sum(size for _, size in products.get(b, {}).values()) for b in range(len(blocks))]
+        ),
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def _enter(current: list, index: int, inputs: dict):
+    def hook(module, args):
+        current[0] = index
+        inputs[index] = sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
+
+    return hook
+
+
+def _leave(current: list):
+    def hook(module, args, output):
+        current[0] = None
+
+    return hook

@@ -1,0 +1,111 @@
+"""The cost model's activation bytes under each --activation-checkpointing mode (plan/activations.py, from a
+forward on fake tensors: scaling/activation_memory.py) against the bytes a real forward on the CPU leaves
+held for the backward pass: every storage made during the forward and still alive after it, weights aside
+(autograd's saved tensors, the checkpoints' inputs, selective checkpointing's kept matrix products)."""
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from polytrain.models import build_model, build_model_on_meta
+from polytrain.objective import Objective
+from polytrain.plan.activations import kept_bytes, peak_bytes
+from polytrain.plan.costmodel import Workload, memory_per_rank
+from polytrain.scaling.activation_memory import activation_profile
+from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+
+VOCAB, CONTEXT, BATCH = 65, 32, 4
+SHAPES = dict(layers=4, width=64, heads=4, context=CONTEXT)
+TOLERANCE = 0.01  # of the measured bytes (measured within 0.5%: the token ids the embedding saves)
+
+
+class HeldAfter(TorchDispatchMode):
+    """Bytes of the storages made inside the mode that are still alive when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def held(self, besides=()) -> int:
+        return sum(
+            size for key, (ref, size) in self.storages.items() if not ref.expired() and key not in besides
+        )
+
+
+def measured(name: str, mode: str) -> float:
+    torch.manual_seed(0)
+    model = build_model(name, (CONTEXT,), VOCAB, SHAPES).train()
+    apply_activation_checkpointing(model, mode) if mode != "none" else None
+    x = torch.randint(0, VOCAB, (BATCH, CONTEXT))
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    with HeldAfter() as counted:
+        loss = Objective(kind="language").loss_sum(model(x), x)
+    held = counted.held(besides=weights | {loss.untyped_storage()._cdata})
+    loss.backward()  # the graph was whole
+    return held / BATCH
+
+
+def predicted_workload(name: str) -> Workload:
+    model = build_model_on_meta(name, (CONTEXT,), VOCAB, SHAPES)
+    x = torch.zeros(BATCH, CONTEXT, dtype=torch.long)
+    profile = activation_profile(model, Objective(kind="language"), x, x)
+    return Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, **profile)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_predicted_activation_bytes_match_what_a_forward_keeps_in_each_mode(name):
+    work = predicted_workload(name)
+    assert work.blocks == SHAPES["layers"] and work.block_bytes > 0
+    for mode in ("none", "full", "selective", "selective:2"):
+        real = measured(name, mode)
+        assert kept_bytes(work, mode) == pytest.approx(real, rel=TOLERANCE), mode
+    # full keeps a fraction of none, selective lies between
+    assert kept_bytes(work, "full") < kept_bytes(work, "selective") < kept_bytes(work, "none")
+
+
+def test_the_peak_adds_one_recomputed_block_and_reaches_the_memory_per_rank():
+    work = predicted_workload("gpt")
+    assert peak_bytes(work, "none") == kept_bytes(work, "none")
+    assert peak_bytes(work, "full") == pytest.approx(kept_bytes(work, "full") + work.block_bytes)
+    without = memory_per_rank(work, "data", 2, checkpointing="none")
+    with_full = memory_per_rank(work, "data", 2, checkpointing="full")
+    # each of 2 replicas holds half the batch's activations
+    assert without - with_full == pytest.approx((peak_bytes(work) - peak_bytes(work, "full")) * BATCH / 2)
+
+
+def test_the_fit_check_counts_activations_as_checkpointing_leaves_them(monkeypatch):
+    import random
+
+    from polytrain.config import TrainConfig
+    from polytrain.data.text import tokenise
+    from polytrain.errors import UserError
+    from polytrain.scaling import fits
+
+    text = "".join(random.Random(0).choice("abcdefghij\n") for _ in range(4000))
+    data = tokenise(text, name="tiny", context=CONTEXT)
+    model = build_model_on_meta("gpt", (CONTEXT,), data.num_classes, SHAPES)
+    work = Workload(0.0, 0.0, 1024, **fits.measured_activations(model, data, torch.device("cpu")))
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: 300 * 2**20)
+
+    def check(mode):
+        config = TrainConfig(model="gpt", batch_size=1024, activation_checkpointing=mode, **SHAPES)
+        fits.check_fits(
+            config, model, "single", name="gpt", device=torch.device("cpu"), slots=2, dataset=data
+        )
+
+    with pytest.raises(UserError) as refused:
+        check("none")
+    line = str(refused.value)
+    assert "\n" not in line and "of activations with --activation-checkpointing none" in line, line
+    assert "--activation-checkpointing full" in line
+    assert peak_bytes(work, "full") * 1024 < 300 * 2**20 < peak_bytes(work, "none") * 1024
+    check("full")

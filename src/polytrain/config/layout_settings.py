@@ -102,6 +102,17 @@ class PipelineSettings:
         resume="change",
         replans=True,
     )
+    data_parallel: Optional[str] = setting(
+        None,
+        "how the --devices / S pipelines of --pipeline-stages S hold their stages: replicate: each a whole "
+        "copy, gradients all-reduced; shard: FSDP2 over them, each rank keeps a 1/(devices / S) shard of its "
+        "stages' weights, gradients and optimizer state (default: replicate)",
+        group="pipeline",
+        choices=("replicate", "shard"),
+        strategies=("pipeline",),
+        resume="change",
+        replans=True,
+    )
     timeline: bool = setting(
         False,
         "record when each rank ran each micro-batch for a few steps; draws pipeline.png and prints the "

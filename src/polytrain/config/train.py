@@ -213,6 +213,11 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
             "nn.Sequential (stages split by --split), or drop --tensor-parallel",
         )
+        _need(
+            not (self.split_at and self.data_parallel == "shard"),
+            "--split-at (traced stages) does not combine with --data-parallel shard; write the model as an "
+            "nn.Sequential (stages split by --split), or drop --data-parallel",
+        )
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""
@@ -228,6 +233,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             self.devices,
             pipeline_stages=self.pipeline_stages,
             tensor_parallel=self.tensor_parallel,
+            data_parallel=self.data_parallel,
         )
 
     @property

@@ -8,8 +8,9 @@ dimension innermost, so a tensor group is consecutive ranks (one machine's devic
 
 What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
 gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
-(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel` and `--pipeline-stages`) are presets of
-degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers are replicas.
+(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel`, `--pipeline-stages` and `--data-parallel`)
+are presets of degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers
+are replicas.
 
 Pure: numbers in, numbers out (no torch), so a layout for hundreds of devices is planned anywhere.
 """
@@ -108,12 +109,13 @@ def _tensor(devices: int, *, tensor_parallel: Optional[int] = None, **_) -> Layo
     return Layout(shard=devices // group, tensor=group)  # the data dimension is sharded (FSDP2)
 
 
-def _pipeline(devices: int, *, pipeline_stages: Optional[int] = None, tensor_parallel=None, **_) -> Layout:
+def _pipeline(
+    devices: int, *, pipeline_stages: Optional[int] = None, tensor_parallel=None, data_parallel=None, **_
+) -> Layout:
     tensor = tensor_parallel or 1
-    mesh = PipelineLayout(
-        devices, pipeline_stages or devices // tensor, tensor
-    )  # one line if it does not fit
-    return Layout(replicate=mesh.replicas, pipeline=mesh.ranks, tensor=tensor)
+    shard = data_parallel == "shard"  # the pipelines beside each other shard their stages (FSDP2)
+    mesh = PipelineLayout(devices, pipeline_stages or devices // tensor, tensor, shard)  # one line if not
+    return Layout(**mesh.degrees())
 
 
 # The strategy names as presets of degrees. `auto` is planned as replicas until the cost model has chosen;
@@ -135,12 +137,16 @@ def layout_of(
     *,
     pipeline_stages: Optional[int] = None,
     tensor_parallel: Optional[int] = None,
+    data_parallel: Optional[str] = None,
 ) -> Layout:
-    """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel); one line
-    naming the fix where they do not multiply out."""
+    """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel, and
+    --data-parallel: whether a pipeline's replicas replicate or shard); one line naming the fix where they do
+    not multiply out."""
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[strategy](devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)
+    return PRESETS[strategy](
+        devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel, data_parallel=data_parallel
+    )
 
 
 def layout_of_label(label: str, devices: int) -> Layout:

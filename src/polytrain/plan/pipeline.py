@@ -8,6 +8,10 @@ reads the same slice (the first uses the images, the last the labels).
 With `--tensor-parallel T` every stage is split over T consecutive ranks (the tensor dimension innermost, as in
 TensorPlan.coords): rank (replica x stages + stage) x T + t holds tensor slice t of that stage, so
 `--devices 8 --pipeline-stages 2 --tensor-parallel 2` is a 2 x 2 x 2 (data, pipeline, tensor) mesh.
+
+With `--data-parallel shard` the pipelines beside each other are FSDP2 shards instead of replicas: the ranks of a
+stage in every pipeline keep one shard each of the stage's weights, gradients and optimizer state (the data
+dimension of the mesh is then dp_shard, not dp_replicate); the arithmetic above is the same.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PipelineLayout:
     devices: int
     ranks: int  # pipeline ranks per replica (--pipeline-stages)
     tensor: int = 1  # ranks each stage is split over (--tensor-parallel), consecutive
+    shard: bool = False  # the pipelines beside each other shard their stages (FSDP2), not replicate them
 
     def __post_init__(self) -> None:
         if self.ranks < 2 and self.tensor > 1:
@@ -59,10 +64,38 @@ class PipelineLayout:
                 f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
                 f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages"
             )
+        if self.shard and self.tensor > 1:
+            raise ConfigError(
+                "--data-parallel shard does not combine with --tensor-parallel yet; drop one of them "
+                "(--strategy tensor shards its groups' data dimension with FSDP2)"
+            )
+        if self.shard and self.devices < 2 * self.ranks:
+            fits = [d for d in divisors(self.devices) if 2 <= d <= self.devices // 2]
+            fix = (
+                f"--pipeline-stages {fits[-1]}"
+                if fits
+                else f"--devices {2 * self.ranks} --pipeline-stages {self.ranks}"
+            )
+            raise ConfigError(
+                f"--data-parallel shard shards each stage over the pipelines beside each other, but --devices "
+                f"{self.devices} in {self.ranks} stages make one pipeline; use {fix} (2 or more pipelines), "
+                f"or drop --data-parallel"
+            )
 
     @property
     def replicas(self) -> int:
+        """The pipelines beside each other, each taking a slice of every global batch (replicas or shards)."""
         return self.devices // (self.ranks * self.tensor)
+
+    def degrees(self) -> dict:
+        """The layout's degrees (plan/layout.py `Layout`): the pipelines beside each other replicate or shard."""
+        data = "shard" if self.shard else "replicate"
+        return {data: self.replicas, "pipeline": self.ranks, "tensor": self.tensor}
+
+    @property
+    def pipelines(self) -> str:
+        """The pipelines beside each other, in words."""
+        return f"{self.replicas} shards (FSDP2)" if self.shard else f"{self.replicas} replica(s)"
 
     def coords(self, rank: int) -> Tuple[int, int]:
         """(replica, pipeline rank) of a global rank."""
@@ -177,7 +210,7 @@ class PipelinePlan:
             else ""
         )
         return (
-            f"pipeline of {self.layout.ranks} stages x {self.layout.replicas} replica(s), schedule "
+            f"pipeline of {self.layout.ranks} stages x {self.layout.pipelines}, schedule "
             f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}"
         )
 

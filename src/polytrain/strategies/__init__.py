@@ -11,6 +11,7 @@ from .base import StepStats, Strategy
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .pipeline import Pipeline
+from .pipeline_shard import PipelineSharded
 from .pipeline_tensor import PipelineTensor
 from .sharded import Sharded
 from .single import SingleDevice
@@ -27,17 +28,22 @@ STRATEGIES = {
 check_registry("strategy", STRATEGIES, STRATEGY_NAMES)
 
 
-# a strategy whose plan splits layers over tensor ranks runs on its tensor form
+# a strategy whose plan splits layers over tensor ranks runs on its tensor form; one whose data dimension
+# shards (FSDP2) instead of replicating, on its shard form
 TENSOR_FORMS = {Pipeline: PipelineTensor}
+SHARD_FORMS = {Pipeline: PipelineSharded}
 
 
 def strategy_class(name: str, plan=None) -> type:
     """The class that executes `plan` for `--strategy name`: a pipeline whose stages are split over tensor ranks
-    (--tensor-parallel) runs on PipelineTensor."""
+    (--tensor-parallel) runs on PipelineTensor, one whose pipelines shard their stages (--data-parallel shard)
+    on PipelineSharded."""
     chosen = STRATEGIES[name]
     layout = getattr(plan, "layout", None)
     if chosen in TENSOR_FORMS and getattr(layout, "tensor", 1) > 1:
         return TENSOR_FORMS[chosen]
+    if chosen in SHARD_FORMS and getattr(layout, "shard", False):
+        return SHARD_FORMS[chosen]
     return chosen
 
 

@@ -13,6 +13,25 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def whole(value):
+    """A DTensor's whole value (a collective over its mesh), else the value."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def part_like(value, like):
+    """The whole tensor `value` as a DTensor placed as `like` (this rank's part of it: its slice or shard, cut as
+    torch.chunk cuts); anything else as it is."""
+    if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    mesh, part = like.device_mesh, value
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard():
+            part = part.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
+    return DTensor.from_local(part.to(like.device).contiguous(), mesh, like.placements, run_check=False)
+
+
 def local_bytes(tensors) -> int:
     """Bytes of this rank's parts of `tensors`."""
     total = 0

@@ -39,6 +39,7 @@ from .holdings import local
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
 from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
+from .pipeline_trace import record_calls
 from .tensor import plan_for_stages
 from .tied import TiedWeights
 from .traced import setup_traced, traced_plan
@@ -119,7 +120,8 @@ class Pipeline(Distributed):
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
-        layout = PipelineLayout(config.devices, config.pipeline_ranks, config.tensor_parallel or 1)
+        shard = config.layout.shard > 1  # the pipelines side by side shard their stages (pipeline_shard.py)
+        layout = PipelineLayout(config.devices, config.pipeline_ranks, config.tensor_parallel or 1, shard)
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
         # with --accumulate K, each of the K passes is cut into the micro-batches
@@ -197,10 +199,11 @@ class Pipeline(Distributed):
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout = self.plan.layout
         if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
-            degrees = Layout(replicate=layout.replicas, pipeline=layout.ranks, tensor=layout.tensor)
-            self.mesh = device_mesh(degrees, self.device.type, keep=("replicate", "pipeline"))
+            degrees = layout.degrees()  # the data dimension replicates, or shards (FSDP2: pipeline_shard.py)
+            self.mesh = device_mesh(Layout(**degrees), self.device.type, keep=tuple(degrees)[:2])  # data, pp
             self.pp_group = self.mesh["pp"].get_group()
-            self.dp_group = self.mesh["dp_replicate"].get_group() if layout.replicas > 1 else None
+            summed = layout.replicas > 1 and not layout.shard  # replicas sum their gradients by hand
+            self.dp_group = self.mesh["dp_replicate"].get_group() if summed else None
         model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
@@ -218,6 +221,7 @@ class Pipeline(Distributed):
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         self.split_stages()
         self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
+        self.wrap(self.model)  # shards of the stages (pipeline_shard.py); as they are otherwise
         self.materialise(self.model)  # only this rank's stages get storage
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
@@ -280,7 +284,7 @@ class Pipeline(Distributed):
         plan, where = self.plan, dict(devices)
         lines = [
             f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
-            f"ranks x {plan.layout.replicas} replica(s), {plan.microbatches} micro-batches per step, schedule "
+            f"ranks x {plan.layout.pipelines}, {plan.microbatches} micro-batches per step, schedule "
             f"{plan.schedule}"
         ]
         for stage in range(plan.model_stages):
@@ -328,7 +332,7 @@ class Pipeline(Distributed):
                     )
                 )
             for stage, index in zip(stages, self.my_stages):
-                self._record_calls(stage, index)
+                record_calls(self, stage, index)
             schedule_class = _schedule_class(kind)
             options = (
                 {"scale_grads": False}
@@ -344,32 +348,6 @@ class Pipeline(Distributed):
         return self.schedules[key], microbatches
 
     # -- what each rank ran when (--timeline) -----------------------------------------------------------
-    def _record_calls(self, stage, index: int) -> None:
-        for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
-            run = getattr(stage, method)
-
-            def recorded(chunk, *args, _run=run, _kind=kind, **kwargs):
-                if not self.tracing:
-                    return _run(chunk, *args, **kwargs)
-                self.synchronize()
-                began = time.perf_counter() - self.trace_origin
-                result = _run(chunk, *args, **kwargs)
-                self.synchronize()
-                self.trace.append(
-                    (
-                        self.rank,
-                        self.traced_steps,
-                        _kind,
-                        chunk,
-                        index,
-                        began,
-                        time.perf_counter() - self.trace_origin,
-                    )
-                )
-                return result
-
-            setattr(stage, method, recorded)
-
     def start_trace(self) -> None:
         self.trace, self.tracing = [], True
 
@@ -468,22 +446,22 @@ class Pipeline(Distributed):
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:
-        parts = self.gather_object(self.stage_state() if self.replica == 0 else {})
+        parts = self.gather_object(self.stage_state())
         if not self.is_main:
             return {}
         merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self.full_meta}
 
     def stage_state(self) -> dict:
-        """This rank's stages' state dict, on the CPU (every rank of replica 0 calls it)."""
-        return to_cpu(self.model.state_dict())
+        """This rank's stages' state dict, on the CPU, from replica 0 ({} elsewhere); every rank calls it."""
+        return to_cpu(self.model.state_dict()) if self.replica == 0 else {}
 
     def expected_state(self) -> dict:
         return self.full_meta
 
     def state_dict(self) -> dict:
         numbers = positions(self.trained, self.global_index)
-        mine = self.stage_optimizer_state(numbers) if self.replica == 0 else {}
+        mine = self.stage_optimizer_state(numbers)
         model, parts = self.model_state(), self.gather_object(mine)
         if not self.is_main:
             return {}
@@ -491,7 +469,8 @@ class Pipeline(Distributed):
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def stage_optimizer_state(self, numbers: dict) -> dict:
-        return numbered_part(self.optimizer, numbers)
+        """numbered_part of this rank's optimizer, from replica 0 ({} elsewhere); every rank calls it."""
+        return numbered_part(self.optimizer, numbers) if self.replica == 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
         own = self.model.state_dict()

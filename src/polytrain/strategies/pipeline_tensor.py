@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .holdings import figures, heading, local_bytes, optimizer_slots
+from .holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
 from .optimizer_state import to_cpu
 from .pipeline import Pipeline
 from .tensor import reordered, reordered_optimizer, replicate_rest, split_layers
@@ -88,17 +88,17 @@ class PipelineTensor(Pipeline):
     # -- the whole model, by its original names ---------------------------------------------------------
     def stage_state(self) -> dict:
         """The stages' whole tensors (every tensor rank of the stage gathers), fused rows in their original order;
-        from tensor slice 0 only."""
+        from tensor slice 0 of replica 0 only."""
         state = reordered(
-            {key: _whole(value) for key, value in self.model.state_dict().items()}, self.fused, back=True
+            {key: whole(value) for key, value in self.model.state_dict().items()}, self.fused, back=True
         )
-        return to_cpu(state) if self.tensor_index == 0 else {}
+        return to_cpu(state) if self.tensor_index == 0 and self.replica == 0 else {}
 
     def stage_optimizer_state(self, numbers: dict) -> dict:
         """numbered_part's form of this rank's optimizer state, its tensors whole as in `stage_state`."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = {
-            numbers[id(p)]: {slot: to_cpu(_whole(value)) for slot, value in self.optimizer.state[p].items()}
+            numbers[id(p)]: {slot: to_cpu(whole(value)) for slot, value in self.optimizer.state[p].items()}
             for p in params
             if id(p) in numbers and p in self.optimizer.state
         }
@@ -107,40 +107,22 @@ class PipelineTensor(Pipeline):
             [numbers[id(p)] for p in group["params"] if id(p) in numbers]
             for group in self.optimizer.param_groups
         ]
-        return {"state": state, "groups": groups} if self.tensor_index == 0 else {}
+        return {"state": state, "groups": groups} if self.tensor_index == 0 and self.replica == 0 else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Whole-model state cut into this rank's slices (fused rows in the ranks' order) before loading."""
         own, names = self.model.state_dict(), self.parameter_names
         params = dict(self.model.named_parameters())
         model = reordered(state["model"], self.fused, back=False)
-        model = {key: _slice_like(value, own[key]) if key in own else value for key, value in model.items()}
+        model = {key: part_like(value, own[key]) if key in own else value for key, value in model.items()}
         saved = reordered_optimizer(state["optimizer"], self.fused, names, back=False)
         saved = dict(
             saved,
             state={
-                number: {slot: _slice_like(value, params[names[number]]) for slot, value in slots.items()}
+                number: {slot: part_like(value, params[names[number]]) for slot, value in slots.items()}
                 if names[number] in params
                 else slots
                 for number, slots in saved["state"].items()
             },
         )
         super().load_state_dict(dict(state, model=model, optimizer=saved))
-
-
-def _whole(value):
-    """A DTensor's whole value (a collective over its mesh), else the value."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _slice_like(value, like):
-    """The whole tensor `value` as a DTensor placed as `like` (this rank's slice of it); anything else as it is."""
-    if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor) or value.shape != like.shape:
-        return value
-    from torch.distributed.tensor import DTensor
-
-    mesh, part = like.device_mesh, value
-    for dim, placement in enumerate(like.placements):
-        if placement.is_shard():
-            part = part.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
-    return DTensor.from_local(part.to(like.device).contiguous(), mesh, like.placements, run_check=False)

@@ -32,13 +32,34 @@ def _full(**extra):
     return StateDictOptions(full_state_dict=True, **extra)
 
 
-def _own_tensor(module, inputs, output):
+def own_tensor(module, inputs, output):
     """An nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C) product, and FSDP2 warns that an
     in-place op on a view would skip its backward hook. Nothing else holds that product: the layer returns it as a
     tensor of its own (the same memory and numbers, no copy)."""
     if isinstance(output, torch.Tensor) and output._base is not None:
         return torch.ops.aten._unsafe_view(output, output.shape)
     return None
+
+
+def shard_layers(model: nn.Module, **options) -> nn.Module:
+    """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per layer that holds parameters: only one
+    layer's full weights exist at a time. Layers that share a parameter (tied embeddings) stay in the root's unit,
+    which FSDP2 requires of shared weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    holders = {}
+    for module in model.modules():
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    for module in list(model.modules())[1:]:
+        mine = [p for p in module._parameters.values() if p is not None]
+        if mine and all(holders[id(p)] == 1 for p in mine):
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
+            fully_shard(module, **options)
+    fully_shard(model, **options)
+    return model
 
 
 class Sharded(Distributed):
@@ -67,26 +88,12 @@ class Sharded(Distributed):
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
         """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
         options = {"mesh": mesh, **self.mixed_precision()}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        # one unit per layer that holds parameters: only one layer's full weights exist at a time; layers that
-        # share a parameter (tied embeddings) stay in the root's unit, which FSDP2 requires of shared weights
-        holders = {}
-        for module in model.modules():
-            for parameter in module._parameters.values():
-                if parameter is not None:
-                    holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-        for module in list(model.modules())[1:]:
-            mine = [p for p in module._parameters.values() if p is not None]
-            if mine and all(holders[id(p)] == 1 for p in mine):
-                if isinstance(module, nn.Linear):
-                    module.register_forward_hook(_own_tensor)  # (before FSDP2's hook, which checks it)
-                fully_shard(module, **options)
-        fully_shard(model, **options)
-        return model
+        return shard_layers(model, **options)
 
     def mixed_precision(self) -> dict:
         """fully_shard's options for --precision bf16: parameters cast to bfloat16 for the forward and

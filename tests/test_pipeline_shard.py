@@ -1,0 +1,178 @@
+"""Pipeline x sharded (`--strategy pipeline --pipeline-stages S --data-parallel shard`): the pipelines side by side
+are FSDP2 shard groups of their stages. The layout and its one-line refusals in this process; on 4 processes
+(2 pipelines x 2 stages): each rank holds half its stage's parameters, gradients and optimizer state, materialised
+from a meta-device model with the one-device values; `polytrain verify` of LeNet and a small GPT against one
+device; and a run stopped twice (one device -> pipeline x sharded -> pipeline x sharded) that ends where one
+straight run ends."""
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import RESUME_TRAIN, assert_refused_in_one_line, assert_same_weights, polytrain_here
+from conftest import load_weights as load
+
+from polytrain.config.train import TrainConfig
+from polytrain.errors import ConfigError
+from polytrain.plan.layout import Layout
+from polytrain.plan.pipeline import PipelineLayout
+from polytrain.strategies import Pipeline, strategy_class
+from polytrain.strategies.pipeline_shard import PipelineSharded
+
+# float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
+ADAM_ROUNDING = 2e-5
+SHARDED = ["--strategy", "pipeline", "--devices", "4", "--pipeline-stages", "2", "--data-parallel", "shard"]
+
+# ---- the layout, in this process ----
+
+
+def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
+    config = TrainConfig(strategy="pipeline", devices=8, pipeline_stages=2, data_parallel="shard")
+    assert config.layout == Layout(shard=4, pipeline=2)
+    assert config.layout.mesh_names == ("dp_shard", "pp") and config.data_parallel_size == 4
+    assert config.layout.describe() == "4 shards x 2 stages"
+    replicated = TrainConfig(strategy="pipeline", devices=8, pipeline_stages=2)  # as before: replicas
+    assert replicated.layout == Layout(replicate=4, pipeline=2)
+    assert TrainConfig(**dict(replicated.to_dict(), data_parallel="replicate")).layout == replicated.layout
+    layout = PipelineLayout(4, 2, shard=True)  # the ranks' coordinates are the replicated pipeline's
+    assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (
+        layout.degrees() == {"shard": 2, "pipeline": 2, "tensor": 1}
+        and layout.pipelines == "2 shards (FSDP2)"
+    )
+    assert strategy_class("pipeline", type("Plan", (), {"layout": layout})) is PipelineSharded
+    assert strategy_class("pipeline", type("Plan", (), {"layout": PipelineLayout(4, 2)})) is Pipeline
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (dict(devices=4), ["make one pipeline", "--pipeline-stages 2"]),
+        (dict(devices=2), ["make one pipeline", "--devices 4 --pipeline-stages 2"]),
+        (dict(devices=8, pipeline_stages=2, tensor_parallel=2), ["--tensor-parallel", "yet"]),
+        (dict(devices=4, pipeline_stages=2, split_at="2"), ["--split-at", "--data-parallel shard"]),
+        (dict(strategy="data", devices=4), ["--data-parallel applies to --strategy pipeline only"]),
+    ],
+)
+def test_a_sharded_pipeline_that_cannot_work_is_one_line(settings, words):
+    with pytest.raises(ConfigError) as caught:
+        TrainConfig(**{"strategy": "pipeline", "data_parallel": "shard", **settings})
+    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(
+        caught.value
+    )
+
+
+def test_the_cli_refuses_one_sharded_pipeline_before_any_worker(tmp_path, capsys):
+    argv = ["--strategy", "pipeline", "--devices", "2", "--data-parallel", "shard"]
+    assert_refused_in_one_line(capsys, tmp_path / "run", argv, ["--data-parallel shard", "one pipeline"])
+
+
+# ---- on 4 processes: 2 pipelines x 2 stages, each stage sharded over the 2 pipelines ----
+
+
+def _mlp() -> nn.Module:
+    """Built on the meta device: 2 stages of Linear layers whose rows split evenly in two."""
+    with torch.device("meta"):
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)
+        )
+
+
+def _hold_on_rank(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    from polytrain.data.order import Batch
+    from polytrain.models.meta import give_values
+    from polytrain.plan.pipeline import PipelinePlan
+    from polytrain.strategies.holdings import local_bytes
+    from polytrain.strategies.layers import flatten_layers
+
+    model = _mlp()
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    names = tuple(name for name, _ in flatten_layers(model))
+    plan = PipelinePlan(PipelineLayout(world, 2, shard=True), "1f1b", 2, (3,), names, (1, 8, 8))
+    strategy = strategy_class("pipeline", plan)(
+        plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0
+    )
+    strategy.setup(
+        model,
+        lambda named: torch.optim.Adam([p for _, p in named], lr=0.01),
+        lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+    )
+    params = list(strategy.model.parameters())
+    reference = give_values(_mlp(), device="cpu", seed=0)  # one device's initial values
+    same = all(
+        torch.equal(p.full_tensor(), reference.get_parameter(name))
+        for name, p in strategy.model.named_parameters()
+    )
+    generator = torch.Generator().manual_seed(strategy.data_rank)
+    x, y = torch.randn(8, 1, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+    strategy.train_step(Batch(x, y, 16, 0))
+    slots = [v for p in params for v in strategy.optimizer.state[p].values() if v.dim() > 0]
+    return dict(
+        stage=sum(p.numel() * p.element_size() for p in params),
+        held=local_bytes(params),
+        grads=local_bytes(p.grad for p in params),
+        slots=local_bytes(slots),
+        meta=built_on_meta and not any(p.to_local().is_meta for p in params),
+        same=same,
+        sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules)
+        and strategy.mesh.mesh_dim_names == ("dp_shard", "pp"),
+        summed_by_hand=strategy.dp_group is not None,
+    )
+
+
+@pytest.mark.multiprocess
+def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_state():
+    from distributed import run_on_ranks
+
+    results = run_on_ranks(_hold_on_rank, world_size=4, timeout=300)
+    # ranks 0 and 2 hold stage 0 (one Linear(64, 32)), ranks 1 and 3 stage 1 (Linear(32, 32), Linear(32, 10))
+    assert [r["stage"] for r in results] == [(64 * 32 + 32) * 4, (32 * 32 + 32 + 32 * 10 + 10) * 4] * 2
+    for rank, result in enumerate(results):
+        assert result["sharded"] and not result["summed_by_hand"] and result["meta"], (rank, result)
+        assert result["same"], f"rank {rank} does not start from the one-device weights"
+        assert result["held"] * 2 == result["stage"] and result["grads"] == result["held"], (rank, result)
+        assert result["slots"] == 2 * result["held"], (rank, result)  # Adam's two moments, of its shard only
+
+
+GPT_TINY = ["--model", "gpt", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["--model", "lenet", "--steps", "4"],
+        [*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "2", "--accumulate", "2"],
+    ],
+    ids=["lenet", "gpt"],
+)
+def test_verify_two_sharded_pipelines_of_two_stages(capfd, model):
+    """The GPT ties its embedding and head across the stages (each a shard of the tied weight); accumulation and
+    the global-norm clip over the stages' sharded gradients."""
+    result = polytrain_here(capfd, "verify", *model, *SHARDED, "--clip-grad-norm", "0.5", "--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert rows and all(float(diff) <= 1e-10 for *_, diff in rows) and "PASS" in result.stdout, result.stdout
+    assert "pipeline of 2 stages x 2 shards (FSDP2)" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_run_stopped_twice_on_sharded_pipelines_ends_where_one_straight_run_ends(
+    straight_resume_run, tmp_path, capfd
+):
+    """One device writes a whole checkpoint, which the sharded pipelines cut into their shards; they write theirs
+    as DCP shards (nothing gathered), which the next sharded pipelines read back."""
+    out = tmp_path / "run"
+    first = polytrain_here(capfd, "train", *RESUME_TRAIN, "--devices", "1", "--max-steps", 3, "--out", out)
+    assert first.returncode == 0, first.stderr
+    second = polytrain_here(capfd, "train", "--resume", out, *SHARDED, "--max-steps", 8)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "rank 3: shard 2/2 of stage 1" in second.stdout
+    progress = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert "model" not in progress and "optimizer" not in progress  # nothing was gathered to rank 0
+    names = sorted(p.name for p in (out / progress["shards"]).iterdir())
+    assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    third = polytrain_here(capfd, "train", "--resume", out, *SHARDED)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert_same_weights(load(out / "model.pt"), straight_resume_run, atol=ADAM_ROUNDING)

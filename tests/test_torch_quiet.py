@@ -108,14 +108,7 @@ def printed(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]}-{case[1].replace(' ', '')}-{case[2]}")
-def test_no_torch_warning(printed, case, request):
-    if case[1].startswith("tensor --tensor-parallel") and case[2] == 4:
-        reason = (
-            "the data x tensor mesh run after other runs in the same process resolves a process group of an "
-            'earlier run ("Could not resolve the process group registered under the name 8"); alone it trains '
-            "quietly: open defect, see the notes of 2026-11-26"
-        )
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))
+def test_no_torch_warning(printed, case):
     codes, lines = printed[case]
     devices = case[2]
     assert codes == [0] * devices, "\n".join(lines)

@@ -46,10 +46,10 @@ def from_factory(model):
 def is_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of `module` is on the meta device (it has no values yet)."""
     tensors = [*module.parameters(), *module.buffers()]
-    return any(_local(t).is_meta for t in tensors)
+    return any(_local_part(t).is_meta for t in tensors)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 

@@ -141,9 +141,50 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
 def _train(
     job: Job, device, rank: int, world: int, launcher: Optional[LauncherEnv], stop: StopSignal
 ) -> Optional[WorkerResult]:
+    """One rank's run: the phases below, in order, each a function of its own."""
     config = job.config
     torch.manual_seed(config.seed)
-    strategy = strategy_class(job.strategy, job.plan)(
+    strategy = _make_strategy(job, device, rank, world)
+    train_loader, val_loader = _make_loaders(job, strategy, device)
+    steps = len(train_loader)
+    module_loop = _set_up_model(job, strategy, steps_per_epoch=steps, rank=rank, world=world)
+    run_dir = strategy.broadcast_object(job.run_dir)
+    checkpointer = (
+        Checkpointer(Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint)
+        if run_dir
+        else None
+    )
+    position, history, monitor = _starting_point(
+        job, strategy, checkpointer, launcher, steps_per_epoch=steps, train_loader=train_loader, rank=rank,
+        device=device,
+    )  # fmt: skip
+    callbacks, recorder, clock = _make_callbacks(
+        job, strategy, launcher, module_loop=module_loop, run_dir=run_dir, rank=rank,
+        start_step=position.epoch * steps + position.step,
+    )  # fmt: skip
+    trainer = Trainer(
+        strategy,
+        train_loader,
+        val_loader,
+        epochs=config.epochs,
+        callbacks=callbacks,
+        position=position,
+        history=history,
+        checkpointer=checkpointer,
+        checkpoint_every=config.checkpoint_every,
+        max_steps=config.max_steps,
+        stop_vote=stop.should_stop,
+        val_every=config.val_every,
+        monitor=monitor,
+    )
+    history = trainer.fit()
+    _finish(strategy, trainer, history, checkpointer, stop, run_dir=run_dir, steps_per_epoch=steps)
+    return _result(job, strategy, history, recorder, clock)
+
+
+def _make_strategy(job: Job, device, rank: int, world: int):
+    config = job.config
+    return strategy_class(job.strategy, job.plan)(
         device=device,
         rank=rank,
         world_size=world,
@@ -158,7 +199,12 @@ def _train(
         seed=config.seed,
         objective=job.objective or Objective(label_smoothing=config.label_smoothing),
     )
-    train_loader, val_loader = make_loaders(
+
+
+def _make_loaders(job: Job, strategy, device):
+    """The training and validation loaders of this rank's slice of each global batch."""
+    config = job.config
+    return make_loaders(
         job.dataset,
         batch_size=config.batch_size,
         device=device,
@@ -169,7 +215,12 @@ def _train(
         channels_last=strategy.channels_last,
         eval_batch_size=config.eval_batch_size,
     )
-    steps = len(train_loader)
+
+
+def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world: int):
+    """The strategy places its copy of the model with the optimizer and schedule; returns a LightningModule's
+    loop (None for other models)."""
+    config = job.config
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
     recipe = (job.optim or make_recipe(config)).planned(job.model)  # groups laid out over the whole model
@@ -177,43 +228,57 @@ def _train(
     module_loop = plan_loop(
         strategy.objective,
         epochs=config.epochs,
-        steps_per_epoch=steps,
+        steps_per_epoch=steps_per_epoch,
         max_steps=config.max_steps,
         rank=rank,
         world_size=world,
     )
     strategy.schedule_per_step = recipe.per_step
-    strategy.setup(copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps))
+    strategy.setup(
+        copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch)
+    )
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)
-    run_dir = strategy.broadcast_object(job.run_dir)
-    checkpointer = (
-        Checkpointer(Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint)
-        if run_dir
-        else None
-    )
+    return module_loop
+
+
+def _starting_point(
+    job: Job, strategy, checkpointer, launcher, *, steps_per_epoch: int, train_loader, rank: int, device
+) -> tuple:
+    """Where training starts: (position, history, monitor), from the checkpoint on --resume or after a
+    restart, else from the beginning."""
+    config = job.config
     position, history = Position(), History()
     monitor = Monitor(config.monitor, config.monitor_mode, config.patience)
     restarted = launcher is not None and launcher.restart_count > 0
-    if checkpointer is not None and (job.resume or restarted) and _has_checkpoint(checkpointer, strategy):
-        loaded = (
-            checkpointer.read(
-                strategy,
-                batch_size=config.batch_size,
-                steps_per_epoch=steps,
-                train_samples=train_loader.num_samples,
-            )
-            if strategy.is_main
-            else None
+    if checkpointer is None or not (job.resume or restarted) or not _has_checkpoint(checkpointer, strategy):
+        return position, history, monitor
+    loaded = (
+        checkpointer.read(
+            strategy,
+            batch_size=config.batch_size,
+            steps_per_epoch=steps_per_epoch,
+            train_samples=train_loader.num_samples,
         )
-        state = strategy.broadcast_object(loaded)
-        checkpointer.apply(strategy, state)
-        restore_rng(state.get("rng"), rank=rank, device=device)
-        position, history = (
-            Position.from_dict(state["position"]),
-            History(list(state["history"]), list(state.get("validations") or [])),
-        )
-        monitor.restore(state.get("monitor"))
+        if strategy.is_main
+        else None
+    )
+    state = strategy.broadcast_object(loaded)
+    checkpointer.apply(strategy, state)
+    restore_rng(state.get("rng"), rank=rank, device=device)
+    position, history = (
+        Position.from_dict(state["position"]),
+        History(list(state["history"]), list(state.get("validations") or [])),
+    )
+    monitor.restore(state.get("monitor"))
+    return position, history, monitor
+
+
+def _make_callbacks(
+    job: Job, strategy, launcher, *, module_loop, run_dir, rank: int, start_step: int
+) -> tuple:
+    """(callbacks, step recorder or None, step clock or None): what watches the steps, in the order it runs."""
+    config = job.config
     callbacks = [module_loop] if module_loop is not None else []
     if strategy.is_main and job.verbose:
         callbacks.append(ProgressBar())
@@ -224,7 +289,7 @@ def _train(
             parse_loggers(config.logger),
             job.loggers,
             Path(run_dir) if run_dir else None,
-            start_step=position.epoch * steps + position.step,
+            start_step=start_step,
         )
         if job.callbacks:
             callbacks.append(UserCallbacks(job.callbacks))
@@ -245,26 +310,15 @@ def _train(
     clock = StepClock(warmup=job.bench[0], steps=job.bench[1], model=job.model) if job.bench else None
     if clock is not None:
         callbacks.append(clock)
-    trainer = Trainer(
-        strategy,
-        train_loader,
-        val_loader,
-        epochs=config.epochs,
-        callbacks=callbacks,
-        position=position,
-        history=history,
-        checkpointer=checkpointer,
-        checkpoint_every=config.checkpoint_every,
-        max_steps=config.max_steps,
-        stop_vote=stop.should_stop,
-        val_every=config.val_every,
-        monitor=monitor,
-    )
-    history = trainer.fit()
+    return callbacks, recorder, clock
+
+
+def _finish(strategy, trainer, history, checkpointer, stop, *, run_dir, steps_per_epoch: int) -> None:
+    """The last checkpoint switched in and the strategy closed; a stop said in `history`, an interrupt raised."""
     if checkpointer is not None:
         checkpointer.finish()  # a checkpoint still being written in the background is switched in
     strategy.close()
-    where = describe_position(trainer.position.epoch, trainer.position.step, steps)
+    where = describe_position(trainer.position.epoch, trainer.position.step, steps_per_epoch)
     if trainer.should_stop and not (trainer.interrupted and stop.signalled):
         history.stopped = f"stopped by a callback (trainer.should_stop) {where}" + (
             ", checkpoint saved" if run_dir else "; nothing was saved (no run folder: give out=DIR)"
@@ -272,6 +326,10 @@ def _train(
     elif trainer.interrupted:
         number = stop.received or signal.SIGTERM  # a rank that only heard of it through the vote
         raise TrainingInterrupted(interrupted_message(number, run_dir, where), signal_number=number)
+
+
+def _result(job: Job, strategy, history, recorder, clock) -> Optional[WorkerResult]:
+    """Rank 0's result (None on the other ranks): the history, and the trained weights where asked for."""
     weights = (
         strategy.model_state() if job.return_weights else {}
     )  # every rank takes part (split models gather)

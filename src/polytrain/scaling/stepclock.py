@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..callbacks import Callback
 from ..plan.tensor import TensorPlan
-from ..strategies.holdings import local
+from ..strategies.holdings import local_part
 from .tensor_inputs import narrowed
 
 
@@ -48,7 +48,7 @@ def held_bytes(strategy) -> int:
         if isinstance(value, torch.Tensor)
     ]
     for tensor in tensors:
-        part = local(tensor)
+        part = local_part(tensor)
         key = (part.device, part.data_ptr()) if part.numel() else id(part)
         if key not in seen:
             seen.add(key)

@@ -8,7 +8,7 @@ import torch
 from .optimizer_state import state_slots
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view of its storage: collectives write into it), else the tensor."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -36,7 +36,7 @@ def local_bytes(tensors) -> int:
     """Bytes of this rank's parts of `tensors`."""
     total = 0
     for tensor in tensors:
-        part = local(tensor)
+        part = local_part(tensor)
         total += part.numel() * part.element_size()
     return total
 

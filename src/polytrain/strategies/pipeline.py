@@ -35,7 +35,7 @@ from ..plan.pipeline import (
 from .activations import receive, send
 from .base import Distributed, StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
-from .holdings import local
+from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
 from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
@@ -400,7 +400,7 @@ class Pipeline(Distributed):
         return self._stats(len(batch.y), last=microbatches)
 
     def _sum_gradients_over_replicas(self) -> None:
-        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self.model.parameters() if p.grad is not None]
         if grads:
             flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat, group=self.dp_group)

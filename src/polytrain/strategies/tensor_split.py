@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..plan.tensor import TensorPlan
-from .holdings import local
+from .holdings import local_part
 from .rank_slice import is_conv1d
 
 
@@ -179,7 +179,7 @@ def _rows(value, order: torch.Tensor, *, back: bool):
 
 
 def _to_local(module, inputs, output):
-    return local(output)
+    return local_part(output)
 
 
 def transposed_style(style: str):

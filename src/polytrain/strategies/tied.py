@@ -12,7 +12,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .holdings import local
+from .holdings import local_part
 from .layers import shared_between
 
 
@@ -53,7 +53,7 @@ class TiedWeights:
             parameter = layer.get_parameter(name)
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(local(parameter.grad), group=group)
+            dist.all_reduce(local_part(parameter.grad), group=group)
             if copy:
                 parameter.grad = None
 
@@ -61,4 +61,4 @@ class TiedWeights:
     def share_weights(self) -> None:
         """The owners' weights after their step, on every copy."""
         for (layer, name), group, owner, _ in self.ties:
-            dist.broadcast(local(layer.get_parameter(name).data), src=owner, group=group)
+            dist.broadcast(local_part(layer.get_parameter(name).data), src=owner, group=group)

@@ -76,7 +76,10 @@ class PipelineSharded(Pipeline):
         if not lines:
             return lines
         layout, slots = self.plan.layout, optimizer_slots(self.optimizer)
-        lines.append(f"  each stage sharded over {layout.replicas} ranks (FSDP2); {heading(slots)}")
+        lines.append(
+            f"  each stage sharded over {layout.replicas} ranks (FSDP2; within a step a rank gathers its stages' "
+            f"weights and gradients whole, from the first forward to the last backward); {heading(slots)}"
+        )
         for rank in range(layout.devices):
             shard, pipeline_rank = layout.coords(rank)
             stages = "/".join(map(str, self.plan.stages_of_rank(pipeline_rank)))

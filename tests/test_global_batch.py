@@ -53,6 +53,17 @@ def test_each_slice_and_pass_gets_its_rows_of_the_one_device_mask():
     assert torch.equal(one(x), native)
     clone = copy.deepcopy(one)
     assert clone[0].forward.module is clone[0] and pickle.loads(pickle.dumps(one))[0].p == 0.5
+    # each layer's mask is its own: drawn in either order (stages of a pipeline) the masks are the same
+    pair, pair_rows = nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), GlobalRows()
+    whole_batch_layers(pair, pair_rows, batchnorm=False)
+    masks = {}
+    for order in ([0, 1], [1, 0]):
+        torch.manual_seed(0)
+        pair_rows.set(0, 8, 8, step=10 + order[0])
+        drawn = {i: pair[i](torch.ones(8, 4)) for i in order}
+        masks[tuple(order)] = [drawn[0], drawn[1]]
+    assert all(torch.equal(a, b) for a, b in zip(masks[(0, 1)], masks[(1, 0)]))
+    assert not torch.equal(*masks[(0, 1)])  # and not the same mask for both
     # plain per-rank dropout, what this replaces: the second rank's mask is not the one device's
     torch.manual_seed(0)
     assert not torch.equal(F.dropout(x[4:8], 0.5), whole[4:])
@@ -89,7 +100,8 @@ def test_batchnorm_over_the_gathered_statistics_is_torchs(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "model, strategy", [("resnet", "data"), ("cifar-cnn", "sharded"), ("resnet", "pipeline")]
+    "model, strategy",
+    [("resnet", "data"), ("cifar-cnn", "sharded"), ("resnet", "pipeline"), ("cifar-cnn", "pipeline")],
 )
 def test_verify_passes_on_models_with_batchnorm_and_dropout(model, strategy, capfd):
     result = polytrain_here(
@@ -103,7 +115,7 @@ def test_verify_passes_on_models_with_batchnorm_and_dropout(model, strategy, cap
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--model", "cifar-cnn", "--strategy", "pipeline"], "Dropout layers compute over the samples"),
+        (["--strategy", "pipeline", "--accumulate", "2"], "BatchNorm layers compute over the samples"),
         (["--strategy", "data", "--accumulate", "2"], "BatchNorm normalises over each pass"),
     ],
 )

@@ -197,6 +197,12 @@ class PipelinePlan:
         whole = self.layout.replicas == 1 and self.layout.tensor == 1 and not self.split_at
         return self.microbatches if whole else None
 
+    @property
+    def draws_dropout_as_one_device(self) -> bool:
+        """Whether nn.Dropout draws one device's masks here, each micro-batch its rows of them: not in traced
+        stages, nor where tensor ranks split a stage's activations."""
+        return self.layout.tensor == 1 and not self.split_at
+
     def describe(self) -> str:
         where = (
             f"traced, split before modules {', '.join(self.split_at)}"
@@ -271,3 +277,27 @@ def check_tensor_cuts(styles, layer_names, points) -> None:
             opened = None
         if style == "colwise":
             opened = (module, at)
+
+
+def check_torch(version: tuple, *, device_type: str, fewest_microbatches: int, ranks: int) -> None:
+    """Refuse, in one line, what this torch's pipelining cannot run.
+
+    Before 2.8 a schedule waited on only one of gloo's send/recv handles and could hang (pytorch PR
+    152938); 2.7 to 2.10 refuse fewer micro-batches than stages in every single-stage schedule.
+    """
+
+    def need(release: str, why: str):
+        raise ConfigError(
+            f"--strategy pipeline {why} needs torch {release} or newer (this is {'.'.join(map(str, version))}); "
+            f"upgrade torch, or use --strategy data"
+        )
+
+    if version < (2, 6):
+        need("2.6", "")
+    if device_type == "cpu" and version < (2, 8):
+        need("2.8", "on CPU processes (gloo)")
+    if (2, 7) <= version < (2, 11) and fewest_microbatches < ranks:
+        need(
+            "2.11",
+            f"with {fewest_microbatches} micro-batch(es) for {ranks} stages (also a smaller last batch)",
+        )

@@ -93,8 +93,8 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
     """In how many passes the one-device reference takes each step: 1, or a pipeline's micro-batches for a
     model with BatchNorm (which normalises over each micro-batch there). One line where no reference can be
     equal: BatchNorm and Dropout compute over the global batch on data-parallel layouts
-    (strategies/global_batch.py), but not over the ranks of a tensor group, nor Dropout over a pipeline's stages;
-    and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
+    (strategies/global_batch.py), and a pipeline's Dropout draws one device's masks, but not over the ranks of
+    a tensor group; and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
     from ..strategies import STRATEGIES
     from ..strategies.global_batch import unmatched_dropout, uses_whole_batch
 
@@ -122,12 +122,16 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
                 f"--accumulate (training with it is fine: each pass is normalised over its samples)"
             )
         return 1
+    # a pipeline: each micro-batch applies its rows of one device's dropout masks, BatchNorm normalises over it
     passes = getattr(plan, "micro_batch_passes", None)
-    if kinds == {"BatchNorm"} and passes and config.accumulate == 1:
-        return passes
+    if "Dropout" not in kinds or getattr(plan, "draws_dropout_as_one_device", False):
+        if "BatchNorm" not in kinds:
+            return 1
+        if passes and config.accumulate == 1:
+            return passes
     raise UserError(
         f"verify: the model's {' and '.join(sorted(kinds))} layers compute over the samples each rank holds, "
         f"which the {strategy} strategy cuts otherwise than one device (data-parallel strategies compute them "
-        f"over the global batch, one pipeline BatchNorm over its micro-batches); verify --strategy data, "
-        f"sharded or parameter-server"
+        f"over the global batch, a pipeline Dropout as one device and BatchNorm over its micro-batches); "
+        f"verify --strategy data, sharded or parameter-server"
     )

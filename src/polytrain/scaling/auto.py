@@ -36,8 +36,9 @@ SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  
 def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
     """The strategies that cannot run this model on `devices` ranks here, with the reason."""
     from ..errors import UserError
+    from ..plan.pipeline import check_torch
     from ..strategies.layers import flatten_layers
-    from ..strategies.pipeline import check_torch, torch_version
+    from ..strategies.pipeline import torch_version
 
     refused = {}
     try:

@@ -8,8 +8,11 @@ would draw its own masks: another model than the one written, and one that `veri
   (an all-gather that carries gradients back to every rank), combines them as
   the whole batch's (Chan's parallel formula: no cancellation) and normalises with those; running statistics
   are updated from them, so every rank keeps the one-device buffers. One small collective per layer and pass.
-- **Dropout** draws the mask of the whole global batch (every rank seeds alike, so every rank draws the same)
-  and applies this rank's rows of it. The mask is drawn in the step's first pass and later passes of an
+- **Dropout** draws the mask of the whole global batch and applies this rank's rows of it. Each layer draws
+  from a generator of its own, seeded by its one-device name and one number drawn per step from torch's
+  global generator (every rank seeds alike and resumes its generator's state, so every rank draws the same):
+  a layer's mask depends neither on the other layers' draws nor on their order, so the stages of a pipeline,
+  each holding some of the layers, draw what one device draws. The mask is drawn in the step's first pass and later passes of an
   accumulated step use their rows of it, so masks depend neither on the passes nor on the layout, and in the
   default memory format whatever the model's, so a channels-last replica (data) and a contiguous one (sharded)
   draw alike. One device draws its masks the same way (the reference every layout is compared with); they
@@ -21,6 +24,7 @@ are, and evaluation (running statistics, no dropout) is the layer's own.
 
 from __future__ import annotations
 
+import zlib
 from typing import List, Optional, Tuple
 
 import torch
@@ -32,11 +36,19 @@ class GlobalRows:
 
     def __init__(self):
         self.start, self.stop, self.total, self.step = 0, 0, 0, 0
+        self.key, self.keyed = 0, None  # the number that seeds the masks, and the step it was drawn for
         self.active = False  # only within a training step: elsewhere the layers are torch's own
 
     def set(self, start: int, stop: int, total: int, *, step: int) -> None:
         self.start, self.stop, self.total, self.step = start, stop, total, step
         self.active = True
+
+    def step_key(self) -> int:
+        """The step's number from torch's global generator: drawn by the first mask of each step (a model
+        without Dropout draws nothing), the same on every rank that holds a Dropout layer."""
+        if self.keyed != self.step:
+            self.key, self.keyed = int(torch.randint(0, 2**62, (1,))), self.step
+        return self.key
 
 
 def slice_offsets(total: int, parts: int) -> List[Tuple[int, int]]:
@@ -86,15 +98,20 @@ def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, group, x: torch.
     return y
 
 
-def _dropout_forward(module: nn.Dropout, rows: GlobalRows, cache: dict, x: torch.Tensor) -> torch.Tensor:
+def _dropout_forward(
+    module: nn.Dropout, name: str, rows: GlobalRows, cache: dict, x: torch.Tensor
+) -> torch.Tensor:
     if not module.training or module.p == 0:
         return x
     if module.p == 1:
         return x * 0
-    if cache.get("step") != rows.step or cache.get("shape") != x.shape[1:]:
-        noise = x.new_empty((rows.total, *x.shape[1:])).bernoulli_(1 - module.p)
+    key = rows.step_key()
+    if cache.get("step") != (rows.step, key) or cache.get("shape") != x.shape[1:]:
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed((key * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        noise = x.new_empty((rows.total, *x.shape[1:])).bernoulli_(1 - module.p, generator=generator)
         noise.div_(1 - module.p)
-        cache.update(step=rows.step, shape=x.shape[1:], noise=noise)
+        cache.update(step=(rows.step, key), shape=x.shape[1:], noise=noise)
     return x * cache["noise"][rows.start : rows.stop]
 
 
@@ -108,10 +125,10 @@ def whole_batch_layers(model: nn.Module, rows: GlobalRows, *, batchnorm: bool, g
             and isinstance(module, nn.modules.batchnorm._BatchNorm)
             and not isinstance(module, nn.SyncBatchNorm)
         ):
-            module.forward = _WholeBatch(module, rows, group=group)
+            module.forward = _WholeBatch(module, name, rows, group=group)
             changed.append(name)
         elif type(module) is nn.Dropout:
-            module.forward = _WholeBatch(module, rows)
+            module.forward = _WholeBatch(module, name, rows)
             changed.append(name)
     return changed
 
@@ -120,15 +137,15 @@ class _WholeBatch:
     """A layer's forward over the global batch within polytrain's training steps, and its class's own elsewhere
     (an object holding the layer, not a closure: the model still deep-copies and pickles)."""
 
-    def __init__(self, module: nn.Module, rows: GlobalRows, *, group=None):
-        self.module, self.rows, self.group, self.cache = module, rows, group, {}
+    def __init__(self, module: nn.Module, name: str, rows: GlobalRows, *, group=None):
+        self.module, self.name, self.rows, self.group, self.cache = module, name, rows, group, {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.rows.active:
             return type(self.module).forward(self.module, x)
         if isinstance(self.module, nn.modules.batchnorm._BatchNorm):
             return _batchnorm_forward(self.module, self.group, x)
-        return _dropout_forward(self.module, self.rows, self.cache, x)
+        return _dropout_forward(self.module, self.name, self.rows, self.cache, x)
 
 
 def uses_whole_batch(model: nn.Module) -> set:

@@ -27,6 +27,7 @@ from ..plan.pipeline import (
     DEFAULT_SCHEDULE,
     PipelineLayout,
     PipelinePlan,
+    check_torch,
     default_microbatches,
     microbatches_for,
     runnable_schedule,
@@ -35,6 +36,7 @@ from ..plan.pipeline import (
 from .activations import receive, send
 from .base import Distributed, StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
+from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
 from .mesh import device_mesh
@@ -47,30 +49,6 @@ from .traced import setup_traced, traced_plan
 
 def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
-def check_torch(version: tuple, *, device_type: str, fewest_microbatches: int, ranks: int) -> None:
-    """Refuse, in one line, what this torch's pipelining cannot run.
-
-    Before 2.8 a schedule waited on only one of gloo's send/recv handles and could hang (pytorch PR
-    152938); 2.7 to 2.10 refuse fewer micro-batches than stages in every single-stage schedule.
-    """
-
-    def need(release: str, why: str):
-        raise ConfigError(
-            f"--strategy pipeline {why} needs torch {release} or newer (this is {torch.__version__}); "
-            f"upgrade torch, or use --strategy data"
-        )
-
-    if version < (2, 6):
-        need("2.6", "")
-    if device_type == "cpu" and version < (2, 8):
-        need("2.8", "on CPU processes (gloo)")
-    if (2, 7) <= version < (2, 11) and fewest_microbatches < ranks:
-        need(
-            "2.11",
-            f"with {fewest_microbatches} micro-batch(es) for {ranks} stages (also a smaller last batch)",
-        )
 
 
 def _schedule_class(kind: str):
@@ -101,6 +79,7 @@ class Pipeline(Distributed):
         self.schedules = {}  # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
         self.tied = None  # weights shared across stages (tied.py)
+        self.chunk_rows = None  # (offset, each micro-batch's rows, global count) within a training step
 
     @property
     def norm_group(self):
@@ -221,6 +200,7 @@ class Pipeline(Distributed):
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         self.split_stages()
         self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
+        self.whole_batch_layers(model)
         self.wrap(self.model)  # shards of the stages (pipeline_shard.py); as they are otherwise
         self.materialise(self.model)  # only this rank's stages get storage
         self.build_optimizer(
@@ -236,6 +216,22 @@ class Pipeline(Distributed):
 
     def split_stages(self) -> None:
         """Where a subclass splits its stages' layers further, before the optimizer sees them."""
+
+    def whole_batch_layers(self, model: nn.Module) -> None:
+        """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
+        that stages draw what one device draws; BatchNorm normalises over each micro-batch (verify compares
+        with one device in as many passes)."""
+        if self.plan.draws_dropout_as_one_device:
+            self.global_rows = GlobalRows()
+            whole_batch_layers(model, self.global_rows, batchnorm=False)
+
+    def mark_chunk(self, chunk: int) -> None:
+        """Tell the whole-batch Dropout layers which rows of the global batch micro-batch `chunk` holds (before
+        its forward, and its backward: a recomputed block draws the same rows)."""
+        if self.global_rows is not None and self.chunk_rows is not None:
+            offset, bounds, total = self.chunk_rows
+            start, stop = bounds[chunk]
+            self.global_rows.set(offset + start, offset + stop, total, step=self.whole_batch_steps)
 
     def build_optimizer(self, trained: list, make_optimizer, make_scheduler) -> None:
         """The optimizer over `trained` ((name, parameter) this rank steps), numbered as in the whole model."""
@@ -377,9 +373,15 @@ class Pipeline(Distributed):
             self.synchronize()
             dist.barrier(group=self.pp_group)
             self.trace_origin, self.traced_steps = time.perf_counter(), self.traced_steps + 1
+        if self.global_rows is not None:  # the rows of the global batch of each micro-batch (mark_chunk)
+            self.whole_batch_steps += 1
+            offset = slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
+            self.chunk_rows = (offset, slice_offsets(len(batch.y), microbatches), batch.global_count)
         began = time.perf_counter()
         with self.autocast():
             schedule.step(*inputs, target=batch.y if self.is_last else None)
+        if self.global_rows is not None:
+            self.global_rows.active, self.chunk_rows = False, None
         if self.tracing:  # what the schedule did besides this rank's passes: waiting
             self.synchronize()
             busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)

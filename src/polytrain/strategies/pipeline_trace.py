@@ -9,11 +9,13 @@ import time
 
 def record_calls(strategy, stage, index: int) -> None:
     """Wrap `stage`'s (a torch PipelineStage holding model stage `index`) forward and backward of one chunk so
-    that, while `strategy.tracing`, each call appends its event to `strategy.trace`."""
+    that, while `strategy.tracing`, each call appends its event to `strategy.trace` (and, before each, tells
+    the strategy which micro-batch runs: `mark_chunk`)."""
     for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
         run = getattr(stage, method)
 
         def recorded(chunk, *args, _run=run, _kind=kind, **kwargs):
+            strategy.mark_chunk(chunk)
             if not strategy.tracing:
                 return _run(chunk, *args, **kwargs)
             strategy.synchronize()

@@ -83,6 +83,7 @@ def test_the_resume_rules_come_from_the_declarations():
             "split",
             "split_at",
             "pipeline_stages",
+            "data_parallel",
             "timeline",
             "tensor_parallel",
         ),

@@ -67,7 +67,7 @@ def length_free_schedule(schedule: str) -> bool:
     return schedule == "constant" or schedule.lower() not in SCHEDULES
 
 
-def resume_plan(args):
+def resume_settings(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
@@ -150,11 +150,11 @@ def train_command(args) -> int:
                 "--resume continues a run with its own settings, so it reads no --config file; give "
                 "what may change (--devices, --strategy, ...) as flags"
             )
-        plan, line = resume_plan(args)
+        resumed, line = resume_settings(args)
         print(line)
-        if plan is None:
+        if resumed is None:
             return 0
-        config, run_dir, record = plan
+        config, run_dir, record = resumed
         write_config(Path(run_dir), {k: v for k, v in record.items() if k != "versions"})
         history, _, run_dir = train_run(config, resume_dir=run_dir, return_weights=False)
     else:

@@ -143,7 +143,7 @@ class _Indexed(Dataset):
         return sum(len(split) for split in self.splits.values())
 
 
-class _Plan:
+class _BatchList:
     """The batch sampler: the (split, index) keys of each of this rank's batches, for the current pass."""
 
     def __init__(self):
@@ -241,14 +241,14 @@ class _Pool:
     """One `DataLoader` (and its persistent workers) per rank, fed a new list of batches each pass."""
 
     def __init__(self, data: DatasetPair, device: torch.device, seed: int = 0):
-        self.plan = _Plan()
+        self.batch_list = _BatchList()
         workers = data.num_workers
         # its own generator: each pass's DataLoader iterator draws a base seed, which would otherwise come from
         # the global generator that dropout draws from, once per pass without loader processes and once per
         # run with them (the same seed gave other weights with another core count)
         self.loader = DataLoader(
             _Indexed(data.train, data.val, seed),
-            batch_sampler=self.plan,
+            batch_sampler=self.batch_list,
             num_workers=workers,
             collate_fn=partial(collate_checked, spec=data.spec),
             pin_memory=device.type == "cuda",
@@ -258,7 +258,7 @@ class _Pool:
         )
 
     def run(self, batches: List[List[tuple]]) -> Iterator[Collated]:
-        self.plan.batches = batches
+        self.batch_list.batches = batches
         for batch in self.loader:
             if isinstance(batch, Problem):
                 raise DataError(batch.message)

@@ -41,7 +41,7 @@ class Recipe:
     optimizer: object = "sgd"  # a torch.optim class or a factory fn(params_or_groups)
     options: dict = field(default_factory=dict)  # the class's keyword arguments (lr, weight_decay, ...)
     no_decay: bool = False
-    param_groups: Optional[Callable] = None  # fn(name, parameter) -> options, until `planned`
+    param_groups: Optional[Callable] = None  # fn(name, parameter) -> options, until `grouped`
     groups: Optional[tuple] = None  # plan_groups over the whole model
     schedule: object = "onecycle"  # polytrain's name, an lr_scheduler class or a factory
     schedule_options: dict = field(default_factory=dict)
@@ -53,7 +53,7 @@ class Recipe:
     def per_step(self) -> bool:
         return self.interval != "epoch"
 
-    def planned(self, model: nn.Module) -> "Recipe":
+    def grouped(self, model: nn.Module) -> "Recipe":
         """The groups laid out over the whole `model` (the function given as param_groups= is spent)."""
         if self.groups is not None or not (self.no_decay or self.param_groups):
             return self
@@ -75,9 +75,9 @@ class Recipe:
         )
 
     def checked(self, model: nn.Module, *, staleness: int = 0) -> "Recipe":
-        """Planned over `model`, with the optimizer and schedule built once on its parameters (they do not
+        """Grouped over `model`, with the optimizer and schedule built once on its parameters (they do not
         change): a mistake is one line here, and a factory's {"interval": ...} is learnt."""
-        recipe = self.planned(model)
+        recipe = self.grouped(model)
         # stand-ins without storage: each worker trains its own copy of the model, so an optimizer that holds
         # anything but the parameters it is given (a factory over `model.parameters()` of the user's object)
         # would step tensors nobody trains

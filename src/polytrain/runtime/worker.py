@@ -223,7 +223,7 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     config = job.config
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
     # train its own copy, or every rank's optimizer would step the same storage.
-    recipe = (job.optim or make_recipe(config)).planned(job.model)  # groups laid out over the whole model
+    recipe = (job.optim or make_recipe(config)).grouped(job.model)  # groups laid out over the whole model
     # a LightningModule's self.trainer answers in configure_optimizers; its loop runs on every rank
     module_loop = plan_loop(
         strategy.objective,

@@ -26,8 +26,9 @@ EVERY_MODEL = ["single", "data", "sharded", "pipeline", "parameter-server"]
 MESHES = [
     "pipeline --pipeline-stages 2",  # 2 replicas x 2 stages
     "pipeline --pipeline-stages 2 --tensor-parallel 2",  # 2 stages x 2 tensor ranks
-    "tensor --tensor-parallel 2",
-]  # 2 replicas (FSDP2) x 2 tensor ranks
+    "tensor --tensor-parallel 2",  # 2 replicas (FSDP2) x 2 tensor ranks
+    "pipeline --pipeline-stages 2 --data-parallel shard",  # 2 FSDP2 shards x 2 stages
+]
 SPLIT = {("mlp", MESHES[1]): " --split 4"}  # (its Linears 1 and 3 split the hidden units between them)
 CASES = (
     [(model, strategy, 1 if strategy == "single" else 2) for strategy in EVERY_MODEL for model in MODELS]

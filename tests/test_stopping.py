@@ -116,7 +116,7 @@ class Slow(torch.nn.Module):
         super().__init__()
         self.linear = torch.nn.Linear(784, 10)
     def forward(self, x):
-        if self.training:
+        if self.training and len(x) == 32:  # a step (fit's checks before the run use 2 samples)
             print("step", flush=True)
             time.sleep(30)
         return self.linear(x.flatten(1))

@@ -68,3 +68,26 @@ def test_the_70b_preset_is_refused_in_one_line_before_any_worker_starts():
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "does not fit --strategy sharded on 2 device(s)" in errors[0], result.stderr
     assert "70.55B parameters" in errors[0] and "worker" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "stages, data_parallel, bytes_per_parameter",
+    [
+        (8, "replicate", 16 / 8),  # one pipeline of 8 stages: an eighth of weights, gradients and moments
+        (2, "replicate", 16 / 2),  # 4 replicas of 2 stages: each rank holds half the model's state
+        (2, "shard", 16 / 8 + 2 * 4 / 2),  # 4 shards of 2 stages: an eighth at rest, its stage whole in a step
+    ],
+)
+def test_a_pipeline_is_counted_by_its_stages_and_whether_its_replicas_shard(
+    llama_8b, monkeypatch, stages, data_parallel, bytes_per_parameter
+):
+    line = refusal(
+        llama_8b,
+        monkeypatch,
+        available_gib=1,
+        strategy="pipeline",
+        devices=8,
+        pipeline_stages=stages,
+        data_parallel=data_parallel,
+    )
+    assert f"needs at least {PARAMETERS_8B * bytes_per_parameter / GIB:,.1f} GiB" in line, line

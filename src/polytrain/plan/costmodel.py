@@ -66,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from .activations import peak_bytes
-from .layout import layout_of_label
+from .layout import Layout, layout_of_label
 
 
 @dataclass(frozen=True)
@@ -432,8 +432,9 @@ def memory_per_rank(
     optimizer_slots: int = 1,
     servers: int = 1,
     checkpointing: str = "none",
+    layout: Optional[Layout] = None,
 ) -> float:
-    """Bytes the busiest rank holds: weights, gradients and `optimizer_slots` tensors of optimizer state per
+    """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights, gradients and `optimizer_slots` tensors of optimizer state per
     weight, plus the activations held for backward for its slice (per sample: `activation_bytes` at the peak of
     the backward pass under `--activation-checkpointing` `checkpointing`, plan/activations.py; without them,
     each cut's bytes per sample).
@@ -447,13 +448,16 @@ def memory_per_rank(
     """
     weights = work.parameter_bytes
     per_sample = peak_bytes(work, checkpointing) if work.activation_bytes else sum(work.boundary_bytes)
-    layout = layout_of_label(strategy, devices)
+    layout = layout or layout_of_label(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     states = held * (2 + optimizer_slots) / (layout.shard * layout.pipeline)
-    # FSDP2 gathers a layer whole: the largest where known, else the model (an upper bound)
+    # FSDP2 gathers a layer whole: the largest where known, else the model (an upper bound); a pipeline of
+    # shards keeps its stage's weights and their gradients whole through a step (pipeline_shard.py)
     gathered = (work.largest_layer_bytes or held) if layout.shard > 1 else 0.0
+    if layout.shard > 1 and layout.pipeline > 1:
+        gathered = held * 2 / layout.pipeline
     return states + gathered + activations

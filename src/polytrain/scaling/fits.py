@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..plan.costmodel import Workload, memory_per_rank
+from ..plan.layout import Layout, layout_of
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -110,6 +111,23 @@ def _split_bytes(config, model: nn.Module, devices: int) -> float:
     )
 
 
+def layout_for(config, strategy: str) -> Optional[Layout]:
+    """The degrees `strategy` has with these settings (pipeline stages, tensor ranks, whether a pipeline's
+    replicas shard); None where they do not make a layout (the label's preset is used then)."""
+    if config.devices == 1:
+        return Layout()
+    try:
+        return layout_of(
+            strategy,
+            config.devices,
+            pipeline_stages=getattr(config, "pipeline_stages", None),
+            tensor_parallel=getattr(config, "tensor_parallel", None),
+            data_parallel=getattr(config, "data_parallel", None),
+        )
+    except (ConfigError, TypeError):
+        return None
+
+
 def check_fits(
     config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int, dataset=None
 ) -> None:
@@ -123,7 +141,9 @@ def check_fits(
     work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
     label = label_of(strategy, devices, config.tensor_parallel) if devices > 1 else "single"
     mode = getattr(config, "activation_checkpointing", "none") or "none"
-    needed = memory_per_rank(work, label, devices, optimizer_slots=slots, checkpointing=mode)
+    needed = memory_per_rank(
+        work, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout_for(config, strategy)
+    )
     available = available_per_rank(device, devices)
     if needed <= available:
         return

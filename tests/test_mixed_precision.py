@@ -71,8 +71,8 @@ def test_verify_passes_bf16_sharded_as_trained():
 
 
 def test_the_policy_is_not_asked_for_without_bf16():
-    from polytrain.strategies.sharded import Sharded
+    from polytrain.strategies.sharded import mixed_precision
 
-    assert Sharded(device=torch.device("cpu"), precision="fp32").mixed_precision() == {}
-    policy = Sharded(device=torch.device("cpu"), precision="bf16").mixed_precision()["mp_policy"]
+    assert mixed_precision("fp32") == {} and mixed_precision("fp16") == {}
+    policy = mixed_precision("bf16")["mp_policy"]  # sharded's, tensor's, and that of pipelines of shards
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

@@ -15,8 +15,7 @@ from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
 from polytrain.plan.layout import Layout
 from polytrain.plan.pipeline import PipelineLayout
-from polytrain.strategies import Pipeline, strategy_class
-from polytrain.strategies.pipeline_shard import PipelineSharded
+from polytrain.strategies import Pipeline
 
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
 ADAM_ROUNDING = 2e-5
@@ -39,8 +38,11 @@ def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
         layout.degrees() == {"shard": 2, "pipeline": 2, "tensor": 1}
         and layout.pipelines == "2 shards (FSDP2)"
     )
-    assert strategy_class("pipeline", type("Plan", (), {"layout": layout})) is PipelineSharded
-    assert strategy_class("pipeline", type("Plan", (), {"layout": PipelineLayout(4, 2)})) is Pipeline
+    with_tensor = TrainConfig(
+        strategy="pipeline", devices=8, pipeline_stages=2, tensor_parallel=2, data_parallel="shard"
+    )  # the shard degree combines with the tensor degree: a (dp_shard, pp, tp) mesh
+    assert with_tensor.layout == Layout(shard=2, pipeline=2, tensor=2) and with_tensor.data_parallel_size == 2
+    assert with_tensor.layout.mesh_names == ("dp_shard", "pp", "tp")
 
 
 @pytest.mark.parametrize(
@@ -48,7 +50,10 @@ def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
     [
         (dict(devices=4), ["make one pipeline", "--pipeline-stages 2"]),
         (dict(devices=2), ["make one pipeline", "--devices 4 --pipeline-stages 2"]),
-        (dict(devices=8, pipeline_stages=2, tensor_parallel=2), ["--tensor-parallel", "yet"]),
+        (
+            dict(devices=4, pipeline_stages=2, tensor_parallel=2),
+            ["2 stages of 2 tensor ranks make one pipeline", "--devices 8 --pipeline-stages 2"],
+        ),
         (dict(devices=4, pipeline_stages=2, split_at="2"), ["--split-at", "--data-parallel shard"]),
         (dict(strategy="data", devices=4), ["--data-parallel applies to --strategy pipeline only"]),
     ],
@@ -90,8 +95,8 @@ def _hold_on_rank(rank: int, world: int) -> dict:
     built_on_meta = all(p.is_meta for p in model.parameters())
     names = tuple(name for name, _ in flatten_layers(model))
     plan = PipelinePlan(PipelineLayout(world, 2, shard=True), "1f1b", 2, (3,), names, (1, 8, 8))
-    strategy = strategy_class("pipeline", plan)(
-        plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0
+    strategy = Pipeline(
+        plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0, precision="bf16"
     )
     strategy.setup(
         model,
@@ -118,11 +123,25 @@ def _hold_on_rank(rank: int, world: int) -> dict:
         sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules)
         and strategy.mesh.mesh_dim_names == ("dp_shard", "pp"),
         summed_by_hand=strategy.dp_group is not None,
+        # --precision bf16: sharded's MixedPrecisionPolicy on every unit (float32 master shards, stepped above)
+        policies={
+            (
+                str(unit._get_fsdp_state()._mp_policy.param_dtype),
+                str(unit._get_fsdp_state()._mp_policy.reduce_dtype),
+            )
+            for stage in strategy.stage_modules
+            for unit in stage.modules()
+            if isinstance(unit, FSDPModule)
+        },
+        dtypes={str(p.to_local().dtype) for p in params} | {str(p.grad.to_local().dtype) for p in params},
+        line="\n".join(strategy.placement),
     )
 
 
 @pytest.mark.multiprocess
 def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_state():
+    """In --precision bf16, which gathers and computes in bfloat16 as --strategy sharded does: the shards, their
+    gradients and the optimizer state stay float32."""
     from distributed import run_on_ranks
 
     results = run_on_ranks(_hold_on_rank, world_size=4, timeout=300)
@@ -133,28 +152,39 @@ def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_stat
         assert result["same"], f"rank {rank} does not start from the one-device weights"
         assert result["held"] * 2 == result["stage"] and result["grads"] == result["held"], (rank, result)
         assert result["slots"] == 2 * result["held"], (rank, result)  # Adam's two moments, of its shard only
+        assert result["policies"] == {("torch.bfloat16", "torch.float32")} and result["dtypes"] == {
+            "torch.float32"
+        }
+    assert "gathered in bf16 for compute (float32 master shards)" in results[0]["line"]
 
 
 GPT_TINY = ["--model", "gpt", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2"]
 
 
+# 8 processes: 2 shards x 2 stages x 2 tensor ranks, each stage's tensor slices sharded over the pipelines
+THREE_D = [*SHARDED[:3], "8", *SHARDED[4:], "--tensor-parallel", "2"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "model",
+    "model, layout",
     [
-        ["--model", "lenet", "--steps", "4"],
-        [*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "2", "--accumulate", "2"],
+        (["--model", "lenet", "--steps", "4"], SHARDED),
+        ([*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "2", "--accumulate", "2"], SHARDED),
+        ([*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "3", "--accumulate", "2"], THREE_D),
     ],
-    ids=["lenet", "gpt"],
+    ids=["lenet", "gpt", "gpt-with-tensor-ranks"],
 )
-def test_verify_two_sharded_pipelines_of_two_stages(capfd, model):
+def test_verify_two_sharded_pipelines_of_two_stages(capfd, model, layout):
     """The GPT ties its embedding and head across the stages (each a shard of the tied weight); accumulation and
-    the global-norm clip over the stages' sharded gradients."""
-    result = polytrain_here(capfd, "verify", *model, *SHARDED, "--clip-grad-norm", "0.5", "--device", "cpu")
+    the global-norm clip over the stages' sharded gradients. With tensor ranks: a (dp_shard, pp, tp) mesh, FSDP2
+    shards each stage's tensor slices (2-D DTensors over dp_shard and tp)."""
+    result = polytrain_here(capfd, "verify", *model, *layout, "--clip-grad-norm", "0.5", "--device", "cpu")
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(float(diff) <= 1e-10 for *_, diff in rows) and "PASS" in result.stdout, result.stdout
     assert "pipeline of 2 stages x 2 shards (FSDP2)" in result.stdout
+    assert ("each stage split over 2 tensor ranks" in result.stdout) == (layout is THREE_D)
 
 
 @pytest.mark.multiprocess

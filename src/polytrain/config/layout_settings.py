@@ -106,7 +106,8 @@ class PipelineSettings:
         None,
         "how the --devices / S pipelines of --pipeline-stages S hold their stages: replicate: each a whole "
         "copy, gradients all-reduced; shard: FSDP2 over them, each rank keeps a 1/(devices / S) shard of its "
-        "stages' weights, gradients and optimizer state (default: replicate)",
+        "stages' weights, gradients and optimizer state (with --tensor-parallel T, 1/(devices / (S x T)) of its "
+        "tensor slice) (default: replicate)",
         group="pipeline",
         choices=("replicate", "shard"),
         strategies=("pipeline",),

@@ -11,7 +11,9 @@ TensorPlan.coords): rank (replica x stages + stage) x T + t holds tensor slice t
 
 With `--data-parallel shard` the pipelines beside each other are FSDP2 shards instead of replicas: the ranks of a
 stage in every pipeline keep one shard each of the stage's weights, gradients and optimizer state (the data
-dimension of the mesh is then dp_shard, not dp_replicate); the arithmetic above is the same.
+dimension of the mesh is then dp_shard, not dp_replicate); the arithmetic above is the same, with tensor ranks
+too: `--devices 8 --pipeline-stages 2 --tensor-parallel 2 --data-parallel shard` is a 2 x 2 x 2 (dp_shard, pp,
+tp) mesh.
 """
 
 from __future__ import annotations
@@ -64,23 +66,27 @@ class PipelineLayout:
                 f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
                 f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages"
             )
-        if self.shard and self.tensor > 1:
-            raise ConfigError(
-                "--data-parallel shard does not combine with --tensor-parallel yet; drop one of them "
-                "(--strategy tensor shards its groups' data dimension with FSDP2)"
-            )
-        if self.shard and self.devices < 2 * self.ranks:
-            fits = [d for d in divisors(self.devices) if 2 <= d <= self.devices // 2]
+        if self.shard and self.replicas < 2:
+            group = self.ranks * self.tensor  # the ranks of one pipeline
+            fits = [
+                d
+                for d in divisors(self.devices // self.tensor)
+                if 2 <= d <= self.devices // (2 * self.tensor)
+            ]
             fix = (
                 f"--pipeline-stages {fits[-1]}"
                 if fits
-                else f"--devices {2 * self.ranks} --pipeline-stages {self.ranks}"
+                else f"--devices {2 * group} --pipeline-stages {self.ranks}"
             )
             raise ConfigError(
                 f"--data-parallel shard shards each stage over the pipelines beside each other, but --devices "
-                f"{self.devices} in {self.ranks} stages make one pipeline; use {fix} (2 or more pipelines), "
-                f"or drop --data-parallel"
+                f"{self.devices} in {self.ranks} stages{self._of_tensor_ranks} make one pipeline; use {fix} (2 or "
+                f"more pipelines), or drop --data-parallel"
             )
+
+    @property
+    def _of_tensor_ranks(self) -> str:
+        return f" of {self.tensor} tensor ranks" if self.tensor > 1 else ""
 
     @property
     def replicas(self) -> int:

@@ -26,7 +26,7 @@ from ..objective import Objective
 from ..optim import make_recipe
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
-from ..strategies import STRATEGIES, strategy_class
+from ..strategies import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
@@ -184,7 +184,7 @@ def _train(
 
 def _make_strategy(job: Job, device, rank: int, world: int):
     config = job.config
-    return strategy_class(job.strategy, job.plan)(
+    return STRATEGIES[job.strategy](
         device=device,
         rank=rank,
         world_size=world,

@@ -1,6 +1,7 @@
 """Strategies by name; `auto` picks `single` for one device and `data` for several. The names are declared in
 config/registry_names.py (the command line reads them without importing torch); `STRATEGIES` maps them to
-classes and is checked against them at import."""
+classes and is checked against them at import. One class runs every layout of its name: a pipeline's tensor and
+shard degrees are steps of `Pipeline.setup`, not classes of their own."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from .base import StepStats, Strategy
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .pipeline import Pipeline
-from .pipeline_shard import PipelineSharded
-from .pipeline_tensor import PipelineTensor
 from .sharded import Sharded
 from .single import SingleDevice
 from .tensor import TensorParallel
@@ -26,25 +25,6 @@ STRATEGIES = {
     "tensor": TensorParallel,
 }
 check_registry("strategy", STRATEGIES, STRATEGY_NAMES)
-
-
-# a strategy whose plan splits layers over tensor ranks runs on its tensor form; one whose data dimension
-# shards (FSDP2) instead of replicating, on its shard form
-TENSOR_FORMS = {Pipeline: PipelineTensor}
-SHARD_FORMS = {Pipeline: PipelineSharded}
-
-
-def strategy_class(name: str, plan=None) -> type:
-    """The class that executes `plan` for `--strategy name`: a pipeline whose stages are split over tensor ranks
-    (--tensor-parallel) runs on PipelineTensor, one whose pipelines shard their stages (--data-parallel shard)
-    on PipelineSharded."""
-    chosen = STRATEGIES[name]
-    layout = getattr(plan, "layout", None)
-    if chosen in TENSOR_FORMS and getattr(layout, "tensor", 1) > 1:
-        return TENSOR_FORMS[chosen]
-    if chosen in SHARD_FORMS and getattr(layout, "shard", False):
-        return SHARD_FORMS[chosen]
-    return chosen
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -90,6 +70,5 @@ __all__ = [
     "TensorParallel",
     "contiguous_strategies",
     "make_plan",
-    "strategy_class",
     "resolve_strategy_name",
 ]

@@ -20,16 +20,19 @@ def whole(value):
 
 def part_like(value, like):
     """The whole tensor `value` as a DTensor placed as `like` (this rank's part of it: its slice or shard, cut as
-    torch.chunk cuts); anything else as it is."""
+    torch.chunk cuts, FSDP2's shards of a tensor slice included); anything else as it is."""
     if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor) or value.shape != like.shape:
         return value
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    mesh, part = like.device_mesh, value
-    for dim, placement in enumerate(like.placements):
-        if placement.is_shard():
-            part = part.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
-    return DTensor.from_local(part.to(like.device).contiguous(), mesh, like.placements, run_check=False)
+    mesh, part = like.device_mesh, value.to(like.device)
+    try:  # every rank holds the whole value: its part is cut locally, no communication
+        return distribute_tensor(part, mesh, like.placements, src_data_rank=None)
+    except TypeError:  # torch before 2.6 (no src_data_rank): plain shards, one dimension after another
+        for dim, placement in enumerate(like.placements):
+            if placement.is_shard():
+                part = part.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
+        return DTensor.from_local(part.contiguous(), mesh, like.placements, run_check=False)
 
 
 def local_bytes(tensors) -> int:

@@ -5,8 +5,12 @@ With `--pipeline-stages` below `--devices`, several pipelines (replicas) run sid
 and average their gradients stage by stage. The loss of each micro-batch is its summed cross-entropy over
 the whole global batch's size, and gradients are summed (never rescaled): the step is exactly the
 one-device step. Evaluation sends activations rank to rank without gradients; checkpoints are each rank's
-stages, written as shards (checkpoint_parts.py). With `--tensor-parallel T` each stage is split over T ranks
-(pipeline_tensor.py).
+stages, written as shards (checkpoint_parts.py).
+
+The degrees of the layout are steps of one set-up, each applied where its degree is above 1, in torchtitan's
+order: split into stages -> the tensor plan over `tp` (`--tensor-parallel T`, pipeline_tensor.py) -> activation
+checkpointing -> whole-batch dropout -> FSDP2 over `dp_shard` (`--data-parallel shard`, pipeline_shard.py) ->
+materialise. The whole-model state methods handle any mix of them (pipeline_parts.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..plan.pipeline import (
     runnable_schedule,
     stages_per_rank,
 )
+from . import pipeline_parts as parts
 from .activations import receive, send
 from .base import Distributed, StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
@@ -40,7 +45,9 @@ from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
 from .mesh import device_mesh
-from .optimizer_state import load_part, numbered_part, positions, state_slots_of, to_cpu, whole_state
+from .optimizer_state import positions, state_slots_of, whole_state
+from .pipeline_shard import reshard, shard_stages
+from .pipeline_tensor import split_stages
 from .pipeline_trace import record_calls
 from .tensor import plan_for_stages
 from .tied import TiedWeights
@@ -65,6 +72,7 @@ class Pipeline(Distributed):
     name = "pipeline"
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
+    splits_layers = False  # as a name (bench's rows): with --tensor-parallel its plan splits each stage
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
     writes_shards = property(lambda self: not self.plan.split_at)  # (traced stages: the tracer's names)
     shard_state, load_shards = stage_shard_state, load_stage_shards  # each rank its stages' own state
@@ -72,7 +80,11 @@ class Pipeline(Distributed):
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
         self.plan = plan
-        self.replica, self.pipeline_rank = plan.layout.coords(self.rank)
+        self.replica, self.pipeline_rank = plan.layout.coords(
+            self.rank
+        )  # (replica: the shard index if sharded)
+        self.tensor_index = plan.layout.tensor_index(self.rank)
+        self.fused = {}  # parameter name -> the order of a fused layer's rows on the tensor ranks
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
         self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
         self.pp_group = self.dp_group = None
@@ -86,7 +98,16 @@ class Pipeline(Distributed):
         """The ranks of this pipeline: each holds some stages' gradients (replicas have summed theirs)."""
         return self.pp_group if self.pp_group is not None else dist.group.WORLD
 
-    overflow_group = norm_group  # the stages' gradients overflow apart; replicas share theirs
+    @property
+    def overflow_group(self):
+        """The stages' gradients overflow apart and replicas share theirs; ranks that unscale their own slices or
+        shards must all agree."""
+        split = self.plan.layout.tensor > 1 or self.plan.layout.shard
+        return dist.group.WORLD if split else self.norm_group
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
+        return super().reduce(tensor if self.tensor_index == 0 else torch.zeros_like(tensor))
 
     @property
     def data_rank(self) -> int:
@@ -198,11 +219,11 @@ class Pipeline(Distributed):
         ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
-        self.split_stages()
+        self.split_model(self.model)  # each degree a step, where it is above 1: the tensor plan,
         self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
         self.whole_batch_layers(model)
-        self.wrap(self.model)  # shards of the stages (pipeline_shard.py); as they are otherwise
-        self.materialise(self.model)  # only this rank's stages get storage
+        self.wrap(self.model)  # FSDP2 over dp_shard,
+        self.materialise(self.model)  # then only this rank's stages (their slices, shards) get storage
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,
@@ -214,8 +235,16 @@ class Pipeline(Distributed):
             )
         )
 
-    def split_stages(self) -> None:
-        """Where a subclass splits its stages' layers further, before the optimizer sees them."""
+    def split_model(self, model: nn.Module) -> None:
+        """This rank's stages split over the tensor ranks (pipeline_tensor.py), where there are several."""
+        if self.plan.layout.tensor > 1:
+            split_stages(self)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The stages sharded over the pipelines side by side (pipeline_shard.py); as they are otherwise."""
+        if self.plan.layout.shard:
+            shard_stages(self)
+        return model
 
     def whole_batch_layers(self, model: nn.Module) -> None:
         """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
@@ -273,29 +302,8 @@ class Pipeline(Distributed):
         return make(*self.boundaries[span[0]]), make(*self.boundaries[span[-1] + 1])
 
     def placement_lines(self, holds) -> list:
-        """Rank 0's lines of where each model stage runs; `holds(stage)` says what the stage holds."""
-        devices = self.gather_object((self.rank, str(self.device)))
-        if not self.is_main:
-            return []
-        plan, where = self.plan, dict(devices)
-        lines = [
-            f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
-            f"ranks x {plan.layout.pipelines}, {plan.microbatches} micro-batches per step, schedule "
-            f"{plan.schedule}"
-        ]
-        for stage in range(plan.model_stages):
-            ranks = plan.layout.stage_ranks(stage % plan.layout.ranks)
-            lines.append(
-                f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
-                f"{holds(stage)}"
-            )
-        runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
-        if runs != plan.schedule:
-            lines.append(
-                f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
-                f"it runs as gpipe"
-            )
-        return lines
+        """Rank 0's lines of where each stage runs and what it holds (`holds(stage)`); every rank calls it."""
+        return parts.placement_lines(self, holds)
 
     def _schedule(self, samples: int):
         """The schedule for a batch of `samples`: stages infer the shapes they exchange once, so each size of
@@ -444,19 +452,21 @@ class Pipeline(Distributed):
         for works, _ in pending:  # the tensors stay referenced until their sends complete
             for work in works:
                 work.wait()
+        if self.plan.layout.shard:  # the units keep what they gathered: whole until the next step otherwise
+            reshard(self)
         return self._stats(len(batch.y))
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:
-        parts = self.gather_object(self.stage_state())
+        pieces = self.gather_object(self.stage_state())
         if not self.is_main:
             return {}
-        merged = {key: value for part in parts for key, value in part.items()}
+        merged = {key: value for piece in pieces for key, value in piece.items()}
         return {key: merged[key] for key in self.full_meta}
 
     def stage_state(self) -> dict:
-        """This rank's stages' state dict, on the CPU, from replica 0 ({} elsewhere); every rank calls it."""
-        return to_cpu(self.model.state_dict()) if self.replica == 0 else {}
+        """This rank's stages' whole state dict on the CPU, from one coordinate ({} elsewhere); all call it."""
+        return parts.stage_state(self)
 
     def expected_state(self) -> dict:
         return self.full_meta
@@ -464,18 +474,15 @@ class Pipeline(Distributed):
     def state_dict(self) -> dict:
         numbers = positions(self.trained, self.global_index)
         mine = self.stage_optimizer_state(numbers)
-        model, parts = self.model_state(), self.gather_object(mine)
+        model, pieces = self.model_state(), self.gather_object(mine)
         if not self.is_main:
             return {}
-        optimizer = whole_state(self.optimizer, parts)
+        optimizer = whole_state(self.optimizer, pieces)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def stage_optimizer_state(self, numbers: dict) -> dict:
-        """numbered_part of this rank's optimizer, from replica 0 ({} elsewhere); every rank calls it."""
-        return numbered_part(self.optimizer, numbers) if self.replica == 0 else {}
+        """numbered_part's form of this rank's optimizer state, whole, from one coordinate ({} elsewhere)."""
+        return parts.stage_optimizer_state(self, numbers)
 
     def load_state_dict(self, state: dict) -> None:
-        own = self.model.state_dict()
-        self.model.load_state_dict({key: state["model"][key] for key in own})
-        load_part(self.optimizer, state["optimizer"], positions(self.trained, self.global_index))
-        self.scheduler.load_state_dict(state["scheduler"])
+        parts.load_stages(self, state)

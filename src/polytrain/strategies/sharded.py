@@ -41,6 +41,22 @@ def own_tensor(module, inputs, output):
     return None
 
 
+def mixed_precision(precision: str) -> dict:
+    """fully_shard's options for --precision bf16 (sharded, tensor, and pipelines of shards): parameters cast to
+    bfloat16 for the forward and backward passes and gathered so (half the bytes of each all-gather and of the
+    layer gathered whole), gradients reduced in float32 into the float32 shards the optimizer steps (the master
+    weights)."""
+    if precision != "bf16":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+# the start-up line's words where `mixed_precision` gives a policy
+GATHERED_IN_BF16 = ", gathered in bf16 for compute (float32 master shards)"
+
+
 def shard_layers(model: nn.Module, **options) -> nn.Module:
     """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per layer that holds parameters: only one
     layer's full weights exist at a time. Layers that share a parameter (tied embeddings) stay in the root's unit,
@@ -90,20 +106,10 @@ class Sharded(Distributed):
         """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        options = {"mesh": mesh, **self.mixed_precision()}
+        options = {"mesh": mesh, **mixed_precision(self.precision)}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         return shard_layers(model, **options)
-
-    def mixed_precision(self) -> dict:
-        """fully_shard's options for --precision bf16: parameters cast to bfloat16 for the forward and
-        backward passes and gathered so (half the bytes of each all-gather and of the layer gathered whole),
-        gradients reduced in float32 into the float32 shards the optimizer steps (the master weights)."""
-        if self.precision != "bf16":
-            return {}
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
     @property
     def overflow_group(self):
@@ -140,7 +146,7 @@ class Sharded(Distributed):
         lines = [
             f"sharded: {self.world_size} ranks; {heading(slots)}"
             + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")
-            + (", gathered in bf16 for compute (float32 master shards)" if self.mixed_precision() else "")
+            + (GATHERED_IN_BF16 if mixed_precision(self.precision) else "")
         ]
         for rank, device, size in rows:
             lines.append(

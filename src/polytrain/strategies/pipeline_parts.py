@@ -1,0 +1,137 @@
+"""A pipeline rank's stages as the whole model's tensors and back, and the start-up lines of where they run
+and what each rank holds, whatever degrees split them: a tensor plan (each stage's layers split over `tp`, fused
+rows in the ranks' order), FSDP2 shards over `dp_shard`, both, or neither (plain tensors, unchanged).
+
+`whole` of a DTensor gathers it over its mesh (a 2-D (dp_shard, tp) DTensor included) and `part_like` cuts a
+whole tensor back as it is placed; fused rows are put back in (or taken out of) their one-device order. Every
+rank of a stage takes part in the gathers; the whole values come from one coordinate only (tensor slice 0 of
+data coordinate 0), so that each stage is counted once.
+"""
+
+from __future__ import annotations
+
+from ..plan.pipeline import runnable_schedule
+from .holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
+from .optimizer_state import load_part, positions, to_cpu
+from .pipeline_shard import shard_line
+from .pipeline_tensor import tensor_line
+from .tensor import reordered, reordered_optimizer
+
+
+def contributes(strategy) -> bool:
+    """Whether this rank's whole stages are the ones kept: tensor slice 0 of replica (or shard) 0."""
+    return strategy.replica == 0 and strategy.tensor_index == 0
+
+
+def stage_state(strategy) -> dict:
+    """This rank's stages' state dict, whole and on the CPU, fused rows in the one-device order; {} but from
+    `contributes` (every rank calls it: the gathers are collectives)."""
+    state = {key: whole(value) for key, value in strategy.model.state_dict().items()}
+    state = reordered(state, strategy.fused, back=True)
+    return to_cpu(state) if contributes(strategy) else {}
+
+
+def stage_optimizer_state(strategy, numbers: dict) -> dict:
+    """optimizer_state.numbered_part's form of this rank's optimizer state, its tensors whole as in
+    `stage_state`; {} but from `contributes`."""
+    optimizer = strategy.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {
+        numbers[id(p)]: {slot: to_cpu(whole(value)) for slot, value in optimizer.state[p].items()}
+        for p in params
+        if id(p) in numbers and p in optimizer.state
+    }
+    state = reordered_optimizer({"state": state}, strategy.fused, strategy.parameter_names, back=True)[
+        "state"
+    ]
+    groups = [
+        [numbers[id(p)] for p in group["params"] if id(p) in numbers] for group in optimizer.param_groups
+    ]
+    return {"state": state, "groups": groups} if contributes(strategy) else {}
+
+
+def load_stages(strategy, state: dict) -> None:
+    """Whole-model state (one device's names and numbers) cut into this rank's stages and their parts (fused
+    rows in the ranks' order), then loaded."""
+    own, names = strategy.model.state_dict(), strategy.parameter_names
+    params = dict(strategy.model.named_parameters())
+    model = reordered({key: state["model"][key] for key in own}, strategy.fused, back=False)
+    strategy.model.load_state_dict({key: part_like(value, own[key]) for key, value in model.items()})
+    saved = reordered_optimizer(state["optimizer"], strategy.fused, names, back=False)
+    slots = {
+        number: {slot: part_like(value, params[names[number]]) for slot, value in held.items()}
+        if names[number] in params
+        else held
+        for number, held in saved["state"].items()
+    }
+    load_part(
+        strategy.optimizer, dict(saved, state=slots), positions(strategy.trained, strategy.global_index)
+    )
+    strategy.scheduler.load_state_dict(state["scheduler"])
+
+
+def placement_lines(strategy, holds) -> list:
+    """Rank 0's lines of where each model stage runs (`holds(stage)` says what the stage holds), then what
+    each rank holds of its stages where they are split or sharded."""
+    devices = strategy.gather_object((strategy.rank, str(strategy.device)))
+    held = holding_lines(strategy)
+    if not strategy.is_main:
+        return []
+    plan, where = strategy.plan, dict(devices)
+    lines = [
+        f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
+        f"ranks x {plan.layout.pipelines}, {plan.microbatches} micro-batches per step, schedule "
+        f"{plan.schedule}"
+    ]
+    for stage in range(plan.model_stages):
+        ranks = plan.layout.stage_ranks(stage % plan.layout.ranks)
+        lines.append(
+            f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
+            f"{holds(stage)}"
+        )
+    runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
+    if runs != plan.schedule:
+        lines.append(
+            f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
+            f"it runs as gpipe"
+        )
+    return lines + held
+
+
+def holding_lines(strategy) -> list:
+    """Rank 0's lines of what each rank holds of its stages (its parts: parameters, as many gradients, and the
+    optimizer's slots per parameter) where a degree splits them; [] elsewhere (every rank calls it)."""
+    layout = strategy.plan.layout
+    if layout.tensor == 1 and not layout.shard:
+        return []
+    params = list(strategy.model.parameters())  # a tied copy is held too, but stepped by its owner
+    stepped = [p for p in params if not strategy.tied.is_copy(p)]
+    stage_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole's
+    held = strategy.gather_object((local_bytes(params), local_bytes(stepped), stage_bytes))
+    if not strategy.is_main:
+        return []
+    slots = optimizer_slots(strategy.optimizer)
+    lines = []
+    if layout.tensor > 1:
+        meta = strategy.full_meta
+        full = sum(meta[name].numel() * meta[name].element_size() for name in strategy.parameter_names)
+        whole_model = f"; {heading(slots)}, where a replica would hold {figures(full, slots)}"
+        lines.append(tensor_line(strategy.plan, "" if layout.shard else whole_model))
+    if layout.shard:
+        lines.append(shard_line(strategy, heading(slots)))
+    for rank in range(layout.devices):
+        data, pipeline_rank = layout.coords(rank)
+        stages = "/".join(map(str, strategy.plan.stages_of_rank(pipeline_rank)))
+        if layout.shard:
+            where = f"shard {data + 1}/{layout.replicas} of stage {stages}"
+        else:
+            where = f"replica {data + 1}/{layout.replicas}, stage {stages}"
+        tensor = (
+            f", tensor slice {layout.tensor_index(rank) + 1}/{layout.tensor}" if layout.tensor > 1 else ""
+        )
+        mine, stepped_bytes, stage = held[rank]
+        whole_stage = f"; the whole stage {figures(stage, slots)}" if layout.shard else ""
+        lines.append(
+            f"  rank {rank}: {where}{tensor}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}"
+        )
+    return lines

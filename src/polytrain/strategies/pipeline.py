@@ -80,9 +80,8 @@ class Pipeline(Distributed):
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
         self.plan = plan
-        self.replica, self.pipeline_rank = plan.layout.coords(
-            self.rank
-        )  # (replica: the shard index if sharded)
+        # (with --data-parallel shard, `replica` is the rank's shard index)
+        self.replica, self.pipeline_rank = plan.layout.coords(self.rank)
         self.tensor_index = plan.layout.tensor_index(self.rank)
         self.fused = {}  # parameter name -> the order of a fused layer's rows on the tensor ranks
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
@@ -219,11 +218,12 @@ class Pipeline(Distributed):
         ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
-        self.split_model(self.model)  # each degree a step, where it is above 1: the tensor plan,
+        # each degree a step where it is above 1, in torchtitan's order: the tensor plan, then FSDP2
+        self.split_model(self.model)
         self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
         self.whole_batch_layers(model)
-        self.wrap(self.model)  # FSDP2 over dp_shard,
-        self.materialise(self.model)  # then only this rank's stages (their slices, shards) get storage
+        self.wrap(self.model)
+        self.materialise(self.model)  # only this rank's stages (their slices, shards) get storage
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,

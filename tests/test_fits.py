@@ -75,7 +75,11 @@ def test_the_70b_preset_is_refused_in_one_line_before_any_worker_starts():
     [
         (8, "replicate", 16 / 8),  # one pipeline of 8 stages: an eighth of weights, gradients and moments
         (2, "replicate", 16 / 2),  # 4 replicas of 2 stages: each rank holds half the model's state
-        (2, "shard", 16 / 8 + 2 * 4 / 2),  # 4 shards of 2 stages: an eighth at rest, its stage whole in a step
+        (
+            2,
+            "shard",
+            16 / 8 + 2 * 4 / 2,
+        ),  # 4 shards of 2 stages: an eighth at rest, its stage whole in a step
     ],
 )
 def test_a_pipeline_is_counted_by_its_stages_and_whether_its_replicas_shard(

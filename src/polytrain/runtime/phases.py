@@ -1,0 +1,285 @@
+"""The phases of `api.train_run`, in the order it calls them: each checks or prepares one thing in the
+launching process, before (and around) the workers that train."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..callbacks import check_monitor
+from ..checkpoint import atomic_write_bytes
+from ..config import TrainConfig
+from ..data import ArrayDataset
+from ..errors import UserError
+from ..models import build_model_on_meta, check_model_output, takes_channels_last
+from ..models.lightning import is_lightning, plan_loop
+from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
+from ..run_dir import (
+    forget_unstarted_run,
+    new_run_dir,
+    read_config,
+    refuse_if_training,
+    training,
+    write_config,
+)
+from ..sources import (
+    as_dataset,
+    check_objective,
+    check_picklable,
+    check_sizes,
+    dataset_pair,
+    item_form,
+    make_objective,
+    oversized_batch_note,
+    refuse_for_strategy,
+)
+from ..strategies.gradients import check_fp16
+from .inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
+from .launch import check_main_guard, run_job, spawns_workers
+from .worker import resolved_device_type
+
+
+def under_launcher(config: TrainConfig, launcher, resume_dir):
+    """Under torchrun: its world size (the settings revalidated: the batch must divide), and a restarted
+    attempt continues the run its predecessor started."""
+    if launcher is None:
+        return config, resume_dir
+    config = replace(config, devices=launcher.world_size)
+    if launcher.max_restarts > 0 and config.out is None and resume_dir is None:
+        raise UserError(
+            "under torchrun --max-restarts, pass --out DIR so restarted workers find the run's checkpoint"
+        )
+    if launcher.restart_count > 0 and resume_dir is None:
+        resume_dir = config.out
+    return config, resume_dir
+
+
+def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_step, shout: bool):
+    """(dataset, objective): the data as the run reads it, checked, and the objective that fits its kind."""
+    objective = make_objective(config, loss, metrics, step=step, eval_step=eval_step)
+    if config.num_workers is not None and train is None:
+        raise UserError(
+            "--num-workers applies to train= and val= Datasets; in-memory data is read on the device"
+        )
+    if config.augment and train is not None:
+        raise UserError(
+            "--augment applies to in-memory datasets; put augmentation in your Dataset's transforms"
+        )
+    if train is not None:
+        dataset = dataset_pair(train, val, model=model or config.model, objective=objective, config=config)
+    else:
+        dataset = as_dataset(data if data is not None else config.dataset, config)
+    if getattr(dataset, "kind", "classification") != "classification":  # text: next-token cross-entropy
+        objective = make_objective(config, loss, metrics, kind=dataset.kind, step=step, eval_step=eval_step)
+    check_sizes(dataset, config)
+    note = oversized_batch_note(dataset, config)
+    if shout and note:
+        print(note, flush=True)
+    if shout and getattr(dataset, "skipped", None):
+        print(
+            f"--skip-bad: skipping {len(dataset.skipped)} unreadable image file(s), first {dataset.skipped[0]}"
+        )
+    return dataset, objective
+
+
+def prepare_model(config, model, dataset, objective, *, given_tensors: bool, shout: bool):
+    """(module, whether it is a registry model): a registry model is built without storage (each worker
+    materialises what its rank holds); a module's outputs are checked against the data's classes."""
+    torch.manual_seed(config.seed)
+    registry_model = model is None or isinstance(model, str)
+    module = (
+        build_model_on_meta(model or config.model, dataset.input_shape, dataset.num_classes, config)
+        if registry_model
+        else model
+    )
+    if isinstance(dataset, ArrayDataset) and objective.classification:
+        # data given as tensors infers its classes from the labels: there the model may give more outputs
+        note = check_model_output(module, dataset, exact=not given_tensors)
+        if shout and note:
+            print(note, flush=True)
+    return module, registry_model
+
+
+def check_the_objective(config, module, objective, dataset, strategy: str, steps_per_epoch: int):
+    """The objective the run trains with, checked on two samples, with what a LightningModule's self.trainer
+    answers; refused in one line where the monitored figure or the strategy cannot go with it."""
+    plan_loop(
+        objective,
+        epochs=config.epochs,
+        steps_per_epoch=steps_per_epoch,
+        max_steps=config.max_steps,
+        world_size=config.devices,
+    )
+    objective = check_objective(module, objective, dataset)
+    check_monitor(config.monitor, objective.names, logs_more=is_lightning(module))
+    refuse_for_strategy(strategy, config, objective, dataset)
+    return objective
+
+
+def check_precision(config: TrainConfig, device: torch.device, *, shout: bool) -> None:
+    if config.precision != "fp16":
+        return
+    check_fp16(device.type)
+    if device.type == "cpu" and shout:
+        print(
+            "note: --precision fp16 on a CPU computes in emulated half precision, about 3.5x slower than "
+            "fp32 here, and saves no time; it is for GPUs (use it on a CPU only to test fp16)",
+            flush=True,
+        )
+
+
+def record_new_layout(run_dir: Path, strategy: str, plan, *, launched: bool) -> None:
+    """A resumed run folder's config.json takes the strategy and layout it now trains on."""
+    refuse_if_training(run_dir)  # before its config.json may be rewritten
+    recorded = read_config(run_dir) if not launched and (run_dir / "config.json").is_file() else {}
+    now = dict(strategy=strategy, strategy_plan=plan_record(plan))
+    if recorded and any(recorded.get(key) != value for key, value in now.items()):
+        recorded.pop("versions", None)  # --strategy auto chose anew, or the layout changed
+        write_config(run_dir, dict(recorded, **now))
+
+
+def write_run_settings(
+    run_dir: Path, config, *, strategy, plan, dataset, model, objective, custom_model: bool, custom_data: bool
+) -> None:
+    """config.json of a new run (every setting as resolved, and what the run trains on), and skipped.txt."""
+    model_name = config.model if model is None else model if isinstance(model, str) else type(model).__name__
+    settings = dict(
+        config.to_dict(),
+        strategy=strategy,
+        dataset=dataset.name,
+        model=model_name,
+        device_type=resolved_device_type(config.device),
+        custom_model=custom_model,
+        custom_data=custom_data,
+        loss=objective.describe_loss(),
+        metrics=list(objective.names),
+        strategy_plan=plan_record(plan),
+    )
+    if callable(settings.get("tensor_plan")):  # a function from Python: recorded by its name
+        settings["tensor_plan"] = describe(settings["tensor_plan"]) + FROM_PYTHON
+    if getattr(dataset, "classes", None):
+        settings["classes"] = list(dataset.classes)
+    if getattr(dataset, "vocab", None):
+        settings["vocab"] = "".join(dataset.vocab)  # `polytrain generate` decodes with it
+    skipped = getattr(dataset, "skipped", None)
+    if skipped:
+        settings["skipped_files"] = len(skipped)
+    write_config(run_dir, settings)
+    if skipped:
+        atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())
+
+
+def auto_strategy(config, module, dataset, objective, *, device, channels_last: bool, launched: bool):
+    """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
+    rank would measure for itself and might choose differently, so there only a --plan file chooses."""
+    from ..scaling.auto import choose_strategy
+
+    if objective.step is not None or item_form(dataset) != "pair":
+        return (
+            "data",
+            "--strategy auto: data (a step= or batches without separate targets are measured only as data)",
+        )
+    if launched and not config.plan:
+        return "data", (
+            "--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
+            "--plan bench.json from polytrain bench to choose by measurement)"
+        )
+    strategy, line = choose_strategy(
+        config, module, dataset, objective, device=device, channels_last=channels_last
+    )
+    try:
+        config.with_strategy(strategy, plan=None)
+    except UserError as error:
+        return "data", f"{line}; but {error}, so data"
+    return strategy, line
+
+
+def plan_record(plan) -> Optional[dict]:
+    """What config.json records of a strategy's plan: its one-line summary, and where the strategy says more
+    (the pipeline: which layers each stage holds)."""
+    if plan is None:
+        return None
+    return dict(summary=plan.describe(), **(plan.record() if hasattr(plan, "record") else {}))
+
+
+def check_spawnable(strategy: str, config, module, recipe, *, registry_model: bool, **objects) -> None:
+    """Where the run starts worker processes: the script guards its training (`if __name__ == "__main__"`)
+    and everything they are handed pickles (a registry model is built in each worker instead)."""
+    if not spawns_workers(strategy, config.devices):
+        return
+    check_main_guard(config.devices)
+    check_picklable(
+        model=None if registry_model else module,
+        optimizer=recipe.optimizer,
+        scheduler=recipe.schedule,
+        **objects,
+    )
+
+
+def choose_channels_last(config, module, dataset, *, registry_model: bool) -> bool:
+    """--channels-last as set, else: a model with convolutions, unless a user module cannot take it (one that
+    flattens with .view(): probed on two samples)."""
+    if config.channels_last is not None:
+        return config.channels_last
+    return any(isinstance(m, nn.Conv2d) for m in module.modules()) and (
+        registry_model or takes_channels_last(module, dataset.sample_inputs(2))
+    )
+
+
+def settle_strategy(
+    config, strategy: str, module, dataset, objective, *, device, channels_last, launcher, shout
+):
+    """(config, strategy) with --strategy auto on several devices decided (measured, or from --plan)."""
+    if config.strategy != "auto" or config.devices == 1:
+        return config, strategy
+    strategy, line = auto_strategy(
+        config,
+        module,  # measuring materialises a copy, where it fits (scaling/whole_model.py)
+        dataset,
+        objective,
+        device=device,
+        channels_last=channels_last,
+        launched=launcher is not None,
+    )
+    config = config.with_strategy(strategy, plan=None)
+    refuse_for_strategy(strategy, config, objective, dataset)
+    if shout:
+        print(line, flush=True)
+    return config, strategy
+
+
+def announce_recipe(recipe, *, steps_per_epoch: int, epochs) -> None:
+    """What trains, beside torch's defaults: never a silent change."""
+    print(recipe_line(recipe), flush=True)
+    for line in recipe_notes(recipe, steps_per_epoch=steps_per_epoch, epochs=epochs):
+        print(line, flush=True)
+
+
+def prepare_run_dir(config, resume_dir, launcher, *, keep_files: bool, strategy, plan, run_settings: dict):
+    """(run folder or None, whether this run made it): a resumed folder records the layout it now trains on;
+    a new one (rank 0's, with files kept) gets config.json."""
+    if resume_dir is not None:
+        record_new_layout(Path(resume_dir), strategy, plan, launched=launcher is not None)
+        return Path(resume_dir), False
+    if keep_files and (launcher is None or launcher.rank == 0):
+        run_dir = new_run_dir(config.out)
+        fresh = not run_dir.exists()
+        write_run_settings(run_dir, config, strategy=strategy, plan=plan, **run_settings)
+        return run_dir, fresh
+    return None, False
+
+
+def train_in_folder(job, run_dir, *, fresh: bool, resumed: bool, launched: bool):
+    """The job's result, trained with its run folder held (one process trains a folder at a time); a new
+    folder that never started is removed again (torchrun's restarts keep theirs)."""
+    try:
+        with training(run_dir):
+            return run_job(job)
+    except BaseException:
+        if not resumed and run_dir is not None and not launched:
+            forget_unstarted_run(run_dir, whole_folder=fresh)
+        raise

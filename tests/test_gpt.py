@@ -248,11 +248,16 @@ def test_generate_samples_from_a_run_and_refuses_other_runs(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["data", "sharded", "parameter-server", "pipeline", "pipeline 4 2"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["data", "sharded", "parameter-server", "pipeline", "pipeline 4 2", "sharded 4 2"],
+)
 def test_verify_gpt_on_every_strategy(strategy, capfd):
     """The tied GPT on every strategy; "pipeline 4 2": two pipelines of 2 stages on 4 processes (the hybrid mesh),
-    each tying its first and last stage."""
-    strategy, devices, stages = (strategy.split() + ["2", None])[:3]
+    each tying its first and last stage; "sharded 4 2": hybrid sharding, 2 replicas of 2 shards (--replicas 2,
+    a (dp_replicate, dp_shard) mesh)."""
+    strategy, devices, degree = (strategy.split() + ["2", None])[:3]
+    option = "--replicas" if strategy == "sharded" else "--pipeline-stages"
     result = polytrain_here(
         capfd,
         "verify",
@@ -276,11 +281,12 @@ def test_verify_gpt_on_every_strategy(strategy, capfd):
         "8",
         "--steps",
         "2",
-        *(["--pipeline-stages", stages] if stages else []),
+        *([option, degree] if degree else []),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
+    assert ("2 replicas" in result.stdout) == (option == "--replicas" and degree is not None)
 
 
 @pytest.mark.multiprocess

@@ -87,7 +87,7 @@ def test_the_resume_rules_come_from_the_declarations():
             "timeline",
             "tensor_parallel",
         ),
-        "sharded": ("cpu_offload",),
+        "sharded": ("cpu_offload", "replicas"),
         "parameter-server": ("servers", "server_device", "staleness"),
         "tensor": ("tensor_plan", "tensor_parallel"),
     }

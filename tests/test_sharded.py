@@ -17,11 +17,23 @@ from conftest import (
 )
 
 import polytrain
+from polytrain.config.train import TrainConfig
 from polytrain.models import build_model
+from polytrain.plan.layout import Layout
 
 pytestmark = pytest.mark.multiprocess
 
 TRAIN = RESUME_TRAIN
+
+
+def test_replicas_of_shard_groups_are_a_replicate_degree_on_a_two_d_mesh():
+    """--replicas R (hybrid sharding): R copies of --devices / R shards; the batch is still cut N ways."""
+    hybrid = TrainConfig(strategy="sharded", devices=8, replicas=2).layout
+    assert hybrid == Layout(replicate=2, shard=4) and hybrid.mesh_names == ("dp_replicate", "dp_shard")
+    assert hybrid.data_degree == 8 and [hybrid.data_rank(r) for r in range(8)] == list(range(8))
+    assert hybrid.describe() == "2 replicas x 4 shards"
+    assert TrainConfig(strategy="sharded", devices=8, replicas=1).layout == Layout(shard=8)
+    assert TrainConfig(strategy="sharded", devices=8).layout == Layout(shard=8)
 
 
 def test_twenty_sharded_steps_equal_one_device():
@@ -74,6 +86,15 @@ def test_a_stopped_run_resumes_under_another_strategy_like_one_straight_run(
             ["--strategy", "sharded", "--devices", "2", "--cpu-offload", "--device", "cpu"],
             ["host memory", "drop"],
         ),
+        (
+            ["--strategy", "sharded", "--devices", "4", "--replicas", "3"],
+            ["--replicas 3", "divide --devices 4"],
+        ),
+        (
+            ["--strategy", "sharded", "--devices", "4", "--replicas", "4"],
+            ["fewer than it", "--strategy data"],
+        ),
+        (["--strategy", "data", "--devices", "4", "--replicas", "2"], ["--replicas", "--strategy sharded"]),
     ],
 )
 def test_sharded_mistakes_get_one_line_before_any_process_starts(tmp_path, capsys, argv, words):

@@ -136,6 +136,17 @@ class ShardedSettings:
         strategies=("sharded",),
         resume="change",
     )
+    replicas: Optional[int] = setting(
+        None,
+        "hybrid sharding (HSDP): R copies of the sharded model, each sharded over --devices / R ranks; "
+        "gradients are reduce-scattered within a copy and all-reduced across the copies, on a 2-D mesh "
+        "(default: 1, every rank one shard of one copy)",
+        group="sharded",
+        metavar="R",
+        check="count",
+        strategies=("sharded",),
+        resume="change",
+    )
 
 
 @dataclass

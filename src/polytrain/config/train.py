@@ -234,6 +234,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             pipeline_stages=self.pipeline_stages,
             tensor_parallel=self.tensor_parallel,
             data_parallel=self.data_parallel,
+            replicas=self.replicas,
         )
 
     @property

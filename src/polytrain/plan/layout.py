@@ -8,7 +8,8 @@ dimension innermost, so a tensor group is consecutive ranks (one machine's devic
 
 What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
 gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
-(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel`, `--pipeline-stages` and `--data-parallel`)
+(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel`, `--pipeline-stages`, `--data-parallel` and
+`--replicas`)
 are presets of degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers
 are replicas.
 
@@ -118,6 +119,16 @@ def _pipeline(
     return Layout(**mesh.degrees())
 
 
+def _sharded(devices: int, *, replicas: Optional[int] = None, **_) -> Layout:
+    copies = replicas or 1
+    if devices % copies or (copies > 1 and copies >= devices):
+        raise ConfigError(
+            f"--replicas {copies} must divide --devices {devices} and be fewer than it (each replica shards "
+            f"over --devices / {copies} ranks); use a divisor of {devices} below {devices}, or --strategy data"
+        )
+    return Layout(replicate=copies, shard=devices // copies)  # hybrid sharding (HSDP) where copies > 1
+
+
 # The strategy names as presets of degrees. `auto` is planned as replicas until the cost model has chosen;
 # the parameter server's workers are replicas of the whole model.
 PRESETS: Dict[str, Callable[..., Layout]] = {
@@ -125,7 +136,7 @@ PRESETS: Dict[str, Callable[..., Layout]] = {
     "auto": lambda devices, **_: Layout(replicate=devices),
     "data": lambda devices, **_: Layout(replicate=devices),
     "parameter-server": lambda devices, **_: Layout(replicate=devices),
-    "sharded": lambda devices, **_: Layout(shard=devices),
+    "sharded": _sharded,
     "tensor": _tensor,
     "pipeline": _pipeline,
 }
@@ -138,14 +149,19 @@ def layout_of(
     pipeline_stages: Optional[int] = None,
     tensor_parallel: Optional[int] = None,
     data_parallel: Optional[str] = None,
+    replicas: Optional[int] = None,
 ) -> Layout:
     """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel, and
-    --data-parallel: whether a pipeline's replicas replicate or shard); one line naming the fix where they do
-    not multiply out."""
+    --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
+    model); one line naming the fix where they do not multiply out."""
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[strategy](
-        devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel, data_parallel=data_parallel
+        devices,
+        pipeline_stages=pipeline_stages,
+        tensor_parallel=tensor_parallel,
+        data_parallel=data_parallel,
+        replicas=replicas,
     )
 
 

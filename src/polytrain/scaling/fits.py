@@ -123,6 +123,7 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
             pipeline_stages=getattr(config, "pipeline_stages", None),
             tensor_parallel=getattr(config, "tensor_parallel", None),
             data_parallel=getattr(config, "data_parallel", None),
+            replicas=getattr(config, "replicas", None),
         )
     except (ConfigError, TypeError):
         return None

@@ -87,6 +87,7 @@ class Sharded(Distributed):
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
         self.cpu_offload = bool(plan and plan.cpu_offload)
+        self.copies = getattr(plan, "replicas", 1)  # of the sharded model (hybrid sharding where above 1)
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> ShardedPlan:
@@ -95,15 +96,19 @@ class Sharded(Distributed):
                 "--cpu-offload moves each GPU's shards to host memory; CPU processes keep them there "
                 "already: drop --cpu-offload, or train on GPUs"
             )
-        return ShardedPlan(cpu_offload=config.cpu_offload)
+        return ShardedPlan(cpu_offload=config.cpu_offload, replicas=config.replicas or 1)
+
+    @property
+    def layout(self) -> Layout:
+        """`copies` replicas of `world_size / copies` shards (one replica: plain FSDP2)."""
+        return Layout(replicate=self.copies, shard=self.world_size // self.copies)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return self.shard(
-            model, device_mesh(Layout(shard=self.world_size), self.device.type, keep=("shard",))
-        )
+        return self.shard(model, device_mesh(self.layout, self.device.type, keep=("shard",)))
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
-        """`model` sharded with FSDP2 over the 1-D `mesh`, one unit per layer that holds parameters."""
+        """`model` sharded with FSDP2 over `mesh`, one unit per layer that holds parameters: a 1-D mesh shards
+        over every rank; a 2-D (dp_replicate, dp_shard) one shards within each replica (HSDP)."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         options = {"mesh": mesh, **mixed_precision(self.precision)}
@@ -143,8 +148,11 @@ class Sharded(Distributed):
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
+        layout, ranks = self.layout, f"{self.world_size} ranks"
+        if layout.replicate > 1:
+            ranks = f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding)"
         lines = [
-            f"sharded: {self.world_size} ranks; {heading(slots)}"
+            f"sharded: {ranks}; {heading(slots)}"
             + (", held in host memory (--cpu-offload)" if self.cpu_offload else "")
             + (GATHERED_IN_BF16 if mixed_precision(self.precision) else "")
         ]

@@ -314,7 +314,7 @@ def test_a_split_point_may_be_a_whole_number():
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_can_be_retried(
     tmp_path, monkeypatch
 ):
-    from polytrain import api
+    from polytrain.runtime import phases  # train_run's phases: train_in_folder runs the job
 
     out = tmp_path / "run"
 
@@ -323,7 +323,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_can_be_
         raise RuntimeError("a worker died before its first step")
 
     with monkeypatch.context() as patched:
-        patched.setattr(api, "run_job", fails)
+        patched.setattr(phases, "run_job", fails)
         with pytest.raises(RuntimeError):
             polytrain.fit("mlp", tiny_digits(), epochs=1, batch_size=32, out=str(out), verbose=False)
     assert not out.exists()
@@ -331,7 +331,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_and_can_be_
     kept.mkdir()
     (kept / "notes.txt").write_text("the user's own file")
     with monkeypatch.context() as patched:
-        patched.setattr(api, "run_job", lambda job: (_ for _ in ()).throw(RuntimeError("again")))
+        patched.setattr(phases, "run_job", lambda job: (_ for _ in ()).throw(RuntimeError("again")))
         with pytest.raises(RuntimeError):
             polytrain.fit("mlp", tiny_digits(), epochs=1, batch_size=32, out=str(kept), verbose=False)
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # a folder it did not make keeps the rest

@@ -186,10 +186,17 @@ def data_degree_or_devices(
 
 
 def layout_or_none(
-    strategy: str, devices, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
+    strategy: str,
+    devices,
+    pipeline_stages: Optional[int] = None,
+    tensor_parallel: Optional[int] = None,
+    **options,
 ) -> Optional[Layout]:
-    """`layout_of` for settings not validated yet: None where they do not make a layout."""
+    """`layout_of` (with its other `options`) for settings not validated yet: None where they do not make a
+    layout."""
     try:
-        return layout_of(strategy, devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel)
+        return layout_of(
+            strategy, devices, pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel, **options
+        )
     except (ConfigError, TypeError, ZeroDivisionError):
         return None

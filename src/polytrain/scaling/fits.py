@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..plan.costmodel import Workload, memory_per_rank
-from ..plan.layout import Layout, layout_of
+from ..plan.layout import Layout, layout_or_none
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -116,17 +116,14 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
     replicas shard); None where they do not make a layout (the label's preset is used then)."""
     if config.devices == 1:
         return Layout()
-    try:
-        return layout_of(
-            strategy,
-            config.devices,
-            pipeline_stages=getattr(config, "pipeline_stages", None),
-            tensor_parallel=getattr(config, "tensor_parallel", None),
-            data_parallel=getattr(config, "data_parallel", None),
-            replicas=getattr(config, "replicas", None),
-        )
-    except (ConfigError, TypeError):
-        return None
+    return layout_or_none(
+        strategy,
+        config.devices,
+        getattr(config, "pipeline_stages", None),
+        getattr(config, "tensor_parallel", None),
+        data_parallel=getattr(config, "data_parallel", None),
+        replicas=getattr(config, "replicas", None),
+    )
 
 
 def check_fits(

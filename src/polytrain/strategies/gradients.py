@@ -19,10 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The value of a norm: a DTensor's (replicated) full value, else the tensor itself."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+from .holdings import whole
 
 
 def total_norm(grads: list) -> torch.Tensor:
@@ -30,7 +27,7 @@ def total_norm(grads: list) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     if hasattr(torch.nn.utils, "get_total_norm"):
-        return _whole(torch.nn.utils.get_total_norm(grads, 2.0))
+        return whole(torch.nn.utils.get_total_norm(grads, 2.0))  # a DTensor norm: its full value
     return torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g, dtype=_norm_dtype(g)) for g in grads])
     )

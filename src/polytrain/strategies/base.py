@@ -185,13 +185,17 @@ class Strategy:
             self.global_rows = GlobalRows()
             whole_batch_layers(model, self.global_rows, batchnorm=across)
 
+    def first_global_row(self, batch) -> int:
+        """Where this rank's slice of the step's global batch starts (as the loader cuts it)."""
+        return slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
+
     def _mark_rows(self, batch, index: int, passes: int) -> None:
         """Tell the whole-batch layers which rows of the global batch this pass holds."""
         if self.global_rows is None:
             return
         if index == 0:
             self.whole_batch_steps += 1
-        start = slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
+        start = self.first_global_row(batch)
         first, last = slice_offsets(len(batch), passes)[index]
         self.global_rows.set(start + first, start + last, batch.global_count, step=self.whole_batch_steps)
 

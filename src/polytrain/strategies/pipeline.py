@@ -383,7 +383,7 @@ class Pipeline(Distributed):
             self.trace_origin, self.traced_steps = time.perf_counter(), self.traced_steps + 1
         if self.global_rows is not None:  # the rows of the global batch of each micro-batch (mark_chunk)
             self.whole_batch_steps += 1
-            offset = slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
+            offset = self.first_global_row(batch)
             self.chunk_rows = (offset, slice_offsets(len(batch.y), microbatches), batch.global_count)
         began = time.perf_counter()
         with self.autocast():

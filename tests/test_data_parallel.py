@@ -118,3 +118,19 @@ def test_verify_command_passes_with_its_defaults(capfd):
     assert len(rows) == 8
     for _step, loss_one, loss_two, diff in rows:
         assert abs(float(loss_one) - float(loss_two)) < 1e-4 and float(diff) <= 1e-5
+
+
+def test_channels_last_weights_over_one_channel_get_the_default_strides_for_ddp_and_nothing_else():
+    import torch
+
+    from polytrain.models import build_model
+    from polytrain.strategies.data import default_strides_where_alike
+
+    model = build_model("lenet", (1, 28, 28), 10).to(memory_format=torch.channels_last)
+    before = {name: (p.detach().clone(), p.stride()) for name, p in model.named_parameters()}
+    default_strides_where_alike(model)
+    first, second = model[0].weight, model[3].weight  # over 1 input channel, over 20
+    assert first.stride() == (25, 25, 5, 1) and before["0.weight"][1] == (25, 1, 5, 1)
+    assert second.stride() == before["3.weight"][1]  # genuinely channels-last: left so
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name][0]), name

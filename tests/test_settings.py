@@ -73,6 +73,7 @@ def test_the_resume_rules_come_from_the_declarations():
         "patience",
         "accumulate",
         "activation_checkpointing",
+        "cuda_graphs",
         "async_checkpoint",
         *[n for names in STRATEGY_OPTIONS.values() for n in names],
     }

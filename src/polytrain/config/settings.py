@@ -178,6 +178,15 @@ class ModelSettings:
         example=64,
     )
     compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
+    cuda_graphs: bool = setting(
+        True,
+        "on one GPU: replay each training pass's forward and backward as CUDA graphs, for models whose steps "
+        "wait on kernel launches (the optimizer stays eager; the start-up line says when a model cannot be "
+        "captured); --no-cuda-graphs: every pass eager",
+        group="model",
+        flag="toggle",
+        resume="change",
+    )
     activation_checkpointing: str = setting(
         "none",
         "recompute activations in the backward pass instead of keeping them (the same numbers, less "

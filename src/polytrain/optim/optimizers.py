@@ -143,10 +143,16 @@ def speed_options(cls, params: list, given: dict) -> dict:
     if (
         cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
         and params
-        and all(p.is_cuda for p in params)
+        and all(p.is_cuda and not _distributed(p) for p in params)
     ):
         return {"fused": True}
     return {"foreach": True} if "foreach" in keywords(cls) else {}
+
+
+def _distributed(parameter) -> bool:
+    """A DTensor (an FSDP2 shard, a tensor-parallel slice): DTensor has no sharding rule for fused SGD, so
+    such parameters take the foreach kernels."""
+    return any(cls.__name__ == "DTensor" for cls in type(parameter).__mro__)
 
 
 def plan_groups(named_params, *, no_decay: bool = False, options_of: Optional[Callable] = None) -> tuple:

@@ -190,6 +190,7 @@ def _make_strategy(job: Job, device, rank: int, world: int):
         world_size=world,
         precision=config.precision,
         compile=config.compile,
+        cuda_graphs=config.cuda_graphs,
         channels_last=job.channels_last,
         plan=job.plan,
         accumulate=config.accumulate,

@@ -18,6 +18,7 @@ from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
+from . import cuda_graphs
 from .activation_checkpoint import apply_activation_checkpointing
 from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .gradients import Gradients
@@ -57,6 +58,7 @@ class Strategy:
     # True: each rank writes and reads its own part of checkpoints (shard_state, load_shards); False: state_dict
     # gathers the whole state into one file on rank 0
     writes_shards = False
+    graphs_cuda_steps = False  # True: on a GPU its training passes may replay as CUDA graphs (one device)
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class Strategy:
         clip_grad_value=None,
         activation_checkpointing: str = "none",
         seed: int = 0,
+        cuda_graphs: bool = False,
     ):
         self.device = torch.device(device)
         self.seed = seed  # the run's: a model built on the meta device is initialised from it (materialise)
@@ -102,6 +105,10 @@ class Strategy:
         # on other ranks); `polytrain bench` clears it before each step and calls the rest compute
         self.phases: dict = {}
         self.global_rows = None  # which rows of the global batch a pass holds (whole-batch layers only)
+        self.wants_cuda_graphs = (
+            cuda_graphs  # asked for (strategies/cuda_graphs.py); `graphed`: what runs them
+        )
+        self.graphed = None
         self.whole_batch_steps = 0
 
     @classmethod
@@ -155,6 +162,22 @@ class Strategy:
             self.runner = torch.compile(self.runner)
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
+        self.graph_passes(model)
+
+    def graph_passes(self, model: nn.Module) -> None:
+        """On a GPU: replay the training passes as CUDA graphs where asked and possible, with a start-up
+        line saying which (strategies/cuda_graphs.py)."""
+        if self.device.type != "cuda" or not self.graphs_cuda_steps:
+            return
+        reason = "--no-cuda-graphs" if not self.wants_cuda_graphs else cuda_graphs.reason_against(self, model)
+        if reason is None:
+            self.graphed = cuda_graphs.GraphedPasses(model, self.objective, precision=self.precision)
+            self.placement.append(
+                "CUDA graphs: each training pass's forward and backward replay as graphs captured on its first "
+                "batch of a shape (--no-cuda-graphs: eager)"
+            )
+        else:
+            self.placement.append(f"CUDA graphs: off ({reason})")
 
     def place(self, model: nn.Module) -> nn.Module:
         """`model` on this rank's device (channels-last where asked); one built on the meta device stays there,
@@ -230,10 +253,21 @@ class Strategy:
         loss_total, metric_total, count_total = None, None, 0
         for i, (x, y) in enumerate(zip(split_rows(batch.x, passes), split_rows(batch.y, passes))):
             self._mark_rows(batch, i, passes)
+            replayed = self.graphed(x, y) if self.graphed is not None else None
             with self.gradient_sync(last=i == passes - 1):
-                loss_sum, count, outputs = self.objective.compute(self.runner, x, y, autocast=self.autocast)
+                if replayed is None:
+                    loss_sum, count, outputs = self.objective.compute(
+                        self.runner, x, y, autocast=self.autocast
+                    )
+                else:
+                    loss_sum, count, metrics = replayed
                 self.gradients.scale(loss_sum / share).backward()
-            metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
+            if replayed is None:
+                metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
+            elif metrics is None:
+                metrics = self.no_metrics
+            if replayed is not None and i < passes - 1:
+                cuda_graphs.release_gradients(list(self.model.parameters()))
             loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
             metric_total = metrics if metric_total is None else metric_total + metrics
             count_total = count_total + count

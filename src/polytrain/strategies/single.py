@@ -5,3 +5,4 @@ class SingleDevice(Strategy):
     """Everything on one device in one process."""
 
     name = "single"
+    graphs_cuda_steps = True

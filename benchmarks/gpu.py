@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ import polytrain
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT: Path = Path(".")
+ONLY: list = []  # --paths: the path cases whose names contain one of these (all where empty)
 
 
 def emit(part: str, **row) -> dict:
@@ -88,7 +90,7 @@ def env():
 def start_tests():
     log = open(OUT / "pytest.txt", "w")
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider", "-x"],
+        [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider"],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -120,6 +122,8 @@ def path_cases(tmp: Path) -> dict:
         "gpt sharded bf16": gpt + ["--strategy", "sharded", "--precision", "bf16"],
         "llama tiny": train + ["--model", "llama", "--dataset", "shakespeare", "--epochs", "0.05"],
         "sharded checkpoint": lenet + ["--strategy", "sharded", "--out", str(tmp / "ckpt"), "--max-steps", "5"],
+        "sharded --cpu-offload checkpoint": lenet
+        + ["--strategy", "sharded", "--cpu-offload", "--out", str(tmp / "ckpt-offload"), "--max-steps", "5"],
         "verify data": [sys.executable, "-m", "polytrain", "verify", "--device", "cuda", "--devices", "1",
                         "--strategy", "data", "--steps", "5"],
     }  # fmt: skip
@@ -182,20 +186,15 @@ def paths():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cases = path_cases(tmp)
+        if ONLY:
+            cases = {name: argv for name, argv in cases.items() if any(word in name for word in ONLY)}
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             for row in pool.map(lambda item: run_case(*item), cases.items()):
                 emit("paths", **row)
-        resume = [
-            sys.executable,
-            "-m",
-            "polytrain",
-            "train",
-            "--resume",
-            str(tmp / "ckpt"),
-            "--max-steps",
-            "0",
-        ]
-        emit("paths", **run_case("sharded checkpoint resumed", resume))
+        for folder in ("ckpt", "ckpt-offload"):
+            if (tmp / folder).exists():
+                resume = [sys.executable, "-m", "polytrain", "train", "--resume", str(tmp / folder)]
+                emit("paths", **run_case(f"{folder} resumed", resume))
 
 
 def lenet_throughput(batch_size, **settings):
@@ -241,6 +240,45 @@ def time_to(history, key, target, better=max):
         if (record[key] >= target) if better is max else (record[key] <= target):
             return record["epoch"], round(elapsed, 2)
     return None, None
+
+
+@guarded("control")
+def control():
+    """How far apart two eager runs of a BatchNorm ResNet end on a GPU, against a graphed run and an eager one,
+    with cuDNN's default kernels and with its deterministic ones; and what a finished graphed run leaves on
+    the GPU."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import tiny_digits
+
+    torch.backends.cudnn.allow_tf32 = False
+    data = tiny_digits(n_train=200, shape=(3, 32, 32))
+    for deterministic in (False, True):
+        torch.backends.cudnn.deterministic = deterministic
+        states = []
+        for graphs_on in (True, False, False):
+            torch.manual_seed(0)
+            net = polytrain.build_model("resnet", data.input_shape, 10)
+            polytrain.fit(
+                net, data, epochs=2, batch_size=64, device="cuda", verbose=False, cuda_graphs=graphs_on
+            )
+            states.append(
+                {k: v.detach().double().cpu() for k, v in net.state_dict().items() if v.is_floating_point()}
+            )
+
+        def gap(a, b):
+            return max((a[k] - b[k]).abs().max().item() for k in a)
+
+        emit("control", deterministic=deterministic, graphs_vs_eager=gap(states[0], states[1]),
+             eager_vs_eager=gap(states[1], states[2]))  # fmt: skip
+    torch.backends.cudnn.deterministic = False
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    polytrain.fit("gpt", polytrain.load_dataset("shakespeare", context=256), epochs=0.2, batch_size=64,
+                  layers=6, heads=6, width=384, context=256, device="cuda", verbose=False)  # fmt: skip
+    after = torch.cuda.memory_allocated()
+    gc.collect()
+    emit("control", allocated_before_mib=before / 2**20, after_graphed_fit_mib=after / 2**20,
+         after_gc_mib=torch.cuda.memory_allocated() / 2**20)  # fmt: skip
 
 
 @guarded("accuracy")
@@ -323,6 +361,7 @@ def llama(layers, width):
     sizes = dict(layers=layers, width=width, heads=width // 128, kv_heads=width // 256, context=1024)
     for precision in ("fp32", "bf16"):
         for mode in ("none", "full"):
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             with torch.device("meta"):
@@ -364,13 +403,18 @@ def main():
     parser.add_argument("--out", required=True, help="folder for results.jsonl and logs")
     parser.add_argument("--parts", default="env,tests,paths,graphs,accuracy,gpt,bench,llama")
     parser.add_argument("--gpt-epochs", type=float, default=30)
+    parser.add_argument("--paths", default="", help="only the path cases whose names contain one of these")
     parser.add_argument("--llama", default="8,2048", help="layers,width of the Llama-style model")
     args = parser.parse_args()
     OUT = Path(args.out)
+    ONLY[:] = [word for word in args.paths.split(",") if word]
     OUT.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
     if "env" in parts:
         env()
+    if parts[0] == "llama":  # first, in a process whose GPU memory nothing else has touched
+        layers, width = map(int, args.llama.split(","))
+        llama(layers, width)
     tests = start_tests() if "tests" in parts else None
     if "paths" in parts:
         paths()
@@ -386,7 +430,9 @@ def main():
         gpt(args.gpt_epochs)
     if "bench" in parts:
         bench()
-    if "llama" in parts:
+    if "control" in parts:
+        control()
+    if "llama" in parts[1:]:
         layers, width = map(int, args.llama.split(","))
         llama(layers, width)
 

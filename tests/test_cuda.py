@@ -77,6 +77,9 @@ def test_cuda_graphs_train_as_the_eager_steps(monkeypatch, model, settings):
     # of 64: a short last batch of 8, which gets a graph of its own
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # cuDNN's default weight-gradient kernels add in a varying order: two eager runs of the ResNet differ too
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     shape = (3, 32, 32) if model == "resnet" else (1, 28, 28)
     data = tiny_digits(n_train=200, shape=shape)
     made = _graph_recorder(monkeypatch)
@@ -91,7 +94,8 @@ def test_cuda_graphs_train_as_the_eager_steps(monkeypatch, model, settings):
     passes = 2 * 4 * settings.get("accumulate", 1)
     assert graphed.replays == passes and len(graphed.graphs) == 2 and not graphed.failed
     for name, value in states[1].items():  # BatchNorm's running statistics too
-        torch.testing.assert_close(states[0][name], value, atol=1e-4, rtol=1e-4, msg=name)
+        gap = (states[0][name].double() - value.double()).abs().max().item()
+        torch.testing.assert_close(states[0][name], value, atol=1e-4, rtol=1e-4, msg=f"{name}: {gap:.3g}")
 
 
 class _ReadsTheHost(torch.nn.Module):

@@ -185,17 +185,23 @@ class Strategy:
         if is_meta(model):
             self.blueprint = copy.deepcopy(model)
         else:
-            model = model.to(self.device)
+            model = model.to(self.home_device)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         return model
+
+    @property
+    def home_device(self) -> torch.device:
+        """Where the model's parameters live between steps (the GPU itself, but host memory under
+        --cpu-offload)."""
+        return self.device
 
     def materialise(self, model: nn.Module) -> None:
         """Storage for what this rank holds of a meta-device `model` (its shards, slices or stage), filled with
         its part of the one-device initial values (strategies/materialise.py); nothing for a model with values."""
         if self.blueprint is not None:
             reorder = getattr(self, "fused", None)
-            materialise(model, self.blueprint, device=self.device, seed=self.seed, reorder=reorder)
+            materialise(model, self.blueprint, device=self.home_device, seed=self.seed, reorder=reorder)
 
     def split_model(self, model: nn.Module) -> None:
         """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""
@@ -339,6 +345,7 @@ class Strategy:
 
     def close(self) -> None:
         """Called on every rank after training finished normally (background work ends here)."""
+        self.graphed = None  # the CUDA graphs' memory goes back with them
 
     def epoch_extras(self) -> dict:
         """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed."""

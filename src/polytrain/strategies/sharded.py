@@ -99,6 +99,12 @@ class Sharded(Distributed):
         return ShardedPlan(cpu_offload=config.cpu_offload, replicas=config.replicas or 1)
 
     @property
+    def home_device(self) -> torch.device:
+        """Under --cpu-offload the model stays in host memory from the start: FSDP2 keeps each shard there and
+        gathers a layer onto the GPU only while it computes (it refuses parameters placed on the GPU first)."""
+        return torch.device("cpu") if self.cpu_offload else self.device
+
+    @property
     def layout(self) -> Layout:
         """`copies` replicas of `world_size / copies` shards (one replica: plain FSDP2)."""
         return Layout(replicate=self.copies, shard=self.world_size // self.copies)

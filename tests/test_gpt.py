@@ -258,6 +258,8 @@ def test_verify_gpt_on_every_strategy(strategy, capfd):
     a (dp_replicate, dp_shard) mesh)."""
     strategy, devices, degree = (strategy.split() + ["2", None])[:3]
     option = "--replicas" if strategy == "sharded" else "--pipeline-stages"
+    # dropout (nanoGPT's GPU recipe) drawn over the global batch: per replica, and per micro-batch in a pipeline
+    dropout = ["--dropout", "0.1"] if degree is None and strategy in ("data", "pipeline") else []
     result = polytrain_here(
         capfd,
         "verify",
@@ -282,6 +284,7 @@ def test_verify_gpt_on_every_strategy(strategy, capfd):
         "--steps",
         "2",
         *([option, degree] if degree else []),
+        *dropout,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -328,3 +331,17 @@ def test_another_optimizer_or_schedule_takes_its_own_defaults_not_the_recipes():
     applied = apply_model_defaults(values, {"optimizer", "schedule"}, "gpt")
     assert not {"betas", "lr", "weight_decay", "warmup_epochs", "no_decay_norms_and_biases"} & set(applied)
     assert applied["batch_size"] == 8 and values["optimizer"] == "sgd"
+
+
+def test_dropout_adds_layers_that_train_and_leave_evaluation_and_names_alone():
+    torch.manual_seed(0)
+    plain = build_model("gpt", (16,), 65, dict(layers=2, width=32, heads=2))
+    torch.manual_seed(0)
+    dropped = build_model("gpt", (16,), 65, dict(layers=2, width=32, heads=2, dropout=0.2))
+    layers = [m for m in dropped.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(layers) == 1 + 2 * 2 and all(m.p == 0.2 for m in layers)  # embeddings, attention and MLP
+    assert not any(isinstance(m, torch.nn.Dropout) for m in plain.modules())
+    assert plain.state_dict().keys() == dropped.state_dict().keys()  # checkpoints load either way
+    x = torch.randint(0, 65, (4, 16))
+    torch.testing.assert_close(dropped.eval()(x), plain.eval()(x), rtol=0, atol=0)
+    assert not torch.equal(dropped.train()(x), plain.train()(x))

@@ -88,6 +88,7 @@ CHECKS = {
     "positive": (lambda v: _finite(v) and v > 0, "a number above 0"),
     "nonneg": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "fraction": (lambda v: _finite(v) and 0 < v < 1, "a number strictly between 0 and 1"),
+    "probability": (lambda v: _finite(v) and 0 <= v < 1, "a probability from 0 up to (not including) 1"),
     "checkpointing": (
         lambda v: isinstance(v, str) and re.fullmatch(r"none|full|selective(:[1-9][0-9]*)?", v) is not None,
         "one of none, full, selective, selective:K (K a positive whole number)",

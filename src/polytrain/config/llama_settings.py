@@ -1,5 +1,5 @@
 """The settings of --model llama beside the sizes it shares with the GPT (--layers, --heads, --width, --context
-in settings.py), in the model group of --help. Declared as in settings.py; none has a default of its own here
+in settings.py), and the GPT's --dropout, in the model group of --help. Declared as in settings.py; none has a default of its own here
 (None: the model's, see config/model_defaults.py), so another model given none of them is never refused."""
 
 from __future__ import annotations
@@ -58,4 +58,14 @@ class LlamaSettings:
         "--model llama: the output head shares the token embedding's weight (default: off, a head of its own)",
         group="model",
         flag="toggle",
+    )
+    dropout: Optional[float] = setting(
+        None,
+        "--model gpt: probability of zeroing an activation in training, after the embeddings and after each "
+        "block's attention and MLP (nn.Dropout layers, drawn over the global batch on every strategy; "
+        "nanoGPT's GPU recipe uses 0.2; default: 0, no dropout layers)",
+        group="model",
+        metavar="P",
+        check="probability",
+        example=0.2,
     )

@@ -10,7 +10,7 @@ from ..errors import ConfigError
 
 # model -> the model settings its builder reads
 MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
-    "gpt": ("layers", "heads", "width", "context"),
+    "gpt": ("layers", "heads", "width", "context", "dropout"),
     "llama": (
         "size",
         "layers",

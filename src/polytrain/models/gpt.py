@@ -24,39 +24,44 @@ DEFAULT_SIZES = dict(layers=4, heads=4, width=128, context=64)
 class Embeddings(nn.Module):
     """Token plus position embeddings: (B, T) ids -> (B, T, width)."""
 
-    def __init__(self, vocab: int, context: int, width: int):
+    def __init__(self, vocab: int, context: int, width: int, dropout: float = 0.0):
         super().__init__()
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout) if dropout else None  # (no layer at all without dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.token(idx) + self.position(positions)
+        x = self.token(idx) + self.position(positions)
+        return x if self.drop is None else self.drop(x)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.head_dim = width // heads
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout) if dropout else None  # (no layer at all without dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (part.view(B, T, -1, self.head_dim).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        return y if self.drop is None else self.drop(y)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x)) with a 4x GELU MLP."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(width)
-        self.attention = CausalSelfAttention(width, heads)
+        self.attention = CausalSelfAttention(width, heads, dropout)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        mlp = [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+        self.mlp = nn.Sequential(*mlp, *([nn.Dropout(dropout)] if dropout else []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -76,6 +81,7 @@ class GPT(nn.Sequential):
         heads: int = 4,
         width: int = 128,
         tied: bool = True,
+        dropout: float = 0.0,
     ):
         for name, value in (
             ("layers", layers),
@@ -92,11 +98,14 @@ class GPT(nn.Sequential):
                 f"--heads {heads} does not divide --width {width}; give --heads {near}, or a "
                 f"--width that is a multiple of {heads} such as {heads * max(1, round(width / heads))}"
             )
-        embeddings = Embeddings(vocab, context, width)
+        if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+            raise ConfigError(f"--dropout must be a probability from 0 up to 1, got {dropout!r}")
+        embeddings = Embeddings(vocab, context, width, dropout)
         head = nn.Linear(width, vocab, bias=False)
         if tied:
             head.weight = embeddings.token.weight  # tied input and output embeddings
-        super().__init__(embeddings, *(Block(width, heads) for _ in range(layers)), nn.LayerNorm(width), head)
+        blocks = (Block(width, heads, dropout) for _ in range(layers))
+        super().__init__(embeddings, *blocks, nn.LayerNorm(width), head)
         self.vocab, self.context, self.layers = vocab, context, layers
         self._init_weights(layers)
 
@@ -126,7 +135,9 @@ class GPT(nn.Sequential):
                 nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * layers))
 
 
-def build_gpt(input_shape, num_classes: int, *, layers=None, heads=None, width=None, context=None) -> GPT:
+def build_gpt(
+    input_shape, num_classes: int, *, layers=None, heads=None, width=None, context=None, dropout=None
+) -> GPT:
     """The registry's builder: `input_shape` is (context,), `num_classes` the vocabulary size."""
     if len(input_shape) != 1:
         raise ConfigError(
@@ -135,7 +146,8 @@ def build_gpt(input_shape, num_classes: int, *, layers=None, heads=None, width=N
         )
     given = dict(layers=layers, heads=heads, width=width)
     sizes = {name: DEFAULT_SIZES[name] if value is None else value for name, value in given.items()}
-    return GPT(num_classes, context=int(input_shape[0]) if context is None else context, **sizes)
+    context = int(input_shape[0]) if context is None else context
+    return GPT(num_classes, context=context, dropout=dropout or 0.0, **sizes)
 
 
 @torch.no_grad()

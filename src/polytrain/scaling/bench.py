@@ -62,6 +62,7 @@ class BenchOptions:
     vocab_size: Optional[int] = None
     rope_theta: Optional[float] = None
     tie_embeddings: Optional[bool] = None
+    dropout: Optional[float] = None
 
     @property
     def model_options(self) -> dict:

@@ -90,7 +90,7 @@ def test_the_resume_rules_come_from_the_declarations():
         ),
         "sharded": ("cpu_offload", "replicas"),
         "parameter-server": ("servers", "server_device", "staleness"),
-        "tensor": ("tensor_plan", "tensor_parallel"),
+        "tensor": ("replicas", "tensor_plan", "tensor_parallel"),
     }
 
 

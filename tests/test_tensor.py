@@ -14,6 +14,7 @@ from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
+from polytrain.plan.layout import Layout
 from polytrain.plan.tensor import BUILTIN_PLANS, Layer, resolve
 from polytrain.strategies import make_plan
 from polytrain.strategies.tensor import _permutation
@@ -261,6 +262,44 @@ def test_verify_a_tiny_gpt_on_a_two_by_two_data_and_tensor_mesh(capfd):
         "--clip-grad-norm",
         "0.5",
     )
+
+
+@pytest.mark.multiprocess
+def test_verify_a_tiny_gpt_on_two_replicas_of_two_shards_of_two_tensor_ranks(capfd):
+    """8 processes, --replicas 2 (hybrid sharding x tensor): a (dp_replicate, dp_shard, tp) mesh on which each
+    tensor slice is sharded over 2 groups and replicated over the other 2."""
+    result = polytrain_here(
+        capfd, "verify", "--strategy", "tensor", *GPT_VERIFY, "--dataset", "shakespeare", "--batch-size", "8",
+        "--steps", "2", "--devices", "8", "--tensor-parallel", "2", "--replicas", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2 and all(float(diff) <= 1e-10 for *_, diff in rows) and "PASS" in result.stdout
+    assert "4 such groups as 2 replicas of 2 shards (hybrid sharding)" in result.stdout
+
+
+def test_replicas_of_tensor_groups_make_a_three_d_mesh_and_wrong_counts_are_one_line(tmp_path, capsys):
+    hybrid = TrainConfig(strategy="tensor", devices=8, tensor_parallel=2, replicas=2).layout
+    assert hybrid == Layout(replicate=2, shard=2, tensor=2) and hybrid.data_degree == 4
+    assert hybrid.mesh_names == ("dp_replicate", "dp_shard", "tp")
+    assert [hybrid.data_rank(r) for r in range(8)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]  # a tensor group reads one slice
+    for replicas in ("3", "4"):  # not dividing the 4 groups; as many copies as groups (nothing to shard)
+        assert_refused_in_one_line(
+            capsys,
+            tmp_path / f"run{replicas}",
+            ["--model", "gpt", "--dataset", "shakespeare", "--strategy", "tensor", "--devices", "8",
+             "--tensor-parallel", "2", "--replicas", replicas],
+            [f"--replicas {replicas}", "the 4 tensor groups"],
+        )  # fmt: skip
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_devices_is_one_line(tmp_path, capsys):

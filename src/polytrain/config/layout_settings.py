@@ -140,11 +140,12 @@ class ShardedSettings:
         None,
         "hybrid sharding (HSDP): R copies of the sharded model, each sharded over --devices / R ranks; "
         "gradients are reduce-scattered within a copy and all-reduced across the copies, on a 2-D mesh "
-        "(default: 1, every rank one shard of one copy)",
+        "(default: 1, every rank one shard of one copy); with --strategy tensor, R copies of the tensor "
+        "groups' shards, on a (dp_replicate, dp_shard, tp) mesh",
         group="sharded",
         metavar="R",
         check="count",
-        strategies=("sharded",),
+        strategies=("sharded", "tensor"),
         resume="change",
     )
 

@@ -101,13 +101,22 @@ def _one_device(devices: int, **_) -> Layout:
     return Layout()
 
 
-def _tensor(devices: int, *, tensor_parallel: Optional[int] = None, **_) -> Layout:
+def _tensor(
+    devices: int, *, tensor_parallel: Optional[int] = None, replicas: Optional[int] = None, **_
+) -> Layout:
     group = tensor_parallel or devices
     if group < 1 or devices % group:
         raise ConfigError(
             f"--tensor-parallel {group} must divide --devices {devices}; use a divisor of {devices}"
         )
-    return Layout(shard=devices // group, tensor=group)  # the data dimension is sharded (FSDP2)
+    copies, groups = replicas or 1, devices // group
+    if groups % copies or (copies > 1 and copies >= groups):
+        raise ConfigError(
+            f"--replicas {copies} must divide the {groups} tensor groups (--devices / --tensor-parallel) and be "
+            f"fewer than them; use a divisor of {groups} below {groups}, or drop --replicas"
+        )
+    # the data dimension is sharded (FSDP2); with --replicas, as copies of shard groups (HSDP)
+    return Layout(replicate=copies, shard=groups // copies, tensor=group)
 
 
 def _pipeline(

@@ -79,12 +79,16 @@ class TensorPlan:
     heads: Optional[int] = None  # attention heads per layer, where known (each rank runs heads / devices)
     apply: Optional[Callable] = None  # the user's fn(model, mesh) that splits the model itself (styles: ())
     replicas: int = 1  # tensor groups side by side on a 2-D (data, tensor) mesh, sharded over data
+    copies: int = 1  # --replicas: the data dimension as `copies` replicas of replicas / copies shards (HSDP)
     sequence_parallel: bool = False  # the norms on parts of the sequence (the built-in GPT's plan)
     vocabulary: tuple = ()  # the layers split by their vocabulary (an embedding rowwise, its tied head colwise)
     vocabulary_size: int = 0  # ... and its entries
 
     def describe(self) -> str:
         mesh = f"; {self.replicas} such groups shard the data dimension (FSDP2)" if self.replicas > 1 else ""
+        if self.copies > 1:
+            shards = self.replicas // self.copies
+            mesh = f"; {self.replicas} such groups as {self.copies} replicas of {shards} shards (hybrid sharding)"
         if self.apply is not None:
             return (
                 f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
@@ -107,11 +111,17 @@ class TensorPlan:
             f"rest replicated" + mesh
         )
 
-    def with_replicas(self, replicas: int, *, builtin: bool) -> "TensorPlan":
+    def with_replicas(self, replicas: int, *, builtin: bool, copies: int = 1) -> "TensorPlan":
         """The plan for `replicas` tensor groups side by side on a (data, tensor) mesh. FSDP2 cuts each rank's
         part of a vocabulary again over the data dimension, and torch (2.13) cannot place a whole checkpoint's
         rows into those parts unless the devices divide the vocabulary: a built-in plan keeps it whole then."""
-        plan = replace(self, replicas=replicas)
+        if replicas % copies or (copies > 1 and copies >= replicas):
+            raise ConfigError(
+                f"--replicas {copies} must divide the {replicas} tensor groups (--devices / --tensor-parallel) "
+                f"and be fewer than them (each replica shards over the groups / {copies}); use a divisor of "
+                f"{replicas} below {replicas}, or drop --replicas"
+            )
+        plan = replace(self, replicas=replicas, copies=copies)
         if replicas == 1 or self.vocabulary_size % (self.devices * replicas) == 0:
             return plan
         if builtin:

@@ -220,7 +220,8 @@ class TensorParallel(Sharded):
             isinstance(config.tensor_plan, dict) and dataset is not None
         ):  # the user's: tried on a rank's slice
             check_rank_slice(model, plan, dataset.sample_inputs(2))
-        return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None)
+        copies = config.replicas or 1
+        return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None, copies=copies)
 
     @property
     def data_rank(self) -> int:
@@ -241,8 +242,8 @@ class TensorParallel(Sharded):
         tensor = tensor.clone()
         if self.plan.replicas == 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        else:
-            dist.all_reduce(tensor, group=self.data_group)
+        for group in self.data_groups:  # over the shards, then over the copies (hybrid sharding)
+            dist.all_reduce(tensor, group=group)
         return tensor
 
     def gradient_sync(self, *, last: bool):
@@ -256,9 +257,15 @@ class TensorParallel(Sharded):
         return dist.group.WORLD
 
     def split_model(self, model: nn.Module) -> None:
-        layout = Layout(shard=self.plan.replicas, tensor=self.plan.devices)
+        copies = self.plan.copies
+        layout = Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
         self.full_mesh = device_mesh(layout, self.device.type, keep=("shard", "tensor"))
-        self.mesh, self.data_group = self.full_mesh["tp"], self.full_mesh["dp_shard"].get_group()
+        self.mesh = self.full_mesh["tp"]
+        data = ("dp_replicate", "dp_shard") if copies > 1 else ("dp_shard",)
+        self.data_mesh = self.full_mesh[data] if copies > 1 else self.full_mesh["dp_shard"]
+        self.data_groups = (
+            [self.full_mesh[name].get_group() for name in reversed(data)] if layout.data_degree > 1 else []
+        )
         if self.plan.apply is not None:
             self.plan.apply(model, self.mesh)
         else:
@@ -273,7 +280,7 @@ class TensorParallel(Sharded):
             logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
             # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            self.shard(model, self.full_mesh["dp_shard"])
+            self.shard(model, self.data_mesh)  # a 2-D (dp_replicate, dp_shard) mesh: hybrid sharding
         return model
 
     def _split(self, model: nn.Module) -> None:

@@ -1,6 +1,6 @@
 """Everything polytrain measures on one CUDA GPU, in one run that writes its results to a folder.
 
-    python benchmarks/gpu.py --out gpu-results            # all parts, about 7 minutes on an H100/H200
+    python benchmarks/gpu.py --out gpu-results            # all parts but control, about 4 minutes on an H200
     python benchmarks/gpu.py --out DIR --parts graphs,gpt # some of them
 
 Parts (each writes JSON rows to DIR/results.jsonl and prints them):
@@ -19,6 +19,12 @@ Parts (each writes JSON rows to DIR/results.jsonl and prints them):
 - llama: a Llama-style model with and without activation checkpointing and bf16, peak GPU memory measured
   (`max_memory_allocated`, reserved) against the memory check's prediction for the same layout, and tokens/s.
 - bench: `polytrain bench --device cpu,cuda --devices 1`.
+- control (only when named): how far two eager runs of a BatchNorm ResNet end apart on the GPU against a
+  graphed and an eager run, with cuDNN's default and deterministic kernels; and what a finished graphed run
+  leaves allocated.
+
+`--parts` picks parts (llama first runs it before anything else touches the GPU's memory); `--paths` picks
+path cases by words in their names. Results of 2026-11-26: docs/benchmarks.md, "GPU (2026-11-26, one H200)".
 """
 
 from __future__ import annotations

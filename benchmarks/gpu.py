@@ -23,7 +23,7 @@ Parts (each writes JSON rows to DIR/results.jsonl and prints them):
   graphed and an eager run, with cuDNN's default and deterministic kernels; and what a finished graphed run
   leaves allocated.
 
-`--parts` picks parts (llama first runs it before anything else touches the GPU's memory); `--paths` picks
+`--parts` picks parts (llama always runs first, before anything else touches the GPU's memory); `--paths` picks
 path cases by words in their names. Results of 2026-11-26: docs/benchmarks.md, "GPU (2026-11-26, one H200)".
 """
 
@@ -418,7 +418,7 @@ def main():
     parts = args.parts.split(",")
     if "env" in parts:
         env()
-    if parts[0] == "llama":  # first, in a process whose GPU memory nothing else has touched
+    if "llama" in parts:  # first, in a process whose GPU memory nothing else has touched
         layers, width = map(int, args.llama.split(","))
         llama(layers, width)
     tests = start_tests() if "tests" in parts else None
@@ -438,9 +438,6 @@ def main():
         bench()
     if "control" in parts:
         control()
-    if "llama" in parts[1:]:
-        layers, width = map(int, args.llama.split(","))
-        llama(layers, width)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,13 @@ def test_gradients_released_from_a_graphs_buffers_are_copies():
     cuda_graphs.release_gradients(list(layer.parameters()))
     shared.zero_()  # the graph's next replay
     assert torch.equal(layer.weight.grad, torch.ones(2, 3)) and layer.bias.grad is None
+
+
+def test_hooks_registered_after_start_up_keep_the_run_eager_with_one_line(no_gpu):
+    model = build_model("mlp", (1, 4, 4), 10)
+    notes = []
+    graphed = cuda_graphs.GraphedPasses(model, Objective(), precision="fp32", note=notes.append)
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))  # e.g. by a callback's on_fit_start
+    assert graphed(torch.randn(8, 1, 4, 4), torch.randint(0, 10, (8,))) is None
+    assert len(notes) == 1 and "has hooks" in notes[0] and not no_gpu and graphed.failed

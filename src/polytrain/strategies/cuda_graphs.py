@@ -196,6 +196,9 @@ class GraphedPasses:
     def _capture(self, x, y):
         module = _Pass(self.model, self.objective, self._autocast, bool(self.objective.names))
         try:
+            hooked = _hooked(self.model)  # registered since start-up (a callback's on_fit_start, say)
+            if hooked:
+                raise RuntimeError(f"{hooked} has hooks, which would run only when the graph is captured")
             return _Graph(module, x, y)
         except Exception as error:  # noqa: BLE001 - any capture failure leaves the run eager, and says why
             self.failed = True

@@ -27,10 +27,10 @@ from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_
 from ..runtime.worker import Job, choose_device
 from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
-from .auto import steady_choice
+from .bench_predict import fit_message_costs, predict_rows, project
 from .flops import flops_per_sample, matmul_peak
 from .whole_model import check_bench
-from .workload import measure_link, measure_workload, predictions_for, turns
+from .workload import measure_link, measure_workload, turns
 
 PHASES = ("compute", "communication", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -331,46 +331,6 @@ def median_row(runs: List[Row]) -> Row:
     return done[(len(done) - 1) // 2] if done else runs[0]
 
 
-def fit_message_costs(rows: List[Row], workloads: dict, links: dict) -> Dict[str, Dict[str, float]]:
-    """Per device kind, each strategy's cost per message, fitted to its row on the fewest devices (then the
-    smallest batch), which is marked `fitted`; the strategy's other rows are then predictions."""
-    costs: Dict[str, Dict[str, float]] = {}
-    first = {}
-    for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.devices > 1 and not row.skipped and row.key in workloads:
-            first.setdefault((row.device, row.strategy), row)
-    for (kind, strategy), row in first.items():
-        prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(
-            row.label
-        )
-        if prediction is not None and prediction.messages:
-            costs.setdefault(kind, {})[strategy] = cost = costmodel.fit_message_cost(
-                row.step_seconds, prediction
-            )
-            row.fitted = cost > 0  # a model already slower than the row fits nothing: its error shows
-    return costs
-
-
-def predict_rows(rows: List[Row], workloads: dict, links: dict, message_costs: Optional[dict] = None) -> None:
-    """The cost model's step time beside each measured row."""
-    for row in rows:
-        if row.key not in workloads or row.skipped:
-            continue
-        work, link = workloads[row.key], links[row.device]
-        if row.devices == 1:
-            row.predicted_seconds = work.compute_seconds
-            continue
-        predictions = predictions_for(
-            work,
-            link,
-            devices=row.devices,
-            kind=row.device,
-            message_costs=(message_costs or {}).get(row.device),
-        )
-        if row.label in predictions:
-            row.predicted_seconds = predictions[row.label].step_seconds
-
-
 def fill_speedups(rows: List[Row]) -> None:
     base = {row.key: row.step_seconds for row in rows if row.devices == 1 and not row.skipped}
     for row in rows:
@@ -477,24 +437,3 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     fill_speedups(rows)
     projections = project(options, workloads, fitted_links, costs)
     return BenchResult(options, rows, workloads, links, projections, costs, flops, peaks)
-
-
-def project(
-    options: BenchOptions, workloads: dict, links: dict, message_costs: Optional[dict] = None
-) -> list:
-    """For each `--predict` count: every strategy's predicted step, and the fastest."""
-    projections = []
-    for (kind, batch), work in workloads.items():
-        for n in options.predict:
-            if n == 1:
-                continue
-            if batch % n:  # no slice was timed, and no strategy here would run it
-                projections.append((kind, batch, n, {}, None))
-                continue
-            predictions = predictions_for(
-                work, links[kind], devices=n, kind=kind, message_costs=(message_costs or {}).get(kind)
-            )
-            # as --strategy auto would: without the (data, tensor) meshes (`tensor RxT`), which it does not choose
-            best = steady_choice({name: p for name, p in predictions.items() if " " not in name})
-            projections.append((kind, batch, n, predictions, best.strategy if best else None))
-    return projections

@@ -115,13 +115,7 @@ class TensorPlan:
         """The plan for `replicas` tensor groups side by side on a (data, tensor) mesh. FSDP2 cuts each rank's
         part of a vocabulary again over the data dimension, and torch (2.13) cannot place a whole checkpoint's
         rows into those parts unless the devices divide the vocabulary: a built-in plan keeps it whole then."""
-        if replicas % copies or (copies > 1 and copies >= replicas):
-            raise ConfigError(
-                f"--replicas {copies} must divide the {replicas} tensor groups (--devices / --tensor-parallel) "
-                f"and be fewer than them (each replica shards over the groups / {copies}); use a divisor of "
-                f"{replicas} below {replicas}, or drop --replicas"
-            )
-        plan = replace(self, replicas=replicas, copies=copies)
+        plan = replace(self, replicas=replicas, copies=copies)  # (copies checked with the layout: layout.py)
         if replicas == 1 or self.vocabulary_size % (self.devices * replicas) == 0:
             return plan
         if builtin:

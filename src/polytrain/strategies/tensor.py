@@ -224,6 +224,13 @@ class TensorParallel(Sharded):
         return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None, copies=copies)
 
     @property
+    def layout(self) -> Layout:
+        """The plan's tensor groups side by side: sharded over the data dimension, as `copies` replicas of shard
+        groups with --replicas (not the sharded strategy's layout of shards only)."""
+        copies = self.plan.copies
+        return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
+
+    @property
     def data_rank(self) -> int:
         return self.plan.coords(self.rank)[0]  # the ranks of a tensor group read the same slice
 
@@ -257,8 +264,7 @@ class TensorParallel(Sharded):
         return dist.group.WORLD
 
     def split_model(self, model: nn.Module) -> None:
-        copies = self.plan.copies
-        layout = Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
+        layout, copies = self.layout, self.plan.copies
         self.full_mesh = device_mesh(layout, self.device.type, keep=("shard", "tensor"))
         self.mesh = self.full_mesh["tp"]
         data = ("dp_replicate", "dp_shard") if copies > 1 else ("dp_shard",)

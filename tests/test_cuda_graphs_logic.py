@@ -2,6 +2,7 @@
 as it was, which shapes replay. (The graphs themselves are tested against eager steps in test_cuda.py.)"""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -134,3 +135,33 @@ def test_hooks_registered_after_start_up_keep_the_run_eager_with_one_line(no_gpu
     model.register_forward_hook(lambda *args: calls.append(1))  # e.g. by a callback's on_fit_start
     assert graphed(torch.randn(8, 1, 4, 4), torch.randint(0, 10, (8,))) is None
     assert len(notes) == 1 and "has hooks" in notes[0] and not no_gpu and graphed.failed
+
+
+def test_a_training_step_takes_a_replayed_pass_as_it_takes_an_eager_one(no_gpu):
+    """The strategy's step takes a captured pass's loss and metric sums as the eager step's (the fake capture
+    computed this batch), counts the replay, and steps every parameter with the gradients the graph handed
+    over. (The fake cannot replay the backward with the step's real incoming gradient: the equality of whole
+    steps is tested on a GPU, test_cuda.py.)"""
+    from polytrain.data.order import Batch
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 4, 4), 10)
+    x, y = torch.randn(8, 1, 4, 4), torch.randint(0, 10, (8,))
+    steps = []
+    for graphed in (True, False):
+        single = strategy()
+        single.setup(
+            copy.deepcopy(model),
+            lambda named: torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9),
+            lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        )
+        if graphed:
+            single.graphed = cuda_graphs.GraphedPasses(single.model, single.objective, precision="fp32")
+        stats = single.train_step(Batch(x, y, global_count=8, step=0))
+        steps.append((stats, single))
+    (graphed_stats, graphed), (eager_stats, eager) = steps
+    assert graphed.graphed.replays == 1
+    torch.testing.assert_close(graphed_stats.loss_sum, eager_stats.loss_sum, rtol=0, atol=0)
+    torch.testing.assert_close(graphed_stats.metrics, eager_stats.metrics, rtol=0, atol=0)
+    for before, after in zip(model.parameters(), graphed.model.parameters()):
+        assert after.grad is not None and not torch.equal(before, after)

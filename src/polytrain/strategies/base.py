@@ -105,10 +105,8 @@ class Strategy:
         # on other ranks); `polytrain bench` clears it before each step and calls the rest compute
         self.phases: dict = {}
         self.global_rows = None  # which rows of the global batch a pass holds (whole-batch layers only)
-        self.wants_cuda_graphs = (
-            cuda_graphs  # asked for (strategies/cuda_graphs.py); `graphed`: what runs them
-        )
-        self.graphed = None
+        # CUDA graphs asked for (strategies/cuda_graphs.py), and what replays them where they are used
+        self.wants_cuda_graphs, self.graphed = cuda_graphs, None
         self.whole_batch_steps = 0
 
     @classmethod
@@ -259,20 +257,10 @@ class Strategy:
         loss_total, metric_total, count_total = None, None, 0
         for i, (x, y) in enumerate(zip(split_rows(batch.x, passes), split_rows(batch.y, passes))):
             self._mark_rows(batch, i, passes)
-            replayed = self.graphed(x, y) if self.graphed is not None else None
             with self.gradient_sync(last=i == passes - 1):
-                if replayed is None:
-                    loss_sum, count, outputs = self.objective.compute(
-                        self.runner, x, y, autocast=self.autocast
-                    )
-                else:
-                    loss_sum, count, metrics = replayed
+                loss_sum, count, metrics, replayed = self._pass(x, y)
                 self.gradients.scale(loss_sum / share).backward()
-            if replayed is None:
-                metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
-            elif metrics is None:
-                metrics = self.no_metrics
-            if replayed is not None and i < passes - 1:
+            if replayed and i < passes - 1:  # the next replay would overwrite the gradients it handed over
                 cuda_graphs.release_gradients(list(self.model.parameters()))
             loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
             metric_total = metrics if metric_total is None else metric_total + metrics
@@ -282,6 +270,17 @@ class Strategy:
         self.per_counted_element(count_total, batch.global_count)
         self.apply_gradients()
         return StepStats(loss_total, metric_total, len(batch), self.gradients.last_norm, count_total)
+
+    def _pass(self, x, y) -> tuple:
+        """(summed loss, what it covers, metric sums, whether it replayed a CUDA graph) of one pass's forward:
+        replayed from its graph where one is captured (strategies/cuda_graphs.py), else eager."""
+        replayed = self.graphed(x, y) if self.graphed is not None else None
+        if replayed is not None:
+            loss_sum, count, metrics = replayed
+            return loss_sum, count, self.no_metrics if metrics is None else metrics, True
+        loss_sum, count, outputs = self.objective.compute(self.runner, x, y, autocast=self.autocast)
+        metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
+        return loss_sum, count, metrics, False
 
     @property
     def no_metrics(self) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The settings of --model llama beside the sizes it shares with the GPT (--layers, --heads, --width, --context
-in settings.py), and the GPT's --dropout, in the model group of --help. Declared as in settings.py; none has a default of its own here
-(None: the model's, see config/model_defaults.py), so another model given none of them is never refused."""
+in settings.py), and the GPT's --dropout, in the model group of --help. Declared as in settings.py; none has a
+default of its own here (None: the model's, see config/model_defaults.py), so another model given none of them
+is never refused."""
 
 from __future__ import annotations
 

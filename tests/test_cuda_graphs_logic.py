@@ -139,8 +139,7 @@ def test_hooks_registered_after_start_up_keep_the_run_eager_with_one_line(no_gpu
 
 def test_a_training_step_takes_a_replayed_pass_as_it_takes_an_eager_one(no_gpu):
     """The strategy's step takes a captured pass's loss and metric sums as the eager step's (the fake capture
-    computed this batch), counts the replay, and steps every parameter with the gradients the graph handed
-    over. (The fake cannot replay the backward with the step's real incoming gradient: the equality of whole
+    computed this batch), counts the replay, and hands every parameter the gradient the graph returns. (The fake cannot replay the backward with the step's real incoming gradient: the equality of whole
     steps is tested on a GPU, test_cuda.py.)"""
     from polytrain.data.order import Batch
 
@@ -163,5 +162,6 @@ def test_a_training_step_takes_a_replayed_pass_as_it_takes_an_eager_one(no_gpu):
     assert graphed.graphed.replays == 1
     torch.testing.assert_close(graphed_stats.loss_sum, eager_stats.loss_sum, rtol=0, atol=0)
     torch.testing.assert_close(graphed_stats.metrics, eager_stats.metrics, rtol=0, atol=0)
-    for before, after in zip(model.parameters(), graphed.model.parameters()):
-        assert after.grad is not None and not torch.equal(before, after)
+    # the gradients the graph handed over reached every parameter (their values come from the fake capture's
+    # incoming gradient, an uninitialised buffer: only a real replay fills it)
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in graphed.model.parameters())

@@ -20,6 +20,9 @@ from polytrain.strategies import Pipeline
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
 ADAM_ROUNDING = 2e-5
 SHARDED = ["--strategy", "pipeline", "--devices", "4", "--pipeline-stages", "2", "--data-parallel", "shard"]
+# hybrid sharding: 8 ranks, 2 replicas of 2 pipelines that shard their 2 stages
+HYBRID_SETTINGS = dict(strategy="pipeline", devices=8, pipeline_stages=2, data_parallel="shard", replicas=2)
+HYBRID = [*SHARDED[:3], "8", *SHARDED[4:], "--replicas", "2"]
 
 # ---- the layout, in this process ----
 
@@ -45,6 +48,22 @@ def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
     assert with_tensor.layout.mesh_names == ("dp_shard", "pp", "tp")
 
 
+def test_replicas_of_sharding_pipelines_are_a_replicate_degree_beside_the_shard_degree():
+    """--replicas R (hybrid sharding): the pipelines as R copies of shard groups; each rank keeps its place."""
+    config = TrainConfig(**HYBRID_SETTINGS)
+    assert config.layout == Layout(replicate=2, shard=2, pipeline=2) and config.data_parallel_size == 4
+    assert config.layout.mesh_names == ("dp_replicate", "dp_shard", "pp")
+    assert config.layout.describe() == "2 replicas x 2 shards x 2 stages"
+    layout = PipelineLayout(8, 2, shard=True, copies=2)
+    assert [layout.coords(r) for r in range(8)] == [(d, s) for d in range(4) for s in range(2)]
+    assert [config.layout.data_rank(r) for r in range(8)] == [layout.coords(r)[0] for r in range(8)]
+    assert layout.pipelines == "2 replicas of 2 shards (hybrid sharding, FSDP2)"
+    assert [layout.data_words(d) for d in (0, 3)] == ["replica 1/2, shard 1/2", "replica 2/2, shard 2/2"]
+    with_tensor = TrainConfig(**dict(HYBRID_SETTINGS, devices=16, tensor_parallel=2))
+    assert with_tensor.layout == Layout(replicate=2, shard=2, pipeline=2, tensor=2)
+    assert TrainConfig(**dict(HYBRID_SETTINGS, replicas=1)).layout == Layout(shard=4, pipeline=2)
+
+
 @pytest.mark.parametrize(
     "settings, words",
     [
@@ -56,6 +75,12 @@ def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
         ),
         (dict(devices=4, pipeline_stages=2, split_at="2"), ["--split-at", "--data-parallel shard"]),
         (dict(strategy="data", devices=4), ["--data-parallel applies to --strategy pipeline only"]),
+        (dict(devices=8, pipeline_stages=2, replicas=3), ["--replicas 3 must divide the 4 pipelines"]),
+        (dict(devices=8, pipeline_stages=2, replicas=4), ["--replicas 4", "a divisor of 4 below 4"]),
+        (
+            dict(devices=8, pipeline_stages=2, replicas=2, data_parallel="replicate"),
+            ["without --data-parallel shard every pipeline is a replica", "add --data-parallel shard"],
+        ),
     ],
 )
 def test_a_sharded_pipeline_that_cannot_work_is_one_line(settings, words):
@@ -172,8 +197,9 @@ THREE_D = [*SHARDED[:3], "8", *SHARDED[4:], "--tensor-parallel", "2"]
         (["--model", "lenet", "--steps", "4"], SHARDED),
         ([*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "2", "--accumulate", "2"], SHARDED),
         ([*GPT_TINY, "--context", "16", "--batch-size", "8", "--steps", "3", "--accumulate", "2"], THREE_D),
+        ([*GPT_TINY, "--context", "16", "--batch-size", "16", "--steps", "2", "--accumulate", "2"], HYBRID),
     ],
-    ids=["lenet", "gpt", "gpt-with-tensor-ranks"],
+    ids=["lenet", "gpt", "gpt-with-tensor-ranks", "gpt-hybrid"],
 )
 def test_verify_two_sharded_pipelines_of_two_stages(capfd, model, layout):
     """The GPT ties its embedding and head across the stages (each a shard of the tied weight); accumulation and
@@ -183,7 +209,8 @@ def test_verify_two_sharded_pipelines_of_two_stages(capfd, model, layout):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(float(diff) <= 1e-10 for *_, diff in rows) and "PASS" in result.stdout, result.stdout
-    assert "pipeline of 2 stages x 2 shards (FSDP2)" in result.stdout
+    pipelines = "2 replicas of 2 shards (hybrid sharding, FSDP2)" if layout is HYBRID else "2 shards (FSDP2)"
+    assert f"pipeline of 2 stages x {pipelines}" in result.stdout
     assert ("each stage split over 2 tensor ranks" in result.stdout) == (layout is THREE_D)
 
 
@@ -191,18 +218,19 @@ def test_verify_two_sharded_pipelines_of_two_stages(capfd, model, layout):
 def test_a_run_stopped_twice_on_sharded_pipelines_ends_where_one_straight_run_ends(
     straight_resume_run, tmp_path, capfd
 ):
-    """One device writes a whole checkpoint, which the sharded pipelines cut into their shards; they write theirs
-    as DCP shards (nothing gathered), which the next sharded pipelines read back."""
+    """One device writes a whole checkpoint, which hybrid-sharded pipelines (2 replicas of 2 shards) cut into
+    their shards; they write theirs as DCP shards (nothing gathered), which 2 sharded pipelines on half the ranks
+    read back."""
     out = tmp_path / "run"
     first = polytrain_here(capfd, "train", *RESUME_TRAIN, "--devices", "1", "--max-steps", 3, "--out", out)
     assert first.returncode == 0, first.stderr
-    second = polytrain_here(capfd, "train", "--resume", out, *SHARDED, "--max-steps", 8)
+    second = polytrain_here(capfd, "train", "--resume", out, *HYBRID, "--max-steps", 8)
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "rank 3: shard 2/2 of stage 1" in second.stdout
+    assert "rank 7: replica 2/2, shard 2/2 of stage 1" in second.stdout
     progress = torch.load(out / "checkpoint.pt", weights_only=True)
     assert "model" not in progress and "optimizer" not in progress  # nothing was gathered to rank 0
     names = sorted(p.name for p in (out / progress["shards"]).iterdir())
-    assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(8)]
     third = polytrain_here(capfd, "train", "--resume", out, *SHARDED)
     assert third.returncode == 0, third.stdout + third.stderr
     assert_same_weights(load(out / "model.pt"), straight_resume_run, atol=ADAM_ROUNDING)

@@ -86,6 +86,7 @@ def test_the_resume_rules_come_from_the_declarations():
             "pipeline_stages",
             "data_parallel",
             "timeline",
+            "replicas",
             "tensor_parallel",
         ),
         "sharded": ("cpu_offload", "replicas"),

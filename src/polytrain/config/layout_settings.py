@@ -141,11 +141,12 @@ class ShardedSettings:
         "hybrid sharding (HSDP): R copies of the sharded model, each sharded over --devices / R ranks; "
         "gradients are reduce-scattered within a copy and all-reduced across the copies, on a 2-D mesh "
         "(default: 1, every rank one shard of one copy); with --strategy tensor, R copies of the tensor "
-        "groups' shards, on a (dp_replicate, dp_shard, tp) mesh",
+        "groups' shards, on a (dp_replicate, dp_shard, tp) mesh; with --strategy pipeline --data-parallel "
+        "shard, R copies of the sharding pipelines, on a (dp_replicate, dp_shard, pp[, tp]) mesh",
         group="sharded",
         metavar="R",
         check="count",
-        strategies=("sharded", "tensor"),
+        strategies=("sharded", "tensor", "pipeline"),
         resume="change",
     )
 

@@ -120,11 +120,18 @@ def _tensor(
 
 
 def _pipeline(
-    devices: int, *, pipeline_stages: Optional[int] = None, tensor_parallel=None, data_parallel=None, **_
+    devices: int,
+    *,
+    pipeline_stages: Optional[int] = None,
+    tensor_parallel=None,
+    data_parallel=None,
+    replicas: Optional[int] = None,
+    **_,
 ) -> Layout:
     tensor = tensor_parallel or 1
     shard = data_parallel == "shard"  # the pipelines beside each other shard their stages (FSDP2)
-    mesh = PipelineLayout(devices, pipeline_stages or devices // tensor, tensor, shard)  # one line if not
+    stages = pipeline_stages or devices // tensor
+    mesh = PipelineLayout(devices, stages, tensor, shard, replicas or 1)  # one line if they do not fit
     return Layout(**mesh.degrees())
 
 

@@ -43,6 +43,7 @@ class PipelineLayout:
     ranks: int  # pipeline ranks per replica (--pipeline-stages)
     tensor: int = 1  # ranks each stage is split over (--tensor-parallel), consecutive
     shard: bool = False  # the pipelines beside each other shard their stages (FSDP2), not replicate them
+    copies: int = 1  # --replicas: the sharding pipelines as `copies` replicas of shard groups (HSDP)
 
     def __post_init__(self) -> None:
         if self.ranks < 2 and self.tensor > 1:
@@ -83,6 +84,23 @@ class PipelineLayout:
                 f"{self.devices} in {self.ranks} stages{self._of_tensor_ranks} make one pipeline; use {fix} (2 or "
                 f"more pipelines), or drop --data-parallel"
             )
+        self._check_copies()
+
+    def _check_copies(self) -> None:
+        if self.copies == 1:
+            return
+        if not self.shard:
+            raise ConfigError(
+                f"--replicas {self.copies} with --strategy pipeline makes replicas of sharded pipelines, but "
+                f"without --data-parallel shard every pipeline is a replica already; add --data-parallel shard, "
+                f"or drop --replicas"
+            )
+        if self.replicas % self.copies or self.copies >= self.replicas:
+            raise ConfigError(
+                f"--replicas {self.copies} must divide the {self.replicas} pipelines (--devices / "
+                f"(--pipeline-stages x --tensor-parallel)) and be fewer than them; use a divisor of "
+                f"{self.replicas} below {self.replicas}, or drop --replicas"
+            )
 
     @property
     def _of_tensor_ranks(self) -> str:
@@ -94,14 +112,27 @@ class PipelineLayout:
         return self.devices // (self.ranks * self.tensor)
 
     def degrees(self) -> dict:
-        """The layout's degrees (plan/layout.py `Layout`): the pipelines beside each other replicate or shard."""
-        data = "shard" if self.shard else "replicate"
-        return {data: self.replicas, "pipeline": self.ranks, "tensor": self.tensor}
+        """The layout's degrees (plan/layout.py `Layout`): the pipelines beside each other replicate or shard
+        (with --replicas, as copies of shard groups: both)."""
+        if self.copies > 1:
+            data = {"replicate": self.copies, "shard": self.replicas // self.copies}
+        else:
+            data = {"shard" if self.shard else "replicate": self.replicas}
+        return {**data, "pipeline": self.ranks, "tensor": self.tensor}
 
     @property
     def pipelines(self) -> str:
         """The pipelines beside each other, in words."""
+        if self.copies > 1:
+            return f"{self.copies} replicas of {self.replicas // self.copies} shards (hybrid sharding, FSDP2)"
         return f"{self.replicas} shards (FSDP2)" if self.shard else f"{self.replicas} replica(s)"
+
+    def data_words(self, data: int) -> str:
+        """Where the pipeline at data coordinate `data` stands among those beside it, in words."""
+        if self.copies > 1:
+            shards = self.replicas // self.copies
+            return f"replica {data // shards + 1}/{self.copies}, shard {data % shards + 1}/{shards}"
+        return f"shard {data + 1}/{self.replicas}" if self.shard else f"replica {data + 1}/{self.replicas}"
 
     def coords(self, rank: int) -> Tuple[int, int]:
         """(replica, pipeline rank) of a global rank."""

@@ -120,7 +120,10 @@ class Pipeline(Distributed):
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
         shard = config.layout.shard > 1  # the pipelines side by side shard their stages (pipeline_shard.py)
-        layout = PipelineLayout(config.devices, config.pipeline_ranks, config.tensor_parallel or 1, shard)
+        copies = config.layout.replicate if shard else 1  # --replicas: copies of the shard groups (HSDP)
+        layout = PipelineLayout(
+            config.devices, config.pipeline_ranks, config.tensor_parallel or 1, shard, copies
+        )
         schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
         per_replica = config.batch_size // layout.replicas
         # with --accumulate K, each of the K passes is cut into the micro-batches
@@ -199,7 +202,8 @@ class Pipeline(Distributed):
         layout = self.plan.layout
         if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
             degrees = layout.degrees()  # the data dimension replicates, or shards (FSDP2: pipeline_shard.py)
-            self.mesh = device_mesh(Layout(**degrees), self.device.type, keep=tuple(degrees)[:2])  # data, pp
+            keep = tuple(name for name in degrees if name != "tensor")  # the data dimension(s) and pp
+            self.mesh = device_mesh(Layout(**degrees), self.device.type, keep=keep)
             self.pp_group = self.mesh["pp"].get_group()
             summed = layout.replicas > 1 and not layout.shard  # replicas sum their gradients by hand
             self.dp_group = self.mesh["dp_replicate"].get_group() if summed else None

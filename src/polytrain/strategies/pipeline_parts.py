@@ -122,10 +122,7 @@ def holding_lines(strategy) -> list:
     for rank in range(layout.devices):
         data, pipeline_rank = layout.coords(rank)
         stages = "/".join(map(str, strategy.plan.stages_of_rank(pipeline_rank)))
-        if layout.shard:
-            where = f"shard {data + 1}/{layout.replicas} of stage {stages}"
-        else:
-            where = f"replica {data + 1}/{layout.replicas}, stage {stages}"
+        where = f"{layout.data_words(data)}{' of' if layout.shard else ','} stage {stages}"
         tensor = (
             f", tensor slice {layout.tensor_index(rank) + 1}/{layout.tensor}" if layout.tensor > 1 else ""
         )

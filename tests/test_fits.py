@@ -71,19 +71,26 @@ def test_the_70b_preset_is_refused_in_one_line_before_any_worker_starts():
 
 
 @pytest.mark.parametrize(
-    "stages, data_parallel, bytes_per_parameter",
+    "stages, data_parallel, replicas, bytes_per_parameter",
     [
-        (8, "replicate", 16 / 8),  # one pipeline of 8 stages: an eighth of weights, gradients and moments
-        (2, "replicate", 16 / 2),  # 4 replicas of 2 stages: each rank holds half the model's state
+        (
+            8,
+            "replicate",
+            None,
+            16 / 8,
+        ),  # one pipeline of 8 stages: an eighth of weights, gradients and moments
+        (2, "replicate", None, 16 / 2),  # 4 replicas of 2 stages: each rank holds half the model's state
         (
             2,
             "shard",
+            None,
             16 / 8 + 2 * 4 / 2,
         ),  # 4 shards of 2 stages: an eighth at rest, its stage whole in a step
+        (2, "shard", 2, 16 / 4 + 2 * 4 / 2),  # 2 replicas of 2 shards of 2 stages: a quarter at rest
     ],
 )
 def test_a_pipeline_is_counted_by_its_stages_and_whether_its_replicas_shard(
-    llama_8b, monkeypatch, stages, data_parallel, bytes_per_parameter
+    llama_8b, monkeypatch, stages, data_parallel, replicas, bytes_per_parameter
 ):
     line = refusal(
         llama_8b,
@@ -93,5 +100,29 @@ def test_a_pipeline_is_counted_by_its_stages_and_whether_its_replicas_shard(
         devices=8,
         pipeline_stages=stages,
         data_parallel=data_parallel,
+        replicas=replicas,
     )
     assert f"needs at least {PARAMETERS_8B * bytes_per_parameter / GIB:,.1f} GiB" in line, line
+    assert "--strategy sharded (" in line  # every layout that is not one copy sharded over all 8 ranks
+
+
+def test_hybrid_sharding_is_counted_by_its_shard_groups_and_names_sharding_over_every_rank(
+    llama_8b, monkeypatch
+):
+    line = refusal(llama_8b, monkeypatch, available_gib=20, strategy="sharded", devices=8, replicas=2)
+    # 2 replicas of 4 shards: a quarter of 119.7 GiB and the embedding gathered whole
+    assert f"needs at least {(PARAMETERS_8B * 16 / 4 + EMBEDDING_BYTES) / GIB:,.1f} GiB" in line, line
+    assert (
+        f"--strategy sharded ({(PARAMETERS_8B * 16 / 8 + EMBEDDING_BYTES) / GIB:,.1f} GiB per rank)" in line
+    )
+
+
+def test_a_pipeline_of_tensor_ranks_holds_its_slices_of_the_split_layers(llama_8b, monkeypatch):
+    whole = refusal(llama_8b, monkeypatch, available_gib=1, strategy="pipeline", devices=2)
+    split = refusal(llama_8b, monkeypatch, available_gib=1, strategy="pipeline", devices=4, tensor_parallel=2)
+
+    def needed(line):
+        return float(line.split("needs at least ")[1].split(" GiB")[0].replace(",", ""))
+
+    # the same 2 stages, each rank with half of the split layers (all but the embeddings and norms)
+    assert needed(whole) / 2 < needed(split) < needed(whole) * 0.6, (whole, split)

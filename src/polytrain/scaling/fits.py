@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..plan.costmodel import Workload, memory_per_rank
-from ..plan.layout import Layout, layout_or_none
+from ..plan.layout import Layout, layout_of_label, layout_or_none
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -87,13 +87,6 @@ def measured_activations(model: nn.Module, dataset, device: torch.device) -> dic
     return activation_profile(model, objective, x, y, device=device.type)
 
 
-def label_of(strategy: str, devices: int, tensor_parallel: Optional[int]) -> str:
-    """The cost model's name for this layout (`tensor RxT` for R tensor groups of T ranks)."""
-    if strategy == "tensor" and tensor_parallel and tensor_parallel < devices:
-        return f"tensor {devices // tensor_parallel}x{tensor_parallel}"
-    return strategy
-
-
 def _split_bytes(config, model: nn.Module, devices: int) -> float:
     """Bytes of the layers the tensor plan splits (0 where the model has no plan: all replicated)."""
     from ..strategies.tensor import plan_for
@@ -133,15 +126,13 @@ def check_fits(
     memory than it has: the figures, and the settings that would make it fit. With `dataset`, the activations
     of each rank's slice of the batch are counted."""
     devices = config.devices
-    tensor = (config.tensor_parallel or devices) if strategy == "tensor" else 1
-    split = _split_bytes(config, model, tensor) if tensor > 1 else 0.0
+    layout = layout_for(config, strategy) or layout_of_label(strategy, devices)
+    split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
     activations = measured_activations(model, dataset, device)
     work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
-    label = label_of(strategy, devices, config.tensor_parallel) if devices > 1 else "single"
+    label = strategy if devices > 1 else "single"
     mode = getattr(config, "activation_checkpointing", "none") or "none"
-    needed = memory_per_rank(
-        work, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout_for(config, strategy)
-    )
+    needed = memory_per_rank(work, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout)
     available = available_per_rank(device, devices)
     if needed <= available:
         return
@@ -151,7 +142,7 @@ def check_fits(
         else f"the host's available memory / {devices} process{'es' * (devices > 1)}"
     )
     fixes = []
-    if strategy != "sharded" and devices > 1:
+    if layout.shard < devices:  # not yet every rank a shard of one copy
         sharded = memory_per_rank(work, "sharded", devices, optimizer_slots=slots, checkpointing=mode)
         fixes.append(f"--strategy sharded ({_gib(sharded)} per rank)")
     more = next(
@@ -170,7 +161,9 @@ def check_fits(
     held, lower = "before activations", "; the activations come on top"
     if work.activation_bytes:
         weights_only = dataclasses.replace(work, activation_bytes=0.0)
-        per_rank = needed - memory_per_rank(weights_only, label, devices, optimizer_slots=slots)
+        per_rank = needed - memory_per_rank(
+            weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
+        )
         held, lower = f"{_gib(per_rank)} of activations with --activation-checkpointing {mode}", ""
     if mode != "full":
         lower += "; --activation-checkpointing full and --precision bf16 lower the activations"

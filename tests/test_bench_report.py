@@ -482,5 +482,6 @@ def test_projections_cover_every_count_asked_for():
         "data",
         "parameter-server",
         "sharded",
+        "sharded 2x2",  # hybrid sharding: projected, but not what --strategy auto picks from
         "pipeline",
     }

@@ -9,6 +9,7 @@ from polytrain.plan.costmodel import (
     choose,
     data_parallel,
     fit_message_cost,
+    memory_per_rank,
     parameter_server,
     pipeline,
     predict_all,
@@ -69,6 +70,24 @@ def test_sharded_on_a_backend_that_reduce_scatters_by_all_reducing_pays_a_whole_
     assert gloo["sharded"] == p and gloo["data"] == predict_all(WORK, 4, LINK)["data"]
 
 
+def test_hybrid_sharding_gathers_within_a_copy_and_all_reduces_each_shard_across_the_copies():
+    p = sharded(WORK, 4, LINK, replicas=2)  # 2 copies of 2 shards
+    # within a copy: 3 * 1/2 * 4 ms = 6 ms; across: 2 * 1/2 * (4 MB / 2) / 1 GB/s = 2 ms;
+    # (3 * 1 + 2 * 1) messages * 4 layers * 0.1 ms = 2 ms
+    assert p.strategy == "sharded 2x2" and p.messages == 20
+    assert p.communication == pytest.approx(0.010)
+    assert p.compute == pytest.approx(0.09 / 4 + 0.01 / 2)  # the update split over a copy's 2 shards
+    priced = predict_all(WORK, 4, LINK, message_costs={"sharded": 1e-3})  # FSDP2's cost per message
+    assert priced["sharded 2x2"].communication == pytest.approx(0.010 + 20 * 1e-3)
+    # a half of weights, gradients and momentum, a layer gathered whole (the model: no layer sizes known), and
+    # the activations at the cuts of a quarter of the batch
+    expected = 4e6 * 3 / 2 + 4e6 + 5500 * 64 / 4
+    assert memory_per_rank(WORK, "sharded 2x2", 4) == pytest.approx(expected)
+    eight = predict_all(WORK, 8, LINK)  # shard groups of 2 and 4 ranks; 8 is `sharded`
+    assert [name for name in eight if name.startswith("sharded")] == ["sharded", "sharded 4x2", "sharded 2x4"]
+    assert "sharded 2x4" not in predict_all(WORK, 8, LINK, meshes=False)
+
+
 def test_pipeline_step_is_m_plus_p_minus_one_slots():
     p = pipeline(WORK, 2, LINK, microbatches=4)
     slot = 0.09 / 8  # passes split over 2 stages and 4 micro-batches
@@ -85,7 +104,7 @@ def test_a_pipeline_with_more_stages_than_cuts_is_impossible_and_says_why():
 
 
 def test_choose_the_fastest_that_fits():
-    predictions = predict_all(WORK, 4, LINK)
+    predictions = predict_all(WORK, 4, LINK, meshes=False)
     assert set(predictions) == {"data", "parameter-server", "sharded", "pipeline"}
     fastest = min(predictions.values(), key=lambda p: p.step_seconds)
     assert choose(predictions) is fastest

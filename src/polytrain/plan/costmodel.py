@@ -37,6 +37,9 @@ Models (n devices, the update not split except where sharded):
   3 (n-1)/n S/B + 3 (n-1) alpha per layer; the update is split n ways. Gloo (CPU processes) runs FSDP2's
   reduce-scatter as an all-reduce (the profiler shows `gloo:all_reduce`, one per layer and step), which moves
   twice the bytes in twice the messages: 4 (n-1)/n S/B + 4 (n-1) alpha per layer there (`scatter_by_allreduce`);
+  Hybrid sharding (`sharded RxG`, R copies of G shards): the same within a copy over G ranks, then each layer's
+  gradient shard all-reduced across the R copies, 2 (R-1)/R (S/G)/B + 2 (R-1) alpha per layer; the update is
+  split G ways;
 - pipeline (p stages, m micro-batches, perfectly balanced): each slot is compute/(p m) plus one forward and
   one backward transfer of a micro-batch's activations at a cut; a step is (m + p - 1) slots, so the idle
   share (the bubble) is (p - 1)/(m + p - 1);
@@ -208,14 +211,34 @@ def parameter_server(work: Workload, devices: int, link: Link, *, servers: int =
     return Prediction("parameter-server", devices, compute, communication, messages=messages)
 
 
-def sharded(work: Workload, devices: int, link: Link, *, scatter_by_allreduce: bool = False) -> Prediction:
-    compute = work.replica_pass(devices) + work.update_seconds / devices
+def sharded(
+    work: Workload, devices: int, link: Link, *, scatter_by_allreduce: bool = False, replicas: int = 1
+) -> Prediction:
+    """FSDP2 over every rank; with `replicas` R (hybrid sharding, `sharded RxG`) over G = n/R ranks within each
+    of R copies: the gathers and the gradient's reduction run within a copy, each layer's gradient shard (1/G
+    of it) is then all-reduced across the copies, 2 (R-1)/R (S/G)/B + 2 (R-1) alpha per layer, and the update
+    is split G ways."""
+    shards, name = devices // replicas, sharded_name(devices, replicas)
+    compute = work.replica_pass(devices) + work.update_seconds / shards
     if devices == 1:
-        return Prediction("sharded", devices, compute, 0.0)
+        return Prediction(name, devices, compute, 0.0)
     rings = 2 + (2 if scatter_by_allreduce else 1)  # two all-gathers, then the gradient's reduction
-    messages = rings * (devices - 1) * work.layers
-    communication = rings * (devices - 1) / devices * work.parameter_bytes / link.beta + messages * link.alpha
-    return Prediction("sharded", devices, compute, communication, messages=messages)
+    messages = (rings * (shards - 1) + 2 * (replicas - 1)) * work.layers
+    copies = ring_allreduce(replicas, work.parameter_bytes / shards, Link(0.0, link.beta))  # bytes only
+    communication = (
+        rings * (shards - 1) / shards * work.parameter_bytes / link.beta + copies + messages * link.alpha
+    )
+    return Prediction(name, devices, compute, communication, messages=messages)
+
+
+# hybrid sharding's shard groups in the cost model's rows: up to one machine of 8 GPUs (a copy within a machine,
+# the copies' all-reduce across machines)
+HYBRID_SHARDS = (2, 4, 8)
+
+
+def sharded_name(devices: int, replicas: int) -> str:
+    """`sharded` for one copy sharded over all `devices`; `sharded RxG` for R copies of G shards (HSDP)."""
+    return "sharded" if replicas == 1 else f"sharded {replicas}x{devices // replicas}"
 
 
 def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> Prediction:
@@ -375,7 +398,7 @@ def predict_all(
     reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s: per
     collective, for every tensor layout); `turns`: CPU processes per core. Tensor parallelism where the model
     has a plan: one group of all devices (`tensor`), and with `meshes` each (data, tensor) mesh of smaller
-    groups (`tensor RxT`)."""
+    groups (`tensor RxT`) and hybrid sharding in shard groups of `HYBRID_SHARDS` ranks (`sharded RxG`)."""
 
     def of(name: str) -> Workload:
         return work.in_format(name in contiguous)
@@ -388,6 +411,16 @@ def predict_all(
         "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
         "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches),
     }
+    for shards in HYBRID_SHARDS if meshes else ():
+        if shards < devices and devices % shards == 0:
+            predicted = sharded(
+                of("sharded"),
+                devices,
+                link,
+                scatter_by_allreduce=scatter_by_allreduce,
+                replicas=devices // shards,
+            )
+            predictions[predicted.strategy] = predicted
     for tensor in work.tensor_splits:
         if devices % tensor == 0 and (tensor == devices or meshes):
             predicted = tensor_parallel(

@@ -181,14 +181,23 @@ def layout_of(
     )
 
 
+# What a label's mesh `AxB` says to a preset: `tensor RxT`, R groups of T tensor ranks; `sharded RxG`, R copies
+# of G shards (hybrid sharding)
+LABEL_MESHES: Dict[str, Callable[[int, int], dict]] = {
+    "tensor": lambda groups, size: dict(tensor_parallel=size),
+    "sharded": lambda copies, size: dict(replicas=copies),
+}
+
+
 def layout_of_label(label: str, devices: int) -> Layout:
-    """The layout a cost-model or bench row's label stands for: a strategy name, or `tensor RxT` (R groups of
-    T tensor ranks)."""
+    """The layout a cost-model or bench row's label stands for: a strategy name, or one with its mesh
+    (`LABEL_MESHES`)."""
     name, _, mesh = label.partition(" ")
     if devices == 1:
         return Layout()
     if mesh:
-        return layout_of(name, devices, tensor_parallel=int(mesh.rsplit("x", 1)[1]))
+        first, size = map(int, mesh.rsplit("x", 1))
+        return layout_of(name, devices, **LABEL_MESHES[name](first, size))
     return layout_of(name, devices)
 
 

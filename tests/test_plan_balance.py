@@ -1,6 +1,5 @@
 """Splitting layers into pipeline stages: exact balance, the tie rule, and reading --split."""
 
-
 import pytest
 
 from polytrain.errors import ConfigError

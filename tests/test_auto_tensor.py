@@ -10,6 +10,7 @@ import pytest
 
 from polytrain.models import build_model
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank, predict_all, tensor_parallel
+from polytrain.plan.layout import Layout
 from polytrain.scaling.auto import measured_choice, pick, read_plan, steady_choice
 from polytrain.scaling.bench import (
     BenchOptions,
@@ -19,6 +20,7 @@ from polytrain.scaling.bench import (
     fit_message_costs,
     has_tensor_plan,
     predict_rows,
+    row_config,
 )
 from polytrain.scaling.report import report, table, write_json
 
@@ -112,6 +114,22 @@ def test_the_bench_runs_tensor_rows_and_meshes_only_for_a_model_with_a_plan():
         ("tensor", 4, "tensor 2x2"),
     ]
     assert [r.strategy for r in combinations(options, tensor=False)] == ["single", "data", "data"]
+
+
+def test_the_bench_runs_sharding_also_as_copies_of_shard_groups_of_two_four_and_eight():
+    options = BenchOptions(model="mlp", devices=(1, 2, 4, 8), strategies=("sharded",))
+    rows = combinations(options)
+    assert [(r.devices, r.label, r.layout) for r in rows[1:]] == [
+        (2, "sharded", Layout(shard=2)),
+        (4, "sharded", Layout(shard=4)),
+        (4, "sharded 2x2", Layout(replicate=2, shard=2)),
+        (8, "sharded", Layout(shard=8)),
+        (8, "sharded 4x2", Layout(replicate=4, shard=2)),
+        (8, "sharded 2x4", Layout(replicate=2, shard=4)),
+    ]
+    hybrid = row_config(options, rows[3], epochs=1, max_steps=2)
+    assert hybrid.replicas == 2 and hybrid.layout == Layout(replicate=2, shard=2)
+    assert row_config(options, rows[2], epochs=1, max_steps=2).replicas is None
     assert has_tensor_plan(build_model("mlp", (1, 28, 28), 10))
     assert not has_tensor_plan(build_model("lenet", (1, 28, 28), 10))
 
@@ -235,3 +253,17 @@ def test_bench_runs_a_tensor_row_of_the_mlp_beside_its_prediction(tmp_path):
         "tensor on 2 cpu, batch 16: 1 all-reduce of up to 4 KiB per step over each group of 2 (all-reduces "
         "after each row-wise layer in forward and before each column-wise one in backward)"
     ) in result.stdout
+
+
+def test_a_measured_hybrid_row_is_not_taken_for_its_strategy_by_auto(tmp_path):
+    """bench.json's `sharded 2x2` row is sharding too: its (fast) time must not stand for `sharded`'s."""
+    options = BenchOptions(devices=(1, 4), strategies=("data", "sharded"), batch_sizes=(64,))
+    rows = combinations(options)
+    for row, ms in zip(rows, (40.0, 10.0, 12.0, 5.0)):  # single, data, sharded, sharded 2x2
+        row.step_seconds = ms * MS
+    assert [r.label for r in rows] == ["single", "data", "sharded", "sharded 2x2"]
+    result = BenchResult(options, rows, {("cpu", 64): HEAVY}, {"cpu": (LINK, "a test")}, [], {})
+    write_json(result, tmp_path / "bench.json")
+    assert [r["replicas"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == [0, 0, 0, 2]
+    chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
+    assert chosen[0] == "data" and "10.0 ms/step" in chosen[1]

@@ -253,6 +253,7 @@ def measured_choice(
         and not r.get("skipped")
         and r.get("devices", 1) > 1
         and r.get("tensor_parallel", 0) in (0, devices)
+        and not r.get("replicas")  # hybrid sharding: measured beside, but not what auto chooses from
     ]
     try:
         seconds = {str(r["strategy"]): float(r["step_seconds"]) for r in rows}

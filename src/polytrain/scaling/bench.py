@@ -140,6 +140,7 @@ class Row:
     link: dict = field(default_factory=dict)  # message bytes -> seconds of an all-reduce over the ranks
     warning: str = ""  # why its figures cannot be right (see `impossible`)
     tensor_parallel: int = 0  # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
+    replicas: int = 0  # sharded: copies of the shard groups (--replicas, hybrid sharding; 0: one copy)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -147,7 +148,10 @@ class Row:
 
     @property
     def label(self) -> str:
-        """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh)."""
+        """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh;
+        `sharded 2x2`: 2 copies of 2 shards)."""
+        if self.replicas:
+            return costmodel.sharded_name(self.devices, self.replicas)
         if self.tensor_parallel in (0, self.devices):  # set on tensor rows of smaller groups only
             return self.strategy
         return costmodel.tensor_name(self.devices, self.tensor_parallel)
@@ -164,7 +168,8 @@ class Row:
 def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
     """Every row the bench runs, baseline (`single` on 1 device) first within each device kind and batch.
     Tensor parallelism (where `tensor`: the model has a plan) runs as one group of all the devices and as each
-    (data, tensor) mesh of smaller groups (4 devices: also 2 x 2)."""
+    (data, tensor) mesh of smaller groups (4 devices: also 2 x 2); sharding also as copies of shard groups of
+    `costmodel.HYBRID_SHARDS` ranks (4 devices: also 2 copies of 2 shards)."""
     rows = []
     for kind in options.device_kinds:
         for batch in options.batch_sizes:
@@ -182,6 +187,12 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                             Row(kind, strategy, n, batch, tensor_parallel=t)
                             for t in range(2, n)
                             if n % t == 0
+                        ]
+                    if STRATEGIES[strategy].bench_copies:  # hybrid sharding, as the cost model projects it
+                        rows += [
+                            Row(kind, strategy, n, batch, replicas=n // shards)
+                            for shards in costmodel.HYBRID_SHARDS
+                            if shards < n and n % shards == 0
                         ]
     return rows
 
@@ -273,6 +284,8 @@ def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) 
     )
     if row.tensor_parallel:
         values["tensor_parallel"] = row.tensor_parallel
+    if row.replicas:
+        values["replicas"] = row.replicas
     apply_model_defaults(values, set(values), options.model)
     return TrainConfig(**values)
 

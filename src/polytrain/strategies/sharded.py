@@ -83,6 +83,7 @@ class Sharded(Distributed):
     normalises_global_batch = True
     keeps_channels_last = False  # FSDP2 shards contiguous parameters only
     writes_shards = True
+    bench_copies = True
 
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)

@@ -72,6 +72,21 @@ class MisbehavingModel(torch.nn.Module):
         return self.linear(x.flatten(1))
 
 
+class SeesTheEnvironment(torch.nn.Module):
+    """A linear classifier that records in a buffer, at each training forward pass, the number in its worker's
+    environment variable POLYTRAIN_SEEN (0 where unset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(784, 10)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.seen.fill_(float(os.environ.get("POLYTRAIN_SEEN", "0")))
+        return self.linear(x.flatten(1))
+
+
 class SlowOnRank(torch.nn.Module):
     """A linear classifier whose training forward pass sleeps `seconds` on `rank` (a slow worker)."""
 

@@ -6,13 +6,14 @@ import time
 import pytest
 import torch
 from conftest import polytrain_here, tiny_digits
-from distributed import MisbehavingModel, run_on_ranks
+from distributed import MisbehavingModel, SeesTheEnvironment, run_on_ranks
 
 import polytrain
 from polytrain.data import load_dataset
 from polytrain.data.arrays import ArrayDataset
 from polytrain.data.loader import make_loaders
 from polytrain.models import build_model
+from polytrain.runtime import launch
 from polytrain.runtime.launch import WorkerFailed
 from polytrain.runtime.verify import in_float64
 from polytrain.strategies import DataParallel, SingleDevice
@@ -79,6 +80,28 @@ def test_sharded_evaluation_equals_one_device_exactly():
         assert result["count"] == 101
         assert result["acc"] == expected["acc"]
         assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)  # float32 batch sums
+
+
+def test_workers_see_the_environment_as_it_is_at_each_launch(monkeypatch):
+    """Workers fork from a forkserver that imported torch once, which keeps the environment it started with; a
+    launch after a variable changed spawns its workers afresh, so that they see it (launch.py `start_method`)."""
+
+    def seen_by_workers() -> float:
+        model = SeesTheEnvironment()
+        data = tiny_digits(n_train=64)
+        polytrain.fit(model, data, devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
+        return float(model.seen)
+
+    monkeypatch.delenv("POLYTRAIN_SEEN", raising=False)
+    assert launch.start_method() == "forkserver"  # (started here, or by an earlier launch in this process)
+    seen = []
+    for value in ("1", "2"):
+        monkeypatch.setenv("POLYTRAIN_SEEN", value)
+        assert launch.start_method() == "spawn"
+        seen.append(seen_by_workers())
+    monkeypatch.delenv("POLYTRAIN_SEEN")
+    assert launch.start_method() == "forkserver"
+    assert seen + [seen_by_workers()] == [1.0, 2.0, 0.0]
 
 
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():

@@ -109,8 +109,11 @@ def test_resume_on_another_device_count_continues_the_same_trajectory(
 
 
 def worker_pids(parent: int, marker: bytes = b"spawn_main") -> list:
-    """The training processes below `parent` (not multiprocessing's resource tracker)."""
-    return [pid for pid in children(parent) if marker in command_line(pid)]
+    """The training processes below `parent`: its children with `marker` on their command line (spawned), and
+    those of its forkserver (forked from it; launch.py `start_method`); not multiprocessing's resource tracker."""
+    direct = children(parent)
+    servers = [pid for pid in direct if b"multiprocessing.forkserver" in command_line(pid)]
+    return [pid for pid in direct if marker in command_line(pid)] + [w for s in servers for w in children(s)]
 
 
 def kill_a_worker_after_the_first_checkpoint(argv, out, *, marker: bytes = b"spawn_main", workers: int = 2):

@@ -1,11 +1,20 @@
 """How worker processes start: in this process, under an external torchrun, or spawned by torch's elastic
 agent (the machinery behind torchrun) on this machine. Strategies know nothing of this.
+
+The agent starts each worker from a forkserver (`start_method`): one process, started by the first launch,
+that imports torch and polytrain's worker code once and forks a worker for every later launch, so a process
+that launches many times (bench's rows, verify, a notebook, the tests) does not pay torch's import in every
+worker every time. A forked worker has the forkserver's environment, not this process's: where this process's
+environment has changed since the forkserver started (a variable set for one run), the workers are spawned
+afresh instead (each imports torch, and sees the environment as it is now).
 """
 
 from __future__ import annotations
 
 import ast
 import logging
+import multiprocessing
+import os
 import signal
 import sys
 import tempfile
@@ -114,6 +123,40 @@ def run_job(job: Job) -> WorkerResult:
     return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
+# what the forkserver imports once (the workers' code and what it imports); its environment when it started
+PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
+_forkserver_environment: Optional[dict] = None
+
+
+# what torch sets in this process's environment for itself during a run: the launcher's TORCHELASTIC_* (every
+# worker gets the launcher's values for its own run) and inductor's default cache folder (the workers work out
+# the same one)
+TORCH_OWN = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _environment() -> dict:
+    """This process's environment, less what torch sets in it for itself (`TORCH_OWN`)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(TORCH_OWN)}
+
+
+def start_method() -> str:
+    """'forkserver' where this process's forkserver has the environment of this process now (the first launch
+    starts it), else 'spawn' (also where this platform has no forkserver, or another caller started it)."""
+    global _forkserver_environment
+    from multiprocessing import forkserver
+
+    if _forkserver_environment is None:
+        server = getattr(forkserver, "_forkserver", None)
+        if "forkserver" not in multiprocessing.get_all_start_methods() or getattr(
+            server, "_forkserver_pid", None
+        ):
+            return "spawn"  # (a forkserver that another caller started: its environment is unknown)
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        _forkserver_environment = _environment()
+    return "forkserver" if _environment() == _forkserver_environment else "spawn"
+
+
 def spawn_workers(job: Job) -> WorkerResult:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -132,7 +175,7 @@ def spawn_workers(job: Job) -> WorkerResult:
             rdzv_endpoint="127.0.0.1:0",
             max_restarts=config.max_restarts,
             monitor_interval=0.1,
-            start_method="spawn",
+            start_method=start_method(),
             **loopback,
             **_logs_in(agent_files),
         )

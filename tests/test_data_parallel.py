@@ -83,8 +83,10 @@ def test_sharded_evaluation_equals_one_device_exactly():
 
 
 def test_workers_see_the_environment_as_it_is_at_each_launch(monkeypatch):
-    """Workers fork from a forkserver that imported torch once, which keeps the environment it started with; a
-    launch after a variable changed spawns its workers afresh, so that they see it (launch.py `start_method`)."""
+    """Workers fork from a forkserver that imported torch once with the environment it started with; a launch
+    whose environment has changed since starts a new one (launch.py `start_method`), and one whose environment is
+    the same reuses it."""
+    from multiprocessing import forkserver
 
     def seen_by_workers() -> float:
         model = SeesTheEnvironment()
@@ -92,16 +94,20 @@ def test_workers_see_the_environment_as_it_is_at_each_launch(monkeypatch):
         polytrain.fit(model, data, devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
         return float(model.seen)
 
-    monkeypatch.delenv("POLYTRAIN_SEEN", raising=False)
-    assert launch.start_method() == "forkserver"  # (started here, or by an earlier launch in this process)
-    seen = []
-    for value in ("1", "2"):
-        monkeypatch.setenv("POLYTRAIN_SEEN", value)
-        assert launch.start_method() == "spawn"
+    def server() -> int:
+        assert launch.start_method() == "forkserver"
+        return forkserver._forkserver._forkserver_pid
+
+    seen, servers = [], []
+    for value in ("1", "2", None):
+        if value is None:
+            monkeypatch.delenv("POLYTRAIN_SEEN")
+        else:
+            monkeypatch.setenv("POLYTRAIN_SEEN", value)
         seen.append(seen_by_workers())
-    monkeypatch.delenv("POLYTRAIN_SEEN")
-    assert launch.start_method() == "forkserver"
-    assert seen + [seen_by_workers()] == [1.0, 2.0, 0.0]
+        servers.append(server())
+    assert seen == [1.0, 2.0, 0.0]
+    assert len(set(servers)) == 3 and server() == servers[-1]  # a new forkserver for each environment, once
 
 
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():

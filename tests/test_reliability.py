@@ -245,15 +245,34 @@ def test_dropout_and_augmentation_resume_bit_for_bit_on_two_processes(tmp_path, 
     assert_same_weights(load(tmp_path / "run" / "model.pt"), load(tmp_path / "straight" / "model.pt"), 0)
 
 
+def test_the_failure_named_is_the_cause_not_a_peer_that_lost_its_connection():
+    from types import SimpleNamespace
+
+    from polytrain.runtime.launch import root_failure
+
+    def failure(message, timestamp, exitcode=1):
+        return SimpleNamespace(message={"message": message}, timestamp=timestamp, exitcode=exitcode)
+
+    gone = failure(
+        "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1", 10
+    )
+    boom = failure("RuntimeError: boom", 11)  # its error file written a second later than the peer's report
+    killed = failure("Signal 9 (SIGKILL) received by PID 7", 12, exitcode=-9)
+    assert root_failure({0: gone, 1: boom, 2: killed})[0] == 1
+    assert root_failure({0: gone, 2: killed})[0] == 2  # the out-of-memory killer's, before the peer's report
+    assert root_failure({0: gone, 1: failure("Connection reset by peer", 9)})[0] == 1  # the earliest
+    assert root_failure({3: boom, 1: failure("RuntimeError: boom", 11)})[0] == 1  # a tie: the lowest rank
+
+
 def test_a_worker_killed_by_a_signal_is_one_line_naming_it():
     from types import SimpleNamespace
 
     from polytrain.runtime.launch import exit_words, worker_failure
 
     killed = SimpleNamespace(
-        message="", exitcode=-9
+        message="", exitcode=-9, timestamp=1
     )  # as torch elastic reports the out-of-memory killer's work
-    failed = SimpleNamespace(get_first_failure=lambda: (3, killed))
+    failed = SimpleNamespace(failures={3: killed})
     error = worker_failure(failed)
     assert str(error).startswith("worker rank 3 failed: killed by SIGKILL, most often the system running out")
     assert "\n" not in str(error)

@@ -4,9 +4,8 @@ agent (the machinery behind torchrun) on this machine. Strategies know nothing o
 The agent starts each worker from a forkserver (`start_method`): one process, started by the first launch,
 that imports torch and polytrain's worker code once and forks a worker for every later launch, so a process
 that launches many times (bench's rows, verify, a notebook, the tests) does not pay torch's import in every
-worker every time. A forked worker has the forkserver's environment, not this process's: where this process's
-environment has changed since the forkserver started (a variable set for one run), the workers are spawned
-afresh instead (each imports torch, and sees the environment as it is now).
+worker every time. A forked worker has the environment the forkserver started with, so a launch whose
+environment has changed since starts a new forkserver first.
 """
 
 from __future__ import annotations
@@ -123,15 +122,13 @@ def run_job(job: Job) -> WorkerResult:
     return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
-# what the forkserver imports once (the workers' code and what it imports); its environment when it started
+# what the forkserver imports once: the workers' code and what it imports
 PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
-_forkserver_environment: Optional[dict] = None
-
-
 # what torch sets in this process's environment for itself during a run: the launcher's TORCHELASTIC_* (every
 # worker gets the launcher's values for its own run) and inductor's default cache folder (the workers work out
 # the same one)
 TORCH_OWN = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+_forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 
 def _environment() -> dict:
@@ -140,21 +137,28 @@ def _environment() -> dict:
 
 
 def start_method() -> str:
-    """'forkserver' where this process's forkserver has the environment of this process now (the first launch
-    starts it), else 'spawn' (also where this platform has no forkserver, or another caller started it)."""
+    """'forkserver', from a forkserver started with this process's environment as it is now: the first launch
+    starts it, and a launch whose environment has changed since (a variable set for one run) starts it again,
+    since the environment reaches what Python and torch do as a process starts (PYTHONPATH's sitecustomize, a
+    variable read on import) only there. 'spawn' where this platform has no forkserver, or another caller
+    started it (its environment unknown)."""
     global _forkserver_environment
     from multiprocessing import forkserver
 
-    if _forkserver_environment is None:
-        server = getattr(forkserver, "_forkserver", None)
-        if "forkserver" not in multiprocessing.get_all_start_methods() or getattr(
-            server, "_forkserver_pid", None
-        ):
-            return "spawn"  # (a forkserver that another caller started: its environment is unknown)
+    server = getattr(forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None) is not None
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(server, "_stop"):
+        return "spawn"
+    environment = _environment()
+    if running and _forkserver_environment is None:
+        return "spawn"
+    if running and environment != _forkserver_environment:
+        server._stop()  # (its workers of earlier launches have ended)
+    if not running or environment != _forkserver_environment:
         multiprocessing.set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
-        _forkserver_environment = _environment()
-    return "forkserver" if _environment() == _forkserver_environment else "spawn"
+        _forkserver_environment = environment
+    return "forkserver"
 
 
 def spawn_workers(job: Job) -> WorkerResult:
@@ -192,7 +196,7 @@ def spawn_workers(job: Job) -> WorkerResult:
         try:
             results = elastic_launch(launch, train_worker)(job)
         except ChildFailedError as failed:
-            raise worker_failure(failed) from None
+            raise worker_failure(failed, agent_files) from None
         except SignalException as caught:
             # The agent passed the signal on to the workers and waited for them: they stopped at an agreed
             # step and wrote a checkpoint there (see stopping.py).
@@ -237,9 +241,62 @@ def exit_words(code: int) -> str:
     return f"killed by {name}"
 
 
-def worker_failure(failed) -> WorkerFailed:
-    """The first failing rank's error, as one line for a user mistake, else with its traceback."""
-    rank, failure = failed.get_first_failure()
+# how a collective fails on a rank whose peer died (gloo's words, and the hint torch adds to them; NCCL's)
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exit",
+)
+
+
+def recorded_failures(folder) -> dict:
+    """{rank: ProcessFailure} of each worker whose error file the launcher's log folder holds (`_logs_in`), from
+    the latest attempt (a restarted run's earlier attempts are past)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def attempt(path: Path) -> int:
+        number = path.parent.parent.name.rpartition("_")[2]
+        return int(number) if number.isdigit() else -1
+
+    files = [p for p in Path(folder).glob("*/attempt_*/*/error.json") if p.parent.name.isdigit()]
+    latest = max(map(attempt, files), default=-1)
+    return {
+        int(p.parent.name): ProcessFailure(
+            local_rank=int(p.parent.name), pid=0, exitcode=1, error_file=str(p)
+        )
+        for p in files
+        if attempt(p) == latest
+    }
+
+
+def root_failure(failures: dict) -> tuple:
+    """(rank, failure) of the worker that failed first and made the others fail. Which failure the launcher
+    notices first depends on how soon it hears of each death, and it times failures to the second; so the
+    cause is taken first among a rank's own error, then a rank ended by a signal (the out-of-memory killer),
+    then a rank whose collective failed because a peer was gone; within each, the earliest, then the lowest
+    rank."""
+
+    def order(item):
+        rank, failure = item
+        message = failure.message if isinstance(failure.message, dict) else {"message": failure.message}
+        text = str(message.get("message") or "")
+        if any(words in text for words in PEER_GONE):
+            kind = 2
+        elif text.strip() in ("", "<N/A>") or text.startswith("Signal"):
+            kind = 1
+        else:
+            kind = 0
+        return kind, failure.timestamp, rank
+
+    return min(failures.items(), key=order)
+
+
+def worker_failure(failed, folder=None) -> WorkerFailed:
+    """The failing rank's error (`root_failure` of the launcher's failures and the error files in its log
+    `folder`), as one line for a user mistake, else with its traceback."""
+    found = recorded_failures(folder) if folder else {}
+    rank, failure = root_failure({**found, **failed.failures})
     record = failure.message if isinstance(failure.message, dict) else {"message": failure.message}
     message = str(record.get("message") or "").strip()
     trace = str(record.get("extraInfo", {}).get("py_callstack", ""))

@@ -1,19 +1,22 @@
 """Data parallelism on 2 CPU processes (gloo) against one device: same samples, same steps, same weights."""
 
 import copy
+import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import polytrain_here, tiny_digits
-from distributed import MisbehavingModel, SeesTheEnvironment, run_on_ranks
+from distributed import MisbehavingModel, run_on_ranks
+from processes import finish, start
 
 import polytrain
 from polytrain.data import load_dataset
 from polytrain.data.arrays import ArrayDataset
 from polytrain.data.loader import make_loaders
 from polytrain.models import build_model
-from polytrain.runtime import launch
 from polytrain.runtime.launch import WorkerFailed
 from polytrain.runtime.verify import in_float64
 from polytrain.strategies import DataParallel, SingleDevice
@@ -82,32 +85,42 @@ def test_sharded_evaluation_equals_one_device_exactly():
         assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6)  # float32 batch sums
 
 
-def test_workers_see_the_environment_as_it_is_at_each_launch(monkeypatch):
-    """Workers fork from a forkserver that imported torch once with the environment it started with; a launch
-    whose environment has changed since starts a new one (launch.py `start_method`), and one whose environment is
-    the same reuses it."""
-    from multiprocessing import forkserver
+FORKED_OR_SPAWNED = """
+import os, sys
+import polytrain
+from polytrain.runtime import launch
+from conftest import tiny_digits
+from distributed import SeesTheEnvironment
 
-    def seen_by_workers() -> float:
-        model = SeesTheEnvironment()
-        data = tiny_digits(n_train=64)
-        polytrain.fit(model, data, devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
-        return float(model.seen)
+def seen_by_workers():
+    model = SeesTheEnvironment()
+    polytrain.fit(model, tiny_digits(n_train=64), devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
+    return float(model.seen)
 
-    def server() -> int:
-        assert launch.start_method() == "forkserver"
-        return forkserver._forkserver._forkserver_pid
+if __name__ == "__main__":
+    os.environ.pop("POLYTRAIN_SEEN", None)
+    found = [(launch.start_method(), seen_by_workers())]  # starts the forkserver, and forks from it
+    for value in ("1", "2"):
+        os.environ["POLYTRAIN_SEEN"] = value
+        found.append((launch.start_method(), seen_by_workers()))
+    del os.environ["POLYTRAIN_SEEN"]
+    found.append((launch.start_method(), seen_by_workers()))
+    print("FOUND", found)
+"""
 
-    seen, servers = [], []
-    for value in ("1", "2", None):
-        if value is None:
-            monkeypatch.delenv("POLYTRAIN_SEEN")
-        else:
-            monkeypatch.setenv("POLYTRAIN_SEEN", value)
-        seen.append(seen_by_workers())
-        servers.append(server())
-    assert seen == [1.0, 2.0, 0.0]
-    assert len(set(servers)) == 3 and server() == servers[-1]  # a new forkserver for each environment, once
+
+def test_workers_see_the_environment_as_it_is_at_each_launch(tmp_path):
+    """In a fresh process: workers fork from the forkserver while the environment is the one it started with;
+    a launch after a variable was set spawns its workers afresh, so that they see it (launch.py `start_method`)."""
+    script = tmp_path / "forked_or_spawned.py"
+    script.write_text(FORKED_OR_SPAWNED)
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    result = finish(start([sys.executable, script], env={"PYTHONPATH": path}), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))
+    expected = [("forkserver", 0.0), ("spawn", 1.0), ("spawn", 2.0), ("forkserver", 0.0)]
+    assert found == f"FOUND {expected}", result.stdout
 
 
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():

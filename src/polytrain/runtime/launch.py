@@ -4,8 +4,9 @@ agent (the machinery behind torchrun) on this machine. Strategies know nothing o
 The agent starts each worker from a forkserver (`start_method`): one process, started by the first launch,
 that imports torch and polytrain's worker code once and forks a worker for every later launch, so a process
 that launches many times (bench's rows, verify, a notebook, the tests) does not pay torch's import in every
-worker every time. A forked worker has the environment the forkserver started with, so a launch whose
-environment has changed since starts a new forkserver first.
+worker every time. A forked worker has the forkserver's environment, not this process's: where this process's
+environment has changed since the forkserver started (a variable set for one run), the workers are spawned
+afresh instead (each imports torch, and sees the environment as it is now).
 """
 
 from __future__ import annotations
@@ -122,13 +123,15 @@ def run_job(job: Job) -> WorkerResult:
     return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
-# what the forkserver imports once: the workers' code and what it imports
+# what the forkserver imports once (the workers' code and what it imports); its environment when it started
 PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
+_forkserver_environment: Optional[dict] = None
+
+
 # what torch sets in this process's environment for itself during a run: the launcher's TORCHELASTIC_* (every
 # worker gets the launcher's values for its own run) and inductor's default cache folder (the workers work out
 # the same one)
 TORCH_OWN = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
-_forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 
 def _environment() -> dict:
@@ -137,28 +140,21 @@ def _environment() -> dict:
 
 
 def start_method() -> str:
-    """'forkserver', from a forkserver started with this process's environment as it is now: the first launch
-    starts it, and a launch whose environment has changed since (a variable set for one run) starts it again,
-    since the environment reaches what Python and torch do as a process starts (PYTHONPATH's sitecustomize, a
-    variable read on import) only there. 'spawn' where this platform has no forkserver, or another caller
-    started it (its environment unknown)."""
+    """'forkserver' where this process's forkserver has the environment of this process now (the first launch
+    starts it), else 'spawn' (also where this platform has no forkserver, or another caller started it)."""
     global _forkserver_environment
     from multiprocessing import forkserver
 
-    server = getattr(forkserver, "_forkserver", None)
-    running = getattr(server, "_forkserver_pid", None) is not None
-    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(server, "_stop"):
-        return "spawn"
-    environment = _environment()
-    if running and _forkserver_environment is None:
-        return "spawn"
-    if running and environment != _forkserver_environment:
-        server._stop()  # (its workers of earlier launches have ended)
-    if not running or environment != _forkserver_environment:
+    if _forkserver_environment is None:
+        server = getattr(forkserver, "_forkserver", None)
+        if "forkserver" not in multiprocessing.get_all_start_methods() or getattr(
+            server, "_forkserver_pid", None
+        ):
+            return "spawn"  # (a forkserver that another caller started: its environment is unknown)
         multiprocessing.set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
-        _forkserver_environment = environment
-    return "forkserver"
+        _forkserver_environment = _environment()
+    return "forkserver" if _environment() == _forkserver_environment else "spawn"
 
 
 def spawn_workers(job: Job) -> WorkerResult:

@@ -111,11 +111,16 @@ class PipelineLayout:
         """The pipelines beside each other, each taking a slice of every global batch (replicas or shards)."""
         return self.devices // (self.ranks * self.tensor)
 
+    @property
+    def shard_group(self) -> int:
+        """The pipelines that shard each stage between them: all of them, or with --replicas one copy's."""
+        return self.replicas // self.copies
+
     def degrees(self) -> dict:
         """The layout's degrees (plan/layout.py `Layout`): the pipelines beside each other replicate or shard
         (with --replicas, as copies of shard groups: both)."""
         if self.copies > 1:
-            data = {"replicate": self.copies, "shard": self.replicas // self.copies}
+            data = {"replicate": self.copies, "shard": self.shard_group}
         else:
             data = {"shard" if self.shard else "replicate": self.replicas}
         return {**data, "pipeline": self.ranks, "tensor": self.tensor}
@@ -124,13 +129,13 @@ class PipelineLayout:
     def pipelines(self) -> str:
         """The pipelines beside each other, in words."""
         if self.copies > 1:
-            return f"{self.copies} replicas of {self.replicas // self.copies} shards (hybrid sharding, FSDP2)"
+            return f"{self.copies} replicas of {self.shard_group} shards (hybrid sharding, FSDP2)"
         return f"{self.replicas} shards (FSDP2)" if self.shard else f"{self.replicas} replica(s)"
 
     def data_words(self, data: int) -> str:
         """Where the pipeline at data coordinate `data` stands among those beside it, in words."""
         if self.copies > 1:
-            shards = self.replicas // self.copies
+            shards = self.shard_group
             return f"replica {data // shards + 1}/{self.copies}, shard {data % shards + 1}/{shards}"
         return f"shard {data + 1}/{self.replicas}" if self.shard else f"replica {data + 1}/{self.replicas}"
 

@@ -123,9 +123,9 @@ def run_job(job: Job) -> WorkerResult:
     return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
-# what the forkserver imports once (the workers' code and what it imports); its environment when it started
+# what the forkserver imports once: the workers' code and what it imports
 PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
-_forkserver_environment: Optional[dict] = None
+_forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 
 # what torch sets in this process's environment for itself during a run: the launcher's TORCHELASTIC_* (every
@@ -266,6 +266,20 @@ def recorded_failures(folder) -> dict:
     }
 
 
+def _record(failure) -> dict:
+    """A launcher failure's record: its error file's dict, or its message in one."""
+    return failure.message if isinstance(failure.message, dict) else {"message": failure.message}
+
+
+def _message(record: dict) -> str:
+    return str(record.get("message") or "").strip()
+
+
+def _no_error_of_its_own(message: str) -> bool:
+    """A worker ended without an error of its own: by a signal, or with nothing recorded."""
+    return message == "" or message.startswith("Signal") or message == "<N/A>"
+
+
 def root_failure(failures: dict) -> tuple:
     """(rank, failure) of the worker that failed first and made the others fail. Which failure the launcher
     notices first depends on how soon it hears of each death, and it times failures to the second; so the
@@ -275,11 +289,10 @@ def root_failure(failures: dict) -> tuple:
 
     def order(item):
         rank, failure = item
-        message = failure.message if isinstance(failure.message, dict) else {"message": failure.message}
-        text = str(message.get("message") or "")
+        text = _message(_record(failure))
         if any(words in text for words in PEER_GONE):
             kind = 2
-        elif text.strip() in ("", "<N/A>") or text.startswith("Signal"):
+        elif _no_error_of_its_own(text):
             kind = 1
         else:
             kind = 0
@@ -293,10 +306,10 @@ def worker_failure(failed, folder=None) -> WorkerFailed:
     `folder`), as one line for a user mistake, else with its traceback."""
     found = recorded_failures(folder) if folder else {}
     rank, failure = root_failure({**found, **failed.failures})
-    record = failure.message if isinstance(failure.message, dict) else {"message": failure.message}
-    message = str(record.get("message") or "").strip()
+    record = _record(failure)
+    message = _message(record)
     trace = str(record.get("extraInfo", {}).get("py_callstack", ""))
-    if message == "" or message.startswith("Signal") or message == "<N/A>":
+    if _no_error_of_its_own(message):
         return WorkerFailed(f"worker rank {rank} failed: {exit_words(failure.exitcode)}")
     error_class = message.split(":", 1)[0]
     if error_class == "WorkerHang":

@@ -64,7 +64,7 @@ def project(options, workloads: dict, links: dict, message_costs: Optional[dict]
             predictions = predictions_for(
                 work, links[kind], devices=n, kind=kind, message_costs=(message_costs or {}).get(kind)
             )
-            # as --strategy auto would: without the (data, tensor) meshes (`tensor RxT`), which it does not choose
+            # as --strategy auto would: without the meshes (`tensor RxT`, `sharded RxG`), which it does not choose
             best = steady_choice({name: p for name, p in predictions.items() if " " not in name})
             projections.append((kind, batch, n, predictions, best.strategy if best else None))
     return projections

@@ -52,9 +52,8 @@ class Strategy:
     # Dropout are made to compute over the global batch (strategies/global_batch.py)
     normalises_global_batch = False
     splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
-    bench_copies = (
-        False  # True: bench also runs it as R copies of shard groups (--replicas R, hybrid sharding)
-    )
+    # True: bench also runs it as R copies of shard groups (--replicas R, hybrid sharding)
+    bench_copies = False
     waits_on_servers = False  # True: workers pull weights from server ranks (their waiting is the servers')
     keeps_model_whole = True  # False: splits the module or moves its optimizer away from it
     loss_from_outputs_only = False  # True: the loss is computed from the outputs and targets (no own step)

@@ -21,6 +21,17 @@ def mesh_dims(layout: Layout, keep: Collection[str] = ()) -> tuple:
     )
 
 
+def data_dims(hybrid: bool) -> tuple:
+    """The mesh dimensions FSDP2 shards over: (dp_replicate, dp_shard) for copies of shard groups (hybrid
+    sharding), else dp_shard."""
+    return ("dp_replicate", "dp_shard") if hybrid else ("dp_shard",)
+
+
+def data_submesh(mesh, hybrid: bool):
+    """The part of `mesh` FSDP2 shards over (`data_dims`): 2-D for hybrid sharding, else 1-D."""
+    return mesh[data_dims(hybrid)] if hybrid else mesh["dp_shard"]
+
+
 def forget_earlier_meshes() -> None:
     """Drop what DTensor cached about the meshes of an earlier run in this process (a second `fit` under
     torchrun, a notebook): a DeviceMesh equals another of the same ranks, shape and names whatever its process

@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 
+from .mesh import data_submesh
 from .sharded import GATHERED_IN_BF16, mixed_precision, own_tensor, shard_layers
 
 
@@ -44,9 +45,9 @@ def _units(stage_modules):
 def shard_stages(strategy) -> None:
     """Each of this rank's stages sharded over the dp_shard dimension (with --replicas, over the 2-D
     (dp_replicate, dp_shard) part of the mesh: hybrid sharding); their gradients summed, not averaged."""
-    hybrid = strategy.plan.layout.copies > 1
-    data = strategy.mesh["dp_replicate", "dp_shard"] if hybrid else strategy.mesh["dp_shard"]
-    options = dict(mesh=data, reshard_after_forward=False)
+    options = dict(
+        mesh=data_submesh(strategy.mesh, strategy.plan.layout.copies > 1), reshard_after_forward=False
+    )
     if strategy.plan.layout.tensor > 1:
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces (as in
         # tensor.py), and it gathers the (dp_shard, tp) shards of a whole tensor in two steps
@@ -85,7 +86,7 @@ def shard_line(strategy, heading: str) -> str:
     """The start-up line of the sharding; `heading` names what each rank's figures count."""
     bf16 = GATHERED_IN_BF16 if mixed_precision(strategy.precision) else ""
     layout = strategy.plan.layout
-    shards = layout.replicas // layout.copies
+    shards = layout.shard_group
     copies = f" in each of {layout.copies} replicas" if layout.copies > 1 else ""
     kind = "FSDP2 hybrid sharding" if layout.copies > 1 else "FSDP2"
     return (

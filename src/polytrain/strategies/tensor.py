@@ -29,7 +29,7 @@ from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .checkpoint_parts import apply_groups, in_one_device_rows
 from .holdings import figures, heading, local_bytes, optimizer_slots
-from .mesh import device_mesh
+from .mesh import data_dims, data_submesh, device_mesh
 from .rank_slice import check_rank_slice, is_conv1d
 from .sharded import Sharded
 from .tensor_split import (  # noqa: F401  (pipeline_tensor and tests take them from here)
@@ -268,10 +268,11 @@ class TensorParallel(Sharded):
         layout, copies = self.layout, self.plan.copies
         self.full_mesh = device_mesh(layout, self.device.type, keep=("shard", "tensor"))
         self.mesh = self.full_mesh["tp"]
-        data = ("dp_replicate", "dp_shard") if copies > 1 else ("dp_shard",)
-        self.data_mesh = self.full_mesh[data] if copies > 1 else self.full_mesh["dp_shard"]
+        self.data_mesh = data_submesh(self.full_mesh, copies > 1)
         self.data_groups = (
-            [self.full_mesh[name].get_group() for name in reversed(data)] if layout.data_degree > 1 else []
+            [self.full_mesh[name].get_group() for name in reversed(data_dims(copies > 1))]
+            if layout.data_degree > 1
+            else []
         )
         if self.plan.apply is not None:
             self.plan.apply(model, self.mesh)

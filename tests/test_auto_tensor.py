@@ -10,7 +10,7 @@ import pytest
 
 from polytrain.models import build_model
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank, predict_all, tensor_parallel
-from polytrain.plan.layout import Layout
+from polytrain.plan.layout import Layout, settings_of_label
 from polytrain.scaling.auto import measured_choice, pick, read_plan, steady_choice
 from polytrain.scaling.bench import (
     BenchOptions,
@@ -91,13 +91,54 @@ def test_auto_takes_tensor_when_nothing_else_fits_in_memory():
     assert predictions["tensor"].step_seconds > predictions["data"].step_seconds  # slower, but it fits
 
 
-def test_auto_does_not_consider_tensor_without_a_plan_nor_a_data_by_tensor_mesh():
+def test_auto_considers_tensor_only_with_a_plan_and_its_meshes_priced_as_tensor_is():
     _, predictions, _ = pick(
         replace(HEAVY, tensor_splits=()), LINK, devices=2, device_type="cuda", refused={}, available=1e12
     )
     assert "tensor" not in predictions
-    _, predictions, _ = pick(HEAVY, LINK, devices=4, device_type="cuda", refused={}, available=1e12)
-    assert "tensor" in predictions and "tensor 2x2" not in predictions  # auto names a strategy, no mesh
+    best, predictions, _ = pick(HEAVY, LINK, devices=4, device_type="cuda", refused={}, available=1e12)
+    assert {"tensor", "tensor 2x2", "sharded 2x2"} <= set(predictions)
+    # unpriced, no layout with tensor ranks is taken for speed: a (data, tensor) mesh no more than `tensor`
+    assert predictions["tensor 2x2"].step_seconds < predictions["data"].step_seconds / 1.1
+    assert best.strategy == "data"
+    best, predictions, _ = pick(
+        HEAVY, LINK, devices=4, device_type="cuda", refused={}, available=1e12, message_costs={"tensor": 0.0}
+    )
+    assert best.strategy == "tensor"  # 42.3 ms against tensor 2x2's 62.7 and data's 93.1
+
+
+# 40 MB of weights and no tensor plan, over 8 ranks whose messages cost 1 ms each: FSDP2 over all 8 sends 7 x 3
+# messages per layer, each copy of a hybrid layout fewer
+SHARDABLE = replace(HEAVY, tensor_splits=(), split_bytes=0.0, split_share=0.0, tensor_reductions=())
+
+
+def test_auto_takes_hybrid_sharding_where_predicted_clearly_faster_and_says_which_flags_it_means():
+    need = {
+        name: memory_per_rank(SHARDABLE, name, 8)
+        for name in pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=1e12)[1]
+    }
+    room = max(need["sharded 4x2"], need["sharded 2x4"], need["sharded"]) + 1  # a replica does not fit
+    assert need["data"] > room and need["parameter-server"] > room
+    slow = Link(alpha=1e-3, beta=1e9)
+    no_cuts = {"pipeline": "8 stages need 7 cuts, the model has 0"}  # as `candidates` says
+    best, predictions, fits = pick(
+        SHARDABLE, slow, devices=8, device_type="cuda", refused=no_cuts, available=room
+    )
+    assert [name for name, ok in fits.items() if ok] == ["sharded", "sharded 4x2", "sharded 2x4"]
+    # 4 copies of 2 shards: 142.3 ms, clearly faster than 2 copies of 4 (157.8) and FSDP2 over all 8 (201.5)
+    assert best.strategy == "sharded 4x2"
+    assert predictions["sharded 2x4"].step_seconds > best.step_seconds * 1.1
+    assert settings_of_label(best.strategy) == ("sharded", {"replicas": 4})
+    assert settings_of_label("tensor 2x4") == ("tensor", {"tensor_parallel": 4})
+    assert settings_of_label("data") == ("data", {})
+    # within 10% of each other, the layout nearest plain sharding is kept: fewer copies
+    best, predictions, _ = pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=room)
+    assert (
+        predictions["sharded 4x2"].step_seconds
+        < predictions["sharded 2x4"].step_seconds
+        < (predictions["sharded 4x2"].step_seconds * 1.1)
+    )
+    assert best.strategy == "sharded 2x4"
 
 
 def test_the_bench_runs_tensor_rows_and_meshes_only_for_a_model_with_a_plan():
@@ -193,7 +234,7 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
         "tensor on 4 cpu, batch 64 is slower (120.0 ms/step against 80.0 ms on 2 devices): communication is 40%"
         in text
     )
-    # bench.json keeps the tensor measurements, which --plan reads back; a mesh row is not a choice for auto
+    # bench.json keeps the tensor measurements, which --plan reads back; a mesh row is a choice for auto
     write_json(result, tmp_path / "bench.json")
     work_back, _, _ = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=64)
     assert work_back == work
@@ -206,7 +247,7 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
     assert [r["tensor_parallel"] for r in document["rows"]] == [0, 0, 0, 2]
     assert (
         measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[0]
-        == "tensor"
+        == "tensor 2x2"  # 90 ms, against one group of 4's 120
     )
 
 
@@ -255,8 +296,9 @@ def test_bench_runs_a_tensor_row_of_the_mlp_beside_its_prediction(tmp_path):
     ) in result.stdout
 
 
-def test_a_measured_hybrid_row_is_not_taken_for_its_strategy_by_auto(tmp_path):
-    """bench.json's `sharded 2x2` row is sharding too: its (fast) time must not stand for `sharded`'s."""
+def test_auto_takes_a_measured_hybrid_row_as_its_layout_not_as_its_strategy(tmp_path):
+    """bench.json's `sharded 2x2` row is its own layout: chosen, it is hybrid sharding (--replicas 2), and its
+    (fast) time never stands for plain `sharded`'s."""
     options = BenchOptions(devices=(1, 4), strategies=("data", "sharded"), batch_sizes=(64,))
     rows = combinations(options)
     for row, ms in zip(rows, (40.0, 10.0, 12.0, 5.0)):  # single, data, sharded, sharded 2x2
@@ -265,5 +307,9 @@ def test_a_measured_hybrid_row_is_not_taken_for_its_strategy_by_auto(tmp_path):
     result = BenchResult(options, rows, {("cpu", 64): HEAVY}, {"cpu": (LINK, "a test")}, [], {})
     write_json(result, tmp_path / "bench.json")
     assert [r["replicas"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == [0, 0, 0, 2]
+    chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
+    assert chosen[0] == "sharded 2x2" and "fastest at 5.0 ms/step" in chosen[1]
+    rows[3].step_seconds = 11.5 * MS  # within 10% of plain sharding, 15% slower than data
+    write_json(replace(result, rows=rows), tmp_path / "bench.json")
     chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
     assert chosen[0] == "data" and "10.0 ms/step" in chosen[1]

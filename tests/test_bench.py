@@ -104,3 +104,28 @@ def test_auto_takes_the_fastest_strategy_the_bench_measured(bench_run, tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"--strategy auto: {fastest} on 2 cpu device(s), measured " in result.stdout
     assert json.loads((tmp_path / "run" / "config.json").read_text())["strategy"] == fastest
+
+
+def test_auto_trains_the_hybrid_layout_a_bench_file_measured_fastest(bench_run, tmp_path):
+    """A `sharded 2x2` row measured fastest: the run is hybrid sharding (--strategy sharded --replicas 2), said
+    so, and recorded so."""
+    _, document, _ = bench_run
+    rows = [
+        dict(document["rows"][0], strategy=strategy, devices=4, batch_size=32, step_seconds=ms * 1e-3,
+             skipped="", replicas=replicas, tensor_parallel=0)
+        for strategy, ms, replicas in (("data", 10.0, 0), ("sharded", 12.0, 0), ("sharded", 5.0, 2))
+    ]  # fmt: skip
+    plan = tmp_path / "bench.json"
+    plan.write_text(json.dumps(dict(document, rows=document["rows"] + rows)))
+    result = polytrain(
+        "train", "--model", "mlp", "--devices", "4", "--batch-size", "32", "--epochs", "1", "--max-steps", "2",
+        "--device", "cpu", "--plan", plan, "--out", tmp_path / "run",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"--strategy auto: sharded 2x2 on 4 cpu device(s), measured fastest at 5.0 ms/step in {plan} "
+        "(--strategy sharded --replicas 2)"
+    ) in result.stdout
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (recorded["strategy"], recorded["replicas"]) == ("sharded", 2)
+    assert recorded["strategy_plan"]["summary"] == "shards on each device, 2 replicas"

@@ -176,3 +176,22 @@ def test_the_run_folder_is_locked_while_it_trains(tmp_path):
         callbacks=[Look()],
     )
     assert seen == [True] and not in_training(tmp_path / "run")
+
+
+def test_a_resumed_folder_records_the_layout_it_now_trains_on(tmp_path):
+    """config.json after a resume names the strategy and every setting of its layout as it now trains (those
+    `--strategy auto` chose too), with the versions it now trains on."""
+    from polytrain.config import TrainConfig
+    from polytrain.plan.sharded import ShardedPlan
+    from polytrain.runtime.phases import record_new_layout
+
+    before = dict(
+        strategy="data", devices=2, replicas=None, tensor_parallel=None, epochs=3, versions={"x": 1}
+    )
+    (tmp_path / "config.json").write_text(json.dumps(before))
+    now = TrainConfig(strategy="sharded", devices=4, replicas=2, epochs=3)
+    record_new_layout(tmp_path, now, "sharded", ShardedPlan(replicas=2), launched=False)
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert (recorded["strategy"], recorded["devices"], recorded["replicas"]) == ("sharded", 4, 2)
+    assert recorded["strategy_plan"] == {"summary": "shards on each device, 2 replicas"}
+    assert recorded["epochs"] == 3 and recorded["versions"]["torch"] == torch.__version__

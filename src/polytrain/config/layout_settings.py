@@ -32,8 +32,9 @@ class DeviceSettings:
     )
     strategy: str = setting(
         "auto",
-        "auto: single for one device; for several, the one the cost model predicts "
-        "fastest that fits in memory (a few seconds of measurement, or --plan); data: replicas "
+        "auto: single for one device; for several, the layout the cost model predicts "
+        "fastest that fits in memory (a few seconds of measurement, or --plan), meshes included "
+        "(sharded --replicas R, tensor --tensor-parallel T); data: replicas "
         "+ all-reduce; pipeline: the model split into stages over the devices; sharded: each "
         "device holds a shard of the weights and optimizer state (FSDP2); parameter-server: "
         "master weights on server ranks, workers push gradients and pull weights; tensor: "

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from .activations import peak_bytes
-from .layout import Layout, layout_of_label
+from .layout import Layout, layout_of_label, sharded_name, tensor_name  # noqa: F401 (the labels, here too)
 
 
 @dataclass(frozen=True)
@@ -236,11 +236,6 @@ def sharded(
 HYBRID_SHARDS = (2, 4, 8)
 
 
-def sharded_name(devices: int, replicas: int) -> str:
-    """`sharded` for one copy sharded over all `devices`; `sharded RxG` for R copies of G shards (HSDP)."""
-    return "sharded" if replicas == 1 else f"sharded {replicas}x{devices // replicas}"
-
-
 def pipeline(work: Workload, stages: int, link: Link, *, microbatches: int) -> Prediction:
     if stages > 1 and len(work.boundary_bytes) < stages - 1:
         return Prediction(
@@ -277,11 +272,6 @@ def bubble(stages: int, microbatches: int) -> float:
 # small all-reduces of each sequence-parallel norm parameter's gradient per step (torch 2.13's profiler, gloo: 3 on
 # a 1-D tensor mesh, 1 on a (data, tensor) mesh)
 SEQUENCE_REDUCTIONS, MESH_SEQUENCE_REDUCTIONS = 3, 1
-
-
-def tensor_name(devices: int, tensor: int) -> str:
-    """`tensor` for one group of all `devices` ranks; `tensor RxT` for R groups of T on a (data, tensor) mesh."""
-    return "tensor" if tensor == devices else f"tensor {devices // tensor}x{tensor}"
 
 
 def tensor_size(name: str, devices: int) -> int:

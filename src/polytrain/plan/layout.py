@@ -181,6 +181,26 @@ def layout_of(
     )
 
 
+def sharded_name(devices: int, replicas: int) -> str:
+    """`sharded` for one copy sharded over all `devices`; `sharded RxG` for R copies of G shards (HSDP)."""
+    return "sharded" if replicas == 1 else f"sharded {replicas}x{devices // replicas}"
+
+
+def tensor_name(devices: int, tensor: int) -> str:
+    """`tensor` for one group of all `devices` ranks; `tensor RxT` for R groups of T on a (data, tensor) mesh."""
+    return "tensor" if tensor == devices else f"tensor {devices // tensor}x{tensor}"
+
+
+def label_of(strategy: str, devices: int, *, tensor_parallel: int = 0, replicas: int = 0) -> str:
+    """The label the cost model and bench give a layout: the strategy, or with its mesh (`sharded 2x2`, R
+    copies of G shards; `tensor 2x2`, R groups of T tensor ranks); 0 or `devices` ranks per group: one group."""
+    if replicas and replicas > 1:
+        return sharded_name(devices, replicas)
+    if tensor_parallel in (0, devices):
+        return strategy
+    return tensor_name(devices, tensor_parallel)
+
+
 # What a label's mesh `AxB` says to a preset: `tensor RxT`, R groups of T tensor ranks; `sharded RxG`, R copies
 # of G shards (hybrid sharding)
 LABEL_MESHES: Dict[str, Callable[[int, int], dict]] = {
@@ -189,16 +209,23 @@ LABEL_MESHES: Dict[str, Callable[[int, int], dict]] = {
 }
 
 
+def settings_of_label(label: str) -> Tuple[str, dict]:
+    """(strategy, the settings beside it) that a cost-model or bench row's label names: `sharded 2x2` is
+    ("sharded", {"replicas": 2}), `tensor 2x4` ("tensor", {"tensor_parallel": 4}), a plain name itself."""
+    name, _, mesh = label.partition(" ")
+    if not mesh:
+        return name, {}
+    first, size = map(int, mesh.rsplit("x", 1))
+    return name, LABEL_MESHES[name](first, size)
+
+
 def layout_of_label(label: str, devices: int) -> Layout:
     """The layout a cost-model or bench row's label stands for: a strategy name, or one with its mesh
     (`LABEL_MESHES`)."""
-    name, _, mesh = label.partition(" ")
     if devices == 1:
         return Layout()
-    if mesh:
-        first, size = map(int, mesh.rsplit("x", 1))
-        return layout_of(name, devices, **LABEL_MESHES[name](first, size))
-    return layout_of(name, devices)
+    name, settings = settings_of_label(label)
+    return layout_of(name, devices, **settings)
 
 
 def data_degree_or_devices(

@@ -132,11 +132,20 @@ def check_precision(config: TrainConfig, device: torch.device, *, shout: bool) -
         )
 
 
-def record_new_layout(run_dir: Path, strategy: str, plan, *, launched: bool) -> None:
-    """A resumed run folder's config.json takes the strategy and layout it now trains on."""
+# the settings that name a run's layout with its strategy (plan/layout.py `layout_of`)
+LAYOUT_SETTINGS = ("devices", "pipeline_stages", "tensor_parallel", "data_parallel", "replicas")
+
+
+def record_new_layout(run_dir: Path, config, strategy: str, plan, *, launched: bool) -> None:
+    """A resumed run folder's config.json takes the strategy and layout it now trains on (with the settings
+    that name it: those --strategy auto chose too)."""
     refuse_if_training(run_dir)  # before its config.json may be rewritten
     recorded = read_config(run_dir) if not launched and (run_dir / "config.json").is_file() else {}
-    now = dict(strategy=strategy, strategy_plan=plan_record(plan))
+    now = dict(
+        strategy=strategy,
+        strategy_plan=plan_record(plan),
+        **{name: getattr(config, name) for name in LAYOUT_SETTINGS},
+    )
     if recorded and any(recorded.get(key) != value for key, value in now.items()):
         recorded.pop("versions", None)  # --strategy auto chose anew, or the layout changed
         write_config(run_dir, dict(recorded, **now))
@@ -174,28 +183,32 @@ def write_run_settings(
 
 
 def auto_strategy(config, module, dataset, objective, *, device, channels_last: bool, launched: bool):
-    """(strategy, the line that says why) for --strategy auto on several devices. Under torchrun or srun every
-    rank would measure for itself and might choose differently, so there only a --plan file chooses."""
+    """(the settings with --strategy auto on several devices decided, the line that says why). Under torchrun
+    or srun every rank would measure for itself and might choose differently, so there only a --plan file
+    chooses. A layout on a mesh (`sharded 2x2`) sets the flags that name it (--replicas 2)."""
+    from ..plan.layout import settings_of_label
     from ..scaling.auto import choose_strategy
 
     if objective.step is not None or item_form(dataset) != "pair":
-        return (
-            "data",
-            "--strategy auto: data (a step= or batches without separate targets are measured only as data)",
+        return config.with_strategy("data", plan=None), (
+            "--strategy auto: data (a step= or batches without separate targets are measured only as data)"
         )
     if launched and not config.plan:
-        return "data", (
+        return config.with_strategy("data", plan=None), (
             "--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
             "--plan bench.json from polytrain bench to choose by measurement)"
         )
-    strategy, line = choose_strategy(
+    label, line = choose_strategy(
         config, module, dataset, objective, device=device, channels_last=channels_last
     )
+    strategy, settings = settings_of_label(label)
+    if settings:
+        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in settings.items())
+        line += f" (--strategy {strategy} {flags})"
     try:
-        config.with_strategy(strategy, plan=None)
+        return config.with_strategy(strategy, plan=None, **settings), line
     except UserError as error:
-        return "data", f"{line}; but {error}, so data"
-    return strategy, line
+        return config.with_strategy("data", plan=None), f"{line}; but {error}, so data"
 
 
 def plan_record(plan) -> Optional[dict]:
@@ -236,7 +249,7 @@ def settle_strategy(
     """(config, strategy) with --strategy auto on several devices decided (measured, or from --plan)."""
     if config.strategy != "auto" or config.devices == 1:
         return config, strategy
-    strategy, line = auto_strategy(
+    config, line = auto_strategy(
         config,
         module,  # measuring materialises a copy, where it fits (scaling/whole_model.py)
         dataset,
@@ -245,7 +258,7 @@ def settle_strategy(
         channels_last=channels_last,
         launched=launcher is not None,
     )
-    config = config.with_strategy(strategy, plan=None)
+    strategy = config.strategy
     refuse_for_strategy(strategy, config, objective, dataset)
     if shout:
         print(line, flush=True)
@@ -263,7 +276,7 @@ def prepare_run_dir(config, resume_dir, launcher, *, keep_files: bool, strategy,
     """(run folder or None, whether this run made it): a resumed folder records the layout it now trains on;
     a new one (rank 0's, with files kept) gets config.json."""
     if resume_dir is not None:
-        record_new_layout(Path(resume_dir), strategy, plan, launched=launcher is not None)
+        record_new_layout(Path(resume_dir), config, strategy, plan, launched=launcher is not None)
         return Path(resume_dir), False
     if keep_files and (launcher is None or launcher.rank == 0):
         run_dir = new_run_dir(config.out)

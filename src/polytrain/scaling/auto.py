@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ConfigError, first_line
 from ..plan import costmodel
+from ..plan.layout import label_of
 from ..plan.pipeline import default_microbatches
 from .fits import available_bytes
 
@@ -27,9 +28,9 @@ PREFER_DATA = 1.10
 # loaded 2-core machine 2 s chose data parallelism for LeNet in 19 of 20 runs (the median of 3 steps in a row:
 # 8 of 12), at the cost of 2 s before the workers start.
 AUTO_REPEATS, AUTO_SECONDS = 3, 2.0
-# Tensor parallelism is last: `auto` takes it only where it is predicted clearly faster, or alone fits. It
-# considers one group of all the devices only: it names a strategy, and a (data, tensor) mesh needs
-# --tensor-parallel as well.
+# Tensor parallelism is last: `auto` takes it only where it is predicted clearly faster, or alone fits. Each
+# strategy's layouts on a mesh come right after its plain one (`sharded 2x2` after `sharded`, `tensor 2x2` after
+# `tensor`): a mesh is taken only where it is predicted clearly faster than its plain layout too.
 SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  # ties go to the earlier
 
 
@@ -71,16 +72,15 @@ def pick(
     checkpointing: str = "none",
 ) -> Tuple[Optional[costmodel.Prediction], dict, dict]:
     """(the prediction `steady_choice` takes among those that can run and fit, every prediction, which fit) —
-    pure numbers. Tensor parallelism is among them where the workload has a tensor plan for `devices` ranks; being
-    last in `SIMPLEST_FIRST`, it is taken only when predicted `PREFER_DATA` faster than every other that fits, or
-    when no other fits."""
+    pure numbers. Predictions are by label: a strategy (`sharded`) or its layout on a mesh (`sharded 2x2`, hybrid
+    sharding; `tensor 2x2`, groups of tensor ranks). Tensor parallelism is among them where the workload has a
+    tensor plan for `devices` ranks; being last in `SIMPLEST_FIRST`, it is taken only when predicted
+    `PREFER_DATA` faster than every other that fits, or when no other fits."""
     from .workload import predictions_for
 
-    predictions = predictions_for(
-        work, link, devices=devices, kind=device_type, message_costs=message_costs, meshes=False
-    )
+    predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
     fits = {
-        name: name not in refused
+        name: strategy_of(name) not in refused
         and costmodel.memory_per_rank(
             work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1), checkpointing=checkpointing
         )
@@ -88,11 +88,12 @@ def pick(
         for name in predictions
     }
     # tensor parallelism's host work around each collective (DTensor's) is most of its step on small models and
-    # only a bench measures it (its cost per message): unpriced, it is taken only where nothing else fits
+    # only a bench measures it (its cost per message, one for all its layouts): unpriced, a layout with tensor
+    # ranks is taken only where nothing else fits
     priced = {
         name: p
         for name, p in predictions.items()
-        if costmodel.layout_of_label(name, devices).tensor < devices or name in (message_costs or {})
+        if costmodel.layout_of_label(name, devices).tensor == 1 or strategy_of(name) in (message_costs or {})
     }
     best = steady_choice(priced, fits=fits) or steady_choice(predictions, fits=fits)
     return best, predictions, fits
@@ -120,10 +121,22 @@ def steady_name(seconds: Dict[str, float], *, margin: float = PREFER_DATA) -> Op
     if not finite:
         return None
     fastest = min(finite.values())
-    order = sorted(
-        finite, key=lambda name: SIMPLEST_FIRST.index(name) if name in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
-    )
+    order = sorted(finite, key=simplest_first)
     return next((name for name in order if finite[name] < fastest * margin), min(finite, key=finite.get))
+
+
+def strategy_of(label: str) -> str:
+    """The strategy a label's layout belongs to: `sharded` of `sharded 2x2`."""
+    return label.split(" ", 1)[0]
+
+
+def simplest_first(label: str) -> tuple:
+    """The order of `SIMPLEST_FIRST`, each strategy's plain layout before its meshes, and of those the one
+    nearest the plain layout first: fewest copies of the shards (`sharded 2x4` before `sharded 4x2`), fewest
+    groups of tensor ranks."""
+    strategy, _, mesh = label.partition(" ")
+    rank = SIMPLEST_FIRST.index(strategy) if strategy in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
+    return rank, tuple(int(n) for n in mesh.split("x")) if mesh else (), label
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
@@ -144,7 +157,8 @@ def describe(best, predictions: dict, one_device: float, *, devices: int, kind: 
 def choose_strategy(
     config, model, dataset, objective, *, device: torch.device, channels_last: bool
 ) -> Tuple[str, str]:
-    """(strategy name, the line that says why) for `--strategy auto` with several devices."""
+    """(the label of the layout chosen, the line that says why) for `--strategy auto` with several devices: a
+    strategy (`data`), or one on a mesh (`sharded 2x2`; `plan.layout.settings_of_label` reads it)."""
     from .whole_model import measurable_copy
     from .workload import measure
 
@@ -241,8 +255,9 @@ def _load(path: str) -> dict:
 def measured_choice(
     path: str, *, device_type: str, devices: int, batch_size: int
 ) -> Optional[Tuple[str, str]]:
-    """The strategy the bench file measured fastest at exactly this device kind, count and batch (a simpler one
-    within `PREFER_DATA` of it, as `steady_choice` takes)."""
+    """The layout the bench file measured fastest at exactly this device kind, count and batch (a simpler one
+    within `PREFER_DATA` of it, as `steady_choice` takes), by its label: `sharded 2x2` for a row of hybrid
+    sharding."""
     rows = [
         r
         for r in _load(path)["rows"]
@@ -252,11 +267,17 @@ def measured_choice(
         and r.get("batch_size") == batch_size
         and not r.get("skipped")
         and r.get("devices", 1) > 1
-        and r.get("tensor_parallel", 0) in (0, devices)
-        and not r.get("replicas")  # hybrid sharding: measured beside, but not what auto chooses from
     ]
     try:
-        seconds = {str(r["strategy"]): float(r["step_seconds"]) for r in rows}
+        seconds = {
+            label_of(
+                str(r["strategy"]),
+                int(r["devices"]),
+                tensor_parallel=int(r.get("tensor_parallel", 0)),  # absent in files written before meshes
+                replicas=int(r.get("replicas", 0)),
+            ): float(r["step_seconds"])
+            for r in rows
+        }
     except (KeyError, TypeError, ValueError):
         raise ConfigError(
             f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain bench"

@@ -21,7 +21,7 @@ from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
 from ..plan import costmodel
-from ..plan.layout import Layout, layout_of_label
+from ..plan.layout import Layout, label_of, layout_of_label
 from ..runtime.hostenv import most_cpu_processes, usable_cores
 from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
 from ..runtime.worker import Job, choose_device
@@ -150,11 +150,9 @@ class Row:
     def label(self) -> str:
         """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh;
         `sharded 2x2`: 2 copies of 2 shards)."""
-        if self.replicas:
-            return costmodel.sharded_name(self.devices, self.replicas)
-        if self.tensor_parallel in (0, self.devices):  # set on tensor rows of smaller groups only
-            return self.strategy
-        return costmodel.tensor_name(self.devices, self.tensor_parallel)
+        return label_of(
+            self.strategy, self.devices, tensor_parallel=self.tensor_parallel, replicas=self.replicas
+        )
 
     @property
     def layout(self) -> Layout:

@@ -12,11 +12,29 @@ from processes import ENV, abort_tree
 from polytrain.data import ArrayDataset
 
 
+def pytest_configure(config):
+    """Processes a test starts can show stacks (`processes.ENV`): set for the whole session, so that the
+    environment is the same in every test and at the session's start, where the forkserver starts."""
+    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver_at_start(request):
+    """Where the session launches workers, polytrain's forkserver starts first, with the session's own
+    environment (runtime/launch.py `start_method`): later launches fork from it, where a test or a session
+    fixture (which runs before every test's `clean_state`) would otherwise start it with a temporary variable
+    set, and every launch after it would spawn."""
+    if any(item.get_closest_marker("multiprocess") for item in request.session.items):
+        from polytrain.runtime.launch import start_method
+
+        start_method()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def clean_state():
     """Reset seeds, restore environment variables, and leave no process group behind."""
     saved_env = dict(os.environ)
-    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]  # processes a test starts can show stacks
     threads = torch.get_num_threads()
     torch.manual_seed(0)
     random.seed(0)

@@ -128,15 +128,17 @@ PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 
-# what torch sets in this process's environment for itself during a run: the launcher's TORCHELASTIC_* (every
-# worker gets the launcher's values for its own run) and inductor's default cache folder (the workers work out
-# the same one)
-TORCH_OWN = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+# what this process's environment holds that a worker does not need as it is now: what torch sets in it for
+# itself during a run, the launcher's TORCHELASTIC_* (every worker gets the launcher's values for its own run)
+# and inductor's default cache folder (the workers work out the same one); and the name of the test pytest is
+# in, which it sets at every phase of every test (compared, it would make every launch under pytest spawn)
+NOT_COMPARED = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST")
 
 
 def _environment() -> dict:
-    """This process's environment, less what torch sets in it for itself (`TORCH_OWN`)."""
-    return {key: value for key, value in os.environ.items() if not key.startswith(TORCH_OWN)}
+    """This process's environment, less what differs from launch to launch without mattering to a worker
+    (`NOT_COMPARED`)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(NOT_COMPARED)}
 
 
 def start_method() -> str:

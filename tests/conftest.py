@@ -13,9 +13,11 @@ from polytrain.data import ArrayDataset
 
 
 def pytest_configure(config):
-    """Processes a test starts can show stacks (`processes.ENV`): set for the whole session, so that the
-    environment is the same in every test and at the session's start, where the forkserver starts."""
-    os.environ["PYTHONFAULTHANDLER"] = ENV["PYTHONFAULTHANDLER"]
+    """The environment of the processes tests start (`processes.ENV`: one intra-op thread, output unbuffered,
+    stacks on SIGABRT), set for the whole session, so that it is the same in every test, in `polytrain_here`
+    and at the session's start, where the forkserver starts: a launch forks from it only while the environment
+    is the one it started with (this process's own threads are set already, with torch imported above)."""
+    os.environ.update(ENV)
 
 
 @pytest.fixture(scope="session", autouse=True)

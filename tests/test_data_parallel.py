@@ -92,9 +92,9 @@ from polytrain.runtime import launch
 from conftest import tiny_digits
 from distributed import SeesTheEnvironment
 
-def seen_by_workers():
+def seen_by_workers(verbose=False):
     model = SeesTheEnvironment()
-    polytrain.fit(model, tiny_digits(n_train=64), devices=2, strategy="data", epochs=1, batch_size=32, verbose=False)
+    polytrain.fit(model, tiny_digits(n_train=64), devices=2, strategy="data", epochs=1, batch_size=32, verbose=verbose)
     return float(model.seen)
 
 if __name__ == "__main__":
@@ -105,7 +105,14 @@ if __name__ == "__main__":
         found.append((launch.start_method(), seen_by_workers()))
     del os.environ["POLYTRAIN_SEEN"]
     os.environ["PYTEST_CURRENT_TEST"] = "another test (call)"  # pytest's, set at each test: not compared
-    found.append((launch.start_method(), seen_by_workers()))
+    # this process's output now goes to a file: so does the forked workers' (rank 0 prints the epoch)
+    sys.stdout.flush()
+    kept = os.dup(1)
+    with open(sys.argv[1], "w") as redirected:
+        os.dup2(redirected.fileno(), 1)
+    found.append((launch.start_method(), seen_by_workers(verbose=True)))
+    sys.stdout.flush()
+    os.dup2(kept, 1)
     print("FOUND", found)
 """
 
@@ -113,16 +120,20 @@ if __name__ == "__main__":
 def test_workers_see_the_environment_as_it_is_at_each_launch(tmp_path):
     """In a fresh process: workers fork from the forkserver while the environment is the one it started with;
     a launch after a variable was set spawns its workers afresh, so that they see it (launch.py `start_method`),
-    except where the variable is one that changes without mattering to a worker (pytest's name of the test)."""
+    except where the variable is one that changes without mattering to a worker (pytest's name of the test).
+    Forked workers print where the launching process prints at each launch."""
     script = tmp_path / "forked_or_spawned.py"
     script.write_text(FORKED_OR_SPAWNED)
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
-    result = finish(start([sys.executable, script], env={"PYTHONPATH": path}), timeout=240)
+    printed = tmp_path / "printed.txt"
+    result = finish(start([sys.executable, script, printed], env={"PYTHONPATH": path}), timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     found = next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))
     expected = [("forkserver", 0.0), ("spawn", 1.0), ("spawn", 2.0), ("forkserver", 0.0)]
     assert found == f"FOUND {expected}", result.stdout
+    # where the launching process's output went at the last launch, not where it went as the forkserver started
+    assert "epoch 1/1" in printed.read_text() and "epoch 1/1" not in result.stdout, result.stdout
 
 
 def test_a_failing_worker_stops_every_worker_and_names_its_rank():

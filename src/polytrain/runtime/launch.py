@@ -1,20 +1,12 @@
-"""How worker processes start: in this process, under an external torchrun, or spawned by torch's elastic
-agent (the machinery behind torchrun) on this machine. Strategies know nothing of this.
-
-The agent starts each worker from a forkserver (`start_method`): one process, started by the first launch,
-that imports torch and polytrain's worker code once and forks a worker for every later launch, so a process
-that launches many times (bench's rows, verify, a notebook, the tests) does not pay torch's import in every
-worker every time. A forked worker has the forkserver's environment, not this process's: where this process's
-environment has changed since the forkserver started (a variable set for one run), the workers are spawned
-afresh instead (each imports torch, and sees the environment as it is now).
+"""How worker processes start: in this process, under an external torchrun, or started by torch's elastic
+agent (the machinery behind torchrun) on this machine, forked from a forkserver where it can (forkserver.py).
+Strategies know nothing of this.
 """
 
 from __future__ import annotations
 
 import ast
 import logging
-import multiprocessing
-import os
 import signal
 import sys
 import tempfile
@@ -26,6 +18,7 @@ import torch
 
 from ..checkpoint import read_progress
 from ..errors import ConfigError, UserError
+from .forkserver import start_method, with_this_output
 from .hostenv import launcher_env, most_cpu_processes, usable_cores
 from .stopping import TrainingInterrupted, interrupted_message
 from .worker import Job, WorkerResult, train_worker
@@ -123,42 +116,6 @@ def run_job(job: Job) -> WorkerResult:
     return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
 
 
-# what the forkserver imports once: the workers' code and what it imports
-PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
-_forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
-
-
-# what this process's environment holds that a worker does not need as it is now: what torch sets in it for
-# itself during a run, the launcher's TORCHELASTIC_* (every worker gets the launcher's values for its own run)
-# and inductor's default cache folder (the workers work out the same one); and the name of the test pytest is
-# in, which it sets at every phase of every test (compared, it would make every launch under pytest spawn)
-NOT_COMPARED = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST")
-
-
-def _environment() -> dict:
-    """This process's environment, less what differs from launch to launch without mattering to a worker
-    (`NOT_COMPARED`)."""
-    return {key: value for key, value in os.environ.items() if not key.startswith(NOT_COMPARED)}
-
-
-def start_method() -> str:
-    """'forkserver' where this process's forkserver has the environment of this process now (the first launch
-    starts it), else 'spawn' (also where this platform has no forkserver, or another caller started it)."""
-    global _forkserver_environment
-    from multiprocessing import forkserver
-
-    if _forkserver_environment is None:
-        server = getattr(forkserver, "_forkserver", None)
-        if "forkserver" not in multiprocessing.get_all_start_methods() or getattr(
-            server, "_forkserver_pid", None
-        ):
-            return "spawn"  # (a forkserver that another caller started: its environment is unknown)
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        forkserver.ensure_running()
-        _forkserver_environment = _environment()
-    return "forkserver" if _environment() == _forkserver_environment else "spawn"
-
-
 def spawn_workers(job: Job) -> WorkerResult:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -168,6 +125,7 @@ def spawn_workers(job: Job) -> WorkerResult:
     check_main_guard(config.devices)  # fit() checked it before writing anything; bench and verify here
     loopback = {"local_addr": "127.0.0.1"} if "local_addr" in LaunchConfig.__dataclass_fields__ else {}
     with tempfile.TemporaryDirectory(prefix="polytrain-agent-") as agent_files:
+        method = start_method()
         launch = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -177,7 +135,7 @@ def spawn_workers(job: Job) -> WorkerResult:
             rdzv_endpoint="127.0.0.1:0",
             max_restarts=config.max_restarts,
             monitor_interval=0.1,
-            start_method=start_method(),
+            start_method=method,
             **loopback,
             **_logs_in(agent_files),
         )
@@ -192,7 +150,8 @@ def spawn_workers(job: Job) -> WorkerResult:
         for logger in quiet:
             logger.setLevel(logging.CRITICAL)
         try:
-            results = elastic_launch(launch, train_worker)(job)
+            entry, arguments = with_this_output(train_worker, job, method)
+            results = elastic_launch(launch, entry)(*arguments)
         except ChildFailedError as failed:
             raise worker_failure(failed, agent_files) from None
         except SignalException as caught:

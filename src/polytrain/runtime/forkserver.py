@@ -1,0 +1,89 @@
+"""Workers forked from a forkserver: one process, started by the first launch, that imports torch and
+polytrain's worker code once and forks a worker for every later launch, so a process that launches many times
+(bench's rows, verify, a notebook, a test suite) does not pay torch's import in every worker every time.
+
+A forked worker starts from the forkserver, not from this process, in two ways that matter:
+- its environment is the forkserver's: where this process's environment has changed since the forkserver
+  started (a variable set for one run), the workers are spawned afresh instead, and see it as it is now;
+- its standard output and error are the forkserver's: this process's, as they are at each launch, are handed
+  to each worker as it starts (`with_this_output`), so that what the workers print goes where this process
+  prints now (a file or capture it redirected its output to since, as a spawned worker's would).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from typing import Callable, Optional, Tuple
+
+# what the forkserver imports once: the workers' code and what it imports
+PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
+_forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
+
+
+# what this process's environment holds that a worker does not need as it is now: what torch sets in it for
+# itself during a run, the launcher's TORCHELASTIC_* (every worker gets the launcher's values for its own run)
+# and inductor's default cache folder (the workers work out the same one); and the name of the test pytest is
+# in, which it sets at every phase of every test (compared, it would make every launch under pytest spawn)
+NOT_COMPARED = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR", "PYTEST_CURRENT_TEST")
+
+
+def _environment() -> dict:
+    """This process's environment, less what differs from launch to launch without mattering to a worker
+    (`NOT_COMPARED`)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(NOT_COMPARED)}
+
+
+def start_method() -> str:
+    """'forkserver' where this process's forkserver has the environment of this process now (the first launch
+    starts it), else 'spawn' (also where this platform has no forkserver, or another caller started it)."""
+    global _forkserver_environment
+    from multiprocessing import forkserver
+
+    if _forkserver_environment is None:
+        server = getattr(forkserver, "_forkserver", None)
+        if "forkserver" not in multiprocessing.get_all_start_methods() or getattr(
+            server, "_forkserver_pid", None
+        ):
+            return "spawn"  # (a forkserver that another caller started: its environment is unknown)
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        _forkserver_environment = _environment()
+    return "forkserver" if _environment() == _forkserver_environment else "spawn"
+
+
+def with_this_output(entry: Callable, job, method: str) -> Tuple[Callable, tuple]:
+    """(the entry point, its arguments) for torch's launcher: under the forkserver, `entry` runs after the
+    worker took this process's standard output and error as they are now (`ThisOutput`)."""
+    if method != "forkserver":
+        return entry, (job,)  # a spawned worker inherits them as they are
+    return _with_output, (entry, job, ThisOutput())
+
+
+def _with_output(entry: Callable, job, output: "ThisOutput"):
+    return entry(job)  # (the output was taken as the arguments were unpickled, before this runs)
+
+
+class ThisOutput:
+    """This process's file descriptors 1 and 2, passed to the process being started as it is pickled for it
+    (multiprocessing's `DupFd`); unpickled there, they replace that process's own. Pickled for anything
+    else, it carries nothing."""
+
+    def __reduce__(self):
+        from multiprocessing import context, reduction
+
+        if context.get_spawning_popen() is None:
+            return ThisOutput, ()
+        return _take_output, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _take_output(*passed) -> ThisOutput:
+    for target, stream, handle in zip((1, 2), (sys.stdout, sys.stderr), passed):
+        if stream is not None:
+            stream.flush()
+        fd = handle.detach()
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    return ThisOutput()

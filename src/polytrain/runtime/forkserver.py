@@ -68,18 +68,28 @@ def _with_output(entry: Callable, job, output: "ThisOutput"):
 class ThisOutput:
     """This process's file descriptors 1 and 2, passed to the process being started as it is pickled for it
     (multiprocessing's `DupFd`); unpickled there, they replace that process's own. Pickled for anything
-    else, it carries nothing."""
+    else, it carries nothing; a descriptor this process has closed is not passed (the worker keeps its own)."""
 
     def __reduce__(self):
         from multiprocessing import context, reduction
 
         if context.get_spawning_popen() is None:
             return ThisOutput, ()
-        return _take_output, (reduction.DupFd(1), reduction.DupFd(2))
+        targets = tuple(fd for fd in (1, 2) if _is_open(fd))
+        return _take_output, (targets, *(reduction.DupFd(fd) for fd in targets))
 
 
-def _take_output(*passed) -> ThisOutput:
-    for target, stream, handle in zip((1, 2), (sys.stdout, sys.stderr), passed):
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _take_output(targets: tuple, *passed) -> ThisOutput:
+    for target, handle in zip(targets, passed):
+        stream = sys.stdout if target == 1 else sys.stderr
         if stream is not None:
             stream.flush()
         fd = handle.detach()

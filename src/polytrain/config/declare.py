@@ -124,3 +124,31 @@ def declared(cls) -> dict:
 def unset(value) -> bool:
     """Whether a strategy's option is left at its unset value (None, or False for a switch)."""
     return value is None or value is False
+
+
+# Parsers of settings given as text (a flag, a config file)
+
+
+def numbers_text(text: str) -> tuple:
+    """`0.9,0.95` as (0.9, 0.95), for --betas."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected numbers separated by commas such as 0.9,0.95, got {text!r}") from None
+
+
+def epochs_text(text: str):
+    """`3` as 3 and `1.5` as 1.5, for --epochs (a fraction trains on the first part of the last epoch)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number of epochs such as 3 or 1.5, got {text!r}") from None
+    return int(value) if value.is_integer() else value
+
+
+def shape_text(text: str) -> tuple:
+    """`3,32,32` as (3, 32, 32), for --synthetic-shape."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected C,H,W such as 3,32,32, got {text!r}") from None

@@ -2,7 +2,7 @@
 
     python -m polytrain.config.reference > docs/cli.md
 
-`polytrain train` and `polytrain verify` take every declared setting (settings.py, layout_settings.py): each is
+`polytrain train` and `polytrain verify` take every declared setting (settings.py and the *_settings.py beside it): each is
 listed from its declaration (flag, default, help, group, which strategy reads it, what --resume may do with it).
 The few flags that are not settings (`--resume`, `--steps`, the other commands' arguments) are read from the
 parser that cli.py builds, so nothing on the page is written by hand but its opening. tests/test_cli_reference.py
@@ -25,8 +25,8 @@ COMMAND = "python -m polytrain.config.reference > docs/cli.md"
 OPENING = f"""# Command-line reference
 
 Every command and flag of `polytrain`, with its default and what it does. This page is generated from the
-code: the settings' declarations (`src/polytrain/config/settings.py` and
-`src/polytrain/config/layout_settings.py`) and the parser (`src/polytrain/cli.py`). Do not edit it by hand;
+code: the settings' declarations (`src/polytrain/config/settings.py` and the `*_settings.py` files beside
+it) and the parser (`src/polytrain/cli.py`). Do not edit it by hand;
 after changing a setting or a flag, run
 
 ```bash

@@ -39,7 +39,7 @@ def candidates(model, work: costmodel.Workload, devices: int, *, device_type: st
     from ..errors import UserError
     from ..plan.pipeline import check_torch
     from ..strategies.layers import flatten_layers
-    from ..strategies.pipeline import torch_version
+    from ..strategies.pipeline_plan import torch_version
 
     refused = {}
     try:

@@ -23,19 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import ConfigError
-from ..models.meta import one_by_one, to_empty
-from ..plan.balance import balance_by_time, parse_split
+from ..models.meta import to_empty
 from ..plan.layout import Layout
 from ..plan.pipeline import (
-    DEFAULT_SCHEDULE,
-    PipelineLayout,
     PipelinePlan,
-    check_torch,
-    default_microbatches,
     microbatches_for,
     runnable_schedule,
-    stages_per_rank,
 )
 from . import pipeline_parts as parts
 from .activations import receive, send
@@ -43,19 +36,15 @@ from .base import Distributed, StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
 from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .holdings import local_part
-from .layers import Stage, describe_stage, flatten_layers, layer_memory, named_subset, time_layers
+from .layers import Stage, describe_stage, flatten_layers, named_subset
 from .mesh import device_mesh
-from .optimizer_state import positions, state_slots_of, whole_state
+from .optimizer_state import positions, whole_state
+from .pipeline_plan import plan_pipeline
 from .pipeline_shard import reshard, shard_stages
 from .pipeline_tensor import split_stages
 from .pipeline_trace import record_calls
-from .tensor import plan_for_stages
 from .tied import TiedWeights
-from .traced import setup_traced, traced_plan
-
-
-def torch_version() -> tuple:
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+from .traced import setup_traced
 
 
 def _schedule_class(kind: str):
@@ -119,83 +108,7 @@ class Pipeline(Distributed):
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
-        shard = config.layout.shard > 1  # the pipelines side by side shard their stages (pipeline_shard.py)
-        copies = config.layout.replicate if shard else 1  # --replicas: copies of the shard groups (HSDP)
-        layout = PipelineLayout(
-            config.devices, config.pipeline_ranks, config.tensor_parallel or 1, shard, copies
-        )
-        schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
-        per_replica = config.batch_size // layout.replicas
-        # with --accumulate K, each of the K passes is cut into the micro-batches
-        whole = per_replica // config.accumulate if per_replica % config.accumulate == 0 else per_replica
-        microbatches = config.microbatches or default_microbatches(whole, layout.ranks)
-        passes = microbatches * config.accumulate
-        if config.accumulate > 1 and per_replica % passes:
-            fitting = [
-                k for k in range(2, per_replica // microbatches + 1) if per_replica % (microbatches * k) == 0
-            ]
-            raise ConfigError(
-                f"--accumulate {config.accumulate} runs {microbatches} x {config.accumulate} = {passes} "
-                f"micro-batches in each step, which do not cut the {per_replica} samples each pipeline "
-                f"gets into equal parts; use --accumulate "
-                f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches"
-            )
-        last = dataset.num_train % config.batch_size or config.batch_size
-        parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
-        if min(parts) == 0:
-            raise ConfigError(
-                f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
-                f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)"
-            )
-        fewest = min(
-            microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts
-        )
-        check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
-        if config.split_at:  # any model, cut by torch's tracer at named modules
-            return traced_plan(config, model, dataset, layout, schedule, microbatches, per_replica)
-        tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
-        layers = flatten_layers(model)
-        names = tuple(name for name, _ in layers)
-        stages = layout.ranks * stages_per_rank(schedule)
-        if stages > len(layers):
-            raise ConfigError(
-                f"cannot split {len(layers)} layers into {stages} stages; use at most "
-                f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model"
-            )
-        dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")  # token ids stay integers
-        if config.split not in (None, "auto"):
-            return PipelinePlan(
-                layout,
-                schedule,
-                microbatches,
-                parse_split(config.split, layers=len(layers), stages=stages),
-                names,
-                tuple(dataset.input_shape),
-                input_dtype=dtype,
-                tensor=tensor,
-            )
-        # copied one layer at a time (never the whole model here), with initial values where built on meta
-        measured = one_by_one(model, layers, device=device, seed=config.seed)
-        sample = dataset.sample_inputs(per_replica // microbatches).to(device)
-        if microbatches == 1:
-            # One micro-batch: the stages run one after another whatever the split, so no split is faster
-            # than another; balance what each device must hold instead.
-            slots = state_slots_of(config)
-            costs, unit = tuple(layer_memory(measured, sample, optimizer_slots=slots)), "bytes"
-        else:
-            costs, unit = tuple(time_layers(measured, sample)), "seconds"
-        return PipelinePlan(
-            layout,
-            schedule,
-            microbatches,
-            balance_by_time(costs, stages=stages),
-            names,
-            tuple(dataset.input_shape),
-            costs,
-            unit,
-            dtype,
-            tensor=tensor,
-        )
+        return plan_pipeline(config, model, dataset, device=device)
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:

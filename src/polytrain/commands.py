@@ -21,6 +21,7 @@ from .config import (
     options_of_other_strategies,
     unset_value,
 )
+from .config.declare import flag_name
 from .config.flags import config_from_args, flag_list, parse_list
 from .config.model_defaults import MODEL_SETTINGS, defaults_words
 from .data import ArrayDataset
@@ -120,7 +121,7 @@ def resume_settings(args):
         )
     was = dict(before, device=settings["device"])
     changed = [
-        f"--{name.replace('_', '-')} {getattr(config, name)} (was {was.get(name)})"
+        f"{flag_name(name)} {getattr(config, name)} (was {was.get(name)})"
         for name in RECORDED_ON_RESUME
         if name in args.given and getattr(config, name) != was.get(name)
     ]

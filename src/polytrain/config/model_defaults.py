@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from ..errors import ConfigError
+from .declare import flag_name
 
 # model -> the model settings its builder reads
 MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
@@ -105,10 +106,6 @@ def derived_sizes(heads, width) -> dict:
     return sizes
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def model_options_of(name: str, options) -> dict:
     """The settings of `options` (a TrainConfig, a dict or None) that model `name`'s builder reads; one line
     for a model setting given to a model that does not read it."""
@@ -129,7 +126,7 @@ def check_model_settings(name: Optional[str], given) -> None:
         readers = [model for model, keys in MODEL_OPTIONS.items() if unused[0] in keys]
         them = "it" if len(unused) == 1 else "them"
         raise ConfigError(
-            f"{', '.join(map(_flag, unused))} {'applies' if len(unused) == 1 else 'apply'} to the "
+            f"{', '.join(map(flag_name, unused))} {'applies' if len(unused) == 1 else 'apply'} to the "
             f"{' and '.join(readers)} model{'s' * (len(readers) > 1)} only, not {name or 'your own module'}; "
             f"drop {them}"
         )
@@ -171,8 +168,8 @@ def defaults_words(model: str, applied: dict) -> str:
 
     def word(key, value):
         if value is True:
-            return _flag(key)
-        return f"{_flag(key)} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
+            return flag_name(key)
+        return f"{flag_name(key)} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
 
     return (
         f"--model {model} defaults: {' '.join(word(k, v) for k, v in applied.items())} (give a flag to "

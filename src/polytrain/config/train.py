@@ -44,9 +44,7 @@ def apply_inputs(values: dict) -> None:
         apply_micro_batch_size(values, micro)
 
 
-def apply_micro_batch_size(
-    values: dict, micro_batch_size: int, *, flag=lambda name: f"--{name.replace('_', '-')}"
-) -> None:
+def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=flag_name) -> None:
     """`--micro-batch-size N` (samples per pass per replica) said as --accumulate, or for a pipeline as its
     micro-batches; refused in one line where the settings do not multiply out."""
     check_value("micro_batch_size", INPUTS["micro_batch_size"], micro_batch_size)

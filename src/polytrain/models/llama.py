@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config.declare import flag_name
 from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, preset
 from ..errors import ConfigError
 
@@ -116,7 +117,7 @@ class Block(nn.Module):
 def _check_sizes(**sizes) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
+            raise ConfigError(f"{flag_name(name)} must be a positive whole number, got {value!r}")
     heads, kv_heads, width = sizes["heads"], sizes["kv_heads"], sizes["width"]
     if width % heads or (width // heads) % 2:
         near = 2 * heads * max(1, round(width / heads / 2))

@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..callbacks import check_monitor
 from ..checkpoint import atomic_write_bytes
 from ..config import TrainConfig
+from ..config.declare import flag_name
 from ..data import ArrayDataset
 from ..errors import UserError
 from ..models import build_model_on_meta, check_model_output, takes_channels_last
@@ -203,7 +204,7 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     )
     strategy, settings = settings_of_label(label)
     if settings:
-        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in settings.items())
+        flags = " ".join(f"{flag_name(name)} {value}" for name, value in settings.items())
         line += f" (--strategy {strategy} {flags})"
     try:
         return config.with_strategy(strategy, plan=None, **settings), line

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..config import TrainConfig
+from ..config.declare import flag_name
 from ..config.model_defaults import MODEL_SETTINGS, apply_model_defaults, check_model_settings
 from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
@@ -110,7 +111,7 @@ class BenchOptions:
         for key in COUNTS:
             value = getattr(self, key, None)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{key.replace('_', '-')} must be a positive whole number, got {value!r}")
+                raise ConfigError(f"{flag_name(key)} must be a positive whole number, got {value!r}")
         check_model_settings(self.model, self.model_options)
 
 

@@ -209,14 +209,18 @@ LABEL_MESHES: Dict[str, Callable[[int, int], dict]] = {
 }
 
 
+def parse_label(label: str) -> Tuple[str, Tuple[int, ...]]:
+    """(strategy, its mesh's numbers) of a cost-model or bench row's label: `sharded 2x4` is ("sharded",
+    (2, 4)), a plain name (name, ())."""
+    name, _, mesh = label.partition(" ")
+    return name, tuple(int(n) for n in mesh.split("x")) if mesh else ()
+
+
 def settings_of_label(label: str) -> Tuple[str, dict]:
     """(strategy, the settings beside it) that a cost-model or bench row's label names: `sharded 2x2` is
     ("sharded", {"replicas": 2}), `tensor 2x4` ("tensor", {"tensor_parallel": 4}), a plain name itself."""
-    name, _, mesh = label.partition(" ")
-    if not mesh:
-        return name, {}
-    first, size = map(int, mesh.rsplit("x", 1))
-    return name, LABEL_MESHES[name](first, size)
+    name, mesh = parse_label(label)
+    return name, LABEL_MESHES[name](*mesh) if mesh else {}
 
 
 def layout_of_label(label: str, devices: int) -> Layout:

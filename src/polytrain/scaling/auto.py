@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, first_line
 from ..plan import costmodel
-from ..plan.layout import label_of
+from ..plan.layout import label_of, parse_label
 from ..plan.pipeline import default_microbatches
 from .fits import available_bytes
 
@@ -127,16 +127,16 @@ def steady_name(seconds: Dict[str, float], *, margin: float = PREFER_DATA) -> Op
 
 def strategy_of(label: str) -> str:
     """The strategy a label's layout belongs to: `sharded` of `sharded 2x2`."""
-    return label.split(" ", 1)[0]
+    return parse_label(label)[0]
 
 
 def simplest_first(label: str) -> tuple:
     """The order of `SIMPLEST_FIRST`, each strategy's plain layout before its meshes, and of those the one
     nearest the plain layout first: fewest copies of the shards (`sharded 2x4` before `sharded 4x2`), fewest
     groups of tensor ranks."""
-    strategy, _, mesh = label.partition(" ")
+    strategy, mesh = parse_label(label)
     rank = SIMPLEST_FIRST.index(strategy) if strategy in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
-    return rank, tuple(int(n) for n in mesh.split("x")) if mesh else (), label
+    return rank, mesh, label
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:

@@ -122,7 +122,7 @@ def main(argv=None) -> None:
         *[x for key, value in shape.items() for x in (f"--{key.replace('_', '-')}", str(value))],
         "--devices", str(args.devices), "--strategy", "sharded", "--device", "cpu",
         "--optimizer", "adamw", "--optimizer-args", "foreach=False", "--batch-size", str(args.batch_size),
-        "--activation-checkpointing", args.checkpointing, "--val-every", "0", "--hang-timeout", "1800",
+        "--activation-checkpointing", args.checkpointing, "--val-every", "0",
     ]  # fmt: skip
     polytrain = [sys.executable, "-m", "polytrain"]
     first = [*polytrain, "train", *flags, "--max-steps", str(args.steps), "--out", str(run_dir)]

@@ -255,13 +255,15 @@ class ReliabilitySettings:
         resume="change",
         commands=("train",),
     )
-    hang_timeout: float = setting(
-        60.0,
-        "with several devices, report the rank that makes no progress for this "
-        "long, with its stack, and stop (default: %(default)g)",
+    hang_timeout: Optional[float] = setting(
+        None,
+        "with several devices, report a rank that makes no progress for this long, with its stack, and stop: "
+        "a fixed bound on every step, the first one 30 s more (10x more with --compile) (default: judged "
+        "against the run's own steps: max(60 s, 4x the slowest step so far), the first step max(90 s, 2x "
+        "what the model's size predicts); docs/reliability.md)",
         group="reliability",
         metavar="SECONDS",
-        check="nonneg",
+        check="positive",
         resume="change",
         commands=("train",),
     )

@@ -132,9 +132,6 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         """The values left, then the settings against each other: the layout, the batch, the pipeline."""
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(
-            self.hang_timeout > 0, f"--hang-timeout must be greater than 0 seconds, got {self.hang_timeout!r}"
-        )
-        _need(
             len(self.synthetic_shape) == 3
             and all(isinstance(d, int) and d > 0 for d in self.synthetic_shape),
             f"--synthetic-shape must be three positive sizes C,H,W, got {self.synthetic_shape!r}",

@@ -24,14 +24,15 @@ from ..loggers import make_loggers
 from ..models.lightning import plan_loop
 from ..objective import Objective
 from ..optim import make_recipe
+from ..scaling.flops import flops_per_sample
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
 from ..strategies import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
-from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores
+from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores, usable_cores
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
-from .watchdog import Watchdog
+from .watchdog import Allowance, Watchdog, first_step_work, predicted_step_seconds
 
 
 @dataclass
@@ -295,14 +296,14 @@ def _make_callbacks(
         if job.callbacks:
             callbacks.append(UserCallbacks(job.callbacks))
     if launcher is not None:  # in a process of its own, ending it on a hang is safe
-        compiling = 10 if config.compile else 1
-        callbacks.append(
-            Watchdog(
-                rank=rank,
-                timeout=config.hang_timeout,
-                first_step_timeout=config.hang_timeout * compiling + 30,
-            )
+        fixed = config.hang_timeout  # given: a fixed bound, no prediction needed
+        predicted = (
+            0.0
+            if fixed is not None
+            else _first_step_seconds(job, strategy, local_world=launcher.local_world_size)
         )
+        allowance = Allowance(fixed=fixed, predicted_first=predicted, compiling=bool(config.compile))
+        callbacks.append(Watchdog(rank=rank, allowance=allowance))
     if config.timeline and run_dir:
         callbacks.append(Timeline(Path(run_dir) / "pipeline.png"))
     recorder = StepRecorder() if job.record_steps else None
@@ -312,6 +313,29 @@ def _make_callbacks(
     if clock is not None:
         callbacks.append(clock)
     return callbacks, recorder, clock
+
+
+def _first_step_seconds(job: Job, strategy, *, local_world: int) -> float:
+    """This rank's first step on a slow machine (watchdog.py), from the model's size and its share of the
+    batch, of the cores (CPU processes of one machine share them) and of the links; its FLOPs are counted on a
+    copy of the model on the meta device (a few milliseconds for a small model, a second for 600M parameters)."""
+    parameters = list(job.model.parameters())
+    # a copy: counting runs the loss, which learns from its first value whether it gives (sum, count) pairs
+    objective = copy.copy(job.objective or Objective(label_smoothing=job.config.label_smoothing))
+    flops, exchanged = first_step_work(
+        flops_per_sample=flops_per_sample(job.model, job.dataset, objective),
+        samples=-(-job.config.batch_size // max(1, strategy.data_world)),
+        parameters=sum(p.numel() for p in parameters),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        world=strategy.world_size,
+        checkpointing=job.config.activation_checkpointing,
+    )
+    return predicted_step_seconds(
+        flops=flops,
+        exchanged_bytes=exchanged,
+        device_type=strategy.device.type,
+        cores=usable_cores() / max(1, local_world),
+    )
 
 
 def _finish(strategy, trainer, history, checkpointer, stop, *, run_dir, steps_per_epoch: int) -> None:

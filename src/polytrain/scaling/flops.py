@@ -4,28 +4,27 @@ against the FLOP/s of a large float32 matrix product on the same device, its pra
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 
 import torch
 
-from ..models.meta import is_meta
 from .workload import sample_batch
 
 
 def flops_per_sample(model, dataset, objective, *, count: int = 2) -> float:
     """FLOPs of one forward, loss and backward per sample, over `count` samples; nan where the objective cannot
-    score the outputs alone. A model built on the meta device is counted as it is, on meta tensors (no weights
-    are made, so a model of any size is counted; attention runs as its matrix products there, which count),
-    any other on a copy (BatchNorm's statistics move)."""
+    score the outputs alone. Counted on a copy of the model on the meta device (no weights are made, so a model
+    of any size is counted, and the model given is not touched; attention runs as its matrix products there,
+    which count)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x, y = sample_batch(dataset, count)
-    if is_meta(model):
-        x, y = x.to("meta"), y.to("meta")
-    model = (model if is_meta(model) else copy.deepcopy(model)).train()
+    from .activation_memory import fake_copy
+
     try:
+        x, y = sample_batch(dataset, count)
+        x, y = x.to("meta"), y.to("meta")
+        model = fake_copy(model, "meta").train()
         with FlopCounterMode(display=False) as counter:
             objective.loss_sum(model(x), y).backward()
     except Exception:

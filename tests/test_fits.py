@@ -40,15 +40,16 @@ def test_the_8b_preset_is_refused_with_the_figures_and_the_settings_that_fit(lla
     # AdamW: parameters, gradients and two moments in float32, on every replica
     assert f"needs at least {PARAMETERS_8B * 16 / GIB:,.1f} GiB" in line and "has 64.0 GiB" in line
     assert "8.03B parameters" in line
-    # sharded over the same 2 devices: half of it, plus the largest layer gathered whole (the embedding)
-    sharded = PARAMETERS_8B * 16 / 2 + EMBEDDING_BYTES
+    # sharded over the same 2 devices: half of it, plus FSDP2's two largest units gathered whole (the embedding
+    # and the head, each larger than a block; the root holds no parameters of its own)
+    sharded = PARAMETERS_8B * 16 / 2 + 2 * EMBEDDING_BYTES
     assert f"--strategy sharded ({sharded / GIB:,.1f} GiB per rank)" in line
     assert "--activation-checkpointing full and --precision bf16" in line
 
 
 def test_more_devices_are_named_where_sharding_over_these_is_not_enough(llama_8b, monkeypatch):
     line = refusal(llama_8b, monkeypatch, available_gib=20, strategy="sharded", devices=2)
-    # 8 x 20 GiB: each holds 1/8 of 119.7 GiB and the 1.96 GiB embedding, 16.9 GiB
+    # 8 x 20 GiB: each holds 1/8 of 119.7 GiB, the 1.96 GiB embedding and head, 18.9 GiB
     assert "--strategy sharded --devices 8 or more" in line and "--strategy sharded (" not in line
 
 
@@ -110,10 +111,11 @@ def test_hybrid_sharding_is_counted_by_its_shard_groups_and_names_sharding_over_
     llama_8b, monkeypatch
 ):
     line = refusal(llama_8b, monkeypatch, available_gib=20, strategy="sharded", devices=8, replicas=2)
-    # 2 replicas of 4 shards: a quarter of 119.7 GiB and the embedding gathered whole
-    assert f"needs at least {(PARAMETERS_8B * 16 / 4 + EMBEDDING_BYTES) / GIB:,.1f} GiB" in line, line
+    # 2 replicas of 4 shards: a quarter of 119.7 GiB, the embedding and the head gathered whole
+    assert f"needs at least {(PARAMETERS_8B * 16 / 4 + 2 * EMBEDDING_BYTES) / GIB:,.1f} GiB" in line, line
     assert (
-        f"--strategy sharded ({(PARAMETERS_8B * 16 / 8 + EMBEDDING_BYTES) / GIB:,.1f} GiB per rank)" in line
+        f"--strategy sharded ({(PARAMETERS_8B * 16 / 8 + 2 * EMBEDDING_BYTES) / GIB:,.1f} GiB per rank)"
+        in line
     )
 
 

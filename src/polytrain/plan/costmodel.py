@@ -105,10 +105,12 @@ class Workload:
     parameter_bytes: float  # S
     batch_size: int  # the global batch
     update_seconds: float = 0.0  # the optimizer update's part of compute_seconds
-    layers: int = 1  # parameter-holding layers (messages per collective under FSDP2)
+    layers: int = 1  # FSDP2's units (messages per collective; strategies/units.py)
     boundary_bytes: Tuple[float, ...] = ()  # activation bytes per sample at each cut between layers
     activation_bytes: float = 0.0  # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
-    largest_layer_bytes: float = 0.0  # the most parameter bytes one layer holds (0: unknown, the whole model)
+    gathered_bytes: float = (
+        0.0  # the most parameter bytes FSDP2 gathers at once (0: unknown, the whole model)
+    )
     # what activation checkpointing changes (plan/activations.py): the blocks it recomputes, and per sample the
     # bytes one keeps, its input, its matrix products' outputs (0: unknown, every mode keeps activation_bytes)
     blocks: int = 0
@@ -457,17 +459,18 @@ def memory_per_rank(
     checkpointing: str = "none",
     layout: Optional[Layout] = None,
 ) -> float:
-    """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights, gradients and `optimizer_slots` tensors of optimizer state per
-    weight, plus the activations held for backward for its slice (per sample: `activation_bytes` at the peak of
-    the backward pass under `--activation-checkpointing` `checkpointing`, plan/activations.py; without them,
-    each cut's bytes per sample).
+    """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights,
+    gradients and `optimizer_slots` tensors of optimizer state per weight, plus the activations held for
+    backward for its slice (per sample: `activation_bytes` at the peak of the backward pass under
+    `--activation-checkpointing` `checkpointing`, plan/activations.py; without them, each cut's bytes per
+    sample).
 
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
-    share of the master weights and their state; sharded: 1/n of everything plus one layer gathered whole
-    (`largest_layer_bytes`, else the whole model, an upper bound); pipeline: about 1/p of the weights, and
-    activations for as many micro-batches as stages in flight; tensor (`tensor` or `tensor RxT`): the split layers' 1/T and
-    the replicated ones whole, over R groups sharded as `sharded` is, and the activations of its group's batch
-    (all of them, an upper bound: the split layers' are 1/T).
+    share of the master weights and their state; sharded: 1/n of everything plus the weights gathered whole at
+    once (`gathered_bytes`: the root's and two units', else the whole model, an upper bound); pipeline: about
+    1/p of the weights, and activations for as many micro-batches as stages in flight; tensor (`tensor` or
+    `tensor RxT`): the split layers' 1/T and the replicated ones whole, over R groups sharded as `sharded` is,
+    and the activations of its group's batch (all of them, an upper bound: the split layers' are 1/T).
     """
     weights = work.parameter_bytes
     per_sample = peak_bytes(work, checkpointing) if work.activation_bytes else sum(work.boundary_bytes)
@@ -478,9 +481,10 @@ def memory_per_rank(
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     states = held * (2 + optimizer_slots) / (layout.shard * layout.pipeline)
-    # FSDP2 gathers a layer whole: the largest where known, else the model (an upper bound); a pipeline of
-    # shards keeps its stage's weights and their gradients whole through a step (pipeline_shard.py)
-    gathered = (work.largest_layer_bytes or held) if layout.shard > 1 else 0.0
+    # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
+    # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
+    # (pipeline_shard.py)
+    gathered = (work.gathered_bytes or held) if layout.shard > 1 else 0.0
     if layout.shard > 1 and layout.pipeline > 1:
         gathered = held * 2 / layout.pipeline
     return states + gathered + activations

@@ -1,6 +1,6 @@
 """Refuse, before any worker starts, a layout whose ranks cannot hold the model: the cost model's bytes per
 rank (plan/costmodel.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
-gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
+unit's weights gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
 is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
 memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
 holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (plan/activations.py,
@@ -53,18 +53,14 @@ def _gib(nbytes: float) -> str:
 def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, **activations) -> Workload:
     """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine),
     with the `activations` figures of activation_memory.py where they were measured."""
-    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
-    layers = [
-        sum(sizes[id(p)] for p in module.parameters(recurse=False))
-        for module in model.modules()
-        if any(True for _ in module.parameters(recurse=False))
-    ]
+    from ..strategies.units import gathered_bytes, unit_count
+
     return Workload(
         compute_seconds=0.0,
-        parameter_bytes=float(sum(sizes.values())),
+        parameter_bytes=float(sum(p.numel() * p.element_size() for p in model.parameters())),
         batch_size=batch_size,
-        layers=max(1, len(layers)),
-        largest_layer_bytes=float(max(layers, default=0)),
+        layers=unit_count(model),
+        gathered_bytes=gathered_bytes(model),
         split_bytes=split_bytes,
         **activations,
     )

@@ -48,8 +48,10 @@ def parameter_bytes(model: nn.Module) -> int:
 
 
 def parameter_layers(model: nn.Module) -> int:
-    """Modules holding parameters of their own: FSDP2 gathers each separately."""
-    return sum(1 for m in model.modules() if any(p is not None for p in m._parameters.values())) or 1
+    """FSDP2's units, each gathered separately (strategies/units.py)."""
+    from ..strategies.units import unit_count
+
+    return unit_count(model)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ pp x fsdp), a step of `Pipeline.setup` where `--data-parallel shard` makes the s
         --tensor-parallel 2 --data-parallel shard
 
 On a (dp_shard, pp[, tp]) mesh every rank `fully_shard`s each of its stage modules over the dp_shard dimension,
-one unit per layer that holds parameters (sharded.py `shard_layers`), after the tensor plan and activation
+one unit per block, or per layer outside blocks (units.py), after the tensor plan and activation
 checkpointing: the ranks that hold one stage (one tensor slice of it) in every pipeline keep one shard each of
 its weights, gradients and optimizer state, and a model built on the meta device gets storage for those shards
 only (materialise.py). A stage split over tensor ranks is sharded as torchtitan shards its tensor-parallel
@@ -33,7 +33,7 @@ from functools import partial
 import torch
 
 from .mesh import data_submesh
-from .sharded import GATHERED_IN_BF16, mixed_precision, own_tensor, shard_layers
+from .sharded import GATHERED_IN_BF16, mixed_precision, own_tensor, shard_model
 
 
 def _units(stage_modules):
@@ -62,7 +62,7 @@ def shard_stages(strategy) -> None:
             for module in stage.modules():
                 if any(p is not None for p in module._parameters.values()):
                     module.register_forward_hook(own_tensor)
-        shard_layers(stage, **options, **policy)
+        shard_model(stage, **options, **policy)
     for unit in _units(strategy.stage_modules):
         unit.set_gradient_divide_factor(1.0)
         if hasattr(unit, "set_force_sum_reduction_for_comms"):  # a plain sum (gloo has no other)

@@ -24,6 +24,7 @@ from .base import Distributed
 from .holdings import figures, heading, local_bytes, optimizer_slots
 from .mesh import device_mesh
 from .optimizer_state import keep_speed
+from .units import shard_units
 
 
 def _full(**extra):
@@ -33,11 +34,15 @@ def _full(**extra):
 
 
 def own_tensor(module, inputs, output):
-    """An nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C) product, and FSDP2 warns that an
-    in-place op on a view would skip its backward hook. Nothing else holds that product: the layer returns it as a
-    tensor of its own (the same memory and numbers, no copy)."""
+    """A unit whose output is a view (an nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C)
+    product) makes FSDP2 warn that an in-place op on the view would skip its backward hook. Nothing else holds
+    that output: the unit returns it as a tensor of its own (the same memory and numbers, no copy)."""
     if isinstance(output, torch.Tensor) and output._base is not None:
         return torch.ops.aten._unsafe_view(output, output.shape)
+    if isinstance(output, tuple) and type(output) is tuple:  # (nn.MultiheadAttention: output, weights)
+        owned = [own_tensor(module, inputs, item) for item in output]
+        if any(item is not None for item in owned):
+            return tuple(item if new is None else new for item, new in zip(output, owned))
     return None
 
 
@@ -57,23 +62,14 @@ def mixed_precision(precision: str) -> dict:
 GATHERED_IN_BF16 = ", gathered in bf16 for compute (float32 master shards)"
 
 
-def shard_layers(model: nn.Module, **options) -> nn.Module:
-    """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per layer that holds parameters: only one
-    layer's full weights exist at a time. Layers that share a parameter (tied embeddings) stay in the root's unit,
-    which FSDP2 requires of shared weights."""
+def shard_model(model: nn.Module, **options) -> nn.Module:
+    """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per block, or per layer outside blocks
+    (units.py), then the root: only a unit's full weights (and the next one's, prefetched) exist at a time."""
     from torch.distributed.fsdp import fully_shard
 
-    holders = {}
-    for module in model.modules():
-        for parameter in module._parameters.values():
-            if parameter is not None:
-                holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    for module in list(model.modules())[1:]:
-        mine = [p for p in module._parameters.values() if p is not None]
-        if mine and all(holders[id(p)] == 1 for p in mine):
-            if isinstance(module, nn.Linear):
-                module.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
-            fully_shard(module, **options)
+    for _, unit in shard_units(model):
+        unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
+        fully_shard(unit, **options)
     fully_shard(model, **options)
     return model
 
@@ -114,14 +110,14 @@ class Sharded(Distributed):
         return self.shard(model, device_mesh(self.layout, self.device.type, keep=("shard",)))
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
-        """`model` sharded with FSDP2 over `mesh`, one unit per layer that holds parameters: a 1-D mesh shards
+        """`model` sharded with FSDP2 over `mesh`, one unit per block (units.py): a 1-D mesh shards
         over every rank; a 2-D (dp_replicate, dp_shard) one shards within each replica (HSDP)."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         options = {"mesh": mesh, **mixed_precision(self.precision)}
         if self.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        return shard_layers(model, **options)
+        return shard_model(model, **options)
 
     @property
     def overflow_group(self):

@@ -1,6 +1,8 @@
+import pytest
 import torch
 from conftest import tiny_digits
 
+from polytrain.data import load_dataset
 from polytrain.data.augment import crop_and_flip
 from polytrain.data.loader import DeviceLoader, global_batch_order, make_loaders, rank_slice
 
@@ -105,3 +107,17 @@ def test_augmentation_is_the_same_on_any_device_count(digits):
     assert torch.equal(torch.cat([p.x for p in parts]), whole.x)
     plain = next(loader(digits, batch_size=64).train_batches(0))
     assert not torch.equal(plain.x, whole.x)
+
+
+@pytest.mark.parametrize("world_size, accumulate, per_pass", [(1, 1, 8), (2, 1, 4), (3, 1, 3), (2, 2, 2)])
+def test_validation_of_text_reads_no_more_per_rank_than_a_training_pass(world_size, accumulate, per_pass):
+    """A language model's validation holds its scores over the vocabulary for every sample it reads: by default it
+    reads a training pass's share of the batch, so it never needs more memory than training."""
+    data = load_dataset("shakespeare", context=16)
+    for rank in range(world_size):
+        train, val = make_loaders(
+            data, batch_size=8, device="cpu", rank=rank, world_size=world_size, accumulate=accumulate
+        )
+        assert max(len(batch.x) for batch in val.eval_batches()) == per_pass
+    _, val = make_loaders(data, batch_size=8, device="cpu", eval_batch_size=32)
+    assert len(next(iter(val.eval_batches())).x) == 32  # as asked

@@ -72,7 +72,8 @@ class DataSettings:
     augment: Optional[bool] = setting(
         None,
         "random crop (4-pixel shifts), plus mirroring for cifar10, as batched "
-        "ops on the device (default: on for cifar10, off for digits)",
+        "ops on the device (default: on for cifar10 with polytrain's models, off for "
+        "digits and for a module of your own)",
         group="data",
         flag="toggle",
     )
@@ -92,8 +93,9 @@ class DataSettings:
     )
     eval_batch_size: Optional[int] = setting(
         None,
-        "validation batch per device (default: the larger of --batch-size "
-        "and 1024; of --batch-size and 256 for train=/val= Datasets)",
+        "validation batch per device (default: a training pass's share of "
+        "--batch-size for text and train=/val= Datasets, so validation holds "
+        "less than training; for in-memory images the larger of --batch-size and 1024)",
         group="data",
         metavar="N",
         check="count",

@@ -94,6 +94,13 @@ class DeviceLoader:
         return crop_and_flip(images, offsets[rows].to(self.device), flips[rows].to(self.device), pad=pad)
 
 
+def training_pass(batch_size: int, world_size: int, accumulate: int = 1) -> int:
+    """The most samples one rank computes in one training pass: its slice of the global batch (the first ranks
+    take one more where it does not divide), over `accumulate` passes."""
+    per_rank = -(-batch_size // world_size)
+    return max(1, -(-per_rank // accumulate))
+
+
 def make_loaders(
     dataset,
     *,
@@ -105,10 +112,18 @@ def make_loaders(
     augment: Optional[bool] = None,
     channels_last: bool = False,
     eval_batch_size: Optional[int] = None,
+    accumulate: int = 1,
 ):
     """Training and validation loaders: device-resident for an in-memory dataset (normalised with the training
     set's per-channel statistics) and for text (token windows, text.py), loader processes for `Dataset`s (see
-    stream.py)."""
+    stream.py). Validation reads `eval_batch_size` samples per rank in each pass; by default, for text and
+    `Dataset`s, as many as a training pass of this rank (its slice of the global batch over `accumulate`
+    passes), so validation, which keeps no activations for a backward pass, holds less than training does
+    (a language model's scores over the vocabulary grow with every sample); for in-memory images the larger
+    of the global batch and 1024."""
+    streamed = getattr(dataset, "kind", None) == "language" or isinstance(dataset, DatasetPair)
+    if eval_batch_size is None and streamed:
+        eval_batch_size = training_pass(batch_size, world_size, accumulate)
     if getattr(dataset, "kind", None) == "language":
         from .text import make_token_loaders
 

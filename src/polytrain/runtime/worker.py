@@ -57,6 +57,9 @@ class Job:
     # False: the caller does not take the trained weights back (the command line: they are in the run folder),
     # so a split model is never gathered whole onto one rank
     return_weights: bool = True
+    # True: train `model` itself, the caller's object (one device in the caller's process), as a hand-written
+    # loop does; False: a copy (a spawned worker's own, or one that leaves the caller's model as it was)
+    in_place: bool = False
 
 
 @dataclass
@@ -216,6 +219,7 @@ def _make_loaders(job: Job, strategy, device):
         augment=config.augment,
         channels_last=strategy.channels_last,
         eval_batch_size=config.eval_batch_size,
+        accumulate=config.accumulate,
     )
 
 
@@ -224,7 +228,8 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     loop (None for other models)."""
     config = job.config
     # Spawned workers receive the model's tensors in memory shared between processes: each worker must
-    # train its own copy, or every rank's optimizer would step the same storage.
+    # train its own copy, or every rank's optimizer would step the same storage. One device in the caller's
+    # process trains the caller's object itself where asked (runtime/own_module.py).
     recipe = (job.optim or make_recipe(config)).grouped(job.model)  # groups laid out over the whole model
     # a LightningModule's self.trainer answers in configure_optimizers; its loop runs on every rank
     module_loop = plan_loop(
@@ -236,9 +241,8 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
         world_size=world,
     )
     strategy.schedule_per_step = recipe.per_step
-    strategy.setup(
-        copy.deepcopy(job.model), recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch)
-    )
+    model = job.model if job.in_place else copy.deepcopy(job.model)
+    strategy.setup(model, recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch))
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)
     return module_loop

@@ -387,6 +387,46 @@ def test_file_values_read_as_flags_read_them(tmp_path):
     assert (config.seed, config.lr, config.logger, config.compile) == (7, 0.2, "csv", False)
 
 
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "run.json",
+            json.dumps(
+                {"versions": {}, "strategy": "tensor", "tensor_plan": {"1": "colwise", "3": "rowwise"}}
+            ),
+        ),
+        ("run.toml", 'strategy = "tensor"\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n'),
+        ("run.toml", 'strategy = "tensor"\n[tensor]\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n'),
+    ],
+    ids=["config.json", "toml", "toml-group"],
+)
+def test_a_tensor_plan_table_in_a_file_is_the_settings_value(tmp_path, name, text):
+    """tensor_plan takes a table (a run's config.json records the plan a run was given): it is the setting's
+    value, not a group of settings."""
+    path = tmp_path / name
+    path.write_text(text)
+    assert config_of(["--config", path]).tensor_plan == {"1": "colwise", "3": "rowwise"}
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_run_with_its_own_plan_repeats_from_its_config_json(tmp_path):
+    from polytrain.checkpoint import read_weights
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    polytrain.fit(
+        "mlp", "synthetic", synthetic_size=128, synthetic_shape=(1, 8, 8), devices=2, strategy="tensor",
+        tensor_plan={"1": "colwise", "3": "rowwise"}, batch_size=32, max_steps=2, out=str(first), verbose=False,
+    )  # fmt: skip
+    assert json.loads((first / "config.json").read_text())["tensor_plan"] == {"1": "colwise", "3": "rowwise"}
+    result = polytrain_here(None, "train", "--config", first / "config.json", "--out", second)
+    assert result.returncode == 0, result.stderr
+    weights = [read_weights(folder / "model.pt") for folder in (first, second)]
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
+
+
 def test_fit_refuses_per_device_and_global_batch_together():
     with pytest.raises(UserError, match="give either batch_size="):
         polytrain.fit("lenet", batch_size=64, per_device_batch_size=32)

@@ -157,13 +157,21 @@ def _example(name: str) -> str:
     return "[" + ", ".join((meta.metavar or "A,B").split(",")) + "]"
 
 
+def _takes_table(key: str) -> bool:
+    """Whether the setting `key` names takes a table as its value (tensor_plan), rather than being a group."""
+    field = TrainConfig.__dataclass_fields__.get(key.replace("-", "_"))
+    return field is not None and "dict" in str(field.type)
+
+
 def _flatten(raw: dict, path: Path):
     """(key, value) pairs, with the tables named for a group (`[optimisation]`) opened."""
     tables = {name.replace("-", "_") for name in GROUPS}
     for key, value in raw.items():
-        if isinstance(value, dict) and key.replace("-", "_") in tables:
+        if isinstance(value, dict) and _takes_table(key):  # a setting's own value (tensor_plan)
+            yield key, value
+        elif isinstance(value, dict) and key.replace("-", "_") in tables:
             for inner, inner_value in value.items():
-                if isinstance(inner_value, dict):
+                if isinstance(inner_value, dict) and not _takes_table(inner):
                     raise UserError(
                         f"--config {path}: [{key}.{inner}] nests too deep; settings sit at the top "
                         f"level or in one table per group"

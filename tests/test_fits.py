@@ -50,7 +50,7 @@ def test_the_8b_preset_is_refused_with_the_figures_and_the_settings_that_fit(lla
 def test_more_devices_are_named_where_sharding_over_these_is_not_enough(llama_8b, monkeypatch):
     line = refusal(llama_8b, monkeypatch, available_gib=20, strategy="sharded", devices=2)
     # 8 x 20 GiB: each holds 1/8 of 119.7 GiB, the 1.96 GiB embedding and head, 18.9 GiB
-    assert "--strategy sharded --devices 8 or more" in line and "--strategy sharded (" not in line
+    assert "--strategy sharded --devices 8 (18.9 GiB per rank" in line and "--strategy sharded (" not in line
 
 
 def test_a_layout_that_fits_passes(llama_8b, monkeypatch):
@@ -104,7 +104,8 @@ def test_a_pipeline_is_counted_by_its_stages_and_whether_its_replicas_shard(
         replicas=replicas,
     )
     assert f"needs at least {PARAMETERS_8B * bytes_per_parameter / GIB:,.1f} GiB" in line, line
-    assert "--strategy sharded (" in line  # every layout that is not one copy sharded over all 8 ranks
+    # sharding over all 8 ranks would not fit in 1 GiB either: named as the closest, not proposed
+    assert "nothing fits: even --strategy sharded" in line and "; use --strategy" not in line
 
 
 def test_hybrid_sharding_is_counted_by_its_shard_groups_and_names_sharding_over_every_rank(
@@ -128,3 +129,54 @@ def test_a_pipeline_of_tensor_ranks_holds_its_slices_of_the_split_layers(llama_8
 
     # the same 2 stages, each rank with half of the split layers (all but the embeddings and norms)
     assert needed(whole) / 2 < needed(split) < needed(whole) * 0.6, (whole, split)
+
+
+def proposals(line: str) -> list:
+    """(settings, GiB per rank) of each setting the refusal proposes."""
+    found = []
+    for part in line.split("; use ", 1)[1].split(";")[0].split("; or "):
+        flags, figure = part.split(" (", 1)
+        words = flags.replace("--", "").split()
+        settings = {key.replace("-", "_"): value for key, value in zip(words[::2], words[1::2])}
+        found.append((settings, float(figure.split(" GiB")[0].replace(",", ""))))
+    return found
+
+
+@pytest.mark.parametrize("available_gib", [2.8, 40, 100])
+def test_only_what_the_check_itself_finds_would_fit_is_proposed(llama_8b, monkeypatch, available_gib):
+    """Llama 3 8B at its context of 8192 on 8 sharded ranks with the activations counted: more shards do not shrink
+    a rank's activations, and a global batch of 8 cannot be split over more than 8 ranks; every setting proposed
+    passes the same check, with the figure it gives."""
+    from polytrain.data import load_dataset
+
+    dataset = load_dataset("shakespeare", context=8192)
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: available_gib * GIB)
+    settings = dict(model="llama", strategy="sharded", devices=8, batch_size=8)
+    with pytest.raises(UserError) as caught:
+        fits.check_fits(
+            TrainConfig(**settings),
+            llama_8b,
+            "sharded",
+            name="llama",
+            device=torch.device("cpu"),
+            slots=2,
+            dataset=dataset,
+        )
+    line = str(caught.value)
+    assert "of activations with --activation-checkpointing none" in line and "--devices 16" not in line
+    if available_gib == 2.8:
+        assert "nothing fits: even --activation-checkpointing full needs" in line and "; use --" not in line
+        return
+    found = proposals(line)
+    assert found and all(gib <= available_gib for _, gib in found), line
+    for proposed, _ in found:
+        config = TrainConfig(**dict(settings, **proposed))
+        fits.check_fits(
+            config,
+            llama_8b,
+            config.strategy,
+            name="llama",
+            device=torch.device("cpu"),
+            slots=2,
+            dataset=dataset,
+        )

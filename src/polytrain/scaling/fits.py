@@ -119,16 +119,24 @@ def check_fits(
     config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int, dataset=None
 ) -> None:
     """One line, before any worker starts, where each rank of `strategy` on `config.devices` would need more
-    memory than it has: the figures, and the settings that would make it fit. With `dataset`, the activations
-    of each rank's slice of the batch are counted."""
+    memory than it has: the figures, and only settings that the same count shows would fit, each with its
+    figure. With `dataset`, the activations of each rank's slice of the batch are counted."""
     devices = config.devices
     layout = layout_for(config, strategy) or layout_of_label(strategy, devices)
     split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
     activations = measured_activations(model, dataset, device)
+    accumulate = getattr(config, "accumulate", 1) or 1
     work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
     label = strategy if devices > 1 else "single"
     mode = getattr(config, "activation_checkpointing", "none") or "none"
-    needed = memory_per_rank(work, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout)
+
+    def needs(work_label, n, checkpointing, passes, on_layout=None) -> float:
+        passed = dataclasses.replace(work, batch_size=max(1, math.ceil(config.batch_size / passes)))
+        return memory_per_rank(
+            passed, work_label, n, optimizer_slots=slots, checkpointing=checkpointing, layout=on_layout
+        )
+
+    needed = needs(label, devices, mode, accumulate, layout)
     available = available_per_rank(device, devices)
     if needed <= available:
         return
@@ -137,35 +145,76 @@ def check_fits(
         if device.type == "cuda"
         else f"the host's available memory / {devices} process{'es' * (devices > 1)}"
     )
-    fixes = []
-    if layout.shard < devices:  # not yet every rank a shard of one copy
-        sharded = memory_per_rank(work, "sharded", devices, optimizer_slots=slots, checkpointing=mode)
-        fixes.append(f"--strategy sharded ({_gib(sharded)} per rank)")
-    more = next(
-        (
-            n
-            for n in (2**k for k in range(1, 17))
-            if n > devices
-            and memory_per_rank(work, "sharded", n, optimizer_slots=slots, checkpointing=mode) <= available
-        ),
-        None,
+    fixes = _fixes(
+        needs,
+        available,
+        label=label,
+        layout=layout,
+        devices=devices,
+        mode=mode,
+        accumulate=accumulate,
+        batch_size=config.batch_size,
+        known=bool(work.activation_bytes),
     )
-    if more is not None:
-        fixes.append(f"--strategy sharded --devices {more} or more (with as much memory per device)")
-    else:
-        fixes.append("more memory per device: even sharded over 65536 devices it does not fit")
-    held, lower = "before activations", "; the activations come on top"
+    held = "before activations"
+    lower = "; the activations come on top; --activation-checkpointing full and --precision bf16 lower them"
     if work.activation_bytes:
         weights_only = dataclasses.replace(work, activation_bytes=0.0)
         per_rank = needed - memory_per_rank(
             weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
         )
         held, lower = f"{_gib(per_rank)} of activations with --activation-checkpointing {mode}", ""
-    if mode != "full":
-        lower += "; --activation-checkpointing full and --precision bf16 lower the activations"
     raise UserError(
         f"{name} ({sum(p.numel() for p in model.parameters()) / 1e9:,.2f}B parameters) "
         f"does not fit --strategy {strategy} on {devices} device(s): each rank needs at least "
         f"{_gib(needed)} (parameters, gradients and {slots} optimizer slot(s) per parameter, "
-        f"{held}), and has {_gib(available)} ({where}); use {'; or '.join(fixes)}{lower}"
+        f"{held}), and has {_gib(available)} ({where}); {fixes}{lower}"
+    )
+
+
+def _fixes(needs, available, *, label, layout, devices, mode, accumulate, batch_size, known) -> str:
+    """The settings that fit by the same count, fewest changes first (at most three, each with its figure), or
+    what the closest of them would still need. `needs(label, devices, checkpointing, passes, layout)` counts."""
+    modes = [mode] if mode == "full" or not known else [mode, "full"]
+    # more devices split the global batch further (activations) and the shards: at most one sample per rank
+    counts = [n for n in (2**k for k in range(1, 17)) if devices < n <= batch_size]
+    tried = []  # (flags, bytes per rank)
+    for checkpointing in modes:
+        flag = [] if checkpointing == mode else [f"--activation-checkpointing {checkpointing}"]
+        if checkpointing != mode:
+            tried.append((flag, needs(label, devices, checkpointing, accumulate, layout)))
+        if layout.shard < devices:  # not yet every rank a shard of one copy
+            tried.append(
+                (["--strategy sharded", *flag], needs("sharded", devices, checkpointing, accumulate))
+            )
+        per_rank = math.ceil(batch_size / devices)
+        for passes in (2**k for k in range(1, 17)) if known else ():  # smaller passes hold fewer activations
+            if accumulate < passes <= per_rank:
+                cost = needs("sharded", devices, checkpointing, passes)
+                tried.append((["--strategy sharded", *flag, f"--accumulate {passes}"], cost))
+                if cost <= available:
+                    break
+        for n in counts:
+            cost = needs("sharded", n, checkpointing, accumulate)
+            tried.append(([f"--strategy sharded --devices {n}", *flag], cost))
+            if cost <= available:
+                break
+    fitting = sorted(
+        ((len(flags), cost, flags) for flags, cost in tried if cost <= available), key=lambda row: row[:2]
+    )
+    seen, lines = set(), []
+    for _, cost, flags in fitting:
+        words = " ".join(flags)
+        if words not in seen and len(lines) < 3:
+            seen.add(words)
+            more = ", with as much memory per device" if "--devices" in words else ""
+            lines.append(f"{words} ({_gib(cost)} per rank{more})")
+    if lines:
+        return "use " + "; or ".join(lines)
+    flags, cost = min(tried, key=lambda row: row[1]) if tried else ([], math.inf)
+    if not flags:
+        return "use more memory per device"
+    return (
+        f"nothing fits: even {' '.join(flags)} needs {_gib(cost)} per rank; use more memory per device, "
+        f"a smaller --batch-size or --context, or a smaller model"
     )

@@ -93,6 +93,15 @@ def test_a_module_without_validation_step_trains_without_validation(data):
     history = polytrain.fit(TrainOnly(), train=data[0], val=data[1], **SETTINGS)
     assert [sorted(key for key in record if key.startswith("val_")) for record in history.epochs] == [[], []]
     assert history.best == {} and history.validations == []
+    # and needs no val= (a module with validation_step still does)
+    with_val, without = TrainOnly(), TrainOnly()
+    polytrain.fit(with_val, train=data[0], val=data[1], **SETTINGS)
+    alone = polytrain.fit(without, train=data[0], **SETTINGS)
+    assert alone["train_loss"] == history["train_loss"] and alone.validations == []
+    for name, value in with_val.state_dict().items():
+        assert torch.equal(without.state_dict()[name], value), name
+    with pytest.raises(UserError, match="val= is missing; pass both train= and val= Datasets"):
+        polytrain.fit(LitRecorder(), train=data[0], **SETTINGS)
     for options, words in ((dict(patience=2), "patience="), (dict(val_every=2), "val_every=")):
         with pytest.raises(
             UserError, match=f"{words} needs validation, and the LightningModule has no validation_step"
@@ -103,6 +112,10 @@ def test_a_module_without_validation_step_trains_without_validation(data):
 class UncalledHook(TrainOnly):
     def on_after_backward(self):
         pass
+
+
+class ManualOptimisation(TrainOnly):
+    automatic_optimization = False
 
 
 class SummedLog(TrainOnly):
@@ -117,12 +130,81 @@ class SummedLog(TrainOnly):
     [
         (UncalledHook, "UncalledHook.on_after_backward: polytrain does not call this LightningModule hook"),
         (SummedLog, "self.log('tokens', ..., reduce_fx='sum'): polytrain records the epoch's mean"),
+        (ManualOptimisation, "ManualOptimisation sets automatic_optimization = False (manual optimisation)"),
     ],
 )
 def test_what_polytrain_would_not_do_as_lightning_is_refused_in_one_line(data, module, words):
     with pytest.raises(UserError) as error:
         polytrain.fit(module(), train=data[0], val=data[1], **SETTINGS)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+class ManualWarmup(TrainOnly):
+    """The usual pattern of a learning rate set by hand: a linear warm-up over the first 3 steps, written in
+    training_step through self.optimizers(); what self.trainer.optimizers and self.lr_schedulers() give is
+    recorded at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch_ends = []
+
+    def training_step(self, batch, batch_idx):
+        for group in self.optimizers().param_groups:
+            group["lr"] = 0.5 * min(1.0, (self.global_step + 1) / 3)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self):
+        optimizer = self.trainer.optimizers[0]
+        self.epoch_ends.append((optimizer.param_groups[0]["lr"], self.lr_schedulers(), self.global_step))
+
+
+def warmup_by_hand(data, epochs: int = 2, batch_size: int = 16) -> dict:
+    """SGD with the learning rate 0.5 * min(1, (step + 1) / 3), on polytrain's global batches of each epoch."""
+    model = TokenModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = 0
+    for epoch in range(epochs):
+        order = global_batch_order(len(data), epoch=epoch, seed=0)
+        for start in range(0, len(data), batch_size):
+            items = [data[int(i)] for i in order[start : start + batch_size]]
+            batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+            for group in optimizer.param_groups:
+                group["lr"] = 0.5 * min(1.0, (step + 1) / 3)
+            optimizer.zero_grad()
+            total, count = model(**batch)["loss"]
+            (total / count).backward()
+            optimizer.step()
+            step += 1
+    return model.state_dict()
+
+
+def assert_weights_equal(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            got[name], value, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_a_learning_rate_set_by_hand_through_self_optimizers_is_kept(data):
+    model = ManualWarmup()
+    polytrain.fit(model, train=data[0], **SETTINGS)
+    assert model.epoch_ends == [(0.5, None, 4), (0.5, None, 8)]
+    assert (model.global_step, model.current_epoch) == (8, 2)  # the object trained: as Lightning leaves them
+    assert_weights_equal(model.state_dict(), warmup_by_hand(data[0]))
+
+
+class StepScheduled(token_data.LitTokens):
+    """LitTokens (StepLR stepped per step) reading its scheduler back at the end."""
+
+    def on_train_end(self):
+        self.last = (self.lr_schedulers().last_epoch, self.trainer.lr_scheduler_configs[0].interval)
+
+
+def test_self_lr_schedulers_is_the_scheduler_that_steps(data):
+    model = StepScheduled()
+    polytrain.fit(model, train=data[0], val=data[1], **SETTINGS)
+    assert model.last == (8, "step")
 
 
 @pytest.mark.multiprocess
@@ -202,6 +284,39 @@ def test_lightning_itself_runs_the_same_loop_and_logs_the_same_means(data):
     for ours, theirs in zip(history.epochs, figures.epochs):
         for key in ("train_acc", "val_acc", "val_loss"):
             assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
+def test_lightning_itself_trains_the_manual_warm_up_alike(data):
+    """Lightning's own self.optimizers() (through trainer.strategy) on polytrain's stand-in, and the module
+    after fit: its global_step and current_epoch, and its weights, as Lightning leaves them."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class LitWarmup(ManualWarmup, pl.LightningModule):
+        pass
+
+    def collate(items):
+        return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+    theirs = LitWarmup()
+    pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(
+        theirs,
+        torch.utils.data.DataLoader(
+            data[0], batch_size=16, sampler=EpochOrder(len(data[0])), collate_fn=collate
+        ),
+    )
+    ours = LitWarmup()
+    polytrain.fit(ours, train=data[0], **SETTINGS)
+    assert (ours.global_step, ours.current_epoch) == (theirs.global_step, theirs.current_epoch) == (8, 2)
+    assert ours.epoch_ends == theirs.epoch_ends
+    assert_weights_equal(ours.state_dict(), theirs.state_dict())
+    assert_weights_equal(ours.state_dict(), warmup_by_hand(data[0]))
 
 
 def test_monitor_may_name_what_validation_step_logs(data, tmp_path):

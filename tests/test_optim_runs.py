@@ -53,6 +53,38 @@ def test_python_objects_are_recorded_by_name_and_defaults_are_stated_once(tmp_pa
     assert recorded["schedule"] == "StepLR(step_size=1, gamma=0.5) (from Python)"
 
 
+def constant_sgd_by_hand(data, *, lr: float, epochs: int, batch_size: int) -> dict:
+    """torch.optim.SGD at a constant `lr` over polytrain's global batches of normalised images."""
+    from polytrain.data.order import global_batch_order
+
+    model = module()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    mean, std = data.channel_stats()
+    images = (data.train_x.float() / 255 - mean.reshape(1, -1, 1, 1)) / std.reshape(1, -1, 1, 1)
+    for epoch in range(epochs):
+        order = global_batch_order(len(images), epoch=epoch, seed=0)
+        for start in range(0, len(images), batch_size):
+            index = order[start : start + batch_size]
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(images[index]), data.train_y[index]).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def test_an_optimizer_of_the_users_without_a_schedule_keeps_its_learning_rate(capsys):
+    data = tiny_digits(n_train=64, n_val=16)
+    model = module()
+    history = polytrain.fit(
+        model, data, optimizer=torch.optim.SGD, lr=0.5, epochs=2, batch_size=32, device="cpu"
+    )
+    assert (
+        "optimizer: SGD (lr 0.5; torch's defaults otherwise); schedule: none (a constant learning rate)"
+        in capsys.readouterr().out
+    )
+    assert history["lr"] == [0.5, 0.5]
+    assert_same_weights(model.state_dict(), constant_sgd_by_hand(data, lr=0.5, epochs=2, batch_size=32))
+
+
 # Without a warm-up, Adam's first updates are about lr * sign(gradient), so rounding flips the sign of tiny
 # gradients between layouts (3e-3 apart after 6 steps); --eps 1e-4 makes those updates proportional (1e-7).
 # Leaving the decay on the one-dimension tensors would move them by 2e-5 to 1e-3.

@@ -8,6 +8,7 @@ history = polytrain.fit(my_module, my_dataset, devices=2, strategy="data")   # o
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch.nn as nn
@@ -22,10 +23,11 @@ from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
-from .optim import make_recipe, take_objects
+from .optim import make_recipe, take_objects, unscheduled_objects
 from .runtime.hostenv import launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
-from .runtime.launch import check_devices
+from .runtime.launch import check_devices, spawns_workers
+from .runtime.own_module import attributes_kept, left_as_given, trains_in_place, workers_note
 from .runtime.phases import (
     announce_recipe,
     check_precision,
@@ -35,6 +37,7 @@ from .runtime.phases import (
     prepare_data,
     prepare_model,
     prepare_run_dir,
+    settle_augmentation,
     settle_strategy,
     train_in_folder,
     under_launcher,
@@ -74,10 +77,13 @@ def train_run(
     """Validate everything, prepare the run folder, then train on `config.devices` devices: the phases below,
     in order, each a function of its own. Returns (history, model with the trained weights, run folder or None);
     `return_weights=False` (the command line, whose run folder holds them) leaves the model as it was given.
+    A module of the caller's that trains on one device in this process is trained itself, from the object as
+    it was given: the checks that run it on samples leave its attributes as they were (runtime/own_module.py).
     """
     launcher = launcher_env()
     config, resume_dir = under_launcher(config, launcher, resume_dir)
     shout = verbose and (launcher is None or launcher.rank == 0)  # one process prints the notes
+    own = isinstance(model, nn.Module)  # the caller's object (not a name, not a function that builds one)
     model = from_factory(model)  # a function that builds the model: built on the meta device
     strategy = resolve_strategy_name(config.strategy, config.devices)
     # under srun each task may see only the GPU it is bound to
@@ -85,37 +91,46 @@ def train_run(
         config.devices if launcher is None else 1 if launcher.rendezvous else launcher.local_world_size,
         config.device,
     )
-    data, train, val = split_data(data, train, val)
-    dataset, objective = prepare_data(
-        config, model, data, train, val, loss=loss, metrics=metrics, step=step, eval_step=eval_step, shout=shout
-    )  # fmt: skip
-    module, registry_model = prepare_model(
-        config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
+    with attributes_kept(model if own else None):  # the checks run the caller's module on samples
+        data, train, val = split_data(
+            data, train, val, validates=eval_step is not None or getattr(step, "validates", True)
+        )
+        dataset, objective = prepare_data(
+            config, model, data, train, val, loss=loss, metrics=metrics, step=step, eval_step=eval_step, shout=shout
+        )  # fmt: skip
+        module, registry_model = prepare_model(
+            config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
+        )
+        config = settle_augmentation(config, dataset, registry_model=registry_model, shout=shout)
+        steps_per_epoch = -(-dataset.num_train // config.batch_size)
+        objective = check_the_objective(config, module, objective, dataset, strategy, steps_per_epoch)
+        recipe = make_recipe(
+            config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups
+        ).checked(module, staleness=config.staleness or 0)
+        check_spawnable(
+            strategy, config, module, recipe, registry_model=registry_model, loss=loss, metrics=metrics,
+            train=train, val=val, logger=tuple(loggers) or None, callbacks=tuple(callbacks) or None, step=step,
+            eval_step=eval_step,
+        )  # fmt: skip
+        device = choose_device(config.device, launcher.local_rank if launcher else 0)
+        check_precision(config, device, shout=shout)
+        channels_last = choose_channels_last(config, module, dataset, registry_model=registry_model)
+        config, strategy = settle_strategy(
+            config, strategy, module, dataset, objective, device=device, channels_last=channels_last,
+            launcher=launcher, shout=shout,
+        )  # fmt: skip
+        name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
+        check_fits(
+            config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset
+        )
+        plan = make_plan(strategy, config, module, dataset, device=device)
+    in_place = trains_in_place(
+        module if own else None, strategy=strategy, devices=config.devices, launched=launcher is not None
     )
-    steps_per_epoch = -(-dataset.num_train // config.batch_size)
-    objective = check_the_objective(config, module, objective, dataset, strategy, steps_per_epoch)
-    recipe = make_recipe(config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups).checked(
-        module, staleness=config.staleness or 0
-    )
-    check_spawnable(
-        strategy, config, module, recipe, registry_model=registry_model, loss=loss, metrics=metrics,
-        train=train, val=val, logger=tuple(loggers) or None, callbacks=tuple(callbacks) or None, step=step,
-        eval_step=eval_step,
-    )  # fmt: skip
-    device = choose_device(config.device, launcher.local_rank if launcher else 0)
-    check_precision(config, device, shout=shout)
-    channels_last = choose_channels_last(config, module, dataset, registry_model=registry_model)
-    config, strategy = settle_strategy(
-        config, strategy, module, dataset, objective, device=device, channels_last=channels_last,
-        launcher=launcher, shout=shout,
-    )  # fmt: skip
-    name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
-    check_fits(
-        config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset
-    )
-    plan = make_plan(strategy, config, module, dataset, device=device)
     if shout:
         announce_recipe(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs)
+        if own and return_weights and spawns_workers(strategy, config.devices):
+            print(workers_note(module, config.devices), flush=True)
     run_dir, fresh = prepare_run_dir(
         config, resume_dir, launcher, keep_files=keep_files, strategy=strategy, plan=plan,
         run_settings=dict(
@@ -137,14 +152,16 @@ def train_run(
         loggers=tuple(loggers),
         callbacks=tuple(callbacks),
         optim=recipe,
-        return_weights=return_weights,
+        return_weights=return_weights and not in_place,  # trained in place: the weights are in it
+        in_place=in_place,
     )
-    result = train_in_folder(
-        job, run_dir, fresh=fresh, resumed=resume_dir is not None, launched=bool(launcher)
-    )
+    with left_as_given(module) if in_place else contextlib.nullcontext():
+        result = train_in_folder(
+            job, run_dir, fresh=fresh, resumed=resume_dir is not None, launched=bool(launcher)
+        )
     if result is None:  # (a rank other than 0 under a launcher)
         return None, module, run_dir
-    if return_weights:
+    if return_weights and not in_place:
         give_values(module, device="cpu", seed=config.seed).load_state_dict(result.weights)
     if verbose and result.history.stopped:  # early stopping, or a callback
         print(result.history.stopped + (f"; run folder {run_dir}" if run_dir else ""), flush=True)
@@ -196,9 +213,13 @@ def fit(
     bring its own defaults for those not given (`"gpt"`: AdamW, cosine, ...; printed; `epochs=` is 5 otherwise).
     `optimizer=` also takes a torch.optim class or fn(params_or_groups) -> Optimizer, `scheduler=` an
     lr_scheduler class or fn(optimizer) -> scheduler (or {"scheduler": s, "interval": "step"|"epoch"}),
-    `param_groups=fn(name, parameter) -> dict` of group options (equal dicts share a group). The module is
-    trained in place. With `devices > 1` the module, data and loss are pickled to the worker processes:
-    define them in an importable module (not a notebook cell, not a lambda) so the workers can unpickle them.
+    `param_groups=fn(name, parameter) -> dict` of group options (equal dicts share a group); an optimizer
+    object with neither `scheduler=` nor `schedule=` trains at a constant learning rate, without warm-up.
+    On one device the module itself is trained, as a hand-written loop trains it (what `forward` or a
+    LightningModule sets on it stays); with `devices > 1` the module, data and loss are pickled to the worker
+    processes, each trains a copy, and only the weights and buffers come back into the module (a start line
+    says so): define them in an importable module (not a notebook cell, not a lambda) so the workers can
+    unpickle them.
     `callbacks=[obj, ...]`: objects with any of `on_fit_start`, `on_epoch_start`, `on_step_end`,
     `on_validation_end`, `on_epoch_end`, `on_fit_end`, each called as `hook(trainer)` on the main rank (a
     Keras-style `on_epoch_end(self, epoch, logs=None)` gets the epoch index and the epoch's figures, a
@@ -220,6 +241,7 @@ def fit(
                 model, step=step, eval_step=eval_step, optimizer=optimizer, scheduler=scheduler
             )
         optimizer, scheduler = take_objects(settings, optimizer, scheduler)  # objects out, names in
+        unscheduled_objects(settings, optimizer, scheduler)  # your optimizer, no schedule: a constant rate
         if "per_device_batch_size" in settings and "batch_size" in settings:
             raise ConfigError("give either batch_size= (global) or per_device_batch_size=, not both")
         values = dict(settings, devices=devices, strategy=strategy)

@@ -33,8 +33,9 @@ def is_torch_dataset(value) -> bool:
     )
 
 
-def split_data(data, train, val):
-    """(data, train, val) with `data=(train_ds, val_ds)` read as train= and val=; one form at a time."""
+def split_data(data, train, val, *, validates: bool = True):
+    """(data, train, val) with `data=(train_ds, val_ds)` read as train= and val=; one form at a time. A run
+    that never validates (`validates=False`: a LightningModule without validation_step) needs no val=."""
     if train is None and val is None:
         if isinstance(data, (tuple, list)) and len(data) == 2 and all(map(is_torch_dataset, data)):
             return None, data[0], data[1]
@@ -48,12 +49,12 @@ def split_data(data, train, val):
         raise UserError(
             "give data either as data= (a name, an ArrayDataset or 4 tensors) or as train= and val=, not both"
         )
-    if train is None or val is None:
+    if train is None or (val is None and validates):
         raise UserError(
             f"{'val' if val is None else 'train'}= is missing; pass both train= and val= Datasets"
         )
     for name, value in (("train", train), ("val", val)):
-        if not is_torch_dataset(value):
+        if value is not None and not is_torch_dataset(value):
             raise UserError(
                 f"{name}= must be a torch.utils.data.Dataset (with __getitem__ and __len__), "
                 f"got {type(value).__name__}"

@@ -7,14 +7,18 @@ redirecting the module's `forward` to the step for the call, as Lightning does, 
 batch size, over all ranks, as Lightning's on_epoch=True) joins the epoch's record, metrics.jsonl and the loggers,
 beside polytrain's own figures (a name the record already has, such as train_loss, keeps polytrain's exact
 figure); a `validation_step` that returns nothing is read from what it logged as `val_loss` (or the one logged
-name that ends in `loss`). A module without `validation_step` trains without validation, as in Lightning.
-`self.global_step`, `self.current_epoch` and `self.trainer` (a stand-in answering `max_epochs`,
-`estimated_stepping_batches`, `should_stop`, ...) advance as in Lightning; the hooks `on_fit_start`,
-`on_train_start`, `on_train_epoch_start`, `on_validation_start`, `on_validation_epoch_start`,
+name that ends in `loss`). A module without `validation_step` trains without validation and without `val=`, as
+in Lightning. `self.global_step`, `self.current_epoch` and `self.trainer` (a stand-in answering `max_epochs`,
+`estimated_stepping_batches`, `should_stop`, `optimizers`, `lr_scheduler_configs`, `strategy`, ...) advance as
+in Lightning, and `self.optimizers()` and `self.lr_schedulers()` give the optimizer and scheduler the strategy
+steps (a module that sets its learning rate itself keeps it: without a scheduler none is stepped); the hooks
+`on_fit_start`, `on_train_start`, `on_train_epoch_start`, `on_validation_start`, `on_validation_epoch_start`,
 `on_validation_epoch_end`, `on_validation_end`, `on_train_epoch_end`, `on_train_end` and `on_fit_end` are called
-on the copy being trained, on every rank; a module that defines a hook polytrain does not call is refused.
-`configure_optimizers` may return an optimizer, ([optimizers], [schedulers]) or Lightning's dict; polytrain builds the same optimizer over the
-parameters its strategy trains (one optimizer: several need manual optimisation, which is refused).
+on the module being trained (the caller's own object on one device in this process, a copy in each worker
+process), on every rank; a module that defines a hook polytrain does not call is refused.
+`configure_optimizers` may return an optimizer, ([optimizers], [schedulers]) or Lightning's dict; polytrain
+builds the same optimizer over the parameters its strategy trains (one optimizer: several need manual
+optimisation, which is refused, as is `automatic_optimization = False`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..callbacks import Callback
 from ..checkpoint import planned_steps
 from ..data.order import rows
 from ..errors import UserError
-from .lightning_state import Logged, LoopState, attach
+from .lightning_state import Logged, LoopState, Unscheduled, attach
 
 # the module's hooks polytrain calls, and those it does not (a module that defines one is refused)
 TRAIN_HOOKS = (
@@ -225,6 +229,7 @@ class LightningLoop(Callback):
 
     def on_fit_start(self, trainer):
         self.state.global_step, self.state.current_epoch = trainer.step, trainer.position.epoch
+        self.state.start(trainer.strategy)  # self.optimizers(), self.lr_schedulers(), self.trainer.optimizers
         for step in (self.train, self.val):
             if step is not None:  # (the check before training called the steps too)
                 step.calls = 0
@@ -399,13 +404,9 @@ class Configured:
                 "together with optimizer="
             )
         _, scheduler, interval = self.made
-        if scheduler is None:
-            return {"scheduler": lr_scheduler.LambdaLR(optimizer, constant), "interval": "step"}
+        if scheduler is None:  # the learning rate stays as the module leaves it
+            return {"scheduler": Unscheduled(optimizer), "interval": "step"}
         return {"scheduler": scheduler, "interval": interval}
-
-
-def constant(step: int) -> float:
-    return 1.0
 
 
 def lightning_parts(model: nn.Module, *, step, eval_step, optimizer, scheduler):
@@ -413,6 +414,12 @@ def lightning_parts(model: nn.Module, *, step, eval_step, optimizer, scheduler):
     if step is not None:
         return step, eval_step, optimizer, scheduler
     name = type(model).__name__
+    if getattr(model, "automatic_optimization", True) is False:
+        raise UserError(
+            f"{name} sets automatic_optimization = False (manual optimisation): polytrain steps the optimizer "
+            f"itself after training_step; return the loss from training_step and leave the stepping to "
+            f"polytrain, or train with Lightning"
+        )
     for hook in NOT_CALLED:
         if defines(model, hook) and callable(getattr(model, hook, None)):
             raise UserError(

@@ -35,6 +35,7 @@ from .recipe import (
     recipe_notes,
     take_objects,
     torch_defaults,
+    unscheduled_objects,
 )
 from .schedules import lr_factor, make_scheduler, step_per_epoch
 
@@ -67,4 +68,5 @@ __all__ = [
     "step_per_epoch",
     "take_objects",
     "torch_defaults",
+    "unscheduled_objects",
 ]

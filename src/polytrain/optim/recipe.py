@@ -293,6 +293,8 @@ def recipe_line(recipe: Recipe) -> str:
             optimizer += f" in {len(recipe.groups[0])} parameter groups"
     else:
         optimizer = f"{describe(recipe.optimizer)} (your function, with its own settings)"
+    if recipe.schedule == "constant" and not recipe.warmup_epochs:
+        return f"optimizer: {optimizer}; schedule: none (a constant learning rate)"
     if isinstance(recipe.schedule, str):
         schedule = f"{recipe.schedule} after {recipe.warmup_epochs:g} epochs of linear warm-up"
     elif recipe.schedule is None:
@@ -326,6 +328,16 @@ def recipe_notes(recipe: Recipe, *, steps_per_epoch: int, epochs: float) -> list
             f"({steps} steps), so the learning rate never reaches its peak; shorten --warmup-epochs"
         )
     return notes
+
+
+def unscheduled_objects(settings: dict, optimizer, scheduler) -> None:
+    """fit()'s optimizer object (a torch.optim class or a factory) with neither scheduler= nor schedule= trains
+    at a constant learning rate without warm-up: polytrain's schedule and warm-up belong to its own recipe, and
+    a recipe of the user's is trained as written. `settings` take it as given (config.json records it)."""
+    if optimizer is not None and not isinstance(optimizer, str) and scheduler is None:
+        if "schedule" not in settings:
+            settings["schedule"] = "constant"
+            settings.setdefault("warmup_epochs", 0.0)
 
 
 def take_objects(settings: dict, optimizer, scheduler) -> tuple:

@@ -71,7 +71,14 @@ def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_s
             "--augment applies to in-memory datasets; put augmentation in your Dataset's transforms"
         )
     if train is not None:
-        dataset = dataset_pair(train, val, model=model or config.model, objective=objective, config=config)
+        # without val= (a run that never validates) the training set stands in for it, never read
+        dataset = dataset_pair(
+            train,
+            train if val is None else val,
+            model=model or config.model,
+            objective=objective,
+            config=config,
+        )
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
     if getattr(dataset, "kind", "classification") != "classification":  # text: next-token cross-entropy
@@ -103,6 +110,24 @@ def prepare_model(config, model, dataset, objective, *, given_tensors: bool, sho
         if shout and note:
             print(note, flush=True)
     return module, registry_model
+
+
+def settle_augmentation(config, dataset, *, registry_model: bool, shout: bool):
+    """The config with --augment as the run uses it. A dataset's own augmentation (cifar10's shifts and
+    mirroring) is part of polytrain's recipe for its own models, said in one line; a module of the user's
+    trains on the images as they are unless asked (never another training than the one written)."""
+    if config.augment is not None or not getattr(dataset, "augment", False):
+        return config
+    if not registry_model:
+        return replace(config, augment=False)
+    if shout:
+        print(
+            f"augmentation: random 4-pixel shifts{' and mirroring' if dataset.flip else ''} of the training "
+            f"images ({dataset.name}'s default with polytrain's models; --no-augment, or augment=False in "
+            f"fit(), turns it off)",
+            flush=True,
+        )
+    return config
 
 
 def check_the_objective(config, module, objective, dataset, strategy: str, steps_per_epoch: int):

@@ -216,7 +216,8 @@ class TensorParallel(Sharded):
                 "--strategy tensor splits every layer over --devices 2 or more; add --devices 2"
             )
         group = config.tensor_parallel or config.devices
-        plan = plan_for(config, model, devices=group)
+        named = dict(run=f"--strategy tensor --tensor-parallel {group}", divisor="a --tensor-parallel")
+        plan = plan_for(config, model, devices=group, **(named if config.tensor_parallel else {}))
         if (
             isinstance(config.tensor_plan, dict) and dataset is not None
         ):  # the user's: tried on a rank's slice

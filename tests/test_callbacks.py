@@ -358,6 +358,16 @@ def test_off_a_terminal_a_long_epoch_prints_progress_lines():
     lines = stream.getvalue().splitlines()
     assert lines[0] == "epoch 1/1 step 1/4  train loss 2.0000  2s, about 4s left in the epoch"
     assert len(lines) == 3  # none after the last step: the epoch's summary line follows
+    # a run that stops within the epoch (--max-steps, fractional --epochs) counts only the steps it trains
+    for stops in (dict(max_steps=2, total_steps=4), dict(max_steps=0, total_steps=2)):
+        stream = io.StringIO()
+        bar = ProgressBar(stream=stream, every_seconds=0.0)
+        bar.on_epoch_start(SimpleNamespace(**vars(trainer), **stops), 0)
+        for step in range(2):
+            bar.on_step_end(trainer, step)
+        assert stream.getvalue().splitlines() == [
+            "epoch 1/1 step 1/4  train loss 2.0000  2s, about 2s left until step 2, where the run stops"
+        ]
     quiet = io.StringIO()
     bar = ProgressBar(stream=quiet)  # every 10 s by default
     bar.on_epoch_start(trainer, 0)

@@ -126,3 +126,21 @@ def test_verify_says_in_one_line_what_cannot_equal_one_device(argv, words, capfd
     )  # fmt: skip
     assert result.returncode != 0 and words in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_verify_refuses_every_layer_that_draws_dropout_masks_on_each_rank():
+    from types import SimpleNamespace
+
+    from polytrain.errors import UserError
+    from polytrain.runtime.verify import reference_passes
+
+    config = SimpleNamespace(devices=2, accumulate=1)
+    for model, named in [
+        (nn.Sequential(nn.LSTM(4, 4, 2, dropout=0.2)), "0 (LSTM dropout 0.2) draws"),
+        (nn.Sequential(nn.MultiheadAttention(4, 2, dropout=0.1)), "1 attention layer draws"),
+        (nn.Sequential(nn.Dropout2d(0.5)), "0 (Dropout2d 0.5) draws"),
+    ]:
+        with pytest.raises(UserError) as refused:
+            reference_passes(model, config, "data", None, float64=True)
+        assert str(refused.value).startswith(f"verify: {named} dropout masks on each rank, so 2 devices")
+    assert reference_passes(nn.Sequential(nn.LSTM(4, 4, 2)), config, "data", None, float64=True) == 1

@@ -476,3 +476,47 @@ def test_metrics_given_as_keras_names_are_one_line():
         Objective(metrics=["acc"])
     with pytest.raises(UserError, match="a model that returns its loss does not hand over"):
         Objective(metrics={"top": lambda o, y: o.sum()}, kind="model")
+
+
+def test_hugging_face_gradient_checkpointing_points_to_activation_checkpointing():
+    """Its hooks are local functions that no worker can receive; the fix is polytrain's keyword, not a
+    module of the user's own."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50
+    )
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 50, (8, 6))
+    tokens = torch.utils.data.StackDataset(input_ids=ids, labels=ids)
+    with pytest.warns(FutureWarning):  # (transformers 5 renamed it activation_checkpointing_enable)
+        model.gradient_checkpointing_enable()
+    for disabled in (False, True):
+        with pytest.raises(UserError) as error:
+            polytrain.fit(model, train=tokens, val=tokens, devices=2, epochs=1, batch_size=4, verbose=False)
+        said = str(error.value)
+        assert said.startswith("model= holds the hooks of Hugging Face's gradient_checkpointing_enable()")
+        assert said.endswith(
+            'pass activation_checkpointing="full" to checkpoint each block on any number of devices'
+        )
+        assert ("activation_checkpointing_disable() and" in said) is not disabled
+        assert "model.disable_input_require_grads()" in said and "def/class" not in said
+        with pytest.warns(FutureWarning):
+            model.gradient_checkpointing_disable()  # (leaves the input hooks)
+
+
+def test_a_note_written_with_flags_says_fit_keywords_from_python(capsys):
+    import functools
+
+    from polytrain.config.keywords import keyword_words
+
+    assert keyword_words("(--schedule-interval step, or --precision fp32)") == (
+        '(schedule_interval="step", or precision="fp32")'
+    )
+    assert keyword_words("--download to fetch it") == "download=True to fetch it"  # not a value
+    scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
+    polytrain.fit(
+        "mlp", tiny_digits(n_train=64), scheduler=scheduler, optimizer="sgd", epochs=0.5, batch_size=16
+    )
+    out = capsys.readouterr().out
+    assert 'never steps; train a whole epoch, or step it per optimizer step (schedule_interval="step"' in out
+    assert "--schedule-interval" not in out

@@ -73,10 +73,12 @@ def train_run(
     step=None,
     eval_step=None,
     return_weights: bool = True,
+    words=str,
 ):
     """Validate everything, prepare the run folder, then train on `config.devices` devices: the phases below,
     in order, each a function of its own. Returns (history, model with the trained weights, run folder or None);
     `return_weights=False` (the command line, whose run folder holds them) leaves the model as it was given.
+    `words` says the notes written for the command line in the caller's words (fit: its keywords).
     A module of the caller's that trains on one device in this process is trained itself, from the object as
     it was given: the checks that run it on samples leave its attributes as they were (runtime/own_module.py).
     """
@@ -128,7 +130,7 @@ def train_run(
         module if own else None, strategy=strategy, devices=config.devices, launched=launcher is not None
     )
     if shout:
-        announce_recipe(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs)
+        announce_recipe(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs, words=words)
         if own and return_weights and spawns_workers(strategy, config.devices):
             print(workers_note(module, config.devices), flush=True)
     run_dir, fresh = prepare_run_dir(
@@ -285,6 +287,7 @@ def fit(
             param_groups=param_groups,
             step=step,
             eval_step=eval_step,
+            words=keyword_words,
         )
     except UserError as error:
         raise (

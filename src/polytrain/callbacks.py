@@ -176,6 +176,16 @@ def summary_line(record: dict, epochs: float) -> str:
     )
 
 
+def steps_this_epoch(trainer, epoch: int) -> int:
+    """Up to which step of epoch `epoch` (from 0) the run trains: all of them, but fewer in an epoch where
+    fractional --epochs or --max-steps ends it."""
+    steps = trainer.steps_per_epoch
+    end = getattr(trainer, "total_steps", None) or (epoch + 1) * steps
+    if getattr(trainer, "max_steps", 0):
+        end = min(end, trainer.max_steps)
+    return max(1, min(steps, end - epoch * steps))
+
+
 class ProgressBar(Callback):
     """A tqdm bar while an epoch runs on a terminal; one plain summary line per epoch either way.
 
@@ -196,11 +206,12 @@ class ProgressBar(Callback):
     def on_epoch_start(self, trainer, epoch):
         self.next_line = time.monotonic() + self.every_seconds
         self.start_step = trainer.position.step  # a resumed epoch's earlier steps are not this pass's
+        self.end = steps_this_epoch(trainer, epoch)
         if self.use_bar:
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=trainer.steps_per_epoch,
+                total=self.end,
                 initial=trainer.position.step,
                 file=self.stream,
                 desc=f"epoch {epoch + 1}/{trainer.epochs:g}",
@@ -209,20 +220,23 @@ class ProgressBar(Callback):
             )
 
     def on_step_end(self, trainer, step):
-        if self.bar is None and time.monotonic() >= self.next_line and step + 1 < trainer.steps_per_epoch:
+        if self.bar is None and time.monotonic() >= self.next_line and step + 1 < self.end:
             self.next_line = time.monotonic() + self.every_seconds
             loss_sum, loss_count, _, _, seconds = trainer.running_totals()
             done = step + 1 - self.start_step
-            left = seconds / max(done, 1) * (trainer.steps_per_epoch - step - 1)
+            left = seconds / max(done, 1) * (self.end - step - 1)
+            until = (
+                "in the epoch"
+                if self.end == trainer.steps_per_epoch
+                else f"until step {self.end}, where the run stops"
+            )
             print(
                 f"epoch {trainer.epoch}/{trainer.epochs:g} step {step + 1}/{trainer.steps_per_epoch}  train loss "
-                f"{loss_sum / max(loss_count, 1):.4f}  {seconds:.0f}s, about {left:.0f}s left in the epoch",
+                f"{loss_sum / max(loss_count, 1):.4f}  {seconds:.0f}s, about {left:.0f}s left {until}",
                 file=self.stream,
                 flush=True,
             )
-        if self.bar is not None and (
-            (step + 1) % self.refresh_steps == 0 or step + 1 == trainer.steps_per_epoch
-        ):
+        if self.bar is not None and ((step + 1) % self.refresh_steps == 0 or step + 1 == self.end):
             loss_sum, loss_count, metric_sums, count, _ = trainer.running_totals()
             values = dict(
                 loss=loss_sum / max(loss_count, 1),

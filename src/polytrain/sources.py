@@ -333,6 +333,8 @@ def check_picklable(**parts) -> None:
     for name, value in parts.items():
         if value is None:
             continue
+        if name == "model":
+            check_hugging_face_checkpointing(value)
         try:
             pickle.dumps(value)
         except Exception as error:  # PicklingError, AttributeError or TypeError, depending on the object
@@ -348,6 +350,24 @@ def check_picklable(**parts) -> None:
                 f"import; put it in a module file (e.g. mymodel.py) and import it from "
                 f"there, or use devices=1"
             )
+
+
+def check_hugging_face_checkpointing(model) -> None:
+    """Refuse, in one line, a Hugging Face model with its own activation checkpointing on, or the input hooks
+    that `gradient_checkpointing_enable()` adds (which its `..._disable()` leaves): local functions that worker
+    processes cannot receive. polytrain's activation_checkpointing= does the same on every layout."""
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old names warn)
+    new = hasattr(type(model), "is_activation_checkpointing")
+    on = getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False) is True
+    hooks = bool(getattr(model, "_require_grads_hooks", None)) or hasattr(model, "_require_grads_hook")
+    if not (on or hooks):
+        return
+    disable = "activation_checkpointing_disable" if new else "gradient_checkpointing_disable"
+    raise UserError(
+        f"model= holds the hooks of Hugging Face's gradient_checkpointing_enable(), which cannot be sent to the "
+        f"worker processes; call {f'model.{disable}() and ' if on else ''}model.disable_input_require_grads(), "
+        f'and pass activation_checkpointing="full" to checkpoint each block on any number of devices'
+    )
 
 
 def interactive_main() -> Optional[str]:

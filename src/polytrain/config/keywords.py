@@ -54,13 +54,24 @@ def check_keywords(settings: dict) -> None:
 
 def keyword_words(message: str) -> str:
     """A message written for the command line, in the words of the Python API: `--batch-size 64` becomes
-    `batch_size=64` and a bare `--download` becomes `download=True`."""
+    `batch_size=64`, `--schedule-interval step` (one of the setting's choices) `schedule_interval="step"` and
+    a bare `--download` becomes `download=True`."""
 
     def keyword(match):
         name, value = match.group(1).replace("-", "_"), match.group(2)
+        if value is not None and value[0].islower():  # a word: the setting's value only if it is a choice
+            meta = SETTINGS.get(name)
+            if meta is not None and value in meta.choices:
+                return f'{name}="{value}"'
+            return keyword_alone(name) + " " + value
         if value is not None:
             return f"{name}={value}"
+        return keyword_alone(name)
+
+    def keyword_alone(name):
         field = TrainConfig.__dataclass_fields__.get(name)
         return f"{name}=True" if field is not None and field.type in ("bool", bool) else f"{name}="
 
-    return re.sub(r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b))?", keyword, message)
+    return re.sub(
+        r"--([a-z][a-z0-9-]*)(?: (-?[0-9][\w.+-]*|'[^']*'|[A-Z][A-Z_,]*\b|[a-z][\w-]*\b))?", keyword, message
+    )

@@ -71,6 +71,8 @@ def run_on_sample(model: nn.Module, x, what: str):
         )
     if isinstance(x, dict):
         check_keywords(model, x)
+    else:
+        check_arguments(model, len(x) if isinstance(x, (tuple, list)) else 1)
     first = next(model.parameters(), None)
     if first is not None:
         x = map_tree(
@@ -112,6 +114,25 @@ def takes_channels_last(model: nn.Module, sample) -> bool:
         )
     except Exception:  # any failure in either layout: keep the default one
         return False
+
+
+def check_arguments(model: nn.Module, given: int) -> None:
+    """Refuse, in one line, a model whose forward needs more positional arguments than the batch's inputs
+    give (`given`): an RNN's `forward(input, hidden)`, called with the input alone."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(needed) > given:
+        raise UserError(
+            f"{type(model).__name__}.forward({', '.join(needed)}) needs {len(needed)} arguments and each batch "
+            f"gives {given} input{'s' if given > 1 else ''}; pass step=fn(model, batch) that calls the model "
+            f"with what it needs and returns the loss"
+        )
 
 
 def check_keywords(model: nn.Module, batch: dict) -> None:

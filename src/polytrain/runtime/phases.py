@@ -38,6 +38,7 @@ from ..sources import (
     oversized_batch_note,
     refuse_for_strategy,
 )
+from ..strategies.global_batch import per_rank_dropout_line
 from ..strategies.gradients import check_fp16
 from .inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
 from .launch import check_main_guard, run_job, spawns_workers
@@ -96,7 +97,8 @@ def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_s
 
 def prepare_model(config, model, dataset, objective, *, given_tensors: bool, shout: bool):
     """(module, whether it is a registry model): a registry model is built without storage (each worker
-    materialises what its rank holds); a module's outputs are checked against the data's classes."""
+    materialises what its rank holds); a module's outputs are checked against the data's classes, and a line
+    names its layers that draw dropout masks on each rank."""
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
     module = (
@@ -109,6 +111,9 @@ def prepare_model(config, model, dataset, objective, *, given_tensors: bool, sho
         note = check_model_output(module, dataset, exact=not given_tensors)
         if shout and note:
             print(note, flush=True)
+    note = per_rank_dropout_line(module, config.devices)  # (verify refuses such a model)
+    if shout and note:
+        print(note, flush=True)
     return module, registry_model
 
 
@@ -291,11 +296,11 @@ def settle_strategy(
     return config, strategy
 
 
-def announce_recipe(recipe, *, steps_per_epoch: int, epochs) -> None:
-    """What trains, beside torch's defaults: never a silent change."""
+def announce_recipe(recipe, *, steps_per_epoch: int, epochs, words=str) -> None:
+    """What trains, beside torch's defaults: never a silent change (its notes in `words`: fit's keywords)."""
     print(recipe_line(recipe), flush=True)
     for line in recipe_notes(recipe, steps_per_epoch=steps_per_epoch, epochs=epochs):
-        print(line, flush=True)
+        print(words(line), flush=True)
 
 
 def prepare_run_dir(config, resume_dir, launcher, *, keep_files: bool, strategy, plan, run_settings: dict):

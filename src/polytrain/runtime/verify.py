@@ -96,14 +96,14 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
     (strategies/global_batch.py), and a pipeline's Dropout draws one device's masks, but not over the ranks of
     a tensor group; and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
     from ..strategies import STRATEGIES
-    from ..strategies.global_batch import unmatched_dropout, uses_whole_batch
+    from ..strategies.global_batch import per_rank_dropout_words, uses_whole_batch
 
-    other = unmatched_dropout(model)
-    if other is not None:
+    per_rank = per_rank_dropout_words(model)
+    if per_rank is not None:
         raise UserError(
-            f"verify: the model's {other} layers draw their masks on each rank, so {config.devices} devices "
-            f"draw other masks than one; verify a copy without them, or use nn.Dropout (drawn over the global "
-            f"batch on data-parallel layouts)"
+            f"verify: {per_rank} dropout masks on each rank, so {config.devices} devices draw other masks than "
+            f"one; verify a copy with their dropout at 0, or use nn.Dropout (drawn over the global batch on "
+            f"data-parallel layouts)"
         )
     kinds = uses_whole_batch(model)
     if not kinds:

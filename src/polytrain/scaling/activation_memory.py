@@ -11,7 +11,9 @@ by storage (q, k and v are views of one), weights not at all.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 from typing import Dict
 
 import torch
@@ -30,6 +32,20 @@ def fake_copy(model: nn.Module, device: str) -> nn.Module:
             keep = isinstance(tensor, nn.Parameter)
             memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if keep else empty
     return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors():
+    """Without torch's error lines for an operation fake tensors cannot run ("failed while attempting to run
+    meta for aten.mm", with its traceback): this probe catches the error and reports the figures unknown, and a
+    model whose `step=` reshapes its inputs may fail here on the probe's and train well."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -59,7 +75,7 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
     inputs: Dict[int, int] = {}
     current = [None]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
             fake = fake_copy(model, device).train()
             weights = {_key(p) for p in fake.parameters()}
             blocks = [module for _, module in find_blocks(fake)]

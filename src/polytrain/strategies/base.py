@@ -212,6 +212,7 @@ class Strategy:
         across = self.normalises_global_batch and self.data_world > 1
         if across or self.reference:  # (one device draws its dropout masks alike: the reference)
             self.global_rows = GlobalRows()
+            self.global_rows.loud = across and self.data_rank == 0
             whole_batch_layers(model, self.global_rows, batchnorm=across)
 
     def first_global_row(self, batch) -> int:

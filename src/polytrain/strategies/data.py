@@ -24,6 +24,41 @@ def default_strides_where_alike(model: nn.Module) -> None:
                 parameter.data = plain
 
 
+def default_strides(shape) -> tuple:
+    """The strides of a tensor of `shape` in the default (row-major) memory order."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def contiguous_buffers(model: nn.Module) -> None:
+    """Buffers with the default strides (which `is_contiguous` does not check in a dimension of size 1): DDP broadcasts rank 0's buffers before each forward through one
+    flat tensor, and copying back into a buffer of unusual strides fails (a positional encoding made with
+    `unsqueeze(0).transpose(0, 1)`: "some elements of the input tensor and the written-to tensor refer to a
+    single memory location"). The same values: nothing computes differently."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.stride() != default_strides(buffer.shape):
+                module._buffers[name] = buffer.clone(memory_format=torch.contiguous_format)
+
+
+class Replicated(DistributedDataParallel):
+    """DistributedDataParallel whose attributes it lacks are its module's: a `step=` function may call the
+    user's methods and read their attributes (`model.init_hidden(batch)`) as it does on one device, while
+    calling it runs DDP's forward."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+
 class DataParallel(Distributed):
     name = "data"
     normalises_global_batch = True
@@ -39,7 +74,8 @@ class DataParallel(Distributed):
         # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).
         if self.device.type == "cuda":
             default_strides_where_alike(model)
-        self.replicated = DistributedDataParallel(model, device_ids=device_ids)
+        contiguous_buffers(model)
+        self.replicated = Replicated(model, device_ids=device_ids)
         return self.replicated
 
     def gradient_sync(self, *, last: bool):

@@ -16,7 +16,10 @@ would draw its own masks: another model than the one written, and one that `veri
   accumulated step use their rows of it, so masks depend neither on the passes nor on the layout, and in the
   default memory format whatever the model's, so a channels-last replica (data) and a contiguous one (sharded)
   draw alike. One device draws its masks the same way (the reference every layout is compared with); they
-  are Bernoulli(1 - p) masks scaled by 1 / (1 - p), as `F.dropout`'s.
+  are Bernoulli(1 - p) masks scaled by 1 / (1 - p), as `F.dropout`'s. The batch dimension is the first whose
+  size is the pass's sample count (`batch_dimension`: 0 in batch-first code, 1 in sequence-first `(T, B, ...)`
+  code); a layer whose input has none (batch and time flattened into one) is torch's own dropout, drawn on
+  each rank, and the first data rank says so in one line at its first step.
 
 Both change the layer's `forward` on the module object only: its parameters, buffers and names stay as they
 are, and evaluation (running statistics, no dropout) is the layer's own.
@@ -38,6 +41,8 @@ class GlobalRows:
         self.start, self.stop, self.total, self.step = 0, 0, 0, 0
         self.key, self.keyed = 0, None  # the number that seeds the masks, and the step it was drawn for
         self.active = False  # only within a training step: elsewhere the layers are torch's own
+        self.loud = False  # whether this rank says which layers cannot draw over the global batch
+        self.told: set = set()  # the layers it has named
 
     def set(self, start: int, stop: int, total: int, *, step: int) -> None:
         self.start, self.stop, self.total, self.step = start, stop, total, step
@@ -98,6 +103,18 @@ def _batchnorm_forward(module: nn.modules.batchnorm._BatchNorm, group, x: torch.
     return y
 
 
+def batch_dimension(shape: torch.Size, held: int, remembered: Optional[int] = None) -> Optional[int]:
+    """Which dimension of a tensor of `shape` runs over the `held` samples of this rank's pass: the one this
+    layer used before (`remembered`) where it still fits, else the first of that size: dimension 0 in batch-first
+    code, 1 in sequence-first code (`(T, B, width)`, also where the width equals the samples; where the
+    sequence length does, dimension 0 is taken). None where no dimension has that size: e.g. batch and time
+    flattened into one."""
+    matches = [dim for dim, size in enumerate(shape) if size == held]
+    if remembered in matches:
+        return remembered
+    return matches[0] if matches else None
+
+
 def _dropout_forward(
     module: nn.Dropout, name: str, rows: GlobalRows, cache: dict, x: torch.Tensor
 ) -> torch.Tensor:
@@ -105,14 +122,35 @@ def _dropout_forward(
         return x
     if module.p == 1:
         return x * 0
+    held = rows.stop - rows.start
+    dim = batch_dimension(x.shape, held, cache.get("dim"))
+    if dim is None:  # no dimension of this pass's samples: torch's own dropout, drawn on this rank
+        if rows.loud and name not in rows.told:
+            rows.told.add(name)
+            print(per_rank_note(name, tuple(x.shape), held), flush=True)
+        return torch.nn.functional.dropout(x, module.p, training=True)
+    if x.numel() == 0:
+        return x
+    cache["dim"] = dim
+    others = x.shape[:dim] + x.shape[dim + 1 :]
     key = rows.step_key()
-    if cache.get("step") != (rows.step, key) or cache.get("shape") != x.shape[1:]:
+    if cache.get("step") != (rows.step, key) or cache.get("shape") != (dim, others):
         generator = torch.Generator(device=x.device)
         generator.manual_seed((key * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        noise = x.new_empty((rows.total, *x.shape[1:])).bernoulli_(1 - module.p, generator=generator)
+        whole = (*x.shape[:dim], rows.total, *x.shape[dim + 1 :])
+        noise = x.new_empty(whole).bernoulli_(1 - module.p, generator=generator)
         noise.div_(1 - module.p)
-        cache.update(step=(rows.step, key), shape=x.shape[1:], noise=noise)
-    return x * cache["noise"][rows.start : rows.stop]
+        cache.update(step=(rows.step, key), shape=(dim, others), noise=noise)
+    return x * cache["noise"].narrow(dim, rows.start, held)
+
+
+def per_rank_note(name: str, shape: tuple, held: int) -> str:
+    """The line saying that the dropout layer `name` draws its masks on each rank."""
+    return (
+        f"note: dropout {name or 'layer'} gets a {tuple(shape)} tensor with no dimension of this pass's {held} "
+        f"samples, so it draws its masks on each rank as torch does: several devices train with other masks "
+        f"than one"
+    )
 
 
 def whole_batch_layers(model: nn.Module, rows: GlobalRows, *, batchnorm: bool, group=None) -> List[str]:
@@ -160,14 +198,72 @@ def uses_whole_batch(model: nn.Module) -> set:
     return kinds
 
 
-def unmatched_dropout(model: nn.Module) -> Optional[str]:
-    """The class name of a dropout layer drawn per rank (not made whole-batch here: Dropout2d, AlphaDropout,
-    ...), if any."""
-    for module in model.modules():
-        if (
-            isinstance(module, nn.modules.dropout._DropoutNd)
-            and type(module) is not nn.Dropout
-            and module.p > 0
-        ):
-            return type(module).__name__
-    return None
+# the names of an attention module's dropout probability where it hands it to its attention kernel
+# (scaled_dot_product_attention, or F.dropout on the weights), as Hugging Face's and nanoGPT's attention do; an
+# nn.Dropout of these names counts only in a module with a `config` (Hugging Face's, which pass its `p` on)
+ATTENTION_DROPOUT_NAMES = (
+    "attention_dropout",
+    "attn_dropout",
+    "attn_pdrop",
+    "dropout",
+    "dropout_p",
+    "dropout_prob",
+)
+
+
+def _attention_dropout(module: nn.Module) -> float:
+    if isinstance(module, nn.MultiheadAttention):
+        return module.dropout
+    if "attention" not in type(module).__name__.lower():
+        return 0.0
+    for name in ATTENTION_DROPOUT_NAMES:
+        value = module.__dict__.get(name, module._modules.get(name))
+        if isinstance(value, float) and not isinstance(value, bool):
+            return value
+        if type(value) is nn.Dropout and hasattr(module, "config"):
+            return value.p
+    return 0.0
+
+
+def per_rank_dropout(model: nn.Module) -> List[Tuple[str, str]]:
+    """The layers that draw dropout masks on each rank, whose masks no layout draws as one device does: inside a
+    kernel (LSTM/GRU dropout between layers, attention dropout) or dropout classes other than nn.Dropout
+    (Dropout2d, AlphaDropout, ...). Each as (name, what: "LSTM dropout 0.2", "attention", "Dropout2d 0.1")."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and type(module) is not nn.Dropout:
+            if module.p > 0:
+                found.append((name, f"{type(module).__name__} {module.p:g}"))
+        elif isinstance(module, nn.RNNBase):
+            if module.dropout > 0 and module.num_layers > 1:
+                found.append((name, f"{type(module).__name__} dropout {module.dropout:g}"))
+        elif _attention_dropout(module) > 0:
+            found.append((name, "attention"))
+    return found
+
+
+def per_rank_dropout_words(model: nn.Module) -> Optional[str]:
+    """The layers of `per_rank_dropout` and their verb in words ("rnn (LSTM dropout 0.2) and 4 attention layers
+    draw"), or None."""
+    found = per_rank_dropout(model)
+    named = [f"{name or 'the model'} ({what})" for name, what in found if what != "attention"]
+    if len(named) > 3:
+        named = named[:2] + [f"{len(named) - 2} more"]
+    attention = sum(1 for _, what in found if what == "attention")
+    if attention:
+        named.append(f"{attention} attention layer{'s' if attention > 1 else ''}")
+    if not named:
+        return None
+    verb = "draws" if len(found) == 1 else "draw"
+    return (named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]) + " " + verb
+
+
+def per_rank_dropout_line(model: nn.Module, devices: int) -> Optional[str]:
+    """One line naming the layers that draw their dropout masks on each rank, for a run on `devices` > 1."""
+    words = per_rank_dropout_words(model) if devices > 1 else None
+    if words is None:
+        return None
+    return (
+        f"note: {words} dropout masks on each rank: {devices} devices train with other masks than one "
+        f"device; set their dropout to 0 for identical results"
+    )

@@ -169,6 +169,7 @@ class Pipeline(Distributed):
         with one device in as many passes)."""
         if self.plan.draws_dropout_as_one_device:
             self.global_rows = GlobalRows()
+            self.global_rows.loud = self.data_rank == 0
             whole_batch_layers(model, self.global_rows, batchnorm=False)
 
     def mark_chunk(self, chunk: int) -> None:

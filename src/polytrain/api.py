@@ -17,12 +17,14 @@ from .config import TrainConfig
 from .config.flags import refuse_ignored
 from .config.keywords import check_keywords, keyword_words
 from .config.model_defaults import apply_model_defaults, defaults_words
+from .config.pretrained import apply_checkpoint
 from .config.train import apply_inputs
 from .data import ArrayDataset, unused_dataset_options
 from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
+from .models.pretrained import Pretrained, check_vocabulary
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .runtime.hostenv import launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
@@ -100,9 +102,14 @@ def train_run(
         dataset, objective = prepare_data(
             config, model, data, train, val, loss=loss, metrics=metrics, step=step, eval_step=eval_step, shout=shout
         )  # fmt: skip
+        pretrained = config.init_from is not None and resume_dir is None
+        if pretrained:
+            check_vocabulary(config, dataset)
         module, registry_model = prepare_model(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )
+        if pretrained:  # the checkpoint's tensors against the model's shapes, from the files' headers
+            Pretrained(config.init_from, module).check(module)
         config = settle_augmentation(config, dataset, registry_model=registry_model, shout=shout)
         steps_per_epoch = -(-dataset.num_train // config.batch_size)
         objective = check_the_objective(config, module, objective, dataset, strategy, steps_per_epoch)
@@ -255,6 +262,13 @@ def fit(
         if epochs is not None:
             settings["epochs"] = epochs
         given = set(settings)
+        if settings.get("init_from") is not None and not (model is None or isinstance(model, str)):
+            raise ConfigError(
+                f"init_from= loads a checkpoint into polytrain's own model, not a {type(model).__name__}; "
+                f"pass model=None (or the model's name), or load the weights into your module yourself"
+            )
+        named, given = apply_checkpoint(settings, given, model)  # init_from=: its model and sizes
+        model = named if settings.get("init_from") is not None else model
         applied = apply_model_defaults(settings, given, model if isinstance(model, str) else None)
         if verbose and applied and not resume and (launcher_env() is None or launcher_env().rank == 0):
             print(defaults_words(model, applied), flush=True)

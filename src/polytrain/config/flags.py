@@ -15,6 +15,7 @@ from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
 from .model_defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
 from .names import as_flag, foreign, nearest
+from .pretrained import apply_checkpoint
 from .registry_names import DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES, datasets_using, unused_dataset_options
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS, TrainConfig, apply_inputs
@@ -134,10 +135,10 @@ def config_from_args(args) -> TrainConfig:
     if launcher is not None:
         values["devices"] = launcher.world_size
     apply_inputs(values)
+    # --init-from: the checkpoint's model and sizes, a flag that contradicts them refused
+    model, given = apply_checkpoint(values, set(args.given) | set(values), values.get("model"))
     # a model's own defaults (config.json records them) for what was not given; the caller may say them
-    args.model_defaults = apply_model_defaults(
-        values, set(args.given) | set(values), values.get("model", DEFAULTS.model)
-    )
+    args.model_defaults = apply_model_defaults(values, given, model or DEFAULTS.model)
     config = TrainConfig(**values)
     refuse_ignored(config, args.given)
     unused = unused_dataset_options(config.dataset, args.given)

@@ -60,6 +60,20 @@ class LlamaSettings:
         group="model",
         flag="toggle",
     )
+    norm_eps: Optional[float] = setting(
+        None,
+        "--model llama: epsilon of the RMSNorms (default: 1e-05, Llama 3's; Hugging Face's rms_norm_eps)",
+        group="model",
+        metavar="E",
+        check="positive",
+        example=1e-5,
+    )
+    qkv_bias: Optional[bool] = setting(
+        None,
+        "--model llama: the query, key and value projections have biases, as Qwen2's (default: off, none)",
+        group="model",
+        flag="toggle",
+    )
     dropout: Optional[float] = setting(
         None,
         "--model gpt: probability of zeroing an activation in training, after the embeddings and after each "

@@ -23,6 +23,8 @@ MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
         "context",
         "rope_theta",
         "tie_embeddings",
+        "norm_eps",
+        "qkv_bias",
     ),
 }
 MODEL_SETTINGS = tuple(dict.fromkeys(key for keys in MODEL_OPTIONS.values() for key in keys))

@@ -115,6 +115,14 @@ class DataSettings:
 @dataclass
 class ModelSettings:
     model: str = setting("lenet", "one of {models} (default: %(default)s)", group="model", metavar="NAME")
+    init_from: Optional[str] = setting(
+        None,
+        "start from the weights of a Hugging Face checkpoint folder (config.json and model.safetensors, or "
+        "shards listed in model.safetensors.index.json) of a LlamaForCausalLM or Qwen2ForCausalLM: --model "
+        "llama with the sizes of its config.json, each rank reading only the slices it holds",
+        group="model",
+        metavar="DIR",
+    )
     precision: str = setting(
         "fp32",
         "bf16 runs the forward pass under autocast (use on GPUs); fp16 also scales "

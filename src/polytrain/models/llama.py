@@ -1,10 +1,12 @@
 """A Llama-style decoder (Llama 3's design, as torchtitan's llama3 model lays it out): RMSNorm before attention
 and MLP, rotary position embeddings, grouped-query attention (fewer key/value heads than query heads), a SwiGLU
-MLP, no biases, and an output head of its own (tied to the token embedding with --tie-embeddings).
+MLP, no biases (Qwen2's q/k/v biases with --qkv-bias), and an output head of its own (tied to the token
+embedding with --tie-embeddings).
 
     polytrain train --model llama --dataset shakespeare
     polytrain verify --model llama --dataset shakespeare --devices 2 --strategy tensor
     polytrain train --model llama --size 8b ...     (Llama 3 8B's shape; 70b too: for planning)
+    polytrain train --init-from DIR --dataset shakespeare   (a Hugging Face Llama or Qwen2 checkpoint)
 
 As the GPT, the model is an `nn.Sequential` of [token embedding, block x L, final RMSNorm, head], so the
 pipeline splits it between blocks, and its attention reshapes with `view(B, T, -1, head_dim)`, so a rank of a
@@ -26,7 +28,7 @@ from ..config.declare import flag_name
 from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, preset
 from ..errors import ConfigError
 
-NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon
+NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
 # Hugging Face LlamaForCausalLM parameter names -> this model's: `{i}` is block i (from 0) in theirs and the
 # block's index in the Sequential (i + 1) in ours; `{last}` the final norm's index, `{head}` the head's.
@@ -44,6 +46,26 @@ HF_NAMES = {
     "model.norm.weight": "{last}.weight",
     "lm_head.weight": "{head}.weight",
 }
+# with --qkv-bias (Qwen2ForCausalLM's attention)
+HF_BIAS_NAMES = {
+    "model.layers.{i}.self_attn.q_proj.bias": "{i}.attention.wq.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "{i}.attention.wk.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "{i}.attention.wv.bias",
+}
+
+
+def hf_names(model: "Llama") -> dict:
+    """This model's parameter name -> its Hugging Face name (`HF_NAMES`, and `HF_BIAS_NAMES` where the attention
+    has biases): every parameter of the model, a tied head named by the embedding it shares, as Hugging Face
+    ties it (the checkpoint may leave lm_head.weight out)."""
+    table = dict(HF_NAMES, **(HF_BIAS_NAMES if model[1].attention.wq.bias is not None else {}))
+    names = {}
+    for theirs, mine in table.items():
+        for i in range(model.layers) if "{i}" in theirs else [0]:
+            names[mine.format(i=i + 1, last=model.layers + 1, head=model.layers + 2)] = theirs.format(i=i)
+    if model[-1].weight is model[0].weight:
+        names[f"{model.layers + 2}.weight"] = names["0.weight"]
+    return names
 
 
 def rotary(positions: int, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:
@@ -66,13 +88,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class Attention(nn.Module):
     """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups."""
 
-    def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float):
+    def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float, qkv_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.rope_theta = rope_theta
-        self.wq = nn.Linear(width, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(width, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(width, heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(width, kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(width, kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * self.head_dim, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,11 +124,21 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """x + attention(norm(x)), then x + feed_forward(norm(x))."""
 
-    def __init__(self, width: int, heads: int, kv_heads: int, ffn_width: int, rope_theta: float):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        ffn_width: int,
+        rope_theta: float,
+        *,
+        norm_eps: float = NORM_EPS,
+        qkv_bias: bool = False,
+    ):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(width, eps=NORM_EPS)
-        self.attention = Attention(width, heads, kv_heads, rope_theta)
-        self.ffn_norm = nn.RMSNorm(width, eps=NORM_EPS)
+        self.attention_norm = nn.RMSNorm(width, eps=norm_eps)
+        self.attention = Attention(width, heads, kv_heads, rope_theta, qkv_bias)
+        self.ffn_norm = nn.RMSNorm(width, eps=norm_eps)
         self.feed_forward = FeedForward(width, ffn_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +167,8 @@ def _check_sizes(**sizes) -> None:
 
 class Llama(nn.Sequential):
     """[nn.Embedding, Block x layers, RMSNorm, Linear head] (the head tied to the embedding with
-    `tie_embeddings=True`). `kv_heads` and `ffn_width` default as `derived_sizes` says."""
+    `tie_embeddings=True`). `kv_heads` and `ffn_width` default as `derived_sizes` says; `norm_eps` is the
+    RMSNorms' epsilon, `qkv_bias` gives the query, key and value projections biases (Qwen2's)."""
 
     def __init__(
         self,
@@ -149,6 +182,8 @@ class Llama(nn.Sequential):
         ffn_width=None,
         rope_theta: float = 500000.0,
         tie_embeddings: bool = False,
+        norm_eps: float = NORM_EPS,
+        qkv_bias: bool = False,
     ):
         derived = derived_sizes(heads, width)
         kv_heads = derived.get("kv_heads") if kv_heads is None else kv_heads
@@ -166,12 +201,25 @@ class Llama(nn.Sequential):
             raise ConfigError(
                 f"--rope-theta must be a number above 0, got {rope_theta!r}; Llama 3's is 500000"
             )
+        if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
+            raise ConfigError(f"--norm-eps must be a number above 0, got {norm_eps!r}; Llama 3's is 1e-05")
         embedding = nn.Embedding(vocab, width)
         head = nn.Linear(width, vocab, bias=False)
         if tie_embeddings:
             head.weight = embedding.weight
-        blocks = (Block(width, heads, kv_heads, ffn_width, float(rope_theta)) for _ in range(layers))
-        super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=NORM_EPS), head)
+        blocks = (
+            Block(
+                width,
+                heads,
+                kv_heads,
+                ffn_width,
+                float(rope_theta),
+                norm_eps=float(norm_eps),
+                qkv_bias=qkv_bias,
+            )
+            for _ in range(layers)
+        )
+        super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
         self._init_weights(layers)
 
@@ -184,16 +232,20 @@ class Llama(nn.Sequential):
             nn.init.normal_(
                 module.weight, mean=0.0, std=0.02 / (2 * self.layers) ** 0.5 if residual else 0.02
             )
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
         elif callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
 
     @torch.no_grad()
     def _init_weights(self, layers: int) -> None:
         """The GPT's initialisation: N(0, 0.02), the residual projections (wo, w2) scaled by
-        1/sqrt(2 * layers); the norms' weights one."""
+        1/sqrt(2 * layers); the norms' weights one, biases (--qkv-bias) zero."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, parameter in self.named_parameters():
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 nn.init.normal_(parameter, mean=0.0, std=0.02 / (2 * layers) ** 0.5)

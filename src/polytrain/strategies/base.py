@@ -83,6 +83,7 @@ class Strategy:
         self.device = torch.device(device)
         self.seed = seed  # the run's: a model built on the meta device is initialised from it (materialise)
         self.blueprint = None  # such a model before it was split: its shapes and names, for `materialise`
+        self.pretrained = None  # a checkpoint whose values replace the initial ones (--init-from)
         self.activation_checkpointing = activation_checkpointing  # none | full | selective | selective:K
         # fp16 loss scaling, clipping and their figures; `accumulate` passes per optimizer step
         self.gradients = Gradients(
@@ -198,10 +199,18 @@ class Strategy:
 
     def materialise(self, model: nn.Module) -> None:
         """Storage for what this rank holds of a meta-device `model` (its shards, slices or stage), filled with
-        its part of the one-device initial values (strategies/materialise.py); nothing for a model with values."""
+        its part of the one-device initial values (strategies/materialise.py), or of the pretrained checkpoint's
+        (--init-from); nothing for a model with values."""
         if self.blueprint is not None:
             reorder = getattr(self, "fused", None)
-            materialise(model, self.blueprint, device=self.home_device, seed=self.seed, reorder=reorder)
+            materialise(
+                model,
+                self.blueprint,
+                device=self.home_device,
+                seed=self.seed,
+                reorder=reorder,
+                weights=self.pretrained,
+            )
 
     def split_model(self, model: nn.Module) -> None:
         """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""

@@ -4,7 +4,9 @@ Strategies prepare a meta-device model in their fixed order (stages, tensor plan
 FSDP2) and then call `materialise`: every tensor this rank holds gets storage on the device, and its part of
 the tensor's one-device initial value (models/meta.py makes those one module at a time, from a seed per module
 name): a DTensor its shard or slice, in any placement (FSDP2 over a tensor split included), a plain tensor all
-of it. Shards, slices, stages and one device therefore start from the same weights.
+of it. Shards, slices, stages and one device therefore start from the same weights. With a pretrained
+checkpoint (--init-from, models/pretrained.py) its values replace the initial ones: each rank reads the pieces
+it holds, and only tensors the checkpoint lacks are initialised.
 """
 
 from __future__ import annotations
@@ -25,16 +27,26 @@ def _named_tensors(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def materialise(model: nn.Module, blueprint: nn.Module, *, device, seed: int, reorder=None) -> bool:
+def materialise(
+    model: nn.Module, blueprint: nn.Module, *, device, seed: int, reorder=None, weights=None
+) -> bool:
     """Give `model`'s tensors storage on `device` and this rank's part of their one-device values; the names of
     `model`'s tensors are those of the meta-device `blueprint` (the whole model before it was split). `reorder`:
-    name -> the row order a tensor's rows take on the ranks (fused layers of a tensor plan). Returns whether
-    there was anything to do (False: `model` is not on the meta device)."""
+    name -> the row order a tensor's rows take on the ranks (fused layers of a tensor plan). `weights`: a
+    `Pretrained` checkpoint whose values replace the initial ones. Returns whether there was anything to do
+    (False: `model` is not on the meta device)."""
     if not is_meta(model):
         return False
     to_empty(model, device=device)
     targets = _named_tensors(model)
     reorder = reorder or {}
+    if weights is not None:
+        filled, wholes = weights.read_into(targets, whole=set(reorder))
+        for name, full in wholes.items():
+            _write(targets[name], full[reorder[name]])
+        targets = {name: t for name, t in targets.items() if name not in filled and name not in wholes}
+        if not targets:
+            return True
     for names, value in full_values(blueprint, seed, wanted=set(targets)):
         for name in names:
             if name in targets:

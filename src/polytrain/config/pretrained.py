@@ -1,0 +1,190 @@
+"""--init-from DIR: the model settings a Hugging Face checkpoint folder implies, read from its config.json.
+
+A folder as `save_pretrained` writes it: `config.json`, and the weights in `model.safetensors` or in the
+shards that `model.safetensors.index.json` lists. Its `architectures` entry names the polytrain model it
+loads into, and its config gives that model's sizes: they fill the run's settings (config.json of the run
+records them), and a flag that says otherwise is refused in one line, as is a folder that lacks a file it
+names. Pure: reads JSON, no torch (the weights are read by each rank: models/pretrained.py).
+
+    polytrain train --init-from ./Qwen2-0.5B --dataset shakespeare --strategy sharded --devices 2
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Tuple
+
+from ..errors import ConfigError
+from .declare import flag_name
+
+# a checkpoint's `architectures` entry -> the polytrain model it loads into
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama"}
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(
+            f"--init-from: cannot read {path} ({error.strerror}); give a readable folder"
+        ) from None
+    except ValueError as error:
+        raise ConfigError(
+            f"--init-from: {path} is not valid JSON ({error}); restore the {what} from its source"
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--init-from: {path} holds no JSON object; restore the {what} from its source")
+    return value
+
+
+def weight_files(folder: Path) -> Tuple[Path, ...]:
+    """The safetensors files of the checkpoint: those the index names (each must be there), else the single
+    model.safetensors; one line for a folder that has neither, or lacks a file its index names."""
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = read_json(index, "index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(
+                f"--init-from: {index} has no weight_map; restore it from the checkpoint's source"
+            )
+        files = tuple(folder / name for name in dict.fromkeys(weight_map.values()))
+        for path in files:
+            if not path.is_file():
+                raise ConfigError(
+                    f"--init-from: {path.name}, named by {index}, is missing; copy the whole checkpoint "
+                    f"(every shard the index lists) into {folder}"
+                )
+        return files
+    if (folder / SINGLE).is_file():
+        return (folder / SINGLE,)
+    other = sorted(p.name for p in folder.glob("*.bin")) or sorted(p.name for p in folder.glob("*.pt*"))
+    raise ConfigError(
+        f"--init-from: {folder} has neither {SINGLE} nor {INDEX}"
+        + (f" (it has {other[0]}, which polytrain does not read)" if other else "")
+        + "; save the model there with transformers' save_pretrained (safetensors is its default)"
+    )
+
+
+def _rope(config: dict, where: str) -> float:
+    """rope_theta, at the top level (transformers 4) or in rope_parameters (5); only unscaled rotary angles."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(
+            f"--init-from: {where} scales its rotary embedding ({kind!r}); polytrain's llama turns the "
+            f"positions unscaled (rope_type 'default') only"
+        )
+    theta = config.get("rope_theta", parameters.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def _need(config: dict, key: str, where: str):
+    if key not in config:
+        raise ConfigError(f"--init-from: {where} has no {key!r}; restore it from the checkpoint's source")
+    return config[key]
+
+
+def llama_settings(config: dict, architecture: str, where: str) -> dict:
+    """polytrain's llama settings for a LlamaForCausalLM or Qwen2ForCausalLM config."""
+    heads, width = _need(config, "num_attention_heads", where), _need(config, "hidden_size", where)
+    head_dim = config.get("head_dim")
+    if head_dim is not None and isinstance(heads, int) and heads > 0 and head_dim * heads != width:
+        raise ConfigError(
+            f"--init-from: {where} has head_dim {head_dim} with {heads} heads of hidden_size {width}; "
+            f"polytrain's llama splits the width evenly among the heads (head_dim {width // heads})"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"--init-from: {where} has hidden_act {config['hidden_act']!r}; polytrain's llama has a SwiGLU "
+            f"MLP (silu)"
+        )
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    if not qwen2 and (config.get("attention_bias") or config.get("mlp_bias")):
+        which = "attention_bias" if config.get("attention_bias") else "mlp_bias"
+        raise ConfigError(
+            f"--init-from: {where} has {which} true; polytrain's llama has biases only on q/k/v (as Qwen2's)"
+        )
+    if qwen2 and config.get("use_sliding_window"):
+        raise ConfigError(
+            f"--init-from: {where} has use_sliding_window true; polytrain's llama attends to the whole context"
+        )
+    return dict(
+        model="llama",
+        layers=_need(config, "num_hidden_layers", where),
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        width=width,
+        ffn_width=_need(config, "intermediate_size", where),
+        vocab_size=_need(config, "vocab_size", where),
+        rope_theta=_rope(config, where),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2,
+    )
+
+
+# the config.json key each setting comes from, for the words of a refusal
+CONFIG_KEYS = dict(
+    layers="num_hidden_layers",
+    heads="num_attention_heads",
+    kv_heads="num_key_value_heads",
+    width="hidden_size",
+    ffn_width="intermediate_size",
+    vocab_size="vocab_size",
+    rope_theta="rope_theta",
+    norm_eps="rms_norm_eps",
+    tie_embeddings="tie_word_embeddings",
+    qkv_bias="q/k/v biases",
+)
+
+
+def checkpoint_settings(folder) -> dict:
+    """The run settings the checkpoint folder implies (`model` and its sizes), after checking that the files
+    it names are there; one line for anything missing or not a model polytrain has."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(
+            f"--init-from: {folder} is not a folder; give the folder that holds the checkpoint's "
+            f"config.json and model.safetensors"
+        )
+    where = folder / "config.json"
+    if not where.is_file():
+        raise ConfigError(f"--init-from: {folder} has no config.json; give a folder save_pretrained wrote")
+    config = read_json(where, "config")
+    named = config.get("architectures") or []
+    known = [name for name in named if name in ARCHITECTURES]
+    if not known:
+        raise ConfigError(
+            f"--init-from: {where} names architecture {', '.join(map(str, named)) or '(none)'}, which polytrain "
+            f"cannot load; it loads {', '.join(ARCHITECTURES)}"
+        )
+    weight_files(folder)
+    return llama_settings(config, known[0], where)
+
+
+def apply_checkpoint(values: dict, given, model: Optional[str] = None) -> Tuple[str, set]:
+    """With `init_from` in `values`: fill them with the checkpoint's model and sizes; returns (the model's
+    name, the names now set). A setting in `given` (or `model`, the model named) that contradicts the
+    checkpoint is one line. Without `init_from`, (`model`, `given`) as they were."""
+    folder = values.get("init_from")
+    given = set(given)
+    if folder is None:
+        return model, given
+    settings = checkpoint_settings(folder)
+    fix = "drop it: --init-from takes the model and its sizes from the checkpoint's config.json"
+    if model is not None and model != settings["model"]:
+        raise ConfigError(f"--model {model}: {folder} holds a {settings['model']} model; {fix}")
+    if values.get("size") is not None:
+        raise ConfigError(f"--size {values['size']} names a shape of its own; {fix}")
+    for key, value in settings.items():
+        if key != "model" and key in given and values.get(key) is not None and values[key] != value:
+            raise ConfigError(
+                f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} "
+                f"({CONFIG_KEYS[key]}: {value}); {fix}"
+            )
+    values.update(settings)
+    return settings["model"], given | set(settings)

@@ -153,6 +153,23 @@ def test_the_blocks_are_the_repeated_modules_of_the_models_own():
     assert [name for name, _ in find_blocks(llama)] == ["1", "2"]
 
 
+def test_torchs_transformer_layers_are_blocks_and_recompute_exactly():
+    def stack():
+        torch.manual_seed(0)
+        layers = [nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) for _ in range(2)]
+        return nn.Sequential(nn.Linear(4, 8), *layers, nn.Linear(8, 3))
+
+    x = torch.randn(2, 5, 4)
+    expected = gradients(stack(), x)
+    assert [name for name, _ in find_blocks(stack())] == ["1", "2"]
+    for mode in MODES[1:]:
+        model = stack()
+        apply_activation_checkpointing(model, mode)
+        got = gradients(model, x)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), (mode, name)
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [

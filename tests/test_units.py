@@ -31,9 +31,14 @@ def test_tied_weights_stay_in_the_root():
 def test_a_torch_layer_with_parameters_of_its_own_keeps_its_children():
     """nn.MultiheadAttention holds in_proj_weight and a child out_proj: one unit (sharding the child first and
     its parent after failed)."""
-    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
-    model = nn.Sequential(nn.Linear(8, 16), layer, nn.Linear(16, 3))
-    assert names(model) == ["0", "1.self_attn", "1.linear1", "1.linear2", "1.norm1", "1.norm2", "2"]
+    model = nn.Sequential(nn.Linear(8, 16), nn.MultiheadAttention(16, 2), nn.Linear(16, 3))
+    assert names(model) == ["0", "1", "2"]
+
+
+def test_torchs_transformer_layers_are_blocks():
+    layers = [nn.TransformerEncoderLayer(16, 2, 32, batch_first=True) for _ in range(2)]
+    model = nn.Sequential(nn.Embedding(8, 16), *layers, nn.Linear(16, 3))
+    assert names(model) == ["0", "1", "2", "3"]
 
 
 def test_a_model_without_blocks_is_sharded_by_layer():

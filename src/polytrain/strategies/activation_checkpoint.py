@@ -7,11 +7,13 @@ in it (`torch.utils.checkpoint`, non-reentrant). The same numbers, less memory, 
                  recomputes the rest (norms, activations, additions): torch's selective checkpointing
     selective:K  every K-th block (the K-th, 2K-th, ...) as in full, the others as in none
 
-A block is a module of the model's own classes (not torch.nn's) that holds parameters, the outermost such, of
-the class that occurs most often (on a tie, the one with more layers): GPT's `Block`, a Llama's transformer
-block. Each block's `forward` is replaced on the instance, so the model keeps its structure and parameter
-names: a `checkpoint_wrapper` would add `_checkpoint_wrapped_module.` to them, and the tensor plan, the
-pipeline's split, the optimizer's parameter names and every state dict read those names. Strategies apply it
+A block is a module of the model's own classes (not torch.nn's) that holds parameters, or one of torch.nn's
+transformer layers (`nn.TransformerEncoderLayer`, `nn.TransformerDecoderLayer`: attention and an MLP, as a
+model's own block), the outermost such, of the class that occurs most often (on a tie, the one with more
+layers): GPT's `Block`, a Llama's transformer block. Each block's `forward` is replaced on the instance, so the
+model keeps its structure and parameter names: a `checkpoint_wrapper` would add `_checkpoint_wrapped_module.`
+to them, and the tensor plan, the pipeline's split, the optimizer's parameter names and every state dict read
+those names. Strategies apply it
 after the pipeline split and the tensor plan, before FSDP2 or DDP wraps the model; nothing here knows them.
 
 Random ops draw the same numbers when recomputed: torch.utils.checkpoint restores the RNG state first
@@ -68,6 +70,14 @@ def _own_class(module: nn.Module) -> bool:
     return not type(module).__module__.startswith("torch.")
 
 
+# torch.nn's layers that are whole transformer blocks (attention and an MLP), which a model stacks as its own
+TORCH_BLOCKS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def _block_class(module: nn.Module) -> bool:
+    return _own_class(module) or isinstance(module, TORCH_BLOCKS)
+
+
 def _keeps_statistics(module: nn.Module) -> bool:
     """Whether the module updates running statistics in a training forward (BatchNorm)."""
     return (
@@ -82,7 +92,7 @@ def find_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if not name or any(name.startswith(prefix) for prefix in inside):
             continue
-        if _own_class(module) and any(True for _ in module.parameters()):
+        if _block_class(module) and any(True for _ in module.parameters()):
             outermost.append((name, module))
             inside.add(name + ".")
     if not outermost:
@@ -102,8 +112,8 @@ def check_activation_checkpointing(model: nn.Module, mode: str) -> List[str]:
     if not blocks:
         raise ConfigError(
             f"{FLAG} {mode} recomputes the model's blocks (modules of its own classes that hold parameters, "
-            f"such as GPT's Block), and {type(model).__name__} is made of torch.nn layers only, where "
-            f"recomputing a layer saves nothing; drop {FLAG}"
+            f"such as GPT's Block, or nn.TransformerEncoderLayer), and {type(model).__name__} is made of "
+            f"torch.nn layers only, where recomputing a layer saves nothing; drop {FLAG}"
         )
     kind_name = type(blocks[0][1]).__name__
     norms = [name for name, module in blocks if any(_keeps_statistics(m) for m in module.modules())]

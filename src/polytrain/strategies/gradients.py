@@ -122,6 +122,10 @@ class Gradients:
             self.figures[3] += found.to(self.figures.device, torch.float64).clamp(max=1)
             self.scaler.step(optimizer)
             self.scaler.update()
+            # A step the scaler skips still counts for the schedule, which advances by steps as on one device;
+            # the flag torch's step sets tells a scheduler stepped next that its optimizer's step came first
+            # (else torch warns that `lr_scheduler.step()` was called before `optimizer.step()`).
+            optimizer._opt_called = True
         else:
             optimizer.step()
 

@@ -3,7 +3,7 @@ sharded with an index; a Qwen2 with q/k/v biases and a tied head, in one file) l
 ranks, on tensor 2 and on a 2-stage pipeline, and gives the logits of transformers' own model on the same tokens
 and, at the first step, its loss on the same batch; bad folders and flags are one line before any worker.
 
-The two-process runs share one launch of two processes (tests/quiet_runs.py). Each trains one step at a
+The two-process runs share one launch of two processes (tests/matrix_runs.py). Each trains one step at a
 learning rate too small to move a float32 weight (1e-30), so that the run's final weights are the loaded ones.
 """
 
@@ -96,11 +96,11 @@ def runs(checkpoints, tmp_path_factory) -> dict:
     singles = [case for case in CASES if LAYOUTS[case[1]][-1] == "1"]
     pairs = [case for case in CASES if case not in singles]
     groups = [
-        {"processes": [0], "runs": [argv(checkpoints[f], layout) for f, layout in singles]},
-        {"processes": [0, 1], "runs": [argv(checkpoints[f], layout) for f, layout in pairs]},
+        {"processes": [0], "runs": [["llama", *argv(checkpoints[f], layout)] for f, layout in singles]},
+        {"processes": [0, 1], "runs": [["llama", *argv(checkpoints[f], layout)] for f, layout in pairs]},
     ]
     (folder / "plan.json").write_text(json.dumps({"folder": str(folder), "groups": groups}))
-    helper = Path(__file__).with_name("quiet_runs.py")
+    helper = Path(__file__).with_name("matrix_runs.py")
     processes = [start([sys.executable, helper, folder / "plan.json", p]) for p in range(2)]
     finished = [finish(process, timeout=400) for process in processes]
     assert all(done.returncode == 0 for done in finished), "\n".join(done.stderr[-3000:] for done in finished)

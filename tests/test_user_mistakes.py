@@ -520,3 +520,35 @@ def test_a_note_written_with_flags_says_fit_keywords_from_python(capsys):
     out = capsys.readouterr().out
     assert 'never steps; train a whole epoch, or step it per optimizer step (schedule_interval="step"' in out
     assert "--schedule-interval" not in out
+
+
+def test_a_step_mixing_a_shard_with_a_plain_tensor_is_told_in_one_line(tmp_path):
+    """Under FSDP2 a tensor made from a parameter outside forward (an init_hidden's new_zeros) is a DTensor, which
+    torch refuses to mix with the batch's plain tensors: the step says so in one line, naming the fix."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from polytrain.objective import Objective
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(3, 2)
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+
+        def sequence_first_step(model, batch):
+            hidden = next(model.parameters()).new_zeros(2, 3)  # as init_hidden does
+            x, _ = batch
+            return (torch.mm(x, hidden.t()) ** 2).mean()
+
+        objective = Objective(step=sequence_first_step)
+        x, y = torch.randn(4, 3), torch.zeros(4)
+        with pytest.raises(
+            UserError, match=r"^step=sequence_first_step mixed a plain tensor with a DTensor"
+        ) as e:
+            objective.compute(model, x, y)
+        assert "\n" not in str(e.value) and "torch.zeros(..., device=inputs.device)" in str(e.value)
+    finally:
+        dist.destroy_process_group()

@@ -8,8 +8,12 @@ per sample (shape (n,)) or the batch mean (a scalar); polytrain sums them over s
 reports sum / count.
 
 Without `loss=` the objective is classification: cross-entropy on class scores, with accuracy; or, for text
-(`kind="language"`, chosen by the dataset), next-token cross-entropy: outputs (N, T, vocab) and targets (N, T),
-each sample's loss the mean over its T tokens, so that the mean over samples is exactly the mean per token.
+(`kind="language"`, chosen by the dataset, or by a `Dataset` whose targets are token ids (N, T) and a model
+that scores every position, (N, T, vocab)), next-token cross-entropy. Positions labelled -100 (`IGNORE_INDEX`,
+Hugging Face's convention for padding and prompts) count in neither the loss nor its count: the step minimises
+the loss summed over the global batch's other tokens over their number, on any layout. The count is kept in
+samples (trained tokens / T), so that without such labels it is the sample count and each sample's loss the
+mean over its T tokens, as before masking existed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .errors import UserError
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KINDS = ("classification", "language", "model")  # model: the model returns its loss
+IGNORE_INDEX = -100  # a label that trains nothing (Hugging Face's and torch's cross-entropy default)
 
 
 class Objective:
@@ -37,6 +42,7 @@ class Objective:
         kind: str = "classification",
         step: Optional[Callable] = None,
         eval_step: Optional[Callable] = None,
+        masks_labels: bool = True,
     ):
         for name, fn in (("loss", loss), ("step", step), ("eval_step", eval_step)):
             if fn is not None and not callable(fn):
@@ -75,8 +81,10 @@ class Objective:
         builtin = loss is None and step is None and kind != "model"
         self.language = builtin and kind == "language"  # next-token cross-entropy, no accuracy
         self.classification = builtin and not self.language
-        # the loss gives (sum, count) pairs (learnt on a sample): each step then divides by the global count
-        self.counted = False
+        # the loss gives (sum, count) pairs (learnt on a sample): each step then divides by the global count;
+        # next-token cross-entropy does where labels may be IGNORE_INDEX (`masks_labels`; the built-in text's
+        # never are: its steps then need no global count)
+        self.counted = self.language and masks_labels
         if self.classification and "acc" in metrics:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
@@ -113,7 +121,7 @@ class Objective:
         samples = rows(x) if y is None else len(y)
         step = self.step if training or self.eval_step is None else self.eval_step
         if step is not None:
-            with autocast():
+            with autocast(), shards_outside_forward(step):
                 value = step(model, x if y is None else (x, y))
             return (*self.sum_and_count(value, samples, "step="), None)
         with autocast():
@@ -135,6 +143,8 @@ class Objective:
         count = len(targets)
         if self.kind == "model":
             return self.sum_and_count(carried_loss(outputs), count, "the model's loss")
+        if self.language:
+            return self.token_loss(outputs, targets, training=training)
         if self.loss is None:
             return self.loss_sum(outputs, targets, training=training), count
         if count == 0 and isinstance(outputs, torch.Tensor):  # a rank with no samples in a short last batch
@@ -178,17 +188,8 @@ class Objective:
     ) -> torch.Tensor:
         """The built-in losses summed over the samples of `outputs` (differentiable); a user's loss= as
         sum of its per-sample mean."""
-        if self.language:  # each sample's mean over its tokens, summed over the samples
-            tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
-            return (
-                F.cross_entropy(
-                    at_least_float32(outputs).flatten(0, -2),
-                    targets.flatten(),
-                    reduction="sum",
-                    label_smoothing=self.label_smoothing if training else 0.0,
-                )
-                / tokens
-            )
+        if self.language:
+            return self.token_loss(outputs, targets, training=training)[0]
         if self.loss is None:
             return F.cross_entropy(
                 at_least_float32(outputs),
@@ -197,6 +198,25 @@ class Objective:
                 label_smoothing=self.label_smoothing if training else 0.0,
             )
         return self.outputs_loss(outputs, targets, training=training)[0]
+
+    def token_loss(self, outputs: torch.Tensor, targets: torch.Tensor, *, training: bool = True):
+        """(summed loss, count) of next-token cross-entropy, both in samples: the loss summed over the tokens
+        not labelled IGNORE_INDEX, over the T tokens of a window, and how many windows of T such tokens there
+        are (a float64 tensor; N where no label is masked). Without masks, each sample's mean over its tokens,
+        summed over the samples."""
+        tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
+        total = (
+            F.cross_entropy(
+                at_least_float32(outputs).flatten(0, -2),
+                targets.flatten(),
+                reduction="sum",
+                ignore_index=IGNORE_INDEX,
+                label_smoothing=self.label_smoothing if training else 0.0,
+            )
+            / tokens
+        )
+        trained = (targets != IGNORE_INDEX).sum().to(torch.float64)
+        return total, trained / tokens
 
     @torch.no_grad()
     def metric_sums(self, outputs, targets: torch.Tensor) -> torch.Tensor:
@@ -242,6 +262,24 @@ def first_output(output):
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     return output
+
+
+@contextlib.contextmanager
+def shards_outside_forward(step):
+    """A step= that makes a tensor from the model's parameters outside its forward (pytorch/examples'
+    `init_hidden`: `next(self.parameters()).new_zeros(...)`) gets a DTensor where the parameters are shards or
+    slices (FSDP2, tensor parallelism), which torch refuses to mix with plain tensors: said in one line."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "mixed torch.Tensor and DTensor" not in str(error):
+            raise
+        raise UserError(
+            f"step={name_of(step)} mixed a plain tensor with a DTensor: outside the model's forward its "
+            f"parameters are shards (FSDP2) or slices (tensor parallelism), so a tensor made from one (such as "
+            f"next(model.parameters()).new_zeros(...) in an init_hidden) is a DTensor too; make it with "
+            f"torch.zeros(..., device=inputs.device) instead, or use --strategy data"
+        ) from None
 
 
 def call_model(model, x):

@@ -105,8 +105,12 @@ def dataset_pair(
         and spec.form == "pair"
         else None
     )
+    kind = "classification"
+    if isinstance(width, tuple):  # scores over a vocabulary at each position of token targets
+        kind, width = "language", None
     if (
-        objective.classification
+        kind == "classification"
+        and objective.classification
         and spec.form == "pair"
         and (width or classes is not None or not isinstance(model, nn.Module))
     ):
@@ -127,23 +131,41 @@ def dataset_pair(
         spec,
         num_workers=workers,
         classes=[str(c) for c in classes] if classes is not None else None,
+        kind=kind,
     )
 
 
-def output_width(model: nn.Module, pair: DatasetPair) -> Optional[int]:
+def output_width(model: nn.Module, pair: DatasetPair):
     """How many class scores the user's module gives per sample (its output's last dimension); None when its
-    output carries its own loss."""
+    output carries its own loss; the output's shape (N, T, vocab) where it scores every position of targets
+    that are T token ids (a language model: next-token cross-entropy, labels of -100 masked)."""
     x = pair.sample_batch(2)[0]
     output = run_on_sample(model, x, f"samples of shape {tuple(pair.input_shape)}")
     if carried_loss(output) is not None:
         return None
     output = run_model(model, x, pair.input_shape, first_output(output))
+    if scores_per_token(output, pair.spec):
+        return tuple(output.shape)
     if output.dim() != 2:
         raise UserError(
             f"the model must return one row of class scores per sample, shape (N, classes); it "
             f"returned shape {tuple(output.shape)} (pass loss= for another objective)"
         )
     return output.shape[1]
+
+
+def scores_per_token(output: torch.Tensor, spec) -> bool:
+    """Whether `output` holds scores over a vocabulary at every position of integer targets: (N, T, vocab)
+    against (N, T)."""
+    y_shape, y_dtype = tuple(spec.y_shape), spec.y_dtype
+    return (
+        output.dim() == 3
+        and len(y_shape) == 1
+        and output.shape[1] == y_shape[0]
+        and y_dtype is not None
+        and not y_dtype.is_floating_point
+        and y_dtype != torch.bool
+    )
 
 
 def run_model(model: nn.Module, x, input_shape, output=None) -> torch.Tensor:
@@ -202,8 +224,10 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
     y = y.to(output.device)
     if objective.loss is None and (objective.classification or objective.language):
         check_scores_not_probabilities(output)
-    if objective.language and (
-        output.dim() != 3 or output.shape[1] != y.shape[1] or output.shape[2] < data.num_classes
+    if (
+        objective.language
+        and data.num_classes is not None
+        and (output.dim() != 3 or output.shape[1] != y.shape[1] or output.shape[2] < data.num_classes)
     ):
         raise UserError(
             f"--dataset {data.name} is text for a language model: the model must return scores over "
@@ -281,17 +305,31 @@ def oversized_batch_note(data, config: TrainConfig) -> Optional[str]:
 
 
 def make_objective(
-    config: TrainConfig, loss=None, metrics=None, *, kind: str = "classification", step=None, eval_step=None
+    config: TrainConfig,
+    loss=None,
+    metrics=None,
+    *,
+    kind: str = "classification",
+    step=None,
+    eval_step=None,
+    masks_labels: bool = True,
 ) -> Optional[Objective]:
     """The objective: the user's step or loss, else the built-in one of the data's `kind` (a dataset's
-    `.kind`); check_objective may find that the model returns its own loss."""
+    `.kind`; `masks_labels`: whether its labels may be -100); check_objective may find that the model returns
+    its own loss."""
     if (loss is not None or step is not None) and config.label_smoothing:
         raise UserError(
             f"label_smoothing= applies to the built-in cross-entropy; drop it or build it into "
             f"{'loss=' if loss is not None else 'step='}"
         )
     return Objective(
-        loss, metrics, label_smoothing=config.label_smoothing, kind=kind, step=step, eval_step=eval_step
+        loss,
+        metrics,
+        label_smoothing=config.label_smoothing,
+        kind=kind,
+        step=step,
+        eval_step=eval_step,
+        masks_labels=masks_labels,
     )
 
 

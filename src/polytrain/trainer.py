@@ -339,9 +339,10 @@ class Trainer:
         }
         tokens = getattr(self.train_loader, "tokens_per_sample", None)
         if tokens:  # a language model: nats per token, perplexity, tokens per second
+            # the tokens trained: the loss's count is in windows of `tokens`, less any labelled -100
             record.update(
                 **({"perplexity": math.exp(min(val["loss"], 700.0))} if val else {}),
-                tokens_per_second=record["samples_per_second"] * tokens,
+                tokens_per_second=loss_count * tokens / seconds if seconds > 0 else float("inf"),
             )
         steps = self.position.step  # the whole epoch, or where a fractional --epochs ends it
         self.position = (

@@ -124,7 +124,7 @@ def make_loaders(
     streamed = getattr(dataset, "kind", None) == "language" or isinstance(dataset, DatasetPair)
     if eval_batch_size is None and streamed:
         eval_batch_size = training_pass(batch_size, world_size, accumulate)
-    if getattr(dataset, "kind", None) == "language":
+    if getattr(dataset, "kind", None) == "language" and not isinstance(dataset, DatasetPair):
         from .text import make_token_loaders
 
         return make_token_loaders(

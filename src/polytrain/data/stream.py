@@ -53,6 +53,8 @@ class DatasetPair:
     classes: Optional[List[str]] = None
     augment: bool = False  # augmentation belongs in the Dataset's own transforms
     flip: bool = False
+    # "language": targets are token ids (T,) and the model scores every position (next-token cross-entropy)
+    kind: str = "classification"
 
     @property
     def input_shape(self) -> Tuple[int, ...]:

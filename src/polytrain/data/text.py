@@ -37,6 +37,7 @@ class TokenDataset:
     """A tokenised text split into training and validation tokens (int64), with its vocabulary."""
 
     kind = "language"
+    masks_labels = False  # every label is a token of the text, none IGNORE_INDEX (-100)
 
     def __init__(
         self,

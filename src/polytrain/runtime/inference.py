@@ -88,6 +88,8 @@ def evaluate(
         dataset = dataset_pair(
             data, data, model=model, objective=objective, config=config, names=("data", "data")
         )
+        if dataset.kind == "language" and objective.classification:  # token targets: next-token loss
+            objective = make_objective(config, loss, metrics, kind=dataset.kind)
     elif data is not None or dataset is None:
         dataset = as_dataset(data, TrainConfig())
     check_devices(1, device)

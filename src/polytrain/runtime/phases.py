@@ -83,7 +83,15 @@ def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_s
     else:
         dataset = as_dataset(data if data is not None else config.dataset, config)
     if getattr(dataset, "kind", "classification") != "classification":  # text: next-token cross-entropy
-        objective = make_objective(config, loss, metrics, kind=dataset.kind, step=step, eval_step=eval_step)
+        objective = make_objective(
+            config,
+            loss,
+            metrics,
+            kind=dataset.kind,
+            step=step,
+            eval_step=eval_step,
+            masks_labels=getattr(dataset, "masks_labels", True),
+        )
     check_sizes(dataset, config)
     note = oversized_batch_note(dataset, config)
     if shout and note:

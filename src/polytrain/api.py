@@ -26,6 +26,7 @@ from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
 from .models.pretrained import Pretrained, check_vocabulary
 from .optim import make_recipe, take_objects, unscheduled_objects
+from .optim.freeze import freeze
 from .runtime.hostenv import launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
 from .runtime.launch import check_devices, spawns_workers
@@ -128,6 +129,10 @@ def train_run(
             config, strategy, module, dataset, objective, device=device, channels_last=channels_last,
             launcher=launcher, shout=shout,
         )  # fmt: skip
+        if config.freeze:  # before the memory check, which counts no gradient or state for them
+            note = freeze(module, config.freeze, strategy=strategy if config.devices > 1 else "single")
+            if shout:
+                print(note, flush=True)
         name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
         check_fits(
             config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset

@@ -128,6 +128,14 @@ class OptimisationSettings:
         example=4,
         resume="change",
     )
+    freeze: Optional[str] = setting(
+        None,
+        "parameters that do not train: comma-separated globs over the one-device parameter names (e.g. "
+        "'embed.*,layers.0.*'); they get no gradient and no optimizer state",
+        group="optimisation",
+        metavar="PATTERN",
+        example="embed.*",
+    )
     clip_grad_norm: Optional[float] = setting(
         None,
         "scale the gradients so that their global L2 norm (over the "

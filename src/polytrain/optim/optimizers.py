@@ -210,7 +210,7 @@ def make_optimizer(
     that holds no parameters) in `groups` (`plan_groups`; None: one group). `name` is a torch.optim class
     name (any case) with its keyword arguments (lr, ... where it takes them; `options` add to and override
     them), a class, or a factory fn(params_or_groups) -> Optimizer (the settings are then its own)."""
-    named = list(named_params)
+    named = [(name, p) for name, p in named_params if name == "" or p.requires_grad]  # (--freeze)
     params = group_params(named, groups)
     cls = resolve(name, OPTIMIZERS, "--optimizer") if isinstance(name, str) else name
     if not isinstance(cls, type):

@@ -126,6 +126,9 @@ class Workload:
     # tensor parallelism, where the model has a plan (`tensor_splits` empty: none)
     tensor_splits: Tuple[int, ...] = ()  # the group sizes T the plan splits the model into
     split_bytes: float = 0.0  # parameter bytes of the layers the plan splits (the rest: replicated)
+    trained_bytes: Optional[float] = (
+        None  # parameter bytes that train (--freeze: the rest has no gradient, no state)
+    )
     split_share: float = 0.0  # the share of one device's forward + backward spent in those layers
     tensor_reductions: Tuple[float, ...] = ()  # bytes per sample of each activation all-reduce of a step
     tensor_gathers: Tuple[
@@ -480,7 +483,9 @@ def memory_per_rank(
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
-    states = held * (2 + optimizer_slots) / (layout.shard * layout.pipeline)
+    # frozen parameters (--freeze) hold their weights only: no gradient, no optimizer state
+    trained = 1.0 if work.trained_bytes is None or not weights else work.trained_bytes / weights
+    states = held * (1 + (1 + optimizer_slots) * trained) / (layout.shard * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
     # (pipeline_shard.py)

@@ -58,6 +58,7 @@ def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.
     return Workload(
         compute_seconds=0.0,
         parameter_bytes=float(sum(p.numel() * p.element_size() for p in model.parameters())),
+        trained_bytes=float(sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)),
         batch_size=batch_size,
         layers=unit_count(model),
         gathered_bytes=gathered_bytes(model),

@@ -1,0 +1,87 @@
+"""--freeze PATTERN (freeze= in fit): the parameters its globs match keep their values bit for bit, get no
+gradient and no optimizer state, and the others train as SGD written by hand with the same parameters frozen
+(masked_tokens.reference_weights), on one device and on 2 processes (data; sharded, where FSDP2's unit of the
+head mixes a frozen bias with a trained weight)."""
+
+import pytest
+import torch
+from masked_tokens import MaskedWindows, reference_weights, token_model
+
+import polytrain
+from polytrain.errors import UserError
+from polytrain.optim import make_optimizer
+from polytrain.optim.freeze import freeze
+from polytrain.plan.costmodel import Workload, memory_per_rank
+
+SGD = dict(
+    epochs=1,
+    batch_size=8,
+    lr=0.5,
+    optimizer="sgd",
+    momentum=0.0,
+    weight_decay=0.0,
+    schedule="constant",
+    warmup_epochs=0,
+    verbose=False,
+)
+FROZEN = ("0.weight", "2.bias")  # the embedding, and the head's bias beside its trained weight
+
+
+@pytest.fixture(scope="module")
+def data():
+    return MaskedWindows(32, seed=1), MaskedWindows(8, seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    return reference_weights(data[0], batch_size=8, steps=4, lr=0.5, frozen=FROZEN)[0]
+
+
+def check(model, initial, reference, how) -> None:
+    for name, p in model.named_parameters():
+        if name in FROZEN:
+            assert torch.equal(p.detach(), initial[name]), (name, how)
+        else:
+            assert not torch.equal(p.detach(), initial[name]), (name, how)
+            assert (p.detach() - reference[name]).abs().max().item() < 1e-13, (name, how)
+
+
+def test_frozen_parameters_keep_their_values_and_the_rest_train_as_by_hand(data, reference):
+    model = token_model()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    polytrain.fit(model, train=data[0], val=data[1], freeze="0.*, 2.bias", **SGD)
+    check(model, initial, reference, "one device")
+
+
+def test_frozen_parameters_get_no_optimizer_state_and_count_no_memory_for_it():
+    model = token_model()
+    freeze(model, "0.*", strategy="single")
+    optimizer = make_optimizer(list(model.named_parameters()), name="adamw")
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(held) == 2 and all(p.requires_grad for p in held)
+    work = Workload(compute_seconds=0.0, parameter_bytes=100.0, batch_size=1)
+    half = Workload(compute_seconds=0.0, parameter_bytes=100.0, batch_size=1, trained_bytes=50.0)
+    # weights, gradients and 2 slots of Adam: 400 bytes; half frozen: 100 + 50 * 3
+    assert memory_per_rank(work, "single", 1, optimizer_slots=2) == 400.0
+    assert memory_per_rank(half, "single", 1, optimizer_slots=2) == 250.0
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ("emb*", "'emb*' matches no parameter; the model's parameters are named e.g. 0.weight"),
+        ("*", "matches every parameter of the model, which would train nothing"),
+    ],
+)
+def test_a_pattern_that_matches_nothing_or_everything_is_one_line(data, pattern, message):
+    with pytest.raises(UserError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        polytrain.fit(token_model(), train=data[0], val=data[1], freeze=pattern, **SGD)
+
+
+@pytest.mark.multiprocess
+def test_frozen_parameters_on_two_devices(data, reference):
+    for how in (dict(strategy="data"), dict(strategy="sharded", accumulate=2)):
+        model = token_model()
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+        polytrain.fit(model, train=data[0], val=data[1], devices=2, freeze="0.*,2.bias", **SGD, **how)
+        check(model, initial, reference, how)

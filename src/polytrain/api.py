@@ -24,7 +24,7 @@ from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
-from .models.pretrained import Pretrained, check_vocabulary
+from .models.pretrained import check_vocabulary, initial_weights
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
 from .runtime.hostenv import launcher_env
@@ -110,7 +110,7 @@ def train_run(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )
         if pretrained:  # the checkpoint's tensors against the model's shapes, from the files' headers
-            Pretrained(config.init_from, module).check(module)
+            initial_weights(config.init_from, module).check(module)
         config = settle_augmentation(config, dataset, registry_model=registry_model, shout=shout)
         steps_per_epoch = -(-dataset.num_train // config.batch_size)
         objective = check_the_objective(config, module, objective, dataset, strategy, steps_per_epoch)

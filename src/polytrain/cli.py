@@ -118,24 +118,35 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     export = command(
         "export",
-        help="write a run's weights as one file (safetensors or .pt)",
+        help="write a run's weights as one file (safetensors or .pt), or as a Hugging Face checkpoint folder",
         description="Writes the run's weights as one file by the one-device parameter names, also when "
         "they were saved as shards by every rank (--strategy sharded): read and written one tensor at a "
-        "time, so it never holds more than the largest tensor.",
+        "time, so it never holds more than the largest tensor. --format hf writes a folder that "
+        "transformers' AutoModelForCausalLM.from_pretrained loads (a --model llama run: config.json and "
+        "safetensors files; no tokenizer).",
     )
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument(
         "--format",
         default="safetensors",
-        choices=("safetensors", "pt"),
-        help="safetensors, or pt: a state dict for torch.load (default: %(default)s)",
+        choices=("safetensors", "pt", "hf"),
+        help="safetensors; pt: a state dict for torch.load; hf: a Hugging Face checkpoint folder of a "
+        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias) (default: %(default)s)",
     )
     export.add_argument(
         "--out",
-        metavar="FILE",
-        help="where to write it (default: RUN_DIR/model.safetensors, RUN_DIR/model-export.pt; best-*)",
+        metavar="PATH",
+        help="where to write it (default: RUN_DIR/model.safetensors, RUN_DIR/model-export.pt, RUN_DIR/hf/; "
+        "best-*, hf-best/)",
     )
     export.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="--format hf: the largest safetensors file, e.g. 500MB or 2GiB; larger models are cut into "
+        "files listed in model.safetensors.index.json (default: %(default)s)",
+    )
     verify = command(
         "verify",
         help="train a few steps on 1 and on N devices and compare",

@@ -444,8 +444,15 @@ def export_command(args) -> int:
     from .runtime.export import export_run
 
     run_dir = resolve_run_dir(args.run_dir)
-    path, count, size = export_run(run_dir, weights=args.weights, format=args.format, out=args.out)
-    print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({args.format})")
+    path, count, size = export_run(
+        run_dir, weights=args.weights, format=args.format, out=args.out, max_shard_size=args.max_shard_size
+    )
+    what = (
+        "a Hugging Face checkpoint: config.json and weights, no tokenizer"
+        if args.format == "hf"
+        else args.format
+    )
+    print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({what})")
     return 0
 
 

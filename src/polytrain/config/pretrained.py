@@ -1,12 +1,17 @@
-"""--init-from DIR: the model settings a Hugging Face checkpoint folder implies, read from its config.json.
+"""--init-from DIR: the model settings a Hugging Face checkpoint folder, or a polytrain run folder, implies, read
+from its config.json.
 
 A folder as `save_pretrained` writes it: `config.json`, and the weights in `model.safetensors` or in the
 shards that `model.safetensors.index.json` lists. Its `architectures` entry names the polytrain model it
 loads into, and its config gives that model's sizes: they fill the run's settings (config.json of the run
 records them), and a flag that says otherwise is refused in one line, as is a folder that lacks a file it
-names. Pure: reads JSON, no torch (the weights are read by each rank: models/pretrained.py).
+names. A polytrain run folder (its config.json records polytrain's version) gives its model and the settings
+that fix that model's weights (`RUN_MODEL_SETTINGS`); its final weights (model.pt, or the shards it names) start
+a new run: step 0, a new optimizer (--resume continues a run instead). Pure: reads JSON, no torch (the weights
+are read by each rank: models/pretrained.py).
 
     polytrain train --init-from ./Qwen2-0.5B --dataset shakespeare --strategy sharded --devices 2
+    polytrain train --init-from runs/pretrain --dataset text --data-dir notes.txt
 """
 
 from __future__ import annotations
@@ -142,6 +147,39 @@ CONFIG_KEYS = dict(
 )
 
 
+# the settings of a polytrain run that fix its model's weights and what they compute (--init-from RUN): the
+# llama's are those a Hugging Face config gives; the GPT's context is the length of its table of positions
+RUN_MODEL_SETTINGS = {"llama": tuple(CONFIG_KEYS), "gpt": ("layers", "heads", "width", "context")}
+
+
+def is_run_folder(folder) -> bool:
+    """Whether `folder` holds a polytrain run (its config.json records polytrain's version), not a checkpoint
+    of Hugging Face's."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "polytrain" in (config.get("versions") or {})
+
+
+def run_settings(folder: Path) -> dict:
+    """The model and its weight-fixing settings of the polytrain run in `folder`, as its config.json records
+    them; one line for a run of a model of the user's, or one that has saved no weights."""
+    config = read_json(folder / "config.json", "run's config")
+    model = config.get("model")
+    if config.get("custom_model") or not isinstance(model, str):
+        raise ConfigError(
+            f"--init-from: {folder} trained a model of its own ({model}); load its model.pt into that module "
+            f"in Python (torch.load, load_state_dict) before fit"
+        )
+    if not (folder / "model.pt").is_file():
+        raise ConfigError(
+            f"--init-from: {folder} has no model.pt (it saved no weights); give a run that has trained, or "
+            f"continue this one with --resume {folder}"
+        )
+    return dict(model=model, **{key: config.get(key) for key in RUN_MODEL_SETTINGS.get(model, ())})
+
+
 def checkpoint_settings(folder) -> dict:
     """The run settings the checkpoint folder implies (`model` and its sizes), after checking that the files
     it names are there; one line for anything missing or not a model polytrain has."""
@@ -151,6 +189,8 @@ def checkpoint_settings(folder) -> dict:
             f"--init-from: {folder} is not a folder; give the folder that holds the checkpoint's "
             f"config.json and model.safetensors"
         )
+    if is_run_folder(folder):
+        return run_settings(folder)
     where = folder / "config.json"
     if not where.is_file():
         raise ConfigError(f"--init-from: {folder} has no config.json; give a folder save_pretrained wrote")
@@ -175,16 +215,24 @@ def apply_checkpoint(values: dict, given, model: Optional[str] = None) -> Tuple[
     if folder is None:
         return model, given
     settings = checkpoint_settings(folder)
-    fix = "drop it: --init-from takes the model and its sizes from the checkpoint's config.json"
+    run = is_run_folder(folder)
+    fix = (
+        f"drop it: --init-from takes the model and its sizes from the {'run' if run else 'checkpoint'}'s "
+        f"config.json"
+    )
     if model is not None and model != settings["model"]:
         raise ConfigError(f"--model {model}: {folder} holds a {settings['model']} model; {fix}")
     if values.get("size") is not None:
         raise ConfigError(f"--size {values['size']} names a shape of its own; {fix}")
     for key, value in settings.items():
         if key != "model" and key in given and values.get(key) is not None and values[key] != value:
+            source = (
+                f"{key}: {'null, the default' if value is None else value}"
+                if run
+                else (f"{CONFIG_KEYS[key]}: {value}")
+            )
             raise ConfigError(
-                f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} "
-                f"({CONFIG_KEYS[key]}: {value}); {fix}"
+                f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} ({source}); {fix}"
             )
     values.update(settings)
     return settings["model"], given | set(settings)

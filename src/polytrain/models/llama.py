@@ -20,6 +20,8 @@ torchtitan's turn neighbouring pairs, so their wq and wk rows would need Hugging
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -66,6 +68,44 @@ def hf_names(model: "Llama") -> dict:
     if model[-1].weight is model[0].weight:
         names[f"{model.layers + 2}.weight"] = names["0.weight"]
     return names
+
+
+# keys of a source checkpoint's config.json that an export writes anew or that no longer hold
+HF_CONFIG_DROPPED = ("transformers_version", "torch_dtype", "rope_scaling", "layer_types", "attention_bias")
+
+
+def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
+    """The config.json of a Hugging Face checkpoint of `model` (polytrain export --format hf): a
+    Qwen2ForCausalLM where the attention has biases, else a LlamaForCausalLM, with the sizes read off the model
+    itself. `base`, the config.json of the checkpoint the run started from (--init-from), keeps its other keys
+    (token ids, say). The rotary angle base is written both ways transformers reads it (rope_theta at the top
+    level up to version 4, rope_parameters from 5)."""
+    block = model[1]
+    attention, biased = block.attention, block.attention.wq.bias is not None
+    config = {key: value for key, value in (base or {}).items() if key not in HF_CONFIG_DROPPED}
+    config.update(
+        architectures=["Qwen2ForCausalLM" if biased else "LlamaForCausalLM"],
+        model_type="qwen2" if biased else "llama",
+        vocab_size=model.vocab,
+        hidden_size=model[0].embedding_dim,
+        intermediate_size=block.feed_forward.w1.out_features,
+        num_hidden_layers=model.layers,
+        num_attention_heads=attention.heads,
+        num_key_value_heads=attention.kv_heads,
+        head_dim=attention.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max(int(model.context), int(config.get("max_position_embeddings") or 0)),
+        rms_norm_eps=block.attention_norm.eps,
+        rope_theta=attention.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": attention.rope_theta},
+        tie_word_embeddings=model[-1].weight is model[0].weight,
+        dtype=str(model[0].weight.dtype).removeprefix("torch."),
+    )
+    if biased:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.layers)
+    else:
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
 
 
 def rotary(positions: int, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:

@@ -9,6 +9,11 @@ FSDP2 shard, a tensor-parallel slice, a whole tensor of its pipeline stage), the
 it covers, and the reader reads that piece alone through safetensors' lazy slices; the checkpoint's dtype
 (bfloat16, say) is converted into the model's as it is copied. No rank reads the whole model; each reads on
 its own (no collective), so any layout loads alike.
+
+`RunWeights(folder)` does the same for a polytrain run folder (--init-from RUN): its model.pt names the shard
+folder its ranks wrote, read through DCP's own reader into the pieces this rank holds, or is one state dict,
+mapped from the disk, each rank cutting its part (only the pages it touches are read). `initial_weights` picks
+the one a folder needs.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..config.pretrained import weight_files
-from ..errors import ConfigError, first_line
+from ..checkpoint import shard_folder
+from ..config.pretrained import is_run_folder, weight_files
+from ..errors import CheckpointError, ConfigError, first_line
 from .llama import Llama, hf_names
 
 
@@ -115,6 +121,78 @@ class Pretrained:
                     template, storage_reader=dcp.HuggingFaceStorageReader(str(self.folder)), no_dist=True
                 )
         return filled - set(wholes), wholes
+
+
+class RunWeights:
+    """The final weights of a polytrain run folder, by the one-device names (picklable: sent to each worker)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.path = self.folder / "model.pt"
+
+    def _open(self) -> tuple:
+        """(the shard folder model.pt names, or None; the state dict model.pt holds, mapped from the disk)."""
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # weights_only loading runs no code; any failure means a damaged file
+            raise CheckpointError(
+                f"--init-from: {self.path} is not a loadable polytrain checkpoint ({first_line(error)}); give "
+                f"another run, or train this one again"
+            ) from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"--init-from: {self.path} holds no state dict; the file is damaged")
+        return shard_folder(state, self.path), state
+
+    def shapes(self) -> dict:
+        """name -> shape of every stored model tensor (a shard folder's from its index; no tensor is read)."""
+        from ..runtime import shards
+
+        folder, state = self._open()
+        if folder is not None:
+            return {name: shape for name, (shape, _) in shards.model_entries(shards.check(folder)).items()}
+        return {name: tuple(t.shape) for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+    def check(self, model: nn.Module) -> None:
+        """One line where the run lacks a tensor `model` has, or holds one of another shape (the launching
+        process, before any worker starts)."""
+        stored = self.shapes()
+        fix = "start from a run of the same model and dataset (its vocabulary), or drop --init-from"
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name not in stored:
+                raise ConfigError(
+                    f"--init-from: {self.folder} holds no {name!r}, which this run's model has; {fix}"
+                )
+            if stored[name] != tuple(tensor.shape):
+                raise ConfigError(
+                    f"--init-from: {name} in {self.folder} has shape {list(stored[name])}, and this run's model "
+                    f"{list(tensor.shape)}; {fix}"
+                )
+
+    @torch.no_grad()
+    def read_into(self, targets: dict, *, whole=()) -> tuple:
+        """As `Pretrained.read_into`: a shard folder fills each target with the piece it holds (DCP, without a
+        process group), the names in `whole` read whole and returned; a one-file state dict returns every
+        tensor, mapped from the disk, for the caller to cut its part from."""
+        from ..runtime import shards
+
+        folder, state = self._open()
+        if folder is None:
+            return set(), {name: state[name] for name in targets if isinstance(state.get(name), torch.Tensor)}
+        entries = shards.model_entries(shards.check(folder))
+        template, wholes = {}, {}
+        for name, tensor in targets.items():
+            if name in entries:
+                if name in whole:
+                    tensor = wholes[name] = torch.empty(entries[name][0], dtype=entries[name][1])
+                template[name] = tensor
+        shards.read_pieces(folder, {"model": template})
+        loaded = {id(tensor) for name, tensor in template.items() if name not in wholes}
+        return {name for name, tensor in targets.items() if id(tensor) in loaded}, wholes
+
+
+def initial_weights(folder, model: nn.Module):
+    """The weights --init-from FOLDER starts `model` from: a polytrain run's, or a Hugging Face checkpoint's."""
+    return RunWeights(folder) if is_run_folder(folder) else Pretrained(folder, model)
 
 
 def check_vocabulary(config, dataset) -> None:

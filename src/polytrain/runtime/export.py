@@ -1,17 +1,25 @@
-"""`polytrain export RUN`: a run's weights as one file (safetensors or torch's .pt), by the one-device names.
+"""`polytrain export RUN`: a run's weights as one file (safetensors or torch's .pt) by the one-device names, or
+as a Hugging Face checkpoint folder (--format hf: config.json and safetensors files, for a --model llama run).
 
-Weights kept as shards (runtime/shards.py) are read one tensor at a time, from the checkpoint's index, and
-written out before the next is read: the export holds at most the largest tensor (plus a file buffer), however
-large the model. safetensors is written directly (an 8-byte little-endian header length, a JSON header giving
-each tensor's dtype, shape and byte range, then the tensors' bytes), so no library has to hold every tensor at
-once. torch.save needs every tensor at hand: the tensors are staged one by one into a temporary file, and
-saved from its memory map, whose pages the system can drop at any time. The file appears only when complete.
+Weights kept as shards (runtime/shards.py) are read one tensor at a time, from the checkpoint's index. Each
+tensor is copied into a scratch file beside the output before the next is read, and the writer (the
+safetensors library's `save_file`, or torch.save) is handed views of that file mapped into memory, whose pages
+the system can drop at any time: the export holds at most the largest tensor, however large the model, and
+polytrain writes no file format of its own. A file or folder appears only when complete.
+
+--format hf names each tensor as transformers' LlamaForCausalLM or Qwen2ForCausalLM does (models/llama.py
+`hf_names`), writes config.json from the model's own sizes (`hf_config`), and cuts the weights into files of at
+most --max-shard-size listed in model.safetensors.index.json, as `save_pretrained` does. No tokenizer is
+written: a polytrain run has none of Hugging Face's (shakespeare's characters are the run's vocabulary).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -21,19 +29,20 @@ from ..checkpoint import safe_load, shard_folder
 from ..errors import UserError
 from . import shards
 
-FORMATS = ("safetensors", "pt")
-DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+FORMATS = ("safetensors", "pt")  # one file; "hf" writes a folder (export_hf)
+# the dtypes of polytrain's weights that safetensors stores
+SAFETENSORS_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 def _raw(tensor: torch.Tensor):
@@ -74,6 +83,7 @@ def _layout(listing) -> tuple:
 
 
 def _write_tensors(handle, listing, read, ranges, start: int) -> None:
+    """Each tensor's bytes at its range of the scratch file, read one at a time."""
     for name, shape, dtype in listing:
         begin, end = ranges[name]
         handle.seek(start + begin)
@@ -85,40 +95,44 @@ def _write_tensors(handle, listing, read, ranges, start: int) -> None:
     handle.truncate(start + max((end for _, end in ranges.values()), default=0))
 
 
-def _safetensors(listing, read, temporary: Path) -> None:
-    for _, _, dtype in listing:
-        if dtype not in DTYPES:
-            raise UserError(f"safetensors has no {dtype}; export with --format pt")
-    ranges, _ = _layout(listing)
-    header = {
-        name: {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": list(ranges[name])}
-        for name, shape, dtype in listing
-    }
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (_aligned(len(text)) - len(text))  # the tensors start 8-byte aligned
-    with open(temporary, "wb") as handle:
-        handle.write(len(text).to_bytes(8, "little") + text)
-        _write_tensors(handle, listing, read, ranges, 8 + len(text))
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _torch_save(listing, read, temporary: Path) -> None:
+@contextlib.contextmanager
+def _staged(listing, read, folder: Path):
+    """{name: tensor} of `listing`, each read by `read` one at a time and copied into a scratch file beside the
+    output before the next is read; the tensors handed out are views of that file mapped into memory, whose
+    pages the system can drop at any time. A writer that needs every tensor at hand (the safetensors library,
+    torch.save) then holds none of them in memory of its own."""
     ranges, total = _layout(listing)
-    staged = temporary.with_name(temporary.name + ".staged")
+    staged = folder / f".export-staged-{os.getpid()}"
     try:
         with open(staged, "wb") as handle:
             _write_tensors(handle, listing, read, ranges, 0)
         storage = torch.UntypedStorage.from_file(str(staged), shared=False, nbytes=max(total, 1))
-        state = {}
+        views = {}
         for name, shape, dtype in listing:
-            begin = ranges[name][0]
-            view = torch.empty(0, dtype=dtype).set_(storage, begin // dtype.itemsize, shape)
-            state[name] = view.clone() if view.numel() == 0 else view
-        torch.save(state, temporary)
+            view = torch.empty(0, dtype=dtype).set_(storage, ranges[name][0] // dtype.itemsize, shape)
+            views[name] = view.clone() if view.numel() == 0 else view
+        yield views
     finally:
         staged.unlink(missing_ok=True)
+
+
+def _check_safetensors_dtypes(listing) -> None:
+    for _, _, dtype in listing:
+        if dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"safetensors has no {dtype}; export with --format pt")
+
+
+def _safetensors(listing, read, temporary: Path) -> None:
+    from safetensors.torch import save_file
+
+    _check_safetensors_dtypes(listing)
+    with _staged(listing, read, temporary.parent) as views:
+        save_file(views, str(temporary), metadata={"format": "pt"})
+
+
+def _torch_save(listing, read, temporary: Path) -> None:
+    with _staged(listing, read, temporary.parent) as views:
+        torch.save(views, temporary)
 
 
 def export_weights(path: Path, out: Path, *, format: str = "safetensors") -> tuple:
@@ -138,16 +152,161 @@ def export_weights(path: Path, out: Path, *, format: str = "safetensors") -> tup
     return len(listing), _layout(listing)[1]
 
 
+def parse_size(text) -> int:
+    """Bytes of a size as Hugging Face writes it ("5GB" = 5 * 10**9, "500MiB" = 500 * 2**20, "20KB"), or of a
+    number of bytes; one line for anything else."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b)?\s*", str(text), re.IGNORECASE)
+    if match is None or float(match[1]) <= 0:
+        raise UserError(f"--max-shard-size {text}: give a size such as 5GB, 500MiB or 20KB")
+    unit = (match[2] or "b").lower()
+    scale = 1 if unit == "b" else (1024 if "i" in unit else 1000) ** ("kmgt".index(unit[0]) + 1)
+    return int(float(match[1]) * scale)
+
+
+def _shards(entries, limit: int) -> list:
+    """The entries [(name, shape, dtype)] in order, cut into files of at most `limit` bytes each where a tensor
+    fits (a larger tensor has a file of its own), as transformers' save_pretrained cuts them."""
+    files, size = [[]], 0
+    for entry in entries:
+        nbytes = int(torch.Size(entry[1]).numel()) * entry[2].itemsize
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    return files
+
+
+def _llama_of_run(run_dir: Path, settings: dict, listing):
+    """The run's llama built on the meta device (its sizes from config.json, its vocabulary from the stored
+    embedding), after checking that the stored tensors are its own; one line where they are not."""
+    from ..config import STRATEGY_FLAGS, TrainConfig
+    from ..models import build_model_on_meta
+
+    how = ("strategy", *STRATEGY_FLAGS, "logger")
+    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
+    stored = {name: shape for name, shape, _ in listing}
+    if "0.weight" not in stored:
+        raise UserError(
+            f"{run_dir}: the weights hold no token embedding (0.weight); is it a --model llama run?"
+        )
+    vocab = stored["0.weight"][0]
+    model = build_model_on_meta("llama", (config.context or 1,), vocab, config)
+    for name, tensor in model.state_dict().items():
+        if tuple(tensor.shape) != stored.get(name):
+            raise UserError(
+                f"{run_dir}: the stored {name} ({stored.get(name, 'missing')}) is not what its config.json "
+                f"builds ({tuple(tensor.shape)}); the run folder is damaged"
+            )
+    return model
+
+
+def _source_config(settings: dict) -> Optional[dict]:
+    """The config.json of the Hugging Face checkpoint the run started from (--init-from), where it still is."""
+    folder = settings.get("init_from")
+    path = Path(folder) / "config.json" if folder else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and config.get("architectures") else None
+
+
+def _replace_folder(temporary: Path, out: Path) -> None:
+    """`temporary` renamed to `out`; an earlier export there is replaced, a folder holding anything else is not."""
+    if out.exists():
+        ours = lambda path: path.name == "config.json" or path.name.startswith("model")  # noqa: E731
+        if not out.is_dir() or not all(path.is_file() and ours(path) for path in out.iterdir()):
+            raise UserError(
+                f"--out {out} exists and holds more than an export; give a new folder, or remove it"
+            )
+        shutil.rmtree(out)
+    os.replace(temporary, out)
+
+
+def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> tuple:
+    """A Hugging Face checkpoint folder of a --model llama run (config.json, and model.safetensors or shards
+    with model.safetensors.index.json), which transformers' AutoModelForCausalLM.from_pretrained loads; each
+    file is written by the safetensors library from tensors read one at a time (`_staged`). Returns (folder,
+    tensors, bytes)."""
+    from ..models.llama import hf_config, hf_names
+    from ..run_dir import read_config
+    from .inference import weights_file
+
+    run_dir, limit = Path(run_dir), parse_size(max_shard_size)
+    settings = read_config(run_dir)
+    model = settings.get("model")
+    if settings.get("custom_model") or model != "llama":
+        later = " (GPT-2's format is not written yet)" if model == "gpt" else ""
+        raise UserError(
+            f"--format hf writes --model llama runs (as LlamaForCausalLM or Qwen2ForCausalLM); {run_dir} is a "
+            f"--model {model} run{later}: export it with --format safetensors or pt"
+        )
+    listing, read = _sources(weights_file(run_dir, weights))
+    llama = _llama_of_run(run_dir, settings, listing)
+    _check_safetensors_dtypes(listing)
+    names, seen, entries = hf_names(llama), set(), []
+    for name, shape, dtype in listing:
+        theirs = names.get(name)
+        if theirs is not None and theirs not in seen:  # a tied head is stored once, as the embedding
+            seen.add(theirs)
+            entries.append((name, shape, dtype))
+    files = _shards(entries, limit)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        from safetensors.torch import save_file
+
+        weight_map = {}
+        for number, part in enumerate(files, start=1):
+            file = (
+                "model.safetensors"
+                if len(files) == 1
+                else f"model-{number:05d}-of-{len(files):05d}.safetensors"
+            )
+            with _staged(part, read, temporary) as views:
+                save_file(
+                    {names[n]: views[n] for n, _, _ in part}, str(temporary / file), metadata={"format": "pt"}
+                )
+            weight_map.update({names[n]: file for n, _, _ in part})
+        total = sum(int(torch.Size(shape).numel()) * dtype.itemsize for _, shape, dtype in entries)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (temporary / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config = hf_config(llama, _source_config(settings))
+        (temporary / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _replace_folder(temporary, out)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return out, len(entries), total
+
+
 def default_out(run_dir: Path, weights: str, format: str) -> Path:
     stem = "model" if weights == "final" else "best"
+    if format == "hf":
+        return Path(run_dir) / ("hf" if weights == "final" else "hf-best")
     return Path(run_dir) / f"{stem}.{format}" if format != "pt" else Path(run_dir) / f"{stem}-export.pt"
 
 
-def export_run(run_dir, *, weights: str = "final", format: str = "safetensors", out: Optional[str] = None):
-    """Export a run folder's final or best weights; (file, tensors, bytes)."""
+def export_run(
+    run_dir,
+    *,
+    weights: str = "final",
+    format: str = "safetensors",
+    out: Optional[str] = None,
+    max_shard_size="5GB",
+):
+    """Export a run folder's final or best weights; (file or folder, tensors, bytes)."""
     from .inference import weights_file
 
-    path = weights_file(run_dir, weights)
     target = Path(out) if out else default_out(Path(run_dir), weights, format)
+    if format == "hf":
+        return export_hf(run_dir, target, weights=weights, max_shard_size=max_shard_size)
+    path = weights_file(run_dir, weights)
     count, size = export_weights(path, target, format=format)
     return target, count, size

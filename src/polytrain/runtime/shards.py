@@ -244,6 +244,13 @@ def load_into(folder: Path, template: dict) -> None:
     _load(template, Path(folder), no_dist=not _distributed())
 
 
+def read_pieces(folder: Path, template: dict) -> None:
+    """Fill `template` (as `load_into`'s) in this process alone, each tensor with the piece it holds (a
+    DTensor's shard or slice: its own rows, read from the files that hold them), whatever the ranks that wrote
+    the folder; no rank waits for another (--init-from a run)."""
+    _load(template, Path(folder), no_dist=True)
+
+
 def _empty(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 

@@ -22,7 +22,7 @@ from ..data.loader import make_loaders
 from ..errors import UserError
 from ..loggers import make_loggers
 from ..models.lightning import plan_loop
-from ..models.pretrained import Pretrained
+from ..models.pretrained import initial_weights
 from ..objective import Objective
 from ..optim import make_recipe
 from ..scaling.flops import flops_per_sample
@@ -244,7 +244,7 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     strategy.schedule_per_step = recipe.per_step
     model = job.model if job.in_place else copy.deepcopy(job.model)
     if config.init_from is not None and not job.resume:  # (a resumed run reads its own checkpoint)
-        strategy.pretrained = Pretrained(config.init_from, model)
+        strategy.pretrained = initial_weights(config.init_from, model)
     strategy.setup(model, recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch))
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)

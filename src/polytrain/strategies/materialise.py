@@ -43,7 +43,7 @@ def materialise(
     if weights is not None:
         filled, wholes = weights.read_into(targets, whole=set(reorder))
         for name, full in wholes.items():
-            _write(targets[name], full[reorder[name]])
+            _write(targets[name], full[reorder[name]] if name in reorder else full)
         targets = {name: t for name, t in targets.items() if name not in filled and name not in wholes}
         if not targets:
             return True

@@ -1,0 +1,152 @@
+"""`polytrain export RUN --format hf`: a folder that transformers' AutoModelForCausalLM.from_pretrained loads and
+that gives the logits of polytrain's model, for a Llama trained a few steps on one device (one
+model.safetensors) and on 2 sharded ranks (whose checkpoint is shards; exported in files of at most 20 kB with
+an index), and for a Qwen2-shaped run (q/k/v biases, tied head); written one tensor at a time by the
+safetensors library. The one-file safetensors and pt exports stay readable as before. Models it cannot write
+are refused in one line.
+"""
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM
+
+import polytrain
+from polytrain.cli import main
+from polytrain.runtime import export, shards
+from polytrain.runtime.inference import load_run
+
+SIZES = dict(layers=2, heads=4, kv_heads=2, width=32, context=16)
+TRAIN = dict(data="shakespeare", batch_size=4, max_steps=3, device="cpu", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Llama runs of 3 steps: on one device, on 2 sharded ranks (shards), and Qwen2's shape on one device."""
+    folder = tmp_path_factory.mktemp("runs")
+    polytrain.fit("llama", out=str(folder / "one"), **SIZES, **TRAIN)
+    polytrain.fit("llama", out=str(folder / "sharded"), strategy="sharded", devices=2, **SIZES, **TRAIN)
+    qwen2 = dict(qkv_bias=True, tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6)
+    polytrain.fit("llama", out=str(folder / "qwen2"), **SIZES, **TRAIN, **qwen2)
+    assert (folder / "sharded" / "checkpoint-1").is_dir()  # the sharded run's weights are shards
+    return {name: folder / name for name in ("one", "sharded", "qwen2")}
+
+
+def logits_apart(folder: Path, run: Path) -> float:
+    """The largest difference between the logits of transformers' model loaded from `folder` and of the run's
+    model, on the same tokens."""
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _, _, model = load_run(run)
+    ids = torch.randint(0, 65, (3, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return (hf(ids).logits - model.eval()(ids)).abs().max().item()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["one", "sharded", "qwen2"])
+def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path, name, capsys):
+    out = tmp_path / "hf"
+    size = ["--max-shard-size", "20KB"] if name == "sharded" else []
+    assert main(["export", str(runs[name]), "--format", "hf", "--out", str(out), *size]) == 0
+    assert "no tokenizer" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    architecture = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"
+    assert config["architectures"] == [architecture] and config["tie_word_embeddings"] == (name == "qwen2")
+    files = sorted(path.name for path in out.glob("*.safetensors"))
+    if name == "sharded":  # 20 kB files: the embedding and head (8 kB each) and the blocks' tensors share few
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    else:
+        assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    if name == "qwen2":  # the tied head is stored once, as the embedding (as save_pretrained stores it)
+        assert "lm_head.weight" not in safetensors.torch.load_file(out / "model.safetensors")
+    assert logits_apart(out, runs[name]) < 1e-5
+
+
+def test_the_comparison_sees_a_wrong_name(runs, tmp_path):
+    """An export that swapped the MLP's gate and up projections of one block (a mapping mistake) loads, and
+    gives other logits."""
+    out = tmp_path / "hf"
+    export.export_hf(runs["one"], out)
+    tensors = safetensors.torch.load_file(out / "model.safetensors")
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up], tensors[gate]
+    safetensors.torch.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert logits_apart(out, runs["one"]) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_the_export_holds_one_tensor_at_a_time_and_writes_with_the_library(runs, tmp_path, monkeypatch):
+    """A sharded run's tensors are read one at a time (the most held at once is the largest), and every file is
+    written by safetensors' save_file."""
+    read, alive, peak, written = shards.read_tensor, [], [0], []
+
+    def counted(*args):
+        tensor = read(*args)
+        alive.append(weakref.ref(tensor))
+        held = sum(r().numel() * r().element_size() for r in alive if r() is not None)
+        peak[0] = max(peak[0], held)
+        return tensor
+
+    save_file = safetensors.torch.save_file
+    monkeypatch.setattr(shards, "read_tensor", counted)
+    monkeypatch.setattr(
+        safetensors.torch, "save_file", lambda *a, **k: written.append(a[1]) or save_file(*a, **k)
+    )
+    _, count, _ = export.export_hf(runs["sharded"], tmp_path / "hf", max_shard_size="20KB")
+    _, _, model = load_run(runs["sharded"])
+    largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert len(alive) == count == len(model.state_dict()) and peak[0] == largest
+    assert sorted(Path(path).name for path in written) == sorted(
+        p.name for p in (tmp_path / "hf").glob("*.safetensors")
+    )
+
+
+@pytest.mark.multiprocess
+def test_the_one_file_exports_read_as_before(runs, tmp_path):
+    """--format safetensors (safetensors' own reader) and pt (torch.load) give the run's weights by its names."""
+    _, _, model = load_run(runs["sharded"])
+    expected = model.state_dict()
+    assert main(["export", str(runs["sharded"]), "--out", str(tmp_path / "model.safetensors")]) == 0
+    assert main(["export", str(runs["sharded"]), "--format", "pt", "--out", str(tmp_path / "model.pt")]) == 0
+    for got in (
+        safetensors.torch.load_file(tmp_path / "model.safetensors"),
+        torch.load(tmp_path / "model.pt", weights_only=True),
+    ):
+        assert sorted(got) == sorted(expected)  # (safetensors keeps its own order)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
+    assert not list(tmp_path.glob(".*"))  # no scratch file left behind
+
+
+def test_models_it_cannot_write_and_bad_sizes_are_one_line(runs, tmp_path, capsys):
+    polytrain.fit("gpt", out=str(tmp_path / "gpt"), layers=1, heads=2, width=16, context=8, **TRAIN)
+    polytrain.fit("mlp", "synthetic", out=str(tmp_path / "mlp"), max_steps=1, device="cpu", verbose=False)
+    capsys.readouterr()
+    cases = [
+        (tmp_path / "gpt", [], ["--model gpt run", "GPT-2", "--format safetensors or pt"]),
+        (tmp_path / "mlp", [], ["--model mlp run", "--format safetensors or pt"]),
+        (runs["one"], ["--max-shard-size", "lots"], ["--max-shard-size lots", "5GB"]),
+    ]
+    for run, extra, words in cases:
+        assert main(["export", str(run), "--format", "hf", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("polytrain: error:") and "Traceback" not in err, err
+        assert all(word in err for word in words), err
+        assert not (run / "hf").exists()
+
+
+def test_sizes_as_hugging_face_writes_them():
+    assert [export.parse_size(s) for s in ("5GB", "20KB", "2GiB", "1.5MB", "1000")] == [
+        5 * 10**9,
+        20 * 10**3,
+        2 * 2**30,
+        1_500_000,
+        1000,
+    ]
+    entries = [("a", (10,), torch.float32), ("b", (10,), torch.float32), ("c", (30,), torch.float32)]
+    assert [[e[0] for e in part] for part in export._shards(entries, 80)] == [["a", "b"], ["c"]]

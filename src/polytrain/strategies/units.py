@@ -5,9 +5,11 @@ reduce-scatter in backward each, as torchtitan wraps a transformer.
                   transformer block), its layers gathered in one collective rather than one per Linear
     a layer       outside the blocks (or in a model without blocks, LeNet or a user's Sequential), each module
                   that holds parameters of its own, with its children: `nn.MultiheadAttention` keeps its
-                  `out_proj`, an embedding or a head is a unit of its own
+                  `out_proj`, a large vocabulary's embedding or head is a unit of its own
     the root      what no unit may take: a parameter two modules share (tied embeddings and head), which
-                  FSDP2 requires to stay in one unit, and the model's own parameters
+                  FSDP2 requires to stay in one unit, and the model's own parameters; beside blocks, also each
+                  layer smaller than a block (norms, a position table, a small vocabulary's embedding and head),
+                  which would cost a collective of its own for little memory
 
 A block is also what activation checkpointing recomputes, so FSDP2's hooks run around a checkpointed region,
 never inside it (selective checkpointing replays the region's operations and finds none of FSDP2's there).
@@ -42,13 +44,21 @@ def shard_units(model: nn.Module) -> Units:
         inside = Counter(id(p) for sub in module.modules() for p in sub._parameters.values() if p is not None)
         return bool(inside) and all(registered[key] == count for key, count in inside.items())
 
-    blocks = {name for name, _ in find_blocks(model)}
+    found = find_blocks(model)
+    blocks = {name for name, _ in found}
+    # beside blocks, a layer smaller than a block stays in the root's unit: gathered with it, in no collective of
+    # its own (a norm, a position table, a small vocabulary's embedding and head), as torchtitan's root does
+    smallest = min((sum(p.numel() for p in block.parameters()) for _, block in found), default=0)
     units: Units = []
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             path = prefix + name
-            if (path in blocks or _holds_parameters(child)) and keeps_its_own(child):
+            if path in blocks and keeps_its_own(child):
+                units.append((path, child))
+            elif _holds_parameters(child) and sum(p.numel() for p in child.parameters()) < smallest:
+                continue
+            elif _holds_parameters(child) and keeps_its_own(child):
                 units.append((path, child))
             else:
                 visit(child, path + ".")

@@ -172,6 +172,7 @@ def worker(name: str, steps: int, result: str) -> None:
         Path(result).write_text(
             json.dumps({"tokens_per_second": steps * BATCH * context / seconds, "loss": float(loss) / world})
         )
+    dist.barrier()  # (a rank that tears down while its peer still sends aborts in gloo's threads)
     dist.destroy_process_group()
 
 

@@ -121,3 +121,20 @@ def test_validation_of_text_reads_no_more_per_rank_than_a_training_pass(world_si
         assert max(len(batch.x) for batch in val.eval_batches()) == per_pass
     _, val = make_loaders(data, batch_size=8, device="cpu", eval_batch_size=32)
     assert len(next(iter(val.eval_batches())).x) == 32  # as asked
+
+
+@pytest.mark.parametrize(
+    "num_samples, world_size, batch_size", [(9, 2, 2), (871, 4, 2), (5, 4, 3), (3, 4, 1)]
+)
+def test_every_rank_runs_as_many_validation_passes(num_samples, world_size, batch_size):
+    """Ranks that gather weights together (FSDP2) must each run every forward pass: shards of 5 and 4 samples in
+    batches of 2 are 3 passes on both (a rank with 2 passes left the other waiting for a gather)."""
+    from polytrain.data.order import eval_parts
+
+    parts = [
+        eval_parts(num_samples, rank=r, world_size=world_size, batch_size=batch_size)
+        for r in range(world_size)
+    ]
+    assert len({len(p) for p in parts}) == 1
+    assert max(len(part) for p in parts for part in p) <= batch_size
+    assert torch.cat([part for p in parts for part in p]).tolist() == list(range(num_samples))

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 import torch
 
 from .augment import crop_and_flip
-from .order import Batch, global_batch_order, rank_slice
+from .order import Batch, eval_parts, global_batch_order, rank_slice
 from .stream import DatasetPair, make_stream_loaders
 
 __all__ = ["Batch", "DeviceLoader", "global_batch_order", "make_loaders", "rank_slice"]
@@ -78,9 +78,11 @@ class DeviceLoader:
 
     def eval_batches(self) -> Iterator[Batch]:
         """This rank's contiguous shard of the split in order: no sample padded, dropped or repeated."""
-        shard = rank_slice(torch.arange(len(self.labels)), rank=self.rank, world_size=self.world_size)
-        for step, start in enumerate(range(0, len(shard), self.batch_size)):
-            index = shard[start : start + self.batch_size].to(self.device, non_blocking=True)
+        parts = eval_parts(
+            len(self.labels), rank=self.rank, world_size=self.world_size, batch_size=self.batch_size
+        )
+        for step, part in enumerate(parts):
+            index = part.to(self.device, non_blocking=True)
             yield Batch(self.normalise(self.images[index]), self.labels[index], len(index), step)
 
     def _augment(self, images: torch.Tensor, global_count: int, *, epoch: int, step: int) -> torch.Tensor:

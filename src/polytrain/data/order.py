@@ -24,6 +24,16 @@ def rank_slice(global_batch: torch.Tensor, *, rank: int, world_size: int) -> tor
     return torch.tensor_split(global_batch, world_size)[rank]
 
 
+def eval_parts(num_samples: int, *, rank: int, world_size: int, batch_size: int) -> tuple:
+    """This rank's contiguous shard of `num_samples` validation samples, cut into as many parts as the largest
+    shard needs at `batch_size` (sizes differing by at most one): every rank runs the same number of forward
+    passes, which ranks that gather weights together (FSDP2) or split layers (tensor parallelism) need, and no
+    sample is padded, dropped or repeated."""
+    shard = rank_slice(torch.arange(num_samples), rank=rank, world_size=world_size)
+    largest = -(-num_samples // world_size)
+    return torch.tensor_split(shard, max(1, -(-largest // batch_size)))
+
+
 @dataclass
 class Batch:
     x: Any  # this rank's slice of the inputs: a tensor (images: float, normalised), or a

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..errors import DataError
 from .collate import Collated, Problem, collate_checked, fetch, places, skeleton, tensor_words, unpack
-from .order import Batch, global_batch_order, map_tree, rank_slice, rows
+from .order import Batch, eval_parts, global_batch_order, map_tree, rank_slice, rows
 
 
 @dataclass
@@ -203,11 +203,10 @@ class StreamLoader:
             yield self._batch(batch, len(global_batch), step)
 
     def eval_batches(self) -> Iterator[Batch]:
-        shard = rank_slice(torch.arange(len(self.dataset)), rank=self.rank, world_size=self.world_size)
-        keys = [
-            [(self.split, int(i), -1) for i in shard[start : start + self.batch_size]]
-            for start in range(0, len(shard), self.batch_size)
-        ]
+        parts = eval_parts(
+            len(self.dataset), rank=self.rank, world_size=self.world_size, batch_size=self.batch_size
+        )
+        keys = [[(self.split, int(i), -1) for i in part] for part in parts if len(part)]
         for step, batch in enumerate(self.pool.run(keys)):
             yield self._batch(batch, rows(batch.x) if batch.y is None else len(batch.y), step)
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .order import Batch, global_batch_order, rank_slice
+from .order import Batch, eval_parts, global_batch_order, rank_slice
 
 DEFAULT_CONTEXT = 64
 TRAIN_FRACTION = 0.9
@@ -199,9 +199,11 @@ class TokenLoader:
             yield self._batch(offset + index * self.context, len(global_batch), step)
 
     def eval_batches(self) -> Iterator[Batch]:
-        shard = rank_slice(torch.arange(self.num_samples), rank=self.rank, world_size=self.world_size)
-        for step, start in enumerate(range(0, len(shard), self.batch_size)):
-            index = shard[start : start + self.batch_size].to(self.device)
+        parts = eval_parts(
+            self.num_samples, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size
+        )
+        for step, part in enumerate(parts):
+            index = part.to(self.device)
             yield self._batch(index * self.context, len(index), step)
 
 

@@ -62,6 +62,8 @@ class BenchOptions:
     ffn_width: Optional[int] = None
     vocab_size: Optional[int] = None
     rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    qkv_bias: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     dropout: Optional[float] = None
 

@@ -70,6 +70,7 @@ def shard_model(model: nn.Module, **options) -> nn.Module:
     for _, unit in shard_units(model):
         unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
         fully_shard(unit, **options)
+    model.register_forward_hook(own_tensor)  # the root's output too (a head kept in the root returns a view)
     fully_shard(model, **options)
     return model
 

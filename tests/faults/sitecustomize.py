@@ -1,8 +1,8 @@
 """Faults injected into the worker processes of a test's `polytrain verify` (test_verify_faults.py).
 
 Python imports this module at start-up in every process whose PYTHONPATH holds this folder, so the spawned
-workers run with the fault that VERIFY_FAULT names, on rank 1 only, at its FAULT_STEP-th backward pass or
-optimizer step (the one-device reference, outside any process group, is untouched):
+workers run with the fault that VERIFY_FAULT names, on rank 1 only, at its FAULT_STEP-th backward pass (of real
+tensors) or optimizer step (the one-device reference, outside any process group, is untouched):
 
   drop   that backward pass computes no gradient (one micro-batch's gradient lost before the all-reduce)
   scale  that backward pass's gradient is scaled by 1 + 1e-6 (one rank's contribution slightly off)
@@ -33,7 +33,8 @@ if FAULT:
         calls = [0]
 
         def faulty_backward(self, *args, **kwargs):
-            if _on_faulty_rank():
+            # (a worker's backward passes on the meta device, counting the model's FLOPs, are not training's)
+            if _on_faulty_rank() and not self.is_meta:
                 calls[0] += 1
                 if calls[0] == FAULT_STEP:
                     self = self * 0.0 if FAULT == "drop" else self * (1.0 + 1e-6)

@@ -93,9 +93,10 @@ class DataSettings:
     )
     eval_batch_size: Optional[int] = setting(
         None,
-        "validation batch per device (default: a training pass's share of "
-        "--batch-size for text and train=/val= Datasets, so validation holds "
-        "less than training; for in-memory images the larger of --batch-size and 1024)",
+        "validation batch per device (default: for text and train=/val= Datasets 8 "
+        "training passes' samples of a device, at most the larger of --batch-size and "
+        "256, so validation holds less than training; for in-memory images the larger "
+        "of --batch-size and 1024)",
         group="data",
         metavar="N",
         check="count",

@@ -96,6 +96,10 @@ class DeviceLoader:
         return crop_and_flip(images, offsets[rows].to(self.device), flips[rows].to(self.device), pad=pad)
 
 
+# a validation pass reads this many training passes' samples by default (`make_loaders`)
+EVAL_PASSES = 8
+
+
 def training_pass(batch_size: int, world_size: int, accumulate: int = 1) -> int:
     """The most samples one rank computes in one training pass: its slice of the global batch (the first ranks
     take one more where it does not divide), over `accumulate` passes."""
@@ -119,13 +123,15 @@ def make_loaders(
     """Training and validation loaders: device-resident for an in-memory dataset (normalised with the training
     set's per-channel statistics) and for text (token windows, text.py), loader processes for `Dataset`s (see
     stream.py). Validation reads `eval_batch_size` samples per rank in each pass; by default, for text and
-    `Dataset`s, as many as a training pass of this rank (its slice of the global batch over `accumulate`
-    passes), so validation, which keeps no activations for a backward pass, holds less than training does
-    (a language model's scores over the vocabulary grow with every sample); for in-memory images the larger
-    of the global batch and 1024."""
+    `Dataset`s, `EVAL_PASSES` training passes' worth of this rank's samples (a pass: its slice of the global
+    batch over `accumulate` passes), at most the larger of the global batch and 256: validation keeps no
+    activations for a backward pass, so it holds less than training does (64 passes' worth held twice
+    training's peak on a 4-block Llama: validation's memory grows with the samples of a pass); for in-memory
+    images the larger of the global batch and 1024."""
     streamed = getattr(dataset, "kind", None) == "language" or isinstance(dataset, DatasetPair)
     if eval_batch_size is None and streamed:
-        eval_batch_size = training_pass(batch_size, world_size, accumulate)
+        passes = EVAL_PASSES * training_pass(batch_size, world_size, accumulate)
+        eval_batch_size = min(max(batch_size, 256), passes)
     if getattr(dataset, "kind", None) == "language" and not isinstance(dataset, DatasetPair):
         from .text import make_token_loaders
 

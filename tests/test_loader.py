@@ -111,13 +111,13 @@ def test_augmentation_is_the_same_on_any_device_count(digits):
 
 @pytest.mark.parametrize(
     "batch_size, world_size, accumulate, per_pass",
-    [(8, 1, 1, 64), (8, 2, 1, 32), (8, 3, 1, 24), (8, 2, 2, 16), (64, 1, 1, 256), (512, 2, 1, 512)],
+    [(8, 1, 1, 16), (8, 2, 1, 8), (8, 3, 1, 6), (8, 2, 2, 4), (256, 1, 1, 256), (512, 2, 1, 512)],
 )
 def test_validation_of_text_reads_a_few_training_passes_per_rank(
     batch_size, world_size, accumulate, per_pass
 ):
     """Validation keeps no activations for a backward pass, but its memory grows with the samples of a pass: by
-    default it reads 8 training passes' samples of a rank (at most the larger of the batch and 256, as before),
+    default it reads 2 training passes' samples of a rank (at most the larger of the batch and 256, as before),
     not 256 sequences per rank whatever the training pass (64 passes of a sharded Llama: twice training's
     peak)."""
     data = load_dataset("shakespeare", context=16)

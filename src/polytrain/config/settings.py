@@ -93,7 +93,7 @@ class DataSettings:
     )
     eval_batch_size: Optional[int] = setting(
         None,
-        "validation batch per device (default: for text and train=/val= Datasets 8 "
+        "validation batch per device (default: for text and train=/val= Datasets 2 "
         "training passes' samples of a device, at most the larger of --batch-size and "
         "256, so validation holds less than training; for in-memory images the larger "
         "of --batch-size and 1024)",

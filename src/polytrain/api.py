@@ -20,6 +20,7 @@ from .config.model_defaults import apply_model_defaults, defaults_words
 from .config.pretrained import apply_checkpoint
 from .config.train import apply_inputs
 from .data import ArrayDataset, unused_dataset_options
+from .data.token_shards import check_same_tokenizer
 from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models.lightning import is_lightning, lightning_parts
@@ -106,6 +107,11 @@ def train_run(
         pretrained = config.init_from is not None and resume_dir is None
         if pretrained:
             check_vocabulary(config, dataset)
+        check_same_tokenizer(
+            dataset,
+            config.init_from if pretrained else resume_dir,
+            "--init-from" if pretrained else "the run",
+        )
         module, registry_model = prepare_model(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )

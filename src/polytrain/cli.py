@@ -91,11 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--device", default="auto", choices=SETTINGS["device"].choices)
     predict.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
-    generate = command("generate", help="text sampled from a language model run (--model gpt)")
+    generate = command("generate", help="text sampled from a language model run (--model gpt or llama)")
     generate.add_argument("run_dir", metavar="RUN_DIR", help="a run folder; runs/LATEST: the newest run")
     generate.add_argument("--prompt", default="\n", help="the text to continue (default: a new line)")
     generate.add_argument(
-        "--tokens", type=int, default=300, metavar="N", help="characters to sample (default: 300)"
+        "--tokens",
+        type=int,
+        default=300,
+        metavar="N",
+        help="tokens to sample: characters of a character-level run (default: 300)",
     )
     generate.add_argument(
         "--temperature",
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="sample only from the K likeliest characters (default: all)",
+        help="sample only from the K likeliest tokens (default: all)",
     )
     generate.add_argument(
         "--seed", type=int, default=0, metavar="N", help="same seed, same text (default: 0)"
@@ -146,6 +150,56 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="--format hf: the largest safetensors file, e.g. 500MB or 2GiB; larger models are cut into "
         "files listed in model.safetensors.index.json (default: %(default)s)",
+    )
+    tokenize = command(
+        "tokenize",
+        help="write text files as token shards for --dataset tokens, training a tokenizer or using one",
+        description="Streams text files (.txt, .md: a document each; .jsonl: a document per line) through a "
+        "Hugging Face tokenizer into DIR: token shards (uint16 where the vocabulary allows), a held-out "
+        "validation split, tokenizer.json and manifest.json with every shard's checksum. Without --tokenizer "
+        "it first trains a byte-level BPE tokenizer on the corpus. Memory stays flat whatever the corpus's "
+        "size; an interrupted run leaves nothing a later run would read. Then: polytrain train --dataset "
+        "tokens --data-dir DIR",
+    )
+    tokenize.add_argument(
+        "paths", nargs="+", metavar="FILES_OR_FOLDER", help="text files, or folders of them"
+    )
+    tokenize.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
+    tokenize.add_argument(
+        "--tokenizer",
+        metavar="FILE_OR_FOLDER",
+        help="a tokenizer.json, or a checkpoint folder holding one (the tokenizer of the model you will "
+        "--init-from); default: train one on the corpus",
+    )
+    tokenize.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens of the tokenizer trained here (default: 8192; GPT-2 has 50,257)",
+    )
+    tokenize.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.005,
+        metavar="F",
+        help="the last F of the corpus's bytes, held out for validation (default: %(default)s)",
+    )
+    tokenize.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=100_000_000,
+        metavar="N",
+        help="the most tokens in one shard file (default: %(default)s)",
+    )
+    tokenize.add_argument(
+        "--text-key", default="text", metavar="KEY", help="the text field of .jsonl lines (default: text)"
+    )
+    tokenize.add_argument(
+        "--end-of-text",
+        metavar="TOKEN",
+        help="the special token that separates documents (default: the tokenizer's <|endoftext|>, "
+        "<|end_of_text|> or </s>)",
     )
     verify = command(
         "verify",

@@ -389,17 +389,18 @@ def generate_text(
     likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
     settings = read_config(run_dir)
     vocab = settings.get("vocab")
+    if settings.get("tokenizer") and not settings.get("custom_model"):
+        return _generate_tokens(
+            run_dir, settings, prompt, tokens, temperature=temperature, top_k=top_k, seed=seed, device=device,
+            weights=weights,
+        )  # fmt: skip
     if not vocab or settings.get("custom_model"):
         raise UserError(
             f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
             f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
-            f"--dataset shakespeare or text"
+            f"--dataset shakespeare, text or tokens"
         )
-    if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise UserError(
-            f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
-            f"{tokens}, --temperature {temperature}, --top-k {top_k}"
-        )
+    check_sampling(tokens, temperature, top_k)
     unknown = sorted(set(prompt) - set(vocab))
     if unknown:
         raise UserError(
@@ -408,13 +409,7 @@ def generate_text(
         )
     if not prompt:
         prompt = "\n" if "\n" in vocab else vocab[0]
-    how = ("strategy", *STRATEGY_FLAGS, "logger")
-    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
-    check_devices(1, device)
-    dev = choose_device(device, 0)
-    model = build_model(config.model, (config.context or 64,), len(vocab), config)
-    load_weights(weights_file(run_dir, weights), model)
-    model = model.to(dev)
+    model, dev = _sampling_model(run_dir, settings, len(vocab), device=device, weights=weights)
     index = {char: i for i, char in enumerate(vocab)}
     idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
@@ -422,6 +417,46 @@ def generate_text(
         model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=len(vocab)
     )
     return prompt + "".join(vocab[i] for i in out[0, idx.shape[1] :].tolist())
+
+
+def _sampling_model(run_dir, settings, vocabulary: int, *, device: str, weights: str):
+    how = ("strategy", *STRATEGY_FLAGS, "logger")
+    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
+    check_devices(1, device)
+    dev = choose_device(device, 0)
+    model = build_model(config.model, (config.context or 64,), vocabulary, config)
+    load_weights(weights_file(run_dir, weights), model)
+    return model.to(dev), dev
+
+
+def _generate_tokens(run_dir, settings, prompt, tokens, *, temperature, top_k, seed, device, weights) -> str:
+    """generate for a run on token shards: the prompt encoded and the sample decoded by the run's tokenizer
+    (kept in its folder); the default prompt is the end-of-text token, the start of a new document."""
+    from .data import tokenizer as tokenizers_file
+
+    check_sampling(tokens, temperature, top_k)
+    tokenizer = tokenizers_file.load(run_dir / settings["tokenizer"]["file"])
+    vocabulary = tokenizer.get_vocab_size(with_added_tokens=True)
+    model, dev = _sampling_model(run_dir, settings, vocabulary, device=device, weights=weights)
+    ids = (
+        [int(settings["tokenizer"]["end_of_text_id"])]
+        if prompt in ("", "\n")
+        else tokenizer.encode(prompt, add_special_tokens=False).ids
+    )
+    idx = torch.tensor([ids], dtype=torch.long, device=dev)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    out = generate(
+        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=vocabulary
+    )
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+
+
+def check_sampling(tokens: int, temperature: float, top_k: Optional[int]) -> None:
+    if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise UserError(
+            f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
+            f"{tokens}, --temperature {temperature}, --top-k {top_k}"
+        )
 
 
 def generate_command(args) -> int:
@@ -456,6 +491,34 @@ def export_command(args) -> int:
     return 0
 
 
+def tokenize_command(args) -> int:
+    from .data.corpus import tokenize_corpus
+
+    manifest = tokenize_corpus(
+        args.paths,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        text_key=args.text_key,
+        end_of_text=args.end_of_text,
+    )
+    train, val, tokenizer = manifest["train"], manifest["val"], manifest["tokenizer"]
+    shards = len(train["shards"]) + len(val["shards"])
+    print(
+        f"wrote {args.out}: {train['tokens']:,} training and {val['tokens']:,} validation tokens "
+        f"({manifest['dtype']}) in {shards} shard{'s' if shards != 1 else ''}, from "
+        f"{manifest['corpus']['documents']:,} documents; a tokenizer of {tokenizer['vocab_size']:,} tokens "
+        f"({tokenizer['source']}). Train with: polytrain train --model gpt --dataset tokens --data-dir {args.out}"
+    )
+    if not val["tokens"] and args.val_fraction:
+        print(
+            f"note: the corpus is too small for --val-fraction {args.val_fraction} to hold out any text; give more"
+        )
+    return 0
+
+
 COMMANDS = {
     "train": train_command,
     "evaluate": evaluate_command,
@@ -464,4 +527,5 @@ COMMANDS = {
     "bench": bench_command,
     "generate": generate_command,
     "export": export_command,
+    "tokenize": tokenize_command,
 }

@@ -27,6 +27,7 @@ RUN_RECORD = (
     "metrics",
     "classes",
     "vocab",
+    "tokenizer",
     "skipped_files",
     "strategy_plan",
 )

@@ -23,6 +23,7 @@ DATASET_OPTIONS: Dict[str, Tuple[str, ...]] = {
     "synthetic": ("synthetic_size", "synthetic_shape"),
     "shakespeare": (),
     "text": ("data_dir",),
+    "tokens": ("data_dir",),
 }
 DATASET_NAMES = tuple(DATASET_OPTIONS)
 DATASET_SETTINGS = (

@@ -1,5 +1,5 @@
 """Datasets by name. Each loader returns an `ArrayDataset` of uint8 images held in memory, or for text a
-`TokenDataset` of token ids (text.py).
+`TokenDataset` of token ids (text.py; token shards on disk: token_shards.py).
 
 The names, and the dataset settings each one reads, are declared in config/registry_names.py, where the
 command line reads them without importing torch; this registry maps them to loaders and checks at import that
@@ -166,6 +166,14 @@ def _text(*, data_dir=None, context=None, **_):
     from .text import DEFAULT_CONTEXT, load_text
 
     return load_text(data_dir, context=context or DEFAULT_CONTEXT)
+
+
+@register("tokens")
+def _tokens(*, data_dir=None, context=None, **_):
+    from .text import DEFAULT_CONTEXT
+    from .token_shards import load_token_shards
+
+    return load_token_shards(data_dir, context=context or DEFAULT_CONTEXT)
 
 
 check_registry("dataset", DATASETS, DATASET_NAMES)

@@ -13,6 +13,7 @@ is predicted once (but for a tail shorter than one window).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
@@ -38,6 +39,7 @@ class TokenDataset:
 
     kind = "language"
     masks_labels = False  # every label is a token of the text, none IGNORE_INDEX (-100)
+    unit = "characters"  # what one token of the text is
 
     def __init__(
         self,
@@ -50,7 +52,11 @@ class TokenDataset:
         source: str = "",
     ):
         self.name, self.vocab, self.context = name, list(vocab), int(context)
-        self.train_tokens, self.val_tokens = train_tokens.long(), val_tokens.long()
+        # int64 tensors in memory, or shards on disk read window by window (token_shards.MappedTokens)
+        self.train_tokens, self.val_tokens = (
+            tokens.long() if isinstance(tokens, torch.Tensor) else tokens
+            for tokens in (train_tokens, val_tokens)
+        )
         where = f" of {source}" if source else ""
         for split, tokens, shifted in (
             ("training", self.train_tokens, True),
@@ -59,7 +65,7 @@ class TokenDataset:
             if windows_in(len(tokens), self.context, shifted=shifted) < 1:
                 need = 2 * self.context if shifted else self.context + 1
                 raise DataError(
-                    f"--context {self.context} is too long for the {len(tokens):,} characters of the "
+                    f"--context {self.context} is too long for the {len(tokens):,} {self.unit} of the "
                     f"{split} split{where} (it needs at least {need:,}); give a smaller --context "
                     f"or more text"
                 )
@@ -83,8 +89,7 @@ class TokenDataset:
     def sample_batch(self, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The first `count` training windows as (inputs, targets), int64 (N, context) each."""
         starts = torch.arange(min(count, self.num_train)) * self.context
-        positions = starts[:, None] + torch.arange(self.context)
-        return self.train_tokens[positions], self.train_tokens[positions + 1]  # contiguous, as nanoGPT's
+        return pairs(self.train_tokens, starts, self.context)
 
     def sample_inputs(self, count: int) -> torch.Tensor:
         """The first `count` training windows' input ids (to probe a model's shapes and speed)."""
@@ -92,10 +97,20 @@ class TokenDataset:
 
     def head(self, windows: int) -> "TokenDataset":
         """The same text with only the tokens of the first `windows` training windows (for `verify`)."""
-        keep = (max(1, windows) + 1) * self.context
-        return TokenDataset(
-            self.name, self.train_tokens[:keep], self.val_tokens, self.vocab, context=self.context
-        )
+        shorter = copy.copy(self)
+        shorter.train_tokens = self.train_tokens[: (max(1, windows) + 1) * self.context]
+        return shorter
+
+
+def pairs(tokens, starts: torch.Tensor, context: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), int64 (n, context) each, of the windows of `context + 1` tokens at `starts`: gathered
+    apart from a tensor, so each is contiguous (nanoGPT's loss calls targets.view(-1)), or copied from the
+    shards on disk (token_shards.MappedTokens) on the host."""
+    if isinstance(tokens, torch.Tensor):
+        positions = starts[:, None] + torch.arange(context, device=starts.device)
+        return tokens[positions], tokens[positions + 1]
+    rows = tokens.windows(starts.cpu().numpy(), context + 1)
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 def tokenise(text: str, *, name: str, context: int, source: str = "") -> TokenDataset:
@@ -149,7 +164,8 @@ def load_shakespeare(*, context: int) -> TokenDataset:
 
 class TokenLoader:
     """Batches of (input ids, target ids), int64 (n, context) each, for one rank, from the split's tokens
-    moved once to `device`. The same interface as the image loader (loader.DeviceLoader)."""
+    moved once to `device`, or from shards on disk, each batch's windows copied on the host and moved (pinned,
+    without waiting, to a GPU). The same interface as the image loader (loader.DeviceLoader)."""
 
     def __init__(
         self,
@@ -163,11 +179,12 @@ class TokenLoader:
         seed: int = 0,
         training: bool = True,
     ):
-        self.tokens = tokens.to(device)
+        self.mapped = not isinstance(tokens, torch.Tensor)
+        self.tokens = tokens if self.mapped else tokens.to(device)
         self.context, self.batch_size, self.training = context, batch_size, training
         self.device = torch.device(device)
+        self.index_device = torch.device("cpu") if self.mapped else self.device  # where windows are cut
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.span = torch.arange(context + 1, device=self.device)
 
     @property
     def num_samples(self) -> int:
@@ -186,12 +203,17 @@ class TokenLoader:
         return int(torch.randint(0, self.context, (1,), generator=generator))
 
     def _batch(self, starts: torch.Tensor, global_count: int, step: int) -> Batch:
-        # inputs and targets gathered apart, so each is contiguous: nanoGPT's loss calls targets.view(-1)
-        positions = starts[:, None] + self.span[:-1]
-        return Batch(self.tokens[positions], self.tokens[positions + 1], global_count, step)
+        x, y = pairs(self.tokens, starts, self.context)
+        if self.mapped and self.device.type != "cpu":
+            pin = self.device.type == "cuda"
+            x, y = (
+                t.pin_memory().to(self.device, non_blocking=True) if pin else t.to(self.device)
+                for t in (x, y)
+            )
+        return Batch(x, y, global_count, step)
 
     def train_batches(self, epoch: int, *, start_step: int = 0) -> Iterator[Batch]:
-        order = global_batch_order(self.num_samples, epoch=epoch, seed=self.seed).to(self.device)
+        order = global_batch_order(self.num_samples, epoch=epoch, seed=self.seed).to(self.index_device)
         offset = self.offset(epoch)
         for step in range(start_step, len(self)):
             global_batch = order[step * self.batch_size : (step + 1) * self.batch_size]
@@ -203,7 +225,7 @@ class TokenLoader:
             self.num_samples, rank=self.rank, world_size=self.world_size, batch_size=self.batch_size
         )
         for step, part in enumerate(parts):
-            index = part.to(self.device)
+            index = part.to(self.index_device)
             yield self._batch(index * self.context, len(index), step)
 
 

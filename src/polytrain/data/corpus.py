@@ -1,0 +1,349 @@
+"""`polytrain tokenize`: text files, streamed, written as token shards with a manifest (data/token_shards.py
+reads them).
+
+The corpus is read in blocks, never whole: memory stays flat whatever its size. Each block is cut into pieces
+at a line break that has a non-space character on both sides (`CUT`); byte-level BPE pre-tokenizers (GPT-2's,
+Llama 3's, Qwen2's) never join tokens across such a break, so encoding the pieces apart gives the ids of the
+whole text. The pieces are encoded in batches by the tokenizers library's `encode_batch`, on every core. A
+document is a .txt file or one line of a .jsonl file (its `--text-key` field), and each is followed by the
+tokenizer's end-of-text id. The last `--val-fraction` of the input's bytes is held out as the validation
+split.
+
+Each split's tokens go into shards of at most `--shard-tokens` ids, uint16 where the vocabulary allows, else
+uint32 (flat little-endian arrays, as nanoGPT's train.bin, read through np.memmap). A shard is written under a
+hidden temporary name and renamed when complete; manifest.json (tokenizer file and hash, dtype, token counts,
+each shard's SHA-256) is written last, atomically. Readers read only what a manifest names, so an interrupted
+run leaves nothing a later run would read, and the next `tokenize` into the same folder removes its leftovers.
+Without a tokenizer the first pass trains a byte-level BPE one on the training part of the corpus
+(data/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import DataError, UserError
+from . import tokenizer as tokenizers_file
+
+MANIFEST = "manifest.json"
+FORMAT = "polytrain-tokens/1"
+SUFFIXES = (".txt", ".md", ".jsonl")
+CUT = re.compile(r"(?<=\S)\n(?=\S)")  # a line break between two non-space characters
+FALLBACK_CUT = re.compile(r"(?<=\S)(?= \S)")  # before a space between words, in a text without such breaks
+BLOCK = 1 << 20  # characters read at a time
+PIECE = 1 << 14  # characters per piece, about
+BATCH = 1 << 20  # characters per encode_batch call, about
+SHARD_NAME = re.compile(r"^(train|val)-\d{5}\.bin$")
+
+
+@dataclass
+class Piece:
+    text: str
+    nbytes: int  # the piece's size in the input (UTF-8 bytes)
+    offset: int  # where it starts in the whole input, in bytes
+    ends_document: bool
+
+
+def corpus_files(paths: Sequence[str]) -> List[Path]:
+    """The files named, and the .txt, .md and .jsonl files under folders named (recursively, in name order)."""
+    found: List[Path] = []
+    for name in paths:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            if not inside:
+                raise UserError(
+                    f"{path} holds no {', '.join(SUFFIXES)} files; give text files or their folder"
+                )
+            found.extend(inside)
+        elif path.is_file():
+            if path.suffix not in SUFFIXES:
+                raise UserError(
+                    f"{path}: polytrain tokenize reads {', '.join(SUFFIXES)} files (a .jsonl line is a "
+                    f"document, its text under --text-key); convert it, or rename a plain text file to .txt"
+                )
+            found.append(path)
+        else:
+            raise UserError(f"{path} does not exist; give text files or folders of them")
+    return found
+
+
+def _cut(text: str, *, final: bool) -> Tuple[List[str], str]:
+    """`text` cut into pieces of about PIECE characters at CUT, and the rest, kept for the next block (all of
+    it a piece at the end of a document)."""
+    pieces, start = [], 0
+    while len(text) - start > PIECE:
+        found = CUT.search(text, start + PIECE) or FALLBACK_CUT.search(text, start + PIECE)
+        if found is None:
+            break
+        pieces.append(text[start : found.end()])
+        start = found.end()
+    rest = text[start:]
+    if final:
+        return pieces + ([rest] if rest else []), ""
+    return pieces, rest
+
+
+def _text_documents(path: Path) -> Iterator[Tuple[str, bool]]:
+    """(piece, whether it ends the document) of a text file, one document, read in blocks."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    rest, consumed = "", 0
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(BLOCK)
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{path} is not UTF-8 text (byte {consumed + error.start} is {error.object[error.start]:#04x}); "
+                    f"convert it, e.g. iconv -f latin1 -t utf-8 {path.name}"
+                ) from None
+            consumed += len(block)
+            pieces, rest = _cut(rest + text, final=not block)
+            for index, piece in enumerate(pieces):
+                yield piece, not block and index == len(pieces) - 1
+            if not block:
+                return
+
+
+def _jsonl_documents(path: Path, key: str) -> Iterator[Tuple[str, bool]]:
+    """(piece, whether it ends the document) of a .jsonl file, a document per line (its `key` field)."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise DataError(f"{path}:{number} is not a JSON line ({error}); fix or remove it") from None
+            if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                present = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+                raise DataError(
+                    f"{path}:{number} has no text field {key!r} (it has: {present}); name the field with "
+                    f"--text-key"
+                )
+            pieces, _ = _cut(record[key], final=True)
+            for index, piece in enumerate(pieces):
+                yield piece, index == len(pieces) - 1
+
+
+def _split_at(text: str, into: int) -> Tuple[str, str]:
+    """`text` cut at the first CUT (or FALLBACK_CUT) at or after its byte `into`, or not at all ("")."""
+    start = len(text.encode("utf-8")[:into].decode("utf-8", errors="ignore"))
+    found = CUT.search(text, start) or FALLBACK_CUT.search(text, start)
+    return (text[: found.end()], text[found.end() :]) if found else (text, "")
+
+
+def pieces_of(files: Sequence[Path], *, text_key: str, boundary: Optional[int] = None) -> Iterator[Piece]:
+    """Every piece of every file in order, where it starts in the whole input; a piece across byte `boundary`
+    (where validation starts) cut where the rule allows, so that the held-out part starts close to it."""
+    offset = 0
+    for path in files:
+        documents = _jsonl_documents(path, text_key) if path.suffix == ".jsonl" else _text_documents(path)
+        for text, ends in documents:
+            size = len(text.encode("utf-8"))
+            if boundary is not None and offset < boundary < offset + size:
+                head, tail = _split_at(text, boundary - offset)
+                if tail:
+                    head_size = len(head.encode("utf-8"))
+                    yield Piece(head, head_size, offset, False)
+                    text, size, offset = tail, size - head_size, offset + head_size
+            yield Piece(text, size, offset, ends)
+            offset += size
+
+
+def batches_of(pieces: Iterator[Piece]) -> Iterator[List[Piece]]:
+    batch, size = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= BATCH:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class Progress:
+    """A bar with MB/s on a terminal (tqdm, bytes of input); one line per pass either way."""
+
+    def __init__(self, what: str, total: int, *, show: bool):
+        self.what, self.total, self.done, self.start = what, total, 0, time.perf_counter()
+        self.bar = None
+        if show and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False, file=sys.stderr)
+        self.show = show
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def close(self) -> float:
+        """Seconds this pass took."""
+        seconds = time.perf_counter() - self.start
+        if self.bar is not None:
+            self.bar.close()
+        if self.show:
+            rate = self.done / 2**20 / max(seconds, 1e-9)
+            print(
+                f"{self.what}: {self.done / 2**20:,.1f} MiB in {seconds:,.1f} s ({rate:,.1f} MiB/s)",
+                flush=True,
+            )
+        return seconds
+
+
+@dataclass
+class ShardWriter:
+    """One split's tokens as shards of at most `limit` ids, each renamed into place when complete."""
+
+    folder: Path
+    split: str
+    dtype: np.dtype
+    limit: int
+    shards: List[dict] = field(default_factory=list)
+    _handle: object = None
+    _digest: object = None
+    _count: int = 0
+
+    def _name(self) -> str:
+        return f"{self.split}-{len(self.shards):05d}.bin"
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        while len(ids):
+            if self._handle is None:
+                self._handle = open(self.folder / f".{self._name()}.partial", "wb")
+                self._digest, self._count = hashlib.sha256(), 0
+            take = ids[: self.limit - self._count]
+            data = take.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+            self._handle.write(data)
+            self._digest.update(data)
+            self._count += len(take)
+            ids = ids[len(take) :]
+            if self._count == self.limit:
+                self._close()
+
+    def _close(self) -> None:
+        if self._handle is None:
+            return
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        name = self._name()
+        os.replace(self.folder / f".{name}.partial", self.folder / name)
+        self.shards.append(dict(file=name, tokens=self._count, sha256=self._digest.hexdigest()))
+        self._handle = None
+
+    def finish(self) -> dict:
+        self._close()
+        return dict(tokens=sum(shard["tokens"] for shard in self.shards), shards=self.shards)
+
+
+def prepare_folder(out: Path) -> None:
+    """Refuse a folder that holds finished shards; remove what an interrupted run left in it."""
+    if (out / MANIFEST).exists():
+        raise UserError(
+            f"{out} already holds token shards ({MANIFEST}); give another --out, or delete it first"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for path in out.iterdir():
+        if path.name.endswith(".partial") or SHARD_NAME.match(path.name):
+            path.unlink()
+
+
+def tokenize_corpus(
+    paths: Sequence[str],
+    out: str,
+    *,
+    tokenizer: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    val_fraction: float = 0.005,
+    shard_tokens: int = 100_000_000,
+    text_key: str = "text",
+    end_of_text: Optional[str] = None,
+    show: bool = True,
+) -> dict:
+    """Write `paths` (text files or folders) into `out` as token shards; returns the manifest."""
+    if tokenizer is not None and vocab_size is not None:
+        raise UserError("--vocab-size trains a tokenizer and --tokenizer gives one; drop one of them")
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction} must be at least 0 and below 1, e.g. 0.005")
+    if shard_tokens < 1:
+        raise UserError(f"--shard-tokens {shard_tokens} must be 1 or more")
+    files = corpus_files(paths)
+    total = sum(path.stat().st_size for path in files)
+    if total == 0:
+        raise UserError(f"{', '.join(map(str, paths))} hold no text; give files with text in them")
+    held_from = (
+        int(total * (1 - val_fraction)) if val_fraction else total
+    )  # byte offset where validation starts
+    folder = Path(out).expanduser()
+    prepare_folder(folder)
+    if tokenizer is not None:
+        source = tokenizers_file.find_tokenizer(tokenizer)
+        model = tokenizers_file.load(source)
+        shutil.copyfile(source, folder / tokenizers_file.FILE)
+    else:
+        progress = Progress("training the tokenizer", held_from, show=show)
+
+        def training_text():
+            for piece in pieces_of(files, text_key=text_key, boundary=held_from):
+                if piece.offset >= held_from:
+                    return
+                progress.update(piece.nbytes)
+                yield piece.text
+
+        model = tokenizers_file.train_byte_bpe(training_text(), vocab_size=vocab_size or 8192)
+        progress.close()
+        model.save(str(folder / tokenizers_file.FILE))
+        source = folder / tokenizers_file.FILE
+    token, eot = tokenizers_file.end_of_text(model, source, end_of_text)
+    vocabulary = model.get_vocab_size(with_added_tokens=True)
+    dtype = np.dtype(np.uint16 if vocabulary <= 1 << 16 else np.uint32)
+    writers = {split: ShardWriter(folder, split, dtype, shard_tokens) for split in ("train", "val")}
+    encode = getattr(model, "encode_batch_fast", model.encode_batch)
+    progress = Progress("encoding", total, show=show)
+    documents = 0
+    for batch in batches_of(pieces_of(files, text_key=text_key, boundary=held_from)):
+        encoded = encode([piece.text for piece in batch], add_special_tokens=False)
+        for piece, encoding in zip(batch, encoded):
+            ids = encoding.ids + [eot] if piece.ends_document else encoding.ids
+            writers["val" if piece.offset >= held_from else "train"].write(np.asarray(ids, dtype=np.int64))
+            documents += piece.ends_document
+            progress.update(piece.nbytes)
+    seconds = progress.close()
+    manifest = dict(
+        format=FORMAT,
+        tokenizer=dict(
+            file=tokenizers_file.FILE,
+            sha256=tokenizers_file.file_sha256(folder / tokenizers_file.FILE),
+            vocab_size=vocabulary,
+            end_of_text=token,
+            end_of_text_id=eot,
+            source=str(source.resolve()) if tokenizer is not None else "trained here (byte-level BPE)",
+        ),
+        dtype=dtype.name,
+        train=writers["train"].finish(),
+        val=writers["val"].finish(),
+        corpus=dict(files=len(files), bytes=total, documents=documents, val_fraction=val_fraction),
+        encode_seconds=round(seconds, 3),
+    )
+    from ..checkpoint import atomic_write_bytes
+
+    atomic_write_bytes(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest

@@ -1,9 +1,10 @@
 """`polytrain export RUN --format hf`: a folder that transformers' AutoModelForCausalLM.from_pretrained loads and
 that gives the logits of polytrain's model, for a Llama trained a few steps on one device (one
 model.safetensors) and on 2 sharded ranks (whose checkpoint is shards; exported in files of at most 20 kB with
-an index), and for a Qwen2-shaped run (q/k/v biases, tied head); written one tensor at a time by the
-safetensors library. The one-file safetensors and pt exports stay readable as before. Models it cannot write
-are refused in one line.
+an index), for a Qwen2-shaped run (q/k/v biases, tied head), and for a GPT (a GPT2LMHeadModel: Conv1D weights
+transposed, q/k/v fused in c_attn); written one tensor at a time by the safetensors library. A GPT-2 loaded
+with --init-from comes back out as the same tensors. The one-file safetensors and pt exports stay readable as
+before. Models it cannot write are refused in one line.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import polytrain
 from polytrain.cli import main
@@ -26,14 +27,18 @@ TRAIN = dict(data="shakespeare", batch_size=4, max_steps=3, device="cpu", verbos
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Llama runs of 3 steps: on one device, on 2 sharded ranks (shards), and Qwen2's shape on one device."""
+    """Llama runs of 3 steps: on one device, on 2 sharded ranks (shards), and Qwen2's shape on one device; a GPT
+    on one device with GPT-2's GELU, a vocabulary larger than the data's, more positions than its context, and
+    dropout."""
     folder = tmp_path_factory.mktemp("runs")
     polytrain.fit("llama", out=str(folder / "one"), **SIZES, **TRAIN)
     polytrain.fit("llama", out=str(folder / "sharded"), strategy="sharded", devices=2, **SIZES, **TRAIN)
     qwen2 = dict(qkv_bias=True, tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6)
     polytrain.fit("llama", out=str(folder / "qwen2"), **SIZES, **TRAIN, **qwen2)
+    gpt = dict(layers=2, heads=4, width=32, context=16, positions=32, vocab_size=70, gelu="tanh", dropout=0.1)
+    polytrain.fit("gpt", out=str(folder / "gpt"), **gpt, **TRAIN)
     assert (folder / "sharded" / "checkpoint-1").is_dir()  # the sharded run's weights are shards
-    return {name: folder / name for name in ("one", "sharded", "qwen2")}
+    return {name: folder / name for name in ("one", "sharded", "qwen2", "gpt")}
 
 
 def logits_apart(folder: Path, run: Path) -> float:
@@ -47,22 +52,30 @@ def logits_apart(folder: Path, run: Path) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["one", "sharded", "qwen2"])
+@pytest.mark.parametrize("name", ["one", "sharded", "qwen2", "gpt"])
 def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path, name, capsys):
     out = tmp_path / "hf"
     size = ["--max-shard-size", "20KB"] if name == "sharded" else []
     assert main(["export", str(runs[name]), "--format", "hf", "--out", str(out), *size]) == 0
     assert "no tokenizer" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
-    architecture = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"
-    assert config["architectures"] == [architecture] and config["tie_word_embeddings"] == (name == "qwen2")
+    architecture = dict(qwen2="Qwen2ForCausalLM", gpt="GPT2LMHeadModel").get(name, "LlamaForCausalLM")
+    assert config["architectures"] == [architecture] and config["tie_word_embeddings"] == (
+        name in ("qwen2", "gpt")
+    )
+    if name == "gpt":
+        expected = dict(n_positions=32, vocab_size=70, activation_function="gelu_new", resid_pdrop=0.1)
+        assert {key: config[key] for key in expected} == expected
     files = sorted(path.name for path in out.glob("*.safetensors"))
     if name == "sharded":  # 20 kB files: the embedding and head (8 kB each) and the blocks' tensors share few
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
     else:
         assert files == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
-    if name == "qwen2":  # the tied head is stored once, as the embedding (as save_pretrained stores it)
+    if name in (
+        "qwen2",
+        "gpt",
+    ):  # the tied head is stored once, as the embedding (as save_pretrained stores it)
         assert "lm_head.weight" not in safetensors.torch.load_file(out / "model.safetensors")
     assert logits_apart(out, runs[name]) < 1e-5
 
@@ -123,13 +136,45 @@ def test_the_one_file_exports_read_as_before(runs, tmp_path):
     assert not list(tmp_path.glob(".*"))  # no scratch file left behind
 
 
+def test_a_gpt2_comes_back_out_as_it_went_in(tmp_path):
+    """A GPT-2 saved by transformers, loaded with --init-from (one step at a learning rate too small to move a
+    float32 weight) and exported: the same tensors by the same names, bit for bit, the same logits in
+    transformers, and the source config's other keys (its token ids) kept."""
+    torch.manual_seed(3)
+    source = GPT2Config(
+        vocab_size=65, n_layer=2, n_head=4, n_embd=32, n_positions=64, bos_token_id=7, eos_token_id=7
+    )
+    model = GPT2LMHeadModel(source)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path / "gpt2")
+    settings = dict(TRAIN, max_steps=1, lr=1e-30, context=16)
+    polytrain.fit(None, init_from=str(tmp_path / "gpt2"), out=str(tmp_path / "run"), **settings)
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    before = safetensors.torch.load_file(tmp_path / "gpt2" / "model.safetensors")
+    after = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(after) == sorted(before)
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] == 7 and config["n_positions"] == 64 and config["model_type"] == "gpt2"
+    ids = torch.randint(0, 65, (3, 16), generator=torch.Generator().manual_seed(2))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
+
+
 def test_models_it_cannot_write_and_bad_sizes_are_one_line(runs, tmp_path, capsys):
-    polytrain.fit("gpt", out=str(tmp_path / "gpt"), layers=1, heads=2, width=16, context=8, **TRAIN)
     polytrain.fit("mlp", "synthetic", out=str(tmp_path / "mlp"), max_steps=1, device="cpu", verbose=False)
     capsys.readouterr()
     cases = [
-        (tmp_path / "gpt", [], ["--model gpt run", "GPT-2", "--format safetensors or pt"]),
-        (tmp_path / "mlp", [], ["--model mlp run", "--format safetensors or pt"]),
+        (
+            tmp_path / "mlp",
+            [],
+            ["--model mlp run", "--model llama runs", "--model gpt", "--format safetensors or pt"],
+        ),
         (runs["one"], ["--max-shard-size", "lots"], ["--max-shard-size lots", "5GB"]),
     ]
     for run, extra, words in cases:

@@ -1,7 +1,9 @@
 """--init-from: a Hugging Face checkpoint built and saved by `transformers` (a Llama with grouped-query attention,
-sharded with an index; a Qwen2 with q/k/v biases and a tied head, in one file) loads on one device, on 2 sharded
-ranks, on tensor 2 and on a 2-stage pipeline, and gives the logits of transformers' own model on the same tokens
-and, at the first step, its loss on the same batch; bad folders and flags are one line before any worker.
+sharded with an index; a Qwen2 with q/k/v biases and a tied head, in one file; a GPT-2, whose Conv1D weights
+are stored transposed and whose q/k/v are one c_attn layer) loads on one device, on 2 sharded ranks, on tensor 2
+and on a 2-stage pipeline, and gives the logits of transformers' own model on the same tokens and, at the first
+step, its loss on the same batch; bad folders, flags and GPT-2 configs are one line before any worker. A rank
+reads only the pieces it holds, transposed where GPT-2 stores the transpose.
 
 The two-process runs share one launch of two processes (tests/matrix_runs.py). Each trains one step at a
 learning rate too small to move a float32 weight (1e-30), so that the run's final weights are the loaded ones.
@@ -16,7 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from processes import finish, start
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import polytrain
 from polytrain.config.pretrained import apply_checkpoint
@@ -63,13 +73,40 @@ def save_qwen2(folder: Path) -> Path:
     return folder
 
 
+def save_gpt2(folder: Path) -> Path:
+    """A GPT-2 (tanh GELU, learned positions, the head tied to the token embedding) in one model.safetensors,
+    its biases and LayerNorm weights drawn (transformers starts them at zero and one), so that they count; a
+    table of 64 positions, read in windows of 16."""
+    torch.manual_seed(2)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        n_positions=64,
+        layer_norm_epsilon=1e-6,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+            elif ".ln_" in name:
+                parameter.normal_(1.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("checkpoints")
     llama, qwen2 = save_llama(folder / "llama"), save_qwen2(folder / "qwen2")
     assert (llama / "model.safetensors.index.json").is_file() and len(list(llama.glob("*.safetensors"))) > 2
     assert (qwen2 / "model.safetensors").is_file()
-    return {"llama": llama, "qwen2": qwen2}
+    return {"llama": llama, "qwen2": qwen2, "gpt2": save_gpt2(folder / "gpt2")}
 
 
 LAYOUTS = {
@@ -78,7 +115,8 @@ LAYOUTS = {
     "tensor 2": ["--strategy", "tensor", "--devices", "2"],
     "pipeline 2": ["--strategy", "pipeline", "--devices", "2", "--pipeline-stages", "2"],
 }
-CASES = [(family, layout) for family in ("llama", "qwen2") for layout in LAYOUTS]
+MODELS = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt"}  # the polytrain model each family loads into
+CASES = [(family, layout) for family in MODELS for layout in LAYOUTS]
 
 
 def argv(folder: Path, layout: str) -> list:
@@ -96,8 +134,8 @@ def runs(checkpoints, tmp_path_factory) -> dict:
     singles = [case for case in CASES if LAYOUTS[case[1]][-1] == "1"]
     pairs = [case for case in CASES if case not in singles]
     groups = [
-        {"processes": [0], "runs": [["llama", *argv(checkpoints[f], layout)] for f, layout in singles]},
-        {"processes": [0, 1], "runs": [["llama", *argv(checkpoints[f], layout)] for f, layout in pairs]},
+        {"processes": [0], "runs": [[MODELS[f], *argv(checkpoints[f], layout)] for f, layout in singles]},
+        {"processes": [0, 1], "runs": [[MODELS[f], *argv(checkpoints[f], layout)] for f, layout in pairs]},
     ]
     (folder / "plan.json").write_text(json.dumps({"folder": str(folder), "groups": groups}))
     helper = Path(__file__).with_name("matrix_runs.py")
@@ -120,7 +158,12 @@ def test_logits_and_first_loss_equal_transformers(runs, checkpoints, case):
     family, _ = case
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32).eval()
     config, dataset, model = load_run(runs[case])
-    assert config.init_from == str(checkpoints[family]) and config.qkv_bias == (family == "qwen2")
+    assert config.init_from == str(checkpoints[family]) and config.model == (
+        "gpt" if family == "gpt2" else "llama"
+    )
+    assert bool(config.qkv_bias) == (family == "qwen2") and config.gelu == (
+        "tanh" if family == "gpt2" else None
+    )
     ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -174,10 +217,63 @@ def test_settings_come_from_the_config(checkpoints):
         True,
         True,
     )
+    values = dict(init_from=str(checkpoints["gpt2"]), context=16)  # windows shorter than the positions
+    model, given = apply_checkpoint(values, {"context"})
+    expected = dict(
+        layers=2, heads=4, width=32, vocab_size=VOCAB, positions=64, norm_eps=1e-6, gelu="tanh", context=16
+    )
+    assert model == "gpt" and {key: values[key] for key in expected} == expected
     with pytest.raises(ConfigError, match="init_from= loads a checkpoint into polytrain's own model"):
         polytrain.fit(
             torch.nn.Linear(2, 2), "shakespeare", init_from=str(checkpoints["llama"]), verbose=False
         )
+
+
+def test_the_comparison_sees_a_wrong_transposition_or_gelu(checkpoints, tmp_path):
+    """A GPT-2 loaded on one device gives transformers' logits; with a square Conv1D weight (the attention's
+    c_proj, whose shape cannot tell) read untransposed, or with the exact GELU for GPT-2's tanh approximation,
+    it does not."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["gpt2"], dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
+    settings = dict(context=16, batch_size=4, max_steps=1, lr=1e-30, verbose=False)
+    polytrain.fit(
+        None, "shakespeare", init_from=str(checkpoints["gpt2"]), out=str(tmp_path / "a"), **settings
+    )
+    _, _, loaded = load_run(tmp_path / "a")
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (loaded.eval()(ids) - expected).abs().max().item() < 1e-5
+        for block in list(loaded)[1:-2]:
+            block.mlp[1].approximate = "none"
+        assert (loaded(ids) - expected).abs().max().item() > 1e-4  # (8e-4: 80 times the tolerance)
+        for block in list(loaded)[1:-2]:
+            block.mlp[1].approximate = "tanh"
+            block.attention.proj.weight.copy_(block.attention.proj.weight.t().clone())
+        assert (loaded(ids) - expected).abs().max().item() > 0.1
+
+
+def test_a_gpt2_saved_as_the_hub_stores_gpt2_loads(checkpoints, tmp_path):
+    """The Hub's gpt2 names its tensors without transformers' "transformer." prefix (saved from the bare
+    GPT2Model) and carries each attention's causal mask (attn.bias, attn.masked_bias): it loads as the same
+    model."""
+    import safetensors.torch
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "config.json").write_text((checkpoints["gpt2"] / "config.json").read_text())
+    tensors = safetensors.torch.load_file(checkpoints["gpt2"] / "model.safetensors")
+    tensors = {key.removeprefix("transformer."): value for key, value in tensors.items()}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    safetensors.torch.save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["gpt2"], dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
+    settings = dict(context=16, batch_size=4, max_steps=1, lr=1e-30, verbose=False)
+    polytrain.fit(None, "shakespeare", init_from=str(folder), out=str(tmp_path / "run"), **settings)
+    _, _, loaded = load_run(tmp_path / "run")
+    with torch.no_grad():
+        assert (loaded.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-5
 
 
 def edited(folder: Path, target: Path, **changes) -> Path:
@@ -207,7 +303,8 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
         captured = capsys.readouterr()
         assert code == 2 and captured.err.startswith("polytrain: error:"), captured.out + captured.err
         assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
-        assert all(line.startswith("--model llama defaults:") for line in captured.out.splitlines())
+        defaults = ("--model llama defaults:", "--model gpt defaults:")
+        assert all(line.startswith(defaults) for line in captured.out.splitlines())
         assert not out.exists()
         for word in words:
             assert word in captured.err, captured.err
@@ -217,7 +314,7 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
     refused(llama, ["--size tiny", "drop it"], "--size", "tiny")
     refused(llama, ["--tie-embeddings True contradicts", "tie_word_embeddings: False"], "--tie-embeddings")
     foreign = edited(llama, tmp_path / "foreign", architectures=["MistralForCausalLM"])
-    refused(foreign, ["MistralForCausalLM", "it loads LlamaForCausalLM, Qwen2ForCausalLM"])
+    refused(foreign, ["MistralForCausalLM", "it loads LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"])
     scaled = edited(llama, tmp_path / "scaled", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
     refused(scaled, ["scales its rotary embedding ('llama3')"])
     wider = edited(llama, tmp_path / "wider", intermediate_size=96)
@@ -230,6 +327,67 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
     refused(tmp_path / "empty", ["has no config.json"])
     small = save_llama(tmp_path / "small", vocab=40, shard=False)
     refused(small, ["vocabulary of 40 tokens", "has 65"])
+
+
+GPT2_REFUSALS = [  # (a change to the GPT-2's config.json, words of the line)
+    (dict(scale_attn_by_inverse_layer_idx=True), ["scale_attn_by_inverse_layer_idx true", "false only"]),
+    (dict(reorder_and_upcast_attn=True), ["reorder_and_upcast_attn true"]),
+    (dict(add_cross_attention=True), ["add_cross_attention true"]),
+    (dict(scale_attn_weights=False), ["scale_attn_weights false", "true only"]),
+    (dict(tie_word_embeddings=False), ["tie_word_embeddings false"]),
+    (dict(n_inner=64), ["n_inner 64", "4 times its width (n_inner 128 or null)"]),
+    (dict(activation_function="relu"), ["activation_function 'relu'", "gelu_new"]),
+    (dict(n_positions=None), ["has no 'n_positions'"]),
+]
+
+
+@pytest.mark.parametrize("change, words", GPT2_REFUSALS, ids=[next(iter(c)) for c, _ in GPT2_REFUSALS])
+def test_gpt2_configs_it_cannot_honour_are_one_line(checkpoints, tmp_path, capsys, change, words):
+    """A GPT-2 config.json key whose value polytrain's gpt does not compute is named in one line (exit 2),
+    before any worker and before the run folder."""
+    from polytrain.cli import main
+
+    folder = edited(checkpoints["gpt2"], tmp_path / "edited", **change)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(
+        [
+            "train",
+            "--init-from",
+            str(folder),
+            "--dataset",
+            "shakespeare",
+            "--context",
+            "16",
+            "--out",
+            str(out),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.startswith("polytrain: error:"), captured.out + captured.err
+    assert captured.err.count("\n") == 1 and not out.exists(), captured.err
+    assert all(word in captured.err for word in words), captured.err
+
+
+def test_gpt2_flags_that_contradict_it_are_one_line(checkpoints, tmp_path, capsys):
+    from polytrain.cli import main
+
+    gpt2 = checkpoints["gpt2"]
+    cases = [
+        (["--gelu", "exact"], ["--gelu exact contradicts", "(activation_function, as --gelu: tanh)"]),
+        (["--positions", "32"], ["--positions 32 contradicts", "n_positions: 64"]),
+        (["--context", "128"], ["--context 128 is longer than", "64 positions"]),
+        (["--model", "llama"], ["--model llama", "holds a gpt model"]),
+    ]
+    for extra, words in cases:
+        out = tmp_path / "out"
+        capsys.readouterr()
+        code = main(
+            ["train", "--init-from", str(gpt2), "--dataset", "shakespeare", *extra, "--out", str(out)]
+        )
+        captured = capsys.readouterr()
+        assert code == 2 and captured.err.count("\n") == 1 and not out.exists(), captured.out + captured.err
+        assert all(word in captured.err for word in words), captured.err
 
 
 def test_a_sharded_rank_reads_only_its_rows(checkpoints, monkeypatch):
@@ -284,3 +442,73 @@ def test_a_sharded_rank_reads_only_its_rows(checkpoints, monkeypatch):
         dist.destroy_process_group()
     assert sorted(reads) == sorted((key, *where) for key, where in held.items())
     assert ("lm_head.weight", (33, 0), (32, 32)) in reads and len(reads) == len(stored) == 21
+
+
+@pytest.mark.parametrize("layout", ["sharded", "tensor", "sharded over tensor"])
+def test_a_rank_reads_only_its_pieces_of_gpt2(checkpoints, monkeypatch, layout):
+    """The last rank of a fake process group (in this process), its GPT built on the meta device, FSDP2-sharded
+    over 2 ranks, split by the tensor plan on 2 (q/k/v fused in c_attn, rows in the ranks' order), or both on
+    2 x 2: it holds its part of each one-device value, the Conv1D weights transposed, and DCP's Hugging Face
+    reader was asked for exactly as many elements of each stored tensor as the rank holds of it, never the
+    whole of a split one."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from polytrain.models import build_model_on_meta
+    from polytrain.models.pretrained import Pretrained
+    from polytrain.strategies.materialise import materialise
+    from polytrain.strategies.tensor import plan_for
+    from polytrain.strategies.tensor_split import replicate_rest, split_layers
+
+    folder = checkpoints["gpt2"]
+    values = dict(init_from=str(folder), context=16)
+    apply_checkpoint(values, {"context"})
+    reads = {}
+    read = dcp.HuggingFaceStorageReader._process_read_request
+
+    def spy(self, handle, request, planner):
+        reads.setdefault(request.storage_index.fqn, []).append(math.prod(request.lengths))
+        return read(self, handle, request, planner)
+
+    monkeypatch.setattr(dcp.HuggingFaceStorageReader, "_process_read_request", spy)
+    world = 4 if layout == "sharded over tensor" else 2
+    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    try:
+        model = build_model_on_meta("gpt", (16,), VOCAB, values)
+        blueprint, weights = copy.deepcopy(model), Pretrained(folder, model)
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data", "tensor"))
+        fused = {}
+        if layout != "sharded":
+            plan = plan_for(SimpleNamespace(tensor_plan=None, context=16), model, devices=2)
+            fused = split_layers(model, mesh["tensor"], plan)
+            replicate_rest(model, mesh["tensor"])
+            assert "1.attention.qkv.weight" in fused
+        if layout != "tensor":
+            shards = mesh["data"] if layout == "sharded over tensor" else mesh["tensor"]
+            for block in list(model)[1:-2]:
+                fully_shard(block, mesh=shards)
+            fully_shard(model, mesh=shards)
+        materialise(model, blueprint, device="cpu", seed=0, reorder=fused, weights=weights)
+        stored, held = load_file(folder / "model.safetensors"), {}
+        for name, parameter in model.named_parameters():
+            full = stored[weights.names[name]]
+            full = full.t() if name in weights.transposed else full
+            full = full[fused[name]] if name in fused else full
+            part = distribute_tensor(
+                full, parameter.device_mesh, parameter.placements, src_data_rank=None
+            ).to_local()
+            torch.testing.assert_close(parameter.to_local(), part, rtol=0, atol=0)
+            held[weights.names[name]] = part.numel()
+    finally:
+        dist.destroy_process_group()
+    assert {key: sum(counts) for key, counts in reads.items()} == held and len(held) == len(stored)
+    split = [key for key in held if held[key] < stored[key].numel()]
+    assert "transformer.h.0.attn.c_attn.weight" in split and "transformer.h.1.mlp.c_proj.weight" in split

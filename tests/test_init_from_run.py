@@ -123,3 +123,33 @@ def test_mistakes_are_one_line_before_any_worker(runs, tmp_path, capsys):
     config = json.loads((wider / "config.json").read_text())
     (wider / "config.json").write_text(json.dumps(dict(config, ffn_width=96)))
     refused(wider, ["1.feed_forward.w1.weight", "has shape [128, 32]", "model [96, 32]"])
+
+
+def test_a_gpt_run_starts_a_gpt_that_reads_shorter_windows(tmp_path, capsys):
+    """A GPT run's table of positions (its --context, where --positions was not given) is fixed for the new run,
+    whose windows may be shorter: its weights start as the source's, bit for bit; longer windows are one line."""
+    polytrain.fit(
+        "gpt", out=str(tmp_path / "source"), layers=2, heads=4, width=32, context=16, max_steps=2, **TRAIN
+    )
+    polytrain.fit(
+        None,
+        init_from=str(tmp_path / "source"),
+        out=str(tmp_path / "new"),
+        context=8,
+        max_steps=1,
+        lr=1e-30,
+        **TRAIN,
+    )
+    _, _, source = load_run(tmp_path / "source")
+    config, _, model = load_run(tmp_path / "new")
+    assert (config.model, config.context, config.positions) == ("gpt", 8, 16)
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+    longer = tmp_path / "longer"
+    capsys.readouterr()
+    code = main(["train", "--init-from", str(tmp_path / "source"), "--dataset", "shakespeare", "--context", "32",
+                 "--out", str(longer)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and err.count("\n") == 1 and "--context 32 is longer than" in err and not longer.exists()
+    ), err

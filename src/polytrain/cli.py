@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes the run's weights as one file by the one-device parameter names, also when "
         "they were saved as shards by every rank (--strategy sharded): read and written one tensor at a "
         "time, so it never holds more than the largest tensor. --format hf writes a folder that "
-        "transformers' AutoModelForCausalLM.from_pretrained loads (a --model llama run: config.json and "
-        "safetensors files; no tokenizer).",
+        "transformers' AutoModelForCausalLM.from_pretrained loads (a --model llama or gpt run: config.json "
+        "and safetensors files; no tokenizer).",
     )
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument(
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="safetensors",
         choices=("safetensors", "pt", "hf"),
         help="safetensors; pt: a state dict for torch.load; hf: a Hugging Face checkpoint folder of a "
-        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias) (default: %(default)s)",
+        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias), or of a --model gpt run, "
+        "GPT2LMHeadModel (default: %(default)s)",
     )
     export.add_argument(
         "--out",

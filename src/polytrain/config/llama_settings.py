@@ -1,7 +1,7 @@
 """The settings of --model llama beside the sizes it shares with the GPT (--layers, --heads, --width, --context
-in settings.py), and the GPT's --dropout, in the model group of --help. Declared as in settings.py; none has a
-default of its own here (None: the model's, see config/model_defaults.py), so another model given none of them
-is never refused."""
+in settings.py), and the GPT's --dropout, --gelu and --positions, in the model group of --help (--vocab-size
+and --norm-eps serve both). Declared as in settings.py; none has a default of its own here (None: the model's,
+see config/model_defaults.py), so another model given none of them is never refused."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class LlamaSettings:
     )
     vocab_size: Optional[int] = setting(
         None,
-        "--model llama: token embedding and head rows, at least the dataset's vocabulary (default: the "
+        "--model llama, gpt: token embedding and head rows, at least the dataset's vocabulary (default: the "
         "dataset's; more rows are never a target)",
         group="model",
         metavar="V",
@@ -62,7 +62,8 @@ class LlamaSettings:
     )
     norm_eps: Optional[float] = setting(
         None,
-        "--model llama: epsilon of the RMSNorms (default: 1e-05, Llama 3's; Hugging Face's rms_norm_eps)",
+        "--model llama, gpt: epsilon of the llama's RMSNorms or the GPT's LayerNorms (default: 1e-05, "
+        "Llama 3's and GPT-2's; Hugging Face's rms_norm_eps, layer_norm_epsilon)",
         group="model",
         metavar="E",
         check="positive",
@@ -83,4 +84,19 @@ class LlamaSettings:
         metavar="P",
         check="probability",
         example=0.2,
+    )
+    gelu: Optional[str] = setting(
+        None,
+        "--model gpt: the MLP's GELU: exact (the default) or tanh, its tanh approximation (GPT-2's gelu_new)",
+        group="model",
+        choices=("exact", "tanh"),
+    )
+    positions: Optional[int] = setting(
+        None,
+        "--model gpt: rows of the table of learned positions, the longest --context the model reads "
+        "(default: --context; a GPT-2 checkpoint's n_positions)",
+        group="model",
+        metavar="P",
+        check="count",
+        example=1024,
     )

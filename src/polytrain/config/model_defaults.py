@@ -11,7 +11,7 @@ from .declare import flag_name
 
 # model -> the model settings its builder reads
 MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
-    "gpt": ("layers", "heads", "width", "context", "dropout"),
+    "gpt": ("layers", "heads", "width", "context", "dropout", "vocab_size", "norm_eps", "gelu", "positions"),
     "llama": (
         "size",
         "layers",

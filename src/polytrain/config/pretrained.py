@@ -3,14 +3,17 @@ from its config.json.
 
 A folder as `save_pretrained` writes it: `config.json`, and the weights in `model.safetensors` or in the
 shards that `model.safetensors.index.json` lists. Its `architectures` entry names the polytrain model it
-loads into, and its config gives that model's sizes: they fill the run's settings (config.json of the run
-records them), and a flag that says otherwise is refused in one line, as is a folder that lacks a file it
-names. A polytrain run folder (its config.json records polytrain's version) gives its model and the settings
-that fix that model's weights (`RUN_MODEL_SETTINGS`); its final weights (model.pt, or the shards it names) start
-a new run: step 0, a new optimizer (--resume continues a run instead). Pure: reads JSON, no torch (the weights
-are read by each rank: models/pretrained.py).
+loads into (LlamaForCausalLM and Qwen2ForCausalLM: --model llama; GPT2LMHeadModel: --model gpt), and its
+config gives that model's sizes: they fill the run's settings (config.json of the run records them), and a
+flag that says otherwise is refused in one line, as is a folder that lacks a file it names, or a config key
+that asks for something the model does not compute (GPT-2's scale_attn_by_inverse_layer_idx, say). A
+polytrain run folder (its config.json records polytrain's version) gives its model and the settings that fix
+that model's weights (`RUN_MODEL_SETTINGS`); its final weights (model.pt, or the shards it names) start a new
+run: step 0, a new optimizer (--resume continues a run instead). Pure: reads JSON, no torch (the weights are
+read by each rank: models/pretrained.py).
 
     polytrain train --init-from ./Qwen2-0.5B --dataset shakespeare --strategy sharded --devices 2
+    polytrain train --init-from ./gpt2 --dataset text --data-dir notes.txt --context 256
     polytrain train --init-from runs/pretrain --dataset text --data-dir notes.txt
 """
 
@@ -24,7 +27,7 @@ from ..errors import ConfigError
 from .declare import flag_name
 
 # a checkpoint's `architectures` entry -> the polytrain model it loads into
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -132,6 +135,54 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
     )
 
 
+def gpt2_settings(config: dict, where: str) -> dict:
+    """polytrain's gpt settings for a GPT2LMHeadModel config: its sizes, n_positions as the table of positions
+    (--positions; the run's --context may be shorter), layer_norm_epsilon, and the GELU its activation_function
+    names. A key that asks for what the GPT does not compute is refused, naming the key."""
+    width = _need(config, "n_embd", where)
+    inner = config.get("n_inner")
+    if inner is not None and isinstance(width, int) and inner != 4 * width:
+        raise ConfigError(
+            f"--init-from: {where} has n_inner {inner}; polytrain's gpt has an MLP 4 times its width "
+            f"(n_inner {4 * width} or null)"
+        )
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in GPT2_GELUS:
+        raise ConfigError(
+            f"--init-from: {where} has activation_function {activation!r}; polytrain's gpt computes "
+            f"{', '.join(GPT2_GELUS)}"
+        )
+    for key, value in GPT2_FIXED.items():
+        if bool(config.get(key, value)) != value:
+            raise ConfigError(
+                f"--init-from: {where} has {key} {str(not value).lower()}; polytrain's gpt is built with "
+                f"{key} {str(value).lower()} only"
+            )
+    return dict(
+        model="gpt",
+        layers=_need(config, "n_layer", where),
+        heads=_need(config, "n_head", where),
+        width=width,
+        vocab_size=_need(config, "vocab_size", where),
+        positions=_need(config, "n_positions", where),
+        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        gelu=GPT2_GELUS[activation],
+    )
+
+
+# GPT-2's activation_function values polytrain's gpt computes -> its --gelu (transformers' "gelu" is exact,
+# "gelu_new" and "gelu_pytorch_tanh" the tanh approximation)
+GPT2_GELUS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
+# GPT-2 config keys whose other value polytrain's gpt does not compute -> the value it does
+GPT2_FIXED = dict(
+    scale_attn_weights=True,
+    scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False,
+    add_cross_attention=False,
+    tie_word_embeddings=True,
+)
+
+
 # the config.json key each setting comes from, for the words of a refusal
 CONFIG_KEYS = dict(
     layers="num_hidden_layers",
@@ -145,11 +196,20 @@ CONFIG_KEYS = dict(
     tie_embeddings="tie_word_embeddings",
     qkv_bias="q/k/v biases",
 )
+GPT2_CONFIG_KEYS = dict(
+    layers="n_layer",
+    heads="n_head",
+    width="n_embd",
+    vocab_size="vocab_size",
+    positions="n_positions",
+    norm_eps="layer_norm_epsilon",
+    gelu="activation_function, as --gelu",
+)
 
 
-# the settings of a polytrain run that fix its model's weights and what they compute (--init-from RUN): the
-# llama's are those a Hugging Face config gives; the GPT's context is the length of its table of positions
-RUN_MODEL_SETTINGS = {"llama": tuple(CONFIG_KEYS), "gpt": ("layers", "heads", "width", "context")}
+# the settings of a polytrain run that fix its model's weights and what they compute (--init-from RUN): those a
+# Hugging Face config gives; the GPT's table of positions is --positions, or --context where that was not given
+RUN_MODEL_SETTINGS = {"llama": tuple(CONFIG_KEYS), "gpt": tuple(GPT2_CONFIG_KEYS)}
 
 
 def is_run_folder(folder) -> bool:
@@ -177,7 +237,10 @@ def run_settings(folder: Path) -> dict:
             f"--init-from: {folder} has no model.pt (it saved no weights); give a run that has trained, or "
             f"continue this one with --resume {folder}"
         )
-    return dict(model=model, **{key: config.get(key) for key in RUN_MODEL_SETTINGS.get(model, ())})
+    settings = dict(model=model, **{key: config.get(key) for key in RUN_MODEL_SETTINGS.get(model, ())})
+    if model == "gpt" and settings["positions"] is None:
+        settings["positions"] = config.get("context")
+    return settings
 
 
 def checkpoint_settings(folder) -> dict:
@@ -203,6 +266,8 @@ def checkpoint_settings(folder) -> dict:
             f"cannot load; it loads {', '.join(ARCHITECTURES)}"
         )
     weight_files(folder)
+    if ARCHITECTURES[known[0]] == "gpt":
+        return gpt2_settings(config, where)
     return llama_settings(config, known[0], where)
 
 
@@ -229,7 +294,7 @@ def apply_checkpoint(values: dict, given, model: Optional[str] = None) -> Tuple[
             source = (
                 f"{key}: {'null, the default' if value is None else value}"
                 if run
-                else (f"{CONFIG_KEYS[key]}: {value}")
+                else (f"{(GPT2_CONFIG_KEYS if settings['model'] == 'gpt' else CONFIG_KEYS)[key]}: {value}")
             )
             raise ConfigError(
                 f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} ({source}); {fix}"

@@ -1,9 +1,19 @@
-"""A decoder-only transformer (GPT) for character-level language modelling.
+"""A decoder-only transformer (GPT) for character-level language modelling, in GPT-2's design.
+
+    polytrain train --model gpt --dataset shakespeare
+    polytrain train --init-from DIR --dataset shakespeare   (a Hugging Face GPT-2 checkpoint)
 
 The model is an `nn.Sequential` of [embeddings, block x L, final LayerNorm, head] so that the pipeline
 strategy can split it between blocks. It takes token ids (B, T) as int64 and returns scores (B, T, vocab).
 The head's weight is the token embedding's (tied, as in GPT-2); the attention keeps heads as a dimension of
-its own (`view(B, T, heads, head_dim)`), so heads can later be split across devices.
+its own (`view(B, T, heads, head_dim)`), so heads can later be split across devices. The table of learned
+positions has `context` rows (--positions, default --context): the longest sequence the model reads.
+
+Its layers are GPT-2's, so a GPT2LMHeadModel's weights load into it (`hf_names`; --init-from DIR) and it is
+written as one (`hf_config`; polytrain export --format hf). GPT-2 stores its linear layers as `Conv1D`, whose
+weight is the transpose of an nn.Linear's ([in, out]; `HF_TRANSPOSED`), and its q, k and v as one `c_attn`
+layer, whose rows (our order) are q's, then k's, then v's, as the fused `qkv` here. GPT-2's MLP uses the tanh
+approximation of GELU (`gelu_new`): `gelu="tanh"` (--gelu tanh); polytrain's own GPT keeps the exact GELU.
 """
 
 from __future__ import annotations
@@ -19,6 +29,35 @@ from ..errors import ConfigError
 
 # nanoGPT's CPU-sized model ("baby GPT" on Shakespeare)
 DEFAULT_SIZES = dict(layers=4, heads=4, width=128, context=64)
+NORM_EPS = 1e-5  # the LayerNorms' epsilon (torch's default, GPT-2's layer_norm_epsilon; --norm-eps)
+GELUS = ("exact", "tanh")  # --gelu: torch's GELU exact (approximate="none") or its tanh approximation
+
+# Hugging Face GPT2LMHeadModel parameter names -> this model's: `{i}` is block i (from 0) in theirs and the
+# block's index in the Sequential (i + 1) in ours; `{last}` the final norm's index. The head is tied to the
+# token embedding (GPT-2 stores it once, as transformer.wte.weight).
+HF_NAMES = {
+    "transformer.wte.weight": "0.token.weight",
+    "transformer.wpe.weight": "0.position.weight",
+    "transformer.h.{i}.ln_1.weight": "{i}.norm1.weight",
+    "transformer.h.{i}.ln_1.bias": "{i}.norm1.bias",
+    "transformer.h.{i}.attn.c_attn.weight": "{i}.attention.qkv.weight",
+    "transformer.h.{i}.attn.c_attn.bias": "{i}.attention.qkv.bias",
+    "transformer.h.{i}.attn.c_proj.weight": "{i}.attention.proj.weight",
+    "transformer.h.{i}.attn.c_proj.bias": "{i}.attention.proj.bias",
+    "transformer.h.{i}.ln_2.weight": "{i}.norm2.weight",
+    "transformer.h.{i}.ln_2.bias": "{i}.norm2.bias",
+    "transformer.h.{i}.mlp.c_fc.weight": "{i}.mlp.0.weight",
+    "transformer.h.{i}.mlp.c_fc.bias": "{i}.mlp.0.bias",
+    "transformer.h.{i}.mlp.c_proj.weight": "{i}.mlp.2.weight",
+    "transformer.h.{i}.mlp.c_proj.bias": "{i}.mlp.2.bias",
+    "transformer.ln_f.weight": "{last}.weight",
+    "transformer.ln_f.bias": "{last}.bias",
+}
+# GPT-2's Conv1D weights: stored as the transpose of this model's nn.Linear weights ([in, out])
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# what GPT2LMHeadModel's names start with; a checkpoint saved from the bare GPT2Model (as the Hub's gpt2 is)
+# leaves it out, and transformers loads either
+HF_PREFIX = "transformer."
 
 
 class Embeddings(nn.Module):
@@ -34,6 +73,59 @@ class Embeddings(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.token(idx) + self.position(positions)
         return x if self.drop is None else self.drop(x)
+
+
+def hf_names(model: "GPT", *, prefix: str = HF_PREFIX) -> dict:
+    """This model's parameter name -> its Hugging Face GPT2LMHeadModel name (`HF_NAMES`, their
+    "transformer." replaced by `prefix`): every parameter, the tied head named by the embedding it shares."""
+    names = {}
+    for theirs, mine in HF_NAMES.items():
+        for i in range(model.layers) if "{i}" in theirs else [0]:
+            stored = prefix + theirs.removeprefix(HF_PREFIX).format(i=i)
+            names[mine.format(i=i + 1, last=model.layers + 1)] = stored
+    names[f"{model.layers + 2}.weight"] = names["0.token.weight"]
+    return names
+
+
+def hf_transposed(names: dict) -> set:
+    """The names (this model's) of `names` whose stored tensor is the transpose of this model's (Conv1D)."""
+    return {mine for mine, theirs in names.items() if theirs.endswith(HF_TRANSPOSED)}
+
+
+# keys of a source checkpoint's config.json that an export writes anew or that no longer hold
+HF_CONFIG_DROPPED = ("transformers_version", "torch_dtype", "n_ctx")
+
+
+def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
+    """The config.json of a Hugging Face GPT2LMHeadModel checkpoint of `model` (polytrain export --format hf),
+    its sizes read off the model itself. `base`, the config.json of the checkpoint the run started from
+    (--init-from), keeps its other keys (token ids, say). The dropout probabilities are the model's: after the
+    embeddings and each block's attention and MLP (embd_pdrop, resid_pdrop), none on the attention weights."""
+    block = model[1]
+    dropout = block.attention.drop.p if block.attention.drop is not None else 0.0
+    config = {key: value for key, value in (base or {}).items() if key not in HF_CONFIG_DROPPED}
+    config.update(
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        vocab_size=model.vocab,
+        n_embd=model[0].token.embedding_dim,
+        n_layer=model.layers,
+        n_head=block.attention.qkv.out_features // 3 // block.attention.head_dim,
+        n_positions=model.context,
+        n_inner=block.mlp[0].out_features,
+        activation_function="gelu_new" if block.mlp[1].approximate == "tanh" else "gelu",
+        layer_norm_epsilon=block.norm1.eps,
+        tie_word_embeddings=True,
+        scale_attn_weights=True,
+        scale_attn_by_inverse_layer_idx=False,
+        reorder_and_upcast_attn=False,
+        add_cross_attention=False,
+        embd_pdrop=dropout,
+        resid_pdrop=dropout,
+        attn_pdrop=0.0,
+        dtype=str(model[0].token.weight.dtype).removeprefix("torch."),
+    )
+    return config
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,14 +145,18 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x)) with a 4x GELU MLP."""
+    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x)) with a 4x GELU MLP (`gelu`:
+    "exact", or "tanh", its tanh approximation)."""
 
-    def __init__(self, width: int, heads: int, dropout: float = 0.0):
+    def __init__(
+        self, width: int, heads: int, dropout: float = 0.0, *, norm_eps: float = NORM_EPS, gelu: str = "exact"
+    ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(width)
+        self.norm1 = nn.LayerNorm(width, eps=norm_eps)
         self.attention = CausalSelfAttention(width, heads, dropout)
-        self.norm2 = nn.LayerNorm(width)
-        mlp = [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+        self.norm2 = nn.LayerNorm(width, eps=norm_eps)
+        approximate = "tanh" if gelu == "tanh" else "none"
+        mlp = [nn.Linear(width, 4 * width), nn.GELU(approximate=approximate), nn.Linear(4 * width, width)]
         self.mlp = nn.Sequential(*mlp, *([nn.Dropout(dropout)] if dropout else []))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +166,8 @@ class Block(nn.Module):
 
 class GPT(nn.Sequential):
     """[Embeddings, Block x layers, LayerNorm, Linear head tied to the token embedding (`tied=False`: a head
-    of its own, which a pipeline can put on another stage than the embedding)]."""
+    of its own, which a pipeline can put on another stage than the embedding)]. `context` is the length of the
+    table of positions, `norm_eps` the LayerNorms' epsilon, `gelu` the MLP's GELU ("exact" or "tanh")."""
 
     def __init__(
         self,
@@ -82,6 +179,8 @@ class GPT(nn.Sequential):
         width: int = 128,
         tied: bool = True,
         dropout: float = 0.0,
+        norm_eps: float = NORM_EPS,
+        gelu: str = "exact",
     ):
         for name, value in (
             ("layers", layers),
@@ -100,12 +199,16 @@ class GPT(nn.Sequential):
             )
         if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
             raise ConfigError(f"--dropout must be a probability from 0 up to 1, got {dropout!r}")
+        if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
+            raise ConfigError(f"--norm-eps must be a number above 0, got {norm_eps!r}; GPT-2's is 1e-05")
+        if gelu not in GELUS:
+            raise ConfigError(f"--gelu must be one of {', '.join(GELUS)}, got {gelu!r}")
         embeddings = Embeddings(vocab, context, width, dropout)
         head = nn.Linear(width, vocab, bias=False)
         if tied:
             head.weight = embeddings.token.weight  # tied input and output embeddings
-        blocks = (Block(width, heads, dropout) for _ in range(layers))
-        super().__init__(embeddings, *blocks, nn.LayerNorm(width), head)
+        blocks = (Block(width, heads, dropout, norm_eps=float(norm_eps), gelu=gelu) for _ in range(layers))
+        super().__init__(embeddings, *blocks, nn.LayerNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
         self._init_weights(layers)
 
@@ -136,9 +239,21 @@ class GPT(nn.Sequential):
 
 
 def build_gpt(
-    input_shape, num_classes: int, *, layers=None, heads=None, width=None, context=None, dropout=None
+    input_shape,
+    num_classes: int,
+    *,
+    layers=None,
+    heads=None,
+    width=None,
+    context=None,
+    dropout=None,
+    vocab_size=None,
+    norm_eps=None,
+    gelu=None,
+    positions=None,
 ) -> GPT:
-    """The registry's builder: `input_shape` is (context,), `num_classes` the vocabulary size."""
+    """The registry's builder: `input_shape` is (context,), `num_classes` the dataset's vocabulary; --vocab-size
+    may exceed it, and --positions (the table of positions; default: --context) may exceed the context."""
     if len(input_shape) != 1:
         raise ConfigError(
             f"--model gpt reads text, not images of shape {tuple(input_shape)}; use --dataset "
@@ -147,7 +262,25 @@ def build_gpt(
     given = dict(layers=layers, heads=heads, width=width)
     sizes = {name: DEFAULT_SIZES[name] if value is None else value for name, value in given.items()}
     context = int(input_shape[0]) if context is None else context
-    return GPT(num_classes, context=context, dropout=dropout or 0.0, **sizes)
+    if positions is not None and isinstance(context, int) and context > positions:
+        raise ConfigError(
+            f"--context {context} is longer than the GPT's table of {positions} positions (--positions); give "
+            f"--context {positions} or less"
+        )
+    vocab = num_classes if vocab_size is None else vocab_size
+    if isinstance(vocab, int) and vocab < num_classes:
+        raise ConfigError(
+            f"--vocab-size {vocab} is smaller than the dataset's {num_classes} tokens; give --vocab-size "
+            f"{num_classes} or more, or leave it out (default: the dataset's)"
+        )
+    return GPT(
+        vocab,
+        context=context if positions is None else positions,
+        dropout=dropout or 0.0,
+        norm_eps=NORM_EPS if norm_eps is None else norm_eps,
+        gelu=gelu or "exact",
+        **sizes,
+    )
 
 
 @torch.no_grad()

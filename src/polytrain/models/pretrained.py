@@ -1,14 +1,23 @@
 """The weights of a Hugging Face checkpoint folder (--init-from), read by each rank into what it holds.
 
 `Pretrained(folder, model)` pairs each parameter of polytrain's model (its one-device name) with the
-checkpoint's tensor (models/llama.py `hf_names`). In the launching process `check` compares their shapes
-against the model built on the meta device, reading only the files' headers. On every rank, the model's
-tensors are given storage (strategies/materialise.py) and `read_into` fills them through
+checkpoint's tensor (models/llama.py and models/gpt.py `hf_names`). In the launching process `check` compares
+their shapes against the model built on the meta device, reading only the files' headers. On every rank, the
+model's tensors are given storage (strategies/materialise.py) and `read_into` fills them through
 torch.distributed.checkpoint's `HuggingFaceStorageReader`: DCP plans, for each tensor this rank holds (an
 FSDP2 shard, a tensor-parallel slice, a whole tensor of its pipeline stage), the piece of the stored tensor
 it covers, and the reader reads that piece alone through safetensors' lazy slices; the checkpoint's dtype
 (bfloat16, say) is converted into the model's as it is copied. No rank reads the whole model; each reads on
 its own (no collective), so any layout loads alike.
+
+Two kinds of tensor are not stored as this rank holds them, and are read through `Pieces`, which tells DCP
+which blocks of the stored tensor this rank's tensor covers and hands the reader a view of the rank's tensor
+for each: GPT-2's `Conv1D` weights, stored transposed ([in, out]), whose piece is the transposed block (a
+rank holding rows r..s of our weight reads columns r..s of theirs, into the transpose of its own tensor:
+the copy transposes, no whole tensor is read or made); and a fused layer of a tensor plan (GPT's q/k/v), whose
+rows a rank holds in another order than one device (strategies/checkpoint_parts.py `fused_rows`): each run
+of consecutive rows is a block of its own. DCP has no transform of its own for either; the planner of
+runtime/shards.py looks each block's view up by its offsets.
 
 `RunWeights(folder)` does the same for a polytrain run folder (--init-from RUN): its model.pt names the shard
 folder its ranks wrote, read through DCP's own reader into the pieces this rank holds, or is one state dict,
@@ -28,16 +37,71 @@ import torch.nn as nn
 from ..checkpoint import shard_folder
 from ..config.pretrained import is_run_folder, weight_files
 from ..errors import CheckpointError, ConfigError, first_line
-from .llama import Llama, hf_names
+from . import gpt, llama
 
 
-def names_of(model: nn.Module) -> dict:
-    """One-device parameter name -> the checkpoint's name, for a model polytrain can load into."""
-    if isinstance(model, Llama):
-        return hf_names(model)
+def names_of(model: nn.Module, stored=()) -> tuple:
+    """(one-device parameter name -> the checkpoint's name, the names whose stored tensor is the transpose of
+    the model's) for a model polytrain can load into; `stored`, the checkpoint's names, tells a GPT-2 saved
+    without transformers' "transformer." prefix."""
+    if isinstance(model, llama.Llama):
+        return llama.hf_names(model), set()
+    if isinstance(model, gpt.GPT):
+        bare = gpt.HF_PREFIX + "wte.weight" not in stored and "wte.weight" in stored
+        names = gpt.hf_names(model, prefix="" if bare else gpt.HF_PREFIX)
+        return names, gpt.hf_transposed(names)
     raise ConfigError(
-        f"--init-from loads into --model llama, not {type(model).__name__}; drop --model, or --init-from"
+        f"--init-from loads into --model llama or gpt, not {type(model).__name__}; drop --model, or "
+        f"--init-from"
     )
+
+
+class Pieces:
+    """The blocks of a stored tensor (of `size`) that a rank's tensor covers: [(offsets, sizes, view)], each
+    view a tensor of `sizes` sharing the rank's storage, which DCP's reader copies its block into (the planner
+    of runtime/shards.py finds the view by `piece(offsets)`)."""
+
+    def __init__(self, size, blocks: list):
+        self.global_size, self.blocks = torch.Size(size), blocks
+
+    def size(self) -> torch.Size:
+        return self.global_size
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in self.blocks]
+
+    def piece(self, offsets) -> torch.Tensor:
+        for block, _, view in self.blocks:
+            if tuple(block) == tuple(offsets):
+                return view
+        raise ValueError(f"no block of this rank begins at {tuple(offsets)}")
+
+
+def _blocks(tensor: torch.Tensor, order=None) -> list:
+    """[(offsets, sizes, view)] of the one-device tensor that `tensor` (a DTensor, or a whole tensor) holds
+    here: one block, or the runs of consecutive rows of a fused layer held in `order`."""
+    if order is not None and hasattr(tensor, "device_mesh"):
+        from ..strategies.checkpoint_parts import fused_rows
+
+        rows = fused_rows(tensor, order)
+        return [(o, s, rows.local[first:end]) for o, s, first, end in rows.blocks]
+    if hasattr(tensor, "device_mesh"):
+        (chunk,) = tensor.__create_chunk_list__()
+        return [(tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local())]
+    return [((0,) * tensor.dim(), tuple(tensor.shape), tensor)]
+
+
+def pieces(tensor: torch.Tensor, *, transposed: bool, order=None) -> Pieces:
+    """What `tensor` holds of its one-device value, as blocks of the stored tensor: that value's transpose
+    where `transposed` (a 2-D weight), its rows in `order` where given (a fused layer)."""
+    blocks = _blocks(tensor, order)
+    if transposed:
+        size = tuple(reversed(tensor.shape))
+        blocks = [(tuple(reversed(o)), tuple(reversed(s)), view.t()) for o, s, view in blocks]
+        return Pieces(size, blocks)
+    return Pieces(tensor.shape, blocks)
 
 
 @contextlib.contextmanager
@@ -54,7 +118,7 @@ class Pretrained:
 
     def __init__(self, folder, model: nn.Module):
         self.folder = Path(folder)
-        self.names = names_of(model)
+        self.names, self.transposed = names_of(model, self.shapes())
 
     def shapes(self) -> dict:
         """The checkpoint's name -> shape of every tensor, from the files' headers (no tensor is read)."""
@@ -84,43 +148,56 @@ class Pretrained:
                     f"--init-from: {self.folder} has no tensor {theirs or name!r}, which its config.json "
                     f"implies; the weights and the config disagree: save them again with save_pretrained"
                 )
-            if stored[theirs] != tuple(parameter.shape):
+            shape = tuple(parameter.shape)
+            if name in self.transposed:
+                shape = shape[::-1]  # (stored [in, out])
+            if stored[theirs] != shape:
                 raise ConfigError(
                     f"--init-from: {theirs} in {self.folder} has shape {list(stored[theirs])}, and its "
-                    f"config.json implies {list(parameter.shape)}; the weights and the config disagree: save "
-                    f"them again with save_pretrained"
+                    f"config.json implies {list(shape)}; the weights and the config disagree: save them again "
+                    f"with save_pretrained"
                 )
 
     @torch.no_grad()
-    def read_into(self, targets: dict, *, whole=()) -> tuple:
-        """Fill `targets` (one-device name -> this rank's tensor: a DTensor's part, or all of a plain tensor)
-        from the checkpoint, each with the piece it holds; the names in `whole` are read whole instead and
-        returned (a caller cuts them: rows in another order). Returns (names filled, {name: whole value})."""
+    def read_into(self, targets: dict, *, reorder=None) -> tuple:
+        """Fill `targets` (one-device name -> this rank's tensor: a DTensor, or a whole tensor) from the
+        checkpoint, each with the piece it holds; `reorder`: name -> the order a fused layer's rows take on the
+        ranks, read in that order (`Pieces`). Returns (names filled, {}: nothing read whole)."""
         import torch.distributed.checkpoint as dcp
 
+        from ..runtime.shards import piece_planner
+
+        reorder = reorder or {}
         # a tensor the checkpoint has under one name may be held here under several (a tied head): one load
         # per holder, so that each template names each stored tensor once
-        templates, filled, wholes = [], set(), {}
+        templates, filled = [], set()
         for name, tensor in targets.items():
             theirs = self.names.get(name)
             if theirs is None:
                 continue
-            if name in whole:
-                tensor = wholes[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
             for template in templates:
-                if theirs not in template or template[theirs] is tensor:
+                if theirs not in template or template[theirs][0] is tensor:
                     break
             else:
                 template = {}
                 templates.append(template)
-            template[theirs] = tensor
+            template[theirs] = (tensor, name)
             filled.add(name)
         for template in templates:
+            values = {
+                theirs: tensor
+                if name not in self.transposed and name not in reorder
+                else pieces(tensor, transposed=name in self.transposed, order=reorder.get(name))
+                for theirs, (tensor, name) in template.items()
+            }
             with _quiet():
                 dcp.load(
-                    template, storage_reader=dcp.HuggingFaceStorageReader(str(self.folder)), no_dist=True
+                    values,
+                    storage_reader=dcp.HuggingFaceStorageReader(str(self.folder)),
+                    planner=piece_planner(),
+                    no_dist=True,
                 )
-        return filled - set(wholes), wholes
+        return filled, {}
 
 
 class RunWeights:
@@ -169,12 +246,14 @@ class RunWeights:
                 )
 
     @torch.no_grad()
-    def read_into(self, targets: dict, *, whole=()) -> tuple:
+    def read_into(self, targets: dict, *, reorder=None) -> tuple:
         """As `Pretrained.read_into`: a shard folder fills each target with the piece it holds (DCP, without a
-        process group), the names in `whole` read whole and returned; a one-file state dict returns every
-        tensor, mapped from the disk, for the caller to cut its part from."""
+        process group), the names in `reorder` (fused layers) read whole and returned for the caller to cut;
+        a one-file state dict returns every tensor, mapped from the disk, for the caller to cut its part
+        from."""
         from ..runtime import shards
 
+        whole = set(reorder or ())
         folder, state = self._open()
         if folder is None:
             return set(), {name: state[name] for name in targets if isinstance(state.get(name), torch.Tensor)}

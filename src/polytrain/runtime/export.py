@@ -1,5 +1,6 @@
 """`polytrain export RUN`: a run's weights as one file (safetensors or torch's .pt) by the one-device names, or
-as a Hugging Face checkpoint folder (--format hf: config.json and safetensors files, for a --model llama run).
+as a Hugging Face checkpoint folder (--format hf: config.json and safetensors files, for a --model llama or gpt
+run).
 
 Weights kept as shards (runtime/shards.py) are read one tensor at a time, from the checkpoint's index. Each
 tensor is copied into a scratch file beside the output before the next is read, and the writer (the
@@ -8,9 +9,13 @@ the system can drop at any time: the export holds at most the largest tensor, ho
 polytrain writes no file format of its own. A file or folder appears only when complete.
 
 --format hf names each tensor as transformers' LlamaForCausalLM or Qwen2ForCausalLM does (models/llama.py
-`hf_names`), writes config.json from the model's own sizes (`hf_config`), and cuts the weights into files of at
-most --max-shard-size listed in model.safetensors.index.json, as `save_pretrained` does. No tokenizer is
-written: a polytrain run has none of Hugging Face's (shakespeare's characters are the run's vocabulary).
+`hf_names`), or GPT2LMHeadModel (models/gpt.py `hf_names`: its Conv1D weights are the transpose of the GPT's
+nn.Linear weights, each transposed as it is copied into the scratch file, so that one tensor and its transpose
+are the most held; c_attn is the GPT's fused qkv as it is; transformers 5 keeps its causal mask out of the
+checkpoint, so no attn.bias is written), writes config.json from the model's own sizes (`hf_config`), and cuts
+the weights into files of at most --max-shard-size listed in model.safetensors.index.json, as
+`save_pretrained` does. No tokenizer is written: a polytrain run has none of Hugging Face's (shakespeare's
+characters are the run's vocabulary).
 """
 
 from __future__ import annotations
@@ -177,8 +182,13 @@ def _shards(entries, limit: int) -> list:
     return files
 
 
-def _llama_of_run(run_dir: Path, settings: dict, listing):
-    """The run's llama built on the meta device (its sizes from config.json, its vocabulary from the stored
+# model -> the name of its token embedding (whose rows are the vocabulary); models/llama.py and models/gpt.py
+# name its tensors and write its config.json as Hugging Face's
+HF_MODELS = {"llama": "0.weight", "gpt": "0.token.weight"}
+
+
+def _model_of_run(run_dir: Path, settings: dict, listing):
+    """The run's model built on the meta device (its sizes from config.json, its vocabulary from the stored
     embedding), after checking that the stored tensors are its own; one line where they are not."""
     from ..config import STRATEGY_FLAGS, TrainConfig
     from ..models import build_model_on_meta
@@ -186,12 +196,13 @@ def _llama_of_run(run_dir: Path, settings: dict, listing):
     how = ("strategy", *STRATEGY_FLAGS, "logger")
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     stored = {name: shape for name, shape, _ in listing}
-    if "0.weight" not in stored:
+    name, embedding = settings["model"], HF_MODELS[settings["model"]]
+    if embedding not in stored:
         raise UserError(
-            f"{run_dir}: the weights hold no token embedding (0.weight); is it a --model llama run?"
+            f"{run_dir}: the weights hold no token embedding ({embedding}); is it a --model {name} run?"
         )
-    vocab = stored["0.weight"][0]
-    model = build_model_on_meta("llama", (config.context or 1,), vocab, config)
+    vocab = stored[embedding][0]
+    model = build_model_on_meta(name, (config.context or 1,), vocab, config)
     for name, tensor in model.state_dict().items():
         if tuple(tensor.shape) != stored.get(name):
             raise UserError(
@@ -227,32 +238,38 @@ def _replace_folder(temporary: Path, out: Path) -> None:
 
 
 def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> tuple:
-    """A Hugging Face checkpoint folder of a --model llama run (config.json, and model.safetensors or shards
-    with model.safetensors.index.json), which transformers' AutoModelForCausalLM.from_pretrained loads; each
-    file is written by the safetensors library from tensors read one at a time (`_staged`). Returns (folder,
-    tensors, bytes)."""
-    from ..models.llama import hf_config, hf_names
+    """A Hugging Face checkpoint folder of a --model llama or gpt run (config.json, and model.safetensors or
+    shards with model.safetensors.index.json), which transformers' AutoModelForCausalLM.from_pretrained loads;
+    each file is written by the safetensors library from tensors read one at a time (`_staged`). Returns
+    (folder, tensors, bytes)."""
+    from ..models import gpt, llama
     from ..run_dir import read_config
     from .inference import weights_file
 
     run_dir, limit = Path(run_dir), parse_size(max_shard_size)
     settings = read_config(run_dir)
     model = settings.get("model")
-    if settings.get("custom_model") or model != "llama":
-        later = " (GPT-2's format is not written yet)" if model == "gpt" else ""
+    if settings.get("custom_model") or model not in HF_MODELS:
         raise UserError(
-            f"--format hf writes --model llama runs (as LlamaForCausalLM or Qwen2ForCausalLM); {run_dir} is a "
-            f"--model {model} run{later}: export it with --format safetensors or pt"
+            f"--format hf writes --model llama runs (as LlamaForCausalLM or Qwen2ForCausalLM) and --model gpt "
+            f"runs (as GPT2LMHeadModel); {run_dir} is a --model {model} run: export it with --format "
+            f"safetensors or pt"
         )
-    listing, read = _sources(weights_file(run_dir, weights))
-    llama = _llama_of_run(run_dir, settings, listing)
+    family = {"llama": llama, "gpt": gpt}[model]
+    listing, read_stored = _sources(weights_file(run_dir, weights))
+    built = _model_of_run(run_dir, settings, listing)
     _check_safetensors_dtypes(listing)
-    names, seen, entries = hf_names(llama), set(), []
+    names, seen, entries = family.hf_names(built), set(), []
+    transposed = gpt.hf_transposed(names) if model == "gpt" else set()
     for name, shape, dtype in listing:
         theirs = names.get(name)
         if theirs is not None and theirs not in seen:  # a tied head is stored once, as the embedding
             seen.add(theirs)
-            entries.append((name, shape, dtype))
+            entries.append((name, shape[::-1] if name in transposed else shape, dtype))
+
+    def read(name: str) -> torch.Tensor:  # (GPT-2's Conv1D weights: the transpose of the GPT's)
+        return read_stored(name).t().contiguous() if name in transposed else read_stored(name)
+
     files = _shards(entries, limit)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +295,7 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (temporary / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config(llama, _source_config(settings))
+        config = family.hf_config(built, _source_config(settings))
         (temporary / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _replace_folder(temporary, out)
     finally:

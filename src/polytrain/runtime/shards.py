@@ -85,6 +85,12 @@ def _planners():
     return SavePlanner, LoadPlanner
 
 
+def piece_planner():
+    """A DCP load planner that reads a value's blocks (`Blocks` of strategies/checkpoint_parts.py, `Pieces` of
+    models/pretrained.py) into the views it hands out for them, and other tensors as DCP's own does."""
+    return _planners()[1]()
+
+
 def save(state: dict, run_dir: Path, name: str, *, is_main: bool) -> None:
     """Every rank writes its shards of `state` into RUN_DIR/NAME.tmp; rank 0 renames it to NAME when all are
     written. A failure removes the partial folder and is raised on every rank."""

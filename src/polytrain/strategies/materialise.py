@@ -41,7 +41,7 @@ def materialise(
     targets = _named_tensors(model)
     reorder = reorder or {}
     if weights is not None:
-        filled, wholes = weights.read_into(targets, whole=set(reorder))
+        filled, wholes = weights.read_into(targets, reorder=reorder)
         for name, full in wholes.items():
             _write(targets[name], full[reorder[name]] if name in reorder else full)
         targets = {name: t for name, t in targets.items() if name not in filled and name not in wholes}

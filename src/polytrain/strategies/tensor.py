@@ -162,8 +162,10 @@ def plan_for(
         patterns, model_layers(model), devices=devices, model=name, run=run, divisor=divisor, **heads
     )
     _check_shapes(model, plan)
-    # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole)
-    sequence = given is None and kind == "polytrain.models.gpt.GPT" and model.context % devices == 0
+    # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole): the
+    # run's windows (--context), which a GPT's table of positions (--positions) may exceed
+    sequence = given is None and kind == "polytrain.models.gpt.GPT"
+    sequence = sequence and (getattr(config, "context", None) or model.context) % devices == 0
     return replace(plan, sequence_parallel=sequence)
 
 

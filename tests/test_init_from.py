@@ -229,6 +229,23 @@ def test_settings_come_from_the_config(checkpoints):
         )
 
 
+def test_loaded_weights_take_a_fine_tuning_learning_rate_and_the_line_says_why(checkpoints):
+    from polytrain.cli import parse
+    from polytrain.config.flags import config_from_args
+    from polytrain.config.model_defaults import FINE_TUNE_LR, defaults_words
+
+    for folder in (checkpoints["llama"], checkpoints["gpt2"]):
+        _, args = parse(["train", "--init-from", str(folder), "--dataset", "shakespeare"])
+        config = config_from_args(args)
+        assert config.lr == FINE_TUNE_LR == 5e-5
+        line = defaults_words(config.model, args.model_defaults, pretrained=True)
+        assert "--lr 5e-05 because --init-from loads trained weights" in line and "is 0.003" in line
+    _, args = parse(["train", "--init-from", str(checkpoints["llama"]), "--lr", "0.01"])
+    assert config_from_args(args).lr == 0.01  # a rate given is the rate used
+    _, args = parse(["train", "--model", "llama", "--dataset", "shakespeare"])
+    assert config_from_args(args).lr == 3e-3  # without weights to keep, the model's recipe
+
+
 def test_the_comparison_sees_a_wrong_transposition_or_gelu(checkpoints, tmp_path):
     """A GPT-2 loaded on one device gives transformers' logits; with a square Conv1D weight (the attention's
     c_proj, whose shape cannot tell) read untransposed, or with the exact GELU for GPT-2's tanh approximation,

@@ -282,7 +282,9 @@ def fit(
         model = named if settings.get("init_from") is not None else model
         applied = apply_model_defaults(settings, given, model if isinstance(model, str) else None)
         if verbose and applied and not resume and (launcher_env() is None or launcher_env().rank == 0):
-            print(defaults_words(model, applied), flush=True)
+            print(
+                defaults_words(model, applied, pretrained=settings.get("init_from") is not None), flush=True
+            )
         config = TrainConfig(devices=devices, strategy=strategy, out=out or resume, **settings)
         refuse_ignored(config, given)
         named = data if isinstance(data, str) else config.dataset if data is None and train is None else None

@@ -161,7 +161,10 @@ def train_command(args) -> int:
     else:
         config = config_from_args(args)
         if args.model_defaults:
-            print(defaults_words(config.model, args.model_defaults), flush=True)
+            print(
+                defaults_words(config.model, args.model_defaults, pretrained=config.init_from is not None),
+                flush=True,
+            )
         history, _, run_dir = train_run(config, return_weights=False)
     if history is not None and run_dir is not None:
         if history.stopped:

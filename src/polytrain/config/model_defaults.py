@@ -134,6 +134,10 @@ def check_model_settings(name: Optional[str], given) -> None:
         )
 
 
+# the learning rate a model's recipe takes when --init-from loads trained weights: the recipe's own (3e-3) is for
+# weights drawn at random and would undo what the checkpoint learnt; 5e-5 is Hugging Face Trainer's default
+FINE_TUNE_LR = 5e-5
+
 # polytrain's own recipe for its default optimizer (SGD with momentum and weight decay, the settings' defaults):
 # an optimizer the user names takes torch's defaults for these instead, wherever they are not given
 OWN_OPTIMIZER_SETTINGS = ("lr", "momentum", "weight_decay")
@@ -153,6 +157,8 @@ def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
     skipped = {key for given_key, keys in tied.items() if given_key in given for key in keys}
     own = dict(MODEL_DEFAULTS.get(model, {}), **preset(model, values.get("size")))
     applied = {key: value for key, value in own.items() if key not in given and key not in skipped}
+    if values.get("init_from") is not None and "lr" in applied:
+        applied["lr"] = FINE_TUNE_LR
     values.update(applied)
     if model == "llama":
         derived = derived_sizes(values.get("heads"), values.get("width"))
@@ -165,15 +171,22 @@ def apply_model_defaults(values: dict, given, model: Optional[str]) -> dict:
     return applied
 
 
-def defaults_words(model: str, applied: dict) -> str:
-    """The line that says which of a model's own defaults a run uses."""
+def defaults_words(model: str, applied: dict, *, pretrained: bool = False) -> str:
+    """The line that says which of a model's own defaults a run uses (`pretrained`: --init-from loads weights,
+    and the line says where the learning rate comes from)."""
 
     def word(key, value):
         if value is True:
             return flag_name(key)
         return f"{flag_name(key)} {','.join(map(str, value)) if isinstance(value, tuple) else value}"
 
+    why = (
+        f"; --lr {FINE_TUNE_LR:g} because --init-from loads trained weights (Hugging Face Trainer's default for "
+        f"fine-tuning; the model's recipe for random weights is {MODEL_DEFAULTS[model]['lr']:g})"
+        if pretrained and applied.get("lr") == FINE_TUNE_LR and model in MODEL_DEFAULTS
+        else ""
+    )
     return (
         f"--model {model} defaults: {' '.join(word(k, v) for k, v in applied.items())} (give a flag to "
-        f"change one)"
+        f"change one{why})"
     )

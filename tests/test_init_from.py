@@ -229,7 +229,7 @@ def test_settings_come_from_the_config(checkpoints):
         )
 
 
-def test_loaded_weights_take_a_fine_tuning_learning_rate_and_the_line_says_why(checkpoints):
+def test_loaded_weights_take_a_fine_tuning_rate_and_keep_their_vocabulary(checkpoints):
     from polytrain.cli import parse
     from polytrain.config.flags import config_from_args
     from polytrain.config.model_defaults import FINE_TUNE_LR, defaults_words
@@ -244,6 +244,9 @@ def test_loaded_weights_take_a_fine_tuning_learning_rate_and_the_line_says_why(c
     assert config_from_args(args).lr == 0.01  # a rate given is the rate used
     _, args = parse(["train", "--model", "llama", "--dataset", "shakespeare"])
     assert config_from_args(args).lr == 3e-3  # without weights to keep, the model's recipe
+    _, args = parse(["train", "--init-from", str(checkpoints["llama"]), "--vocab-size", str(VOCAB + 10)])
+    with pytest.raises(ConfigError, match="does not grow a checkpoint's vocabulary for added tokens"):
+        config_from_args(args)
 
 
 def test_the_comparison_sees_a_wrong_transposition_or_gelu(checkpoints, tmp_path):

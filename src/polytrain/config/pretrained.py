@@ -296,8 +296,15 @@ def apply_checkpoint(values: dict, given, model: Optional[str] = None) -> Tuple[
                 if run
                 else (f"{(GPT2_CONFIG_KEYS if settings['model'] == 'gpt' else CONFIG_KEYS)[key]}: {value}")
             )
+            grow = (
+                "polytrain does not grow a checkpoint's vocabulary for added tokens (their embedding and head "
+                "rows would start untrained); tokenize with the checkpoint's own tokenizer (polytrain tokenize "
+                f"FILES --tokenizer {folder} --out DIR) and drop --vocab-size"
+                if key == "vocab_size" and value is not None and values[key] > value
+                else fix
+            )
             raise ConfigError(
-                f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} ({source}); {fix}"
+                f"{flag_name(key)} {values[key]} contradicts {Path(folder) / 'config.json'} ({source}); {grow}"
             )
     values.update(settings)
     return settings["model"], given | set(settings)

@@ -285,4 +285,10 @@ def check_vocabulary(config, dataset) -> None:
             f"--init-from: {config.init_from} has a vocabulary of {config.vocab_size} tokens, and the dataset "
             f"{getattr(dataset, 'name', '')} has {tokens}; train on data whose token ids are below "
             f"{config.vocab_size}, or start from a checkpoint with {tokens} tokens or more"
+            + (
+                f" (write the corpus with the checkpoint's tokenizer: polytrain tokenize FILES --tokenizer "
+                f"{config.init_from} --out DIR)"
+                if getattr(dataset, "tokenizer_file", None)
+                else ""
+            )
         )

@@ -54,6 +54,7 @@ class Piece:
     nbytes: int  # the piece's size in the input (UTF-8 bytes)
     offset: int  # where it starts in the whole input, in bytes
     ends_document: bool
+    split: str = "train"  # the split its ids go to: "train" or "val"
 
 
 def corpus_files(paths: Sequence[str]) -> List[Path]:
@@ -148,7 +149,8 @@ def _split_at(text: str, into: int) -> Tuple[str, str]:
 
 def pieces_of(files: Sequence[Path], *, text_key: str, boundary: Optional[int] = None) -> Iterator[Piece]:
     """Every piece of every file in order, where it starts in the whole input; a piece across byte `boundary`
-    (where validation starts) cut where the rule allows, so that the held-out part starts close to it."""
+    (where validation starts) cut where the rule allows, so that the held-out part starts close to it, and
+    the pieces from there on in the validation split."""
     offset = 0
     for path in files:
         documents = _jsonl_documents(path, text_key) if path.suffix == ".jsonl" else _text_documents(path)
@@ -160,7 +162,8 @@ def pieces_of(files: Sequence[Path], *, text_key: str, boundary: Optional[int] =
                     head_size = len(head.encode("utf-8"))
                     yield Piece(head, head_size, offset, False)
                     text, size, offset = tail, size - head_size, offset + head_size
-            yield Piece(text, size, offset, ends)
+            held_out = boundary is not None and offset >= boundary
+            yield Piece(text, size, offset, ends, "val" if held_out else "train")
             offset += size
 
 
@@ -254,6 +257,57 @@ class ShardWriter:
         return dict(tokens=sum(shard["tokens"] for shard in self.shards), shards=self.shards)
 
 
+class TokenShards:
+    """A folder being written as token shards: one `ShardWriter` per split, the pieces of documents encoded in
+    batches (each document followed by the end-of-text id), and manifest.json written last. The tokenizer file
+    must already lie in the folder (tokenizer.json). `polytrain tokenize` and the text column of `--dataset hf`
+    (data/hf.py) both write through it."""
+
+    def __init__(
+        self, folder: Path, tokenizer, *, named: Path, end_of_text: Optional[str], shard_tokens: int
+    ):
+        self.folder, self.tokenizer = folder, tokenizer
+        self.token, self.eot = tokenizers_file.end_of_text(tokenizer, named, end_of_text)
+        self.vocabulary = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.dtype = np.dtype(np.uint16 if self.vocabulary <= 1 << 16 else np.uint32)
+        self.writers = {
+            split: ShardWriter(folder, split, self.dtype, shard_tokens) for split in ("train", "val")
+        }
+        self._encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self.documents = 0
+
+    def add(self, pieces: Sequence[Piece]) -> None:
+        """Encode a batch of pieces (on every core) and write their ids to their splits."""
+        encoded = self._encode([piece.text for piece in pieces], add_special_tokens=False)
+        for piece, encoding in zip(pieces, encoded):
+            ids = encoding.ids + [self.eot] if piece.ends_document else encoding.ids
+            self.writers[piece.split].write(np.asarray(ids, dtype=np.int64))
+            self.documents += piece.ends_document
+
+    def finish(self, *, source: str, corpus: dict, seconds: float) -> dict:
+        """Close the last shards and write the manifest (atomically); returns it."""
+        manifest = dict(
+            format=FORMAT,
+            tokenizer=dict(
+                file=tokenizers_file.FILE,
+                sha256=tokenizers_file.file_sha256(self.folder / tokenizers_file.FILE),
+                vocab_size=self.vocabulary,
+                end_of_text=self.token,
+                end_of_text_id=self.eot,
+                source=source,
+            ),
+            dtype=self.dtype.name,
+            train=self.writers["train"].finish(),
+            val=self.writers["val"].finish(),
+            corpus=dict(corpus, documents=self.documents),
+            encode_seconds=round(seconds, 3),
+        )
+        from ..checkpoint import atomic_write_bytes
+
+        atomic_write_bytes(self.folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+        return manifest
+
+
 def prepare_folder(out: Path) -> None:
     """Refuse a folder that holds finished shards; remove what an interrupted run left in it."""
     if (out / MANIFEST).exists():
@@ -312,38 +366,13 @@ def tokenize_corpus(
         progress.close()
         model.save(str(folder / tokenizers_file.FILE))
         source = folder / tokenizers_file.FILE
-    token, eot = tokenizers_file.end_of_text(model, source, end_of_text)
-    vocabulary = model.get_vocab_size(with_added_tokens=True)
-    dtype = np.dtype(np.uint16 if vocabulary <= 1 << 16 else np.uint32)
-    writers = {split: ShardWriter(folder, split, dtype, shard_tokens) for split in ("train", "val")}
-    encode = getattr(model, "encode_batch_fast", model.encode_batch)
+    shards = TokenShards(folder, model, named=source, end_of_text=end_of_text, shard_tokens=shard_tokens)
     progress = Progress("encoding", total, show=show)
-    documents = 0
     for batch in batches_of(pieces_of(files, text_key=text_key, boundary=held_from)):
-        encoded = encode([piece.text for piece in batch], add_special_tokens=False)
-        for piece, encoding in zip(batch, encoded):
-            ids = encoding.ids + [eot] if piece.ends_document else encoding.ids
-            writers["val" if piece.offset >= held_from else "train"].write(np.asarray(ids, dtype=np.int64))
-            documents += piece.ends_document
-            progress.update(piece.nbytes)
-    seconds = progress.close()
-    manifest = dict(
-        format=FORMAT,
-        tokenizer=dict(
-            file=tokenizers_file.FILE,
-            sha256=tokenizers_file.file_sha256(folder / tokenizers_file.FILE),
-            vocab_size=vocabulary,
-            end_of_text=token,
-            end_of_text_id=eot,
-            source=str(source.resolve()) if tokenizer is not None else "trained here (byte-level BPE)",
-        ),
-        dtype=dtype.name,
-        train=writers["train"].finish(),
-        val=writers["val"].finish(),
-        corpus=dict(files=len(files), bytes=total, documents=documents, val_fraction=val_fraction),
-        encode_seconds=round(seconds, 3),
+        shards.add(batch)
+        progress.update(sum(piece.nbytes for piece in batch))
+    return shards.finish(
+        source=str(source.resolve()) if tokenizer is not None else "trained here (byte-level BPE)",
+        corpus=dict(files=len(files), bytes=total, val_fraction=val_fraction),
+        seconds=progress.close(),
     )
-    from ..checkpoint import atomic_write_bytes
-
-    atomic_write_bytes(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    return manifest

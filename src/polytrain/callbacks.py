@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint import atomic_write_bytes
 from .errors import ConfigError
+from .files import atomic_write_bytes
 from .report import save_figure
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,52 +29,11 @@ from typing import Optional
 import torch
 
 from .errors import CheckpointError, first_line
+from .files import atomic_write_bytes
+from .progress import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
 from .runtime import shards
 
 FORMAT = "polytrain-checkpoint-1"
-
-
-@dataclass
-class Position:
-    """Where training stands: the next step to run, and the running sums of the epoch in progress."""
-
-    epoch: int = 0
-    step: int = 0
-    loss_sum: float = 0.0
-    metrics: tuple = ()  # the objective's metric sums, in the order of its names
-    count: float = 0.0
-    seconds: float = 0.0
-    loss_count: Optional[float] = None  # elements the loss sum covers ((sum, count) losses); None: count
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "Position":
-        values = dict(values)
-        if "correct" in values:  # checkpoints written before metrics were generalised
-            values["metrics"] = (values.pop("correct"),)
-        values["metrics"] = tuple(values.get("metrics", ()))
-        position = cls(**values)
-        if position.loss_count is None:
-            position.loss_count = position.count
-        return position
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -369,17 +326,6 @@ class Progress:
 
     def where(self) -> str:
         return describe_position(self.epoch, self.step, self.steps_per_epoch)
-
-
-def planned_steps(epochs: float, steps_per_epoch: int) -> int:
-    """Optimizer steps a run of `epochs` takes in all: a fractional --epochs ends within its last epoch, after
-    that epoch's first ceil(fraction x steps) steps."""
-    return max(1, math.ceil(epochs * steps_per_epoch - 1e-9))
-
-
-def describe_position(epoch: int, step: int, steps_per_epoch: int) -> str:
-    """Where a run stands, for people: "in epoch 2 at step 13 of 63" or "after epoch 1"."""
-    return f"in epoch {epoch + 1} at step {step} of {steps_per_epoch}" if step else f"after epoch {epoch}"
 
 
 def read_progress(run_dir) -> Optional[Progress]:

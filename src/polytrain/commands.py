@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .api import evaluate, predict, spread_indices, train_run, weights_file
-from .checkpoint import load_weights, planned_steps, read_progress
+from .checkpoint import load_weights, read_progress
 from .config import (
     REPLANNING,
     RESUMABLE,
@@ -29,6 +29,7 @@ from .data.order import global_batch_order
 from .errors import UserError
 from .models import build_model, build_model_on_meta
 from .models.gpt import generate
+from .progress import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.launch import check_devices, run_job
 from .runtime.verify_limits import DEFAULT_TOLERANCE
@@ -392,7 +393,7 @@ def generate_text(
     likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
     settings = read_config(run_dir)
     vocab = settings.get("vocab")
-    if settings.get("tokenizer") and not settings.get("custom_model"):
+    if settings.get("kept_tokenizer") and not settings.get("custom_model"):
         return _generate_tokens(
             run_dir, settings, prompt, tokens, temperature=temperature, top_k=top_k, seed=seed, device=device,
             weights=weights,
@@ -401,7 +402,7 @@ def generate_text(
         raise UserError(
             f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
             f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
-            f"--dataset shakespeare, text or tokens"
+            f"--dataset shakespeare, text, tokens or hf (with a tokenizer)"
         )
     check_sampling(tokens, temperature, top_k)
     unknown = sorted(set(prompt) - set(vocab))
@@ -438,11 +439,11 @@ def _generate_tokens(run_dir, settings, prompt, tokens, *, temperature, top_k, s
     from .data import tokenizer as tokenizers_file
 
     check_sampling(tokens, temperature, top_k)
-    tokenizer = tokenizers_file.load(run_dir / settings["tokenizer"]["file"])
+    tokenizer = tokenizers_file.load(run_dir / settings["kept_tokenizer"]["file"])
     vocabulary = tokenizer.get_vocab_size(with_added_tokens=True)
     model, dev = _sampling_model(run_dir, settings, vocabulary, device=device, weights=weights)
     ids = (
-        [int(settings["tokenizer"]["end_of_text_id"])]
+        [int(settings["kept_tokenizer"]["end_of_text_id"])]
         if prompt in ("", "\n")
         else tokenizer.encode(prompt, add_special_tokens=False).ids
     )

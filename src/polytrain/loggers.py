@@ -17,9 +17,9 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from .callbacks import Callback
-from .checkpoint import atomic_write_bytes
 from .config.registry_names import LOGGERS, check_tensorboard
 from .errors import UserError
+from .files import atomic_write_bytes
 
 
 def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:

@@ -19,8 +19,8 @@ except ImportError:  # Windows: no flock, so run folders are not locked there
 
 import torch
 
-from .checkpoint import atomic_write_bytes
 from .errors import UserError
+from .files import atomic_write_bytes
 from .version import __version__
 
 

@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 
 from .callbacks import Monitor, check_logged, check_monitor
-from .checkpoint import Position, planned_steps
 from .errors import UserError
+from .progress import Position, planned_steps
 
 
 class NonFiniteLoss(UserError):

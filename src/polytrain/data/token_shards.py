@@ -81,14 +81,24 @@ class ShardedTokens(TokenDataset):
 
     unit = "tokens"
 
-    def __init__(self, folder: Path, manifest: dict, train: MappedTokens, val: MappedTokens, *, context: int):
+    def __init__(
+        self,
+        folder: Path,
+        manifest: dict,
+        train: MappedTokens,
+        val: MappedTokens,
+        *,
+        context: int,
+        name: str = "tokens",
+        source: Optional[str] = None,
+    ):
         self.folder, self.manifest = folder, manifest
         tokenizer = manifest["tokenizer"]
         self.vocab_size = int(tokenizer["vocab_size"])
         self.tokenizer_file = folder / tokenizer["file"]
         self.tokenizer_sha256 = tokenizer["sha256"]
         self.end_of_text_id = int(tokenizer["end_of_text_id"])
-        super().__init__("tokens", train, val, [], context=context, source=str(folder))
+        super().__init__(name, train, val, [], context=context, source=source or str(folder))
 
     @property
     def num_classes(self) -> int:
@@ -161,14 +171,18 @@ def check_shards(folder: Path, manifest: dict) -> None:
             stamps[shard["file"]], stamped = stamp, True
     if stamped:
         try:
-            from ..checkpoint import atomic_write_bytes
+            from ..files import atomic_write_bytes
 
             atomic_write_bytes(folder / STAMPS, json.dumps(stamps).encode())
         except OSError:
             pass  # a folder this user cannot write: the next run checks again
 
 
-def load_token_shards(data_dir: Optional[str], *, context: int) -> ShardedTokens:
+def load_token_shards(
+    data_dir: Optional[str], *, context: int, name: str = "tokens", source: Optional[str] = None
+) -> ShardedTokens:
+    """The shards in `data_dir`, checked; `name` and `source` are the dataset's and its data's in messages
+    (--dataset hf reads the shards it wrote from a text column, data/hf.py)."""
     if data_dir is None:
         raise DataError("--dataset tokens needs --data-dir DIR: a folder polytrain tokenize wrote")
     folder = Path(data_dir).expanduser()
@@ -189,7 +203,9 @@ def load_token_shards(data_dir: Optional[str], *, context: int) -> ShardedTokens
             [os.fspath(folder / s["file"]) for s in shards], [s["tokens"] for s in shards], manifest["dtype"]
         )
 
-    return ShardedTokens(folder, manifest, split("train"), split("val"), context=context)
+    return ShardedTokens(
+        folder, manifest, split("train"), split("val"), context=context, name=name, source=source
+    )
 
 
 def check_same_tokenizer(dataset, folder: Optional[str], what: str) -> None:

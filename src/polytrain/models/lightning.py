@@ -32,9 +32,9 @@ import torch.nn as nn
 from torch.optim import lr_scheduler
 
 from ..callbacks import Callback
-from ..checkpoint import planned_steps
 from ..data.order import rows
 from ..errors import UserError
+from ..progress import planned_steps
 from .lightning_state import Logged, LoopState, Unscheduled, attach
 
 # the module's hooks polytrain calls, and those it does not (a module that defines one is refused)

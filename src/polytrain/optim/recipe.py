@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from torch.optim import lr_scheduler
 
-from ..checkpoint import planned_steps
 from ..errors import ConfigError, UserError, first_line
+from ..progress import planned_steps
 from .optimizers import (
     FROM_PYTHON,
     OPTIMIZERS,

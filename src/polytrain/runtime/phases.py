@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 
 from ..callbacks import check_monitor
-from ..checkpoint import atomic_write_bytes
 from ..config import TrainConfig
 from ..config.declare import flag_name
 from ..data import ArrayDataset
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import UserError
+from ..files import atomic_write_bytes
 from ..models import build_model_on_meta, check_model_output, takes_channels_last
 from ..models.lightning import is_lightning, plan_loop
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
@@ -215,14 +215,14 @@ def write_run_settings(
     if getattr(dataset, "vocab", None):
         settings["vocab"] = "".join(dataset.vocab)  # `polytrain generate` decodes with it
     if getattr(dataset, "tokenizer_file", None):  # token shards: their tokenizer, kept with the run
-        settings["tokenizer"] = dict(
+        settings["kept_tokenizer"] = dict(
             file=TOKENIZER, sha256=dataset.tokenizer_sha256, end_of_text_id=dataset.end_of_text_id
         )
     skipped = getattr(dataset, "skipped", None)
     if skipped:
         settings["skipped_files"] = len(skipped)
     write_config(run_dir, settings)
-    if "tokenizer" in settings:
+    if "kept_tokenizer" in settings:
         atomic_write_bytes(run_dir / TOKENIZER, Path(dataset.tokenizer_file).read_bytes())
     if skipped:
         atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())

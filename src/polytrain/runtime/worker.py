@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder
-from ..checkpoint import Checkpointer, Position, describe_position, restore_rng
+from ..checkpoint import Checkpointer, restore_rng
 from ..config import TrainConfig
 from ..config.registry_names import parse_loggers
 from ..data import ArrayDataset
@@ -25,6 +25,7 @@ from ..models.lightning import plan_loop
 from ..models.pretrained import initial_weights
 from ..objective import Objective
 from ..optim import make_recipe
+from ..progress import Position, describe_position
 from ..scaling.flops import flops_per_sample
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline

@@ -15,7 +15,7 @@ from typing import List
 
 import torch
 
-from ..checkpoint import atomic_write_bytes
+from ..files import atomic_write_bytes
 from ..plan.costmodel import bubble, tensor_collectives, tensor_size
 from ..plan.pipeline import default_microbatches
 from ..report import save_figure

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from datasets import (
+from map_datasets import (
     BadAt,
     Indices,
     Pairs,
@@ -388,7 +388,7 @@ def test_the_same_seed_gives_the_same_weights_with_any_number_of_loader_processe
     """Dropout draws from the global generator, which each pass's DataLoader iterator used to draw its base seed
     from (once per pass without loader processes, once per run with them), and random transforms drew from
     whichever process read the sample: 0 and 1 loader processes gave validation 0.1416 and 0.162."""
-    from datasets import NoisyPairs
+    from map_datasets import NoisyPairs
 
     torch.manual_seed(0)
     x, y = torch.randn(48, 6), torch.randint(0, 3, (48,))

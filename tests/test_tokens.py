@@ -270,7 +270,9 @@ def test_training_generating_and_resuming_on_shards(written, tmp_path, capsys):
     assert (tmp_path / "whole" / "tokenizer.json").read_bytes() == (
         root / "out" / "tokenizer.json"
     ).read_bytes()
-    assert settings["tokenizer"]["sha256"] == tokenizers_file.file_sha256(root / "out" / "tokenizer.json")
+    assert settings["kept_tokenizer"]["sha256"] == tokenizers_file.file_sha256(
+        root / "out" / "tokenizer.json"
+    )
     assert generate_text(tmp_path / "whole", prompt="ROMEO:", tokens=0) == "ROMEO:"
     sample = generate_text(tmp_path / "whole", prompt="ROMEO:", tokens=12)
     assert sample.startswith("ROMEO:") and len(sample) > len("ROMEO:")

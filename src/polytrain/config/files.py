@@ -27,7 +27,7 @@ RUN_RECORD = (
     "metrics",
     "classes",
     "vocab",
-    "tokenizer",
+    "kept_tokenizer",
     "skipped_files",
     "strategy_plan",
 )

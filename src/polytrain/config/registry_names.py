@@ -24,6 +24,7 @@ DATASET_OPTIONS: Dict[str, Tuple[str, ...]] = {
     "shakespeare": (),
     "text": ("data_dir",),
     "tokens": ("data_dir",),
+    "hf": ("data_dir", "val_fraction", "tokenizer", "text_key"),
 }
 DATASET_NAMES = tuple(DATASET_OPTIONS)
 DATASET_SETTINGS = (
@@ -34,6 +35,8 @@ DATASET_SETTINGS = (
     "image_size",
     "val_fraction",
     "skip_bad",
+    "tokenizer",
+    "text_key",
 )
 MODEL_NAMES = ("lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt", "llama")
 TEXT_MODELS = ("gpt", "llama")  # the models of token windows; the others read images

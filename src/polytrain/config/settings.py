@@ -33,10 +33,24 @@ class DataSettings:
     data_dir: Optional[str] = setting(
         None,
         "folder holding the dataset files (IDX or CIFAR binary), the image "
-        "folder of --dataset folder, or the UTF-8 text file or folder of .txt files "
-        "of --dataset text",
+        "folder of --dataset folder, the UTF-8 text file or folder of .txt files "
+        "of --dataset text, the token shards of --dataset tokens, or the folder save_to_disk wrote (or "
+        "parquet, jsonl or arrow files) of --dataset hf",
         group="data",
         metavar="DIR",
+    )
+    tokenizer: Optional[str] = setting(
+        None,
+        "--dataset hf: the tokenizer.json (or a folder holding one) that tokenizes its text column "
+        "(default: the --init-from folder's)",
+        group="data",
+        metavar="FILE",
+    )
+    text_key: str = setting(
+        "text",
+        "--dataset hf: the column of text to tokenize (default: %(default)s)",
+        group="data",
+        metavar="COLUMN",
     )
     image_size: Optional[int] = setting(
         None,
@@ -50,7 +64,8 @@ class DataSettings:
     val_fraction: Optional[float] = setting(
         None,
         "--dataset folder with <class>/ folders only: hold out the last F "
-        "of each class's sorted files for validation",
+        "of each class's sorted files for validation; --dataset hf without a validation split: the last F "
+        "of its rows (default: 0.1)",
         group="data",
         metavar="F",
         check="fraction",

@@ -1,5 +1,6 @@
 """Datasets by name. Each loader returns an `ArrayDataset` of uint8 images held in memory, or for text a
-`TokenDataset` of token ids (text.py; token shards on disk: token_shards.py).
+`TokenDataset` of token ids (text.py; token shards on disk: token_shards.py), or for rows of token ids a
+`DatasetPair` of padded samples (a Hugging Face dataset on disk: hf.py, token_rows.py).
 
 The names, and the dataset settings each one reads, are declared in config/registry_names.py, where the
 command line reads them without importing torch; this registry maps them to loaders and checks at import that
@@ -43,8 +44,14 @@ def load_dataset(
     val_fraction: Optional[float] = None,
     skip_bad: bool = False,
     context: Optional[int] = None,
+    tokenizer: Optional[str] = None,
+    text_key: str = "text",
+    init_from: Optional[str] = None,
+    vocab_size: Optional[int] = None,
 ) -> ArrayDataset:
-    """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files."""
+    """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files.
+    `init_from` and `vocab_size` are the model's (its checkpoint folder and embedding rows), which a dataset
+    that tokenizes text checks its tokenizer against."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
     return DATASETS[name](
@@ -57,6 +64,10 @@ def load_dataset(
         val_fraction=val_fraction,
         skip_bad=skip_bad,
         context=context,
+        tokenizer=tokenizer,
+        text_key=text_key,
+        init_from=init_from,
+        vocab_size=vocab_size,
     )
 
 
@@ -72,6 +83,10 @@ def dataset_settings(config) -> dict:
         val_fraction=config.val_fraction,
         skip_bad=config.skip_bad,
         context=config.context,
+        tokenizer=config.tokenizer,
+        text_key=config.text_key,
+        init_from=config.init_from,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -174,6 +189,21 @@ def _tokens(*, data_dir=None, context=None, **_):
     from .token_shards import load_token_shards
 
     return load_token_shards(data_dir, context=context or DEFAULT_CONTEXT)
+
+
+@register("hf")
+def _hf(*, data_dir=None, context=None, tokenizer=None, text_key="text", val_fraction=None, **model):
+    from .hf import load_hf
+
+    return load_hf(
+        data_dir,
+        context=context,
+        tokenizer=tokenizer,
+        text_key=text_key,
+        val_fraction=val_fraction,
+        init_from=model.get("init_from"),
+        model_vocabulary=model.get("vocab_size"),
+    )
 
 
 check_registry("dataset", DATASETS, DATASET_NAMES)

@@ -1,0 +1,212 @@
+"""Rows of token ids (`input_ids`, with `labels` and `attention_mask` where present) as samples: `--dataset hf`
+on a dataset tokenized already (data/hf.py).
+
+Each row is one sample, used as it is. Its labels are read as Hugging Face's causal language models read them:
+aligned with `input_ids` and shifted inside, so the target at position t is `labels[t + 1]` (without a
+`labels` column, the next token: `input_ids[t + 1]`), -100 (`IGNORE_INDEX`) trains nothing, and the last
+position predicts nothing. An `attention_mask` marks padding stored in the rows; polytrain's models attend to
+every earlier token, so the mask must be ones up to the row's last trained label (padding on the right only,
+where the labels are -100): a row with a 0 before a 1 (left padding) or a label of padding is refused in one
+line, since trained so it would compute other values than the model it was padded for. The padding is cut off.
+
+Every sample is padded to `--context` tokens (default: the longest row), input 0 and target -100, so every
+batch has one shape: the loss counts only the real tokens (objective.py `token_loss`), pipelines and tensor
+sequence splits need one shape, and one device and N devices compute the same sums. All rows are checked
+before any worker starts, a batch of rows at a time: ids in the vocabulary (the tokenizer's where the run has
+one, else the largest id + 1), labels and mask of the ids' lengths, and the mask's rule above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..errors import DataError
+from ..objective import IGNORE_INDEX
+from .stream import DatasetPair, spec_of
+
+COLUMNS = ("input_ids", "labels", "attention_mask")
+SCAN_ROWS = 4096
+
+
+class TokenRows(Dataset):
+    """One split's rows as (inputs, targets) of `context` int64 ids each, padded."""
+
+    def __init__(self, rows, *, context: int):
+        self.columns = [name for name in COLUMNS if name in rows.column_names]
+        self.rows = rows.select_columns(self.columns).with_format("numpy")
+        self.context = int(context)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        row = self.rows[int(index)]
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = row.get("attention_mask")
+        ones = np.flatnonzero(np.asarray(mask)) if mask is not None else None
+        length = len(ids) if ones is None else int(ones[-1]) + 1 if len(ones) else 0  # the padding cut off
+        labels = np.asarray(row["labels"], dtype=np.int64) if "labels" in row else ids
+        x = np.zeros(self.context, dtype=np.int64)
+        y = np.full(self.context, IGNORE_INDEX, dtype=np.int64)
+        x[:length] = ids[:length]
+        y[: max(0, length - 1)] = labels[1:length]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+@dataclass
+class RowsPair(DatasetPair):
+    """A `DatasetPair` of `TokenRows` with the vocabulary the model embeds and the run's tokenizer, if any."""
+
+    vocab_size: int = 0
+    folder: Optional[Path] = None
+    tokenizer_file: Optional[Path] = None
+    tokenizer_sha256: Optional[str] = None
+    end_of_text_id: Optional[int] = None
+    unit: str = "tokens"
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab_size
+
+
+def _column(table, name: str, what: str):
+    """(per-row lengths, flat int64 values) of a column of lists of integers."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = table.column(name).combine_chunks()
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        raise DataError(f"{what}: the column {name!r} holds {kind}, not lists of token ids")
+    if not pa.types.is_integer(kind.value_type):
+        raise DataError(f"{what}: the column {name!r} holds lists of {kind.value_type}, not of whole numbers")
+    if column.null_count:
+        row = int(np.flatnonzero(np.asarray(column.is_null()))[0])
+        raise DataError(f"{what}, row {row}: {name} is empty (null); drop the row or fill it")
+    lengths = np.asarray(pc.list_value_length(column), dtype=np.int64)
+    return lengths, np.asarray(pc.list_flatten(column), dtype=np.int64)
+
+
+def scan(rows, what: str, first: int = 0) -> Tuple[int, int]:
+    """(the longest row's tokens after its padding is cut off, the largest id or label), every row checked;
+    one line naming `what` (the data, or its split) and the row (`first` is the number of the first) of the
+    first that breaks a rule."""
+    longest, largest, base = 0, -1, first
+    columns = [name for name in COLUMNS if name in rows.column_names]
+    for table in rows.select_columns(columns).with_format("arrow").iter(batch_size=SCAN_ROWS):
+        lengths, ids = _column(table, "input_ids", what)
+        row_of = np.repeat(np.arange(len(lengths)), lengths)
+        position = np.arange(len(ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+        def at(flags, base=base, row_of=row_of) -> str:
+            """The split and row of the first token flagged."""
+            return f"{what}, row {base + int(row_of[np.flatnonzero(flags)[0]])}"
+
+        if (ids < 0).any():
+            raise DataError(f"{at(ids < 0)}: input_ids holds a negative id; token ids are 0 or more")
+        real = lengths
+        if "attention_mask" in columns:
+            mask_lengths, mask = _column(table, "attention_mask", what)
+            if not np.array_equal(mask_lengths, lengths):
+                bad = np.repeat(mask_lengths != lengths, lengths)
+                raise DataError(f"{at(bad)}: attention_mask is not as long as input_ids")
+            if not np.isin(mask, (0, 1)).all():
+                raise DataError(
+                    f"{at(~np.isin(mask, (0, 1)))}: attention_mask holds values other than 0 and 1"
+                )
+            real = np.zeros(len(lengths), dtype=np.int64)
+            np.maximum.at(real, row_of[mask == 1], position[mask == 1] + 1)
+            ones = np.bincount(row_of, weights=mask, minlength=len(lengths)).astype(np.int64)
+            if (ones != real).any():
+                row = base + int(np.flatnonzero(ones != real)[0])
+                raise DataError(
+                    f"{what}, row {row}: attention_mask has a 0 before the row's last 1 (padding on the left, or "
+                    f"a hole); polytrain's models attend to every earlier token, so pad on the right only"
+                )
+        padding = position >= np.repeat(real, lengths)
+        if "labels" in columns:
+            label_lengths, labels = _column(table, "labels", what)
+            if not np.array_equal(label_lengths, lengths):
+                bad = np.repeat(label_lengths != lengths, lengths)
+                raise DataError(
+                    f"{at(bad)}: labels is not as long as input_ids (labels are aligned with input_ids; the "
+                    f"model shifts them, as Hugging Face's do)"
+                )
+            bad = (labels < 0) & (labels != IGNORE_INDEX)
+            if bad.any():
+                raise DataError(
+                    f"{at(bad)}: labels holds {int(labels[bad][0])}; a label is a token id or -100"
+                )
+            if (padding & (labels != IGNORE_INDEX)).any():
+                raise DataError(
+                    f"{at(padding & (labels != IGNORE_INDEX))}: a label that is not -100 where attention_mask is "
+                    f"0; the mask must be 1 wherever a label trains (label the padding -100)"
+                )
+            largest = max(largest, int(labels.max(initial=-1)))
+        largest = max(largest, int(ids[~padding].max(initial=-1)))
+        longest = max(longest, int(real.max(initial=0)))
+        base += len(lengths)
+    return longest, largest
+
+
+def load_token_rows(
+    train,
+    val,
+    *,
+    held: bool,
+    source: str,
+    context: Optional[int],
+    tokenizer: Optional[Path],
+    model_vocabulary: Optional[int],
+    init_from: Optional[str],
+) -> RowsPair:
+    """The rows of `train` and `val` (`datasets.Dataset`s with `input_ids`; `held`: the last rows of one split)
+    as a pair of padded samples."""
+    from . import tokenizer as tokenizers_file
+    from .hf import check_tokenizer_fits
+
+    longest, largest = 0, -1
+    for split, rows, first in (("training", train, 0), ("validation", val, len(train))):
+        what = f"--data-dir {source}" + ("" if held else f", {split} split")
+        split_longest, split_largest = scan(rows, what, first if held else 0)
+        longest, largest = max(longest, split_longest), max(largest, split_largest)
+    vocabulary, sha256, eot = largest + 1, None, None
+    if tokenizer is not None:
+        model = tokenizers_file.load(tokenizer)
+        vocabulary = model.get_vocab_size(with_added_tokens=True)
+        check_tokenizer_fits(tokenizer, vocabulary, model_vocabulary, init_from)
+        if largest >= vocabulary:
+            raise DataError(
+                f"--data-dir {source} holds token id {largest}, beyond the {vocabulary:,} tokens of the tokenizer "
+                f"{tokenizer}; give the tokenizer that wrote the rows"
+            )
+        sha256 = tokenizers_file.file_sha256(tokenizer)
+        eot = tokenizers_file.end_of_text(model, tokenizer)[1]
+    if longest < 1:
+        raise DataError(f"--data-dir {source} holds no tokens (every row is empty or padding)")
+    if context is not None and longest > context:
+        raise DataError(
+            f"--data-dir {source} has rows of up to {longest:,} tokens, longer than --context {context:,}; give "
+            f"--context {longest} or more (where the model's positions allow), or shorten the rows"
+        )
+    context = context or longest
+    pair = RowsPair(
+        TokenRows(train, context=context),
+        TokenRows(val, context=context),
+        spec=None,
+        name="hf",
+        kind="language",
+        vocab_size=max(1, vocabulary),
+        folder=Path(source),
+        tokenizer_file=tokenizer,
+        tokenizer_sha256=sha256,
+        end_of_text_id=eot,
+    )
+    pair.spec = spec_of(pair.train, num_classes=None)
+    return pair

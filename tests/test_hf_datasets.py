@@ -84,6 +84,20 @@ def test_a_text_column_is_tokenized_once_per_tokenizer_and_read_as_token_shards(
     assert _ids(other.train_tokens) == _expected(root / "b.json", paragraphs[:120])
 
 
+def test_a_damaged_cache_is_written_again(texts, tmp_path, capsys):
+    root, paragraphs = texts
+    folder = _saved(tmp_path / "saved", text=paragraphs[:30])
+    data = load_dataset("hf", data_dir=folder, tokenizer=str(root / "a.json"), context=8)
+    shard = data.folder / data.manifest["train"]["shards"][0]["file"]
+    damaged = bytearray(shard.read_bytes())
+    damaged[4] ^= 1
+    shard.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    again = load_dataset("hf", data_dir=folder, tokenizer=str(root / "a.json"), context=8)
+    assert "does not match its checksum" in capsys.readouterr().out
+    assert _ids(again.train_tokens) == _expected(root / "a.json", paragraphs[:27])
+
+
 @pytest.mark.parametrize("form", ["parquet", "jsonl", "arrow", "save_to_disk"])
 def test_files_and_a_single_split_hold_out_their_last_rows(texts, tmp_path, form):
     root, paragraphs = texts

@@ -337,13 +337,9 @@ def load_hf(
             f"with polytrain tokenize and train on --dataset tokens"
         )
     from .text import DEFAULT_CONTEXT
-    from .token_shards import load_token_shards
+    from .token_shards import check_shards, load_token_shards, read_manifest
 
-    folder = tokenized(
-        source,
-        cache,
-        train,
-        val,
+    settings = dict(
         tokenizer=run_tokenizer,
         text_key=text_key,
         val_fraction=val_fraction,
@@ -351,9 +347,16 @@ def load_hf(
         init_from=init_from,
         show=show,
     )
-    return load_token_shards(
-        str(folder), context=context or DEFAULT_CONTEXT, name="hf", source=str(source.path)
-    )
+    read = dict(context=context or DEFAULT_CONTEXT, name="hf", source=str(source.path))
+    folder = tokenized(source, cache, train, val, **settings)
+    try:
+        check_shards(folder, read_manifest(folder))
+    except DataError as error:  # the cache damaged since it was written: it is ours to write again
+        if show:
+            print(f"{error}; tokenizing again", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder = tokenized(source, cache, train, val, **settings)
+    return load_token_shards(str(folder), **read)
 
 
 def documents(rows, text_key: str, split: str) -> Iterator:

@@ -216,6 +216,10 @@ def test_each_row_is_one_sample_with_labels_shifted_and_padding_masked(rows):
         x, y = data.train[i]
         expected = _padded(_row(train, i), context)
         assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+    shorter = data.head(5)  # (verify trains on the first rows)
+    assert (
+        shorter.num_train == 5 and torch.equal(shorter.train[4][1], data.train[4][1]) and data.num_train == 40
+    )
     # without labels the targets are the next ids; without a mask every id is real
     plain = TokenRows(datasets.Dataset.from_dict({"input_ids": [[3, 1, 4, 1, 5]]}), context=7)
     assert plain[0][0].tolist() == [3, 1, 4, 1, 5, 0, 0] and plain[0][1].tolist() == [1, 4, 1, 5] + [-100] * 3

@@ -18,6 +18,7 @@ one, else the largest id + 1), labels and mask of the ids' lengths, and the mask
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -44,6 +45,12 @@ class TokenRows(Dataset):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def head(self, count: int) -> "TokenRows":
+        """The first `count` rows."""
+        shorter = copy.copy(self)
+        shorter.rows = self.rows.select(range(min(count, len(self.rows))))
+        return shorter
 
     def __getitem__(self, index):
         row = self.rows[int(index)]
@@ -73,6 +80,12 @@ class RowsPair(DatasetPair):
     @property
     def num_classes(self) -> int:
         return self.vocab_size
+
+    def head(self, samples: int) -> "RowsPair":
+        """The same data with only the first `samples` training rows (for `verify`)."""
+        shorter = copy.copy(self)
+        shorter.train = self.train.head(samples)
+        return shorter
 
 
 def _column(table, name: str, what: str):

@@ -25,9 +25,11 @@ def _entry(rank, world_size, init_file, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S):
-    """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results by rank."""
-    context = mp.get_context("spawn")
+def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S, method="spawn"):
+    """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results by rank. `method`:
+    how they start; polytrain's `start_method()` forks them from the session's forkserver, which has torch
+    imported already, where the environment allows."""
+    context = mp.get_context(method)
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")

@@ -61,7 +61,11 @@ HF_PREFIX = "transformer."
 
 
 class Embeddings(nn.Module):
-    """Token plus position embeddings: (B, T) ids -> (B, T, width)."""
+    """Token plus position embeddings: (B, T) ids -> (B, T, width). With `context_parallel` set (a ContextGroup,
+    strategies/context_parallel.py) the ids are this rank's part of each sequence, and their rows of the table
+    of positions are those of their global positions."""
+
+    context_parallel = None
 
     def __init__(self, vocab: int, context: int, width: int, dropout: float = 0.0):
         super().__init__()
@@ -70,7 +74,10 @@ class Embeddings(nn.Module):
         self.drop = nn.Dropout(dropout) if dropout else None  # (no layer at all without dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        if self.context_parallel is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        else:
+            positions = self.context_parallel.positions(idx.shape[1], device=idx.device)
         x = self.token(idx) + self.position(positions)
         return x if self.drop is None else self.drop(x)
 
@@ -129,6 +136,11 @@ def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention; with `context_parallel` set (a ContextGroup) over a sequence split across
+    ranks, its queries against the whole sequence's keys and values (strategies/context_parallel.py)."""
+
+    context_parallel = None
+
     def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.head_dim = width // heads
@@ -139,7 +151,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (part.view(B, T, -1, self.head_dim).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.context_parallel is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = self.context_parallel.attention(q, k, v)
         y = self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return y if self.drop is None else self.drop(y)
 

@@ -108,13 +108,16 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
     return config
 
 
-def rotary(positions: int, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:
+def rotary(positions, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:
     """cos and sin (positions, head_dim) of the rotary embedding: position p turns the pair (j, j + head_dim/2)
-    of a head by p * theta ** (-2j / head_dim). Computed in float32 (float64 for float64 activations), then
-    given the activations' dtype, as Llama's reference does."""
+    of a head by p * theta ** (-2j / head_dim). `positions` is a count (the positions 0..positions-1) or a
+    tensor of positions (a rank's tokens of a sequence split across ranks). Computed in float32 (float64 for
+    float64 activations), then given the activations' dtype, as Llama's reference does."""
     exact = torch.float64 if like.dtype == torch.float64 else torch.float32
     steps = torch.arange(0, head_dim, 2, device=like.device, dtype=exact) / head_dim
-    angles = torch.outer(torch.arange(positions, device=like.device, dtype=exact), 1.0 / theta**steps)
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.arange(positions, device=like.device, dtype=exact)
+    angles = torch.outer(positions.to(like.device, exact), 1.0 / theta**steps)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
@@ -126,7 +129,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups."""
+    """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups. With
+    `context_parallel` set (a ContextGroup) over a sequence split across ranks, its tokens are turned by the
+    rotary angles of their global positions and its queries attend to the whole sequence's keys and values
+    (strategies/context_parallel.py)."""
+
+    context_parallel = None
 
     def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float, qkv_bias: bool = False):
         super().__init__()
@@ -142,9 +150,14 @@ class Attention(nn.Module):
         q, k, v = (
             layer(x).view(B, T, -1, self.head_dim).transpose(1, 2) for layer in (self.wq, self.wk, self.wv)
         )
-        cos, sin = rotary(T, self.head_dim, self.rope_theta, like=q)
+        split = self.context_parallel
+        positions = T if split is None else split.positions(T, device=x.device)
+        cos, sin = rotary(positions, self.head_dim, self.rope_theta, like=q)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if split is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            y = split.attention(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,0 +1,189 @@
+"""Context parallelism: each sequence's tokens split across the C ranks of a context group, so that activations
+per rank fall to about 1/C and contexts that no single device holds can train.
+
+**The split (head-tail).** A sequence of T tokens is cut into 2C chunks of T/2C; rank r holds chunks r and
+2C-1-r, side by side (torchtitan's load balancing). Under a causal mask a token attends to those before it, so
+a plain split into C pieces would give the last rank C times the first's work; a head and a tail each give
+every rank the same. Token ids, labels and anything else laid out by token are split alike (`split_sequence`,
+inverted by `join_sequence`); `head_tail_positions` says which global positions a rank's tokens have. A T
+that does not cut into 2C chunks is refused (`check_length`).
+
+**Attention over the split sequence.** A rank computes its own queries, keys and values, then gathers the keys
+and values of the whole sequence over the context group, puts them in global order and attends with its
+queries under the causal mask of their global positions (`causal_attention`): the all-gather context
+parallelism of the Llama 3 paper. The gather is torch's autograd-aware functional collective, whose backward
+sums each key's and value's gradient over every rank's queries onto the rank that holds the token (a
+reduce-scatter). The older `torch.distributed.nn.functional.all_gather` gives the right output and query
+gradients but wrong key gradients, and is not used. torch's `context_parallel` (ring attention over DTensor)
+is the route on GPUs; on CPU processes it has no sharding rule for the CPU attention kernel.
+
+**Switching a model into context-parallel mode.** The GPT's and the Llama's modules that depend on where a
+token is in the sequence declare a class attribute `context_parallel = None`: the GPT's `Embeddings` (rows of
+the table of learned positions) and `CausalSelfAttention`, the Llama's `Attention` (rotary angles and the
+causal mask). `apply_context_parallel(model, group)` sets it to a `ContextGroup` on each such module, as one
+step of preparing a model (no strategy object involved; `apply_context_parallel(model, None)` switches back).
+While it is set, a module takes its tokens' global positions from `ContextGroup.positions(T_local)` (so
+rotary angles and learned positions are those of one device) and calls `ContextGroup.attention(q, k, v)` in
+place of `F.scaled_dot_product_attention(q, k, v, is_causal=True)`: the same (B, heads, T_local, head_dim)
+tensors in and out, fewer key/value heads than query heads allowed (grouped-query attention). The models
+import nothing from here: the object carries the behaviour. Whoever feeds such a model gives each rank its
+`split_sequence` of the batch's ids and labels.
+
+**The loss.** `token_loss` is a rank's part of `Objective.token_loss`: its tokens' cross-entropy summed and its
+trained tokens counted, both over the whole sequence's T (not the T/C a rank holds), so that summed over the
+context group, as the reductions over data and context ranks sum them (`context_sum`), they are one device's
+loss and count. Each rank differentiates its own part only; the gather's backward brings it the gradients
+that other ranks' queries give its keys and values. Parameter gradients are then partial sums, added over the
+context group as over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..objective import IGNORE_INDEX, at_least_float32
+
+# torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
+# that it is deprecated), else `all_gather_tensor_autograd`; used along dim 0, which every version supports
+_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def check_length(length: int, size: int) -> None:
+    """Refuse a sequence of `length` tokens that does not cut into 2 x `size` equal head-tail chunks."""
+    if length % (2 * size):
+        chunks = 2 * size
+        fit = max(chunks, length // chunks * chunks)
+        raise ConfigError(
+            f"--context {length} does not cut into {chunks} equal chunks for --context-parallel {size} (each "
+            f"rank holds a head and a tail chunk of every sequence); give a --context that is a multiple of "
+            f"{chunks}, such as {fit}"
+        )
+
+
+def head_tail_positions(length: int, rank: int, size: int, *, device=None) -> torch.Tensor:
+    """The global positions (int64, length / size of them) of the tokens that `rank` of `size` holds of a
+    sequence of `length`: chunk `rank`'s, then chunk 2 x size - 1 - rank's, each length / (2 x size) long."""
+    check_length(length, size)
+    chunk = length // (2 * size)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def split_sequence(tokens: torch.Tensor, rank: int, size: int, *, dim: int = 1):
+    """(this rank's part, the global positions of its tokens) of `tokens` laid out by token along `dim`: ids
+    or labels (B, T) give (B, T / size), a (B, heads, T, head_dim) tensor with `dim=2` its T / size."""
+    length = tokens.shape[dim]
+    check_length(length, size)
+    chunk = length // (2 * size)
+    head = tokens.narrow(dim, rank * chunk, chunk)
+    tail = tokens.narrow(dim, (2 * size - 1 - rank) * chunk, chunk)
+    return torch.cat([head, tail], dim=dim), head_tail_positions(length, rank, size, device=tokens.device)
+
+
+def join_sequence(parts: List[torch.Tensor], *, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's `split_sequence` part, `parts` in rank order: its inverse."""
+    size = len(parts)
+    halves = [part.chunk(2, dim=dim) for part in parts]
+    in_order = [halves[r][0] for r in range(size)] + [halves[r][1] for r in reversed(range(size))]
+    return torch.cat(in_order, dim=dim)
+
+
+def gather_sequence(part: torch.Tensor, context: "ContextGroup", *, dim: int = 2) -> torch.Tensor:
+    """The whole sequence in global order from every rank's `part` (its head-tail tokens along `dim`), gathered
+    over the context group with torch's autograd-aware all-gather: the gradient of the whole sequence comes
+    back to each rank as the sum, over every rank, of the gradients of its own tokens."""
+    gathered = _gather(part.contiguous(), 0, context.group)  # the ranks' parts stacked along dim 0
+    return join_sequence(list(gathered.chunk(context.size, dim=0)), dim=dim)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: "ContextGroup"
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole split sequence: q (B, heads, T/C, head_dim), k
+    and v (B, kv_heads, T/C, head_dim) this rank's head-tail tokens, kv_heads dividing heads; out as q. Equal
+    to one device's `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on the whole sequence, this
+    rank's tokens of it."""
+    keys, values = gather_sequence(k, context), gather_sequence(v, context)
+    queries = context.positions(q.shape[2], device=q.device)
+    mask = torch.arange(keys.shape[2], device=q.device) <= queries[:, None]  # (T/C, T): True attends
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
+    )
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """The context group of a rank: `group` (a process group, or a 1-D DeviceMesh such as mesh["cp"]) over
+    which each sequence is split, this rank's place in it (`rank`) and its size (C)."""
+
+    group: Any
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group) -> "ContextGroup":
+        """The ContextGroup of `group` (a process group, dist.group.WORLD, or a 1-D DeviceMesh)."""
+        if hasattr(group, "get_local_rank"):
+            return cls(group, group.get_local_rank(), group.size())
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def positions(self, length: int, *, device=None) -> torch.Tensor:
+        """The global positions of the `length` tokens this rank holds (its head and tail chunks)."""
+        return head_tail_positions(length * self.size, self.rank, self.size, device=device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`causal_attention` over this group: the models' stand-in for causal scaled_dot_product_attention."""
+        return causal_attention(q, k, v, self)
+
+    def __deepcopy__(self, memo) -> "ContextGroup":
+        return self  # a copy of a model on this rank splits its sequences over the same group
+
+
+def apply_context_parallel(model: nn.Module, group) -> nn.Module:
+    """Switch `model` into context-parallel mode over `group` (a process group, a 1-D DeviceMesh, or a
+    ContextGroup; None switches it back): every module that declares `context_parallel` gets the group. A
+    model with no such module is refused: its attention cannot be split here."""
+    context = group if group is None or isinstance(group, ContextGroup) else ContextGroup.of(group)
+    switched = [module for module in model.modules() if hasattr(type(module), "context_parallel")]
+    if not switched:
+        raise ConfigError(
+            f"--context-parallel splits the sequence of the gpt and llama models; {type(model).__name__} has no "
+            f"attention that polytrain can split (no module declares context_parallel)"
+        )
+    for module in switched:
+        module.context_parallel = context
+    return model
+
+
+def token_loss(
+    outputs: torch.Tensor, targets: torch.Tensor, context: ContextGroup, *, label_smoothing: float = 0.0
+):
+    """This rank's part of next-token cross-entropy (`Objective.token_loss`) on its T/C tokens of each
+    sequence: (its tokens' loss summed over the whole sequence's T, its trained tokens over T, a float64
+    tensor). Summed over the context group, both are one device's; the loss is differentiable."""
+    tokens = targets.shape[-1] * context.size
+    total = F.cross_entropy(
+        at_least_float32(outputs).flatten(0, -2),
+        targets.flatten(),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+        label_smoothing=label_smoothing,
+    )
+    trained = (targets != IGNORE_INDEX).sum().to(torch.float64)
+    return total / tokens, trained / tokens
+
+
+def context_sum(value: torch.Tensor, context: Optional[ContextGroup]) -> torch.Tensor:
+    """`value` summed over the context group (detached: for figures, not for the backward)."""
+    if context is None or context.size == 1:
+        return value.detach()
+    return funcol.wait_tensor(funcol.all_reduce(value.detach(), "sum", context.group))

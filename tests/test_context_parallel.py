@@ -1,0 +1,185 @@
+"""Context parallelism (strategies/context_parallel.py): the head-tail split of a sequence, and causal attention,
+the GPT and the Llama over a sequence split across 2 and 4 gloo processes, against one device in float64.
+
+One launch of 4 processes runs every multi-process check: C = 2 on the context dimension of a 2 x 2 DeviceMesh
+(two context groups side by side, ranks 0-1 and 2-3) and C = 4 on the whole world as a process group."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polytrain.errors import ConfigError
+from polytrain.models.gpt import GPT
+from polytrain.models.llama import Llama
+from polytrain.models.mlp import MLP
+from polytrain.objective import IGNORE_INDEX, Objective
+from polytrain.strategies.context_parallel import (
+    ContextGroup,
+    apply_context_parallel,
+    context_sum,
+    head_tail_positions,
+    join_sequence,
+    split_sequence,
+    token_loss,
+)
+
+EXACT = 1e-12  # float64: one device's result up to rounding
+VOCAB, LENGTH, BATCH = 11, 16, 2
+ATTENTIONS = {"multi-head": (4, 4), "grouped-query": (4, 2)}  # (query heads, key/value heads)
+MODELS = {
+    "gpt": lambda: GPT(VOCAB, context=LENGTH, layers=2, heads=4, width=32),
+    "llama": lambda: Llama(VOCAB, context=LENGTH, layers=2, heads=4, kv_heads=2, width=32),
+}
+
+
+def test_head_tail_positions_are_a_head_and_a_tail_chunk_per_rank():
+    assert [head_tail_positions(8, r, 2).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [head_tail_positions(16, r, 4).tolist() for r in range(4)] == [
+        [0, 1, 14, 15],
+        [2, 3, 12, 13],
+        [4, 5, 10, 11],
+        [6, 7, 8, 9],
+    ]
+    assert head_tail_positions(4, 0, 1).tolist() == [0, 1, 2, 3]
+    assert ContextGroup(None, 1, 2).positions(4).tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_split_and_join_round_trip(size):
+    length = 2 * size * 3
+    tokens = torch.arange(BATCH * length).view(BATCH, length)
+    parts = [split_sequence(tokens, r, size) for r in range(size)]
+    assert all(part.shape == (BATCH, length // size) for part, _ in parts)
+    for part, positions in parts:  # each token's global position is where it was
+        assert torch.equal(part, tokens[:, positions])
+    assert torch.equal(join_sequence([part for part, _ in parts]), tokens)
+    heads = torch.randn(BATCH, 3, length, 4)
+    assert torch.equal(
+        join_sequence([split_sequence(heads, r, size, dim=2)[0] for r in range(size)], dim=2), heads
+    )
+
+
+def test_a_context_that_does_not_cut_into_head_and_tail_chunks_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        split_sequence(torch.zeros(BATCH, 10, dtype=torch.long), 0, 4)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "--context 10" in message and "--context-parallel 4" in message and "multiple of 8" in message
+
+
+def test_a_model_is_switched_into_context_parallel_mode_and_back():
+    model = GPT(VOCAB, context=LENGTH, layers=2, heads=4, width=32)
+    context = ContextGroup(None, 0, 2)
+    apply_context_parallel(model, context)
+    switched = [
+        name for name, module in model.named_modules() if getattr(module, "context_parallel", None) is context
+    ]
+    assert switched == ["0", "1.attention", "2.attention"]
+    assert copy.deepcopy(model)[1].attention.context_parallel is context
+    apply_context_parallel(model, None)
+    assert all(getattr(module, "context_parallel", None) is None for module in model.modules())
+    with pytest.raises(ConfigError, match="MLP has no attention"):
+        apply_context_parallel(MLP((1, 4, 4), 3), context)
+
+
+def _attention_errors(context: ContextGroup, heads: int, kv_heads: int) -> dict:
+    """Largest differences of this rank's causal attention output and q, k, v gradients from its tokens of one
+    device's on the whole sequence."""
+    generator = torch.Generator().manual_seed(10 * heads + kv_heads)
+    like = dict(generator=generator, dtype=torch.float64)
+    q = torch.randn(BATCH, heads, LENGTH, 8, **like, requires_grad=True)
+    k, v = (torch.randn(BATCH, kv_heads, LENGTH, 8, **like, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(BATCH, heads, LENGTH, 8, **like)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    whole.backward(upstream)
+
+    def mine(tensor):
+        return split_sequence(tensor.detach(), context.rank, context.size, dim=2)[0]
+
+    parts = [mine(t).requires_grad_() for t in (q, k, v)]
+    out = context.attention(*parts)
+    out.backward(mine(upstream))
+    found = dict(zip(("output", "q", "k", "v"), (out, *(part.grad for part in parts))))
+    expected = dict(zip(("output", "q", "k", "v"), (whole, q.grad, k.grad, v.grad)))
+    return {name: (found[name] - mine(expected[name])).abs().max().item() for name in found}
+
+
+def _model_errors(context: ContextGroup, build) -> dict:
+    """Largest differences of a model switched into context-parallel mode from one device's on one batch: this
+    rank's logits, every parameter's gradient summed over the context group, the loss and token count summed."""
+    torch.manual_seed(0)
+    whole = build().double()
+    model = apply_context_parallel(copy.deepcopy(whole), context)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+    labels[0, 3] = labels[1, 12] = IGNORE_INDEX
+    logits = whole(ids)
+    loss, count = Objective(kind="language").token_loss(logits, labels)
+    loss.backward()
+
+    def mine(tensor):
+        return split_sequence(tensor, context.rank, context.size)[0]
+
+    part_logits = model(mine(ids))
+    part_loss, part_count = token_loss(part_logits, mine(labels), context)
+    part_loss.backward()
+    grads = dict(whole.named_parameters())
+    return {
+        "logits": (part_logits - mine(logits)).abs().max().item(),
+        "gradients": max(
+            (context_sum(parameter.grad, context) - grads[name].grad).abs().max().item()
+            for name, parameter in model.named_parameters()
+        ),
+        "loss": abs(context_sum(part_loss, context).item() - loss.item()),
+        "count": abs(context_sum(part_count, context).item() - count.item()),
+        "smallest gradient norm": min(parameter.grad.norm().item() for parameter in whole.parameters()),
+    }
+
+
+def _on_rank(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    found = {}
+    for size, group in ((2, mesh["cp"]), (4, dist.group.WORLD)):
+        context = ContextGroup.of(group)
+        found[size] = {
+            "rank": context.rank,
+            "attention": {name: _attention_errors(context, *heads) for name, heads in ATTENTIONS.items()},
+            "models": {name: _model_errors(context, build) for name, build in MODELS.items()},
+        }
+    return found
+
+
+@pytest.fixture(scope="module")
+def on_four_ranks():
+    from distributed import run_on_ranks
+
+    from polytrain.runtime.forkserver import start_method
+
+    return run_on_ranks(_on_rank, world_size=4, timeout=200, method=start_method())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 4])
+def test_attention_over_the_split_sequence_equals_one_device(on_four_ranks, size):
+    assert [found[size]["rank"] for found in on_four_ranks] == ([0, 1, 0, 1] if size == 2 else [0, 1, 2, 3])
+    for rank, found in enumerate(on_four_ranks):
+        for name, errors in found[size]["attention"].items():
+            assert max(errors.values()) < EXACT, (rank, name, errors)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_model_over_the_split_sequence_equals_one_device(on_four_ranks, size, model):
+    for rank, found in enumerate(on_four_ranks):
+        errors = dict(found[size]["models"][model])
+        assert errors.pop("smallest gradient norm") > 0, (rank, model)
+        assert max(errors.values()) < EXACT, (rank, model, errors)

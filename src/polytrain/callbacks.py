@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError
-from .files import atomic_write_bytes
 from .report import save_figure
+from .run_dir import atomic_write_bytes
 
 
 class Callback:

@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 
 from .errors import CheckpointError, first_line
-from .files import atomic_write_bytes
-from .progress import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
+from .optim.steps import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
+from .run_dir import atomic_write_bytes
 from .runtime import shards
 
 FORMAT = "polytrain-checkpoint-1"

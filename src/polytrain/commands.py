@@ -5,17 +5,15 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from .api import evaluate, predict, spread_indices, train_run, weights_file
-from .checkpoint import load_weights, read_progress
+from .api import evaluate, predict, spread_indices, train_run
+from .checkpoint import read_progress
 from .config import (
     REPLANNING,
     RESUMABLE,
     SETTINGS,
-    STRATEGY_FLAGS,
     STRATEGY_OPTIONS,
     TrainConfig,
     options_of_other_strategies,
@@ -27,11 +25,11 @@ from .config.model_defaults import MODEL_SETTINGS, defaults_words
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
-from .models import build_model, build_model_on_meta
-from .models.gpt import generate
-from .progress import planned_steps
+from .models import build_model_on_meta
+from .optim.steps import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.launch import check_devices, run_job
+from .runtime.sampling import generate_text
 from .runtime.verify_limits import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
 from .sources import as_dataset, make_objective
@@ -376,91 +374,6 @@ def bench_command(args) -> int:
     draw(result, out / "bench.png")
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     return 0
-
-
-def generate_text(
-    run_dir,
-    *,
-    prompt: str = "\n",
-    tokens: int = 300,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    seed: int = 0,
-    device: str = "auto",
-    weights: str = "final",
-) -> str:
-    """The prompt followed by `tokens` characters sampled from the run's model (`temperature` 0: always the
-    likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
-    settings = read_config(run_dir)
-    vocab = settings.get("vocab")
-    if settings.get("kept_tokenizer") and not settings.get("custom_model"):
-        return _generate_tokens(
-            run_dir, settings, prompt, tokens, temperature=temperature, top_k=top_k, seed=seed, device=device,
-            weights=weights,
-        )  # fmt: skip
-    if not vocab or settings.get("custom_model"):
-        raise UserError(
-            f"{run_dir} is a run of --model {settings.get('model')} on --dataset "
-            f"{settings.get('dataset')}, not a language model; generate reads runs of --model gpt on "
-            f"--dataset shakespeare, text, tokens or hf (with a tokenizer)"
-        )
-    check_sampling(tokens, temperature, top_k)
-    unknown = sorted(set(prompt) - set(vocab))
-    if unknown:
-        raise UserError(
-            f"the prompt holds {''.join(unknown)!r}, not in the {len(vocab)} characters this run "
-            f"learnt; use only those (its config.json lists them under 'vocab')"
-        )
-    if not prompt:
-        prompt = "\n" if "\n" in vocab else vocab[0]
-    model, dev = _sampling_model(run_dir, settings, len(vocab), device=device, weights=weights)
-    index = {char: i for i, char in enumerate(vocab)}
-    idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    out = generate(
-        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=len(vocab)
-    )
-    return prompt + "".join(vocab[i] for i in out[0, idx.shape[1] :].tolist())
-
-
-def _sampling_model(run_dir, settings, vocabulary: int, *, device: str, weights: str):
-    how = ("strategy", *STRATEGY_FLAGS, "logger")
-    config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
-    check_devices(1, device)
-    dev = choose_device(device, 0)
-    model = build_model(config.model, (config.context or 64,), vocabulary, config)
-    load_weights(weights_file(run_dir, weights), model)
-    return model.to(dev), dev
-
-
-def _generate_tokens(run_dir, settings, prompt, tokens, *, temperature, top_k, seed, device, weights) -> str:
-    """generate for a run on token shards: the prompt encoded and the sample decoded by the run's tokenizer
-    (kept in its folder); the default prompt is the end-of-text token, the start of a new document."""
-    from .data import tokenizer as tokenizers_file
-
-    check_sampling(tokens, temperature, top_k)
-    tokenizer = tokenizers_file.load(run_dir / settings["kept_tokenizer"]["file"])
-    vocabulary = tokenizer.get_vocab_size(with_added_tokens=True)
-    model, dev = _sampling_model(run_dir, settings, vocabulary, device=device, weights=weights)
-    ids = (
-        [int(settings["kept_tokenizer"]["end_of_text_id"])]
-        if prompt in ("", "\n")
-        else tokenizer.encode(prompt, add_special_tokens=False).ids
-    )
-    idx = torch.tensor([ids], dtype=torch.long, device=dev)
-    generator = torch.Generator(device=dev).manual_seed(seed)
-    out = generate(
-        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=vocabulary
-    )
-    return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
-
-
-def check_sampling(tokens: int, temperature: float, top_k: Optional[int]) -> None:
-    if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise UserError(
-            f"--tokens and --temperature must be 0 or more and --top-k 1 or more; got --tokens "
-            f"{tokens}, --temperature {temperature}, --top-k {top_k}"
-        )
 
 
 def generate_command(args) -> int:

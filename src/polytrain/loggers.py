@@ -19,7 +19,7 @@ import torch
 from .callbacks import Callback
 from .config.registry_names import LOGGERS, check_tensorboard
 from .errors import UserError
-from .files import atomic_write_bytes
+from .run_dir import atomic_write_bytes
 
 
 def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:

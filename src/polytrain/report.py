@@ -6,7 +6,7 @@ import io
 import math
 from pathlib import Path
 
-from .files import atomic_write_bytes
+from .run_dir import atomic_write_bytes
 
 
 def prediction_grid(images, predicted, true, path: Path, *, classes=None) -> None:

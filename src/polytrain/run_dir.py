@@ -1,5 +1,8 @@
 """The run folder: config.json, metrics.jsonl, model.pt, checkpoint.pt, curves.png, and the lock that keeps
-two processes from training it at once."""
+two processes from training it at once; and how every file polytrain writes reaches the disk, whole or not at
+all (`atomic_write_bytes`: a temporary name in the same folder, flushed, renamed over the old file, the folder
+flushed), so a crash leaves the previous file or the new one, never half of one. It imports nothing of
+polytrain's but its errors and version: the lowest modules (loggers, callbacks) write through it."""
 
 from __future__ import annotations
 
@@ -20,8 +23,26 @@ except ImportError:  # Windows: no flock, so run folders are not locked there
 import torch
 
 from .errors import UserError
-from .files import atomic_write_bytes
 from .version import __version__
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def new_run_dir(out: Optional[str], *, root: str = "runs") -> Path:

@@ -15,7 +15,7 @@ import torch
 
 from .callbacks import Monitor, check_logged, check_monitor
 from .errors import UserError
-from .progress import Position, planned_steps
+from .optim.steps import Position, planned_steps
 
 
 class NonFiniteLoss(UserError):

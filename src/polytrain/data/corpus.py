@@ -302,7 +302,7 @@ class TokenShards:
             corpus=dict(corpus, documents=self.documents),
             encode_seconds=round(seconds, 3),
         )
-        from ..files import atomic_write_bytes
+        from ..run_dir import atomic_write_bytes
 
         atomic_write_bytes(self.folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
         return manifest

@@ -171,7 +171,7 @@ def check_shards(folder: Path, manifest: dict) -> None:
             stamps[shard["file"]], stamped = stamp, True
     if stamped:
         try:
-            from ..files import atomic_write_bytes
+            from ..run_dir import atomic_write_bytes
 
             atomic_write_bytes(folder / STAMPS, json.dumps(stamps).encode())
         except OSError:

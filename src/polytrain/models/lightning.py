@@ -34,7 +34,7 @@ from torch.optim import lr_scheduler
 from ..callbacks import Callback
 from ..data.order import rows
 from ..errors import UserError
-from ..progress import planned_steps
+from ..optim.steps import planned_steps
 from .lightning_state import Logged, LoopState, Unscheduled, attach
 
 # the module's hooks polytrain calls, and those it does not (a module that defines one is refused)

@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch.optim import lr_scheduler
 
 from ..errors import ConfigError, UserError, first_line
-from ..progress import planned_steps
 from .optimizers import (
     FROM_PYTHON,
     OPTIMIZERS,
@@ -32,6 +31,7 @@ from .optimizers import (
     resolve,
 )
 from .schedules import make_scheduler
+from .steps import planned_steps
 
 
 @dataclass

@@ -16,11 +16,11 @@ from ..config.declare import flag_name
 from ..data import ArrayDataset
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import UserError
-from ..files import atomic_write_bytes
 from ..models import build_model_on_meta, check_model_output, takes_channels_last
 from ..models.lightning import is_lightning, plan_loop
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
 from ..run_dir import (
+    atomic_write_bytes,
     forget_unstarted_run,
     new_run_dir,
     read_config,

@@ -25,7 +25,7 @@ from ..models.lightning import plan_loop
 from ..models.pretrained import initial_weights
 from ..objective import Objective
 from ..optim import make_recipe
-from ..progress import Position, describe_position
+from ..optim.steps import Position, describe_position
 from ..scaling.flops import flops_per_sample
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline

@@ -15,10 +15,10 @@ from typing import List
 
 import torch
 
-from ..files import atomic_write_bytes
 from ..plan.costmodel import bubble, tensor_collectives, tensor_size
 from ..plan.pipeline import default_microbatches
 from ..report import save_figure
+from ..run_dir import atomic_write_bytes
 from ..runtime.hostenv import usable_cores
 from ..strategies import STRATEGIES
 from .bench import PHASES, BenchResult, Row

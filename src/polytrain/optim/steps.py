@@ -1,6 +1,6 @@
-"""Where training stands and how long it runs, counted in steps: the position a checkpoint records, the steps
-a run of fractional epochs takes, and the words for people. Pure: the trainer, the recipe, Lightning's
-stand-in and the checkpoint all count alike from here."""
+"""A run counted in optimizer steps: the steps a run of fractional epochs takes (`planned_steps`, which the
+schedules, Lightning's stand-in and the trainer share), where training stands (`Position`, which a checkpoint
+records) and the words for people. Pure: it imports nothing of polytrain's."""
 
 from __future__ import annotations
 

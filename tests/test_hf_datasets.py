@@ -345,6 +345,11 @@ def test_bad_input_is_one_line(texts, tmp_path, capsys):
         DataError, match="a dataset for a sequence classifier, which --dataset hf does not train yet"
     ):
         load_dataset("hf", data_dir=classes, tokenizer=a)
+    ids_classes = _saved(tmp_path / "ids-classes", input_ids=[[1, 2], [3, 4]], label=[0, 1])
+    with pytest.raises(
+        DataError, match="columns 'input_ids' and 'label': a dataset for a sequence classifier"
+    ):
+        load_dataset("hf", data_dir=ids_classes)
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all" * 10)
     with pytest.raises(DataError, match=r"broken.parquet cannot be read \(ArrowInvalid: Parquet magic bytes"):
         load_dataset("hf", data_dir=str(tmp_path / "broken.parquet"), tokenizer=a)

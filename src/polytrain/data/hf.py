@@ -45,7 +45,6 @@ VAL_FRACTION = 0.1  # held out where the data has no validation split: the built
 VAL_SPLITS = ("validation", "valid", "val", "test")  # the first present validates
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 CACHE = "polytrain-cache"
-LABELS = ("label", "labels")  # beside a text column: a classifier's targets
 ROWS = 1000  # rows read and encoded at a time
 
 
@@ -210,8 +209,8 @@ def _load_files(library, source: Source, split: str, cache: Path):
         raise _unreadable(f"--data-dir {source.path}", error) from None
 
 
-def open_splits(source: Source, cache: Path) -> Tuple[object, Optional[object], str]:
-    """(training rows, validation rows or None, how the splits were found) as `datasets.Dataset`s."""
+def open_splits(source: Source, cache: Path) -> Tuple[object, Optional[object]]:
+    """(training rows, validation rows or None) as `datasets.Dataset`s."""
     with offline() as library:
         if not source.files:
             try:
@@ -219,22 +218,18 @@ def open_splits(source: Source, cache: Path) -> Tuple[object, Optional[object], 
             except Exception as error:
                 raise _unreadable(f"--data-dir {source.path}", error) from None
             if not isinstance(loaded, library.DatasetDict):
-                return loaded, None, "one split"
+                return loaded, None
             if "train" not in loaded:
                 raise DataError(
                     f"--data-dir {source.path} holds the splits {', '.join(loaded)}, none named train; save "
                     f"the training rows as DatasetDict(train=...)"
                 )
             val = next((name for name in VAL_SPLITS if name in loaded), None)
-            return (
-                loaded["train"],
-                loaded[val] if val else None,
-                f"splits train and {val}" if val else "train",
-            )
+            return loaded["train"], loaded[val] if val else None
         train = _load_files(library, source, "train", cache)
         val = next((name for name in VAL_SPLITS if name in source.files), None)
         rows = _load_files(library, source, val, cache) if val else None
-        return train, rows, f"{val} files" if val else "one split"
+        return train, rows
 
 
 def held_out(train, val, val_fraction: Optional[float], source: Source):
@@ -294,9 +289,18 @@ def load_hf(
     source = find_source(data_dir)
     datasets_library()
     cache = cache_root(source)
-    train, val, found = open_splits(source, cache)
+    train, val = open_splits(source, cache)
     columns = list(train.column_names)
     run_tokenizer = find_run_tokenizer(tokenizer, init_from)
+    # a class per row beside its text or ids (`labels` beside input_ids are a language model's, per token)
+    label = "label" if "label" in columns else "labels" if "input_ids" not in columns else None
+    inputs = "input_ids" if "input_ids" in columns else text_key
+    if label in columns and inputs in columns:
+        raise DataError(
+            f"--data-dir {source.path} has the columns {inputs!r} and {label!r}: a dataset for a sequence "
+            f"classifier, which --dataset hf does not train yet; drop the {label!r} column to train a language "
+            f"model on its {'ids' if inputs == 'input_ids' else 'text'}"
+        )
     if "input_ids" in columns:
         from .token_rows import load_token_rows
 
@@ -316,13 +320,6 @@ def load_hf(
         raise DataError(
             f"--data-dir {source.path} has no text column {text_key!r} (its columns: {', '.join(columns)}); name "
             f"the text column with --text-key, or give rows of input_ids"
-        )
-    label = next((name for name in LABELS if name in columns), None)
-    if label is not None:
-        raise DataError(
-            f"--data-dir {source.path} has the columns {text_key!r} and {label!r}: a dataset for a sequence "
-            f"classifier, which --dataset hf does not train yet; drop the {label!r} column to train a language "
-            f"model on its text"
         )
     kind = train.features[text_key]
     if getattr(kind, "dtype", None) not in ("string", "large_string"):

@@ -212,6 +212,7 @@ def test_each_row_is_one_sample_with_labels_shifted_and_padding_masked(rows):
     )
     context = max(sum(mask) for mask in train["attention_mask"])
     assert data.input_shape == (context,)  # the longest row, its padding cut off
+    assert not (folder / "polytrain-cache").exists()  # rows on disk: nothing to cache
     for i in range(40):
         x, y = data.train[i]
         expected = _padded(_row(train, i), context)

@@ -209,7 +209,7 @@ def _load_files(library, source: Source, split: str, cache: Path):
         raise _unreadable(f"--data-dir {source.path}", error) from None
 
 
-def open_splits(source: Source, cache: Path) -> Tuple[object, Optional[object]]:
+def open_splits(source: Source, cache: Optional[Path]) -> Tuple[object, Optional[object]]:
     """(training rows, validation rows or None) as `datasets.Dataset`s."""
     with offline() as library:
         if not source.files:
@@ -288,7 +288,7 @@ def load_hf(
     token shards (`ShardedTokens`)."""
     source = find_source(data_dir)
     datasets_library()
-    cache = cache_root(source)
+    cache = cache_root(source) if source.files else None  # files: their Arrow copies; text: its shards
     train, val = open_splits(source, cache)
     columns = list(train.column_names)
     run_tokenizer = find_run_tokenizer(tokenizer, init_from)
@@ -345,6 +345,7 @@ def load_hf(
         show=show,
     )
     read = dict(context=context or DEFAULT_CONTEXT, name="hf", source=str(source.path))
+    cache = cache or cache_root(source)
     folder = tokenized(source, cache, train, val, **settings)
     try:
         check_shards(folder, read_manifest(folder))
@@ -352,7 +353,8 @@ def load_hf(
         if show:
             print(f"{error}; tokenizing again", flush=True)
         shutil.rmtree(folder, ignore_errors=True)
-        folder = tokenized(source, cache, train, val, **settings)
+        cache = cache or cache_root(source)
+    folder = tokenized(source, cache, train, val, **settings)
     return load_token_shards(str(folder), **read)
 
 

@@ -1,7 +1,8 @@
 """The matrix: every model on every layout it can take, for two steps, with nothing of torch's internals reaching
 the user (no error, no warning); what a model cannot take is refused in one line before any worker starts.
 
-Models: polytrain's (lenet, lenet5, mlp, cifar-cnn, resnet, gpt, llama) by name, and torch-only ones given to
+Models: polytrain's (lenet, lenet5, mlp, cifar-cnn, resnet, gpt on the built-in text, llama on token shards that
+`polytrain tokenize` writes before the launch) by name, and torch-only ones given to
 `polytrain.fit` (tests/matrix_models.py: nn.TransformerEncoderLayer blocks, pytorch/examples' sequence-first
 LSTM with a step=, Hugging Face's LlamaForCausalLM where transformers is installed). Layouts: one device; data,
 sharded, pipeline, parameter-server and tensor on 2 processes; on 4, 2 replicas x 2 pipeline stages, 2 stages x
@@ -32,6 +33,10 @@ from pathlib import Path
 import pytest
 from processes import finish, start
 
+import polytrain
+from polytrain.data.corpus import tokenize_corpus
+
+SHAKESPEARE = Path(polytrain.__file__).with_name("data") / "shakespeare" / "input.txt"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 try:
@@ -44,7 +49,9 @@ except ImportError:
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-size", "64"]
 IMAGES = [*SYNTHETIC, "--synthetic-shape", "3,32,32"]
 TEXT = ["--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--context", "16"]
-DATA = {"cifar-cnn": IMAGES, "resnet": IMAGES, "gpt": TEXT, "llama": [*TEXT, "--kv-heads", "2"]}
+TOKENS = "<token shards>"  # the folder the fixture writes with polytrain tokenize, before the launch
+LLAMA = ["--dataset", "tokens", "--data-dir", TOKENS, *TEXT[2:], "--kv-heads", "2"]
+DATA = {"cifar-cnn": IMAGES, "resnet": IMAGES, "gpt": TEXT, "llama": LLAMA}
 BUILT_IN = ["lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt", "llama"]
 TORCH_ONLY = ["encoder", "lstm", "hf-llama"]  # tests/matrix_models.py, trained through polytrain.fit
 BLOCKS = [
@@ -220,10 +227,16 @@ def plan(folder: Path, cases: list) -> dict:
 def printed(tmp_path_factory) -> dict:
     """What each case printed on stderr, all processes together, and its exit codes: case -> (codes, lines)."""
     folder = tmp_path_factory.mktemp("matrix")
+    text = folder / "corpus.txt"
+    text.write_text(SHAKESPEARE.read_text()[:100_000])
+    tokenize_corpus([str(text)], str(folder / "tokens"), vocab_size=300, val_fraction=0.05, show=False)
     layout = plan(folder, [case for case in CASES if HAS_TRANSFORMERS or case[0] != "hf-llama"])
     cases = [case for group in layout["groups"] for case in group["runs"]]
     for group in layout["groups"]:
-        group["runs"] = [argv(*case) for case in group["runs"]]
+        group["runs"] = [
+            [str(folder / "tokens") if arg == TOKENS else arg for arg in argv(*case)]
+            for case in group["runs"]
+        ]
     (folder / "plan.json").write_text(json.dumps(layout))
     helper = Path(__file__).with_name("matrix_runs.py")
     processes = [start([sys.executable, helper, folder / "plan.json", p]) for p in range(4)]

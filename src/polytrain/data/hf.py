@@ -262,17 +262,6 @@ def find_run_tokenizer(tokenizer: Optional[str], init_from: Optional[str]) -> Op
     return given or kept
 
 
-def check_tokenizer_fits(path: Path, vocabulary: int, model_vocabulary: Optional[int], init_from) -> None:
-    """One line where the tokenizer has more tokens than the model's embedding has rows."""
-    if model_vocabulary is None or vocabulary <= model_vocabulary:
-        return
-    whose = f"--init-from {init_from}'s vocab_size" if init_from is not None else "--vocab-size"
-    raise DataError(
-        f"the tokenizer {path} has {vocabulary:,} tokens, more than the {model_vocabulary:,} rows of the model's "
-        f"embedding ({whose}); its ids beyond would index nothing: use the model's own tokenizer"
-    )
-
-
 def load_hf(
     data_dir: Optional[str],
     *,
@@ -419,7 +408,9 @@ def tokenized(
     from .corpus import MANIFEST, Progress, TokenShards, batches_of
 
     model = tokenizers_file.load(tokenizer)
-    check_tokenizer_fits(tokenizer, model.get_vocab_size(with_added_tokens=True), model_vocabulary, init_from)
+    tokenizers_file.check_tokenizer_fits(
+        tokenizer, model.get_vocab_size(with_added_tokens=True), model_vocabulary, init_from
+    )
     sha256 = tokenizers_file.file_sha256(tokenizer)
     held = val is None
     train, val = held_out(train, val, val_fraction, source)

@@ -182,7 +182,6 @@ def load_token_rows(
     """The rows of `train` and `val` (`datasets.Dataset`s with `input_ids`; `held`: the last rows of one split)
     as a pair of padded samples."""
     from . import tokenizer as tokenizers_file
-    from .hf import check_tokenizer_fits
 
     longest, largest = 0, -1
     for split, rows, first in (("training", train, 0), ("validation", val, len(train))):
@@ -193,7 +192,7 @@ def load_token_rows(
     if tokenizer is not None:
         model = tokenizers_file.load(tokenizer)
         vocabulary = model.get_vocab_size(with_added_tokens=True)
-        check_tokenizer_fits(tokenizer, vocabulary, model_vocabulary, init_from)
+        tokenizers_file.check_tokenizer_fits(tokenizer, vocabulary, model_vocabulary, init_from)
         if largest >= vocabulary:
             raise DataError(
                 f"--data-dir {source} holds token id {largest}, beyond the {vocabulary:,} tokens of the tokenizer "

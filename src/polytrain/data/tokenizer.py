@@ -109,3 +109,14 @@ def train_byte_bpe(texts: Iterable[str], *, vocab_size: int, length: Optional[in
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     return tokenizer
+
+
+def check_tokenizer_fits(path: Path, vocabulary: int, model_vocabulary: Optional[int], init_from) -> None:
+    """One line where the tokenizer has more tokens than the model's embedding has rows."""
+    if model_vocabulary is None or vocabulary <= model_vocabulary:
+        return
+    whose = f"--init-from {init_from}'s vocab_size" if init_from is not None else "--vocab-size"
+    raise DataError(
+        f"the tokenizer {path} has {vocabulary:,} tokens, more than the {model_vocabulary:,} rows of the model's "
+        f"embedding ({whose}); its ids beyond would index nothing: use the model's own tokenizer"
+    )

@@ -255,7 +255,9 @@ def verify_command(args) -> int:
             f"does not; use --compare-in as-trained (the default for {config.precision})"
         )
     full = as_dataset(config.dataset, config)
-    if hasattr(full, "head"):  # text: the windows of the first --steps batches
+    # the samples of the first --steps batches, and as many to validate: verify compares the steps, and the
+    # whole validation split (read at the epoch's end) would cost more than they do
+    if hasattr(full, "head"):  # text and rows of tokens
         data = full.head(args.steps * config.batch_size)
     else:
         size = min(len(full.train_y), args.steps * config.batch_size)
@@ -266,8 +268,8 @@ def verify_command(args) -> int:
             full.name,
             full.train_x[subset],
             full.train_y[subset],
-            full.val_x,
-            full.val_y,
+            full.val_x[: args.steps * config.batch_size],
+            full.val_y[: args.steps * config.batch_size],
             num_classes=full.num_classes,
             augment=full.augment,
         )

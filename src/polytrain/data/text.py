@@ -96,9 +96,12 @@ class TokenDataset:
         return self.sample_batch(count)[0]
 
     def head(self, windows: int) -> "TokenDataset":
-        """The same text with only the tokens of the first `windows` training windows (for `verify`)."""
+        """The same text with only the tokens of the first `windows` training windows and of as many validation
+        windows (for `verify`, which compares the steps: the whole validation split, read at the epoch's end,
+        would cost more than the steps themselves)."""
         shorter = copy.copy(self)
         shorter.train_tokens = self.train_tokens[: (max(1, windows) + 1) * self.context]
+        shorter.val_tokens = self.val_tokens[: max(1, windows) * self.context + 1]
         return shorter
 
 

@@ -82,9 +82,10 @@ class RowsPair(DatasetPair):
         return self.vocab_size
 
     def head(self, samples: int) -> "RowsPair":
-        """The same data with only the first `samples` training rows (for `verify`)."""
+        """The same data with only the first `samples` training rows and as many validation rows (for `verify`,
+        which compares the steps, not the validation)."""
         shorter = copy.copy(self)
-        shorter.train = self.train.head(samples)
+        shorter.train, shorter.val = self.train.head(samples), self.val.head(samples)
         return shorter
 
 

@@ -107,6 +107,7 @@ class ShardedTokens(TokenDataset):
     def head(self, windows: int) -> "ShardedTokens":
         shorter = copy.copy(self)
         shorter.train_tokens = self.train_tokens.head((max(1, windows) + 1) * self.context)
+        shorter.val_tokens = self.val_tokens.head(max(1, windows) * self.context + 1)
         return shorter
 
 

@@ -155,7 +155,10 @@ def _steps_until_stop(rank, world_size, signal_at):
 
 @pytest.mark.multiprocess
 def test_ranks_agree_on_the_step_to_stop_at_and_vote_only_every_few_steps():
-    (step0, interval0), (step1, interval1) = run_on_ranks(_steps_until_stop, 60)
+    from polytrain.runtime.forkserver import start_method
+
+    # forked from the session's forkserver (torch imported already): the vote, not the start, is under test
+    (step0, interval0), (step1, interval1) = run_on_ranks(_steps_until_stop, 60, method=start_method())
     assert step0 == step1 and interval0 == interval1  # the same step on every rank
     assert 60 < step0 <= 60 + 2 * MAX_VOTE_INTERVAL
     assert interval0 > 1  # 5 ms steps: a vote every several steps

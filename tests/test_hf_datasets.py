@@ -10,6 +10,7 @@ same rows. Bad input is one line each.
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -407,3 +408,15 @@ def test_a_gpt_trains_on_a_text_column_keeps_the_tokenizer_and_generates(texts, 
         )
         == 0
     )
+
+
+def test_fit_without_verbose_tokenizes_without_a_word(texts, tmp_path, capfd):
+    root, _ = texts
+    shutil.copytree(root / "saved", tmp_path / "saved")  # a folder whose text no run has tokenized yet
+    sizes = dict(layers=1, width=16, heads=2, context=16, batch_size=4, max_steps=1, device="cpu")
+    capfd.readouterr()
+    polytrain.fit(
+        "gpt", "hf", data_dir=str(tmp_path / "saved"), tokenizer=str(root / "a.json"), verbose=False, **sizes
+    )
+    assert capfd.readouterr().out == ""
+    assert list((tmp_path / "saved").glob("polytrain-cache/tokens-*/manifest.json"))  # it did tokenize

@@ -62,13 +62,13 @@ def split_data(data, train, val, *, validates: bool = True):
     return None, train, val
 
 
-def as_dataset(data, config: TrainConfig) -> ArrayDataset:
+def as_dataset(data, config: TrainConfig, *, verbose: bool = True) -> ArrayDataset:
     """A name, an `ArrayDataset` (or the token windows `load_dataset("shakespeare")` gives) or four tensors as
     the in-memory dataset the device-resident path loads."""
     if isinstance(data, ArrayDataset) or getattr(data, "kind", None) == "language":
         return data
     if isinstance(data, str):
-        return load_dataset(data, **dataset_settings(config))
+        return load_dataset(data, **dataset_settings(config), verbose=verbose)
     if isinstance(data, (tuple, list)) and len(data) == 4:
         train_x, train_y, val_x, val_y = (torch.as_tensor(part) for part in data)
         classes = int(max(train_y.max(), val_y.max())) + 1 if len(train_y) and len(val_y) else 10

@@ -48,10 +48,12 @@ def load_dataset(
     text_key: str = "text",
     init_from: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    verbose: bool = True,
 ) -> ArrayDataset:
     """Load a registered dataset; raise `UserError` with the fix for unknown names or missing files.
     `init_from` and `vocab_size` are the model's (its checkpoint folder and embedding rows), which a dataset
-    that tokenizes text checks its tokenizer against."""
+    that tokenizes text checks its tokenizer against; `verbose`: a dataset that works for a while (tokenizing)
+    says so."""
     if name not in DATASETS:
         raise UserError(f"unknown --dataset {name!r}; choose one of {', '.join(sorted(DATASETS))}")
     return DATASETS[name](
@@ -68,6 +70,7 @@ def load_dataset(
         text_key=text_key,
         init_from=init_from,
         vocab_size=vocab_size,
+        verbose=verbose,
     )
 
 
@@ -192,7 +195,9 @@ def _tokens(*, data_dir=None, context=None, **_):
 
 
 @register("hf")
-def _hf(*, data_dir=None, context=None, tokenizer=None, text_key="text", val_fraction=None, **model):
+def _hf(
+    *, data_dir=None, context=None, tokenizer=None, text_key="text", val_fraction=None, verbose=True, **model
+):
     from .hf import load_hf
 
     return load_hf(
@@ -203,6 +208,7 @@ def _hf(*, data_dir=None, context=None, tokenizer=None, text_key="text", val_fra
         val_fraction=val_fraction,
         init_from=model.get("init_from"),
         model_vocabulary=model.get("vocab_size"),
+        show=verbose,
     )
 
 

@@ -82,7 +82,7 @@ def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_s
             config=config,
         )
     else:
-        dataset = as_dataset(data if data is not None else config.dataset, config)
+        dataset = as_dataset(data if data is not None else config.dataset, config, verbose=shout)
     if getattr(dataset, "kind", "classification") != "classification":  # text: next-token cross-entropy
         objective = make_objective(
             config,

@@ -25,10 +25,14 @@ def _entry(rank, world_size, init_file, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S, method="spawn"):
+def run_on_ranks(fn, *args, world_size=2, timeout=TIMEOUT_S, method=None):
     """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results by rank. `method`:
-    how they start; polytrain's `start_method()` forks them from the session's forkserver, which has torch
-    imported already, where the environment allows."""
+    how they start; by default polytrain's `start_method()`, which forks them from the session's forkserver
+    (torch imported already) where the environment allows, and spawns them (seconds each) where it does not."""
+    if method is None:
+        from polytrain.runtime.forkserver import start_method
+
+        method = start_method()
     context = mp.get_context(method)
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:

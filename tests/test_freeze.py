@@ -1,10 +1,12 @@
 """--freeze PATTERN (freeze= in fit): the parameters its globs match keep their values bit for bit, get no
 gradient and no optimizer state, and the others train as SGD written by hand with the same parameters frozen
 (masked_tokens.reference_weights), on one device and on 2 processes (data; sharded, where FSDP2's unit of the
-head mixes a frozen bias with a trained weight)."""
+head mixes a frozen bias with a trained weight; the pipeline; parameter servers), and on tensor-parallel ranks
+as on one device (verify)."""
 
 import pytest
 import torch
+from conftest import polytrain_here
 from masked_tokens import MaskedWindows, reference_weights, token_model
 
 import polytrain
@@ -55,7 +57,7 @@ def test_frozen_parameters_keep_their_values_and_the_rest_train_as_by_hand(data,
 
 def test_frozen_parameters_get_no_optimizer_state_and_count_no_memory_for_it():
     model = token_model()
-    freeze(model, "0.*", strategy="single")
+    freeze(model, "0.*")
     optimizer = make_optimizer(list(model.named_parameters()), name="adamw")
     held = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(held) == 2 and all(p.requires_grad for p in held)
@@ -80,8 +82,26 @@ def test_a_pattern_that_matches_nothing_or_everything_is_one_line(data, pattern,
 
 @pytest.mark.multiprocess
 def test_frozen_parameters_on_two_devices(data, reference):
-    for how in (dict(strategy="data"), dict(strategy="sharded", accumulate=2)):
+    for how in (
+        dict(strategy="data"),
+        dict(strategy="sharded", accumulate=2),
+        dict(strategy="pipeline"),  # the embedding on one stage, the head's bias on the other
+        dict(strategy="parameter-server"),
+    ):
         model = token_model()
         initial = {name: p.detach().clone() for name, p in model.named_parameters()}
         polytrain.fit(model, train=data[0], val=data[1], devices=2, freeze="0.*,2.bias", **SGD, **how)
         check(model, initial, reference, how)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_ranks_train_a_frozen_llama_as_one_device(capfd):
+    """The first block and every norm frozen, the rest split over 2 tensor ranks: equal to one device in float64
+    (one device's freezing is the hand-written loop's, above)."""
+    done = polytrain_here(
+        capfd, "verify", "--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32",
+        "--heads", "4", "--kv-heads", "2", "--context", "16", "--strategy", "tensor", "--devices", "2",
+        "--steps", "3", "--freeze", "1.*,*norm*",
+    )  # fmt: skip
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+    assert "frozen" in done.stdout

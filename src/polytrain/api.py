@@ -136,7 +136,7 @@ def train_run(
             launcher=launcher, shout=shout,
         )  # fmt: skip
         if config.freeze:  # before the memory check, which counts no gradient or state for them
-            note = freeze(module, config.freeze, strategy=strategy if config.devices > 1 else "single")
+            note = freeze(module, config.freeze)
             if shout:
                 print(note, flush=True)
         name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__

@@ -277,6 +277,10 @@ def verify_command(args) -> int:
     torch.manual_seed(config.seed)
     # built without storage, as train builds it: both sides materialise their parts of the same initial values
     model = build_model_on_meta(config.model, data.input_shape, data.num_classes, config)
+    if config.freeze:  # both sides train the same parameters, as train would
+        from .optim.freeze import freeze
+
+        print(f"  {freeze(model, config.freeze)}")
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))

@@ -1,8 +1,9 @@
 """--freeze PATTERN: parameters that do not train, chosen by their one-device names.
 
 Frozen parameters get `requires_grad=False` before any strategy wraps the model, so no gradient is computed or
-exchanged for them (DDP leaves them out of its buckets; FSDP2 reduce-scatters only what requires a gradient),
-and the optimizer is built over the others only: no optimizer state either. The memory check counts neither
+exchanged for them (DDP leaves them out of its buckets; FSDP2 reduce-scatters only what requires a gradient; a
+pipeline stage and a parameter server step only what has a gradient; a tensor-parallel split keeps the flag on
+each slice), and the optimizer is built over the others only: no optimizer state either. The memory check counts neither
 for them.
 """
 
@@ -14,9 +15,6 @@ from typing import List
 import torch.nn as nn
 
 from ..errors import UserError
-
-# the strategies whose freezing is checked against one device (tests/test_freeze.py)
-FREEZES = ("single", "data", "sharded")
 
 
 def patterns_of(text: str) -> List[str]:
@@ -44,14 +42,10 @@ def frozen_names(names: List[str], text: str) -> List[str]:
     return frozen
 
 
-def freeze(model: nn.Module, text: str, *, strategy: str) -> str:
+def freeze(model: nn.Module, text: str) -> str:
     """Set `requires_grad=False` on the parameters of `model` that `text` matches; the start-up line that
-    says how many are frozen."""
-    if strategy not in FREEZES:
-        raise UserError(
-            f"--freeze is not supported with --strategy {strategy} yet; use --strategy "
-            f"{', '.join(FREEZES[1:])}, or one device"
-        )
+    says how many are frozen. Every strategy then leaves them alone (tests/test_freeze.py: data, sharded,
+    pipeline and parameter servers against SGD by hand, tensor parallelism against one device in verify)."""
     named = dict(model.named_parameters())
     frozen = frozen_names(list(named), text)
     for name in frozen:

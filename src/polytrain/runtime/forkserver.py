@@ -17,8 +17,9 @@ import os
 import sys
 from typing import Callable, Optional, Tuple
 
-# what the forkserver imports once: the workers' code and what it imports
-PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
+# what the forkserver imports once: the workers' code and what it imports, torch._dynamo included (torch imports
+# it on first use, in DistributedDataParallel's and every optimizer's constructor: about 1 s of CPU per worker)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "polytrain.runtime.worker", "polytrain.strategies"]
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 

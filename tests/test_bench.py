@@ -129,3 +129,15 @@ def test_auto_trains_the_hybrid_layout_a_bench_file_measured_fastest(bench_run, 
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (recorded["strategy"], recorded["replicas"]) == ("sharded", 2)
     assert recorded["strategy_plan"]["summary"] == "shards on each device, 2 replicas"
+
+
+def test_bench_takes_every_model_setting_the_command_line_has():
+    """`polytrain bench` hands every model setting to BenchOptions: one added to the models and not here would
+    make every bench fail before it starts (a TypeError)."""
+    import dataclasses
+
+    from polytrain.config.model_defaults import MODEL_SETTINGS
+    from polytrain.scaling.bench import BenchOptions
+
+    fields = {field.name for field in dataclasses.fields(BenchOptions)}
+    assert set(MODEL_SETTINGS) <= fields, sorted(set(MODEL_SETTINGS) - fields)

@@ -66,6 +66,8 @@ class BenchOptions:
     qkv_bias: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     dropout: Optional[float] = None
+    gelu: Optional[str] = None
+    positions: Optional[int] = None
 
     @property
     def model_options(self) -> dict:

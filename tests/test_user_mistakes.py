@@ -91,7 +91,7 @@ def test_dataset_options_the_dataset_does_not_read_are_refused(capsys):
     err = one_line_error(capsys, ["train", "--data-dir", "/data/mnist"])
     assert err == (
         "polytrain: error: --data-dir is not used by --dataset mnist-sample; drop it, or choose a "
-        "dataset that uses it (mnist, fashion-mnist, cifar10, folder, text)\n"
+        "dataset that uses it (mnist, fashion-mnist, cifar10, folder, text, tokens, hf)\n"
     )
     err = one_line_error(capsys, ["train", "--dataset", "mnist", "--synthetic-size", "10", "--download"])
     assert "--synthetic-size is not used by --dataset mnist" in err

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Tuple
 
 # what the forkserver imports once: the workers' code and what it imports. Not torch._dynamo (which torch imports
 # on first use, in DistributedDataParallel's and every optimizer's constructor, about 1 s of CPU per worker):
-# preloaded, a worker stopped by Ctrl-C hung at its exit in about 1 of 10 runs (3 of 36 against 0 of 16 without
+# preloaded, a worker stopped by Ctrl-C hung at its exit in about 1 of 10 runs (3 of 36 against 0 of 30 without
 # it), until torch elastic killed it 30 s later (tests/test_stopping.py's SIGINT test)
 PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver

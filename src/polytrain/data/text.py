@@ -105,12 +105,16 @@ class TokenDataset:
         return shorter
 
 
-def pairs(tokens, starts: torch.Tensor, context: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pairs(
+    tokens, starts: torch.Tensor, context: int, span: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), int64 (n, context) each, of the windows of `context + 1` tokens at `starts`: gathered
     apart from a tensor, so each is contiguous (nanoGPT's loss calls targets.view(-1)), or copied from the
-    shards on disk (token_shards.MappedTokens) on the host."""
+    shards on disk (token_shards.MappedTokens) on the host. `span`: arange(context) on `starts`' device, made
+    once by a loader that cuts many batches."""
     if isinstance(tokens, torch.Tensor):
-        positions = starts[:, None] + torch.arange(context, device=starts.device)
+        span = torch.arange(context, device=starts.device) if span is None else span
+        positions = starts[:, None] + span
         return tokens[positions], tokens[positions + 1]
     rows = tokens.windows(starts.cpu().numpy(), context + 1)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -187,6 +191,7 @@ class TokenLoader:
         self.context, self.batch_size, self.training = context, batch_size, training
         self.device = torch.device(device)
         self.index_device = torch.device("cpu") if self.mapped else self.device  # where windows are cut
+        self.span = torch.arange(context, device=self.index_device)
         self.rank, self.world_size, self.seed = rank, world_size, seed
 
     @property
@@ -206,7 +211,7 @@ class TokenLoader:
         return int(torch.randint(0, self.context, (1,), generator=generator))
 
     def _batch(self, starts: torch.Tensor, global_count: int, step: int) -> Batch:
-        x, y = pairs(self.tokens, starts, self.context)
+        x, y = pairs(self.tokens, starts, self.context, self.span)
         if self.mapped and self.device.type != "cpu":
             pin = self.device.type == "cuda"
             x, y = (

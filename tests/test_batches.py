@@ -7,6 +7,7 @@ per-batch means (how accumulation and devices were once combined) trains other w
 
 import pytest
 import torch
+from hand_sgd import plain_sgd
 from token_data import (
     PAD,
     MeanTokenModel,
@@ -20,17 +21,7 @@ from token_data import (
 import polytrain
 from polytrain.errors import UserError
 
-SGD = dict(
-    epochs=1,
-    batch_size=16,
-    lr=0.5,
-    optimizer="sgd",
-    momentum=0.0,
-    weight_decay=0.0,
-    schedule="constant",
-    warmup_epochs=0,
-    verbose=False,
-)
+SGD = plain_sgd(batch_size=16)
 STEPS = 4  # 64 training sequences in batches of 16
 
 

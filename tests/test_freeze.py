@@ -7,6 +7,7 @@ as on one device (verify)."""
 import pytest
 import torch
 from conftest import polytrain_here
+from hand_sgd import plain_sgd
 from masked_tokens import MaskedWindows, reference_weights, token_model
 
 import polytrain
@@ -15,17 +16,7 @@ from polytrain.optim import make_optimizer
 from polytrain.optim.freeze import freeze
 from polytrain.plan.costmodel import Workload, memory_per_rank
 
-SGD = dict(
-    epochs=1,
-    batch_size=8,
-    lr=0.5,
-    optimizer="sgd",
-    momentum=0.0,
-    weight_decay=0.0,
-    schedule="constant",
-    warmup_epochs=0,
-    verbose=False,
-)
+SGD = plain_sgd()
 FROZEN = ("0.weight", "2.bias")  # the embedding, and the head's bias beside its trained weight
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hand_sgd import plain_sgd
 from masked_tokens import token_model
 
 datasets = pytest.importorskip("datasets")
@@ -253,17 +254,7 @@ def hand_trained(rows):
     return trained
 
 
-SGD = dict(
-    epochs=1,
-    batch_size=8,
-    lr=0.5,
-    optimizer="sgd",
-    momentum=0.0,
-    weight_decay=0.0,
-    schedule="constant",
-    warmup_epochs=0,
-    verbose=False,
-)
+SGD = plain_sgd()
 
 
 def _difference(model, weights) -> float:

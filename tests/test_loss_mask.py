@@ -5,22 +5,13 @@ written by hand with F.cross_entropy(ignore_index=-100) (masked_tokens.reference
 
 import pytest
 import torch
+from hand_sgd import plain_sgd
 from masked_tokens import MASKED, MaskedWindows, reference_weights, token_model
 
 import polytrain
 from polytrain.objective import Objective
 
-SGD = dict(
-    epochs=1,
-    batch_size=8,
-    lr=0.5,
-    optimizer="sgd",
-    momentum=0.0,
-    weight_decay=0.0,
-    schedule="constant",
-    warmup_epochs=0,
-    verbose=False,
-)
+SGD = plain_sgd()
 STEPS = 4  # 32 windows in batches of 8
 
 

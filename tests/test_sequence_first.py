@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from hand_sgd import plain_sgd
 from sequence_first import SequenceFirstLM, Windows, sequence_first_step
 
 import polytrain
@@ -18,17 +19,7 @@ from polytrain.strategies.global_batch import (
     whole_batch_layers,
 )
 
-SGD = dict(
-    epochs=1,
-    batch_size=8,
-    lr=0.5,
-    optimizer="sgd",
-    momentum=0.0,
-    weight_decay=0.0,
-    schedule="constant",
-    warmup_epochs=0,
-    verbose=False,
-)
+SGD = plain_sgd()
 
 
 def test_a_sequence_first_dropout_gives_each_rank_its_columns_of_the_one_device_mask():

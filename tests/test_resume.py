@@ -1,6 +1,7 @@
 """`--resume` continues what the run had: its devices, its length; it says what it keeps and what it refuses."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 import polytrain
 from polytrain.cli import main
 from polytrain.errors import UserError
-from polytrain.run_dir import in_training
+from polytrain.run_dir import in_training, training
 
 COMMON = [
     "--dataset",
@@ -195,3 +196,24 @@ def test_a_resumed_folder_records_the_layout_it_now_trains_on(tmp_path):
     assert (recorded["strategy"], recorded["devices"], recorded["replicas"]) == ("sharded", 4, 2)
     assert recorded["strategy_plan"] == {"summary": "shards on each device, 2 replicas"}
     assert recorded["epochs"] == 3 and recorded["versions"]["torch"] == torch.__version__
+
+
+def test_a_child_forked_while_a_run_trains_does_not_keep_its_folder_locked(tmp_path):
+    # persistent DataLoader workers are forked while the folder is locked and may outlive the run until the
+    # garbage collector takes their loader: the folder must be free when the run ends all the same
+    (tmp_path / "run").mkdir()
+    started, hold = os.pipe(), os.pipe()
+    with training(tmp_path / "run"):
+        child = os.fork()
+        if child == 0:  # lives on until the parent has asked whether the folder is locked
+            os.write(started[1], b"s")
+            os.read(hold[0], 1)
+            os._exit(0)
+        assert os.read(started[0], 1) == b"s"
+    try:
+        assert not in_training(tmp_path / "run")
+    finally:
+        os.write(hold[1], b"x")
+        os.waitpid(child, 0)
+        for end in started + hold:
+            os.close(end)

@@ -111,6 +111,25 @@ LOCK_FILE = ".training.lock"
 
 RESUME_FIX = "wait for it to end, or stop it (Ctrl-C or kill: it saves a checkpoint) and resume then"
 
+# The handles this process holds locked. A forked child (a DataLoader worker, the user's own) shares each with
+# this process, and flock releases a lock only when every copy is closed: a child that outlived the training
+# (persistent loader workers until the garbage collector takes them) would keep the folder locked after the run
+# ended. So a child closes its copies as it starts.
+_held: set = set()
+
+
+def _close_inherited_locks() -> None:
+    for handle in _held:
+        try:
+            os.close(handle)
+        except OSError:
+            pass
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
 
 def _locks_here() -> bool:
     from .runtime.hostenv import launcher_env
@@ -148,10 +167,12 @@ def training(run_dir, *, fix: str = RESUME_FIX):
     if handle is not None:
         os.ftruncate(handle, 0)
         os.pwrite(handle, str(os.getpid()).encode(), 0)  # for the line another process gets
+        _held.add(handle)
     try:
         yield
     finally:
         if handle is not None:
+            _held.discard(handle)
             os.close(handle)  # releases the lock
 
 

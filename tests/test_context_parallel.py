@@ -183,3 +183,83 @@ def test_a_model_over_the_split_sequence_equals_one_device(on_four_ranks, size, 
         errors = dict(found[size]["models"][model])
         assert errors.pop("smallest gradient norm") > 0, (rank, model)
         assert max(errors.values()) < EXACT, (rank, model, errors)
+
+
+# `polytrain verify --context-parallel C`: the strategies that split sequences (data, sharded) on both models,
+# C = 2 inside 2 sharded data slices (4 ranks) and C = 4 over every rank, with activation checkpointing and
+# accumulation, against one device in float64
+SMALL = ["--dataset", "shakespeare", "--layers", "2", "--heads", "4", "--width", "32", "--context", "32"]
+VERIFIES = {
+    "llama sharded 2 x cp 2, full checkpointing, 2 passes": [
+        "--model", "llama", "--kv-heads", "2", "--strategy", "sharded", "--devices", "4",
+        "--context-parallel", "2", "--activation-checkpointing", "full", "--accumulate", "2",
+    ],
+    "gpt data, cp 4, selective checkpointing": [
+        "--model", "gpt", "--strategy", "data", "--devices", "4", "--context-parallel", "4",
+        "--activation-checkpointing", "selective",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(VERIFIES))
+def test_verify_passes_with_sequences_split_over_a_context_group(capfd, case):
+    from conftest import polytrain_here
+
+    done = polytrain_here(capfd, "verify", *SMALL, *VERIFIES[case], "--steps", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PASS" in done.stdout and "(each sequence split over" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 3 and all(float(row[3]) < 1e-12 for row in rows), done.stdout
+
+
+REFUSALS = {
+    "a strategy that does not split sequences": (
+        ["--model", "gpt", "--strategy", "tensor", "--devices", "2", "--context-parallel", "2"],
+        ["--context-parallel applies to --strategy data or sharded"],
+    ),
+    "a model without attention": (
+        ["--model", "mlp", "--dataset", "synthetic", "--strategy", "data", "--devices", "2", "--context-parallel", "2"],
+        ["--context-parallel splits the sequences of --model gpt and llama", "mlp"],
+    ),
+    "a context that does not cut into head-tail chunks": (
+        ["--model", "llama", "--context", "36", "--strategy", "data", "--devices", "4", "--context-parallel", "4"],
+        ["--context 36", "multiple of 8"],
+    ),
+    "dropout": (
+        ["--model", "gpt", "--dropout", "0.1", "--strategy", "sharded", "--devices", "2", "--context-parallel", "2"],
+        ["does not split dropout masks", "--dropout 0"],
+    ),
+    "a group size that does not divide the devices": (
+        ["--model", "gpt", "--strategy", "data", "--devices", "3", "--context-parallel", "2"],
+        ["--context-parallel 2 must divide --devices 3"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_what_context_parallelism_cannot_split_is_one_line_before_any_worker(capsys, tmp_path, case):
+    from polytrain.cli import main
+
+    argv, words = REFUSALS[case]
+    dataset = [] if "--dataset" in argv else ["--dataset", "shakespeare"]
+    code = main(["train", *argv, *dataset, "--max-steps", "1", "--out", str(tmp_path / "run")])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    assert captured.err.startswith("polytrain: error:") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err and captured.out.count("\n") <= 1  # (at most the defaults line)
+    assert all(word in captured.err for word in words), captured.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
+    from polytrain.plan.costmodel import Workload, memory_per_rank
+    from polytrain.plan.layout import layout_of
+
+    work = Workload(parameter_bytes=1000.0, compute_seconds=0.0, activation_bytes=100.0, batch_size=8)
+    data = memory_per_rank(work, "data", 4, layout=layout_of("data", 4))
+    split = memory_per_rank(work, "data", 4, layout=layout_of("data", 4, context_parallel=2))
+    assert data - split == pytest.approx(100.0 * 8 / 4 - 100.0 * 8 / (2 * 2))  # 2 slices of 4, each half kept
+    sharded = memory_per_rank(work, "sharded", 4, layout=layout_of("sharded", 4, context_parallel=2))
+    assert sharded < split  # FSDP2 shards over the context groups' ranks too

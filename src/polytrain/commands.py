@@ -43,12 +43,16 @@ RECORDED_ON_RESUME = (
 )
 
 
-def _resumed_strategy(old: str, args) -> str:
-    """A resumed run keeps its strategy; new --devices pick one again (a pipeline stays a pipeline)."""
+def _resumed_strategy(old: str, args, *, context_parallel=None) -> str:
+    """A resumed run keeps its strategy; new --devices pick one again (a pipeline stays a pipeline, and a run
+    that splits its sequences keeps its strategy while it still does)."""
     if "strategy" in args.given:
         return args.strategy
     if "devices" in args.given:
-        return "pipeline" if old == "pipeline" and args.devices > 1 else "auto"
+        if "context_parallel" in args.given:
+            context_parallel = args.context_parallel
+        keeps = old == "pipeline" or (context_parallel or 1) > 1
+        return old if keeps and args.devices > 1 else "auto"
     return old
 
 
@@ -86,7 +90,9 @@ def resume_settings(args):
         )
     before = dict(settings)
     settings["device"] = settings.get("device_type") or settings.get("device", "auto")  # the kind it ran on
-    settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args)
+    settings["strategy"] = _resumed_strategy(
+        settings.get("strategy", "auto"), args, context_parallel=settings.get("context_parallel")
+    )
     settings.update(options_of_other_strategies(settings["strategy"]))
     if set(REPLANNING) & args.given:
         # the split and micro-batches were chosen for the old layout: plan them anew unless given
@@ -284,9 +290,11 @@ def verify_command(args) -> int:
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
+    context = config.context_parallel or 1
+    split = f" (each sequence split over {context} context ranks)" if context > 1 else ""
     print(
         f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
-        f"1 device vs {config.devices} device(s) with strategy {strategy!r}, "
+        f"1 device vs {config.devices} device(s) with strategy {strategy!r}{split}, "
         + ("both in float64" if float64 else f"both as trained ({config.precision})")
     )
     channels_last = (

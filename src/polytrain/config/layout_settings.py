@@ -44,6 +44,18 @@ class DeviceSettings:
         resume="change",
         replans=True,
     )
+    context_parallel: Optional[int] = setting(
+        None,
+        "ranks each sequence's tokens are split across (--model gpt or llama): each holds a head and a tail "
+        "chunk of every sequence, so its activations are about 1/C of one device's; keys and values are "
+        "gathered over the group for causal attention. --devices / C such groups split the batch (default: 1)",
+        group="devices",
+        metavar="C",
+        check="count",
+        strategies=("data", "sharded"),
+        resume="change",
+        replans=True,
+    )
     plan: Optional[str] = setting(
         None,
         "with --strategy auto: choose from this polytrain bench result instead of measuring",

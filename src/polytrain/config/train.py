@@ -11,20 +11,20 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..plan.layout import Layout, data_degree_or_devices, layout_of, layout_or_none
+from ..plan.layout import Layout, layout_of, layout_or_none
 from ..plan.pipeline import check_microbatches
 from .declare import check_value, declared, flag_name, unset
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 
 
-def replicas(
-    devices: int, strategy: str, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
-) -> int:
+def replicas(values: dict) -> int:
     """How many replicas split each global batch: the layout's data degree (every device, except in a pipeline,
-    where the devices of one pipeline share one slice, and with tensor parallelism, where the T devices of one
-    tensor group read the same slice); before validation, `devices` where the settings make no layout."""
-    return data_degree_or_devices(strategy, devices, pipeline_stages, tensor_parallel)
+    where the devices of one pipeline share one slice, and with tensor or context parallelism, where the devices
+    of one tensor or context group read the same slice); before validation, `--devices` where the settings make
+    no layout."""
+    layout = _layout_or_none(values)
+    return values.get("devices", DEFAULTS.devices) if layout is None else layout.data_degree
 
 
 def apply_inputs(values: dict) -> None:
@@ -33,12 +33,7 @@ def apply_inputs(values: dict) -> None:
     per_device = values.pop("per_device_batch_size", None)
     if per_device is not None:
         check_value("per_device_batch_size", INPUTS["per_device_batch_size"], per_device)
-        values["batch_size"] = per_device * replicas(
-            values.get("devices", DEFAULTS.devices),
-            values.get("strategy", "auto"),
-            values.get("pipeline_stages"),
-            values.get("tensor_parallel"),
-        )
+        values["batch_size"] = per_device * replicas(values)
     micro = values.pop("micro_batch_size", None)
     if micro is not None:
         apply_micro_batch_size(values, micro)
@@ -49,12 +44,7 @@ def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=flag_nam
     micro-batches; refused in one line where the settings do not multiply out."""
     check_value("micro_batch_size", INPUTS["micro_batch_size"], micro_batch_size)
     batch = values.get("batch_size", DEFAULTS.batch_size)
-    shares = replicas(
-        values.get("devices", DEFAULTS.devices),
-        values.get("strategy", "auto"),
-        values.get("pipeline_stages"),
-        values.get("tensor_parallel"),
-    )
+    shares = replicas(values)
     layout = _layout_or_none(values)
     per_replica, pipeline = batch // shares, layout is not None and layout.pipeline > 1
     per_pass = per_replica // (values.get("microbatches") or 1) if pipeline else per_replica
@@ -82,6 +72,7 @@ def _layout_or_none(values: dict) -> Optional[Layout]:
         values.get("devices", DEFAULTS.devices),
         values.get("pipeline_stages"),
         values.get("tensor_parallel"),
+        context_parallel=values.get("context_parallel"),
     )
 
 
@@ -230,6 +221,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             tensor_parallel=self.tensor_parallel,
             data_parallel=self.data_parallel,
             replicas=self.replicas,
+            context_parallel=self.context_parallel,
         )
 
     @property

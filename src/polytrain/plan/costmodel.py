@@ -478,18 +478,21 @@ def memory_per_rank(
     weights = work.parameter_bytes
     per_sample = peak_bytes(work, checkpointing) if work.activation_bytes else sum(work.boundary_bytes)
     layout = layout or layout_of_label(strategy, devices)
-    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'
-    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
+    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
+    # context group's ranks each keep 1/C of every sequence's (their gathered keys and values are not counted)
+    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline * layout.context)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     # frozen parameters (--freeze) hold their weights only: no gradient, no optimizer state
     trained = 1.0 if work.trained_bytes is None or not weights else work.trained_bytes / weights
-    states = held * (1 + (1 + optimizer_slots) * trained) / (layout.shard * layout.pipeline)
+    # FSDP2 shards over the data ranks and, where sharded, the context groups' ranks too
+    shards = layout.shard * (layout.context if strategy.startswith("sharded") else 1)
+    states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
     # (pipeline_shard.py)
-    gathered = (work.gathered_bytes or held) if layout.shard > 1 else 0.0
+    gathered = (work.gathered_bytes or held) if shards > 1 else 0.0
     if layout.shard > 1 and layout.pipeline > 1:
         gathered = held * 2 / layout.pipeline
     return states + gathered + activations

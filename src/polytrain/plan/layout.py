@@ -2,15 +2,15 @@
 
 `Layout(replicate=2, tensor=2)` is 2 data-parallel replicas of 2 tensor ranks each. The degrees are
 torchtitan's `ParallelDims`: data-parallel replicate (whole copies that all-reduce gradients), data-parallel
-shard (FSDP2 ranks that each keep a shard), pipeline (stages), tensor (each layer split); context and expert
-degrees have their place beside them when they come. The device mesh is laid out in that order, the tensor
-dimension innermost, so a tensor group is consecutive ranks (one machine's devices).
+shard (FSDP2 ranks that each keep a shard), pipeline (stages), context (each sequence's tokens split), tensor
+(each layer split); an expert degree has its place beside them when it comes. The device mesh is laid out in that
+order, the tensor dimension innermost, so a tensor group is consecutive ranks (one machine's devices), and a
+context group the ranks next to them.
 
 What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
 gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
-(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel`, `--pipeline-stages`, `--data-parallel` and
-`--replicas`)
-are presets of degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers
+(`--strategy data|sharded|pipeline|tensor`, with `--tensor-parallel`, `--pipeline-stages`, `--data-parallel`,
+`--replicas` and `--context-parallel`) are presets of degrees (`layout_of`). The parameter server is a different algorithm, not a layout: its workers
 are replicas.
 
 Pure: numbers in, numbers out (no torch), so a layout for hundreds of devices is planned anywhere.
@@ -25,9 +25,21 @@ from ..errors import ConfigError
 from .pipeline import PipelineLayout
 
 # mesh order, outermost first; the names are the device mesh's dimension names
-DEGREES = ("replicate", "shard", "pipeline", "tensor")
-MESH_NAMES = {"replicate": "dp_replicate", "shard": "dp_shard", "pipeline": "pp", "tensor": "tp"}
-WORDS = {"replicate": "replica", "shard": "shard", "pipeline": "stage", "tensor": "tensor rank"}
+DEGREES = ("replicate", "shard", "pipeline", "context", "tensor")
+MESH_NAMES = {
+    "replicate": "dp_replicate",
+    "shard": "dp_shard",
+    "pipeline": "pp",
+    "context": "cp",
+    "tensor": "tp",
+}
+WORDS = {
+    "replicate": "replica",
+    "shard": "shard",
+    "pipeline": "stage",
+    "context": "context rank",
+    "tensor": "tensor rank",
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class Layout:
     replicate: int = 1
     shard: int = 1
     pipeline: int = 1
+    context: int = 1
     tensor: int = 1
 
     def __post_init__(self) -> None:
@@ -47,18 +60,26 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.pipeline * self.tensor
+        return self.replicate * self.shard * self.pipeline * self.context * self.tensor
 
     @property
     def data_degree(self) -> int:
         """Into how many slices each global batch is cut, and over how many the gradient is averaged: the
-        data-parallel ranks (the ranks of one pipeline, and of one tensor group, read the same slice)."""
+        data-parallel ranks (the ranks of one pipeline, of one context group and of one tensor group read the same
+        slice)."""
         return self.replicate * self.shard
 
     @property
     def splits_model(self) -> bool:
         """True where no rank holds the whole model's parameters."""
         return self.shard > 1 or self.pipeline > 1 or self.tensor > 1
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Over how many ranks' gradients the one-device gradient is the average, each rank's loss divided by the
+        global batch over this: the data ranks; the ranks of a context group each hold a part of their slice's
+        loss, so their gradients count as ranks of their own (summed over the group, a part each)."""
+        return self.data_degree * self.context
 
     def degrees(self) -> Dict[str, int]:
         """Every degree above 1, in mesh order (empty on one device)."""
@@ -135,14 +156,34 @@ def _pipeline(
     return Layout(**mesh.degrees())
 
 
-def _sharded(devices: int, *, replicas: Optional[int] = None, **_) -> Layout:
-    copies = replicas or 1
-    if devices % copies or (copies > 1 and copies >= devices):
+def _context_groups(devices: int, context: int) -> int:
+    """How many context groups of `context` ranks `devices` make; one line where they do not divide."""
+    if devices % context:
         raise ConfigError(
-            f"--replicas {copies} must divide --devices {devices} and be fewer than it (each replica shards "
-            f"over --devices / {copies} ranks); use a divisor of {devices} below {devices}, or --strategy data"
+            f"--context-parallel {context} must divide --devices {devices} (each group of {context} ranks splits "
+            f"every sequence; --devices / {context} such groups split the batch); use a divisor of {devices}"
         )
-    return Layout(replicate=copies, shard=devices // copies)  # hybrid sharding (HSDP) where copies > 1
+    return devices // context
+
+
+def _data(devices: int, *, context_parallel: Optional[int] = None, **_) -> Layout:
+    context = context_parallel or 1
+    return Layout(replicate=_context_groups(devices, context), context=context)
+
+
+def _sharded(
+    devices: int, *, replicas: Optional[int] = None, context_parallel: Optional[int] = None, **_
+) -> Layout:
+    copies, context = replicas or 1, context_parallel or 1
+    groups = _context_groups(devices, context)
+    if groups % copies or (copies > 1 and copies >= groups):
+        per = " / --context-parallel" if context > 1 else ""
+        raise ConfigError(
+            f"--replicas {copies} must divide --devices{per} ({groups}) and be fewer than it (each replica shards "
+            f"over --devices / {copies} ranks); use a divisor of {groups} below {groups}, or --strategy data"
+        )
+    # hybrid sharding (HSDP) where copies > 1; FSDP2 shards over the context groups' ranks too
+    return Layout(replicate=copies, shard=groups // copies, context=context)
 
 
 # The strategy names as presets of degrees. `auto` is planned as replicas until the cost model has chosen;
@@ -150,12 +191,15 @@ def _sharded(devices: int, *, replicas: Optional[int] = None, **_) -> Layout:
 PRESETS: Dict[str, Callable[..., Layout]] = {
     "single": _one_device,
     "auto": lambda devices, **_: Layout(replicate=devices),
-    "data": lambda devices, **_: Layout(replicate=devices),
+    "data": _data,
     "parameter-server": lambda devices, **_: Layout(replicate=devices),
     "sharded": _sharded,
     "tensor": _tensor,
     "pipeline": _pipeline,
 }
+
+
+CONTEXT_PRESETS = ("data", "sharded")  # those that split sequences over context groups (--context-parallel)
 
 
 def layout_of(
@@ -166,18 +210,27 @@ def layout_of(
     tensor_parallel: Optional[int] = None,
     data_parallel: Optional[str] = None,
     replicas: Optional[int] = None,
+    context_parallel: Optional[int] = None,
 ) -> Layout:
     """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel, and
     --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
-    model); one line naming the fix where they do not multiply out."""
+    model; --context-parallel: the ranks each sequence is split over); one line naming the fix where they do not
+    multiply out."""
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
+    options = dict(context_parallel=context_parallel) if context_parallel not in (None, 1) else {}
+    if options and strategy not in CONTEXT_PRESETS:
+        raise ConfigError(
+            f"--context-parallel applies to --strategy {' or '.join(CONTEXT_PRESETS)} so far; use one of them, "
+            f"or drop --context-parallel"
+        )
     return PRESETS[strategy](
         devices,
         pipeline_stages=pipeline_stages,
         tensor_parallel=tensor_parallel,
         data_parallel=data_parallel,
         replicas=replicas,
+        **options,
     )
 
 
@@ -230,15 +283,6 @@ def layout_of_label(label: str, devices: int) -> Layout:
         return Layout()
     name, settings = settings_of_label(label)
     return layout_of(name, devices, **settings)
-
-
-def data_degree_or_devices(
-    strategy: str, devices, pipeline_stages: Optional[int] = None, tensor_parallel: Optional[int] = None
-):
-    """The data degree of these settings, for arithmetic done before they are validated: `devices` where
-    they do not make a layout (the validation then says why)."""
-    layout = layout_or_none(strategy, devices, pipeline_stages, tensor_parallel)
-    return devices if layout is None else layout.data_degree
 
 
 def layout_or_none(

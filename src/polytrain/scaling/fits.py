@@ -113,6 +113,7 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
         getattr(config, "tensor_parallel", None),
         data_parallel=getattr(config, "data_parallel", None),
         replicas=getattr(config, "replicas", None),
+        context_parallel=getattr(config, "context_parallel", None),
     )
 
 

@@ -9,6 +9,7 @@ from ..config.registry_names import STRATEGY_NAMES, check_registry
 from ..errors import ConfigError
 from .activation_checkpoint import check_activation_checkpointing
 from .base import StepStats, Strategy
+from .context_parallel import check_context_parallel
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .pipeline import Pipeline
@@ -55,6 +56,7 @@ def make_plan(name: str, config, model, dataset, *, device):
             "an nn.Sequential (stages split by --split), or drop --activation-checkpointing"
         )
     check_activation_checkpointing(model, config.activation_checkpointing)  # the blocks it means, or one line
+    check_context_parallel(model, config.context_parallel or 1, name=config.model or type(model).__name__)
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 

@@ -79,6 +79,7 @@ class Strategy:
         activation_checkpointing: str = "none",
         seed: int = 0,
         cuda_graphs: bool = False,
+        context_parallel: int = 1,
     ):
         self.device = torch.device(device)
         self.seed = seed  # the run's: a model built on the meta device is initialised from it (materialise)
@@ -94,6 +95,9 @@ class Strategy:
             fp16=precision == "fp16",
         )
         self.rank, self.world_size = rank, world_size
+        # context parallelism: each sequence split over groups of `context_size` consecutive ranks, which read the
+        # same slice of the batch (the ContextGroup of this rank once set up; strategies/context_parallel.py)
+        self.context_size, self.context = context_parallel, None
         self.precision = precision
         self.compile = compile
         self.channels_last = channels_last and self.keeps_channels_last
@@ -133,13 +137,14 @@ class Strategy:
 
     @property
     def data_rank(self) -> int:
-        """Which slice of each global batch this rank reads (ranks of one pipeline read the same)."""
-        return self.rank
+        """Which slice of each global batch this rank reads (ranks of one pipeline, or of one context group,
+        read the same)."""
+        return self.rank // self.context_size
 
     @property
     def data_world(self) -> int:
         """Into how many slices each global batch is cut."""
-        return self.world_size
+        return self.world_size // self.context_size
 
     @property
     def replicas(self) -> int:
@@ -155,6 +160,7 @@ class Strategy:
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.split_model(model)
+        self.split_sequences(model)
         self.checkpoint_activations(model)
         self.whole_batch_layers(model)
         self.runner = self.wrap(model)
@@ -215,6 +221,29 @@ class Strategy:
     def split_model(self, model: nn.Module) -> None:
         """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""
 
+    def split_sequences(self, model: nn.Module) -> None:
+        """With context parallelism: the model's attention and positions switched to this rank's context group,
+        and the loss to a part of each window's (strategies/context_parallel.py)."""
+        if self.context_size > 1:
+            from .context_parallel import split_model_sequences
+
+            self.context, line = split_model_sequences(
+                model, self.objective, self.world_size, self.context_size, self.device.type
+            )
+            if self.is_main:
+                self.placement.append(line)
+
+    def own_tokens(self, x, y) -> tuple:
+        """This rank's head and tail chunks of each sequence of (x, y) under context parallelism, else (x, y)."""
+        if self.context is None:
+            return x, y
+        return self.context.own_tokens(x), self.context.own_tokens(y)
+
+    def counted_samples(self, samples: int) -> int:
+        """The samples this rank counts in the step's figures: those of its slice; within a context group, the
+        first rank counts them (every rank holds a part of the same samples)."""
+        return samples if self.context is None or self.context.rank == 0 else 0
+
     def whole_batch_layers(self, model: nn.Module) -> None:
         """With data-parallel ranks that each compute a slice (`normalises_global_batch`): BatchNorm and Dropout
         layers compute over the global batch, as on one device (strategies/global_batch.py)."""
@@ -270,7 +299,7 @@ class Strategy:
         for i, (x, y) in enumerate(zip(split_rows(batch.x, passes), split_rows(batch.y, passes))):
             self._mark_rows(batch, i, passes)
             with self.gradient_sync(last=i == passes - 1):
-                loss_sum, count, metrics, replayed = self._pass(x, y)
+                loss_sum, count, metrics, replayed = self._pass(*self.own_tokens(x, y))
                 self.gradients.scale(loss_sum / share).backward()
             if replayed and i < passes - 1:  # the next replay would overwrite the gradients it handed over
                 cuda_graphs.release_gradients(list(self.model.parameters()))
@@ -281,7 +310,9 @@ class Strategy:
             self.global_rows.active = False
         self.per_counted_element(count_total, batch.global_count)
         self.apply_gradients()
-        return StepStats(loss_total, metric_total, len(batch), self.gradients.last_norm, count_total)
+        return StepStats(
+            loss_total, metric_total, self.counted_samples(len(batch)), self.gradients.last_norm, count_total
+        )
 
     def _pass(self, x, y) -> tuple:
         """(summed loss, what it covers, metric sums, whether it replayed a CUDA graph) of one pass's forward:
@@ -366,11 +397,12 @@ class Strategy:
     def eval_step(self, batch) -> StepStats:
         if self.model.training:
             self.model.eval()
+        x, y = self.own_tokens(batch.x, batch.y)
         loss_sum, count, outputs = self.objective.compute(
-            self.model, batch.x, batch.y, training=False, autocast=self.autocast
+            self.model, x, y, training=False, autocast=self.autocast
         )
-        metrics = self.objective.metric_sums(outputs, batch.y) if self.objective.names else self.no_metrics
-        return StepStats(loss_sum, metrics, len(batch), loss_count=count)
+        metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
+        return StepStats(loss_sum, metrics, self.counted_samples(len(batch)), loss_count=count)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (one rank: unchanged)."""

@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..objective import IGNORE_INDEX, at_least_float32
+from ..objective import Objective
 
 # torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
 # that it is deprecated), else `all_gather_tensor_autograd`; used along dim 0, which every version supports
@@ -144,6 +144,13 @@ class ContextGroup:
         """`causal_attention` over this group: the models' stand-in for causal scaled_dot_product_attention."""
         return causal_attention(q, k, v, self)
 
+    def own_tokens(self, tokens):
+        """This rank's head and tail chunks of `tokens` laid out by token along dim 1 ((B, T) ids or labels);
+        anything else as it is."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            return tokens
+        return split_sequence(tokens, self.rank, self.size)[0]
+
     def __deepcopy__(self, memo) -> "ContextGroup":
         return self  # a copy of a model on this rank splits its sequences over the same group
 
@@ -164,22 +171,63 @@ def apply_context_parallel(model: nn.Module, group) -> nn.Module:
     return model
 
 
+def split_model_sequences(model: nn.Module, objective, world_size: int, size: int, device_type: str):
+    """(this rank's ContextGroup, the start-up line that says so): `model` switched to context-parallel mode over
+    the group of `size` consecutive ranks that holds this rank (the "cp" dimension of the layout's mesh), and
+    `objective`'s token loss to a part of each window's."""
+    from ..plan.layout import Layout
+    from .mesh import device_mesh
+
+    mesh = device_mesh(Layout(replicate=world_size // size, context=size), device_type)
+    context = ContextGroup.of(mesh["cp"])
+    apply_context_parallel(model, context)
+    objective.sequence_parts = size
+    length = getattr(model, "context", None)
+    tokens, chunk = (f" of {length} tokens", f" of {length // (2 * size)}") if length else ("", "")
+    groups = world_size // size
+    line = (
+        f"context parallel: each sequence{tokens} split over {size} ranks (a head and a tail chunk{chunk} "
+        f"each), keys and values gathered over the group for attention; "
+        + (f"{groups} such groups split the batch" if groups > 1 else "every rank reads the whole batch")
+    )
+    return context, line
+
+
+def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
+    """One line, before any worker starts, where `model` (called `name`) cannot have its sequences split over
+    `size` ranks: no attention polytrain can split, a context that does not cut into head-tail chunks, or
+    dropout (whose masks would be drawn by each rank for its own tokens: not the one-device model)."""
+    if size == 1:
+        return
+    if not any(hasattr(type(module), "context_parallel") for module in model.modules()):
+        raise ConfigError(
+            f"--context-parallel splits the sequences of --model gpt and llama; {name} has no attention that "
+            f"polytrain can split (its attention and positions would need the whole sequence on every rank): "
+            f"use --model gpt or llama, or drop --context-parallel"
+        )
+    check_length(getattr(model, "context", 0), size)
+    dropouts = [
+        module_name or "the model"
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.Dropout) and module.p > 0
+    ]
+    if dropouts:
+        raise ConfigError(
+            f"--context-parallel does not split dropout masks yet (each rank would draw its own for its tokens, "
+            f"another model than one device's; {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''}): "
+            f"give --dropout 0, or drop --context-parallel"
+        )
+
+
 def token_loss(
     outputs: torch.Tensor, targets: torch.Tensor, context: ContextGroup, *, label_smoothing: float = 0.0
 ):
     """This rank's part of next-token cross-entropy (`Objective.token_loss`) on its T/C tokens of each
     sequence: (its tokens' loss summed over the whole sequence's T, its trained tokens over T, a float64
     tensor). Summed over the context group, both are one device's; the loss is differentiable."""
-    tokens = targets.shape[-1] * context.size
-    total = F.cross_entropy(
-        at_least_float32(outputs).flatten(0, -2),
-        targets.flatten(),
-        reduction="sum",
-        ignore_index=IGNORE_INDEX,
-        label_smoothing=label_smoothing,
-    )
-    trained = (targets != IGNORE_INDEX).sum().to(torch.float64)
-    return total / tokens, trained / tokens
+    objective = Objective(kind="language", label_smoothing=label_smoothing)
+    objective.sequence_parts = context.size
+    return objective.token_loss(outputs, targets)
 
 
 def context_sum(value: torch.Tensor, context: Optional[ContextGroup]) -> torch.Tensor:

@@ -142,7 +142,7 @@ class Sharded(Distributed):
             k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
         }
         super().setup(model, make_optimizer, make_scheduler)
-        self.placement = self._memory_lines(full)
+        self.placement = self.placement + self._memory_lines(full)
 
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients are the same size; optimizer state after its first

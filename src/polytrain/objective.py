@@ -89,6 +89,9 @@ class Objective:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
         self.names: Tuple[str, ...] = (("acc",) if self.classification else ()) + tuple(metrics)
+        # the parts each window's tokens are split into across ranks (context parallelism): a rank holds T / parts
+        # of a window's T tokens, and its token loss is its part of the window's mean over all T
+        self.sequence_parts = 1
 
     @property
     def custom(self) -> bool:
@@ -203,8 +206,10 @@ class Objective:
         """(summed loss, count) of next-token cross-entropy, both in samples: the loss summed over the tokens
         not labelled IGNORE_INDEX, over the T tokens of a window, and how many windows of T such tokens there
         are (a float64 tensor; N where no label is masked). Without masks, each sample's mean over its tokens,
-        summed over the samples."""
-        tokens = max(1, targets.shape[-1]) if targets.dim() > 1 else 1
+        summed over the samples. Where a rank holds 1 / `sequence_parts` of each window (context parallelism),
+        both are its part of them (the window's T is all its parts' tokens), which summed over the parts are
+        one device's."""
+        tokens = max(1, targets.shape[-1]) * self.sequence_parts if targets.dim() > 1 else 1
         total = (
             F.cross_entropy(
                 at_least_float32(outputs).flatten(0, -2),

@@ -119,7 +119,9 @@ def train_run(
             initial_weights(config.init_from, module).check(module)
         config = settle_augmentation(config, dataset, registry_model=registry_model, shout=shout)
         steps_per_epoch = -(-dataset.num_train // config.batch_size)
-        objective = check_the_objective(config, module, objective, dataset, strategy, steps_per_epoch)
+        objective = check_the_objective(
+            config, module, objective, dataset, strategy, steps_per_epoch, shout=shout, words=words
+        )
         recipe = make_recipe(
             config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups
         ).checked(module, staleness=config.staleness or 0)

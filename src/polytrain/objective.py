@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .data.order import leaves, rows
 from .errors import UserError
+from .own_loss import token_labels, with_num_items
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KINDS = ("classification", "language", "model")  # model: the model returns its loss
@@ -85,6 +86,10 @@ class Objective:
         # next-token cross-entropy does where labels may be IGNORE_INDEX (`masks_labels`; the built-in text's
         # never are: its steps then need no global count)
         self.counted = self.language and masks_labels
+        # a model's own token loss that takes num_items_in_batch: how many places it shifts the labels before
+        # counting them (own_loss.py; set by check_objective), its passes then give (sum, count) pairs
+        self.label_shift: Optional[int] = None
+        self.note: Optional[str] = None  # a line the run says at its start about how the loss is weighed
         if self.classification and "acc" in metrics:
             raise UserError("metrics= names 'acc', which classification already reports; choose another name")
         self.metrics = metrics
@@ -127,6 +132,9 @@ class Objective:
             with autocast(), shards_outside_forward(step):
                 value = step(model, x if y is None else (x, y))
             return (*self.sum_and_count(value, samples, "step="), None)
+        labels = token_labels(x) if self.kind == "model" and self.label_shift is not None else None
+        if labels is not None:  # the model divides its token losses' sum by the count given: multiplied back
+            x, trained = with_num_items(x, labels, self.label_shift)
         with autocast():
             outputs = call_model(model, x)
         if self.kind == "model":
@@ -136,6 +144,9 @@ class Objective:
                     f"the model returned {describe_value(outputs)} without a loss, after returning "
                     f"one on a sample; return an output with .loss (or a dict with 'loss') every time"
                 )
+            if labels is not None:
+                total = at_least_float32(value) * x["num_items_in_batch"]
+                return total, trained.to(torch.float64), outputs
             return (*self.sum_and_count(value, samples, "the model's loss"), outputs)
         outputs = first_output(outputs)
         loss_sum, count = self.outputs_loss(outputs, y, training=training)

@@ -22,6 +22,7 @@ from .errors import DataError, UserError, first_line
 from .models import run_on_sample
 from .models.lightning import LightningStep
 from .objective import Objective, carried_loss, describe_value, first_output
+from .own_loss import label_shift
 from .strategies import STRATEGIES
 
 
@@ -213,6 +214,9 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
     if objective.loss is None and carried_loss(output) is not None:  # e.g. a Hugging Face model
         objective = Objective(kind="model", metrics=objective.metrics)
         objective.learn(carried_loss(output), rows(x), "the model's loss")
+        if not objective.counted:  # a mean: summed where the model takes num_items_in_batch (own_loss.py)
+            objective.label_shift, objective.note = label_shift(model, x, carried_loss(output))
+            objective.counted = objective.label_shift is not None
         return objective
     if y is None:
         raise UserError(

@@ -19,6 +19,7 @@ from ..errors import UserError
 from ..models import build_model_on_meta, check_model_output, takes_channels_last
 from ..models.lightning import is_lightning, plan_loop
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
+from ..own_loss import weighed_by_samples
 from ..run_dir import (
     atomic_write_bytes,
     forget_unstarted_run,
@@ -144,9 +145,12 @@ def settle_augmentation(config, dataset, *, registry_model: bool, shout: bool):
     return config
 
 
-def check_the_objective(config, module, objective, dataset, strategy: str, steps_per_epoch: int):
+def check_the_objective(
+    config, module, objective, dataset, strategy: str, steps_per_epoch: int, *, shout=False, words=str
+):
     """The objective the run trains with, checked on two samples, with what a LightningModule's self.trainer
-    answers; refused in one line where the monitored figure or the strategy cannot go with it."""
+    answers; refused in one line where the monitored figure or the strategy cannot go with it. Its note (how
+    a model's own loss is weighed) is said where `shout`, in `words` (fit: its keywords)."""
     plan_loop(
         objective,
         epochs=config.epochs,
@@ -155,8 +159,16 @@ def check_the_objective(config, module, objective, dataset, strategy: str, steps
         world_size=config.devices,
     )
     objective = check_objective(module, objective, dataset)
+    if config.staleness and objective.label_shift is not None:
+        objective = weighed_by_samples(
+            objective,
+            why="asynchronous servers (--staleness) have no global step over which to count labels",
+            remedy="Drop --staleness for the global token mean",
+        )
     check_monitor(config.monitor, objective.names, logs_more=is_lightning(module))
     refuse_for_strategy(strategy, config, objective, dataset)
+    if shout and objective.note:
+        print(words(objective.note), flush=True)
     return objective
 
 

@@ -157,6 +157,7 @@ def check_fits(
         accumulate=accumulate,
         batch_size=config.batch_size,
         known=bool(work.activation_bytes),
+        sequence=sequence_length(model),
     )
     held = "before activations"
     lower = "; the activations come on top; --activation-checkpointing full and --precision bf16 lower them"
@@ -174,9 +175,36 @@ def check_fits(
     )
 
 
-def _fixes(needs, available, *, label, layout, devices, mode, accumulate, batch_size, known) -> str:
+def sequence_length(model: nn.Module) -> int:
+    """The tokens of each sequence of a model whose sequences `--context-parallel` can split (0: none)."""
+    splits = any(hasattr(type(module), "context_parallel") for module in model.modules())
+    return int(getattr(model, "context", 0) or 0) if splits else 0
+
+
+MIN_CHUNK = 64  # tokens of a head or tail chunk below which splitting a sequence further is not proposed
+
+
+def _context_splits(devices: int, batch_size: int, sequence: int):
+    """(devices, C) to try with --context-parallel: on these devices and on more, every slice of the batch
+    whole (as many slices as the batch allows, a power of two) and its sequences split over the rest, where
+    each sequence cuts into 2C chunks of at least MIN_CHUNK tokens."""
+    for n in (2**k for k in range(0, 17)):
+        if n < devices or n % devices:
+            continue
+        slices = 1
+        while slices * 2 <= min(n, batch_size) and batch_size % (slices * 2) == 0 and n % (slices * 2) == 0:
+            slices *= 2
+        context = n // slices
+        if context > 1 and sequence % (2 * context) == 0 and sequence // (2 * context) >= MIN_CHUNK:
+            yield n, context
+
+
+def _fixes(
+    needs, available, *, label, layout, devices, mode, accumulate, batch_size, known, sequence=0
+) -> str:
     """The settings that fit by the same count, fewest changes first (at most three, each with its figure), or
-    what the closest of them would still need. `needs(label, devices, checkpointing, passes, layout)` counts."""
+    what the closest of them would still need. `needs(label, devices, checkpointing, passes, layout)` counts.
+    A model whose `sequence`s context parallelism splits is also offered --context-parallel."""
     modes = [mode] if mode == "full" or not known else [mode, "full"]
     # more devices split the global batch further (activations) and the shards: at most one sample per rank
     counts = [n for n in (2**k for k in range(1, 17)) if devices < n <= batch_size]
@@ -199,6 +227,15 @@ def _fixes(needs, available, *, label, layout, devices, mode, accumulate, batch_
         for n in counts:
             cost = needs("sharded", n, checkpointing, accumulate)
             tried.append(([f"--strategy sharded --devices {n}", *flag], cost))
+            if cost <= available:
+                break
+        for n, context in _context_splits(devices, batch_size, sequence) if known else ():
+            split = layout_or_none("sharded", n, context_parallel=context)
+            if split is None or context <= layout.context:
+                continue
+            cost = needs("sharded", n, checkpointing, accumulate, split)
+            more = [] if n == devices else [f"--devices {n}"]
+            tried.append((["--strategy sharded", *more, f"--context-parallel {context}", *flag], cost))
             if cost <= available:
                 break
     fitting = sorted(

@@ -1,7 +1,7 @@
 """A Hugging Face causal LM given labels padded with -100 returns its own loss: the mean over the labels of the
 part of a batch it sees. One device, accumulation and two ranks (data; sharded with accumulation) train the
 weights of SGD written by hand on each whole global batch's token mean (hf_rows.hand_trained, float64), and
-report that mean as val_loss: the model is given num_items_in_batch and its losses are summed (own_loss.py).
+report that mean as val_loss: the model is given num_items_in_batch and its losses are summed (models/own_loss.py).
 A model whose forward takes no num_items_in_batch keeps its per-part mean, and the run says so in one line."""
 
 import pytest
@@ -10,7 +10,7 @@ from hand_sgd import plain_sgd
 from hf_rows import LabelledRows, global_token_mean, hand_trained, stacked, tiny_llama
 
 import polytrain
-from polytrain.own_loss import label_shift, trained_labels
+from polytrain.models.own_loss import label_shift, trained_labels
 
 pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def val_token_mean(model, val) -> float:
 def test_the_labels_counted_are_those_a_causal_lm_trains(data):
     """Shifted one place, as transformers' ForCausalLMLoss shifts them: its mean over our count is its sum."""
     model, batch = tiny_llama(), stacked(data[0], range(8))
-    assert label_shift(model, batch, model(**batch).loss) == (1, None)
+    assert label_shift(model, batch, model(**batch).loss, lambda given: model(**given).loss) == (1, None)
     count = trained_labels(batch["labels"], 1)
     with torch.no_grad():
         summed = model(**batch, num_items_in_batch=torch.tensor(1)).loss

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .data.order import leaves, rows
 from .errors import UserError
-from .own_loss import token_labels, with_num_items
+from .models.own_loss import token_labels, with_num_items
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KINDS = ("classification", "language", "model")  # model: the model returns its loss
@@ -87,7 +87,7 @@ class Objective:
         # never are: its steps then need no global count)
         self.counted = self.language and masks_labels
         # a model's own token loss that takes num_items_in_batch: how many places it shifts the labels before
-        # counting them (own_loss.py; set by check_objective), its passes then give (sum, count) pairs
+        # counting them (models/own_loss.py; set by check_objective), its passes then give (sum, count) pairs
         self.label_shift: Optional[int] = None
         self.note: Optional[str] = None  # a line the run says at its start about how the loss is weighed
         if self.classification and "acc" in metrics:

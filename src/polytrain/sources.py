@@ -21,8 +21,8 @@ from .data.stream import DatasetPair, check_class_targets, default_workers, spec
 from .errors import DataError, UserError, first_line
 from .models import run_on_sample
 from .models.lightning import LightningStep
+from .models.own_loss import label_shift
 from .objective import Objective, carried_loss, describe_value, first_output
-from .own_loss import label_shift
 from .strategies import STRATEGIES
 
 
@@ -214,8 +214,17 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
     if objective.loss is None and carried_loss(output) is not None:  # e.g. a Hugging Face model
         objective = Objective(kind="model", metrics=objective.metrics)
         objective.learn(carried_loss(output), rows(x), "the model's loss")
-        if not objective.counted:  # a mean: summed where the model takes num_items_in_batch (own_loss.py)
-            objective.label_shift, objective.note = label_shift(model, x, carried_loss(output))
+        if (
+            not objective.counted
+        ):  # a mean: summed where the model takes num_items_in_batch (models/own_loss.py)
+            objective.label_shift, objective.note = label_shift(
+                model,
+                x,
+                carried_loss(output),
+                lambda batch: carried_loss(
+                    run_on_sample(model, batch, "the sample batch with num_items_in_batch")
+                ),
+            )
             objective.counted = objective.label_shift is not None
         return objective
     if y is None:

@@ -18,8 +18,8 @@ from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import UserError
 from ..models import build_model_on_meta, check_model_output, takes_channels_last
 from ..models.lightning import is_lightning, plan_loop
+from ..models.own_loss import weighed_by_samples
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
-from ..own_loss import weighed_by_samples
 from ..run_dir import (
     atomic_write_bytes,
     forget_unstarted_run,

@@ -20,7 +20,7 @@ the run says so in one line (`NOT_TOKEN_EXACT`).
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -81,10 +81,13 @@ def trained_labels(labels: torch.Tensor, shift: int) -> torch.Tensor:
     return (labels[..., shift:] != IGNORE_INDEX).sum()
 
 
-def label_shift(model: nn.Module, x, mean: torch.Tensor) -> Tuple[Optional[int], Optional[str]]:
+def label_shift(
+    model: nn.Module, x, mean: torch.Tensor, loss_on: Callable
+) -> Tuple[Optional[int], Optional[str]]:
     """(shift, note) for a model whose own loss on the sample batch `x` was the scalar `mean`: `shift` (0, or 1
     for a causal LM) where each pass can pass `num_items_in_batch` and sum the loss, else None with the line
-    that says why not (None where `x` holds no token labels: nothing to say)."""
+    that says why not (None where `x` holds no token labels: nothing to say). `loss_on(batch)` is the model's
+    own loss on a batch."""
     labels = token_labels(x)
     if labels is None:
         return None, None
@@ -96,7 +99,7 @@ def label_shift(model: nn.Module, x, mean: torch.Tensor) -> Tuple[Optional[int],
     if mean.is_meta:  # a model built on the meta device gives shapes, no values to check: its keyword decides
         return shift, None
     count = int(trained_labels(labels, shift))
-    if honours_num_items(model, x, mean, count):
+    if honours_num_items(loss_on, x, mean, count):
         return shift, None
     why = (
         f"given num_items_in_batch, {type(model).__name__}'s loss on two samples was not its token losses' sum "
@@ -114,17 +117,15 @@ def weighed_by_samples(objective, *, why: str, remedy: str):
 
 
 @torch.no_grad()
-def honours_num_items(model: nn.Module, x: dict, mean: torch.Tensor, count: int) -> bool:
-    """Whether the model's loss on `x` given num_items_in_batch = count + 1 is its `count` labels' losses
-    summed over that (`mean` x count / (count + 1)): it follows the keyword and counts what `trained_labels`
-    counts. (With no trained label the sum is 0, where the mean is NaN.)"""
-    from .errors import UserError
-    from .models import run_on_sample
-    from .objective import carried_loss
+def honours_num_items(loss_on: Callable, x: dict, mean: torch.Tensor, count: int) -> bool:
+    """Whether the model's loss (`loss_on(batch)`) on `x` given num_items_in_batch = count + 1 is its `count`
+    labels' losses summed over that (`mean` x count / (count + 1)): it follows the keyword and counts what
+    `trained_labels` counts. (With no trained label the sum is 0, where the mean is NaN.)"""
+    from ..errors import UserError
 
     given = dict(x, num_items_in_batch=torch.tensor(count + 1))
     try:
-        value = carried_loss(run_on_sample(model, given, "the sample batch with num_items_in_batch"))
+        value = loss_on(given)
     except UserError:  # e.g. **kwargs handed on to a module that takes no such keyword
         return False
     if not isinstance(value, torch.Tensor) or value.dim() != 0:

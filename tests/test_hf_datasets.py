@@ -333,14 +333,9 @@ def test_bad_input_is_one_line(texts, tmp_path, capsys):
         load_dataset("hf", data_dir=folder, text_key="body")
     with pytest.raises(DataError, match=r"has 300 tokens, more than the 200 rows of the model's embedding"):
         load_dataset("hf", data_dir=folder, text_key="body", tokenizer=a, vocab_size=200)
-    classes = _saved(tmp_path / "classes", text=paragraphs[:4], label=[0, 1, 0, 1])
-    with pytest.raises(
-        DataError, match="a dataset for a sequence classifier, which --dataset hf does not train yet"
-    ):
-        load_dataset("hf", data_dir=classes, tokenizer=a)
     ids_classes = _saved(tmp_path / "ids-classes", input_ids=[[1, 2], [3, 4]], label=[0, 1])
     with pytest.raises(
-        DataError, match="columns 'input_ids' and 'label': a dataset for a sequence classifier"
+        DataError, match="columns 'input_ids' and 'label': rows of ids for a sequence classifier"
     ):
         load_dataset("hf", data_dir=ids_classes)
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all" * 10)

@@ -23,6 +23,7 @@ from .data import ArrayDataset, unused_dataset_options
 from .data.token_shards import check_same_tokenizer
 from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
+from .models.classifier import SequenceClassifier
 from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
 from .models.pretrained import check_vocabulary, initial_weights
@@ -116,7 +117,10 @@ def train_run(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )
         if pretrained:  # the checkpoint's tensors against the model's shapes, from the files' headers
-            initial_weights(config.init_from, module).check(module)
+            weights = initial_weights(config.init_from, module)
+            weights.check(module)
+            if shout and isinstance(module, SequenceClassifier):  # which head it starts from
+                print(module.start_line(weights), flush=True)
         config = settle_augmentation(config, dataset, registry_model=registry_model, shout=shout)
         steps_per_epoch = -(-dataset.num_train // config.batch_size)
         objective = check_the_objective(

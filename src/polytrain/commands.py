@@ -25,7 +25,7 @@ from .config.model_defaults import MODEL_SETTINGS, defaults_words
 from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
-from .models import build_model_on_meta
+from .models import build_model_on_meta, text_vocabulary
 from .optim.steps import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.launch import check_devices, run_job
@@ -220,14 +220,16 @@ def predict_command(args) -> int:
     wrong = int((everything["predicted"] != everything["true"]).sum())
     print(f"{len(everything['true'])} validation samples, {wrong} wrong")
     index = spread_indices(len(everything["true"]), args.show or 10)
-    shown = {key: value[index] for key, value in everything.items()}
+    shown = {key: None if value is None else value[index] for key, value in everything.items()}
     for i, sample in enumerate(shown["index"].tolist()):
         predicted, true = int(shown["predicted"][i]), int(shown["true"][i])
         print(
             f"sample {sample}: predicted {name(predicted)}, true {name(true)}"
             + ("  <- wrong" if predicted != true else "")
         )
-    if args.show:
+    if args.show and shown["images"] is None:
+        print("(a text classifier's samples: no picture drawn)")
+    elif args.show:
         from .report import prediction_grid
 
         path = Path(args.run_dir) / "predictions.png"
@@ -282,7 +284,9 @@ def verify_command(args) -> int:
     config = TrainConfig.from_dict(dict(config.to_dict(), epochs=1, augment=False))
     torch.manual_seed(config.seed)
     # built without storage, as train builds it: both sides materialise their parts of the same initial values
-    model = build_model_on_meta(config.model, data.input_shape, data.num_classes, config)
+    model = build_model_on_meta(
+        config.model, data.input_shape, data.num_classes, config, vocabulary=text_vocabulary(data)
+    )
     if config.freeze:  # both sides train the same parameters, as train would
         from .optim.freeze import freeze
 

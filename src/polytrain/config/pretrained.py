@@ -27,7 +27,15 @@ from ..errors import ConfigError
 from .declare import flag_name
 
 # a checkpoint's `architectures` entry -> the polytrain model it loads into
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt",
+    # a sequence classifier's: its body, and its score head where the data has as many classes
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "llama",
+    "GPT2ForSequenceClassification": "gpt",
+}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -110,7 +118,7 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
             f"--init-from: {where} has hidden_act {config['hidden_act']!r}; polytrain's llama has a SwiGLU "
             f"MLP (silu)"
         )
-    qwen2 = architecture == "Qwen2ForCausalLM"
+    qwen2 = architecture.startswith("Qwen2")
     if not qwen2 and (config.get("attention_bias") or config.get("mlp_bias")):
         which = "attention_bias" if config.get("attention_bias") else "mlp_bias"
         raise ConfigError(

@@ -18,7 +18,9 @@ What the rows hold decides how they are read:
   SHA-256 and the dataset's fingerprint, so a second run reads them without tokenizing and another tokenizer
   (or other rows) writes another folder; where DIR is not writable, under ~/.cache/polytrain/datasets/hf.
   Runs that start together (ranks under torchrun) take a file lock: one tokenizes, the others wait and read.
-- a text column with a `label` column (a sequence classifier): not supported yet, refused in one line.
+- a text column with a `label` (or `labels`) column: a sequence classifier's data, each row's text tokenized
+  with the run's tokenizer and its class (text_classes.py); rows of `input_ids` with a `label` are refused in one
+  line for now.
 
 Every refusal is one line, before any worker starts: no such folder, no text column (naming the columns
 present), a tokenizer larger than the model's embedding, a file that cannot be read.
@@ -27,6 +29,7 @@ present), a tokenizer larger than the model's embedding, a file that cannot be r
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -36,7 +39,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import DataError, UserError, first_line
 from . import tokenizer as tokenizers_file
@@ -273,8 +276,8 @@ def load_hf(
     model_vocabulary: Optional[int] = None,
     show: bool = True,
 ):
-    """The dataset in `data_dir`: a `TokenRows` pair of its `input_ids` rows, or its text column as cached
-    token shards (`ShardedTokens`)."""
+    """The dataset in `data_dir`: a `TokenRows` pair of its `input_ids` rows, its text column as cached token
+    shards (`ShardedTokens`), or its texts and their classes (`ClassesPair`, with a label column)."""
     source = find_source(data_dir)
     datasets_library()
     cache = cache_root(source) if source.files else None  # files: their Arrow copies; text: its shards
@@ -284,11 +287,11 @@ def load_hf(
     # a class per row beside its text or ids (`labels` beside input_ids are a language model's, per token)
     label = "label" if "label" in columns else "labels" if "input_ids" not in columns else None
     inputs = "input_ids" if "input_ids" in columns else text_key
-    if label in columns and inputs in columns:
+    if label in columns and inputs == "input_ids":
         raise DataError(
-            f"--data-dir {source.path} has the columns {inputs!r} and {label!r}: a dataset for a sequence "
-            f"classifier, which --dataset hf does not train yet; drop the {label!r} column to train a language "
-            f"model on its {'ids' if inputs == 'input_ids' else 'text'}"
+            f"--data-dir {source.path} has the columns {inputs!r} and {label!r}: rows of ids for a sequence "
+            f"classifier, which --dataset hf does not train yet; give the rows' text instead (a text column "
+            f"and {label!r}), or drop the {label!r} column to train a language model on its ids"
         )
     if "input_ids" in columns:
         from .token_rows import load_token_rows
@@ -321,6 +324,26 @@ def load_hf(
             f"--data-dir {source.path} holds text, which needs a tokenizer: give --tokenizer FILE (a tokenizer.json, "
             f"or a folder holding one), --init-from a checkpoint folder that holds one, or write token shards "
             f"with polytrain tokenize and train on --dataset tokens"
+        )
+    if label in columns:  # a class per text: a sequence classifier's data
+        from .text_classes import load_text_classes
+
+        held = val is None
+        train, val = held_out(train, val, val_fraction, source)
+        return load_text_classes(
+            source,
+            functools.partial(written_once, cache or cache_root(source), last="rows.json"),
+            train,
+            val,
+            held=held,
+            label=label,
+            text_key=text_key,
+            context=context,
+            tokenizer=run_tokenizer,
+            model_vocabulary=model_vocabulary,
+            init_from=init_from,
+            val_fraction=val_fraction,
+            show=show,
         )
     from .text import DEFAULT_CONTEXT
     from .token_shards import check_shards, load_token_shards, read_manifest
@@ -415,18 +438,12 @@ def tokenized(
     held = val is None
     train, val = held_out(train, val, val_fraction, source)
     name = cache_key(train, val, sha256=sha256, text_key=text_key, val_fraction=val_fraction, held=held)
-    folder = cache / name
-    with locked(cache / f".{name}.lock"):
-        if (folder / MANIFEST).is_file():
-            return folder
-        for leftover in cache.glob(f".{name}.partial-*"):  # an interrupted run's (we hold the lock)
-            shutil.rmtree(leftover, ignore_errors=True)
-        partial = cache / f".{name}.partial-{os.getpid()}"
-        partial.mkdir()
+
+    def write(partial: Path) -> None:
         shutil.copyfile(tokenizer, partial / tokenizers_file.FILE)
         shards = TokenShards(partial, model, named=tokenizer, end_of_text=None, shard_tokens=100_000_000)
         total = sum(rows.data.column(text_key).nbytes for rows in (train, val))
-        progress = Progress(f"tokenizing {source.path} into {folder}", total, show=show)
+        progress = Progress(f"tokenizing {source.path} into {cache / name}", total, show=show)
         try:
             for split, rows in (("train", train), ("val", val)):
                 for batch in batches_of(documents(rows, text_key, split)):
@@ -441,5 +458,22 @@ def tokenized(
             corpus=dict(data=str(source.path.resolve()), rows=len(train) + len(val), text_key=text_key),
             seconds=progress.close(),
         )
+
+    return written_once(cache, name, write, last=MANIFEST)
+
+
+def written_once(cache: Path, name: str, write: Callable[[Path], None], *, last: str) -> Path:
+    """The folder `cache / name`: where it holds `last` (the file written last), as it is; else `write(partial)`
+    fills a folder of its own that then takes the name, under a lock, so that processes starting together
+    write it once and an interrupted write leaves nothing a reader takes."""
+    folder = cache / name
+    with locked(cache / f".{name}.lock"):
+        if (folder / last).is_file():
+            return folder
+        for leftover in cache.glob(f".{name}.partial-*"):  # an interrupted run's (we hold the lock)
+            shutil.rmtree(leftover, ignore_errors=True)
+        partial = cache / f".{name}.partial-{os.getpid()}"
+        partial.mkdir()
+        write(partial)
         os.replace(partial, folder)
     return folder

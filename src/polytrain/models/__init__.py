@@ -16,6 +16,7 @@ from ..config.model_defaults import MODEL_OPTIONS, model_options_of
 from ..config.registry_names import MODEL_NAMES, TEXT_MODELS, check_registry
 from ..errors import UserError, first_line
 from .cifar_cnn import CifarCNN
+from .classifier import sequence_classifier
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .llama import build_llama
@@ -33,15 +34,32 @@ MODELS: Dict[str, Callable[[Tuple[int, int, int], int], nn.Module]] = {
     "llama": build_llama,
 }
 check_registry("model", MODELS, MODEL_NAMES)
+CLASSIFIES_TEXTS = ("gpt", "llama")  # the models that classify whole texts with a score head (classifier.py)
 
 
 def build_model(
-    name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None
+    name: str,
+    input_shape: Tuple[int, ...],
+    num_classes: int,
+    options: Optional[dict] = None,
+    *,
+    vocabulary: Optional[int] = None,
 ) -> nn.Module:
     """The registry's model `name`; `options` (a TrainConfig or a dict) gives its own settings (`--layers`, ...
-    of --model gpt and llama), refused in one line for a model that does not read them."""
+    of --model gpt and llama), refused in one line for a model that does not read them. `vocabulary`: the data
+    is texts with a class each (a dataset's `sequence_vocabulary`, its tokens), and the model a sequence
+    classifier of `num_classes` classes (models/classifier.py)."""
     if name not in MODELS:
         raise UserError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
+    if vocabulary is not None:
+        if name not in CLASSIFIES_TEXTS:
+            raise UserError(
+                f"--model {name} cannot classify texts, and this dataset is texts with a class each (a sequence "
+                f"classifier's data); use --model {' or '.join(CLASSIFIES_TEXTS)}, which then score each text's "
+                f"last token"
+            )
+        body = MODELS[name](tuple(input_shape), vocabulary, **model_options_of(name, options))
+        return sequence_classifier(body, num_classes)
     if len(input_shape) == 1 and name not in TEXT_MODELS:
         raise UserError(
             f"--model {name} reads images, and this dataset is text (windows of {input_shape[0]} "
@@ -51,10 +69,20 @@ def build_model(
 
 
 def build_model_on_meta(
-    name: str, input_shape: Tuple[int, ...], num_classes: int, options: Optional[dict] = None
+    name: str,
+    input_shape: Tuple[int, ...],
+    num_classes: int,
+    options: Optional[dict] = None,
+    *,
+    vocabulary: Optional[int] = None,
 ) -> nn.Module:
     """`build_model` under `torch.device("meta")`: its shapes without storage (meta.py gives it values)."""
-    return on_meta(lambda: build_model(name, input_shape, num_classes, options))
+    return on_meta(lambda: build_model(name, input_shape, num_classes, options, vocabulary=vocabulary))
+
+
+def text_vocabulary(dataset) -> Optional[int]:
+    """`build_model`'s `vocabulary` for `dataset`: its tokens where it is texts with a class each, else None."""
+    return getattr(dataset, "sequence_vocabulary", None)
 
 
 @torch.no_grad()
@@ -193,4 +221,5 @@ __all__ = [
     "build_model_on_meta",
     "check_model_output",
     "run_on_sample",
+    "text_vocabulary",
 ]

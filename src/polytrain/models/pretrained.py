@@ -38,18 +38,21 @@ from ..checkpoint import shard_folder
 from ..config.pretrained import is_run_folder, weight_files
 from ..errors import CheckpointError, ConfigError, first_line
 from . import gpt, llama
+from .classifier import HEAD, SequenceClassifier, loads_head
 
 
 def names_of(model: nn.Module, stored=()) -> tuple:
     """(one-device parameter name -> the checkpoint's name, the names whose stored tensor is the transpose of
     the model's) for a model polytrain can load into; `stored`, the checkpoint's names, tells a GPT-2 saved
     without transformers' "transformer." prefix."""
+    # a sequence classifier's body has its language model's names; its score head, Hugging Face's name
+    head = {HEAD: HEAD} if isinstance(model, SequenceClassifier) and HEAD in stored else {}
     if isinstance(model, llama.Llama):
-        return llama.hf_names(model), set()
+        return dict(llama.hf_names(model), **head), set()
     if isinstance(model, gpt.GPT):
         bare = gpt.HF_PREFIX + "wte.weight" not in stored and "wte.weight" in stored
         names = gpt.hf_names(model, prefix="" if bare else gpt.HF_PREFIX)
-        return names, gpt.hf_transposed(names)
+        return dict(names, **head), gpt.hf_transposed(names)
     raise ConfigError(
         f"--init-from loads into --model llama or gpt, not {type(model).__name__}; drop --model, or "
         f"--init-from"
@@ -142,6 +145,8 @@ class Pretrained:
         launching process, before any worker starts)."""
         stored = self.shapes()
         for name, parameter in model.named_parameters(remove_duplicate=False):
+            if not loads_head(model, name, stored, self.folder):
+                continue
             theirs = self.names.get(name)
             if theirs not in stored:
                 raise ConfigError(
@@ -235,6 +240,8 @@ class RunWeights:
         stored = self.shapes()
         fix = "start from a run of the same model and dataset (its vocabulary), or drop --init-from"
         for name, tensor in model.state_dict(keep_vars=True).items():
+            if not loads_head(model, name, stored, self.folder):
+                continue
             if name not in stored:
                 raise ConfigError(
                     f"--init-from: {self.folder} holds no {name!r}, which this run's model has; {fix}"

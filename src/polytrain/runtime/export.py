@@ -255,6 +255,11 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
             f"runs (as GPT2LMHeadModel); {run_dir} is a --model {model} run: export it with --format "
             f"safetensors or pt"
         )
+    if settings.get("classifies_texts"):
+        raise UserError(
+            f"--format hf writes language models, and {run_dir} is a sequence classifier (a score head in place "
+            f"of the language-model head); export it with --format safetensors or pt"
+        )
     family = {"llama": llama, "gpt": gpt}[model]
     listing, read_stored = _sources(weights_file(run_dir, weights))
     built = _model_of_run(run_dir, settings, listing)

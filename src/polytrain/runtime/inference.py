@@ -11,10 +11,10 @@ import torch.nn as nn
 
 from ..checkpoint import load_weights
 from ..config import STRATEGY_FLAGS, TrainConfig
-from ..data import dataset_settings, load_dataset
+from ..data import ArrayDataset, dataset_settings, load_dataset
 from ..data.loader import make_loaders
 from ..errors import UserError
-from ..models import build_model
+from ..models import build_model, text_vocabulary
 from ..run_dir import read_config
 from ..sources import as_dataset, check_objective, dataset_pair, is_torch_dataset, make_objective
 from ..strategies import SingleDevice
@@ -57,7 +57,9 @@ def load_run(run_dir, *, weights: str = "final") -> tuple:
     how = ("strategy", *STRATEGY_FLAGS, "logger")  # how it trained does not matter to the weights
     config = TrainConfig.from_dict({k: v for k, v in settings.items() if k not in how})
     dataset = load_dataset(config.dataset, **dict(dataset_settings(config), download=False))
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes, config)
+    model = build_model(
+        config.model, dataset.input_shape, dataset.num_classes, config, vocabulary=text_vocabulary(dataset)
+    )
     load_weights(path, model)
     return config, dataset, model
 
@@ -115,8 +117,9 @@ def spread_indices(total: int, count: Optional[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(run_dir, *, count: Optional[int] = None, device: str = "auto", weights: str = "final") -> dict:
-    """Predicted and true labels (and uint8 images) of `count` validation samples of a run, spread evenly
-    over the validation set (all of them when `count` is None); `weights="best"` uses its best.pt."""
+    """Predicted and true labels (and uint8 images; None for a text classifier's texts) of `count` validation
+    samples of a run, spread evenly over the validation set (all of them when `count` is None);
+    `weights="best"` uses its best.pt."""
     check_devices(1, device)
     config, dataset, model = load_run(run_dir, weights=weights)
     if getattr(dataset, "kind", "classification") != "classification":
@@ -128,12 +131,17 @@ def predict(run_dir, *, count: Optional[int] = None, device: str = "auto", weigh
     dev = choose_device(device, 0)
     model = model.to(dev).eval()
     _, val = make_loaders(dataset, batch_size=1024, device=dev)
-    predicted = torch.cat([model(batch.x).argmax(1).cpu() for batch in val.eval_batches()])
+    predicted, true = [], []
+    for batch in val.eval_batches():
+        predicted.append(model(batch.x).argmax(1).cpu())
+        true.append(batch.y.cpu())
+    predicted = torch.cat(predicted)
     index = spread_indices(len(predicted), count)
+    images = dataset.val_x[index] if isinstance(dataset, ArrayDataset) else None  # (texts: a classifier's)
     return {
         "index": index,
-        "images": dataset.val_x[index],
+        "images": images,
         "predicted": predicted[index],
-        "true": dataset.val_y[index],
+        "true": torch.cat(true)[index],
         "classes": getattr(dataset, "classes", None),
     }

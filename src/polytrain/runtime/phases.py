@@ -16,7 +16,7 @@ from ..config.declare import flag_name
 from ..data import ArrayDataset
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import UserError
-from ..models import build_model_on_meta, check_model_output, takes_channels_last
+from ..models import build_model_on_meta, check_model_output, takes_channels_last, text_vocabulary
 from ..models.lightning import is_lightning, plan_loop
 from ..models.own_loss import weighed_by_samples
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
@@ -112,7 +112,13 @@ def prepare_model(config, model, dataset, objective, *, given_tensors: bool, sho
     torch.manual_seed(config.seed)
     registry_model = model is None or isinstance(model, str)
     module = (
-        build_model_on_meta(model or config.model, dataset.input_shape, dataset.num_classes, config)
+        build_model_on_meta(
+            model or config.model,
+            dataset.input_shape,
+            dataset.num_classes,
+            config,
+            vocabulary=text_vocabulary(dataset),
+        )
         if registry_model
         else model
     )
@@ -226,6 +232,9 @@ def write_run_settings(
         settings["classes"] = list(dataset.classes)
     if getattr(dataset, "vocab", None):
         settings["vocab"] = "".join(dataset.vocab)  # `polytrain generate` decodes with it
+    # a sequence classifier (a score head, its classes above): generate and export --format hf refuse it
+    if getattr(dataset, "sequence_vocabulary", None):
+        settings["classifies_texts"] = True
     if getattr(dataset, "tokenizer_file", None):  # token shards: their tokenizer, kept with the run
         settings["kept_tokenizer"] = dict(
             file=TOKENIZER, sha256=dataset.tokenizer_sha256, end_of_text_id=dataset.end_of_text_id

@@ -34,6 +34,11 @@ def generate_text(
     likeliest; `top_k`: only from the k likeliest), reproducible from `seed`."""
     settings = read_config(run_dir)
     vocab = settings.get("vocab")
+    if settings.get("classifies_texts"):
+        raise UserError(
+            f"{run_dir} is a sequence classifier (--model {settings.get('model')} with a score head), which gives "
+            f"a class per text, not text; see its classes with polytrain predict {run_dir}"
+        )
     if settings.get("kept_tokenizer") and not settings.get("custom_model"):
         return _generate_tokens(
             run_dir, settings, prompt, tokens, temperature=temperature, top_k=top_k, seed=seed, device=device,

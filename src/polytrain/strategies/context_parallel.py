@@ -205,6 +205,12 @@ def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
             f"polytrain can split (its attention and positions would need the whole sequence on every rank): "
             f"use --model gpt or llama, or drop --context-parallel"
         )
+    if getattr(model, "pools_last_token", False):
+        raise ConfigError(
+            f"--context-parallel splits each sequence over {size} ranks, and the {name} sequence classifier scores a "
+            f"text by its last token's hidden state, which one rank holds; drop --context-parallel (--strategy data or "
+            f"sharded split the batch)"
+        )
     check_length(getattr(model, "context", 0), size)
     dropouts = [
         module_name or "the model"

@@ -1,18 +1,20 @@
 """`polytrain verify` catches real faults with its default settings: each fault of faults/sitecustomize.py
 (one micro-batch's gradient dropped, one rank's gradient scaled by 1 + 1e-6, one stale parameter element after
 a step), injected into the workers of a strategy that verify passes without it, makes verify FAIL. Also the
-verdict's arithmetic, exactly."""
+verdict's arithmetic, exactly.
 
-import os
-from pathlib import Path
+The fault travels with the workers' entry point (`in_worker`), not in their environment: a launch whose
+environment changed spawns its workers (seconds each on 2 cores) instead of forking them."""
+
+import functools
 
 import pytest
 import torch
 from conftest import polytrain_here
+from faults.sitecustomize import in_worker
 
+from polytrain.runtime import launch
 from polytrain.runtime.verify import FLOOR_MULTIPLE, judge, relative_difference, step_differences
-
-FAULTS = Path(__file__).resolve().parent / "faults"
 
 
 def test_the_difference_is_relative_to_the_largest_parameter():
@@ -51,8 +53,13 @@ def test_the_verdict_in_float64_and_against_the_noise_floor():
         ("scale", ["--model", "mlp", "--strategy", "tensor"]),
     ],
 )
-def test_verify_fails_on_each_injected_fault(fault, argv, capfd):
-    path = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
+def test_verify_fails_on_each_injected_fault(fault, argv, capfd, monkeypatch):
+    handed = launch.with_this_output  # (what gives the launcher the workers' entry point and its arguments)
+
+    def with_the_fault(entry, job, method):
+        return handed(functools.partial(in_worker, fault, entry), job, method)
+
+    monkeypatch.setattr(launch, "with_this_output", with_the_fault)
     result = polytrain_here(
         capfd,
         "verify",
@@ -65,7 +72,6 @@ def test_verify_fails_on_each_injected_fault(fault, argv, capfd):
         "--dataset",
         "mnist-sample",
         *argv,
-        env={"PYTHONPATH": path, "VERIFY_FAULT": fault},
     )
     assert "fault injected on rank 1" in result.stderr, result.stdout + result.stderr
     assert result.returncode == 1, result.stdout + result.stderr

@@ -1,8 +1,11 @@
 """Faults injected into the worker processes of a test's `polytrain verify` (test_verify_faults.py).
 
-Python imports this module at start-up in every process whose PYTHONPATH holds this folder, so the spawned
-workers run with the fault that VERIFY_FAULT names, on rank 1 only, at its FAULT_STEP-th backward pass (of real
-tensors) or optimizer step (the one-device reference, outside any process group, is untouched):
+`in_worker(fault, entry)` runs a worker's entry point with the fault installed in that worker alone; the test
+hands it to the launcher as the workers' entry point, so they still fork from the forkserver. By hand, this
+module installs the fault that VERIFY_FAULT names in every process whose PYTHONPATH holds this folder (Python
+imports it at start-up; the launches then spawn their workers, as their environment changed). Either way the
+fault strikes on rank 1 only, at its FAULT_STEP-th backward pass (of real tensors) or optimizer step (the
+one-device reference, outside any process group, is untouched):
 
   drop   that backward pass computes no gradient (one micro-batch's gradient lost before the all-reduce)
   scale  that backward pass's gradient is scaled by 1 + 1e-6 (one rank's contribution slightly off)
@@ -12,10 +15,16 @@ tensors) or optimizer step (the one-device reference, outside any process group,
 import os
 import sys
 
-FAULT = os.environ.get("VERIFY_FAULT")
 FAULT_STEP = 2
 
-if FAULT:
+
+def in_worker(fault: str, entry, *args):
+    """`entry(*args)` in a worker process, with `fault` installed in it first."""
+    install(fault)
+    return entry(*args)
+
+
+def install(fault: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -28,7 +37,7 @@ if FAULT:
     def _announce(what: str) -> None:
         print(f"fault injected on rank 1: {what}", file=sys.stderr, flush=True)
 
-    if FAULT in ("drop", "scale"):
+    if fault in ("drop", "scale"):
         backward = torch.Tensor.backward
         calls = [0]
 
@@ -37,12 +46,12 @@ if FAULT:
             if _on_faulty_rank() and not self.is_meta:
                 calls[0] += 1
                 if calls[0] == FAULT_STEP:
-                    self = self * 0.0 if FAULT == "drop" else self * (1.0 + 1e-6)
-                    _announce(f"{FAULT} at backward {FAULT_STEP}")
+                    self = self * 0.0 if fault == "drop" else self * (1.0 + 1e-6)
+                    _announce(f"{fault} at backward {FAULT_STEP}")
             return backward(self, *args, **kwargs)
 
         torch.Tensor.backward = faulty_backward
-    elif FAULT == "stale":
+    elif fault == "stale":
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         steps, saved = [0], {}
@@ -64,4 +73,8 @@ if FAULT:
         register_optimizer_step_pre_hook(before)
         register_optimizer_step_post_hook(after)
     else:
-        raise SystemExit(f"unknown VERIFY_FAULT {FAULT!r}")
+        raise SystemExit(f"unknown fault {fault!r}")
+
+
+if os.environ.get("VERIFY_FAULT"):
+    install(os.environ["VERIFY_FAULT"])

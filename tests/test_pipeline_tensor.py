@@ -50,7 +50,8 @@ def test_tensor_ranks_are_innermost_on_the_data_pipeline_tensor_mesh():
 
 
 def test_replicas_count_a_pipeline_of_tensor_groups_once():
-    assert replicas(8, "pipeline", 2, 2) == 2 and replicas(4, "pipeline", None, 2) == 1
+    assert replicas(dict(devices=8, strategy="pipeline", pipeline_stages=2, tensor_parallel=2)) == 2
+    assert replicas(dict(devices=4, strategy="pipeline", tensor_parallel=2)) == 1
     config = TrainConfig(strategy="pipeline", devices=8, pipeline_stages=2, tensor_parallel=2, batch_size=8)
     assert config.data_parallel_size == 2 and config.pipeline_ranks == 2
     assert TrainConfig(strategy="pipeline", devices=4, tensor_parallel=2).pipeline_ranks == 2

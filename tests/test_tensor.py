@@ -80,7 +80,8 @@ def test_every_rank_reads_the_whole_batch_so_the_devices_need_not_divide_it():
     from polytrain.config.train import replicas
 
     config = TrainConfig(strategy="tensor", devices=3, batch_size=64, lr_scale="linear", lr=0.1)
-    assert config.data_parallel_size == 1 and config.effective_lr == 0.1 and replicas(3, "tensor") == 1
+    assert config.data_parallel_size == 1 and config.effective_lr == 0.1
+    assert replicas(dict(devices=3, strategy="tensor")) == 1
 
 
 def test_a_user_plan_by_pattern_and_a_plan_function():

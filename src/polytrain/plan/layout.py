@@ -81,6 +81,12 @@ class Layout:
         loss, so their gradients count as ranks of their own (summed over the group, a part each)."""
         return self.data_degree * self.context
 
+    @property
+    def sharding(self) -> "Layout":
+        """The data dimensions FSDP2 shards over, as a layout of their own: the context groups' ranks hold the
+        same parameters, so they fold into the shard dimension (torchtitan's dp_shard_cp)."""
+        return Layout(replicate=self.replicate, shard=self.shard * self.context)
+
     def degrees(self) -> Dict[str, int]:
         """Every degree above 1, in mesh order (empty on one device)."""
         return {name: getattr(self, name) for name in DEGREES if getattr(self, name) > 1}
@@ -177,9 +183,9 @@ def _sharded(
     copies, context = replicas or 1, context_parallel or 1
     groups = _context_groups(devices, context)
     if groups % copies or (copies > 1 and copies >= groups):
-        per = " / --context-parallel" if context > 1 else ""
+        per = f" / --context-parallel ({groups})" if context > 1 else f" {devices}"
         raise ConfigError(
-            f"--replicas {copies} must divide --devices{per} ({groups}) and be fewer than it (each replica shards "
+            f"--replicas {copies} must divide --devices{per} and be fewer than it (each replica shards "
             f"over --devices / {copies} ranks); use a divisor of {groups} below {groups}, or --strategy data"
         )
     # hybrid sharding (HSDP) where copies > 1; FSDP2 shards over the context groups' ranks too

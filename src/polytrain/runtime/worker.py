@@ -204,7 +204,7 @@ def _make_strategy(job: Job, device, rank: int, world: int):
         clip_grad_value=config.clip_grad_value,
         activation_checkpointing=config.activation_checkpointing,
         seed=config.seed,
-        context_parallel=config.context_parallel or 1,
+        layout=config.layout,
         objective=job.objective or Objective(label_smoothing=config.label_smoothing),
     )
 

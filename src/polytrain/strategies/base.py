@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
+from ..plan.layout import Layout
 from . import cuda_graphs
 from .activation_checkpoint import apply_activation_checkpointing
 from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
@@ -79,7 +79,7 @@ class Strategy:
         activation_checkpointing: str = "none",
         seed: int = 0,
         cuda_graphs: bool = False,
-        context_parallel: int = 1,
+        layout: Optional[Layout] = None,
     ):
         self.device = torch.device(device)
         self.seed = seed  # the run's: a model built on the meta device is initialised from it (materialise)
@@ -95,9 +95,11 @@ class Strategy:
             fp16=precision == "fp16",
         )
         self.rank, self.world_size = rank, world_size
-        # context parallelism: each sequence split over groups of `context_size` consecutive ranks, which read the
-        # same slice of the batch (the ContextGroup of this rank once set up; strategies/context_parallel.py)
-        self.context_size, self.context = context_parallel, None
+        # the run's degrees of parallelism (plan/layout.py): the batch's slices and gradient ranks derive from it
+        self.given_layout = layout
+        self.context = (
+            None  # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
+        )
         self.precision = precision
         self.compile = compile
         self.channels_last = channels_last and self.keeps_channels_last
@@ -136,21 +138,35 @@ class Strategy:
         return self.rank == 0
 
     @property
+    def layout(self) -> Layout:
+        """The run's layout as the worker gives it; made without one (in tests), this strategy's own."""
+        return self.given_layout if self.given_layout is not None else self.default_layout()
+
+    def samples_counted(self, samples: int) -> int:
+        """The samples of its slice this rank counts in the figures (a context group's first rank only)."""
+        return samples if self.context is None or self.context.rank == 0 else 0
+
+    def default_layout(self) -> Layout:
+        """Every rank a replica."""
+        return Layout(replicate=self.world_size)
+
+    @property
     def data_rank(self) -> int:
-        """Which slice of each global batch this rank reads (ranks of one pipeline, or of one context group,
-        read the same)."""
-        return self.rank // self.context_size
+        """Which slice of each global batch this rank reads (the ranks of one pipeline, of one context group or
+        of one tensor group read the same)."""
+        return self.layout.data_rank(self.rank)
 
     @property
     def data_world(self) -> int:
         """Into how many slices each global batch is cut."""
-        return self.world_size // self.context_size
+        return self.layout.data_degree
 
     @property
     def replicas(self) -> int:
         """Over how many ranks' gradients the one-device gradient is the average: each rank's loss is divided
-        by the global batch over this (tensor parallelism: 1, every rank computes the whole batch's loss)."""
-        return self.world_size
+        by the global batch over this (the ranks of a tensor group each compute their slice's whole loss and
+        count once; those of a context group a part of it each, and count each)."""
+        return self.layout.gradient_ranks
 
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
         """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it. A model
@@ -224,25 +240,18 @@ class Strategy:
     def split_sequences(self, model: nn.Module) -> None:
         """With context parallelism: the model's attention and positions switched to this rank's context group,
         and the loss to a part of each window's (strategies/context_parallel.py)."""
-        if self.context_size > 1:
+        if self.layout.context > 1:
             from .context_parallel import split_model_sequences
 
             self.context, line = split_model_sequences(
-                model, self.objective, self.world_size, self.context_size, self.device.type
+                model, self.objective, self.world_size, self.layout.context, self.device.type
             )
             if self.is_main:
                 self.placement.append(line)
 
     def own_tokens(self, x, y) -> tuple:
         """This rank's head and tail chunks of each sequence of (x, y) under context parallelism, else (x, y)."""
-        if self.context is None:
-            return x, y
-        return self.context.own_tokens(x), self.context.own_tokens(y)
-
-    def counted_samples(self, samples: int) -> int:
-        """The samples this rank counts in the step's figures: those of its slice; within a context group, the
-        first rank counts them (every rank holds a part of the same samples)."""
-        return samples if self.context is None or self.context.rank == 0 else 0
+        return (x, y) if self.context is None else (self.context.own_tokens(x), self.context.own_tokens(y))
 
     def whole_batch_layers(self, model: nn.Module) -> None:
         """With data-parallel ranks that each compute a slice (`normalises_global_batch`): BatchNorm and Dropout
@@ -311,7 +320,7 @@ class Strategy:
         self.per_counted_element(count_total, batch.global_count)
         self.apply_gradients()
         return StepStats(
-            loss_total, metric_total, self.counted_samples(len(batch)), self.gradients.last_norm, count_total
+            loss_total, metric_total, self.samples_counted(len(batch)), self.gradients.last_norm, count_total
         )
 
     def _pass(self, x, y) -> tuple:
@@ -402,7 +411,7 @@ class Strategy:
             self.model, x, y, training=False, autocast=self.autocast
         )
         metrics = self.objective.metric_sums(outputs, y) if self.objective.names else self.no_metrics
-        return StepStats(loss_sum, metrics, self.counted_samples(len(batch)), loss_count=count)
+        return StepStats(loss_sum, metrics, self.samples_counted(len(batch)), loss_count=count)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (one rank: unchanged)."""
@@ -469,25 +478,3 @@ class Strategy:
         """Load a checkpoint of shards: `load(template)` fills `shard_state()`'s form in place, re-sharded for
         this layout (every rank calls it); `scheduler` is the schedule's state dict."""
         raise NotImplementedError(f"the {self.name} strategy reads whole checkpoints (load_state_dict)")
-
-
-class Distributed(Strategy):
-    """A strategy whose ranks form one torch.distributed group: sums and objects go through it."""
-
-    needs_process_group = True
-    reference = False
-
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def broadcast_object(self, value):
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather_object(self, value) -> list:
-        gathered = [None] * self.world_size if self.is_main else None
-        dist.gather_object(value, gathered, dst=0)
-        return gathered

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Distributed
+from .distributed import Distributed
 
 
 def default_strides_where_alike(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..config import TrainConfig
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
-from .base import Distributed
+from .distributed import Distributed
 from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 

@@ -32,8 +32,9 @@ from ..plan.pipeline import (
 )
 from . import pipeline_parts as parts
 from .activations import receive, send
-from .base import Distributed, StepStats
+from .base import StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
+from .distributed import Distributed
 from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, named_subset

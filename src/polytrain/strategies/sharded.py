@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..plan.layout import Layout
 from ..plan.sharded import ShardedPlan
-from .base import Distributed
+from .distributed import Distributed
 from .holdings import figures, heading, local_bytes, optimizer_slots
 from .mesh import device_mesh
 from .optimizer_state import keep_speed
@@ -102,13 +102,12 @@ class Sharded(Distributed):
         gathers a layer onto the GPU only while it computes (it refuses parameters placed on the GPU first)."""
         return torch.device("cpu") if self.cpu_offload else self.device
 
-    @property
-    def layout(self) -> Layout:
+    def default_layout(self) -> Layout:
         """`copies` replicas of `world_size / copies` shards (one replica: plain FSDP2)."""
         return Layout(replicate=self.copies, shard=self.world_size // self.copies)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return self.shard(model, device_mesh(self.layout, self.device.type, keep=("shard",)))
+        return self.shard(model, device_mesh(self.layout.sharding, self.device.type, keep=("shard",)))
 
     def shard(self, model: nn.Module, mesh) -> nn.Module:
         """`model` sharded with FSDP2 over `mesh`, one unit per block (units.py): a 1-D mesh shards
@@ -152,7 +151,7 @@ class Sharded(Distributed):
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
-        layout, ranks = self.layout, f"{self.world_size} ranks"
+        layout, ranks = self.layout.sharding, f"{self.world_size} ranks"
         if layout.replicate > 1:
             ranks = f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding)"
         lines = [

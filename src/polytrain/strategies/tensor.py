@@ -227,25 +227,11 @@ class TensorParallel(Sharded):
         copies = config.replicas or 1
         return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None, copies=copies)
 
-    @property
-    def layout(self) -> Layout:
+    def default_layout(self) -> Layout:
         """The plan's tensor groups side by side: sharded over the data dimension, as `copies` replicas of shard
         groups with --replicas (not the sharded strategy's layout of shards only)."""
         copies = self.plan.copies
         return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
-
-    @property
-    def data_rank(self) -> int:
-        return self.plan.coords(self.rank)[0]  # the ranks of a tensor group read the same slice
-
-    @property
-    def data_world(self) -> int:
-        return self.plan.replicas
-
-    @property
-    def replicas(self) -> int:
-        """Every rank of a tensor group computes its group's whole loss: the gradient is averaged over groups."""
-        return self.plan.replicas
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums over the tensor groups; the ranks of a group hold the same (one group: MAX keeps them exact, and

@@ -3,8 +3,8 @@ from its config.json.
 
 A folder as `save_pretrained` writes it: `config.json`, and the weights in `model.safetensors` or in the
 shards that `model.safetensors.index.json` lists. Its `architectures` entry names the polytrain model it
-loads into (LlamaForCausalLM and Qwen2ForCausalLM: --model llama; GPT2LMHeadModel: --model gpt), and its
-config gives that model's sizes: they fill the run's settings (config.json of the run records them), and a
+loads into (LlamaForCausalLM and Qwen2ForCausalLM: --model llama; GPT2LMHeadModel: --model gpt; their
+*ForSequenceClassification too, whose body and score head a sequence classifier loads), and its config gives that model's sizes: they fill the run's settings (config.json of the run records them), and a
 flag that says otherwise is refused in one line, as is a folder that lacks a file it names, or a config key
 that asks for something the model does not compute (GPT-2's scale_attn_by_inverse_layer_idx, say). A
 polytrain run folder (its config.json records polytrain's version) gives its model and the settings that fix

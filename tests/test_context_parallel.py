@@ -263,3 +263,47 @@ def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
     assert data - split == pytest.approx(100.0 * 8 / 4 - 100.0 * 8 / (2 * 2))  # 2 slices of 4, each half kept
     sharded = memory_per_rank(work, "sharded", 4, layout=layout_of("sharded", 4, context_parallel=2))
     assert sharded < split  # FSDP2 shards over the context groups' ranks too
+
+
+RESUMED = [
+    *("--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--heads", "4", "--kv-heads", "2"),
+    *("--width", "32", "--context", "32", "--batch-size", "8", "--optimizer", "adamw", "--lr", "0.01"),
+    *("--seed", "5", "--device", "cpu"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_context_parallel_run_resumes_on_another_layout_as_the_straight_run(tmp_path, capfd):
+    """2 steps on 2 sharded slices x 2 context ranks, then 2 more on 2 data-parallel ranks without context
+    parallelism: the weights of 4 steps on one device (the checkpoint holds the one-device names and state)."""
+    from conftest import polytrain_here
+
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    done = polytrain_here(capfd, "train", *RESUMED, "--max-steps", "4", "--out", straight)
+    assert done.returncode == 0, done.stderr
+    split = ["--strategy", "sharded", "--devices", "4", "--context-parallel", "2"]
+    done = polytrain_here(capfd, "train", *RESUMED, *split, "--max-steps", "2", "--out", out)
+    assert done.returncode == 0 and "context parallel: each sequence" in done.stdout, (
+        done.stdout + done.stderr
+    )
+    from conftest import load_weights
+
+    theirs, stopped = (
+        load_weights(straight / "model.pt"),
+        load_weights(out / "model.pt"),
+    )  # (sharded: its shards)
+    assert difference(stopped, theirs) > 1e-3  # 2 steps short of the straight run
+    moved = ["--strategy", "data", "--devices", "2", "--context-parallel", "1"]
+    done = polytrain_here(capfd, "train", "--resume", out, *moved, "--max-steps", "4")
+    assert done.returncode == 0 and "context parallel" not in done.stdout, done.stdout + done.stderr
+    ours = load_weights(out / "model.pt")
+    assert list(ours) == list(theirs)
+    assert difference(ours, theirs) < 1e-5  # float32 sums in another order on each layout
+
+
+def difference(ours: dict, theirs: dict) -> float:
+    """The largest difference of two state dicts' tensors, each on its tensor's scale."""
+    return max(
+        float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-12)) for k in theirs
+    )

@@ -1,7 +1,8 @@
 """Labels of -100 (Hugging Face's convention for padding and prompts) count in neither the loss nor the token
 counts: each step minimises the cross-entropy summed over the global batch's other tokens over their number,
 so one device and two (data, sharded, pipeline, parameter server) train the same weights, in float64, as SGD
-written by hand with F.cross_entropy(ignore_index=-100) (masked_tokens.reference_weights)."""
+written by hand with F.cross_entropy(ignore_index=-100) (masked_tokens.reference_weights). The four runs on
+two devices share one launch of two processes, where fit runs as under torchrun."""
 
 import pytest
 import torch
@@ -61,17 +62,51 @@ def test_averaging_each_part_s_token_mean_fails_the_same_comparison(data, refere
     assert max((averaged[name] - weights[name]).abs().max().item() for name in weights) > 1e-3
 
 
+TWO_DEVICES = (
+    dict(strategy="data"),
+    dict(strategy="sharded", accumulate=2),
+    dict(strategy="pipeline", microbatches=2),
+    dict(strategy="parameter-server"),
+)
+
+
+def _fit_each_on_two_ranks(rank: int, world: int, data, folder: str) -> list:
+    """On each of 2 ranks (one launch for all four runs, which start no workers of their own: fit joins the
+    process group made here, as under torchrun, and ends it): each of TWO_DEVICES' runs; on rank 0 its trained
+    weights and its epoch's loss."""
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(folder, "store"), world)
+    os.environ.update(
+        TORCHELASTIC_RUN_ID="loss-mask", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    results = []
+    for number, how in enumerate(TWO_DEVICES):
+        if not dist.is_initialized():  # (the launch's own group: the first run's)
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore(f"run-{number}", store), rank=rank, world_size=world
+            )
+        model = token_model()
+        history = polytrain.fit(model, train=data[0], val=data[1], devices=world, **SGD, **how)
+        # (as numpy arrays: tensors would pass through shared memory that ends with this process)
+        weights = {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
+        results.append((weights, history.last["train_loss"]) if rank == 0 else None)
+    return results
+
+
 @pytest.mark.multiprocess
-def test_masked_labels_train_the_reference_on_two_devices(data, reference):
+def test_masked_labels_train_the_reference_on_two_devices(data, reference, tmp_path):
+    from distributed import run_on_ranks
+
     weights, losses = reference
     trained = sum(loss * count for loss, count in losses) / sum(count for _, count in losses)
-    for how in (
-        dict(strategy="data"),
-        dict(strategy="sharded", accumulate=2),
-        dict(strategy="pipeline", microbatches=2),
-        dict(strategy="parameter-server"),
-    ):
-        model = token_model()
-        history = polytrain.fit(model, train=data[0], val=data[1], devices=2, **SGD, **how)
-        assert difference(model, weights) < 1e-13, how
-        assert history.last["train_loss"] == pytest.approx(trained, rel=1e-12), how
+    results = run_on_ranks(_fit_each_on_two_ranks, data, str(tmp_path), timeout=300)[0]
+    assert len(results) == len(TWO_DEVICES)
+    for how, (got, loss) in zip(TWO_DEVICES, results):
+        got = {name: torch.from_numpy(value) for name, value in got.items()}
+        assert max((got[name] - weights[name]).abs().max().item() for name in weights) < 1e-13, how
+        assert list(got) == list(weights), how
+        assert loss == pytest.approx(trained, rel=1e-12), how

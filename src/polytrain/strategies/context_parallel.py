@@ -111,13 +111,26 @@ def causal_attention(
     """Causal attention of this rank's queries over the whole split sequence: q (B, heads, T/C, head_dim), k
     and v (B, kv_heads, T/C, head_dim) this rank's head-tail tokens, kv_heads dividing heads; out as q. Equal
     to one device's `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on the whole sequence, this
-    rank's tokens of it."""
+    rank's tokens of it.
+
+    Each of the rank's two chunks (c queries from global position a) attends to the keys before its end,
+    [0, a + c), under the causal mask aligned to their last rows. torch's `is_causal` aligns a non-square mask
+    to the first rows instead, so the chunk's queries are put after a rows of zeros (whose outputs are dropped,
+    and whose gradients are zero): `is_causal` then needs no mask tensor, and the fused kernels keep O(T)
+    memory per layer. An explicit (T/C, T) mask would be turned into float32 and saved for the backward pass
+    of every layer (4 T^2 / C bytes), and make the kernel compute every masked pair too."""
     keys, values = gather_sequence(k, context), gather_sequence(v, context)
-    queries = context.positions(q.shape[2], device=q.device)
-    mask = torch.arange(keys.shape[2], device=q.device) <= queries[:, None]  # (T/C, T): True attends
-    return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1]
-    )
+    grouped = q.shape[1] != keys.shape[1]
+    chunk = q.shape[2] // 2
+    outputs = []
+    for part, start in zip(q.split(chunk, dim=2), context.chunk_starts(chunk)):
+        end = start + chunk
+        padded = torch.cat([part.new_zeros(*part.shape[:2], start, part.shape[3]), part], dim=2)
+        out = F.scaled_dot_product_attention(
+            padded, keys[:, :, :end], values[:, :, :end], is_causal=True, enable_gqa=grouped
+        )
+        outputs.append(out[:, :, start:])
+    return torch.cat(outputs, dim=2)
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,10 @@ class ContextGroup:
     def positions(self, length: int, *, device=None) -> torch.Tensor:
         """The global positions of the `length` tokens this rank holds (its head and tail chunks)."""
         return head_tail_positions(length * self.size, self.rank, self.size, device=device)
+
+    def chunk_starts(self, chunk: int) -> tuple:
+        """The global positions where this rank's head and tail chunks, `chunk` tokens each, begin."""
+        return self.rank * chunk, (2 * self.size - 1 - self.rank) * chunk
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`causal_attention` over this group: the models' stand-in for causal scaled_dot_product_attention."""

@@ -89,7 +89,8 @@ def test_the_resume_rules_come_from_the_declarations():
             "replicas",
             "tensor_parallel",
         ),
-        "sharded": ("cpu_offload", "replicas"),
+        "sharded": ("context_parallel", "cpu_offload", "replicas"),
+        "data": ("context_parallel",),
         "parameter-server": ("servers", "server_device", "staleness"),
         "tensor": ("replicas", "tensor_plan", "tensor_parallel"),
     }

@@ -18,11 +18,9 @@ from polytrain.objective import IGNORE_INDEX, Objective
 from polytrain.strategies.context_parallel import (
     ContextGroup,
     apply_context_parallel,
-    context_sum,
     head_tail_positions,
     join_sequence,
     split_sequence,
-    token_loss,
 )
 
 EXACT = 1e-12  # float64: one device's result up to rounding
@@ -106,6 +104,13 @@ def _attention_errors(context: ContextGroup, heads: int, kv_heads: int) -> dict:
     return {name: (found[name] - mine(expected[name])).abs().max().item() for name in found}
 
 
+def context_sum(value: torch.Tensor, context: ContextGroup) -> torch.Tensor:
+    """`value` summed over the context group."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(value.detach(), "sum", context.group))
+
+
 def _model_errors(context: ContextGroup, build) -> dict:
     """Largest differences of a model switched into context-parallel mode from one device's on one batch: this
     rank's logits, every parameter's gradient summed over the context group, the loss and token count summed."""
@@ -124,7 +129,9 @@ def _model_errors(context: ContextGroup, build) -> dict:
         return split_sequence(tensor, context.rank, context.size)[0]
 
     part_logits = model(mine(ids))
-    part_loss, part_count = token_loss(part_logits, mine(labels), context)
+    objective = Objective(kind="language")
+    objective.sequence_parts = context.size  # as a strategy sets it (strategies/context_parallel.py)
+    part_loss, part_count = objective.token_loss(part_logits, mine(labels))
     part_loss.backward()
     grads = dict(whole.named_parameters())
     return {

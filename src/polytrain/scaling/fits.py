@@ -177,8 +177,9 @@ def check_fits(
 
 def sequence_length(model: nn.Module) -> int:
     """The tokens of each sequence of a model whose sequences `--context-parallel` can split (0: none)."""
-    splits = any(hasattr(type(module), "context_parallel") for module in model.modules())
-    return int(getattr(model, "context", 0) or 0) if splits else 0
+    from ..strategies.context_parallel import sequence_modules
+
+    return int(getattr(model, "context", 0) or 0) if sequence_modules(model) else 0
 
 
 MIN_CHUNK = 64  # tokens of a head or tail chunk below which splitting a sequence further is not proposed

@@ -97,9 +97,8 @@ class Strategy:
         self.rank, self.world_size = rank, world_size
         # the run's degrees of parallelism (plan/layout.py): the batch's slices and gradient ranks derive from it
         self.given_layout = layout
-        self.context = (
-            None  # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
-        )
+        # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
+        self.context = None
         self.precision = precision
         self.compile = compile
         self.channels_last = channels_last and self.keeps_channels_last

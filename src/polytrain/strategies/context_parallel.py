@@ -29,10 +29,10 @@ tensors in and out, fewer key/value heads than query heads allowed (grouped-quer
 import nothing from here: the object carries the behaviour. Whoever feeds such a model gives each rank its
 `split_sequence` of the batch's ids and labels.
 
-**The loss.** `token_loss` is a rank's part of `Objective.token_loss`: its tokens' cross-entropy summed and its
-trained tokens counted, both over the whole sequence's T (not the T/C a rank holds), so that summed over the
-context group, as the reductions over data and context ranks sum them (`context_sum`), they are one device's
-loss and count. Each rank differentiates its own part only; the gather's backward brings it the gradients
+**The loss.** A rank's `Objective.token_loss`, with `sequence_parts` set to C, is its part of one device's: its
+tokens' cross-entropy summed and its trained tokens counted, both over the whole sequence's T (not the T/C a
+rank holds), so that summed over the context group, as the reductions over data and context ranks sum them,
+they are one device's loss and count. Each rank differentiates its own part only; the gather's backward brings it the gradients
 that other ranks' queries give its keys and values. Parameter gradients are then partial sums, added over the
 context group as over data-parallel ranks.
 """
@@ -40,7 +40,7 @@ context group as over data-parallel ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..objective import Objective
 
 # torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
 # that it is deprecated), else `all_gather_tensor_autograd`; used along dim 0, which every version supports
@@ -172,12 +171,18 @@ class ContextGroup:
         return self  # a copy of a model on this rank splits its sequences over the same group
 
 
+def sequence_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules of `model` that declare `context_parallel`: those context parallelism switches (none: its
+    sequences cannot be split here)."""
+    return [module for module in model.modules() if hasattr(type(module), "context_parallel")]
+
+
 def apply_context_parallel(model: nn.Module, group) -> nn.Module:
     """Switch `model` into context-parallel mode over `group` (a process group, a 1-D DeviceMesh, or a
     ContextGroup; None switches it back): every module that declares `context_parallel` gets the group. A
     model with no such module is refused: its attention cannot be split here."""
     context = group if group is None or isinstance(group, ContextGroup) else ContextGroup.of(group)
-    switched = [module for module in model.modules() if hasattr(type(module), "context_parallel")]
+    switched = sequence_modules(model)
     if not switched:
         raise ConfigError(
             f"--context-parallel splits the sequence of the gpt and llama models; {type(model).__name__} has no "
@@ -216,7 +221,7 @@ def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
     dropout (whose masks would be drawn by each rank for its own tokens: not the one-device model)."""
     if size == 1:
         return
-    if not any(hasattr(type(module), "context_parallel") for module in model.modules()):
+    if not sequence_modules(model):
         raise ConfigError(
             f"--context-parallel splits the sequences of --model gpt and llama; {name} has no attention that "
             f"polytrain can split (its attention and positions would need the whole sequence on every rank): "
@@ -240,21 +245,3 @@ def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
             f"another model than one device's; {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''}): "
             f"give --dropout 0, or drop --context-parallel"
         )
-
-
-def token_loss(
-    outputs: torch.Tensor, targets: torch.Tensor, context: ContextGroup, *, label_smoothing: float = 0.0
-):
-    """This rank's part of next-token cross-entropy (`Objective.token_loss`) on its T/C tokens of each
-    sequence: (its tokens' loss summed over the whole sequence's T, its trained tokens over T, a float64
-    tensor). Summed over the context group, both are one device's; the loss is differentiable."""
-    objective = Objective(kind="language", label_smoothing=label_smoothing)
-    objective.sequence_parts = context.size
-    return objective.token_loss(outputs, targets)
-
-
-def context_sum(value: torch.Tensor, context: Optional[ContextGroup]) -> torch.Tensor:
-    """`value` summed over the context group (detached: for figures, not for the backward)."""
-    if context is None or context.size == 1:
-        return value.detach()
-    return funcol.wait_tensor(funcol.all_reduce(value.detach(), "sum", context.group))

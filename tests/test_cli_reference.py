@@ -1,12 +1,15 @@
-"""docs/cli.md is rendered from the settings' declarations and the parser (polytrain.config.reference), never
-written by hand: it must be what the code renders now."""
+"""docs/cli.md is rendered from the settings' declarations and the parser (polytrain.config.reference, run as
+`python -m polytrain.cli > docs/cli.md`), never written by hand: it must be what the code renders now."""
 
 import dataclasses
 import difflib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from polytrain.cli import build_parser
 from polytrain.config import reference
 from polytrain.config.declare import flag_name
 
@@ -14,7 +17,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 def test_docs_cli_md_is_what_the_declarations_render():
-    written, rendered = PAGE.read_text(), reference.markdown()
+    written, rendered = PAGE.read_text(), reference.markdown(build_parser())
     if written != rendered:
         diff = "".join(
             list(
@@ -30,12 +33,20 @@ def test_docs_cli_md_is_what_the_declarations_render():
         )
 
 
+def test_the_regeneration_command_prints_the_page():
+    # reference.COMMAND, as the page and this test's failure tell a reader to run it
+    done = subprocess.run(
+        [sys.executable, "-m", "polytrain.cli"], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert reference.COMMAND == "python -m polytrain.cli > docs/cli.md"
+    assert done.stdout == reference.markdown(build_parser())
+
+
 def test_every_setting_and_every_command_has_its_row():
-    from polytrain.cli import build_parser
     from polytrain.config import SETTINGS
     from polytrain.config.settings import INPUTS
 
-    page = reference.markdown()
+    page = reference.markdown(build_parser())
     for name, meta in (*SETTINGS.items(), *INPUTS.items()):
         shown = f"`{name}=`" if meta.flag == "none" else f"`{flag_name(name)}"
         assert shown in page, name
@@ -47,7 +58,11 @@ def test_a_changed_declaration_changes_the_page(monkeypatch):
     name = "label_smoothing"
     changed = dataclasses.replace(reference.SETTINGS[name], help="smooth the targets | by X <here>")
     monkeypatch.setitem(reference.SETTINGS, name, changed)
-    row = next(line for line in reference.markdown().splitlines() if line.startswith("| `--label-smoothing"))
+    row = next(
+        line
+        for line in reference.markdown(build_parser()).splitlines()
+        if line.startswith("| `--label-smoothing")
+    )
     # the table's cells stay cells: a pipe in a text is escaped, and <word> stays visible
     assert row == "| `--label-smoothing X` | `0` | smooth the targets \\| by X \\<here> |  |"
 

@@ -45,7 +45,7 @@ parser.format_help()
 parser.commands["train"].format_help()
 _, args = parse(["train", "--model", "gpt", "--devices", "2", "--strategy", "pipeline"])
 assert settings_of(args)["model"] == "gpt"
-assert "--model NAME" in markdown()  # docs/cli.md
+assert "--model NAME" in markdown(parser)  # docs/cli.md
 """
     assert torch_modules_after(code) == []
 

@@ -1,5 +1,8 @@
 """The command line: `polytrain train | evaluate | predict | verify | bench | generate | export`. The only
-place that parses arguments."""
+place that parses arguments.
+
+    python -m polytrain.cli > docs/cli.md     # the command-line reference, rendered from this parser
+"""
 
 from __future__ import annotations
 
@@ -376,3 +379,9 @@ def run_command(argv=None) -> int:
     except KeyboardInterrupt:
         print("polytrain: interrupted", file=sys.stderr)
         return 130
+
+
+if __name__ == "__main__":  # docs/cli.md (config/reference.py renders it from the parser)
+    from .config.reference import markdown
+
+    print(markdown(build_parser()), end="")

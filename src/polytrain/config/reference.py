@@ -1,11 +1,12 @@
 """The command-line reference (docs/cli.md), rendered from the settings' declarations and the parser.
 
-    python -m polytrain.config.reference > docs/cli.md
+    python -m polytrain.cli > docs/cli.md
 
 `polytrain train` and `polytrain verify` take every declared setting (settings.py and the *_settings.py beside it): each is
 listed from its declaration (flag, default, help, group, which strategy reads it, what --resume may do with it).
 The few flags that are not settings (`--resume`, `--steps`, the other commands' arguments) are read from the
-parser that cli.py builds, so nothing on the page is written by hand but its opening. tests/test_cli_reference.py
+parser that cli.py builds and hands to `markdown(parser)` (config sits below the command line and never imports
+it), so nothing on the page is written by hand but its opening. tests/test_cli_reference.py
 fails while docs/cli.md differs from what this renders.
 """
 
@@ -20,7 +21,7 @@ from .model_defaults import MODEL_DEFAULTS
 from .settings import INPUTS
 from .train import DEFAULTS, SETTINGS
 
-COMMAND = "python -m polytrain.config.reference > docs/cli.md"
+COMMAND = "python -m polytrain.cli > docs/cli.md"
 
 OPENING = f"""# Command-line reference
 
@@ -181,10 +182,8 @@ def own_actions(parser: argparse.ArgumentParser, *, settings: bool) -> list:
     ]
 
 
-def commands_section() -> List[str]:
-    from ..cli import build_parser
-
-    parser = build_parser()
+def commands_section(parser: argparse.ArgumentParser) -> List[str]:
+    """The commands and their own arguments, read from the command line's parser (cli.build_parser())."""
     summaries = {
         choice.dest: choice.help
         for group in parser._actions
@@ -210,10 +209,6 @@ def commands_section() -> List[str]:
     return lines
 
 
-def markdown() -> str:
-    """The whole of docs/cli.md."""
-    return "\n".join([OPENING, *commands_section(), "", *settings_section()]) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")
+def markdown(parser: argparse.ArgumentParser) -> str:
+    """The whole of docs/cli.md, for the command line's parser (cli.build_parser())."""
+    return "\n".join([OPENING, *commands_section(parser), "", *settings_section()]) + "\n"

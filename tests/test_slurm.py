@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from polytrain.runtime.slurm import SlurmTask, expand_nodelist, port_for_job, slurm_task, tasks_per_node
+from polytrain.config.slurm import SlurmTask, expand_nodelist, port_for_job, slurm_task, tasks_per_node
 
 
 @pytest.mark.parametrize(

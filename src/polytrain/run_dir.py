@@ -132,7 +132,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def _locks_here() -> bool:
-    from .runtime.hostenv import launcher_env
+    from .config.host import launcher_env
 
     launcher = launcher_env()
     return launcher is None or launcher.rank == 0

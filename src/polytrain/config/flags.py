@@ -13,6 +13,7 @@ from typing import Optional
 from ..errors import UserError
 from .declare import GROUPS, Setting, flag_name
 from .files import read_config_file
+from .host import launcher_env
 from .model_defaults import OWN_OPTIMIZER_SETTINGS, apply_model_defaults
 from .names import as_flag, foreign, nearest
 from .pretrained import apply_checkpoint
@@ -128,8 +129,6 @@ def flag_list(names) -> str:
 
 
 def config_from_args(args) -> TrainConfig:
-    from ..runtime.hostenv import launcher_env
-
     values = settings_of(args)
     launcher = launcher_env()  # under torchrun/srun the device count is its world size
     if launcher is not None:

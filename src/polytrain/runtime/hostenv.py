@@ -1,71 +1,16 @@
-"""The process's surroundings: what a launcher told it, its share of the cores, the C allocator."""
+"""What this process does with its surroundings (read in config/host.py, which the settings and the run folder
+ask too): its share of the cores as torch threads, how many CPU workers are worth starting, the C allocator."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from ..errors import UserError
-from .slurm import slurm_task
+from ..config.host import LauncherEnv, launcher_env, usable_cores  # noqa: F401 (asked here by the workers)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-
-
-@dataclass(frozen=True)
-class LauncherEnv:
-    """What the launcher that started this process told it: torchrun (or another torch elastic agent), or
-    SLURM's srun (one task per device)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    restart_count: int
-    max_restarts: int
-    rendezvous: Optional[str] = None  # "tcp://host:port" under srun; None: torchrun's environment
-
-
-def launcher_env() -> Optional[LauncherEnv]:
-    """The launcher's settings inside a process started by torchrun or srun; None in a plain process
-    (also inside an interactive SLURM allocation with one task, where --devices N starts its own workers)."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
-        return LauncherEnv(
-            int(env["RANK"]),
-            int(env["WORLD_SIZE"]),
-            int(env.get("LOCAL_RANK", "0")),
-            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-            int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-        )
-    try:
-        task = slurm_task(env)
-    except ValueError as error:
-        raise UserError(f"under srun: {error}") from None
-    if task is None:
-        return None
-    return LauncherEnv(
-        task.rank,
-        task.world_size,
-        task.local_rank,
-        task.local_world_size,
-        task.restart_count,
-        0,
-        rendezvous=f"tcp://{task.master_addr}:{task.master_port}",
-    )
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), not all cores of the machine."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def most_cpu_processes() -> int:

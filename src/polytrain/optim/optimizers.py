@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 from torch.optim import lr_scheduler
 
-from ..config.names import nearest
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, nearest
 
 SCHEDULES = ("constant", "cosine", "onecycle")  # polytrain's, after a linear warm-up
 FROM_PYTHON = " (from Python)"  # how config.json names an object given to fit()

@@ -68,7 +68,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
-from .activations import peak_bytes
+from .activations import AttentionShape, context_part, peak_bytes
 from .layout import Layout, layout_of_label, sharded_name, tensor_name  # noqa: F401 (the labels, here too)
 
 
@@ -117,6 +117,7 @@ class Workload:
     block_bytes: float = 0.0
     block_input_bytes: float = 0.0
     block_matmul_bytes: float = 0.0
+    attention: Optional[AttentionShape] = None  # one device's causal attention (None: not seen)
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p
@@ -476,11 +477,12 @@ def memory_per_rank(
     and the activations of its group's batch (all of them, an upper bound: the split layers' are 1/T).
     """
     weights = work.parameter_bytes
-    per_sample = peak_bytes(work, checkpointing) if work.activation_bytes else sum(work.boundary_bytes)
     layout = layout or layout_of_label(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
-    # context group's ranks each keep 1/C of every sequence's (their gathered keys and values are not counted)
-    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline * layout.context)
+    # context group's ranks each keep their part of every sequence's (plan/activations.py `context_part`)
+    part = context_part(work, layout.context)
+    per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
+    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights

@@ -6,7 +6,9 @@ The forward runs on fake tensors (torch's FakeTensorMode: shapes, dtypes and the
 no memory), on a copy of the model whose weights are fake too, so a model built on the meta device, of any
 size, is measured in the launching process without allocating it; the CPU's attention kernel (which keeps its
 output and log-sum-exp, not the T x T scores) is the one measured, as it runs. Saved tensors are counted
-by storage (q, k and v are views of one), weights not at all.
+by storage (q, k and v are views of one), weights not at all. The forward's causal attention calls are noted
+as the `attention` figure (plan/activations.py `AttentionShape`): what a context rank keeps beyond 1/C of them
+is counted from it.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-FIELDS = ("activation_bytes", "blocks", "block_bytes", "block_input_bytes", "block_matmul_bytes")
+FIELDS = ("activation_bytes", "blocks", "block_bytes", "block_input_bytes", "block_matmul_bytes", "attention")
 
 
 def fake_copy(model: nn.Module, device: str) -> nn.Module:
@@ -57,6 +60,7 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
     `model` on `device`'s kernels; {} where the forward cannot run on fake tensors or the objective needs more
     than outputs and targets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ..strategies.activation_checkpoint import KEPT_OPS, find_blocks
@@ -70,6 +74,14 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
                         products.setdefault(current[0], {})[_key(tensor)] = (tensor, _nbytes(tensor))
             return out
 
+    class AttentionCalls(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                calls.append(_attention_call(*args, **kwargs))
+            return func(*args, **kwargs)
+
+    calls: List[Optional[tuple]] = []
     saved: Dict[int, tuple] = {}  # storage -> (tensor, bytes, block index or None)
     products: Dict[int, dict] = {}  # block -> {storage: (tensor, bytes)}
     inputs: Dict[int, int] = {}
@@ -90,7 +102,11 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
                 return tensor
 
             fx, fy = torch.zeros_like(x, device=device), torch.zeros_like(y, device=device)
-            with MatmulOutputs(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with (
+                MatmulOutputs(),
+                AttentionCalls(),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            ):
                 objective.loss_sum(fake(fx), fy)
             for hook in hooks:
                 hook.remove()
@@ -108,7 +124,28 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
         block_matmul_bytes=per_block(
             [sum(size for _, size in products.get(b, {}).values()) for b in range(len(blocks))]
         ),
+        attention=_attention_shape(calls, model),
     )
+
+
+def _attention_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *_, **__):
+    """(heads, kv_heads, head_dim, tokens, element bytes) of a causal attention call without a mask
+    (batch, heads, tokens, head_dim); None for another."""
+    if attn_mask is not None or not is_causal or query.dim() != 4:
+        return None
+    return query.shape[1], key.shape[1], query.shape[3], query.shape[2], query.element_size()
+
+
+def _attention_shape(calls: list, model: nn.Module):
+    """The forward's attention as an AttentionShape where every call is the same causal attention; None
+    where there is none, or another kind among them."""
+    from ..plan.activations import AttentionShape
+
+    if not calls or None in calls or len(set(calls)) != 1:
+        return None
+    heads, kv_heads, head_dim, tokens, element_bytes = calls[0]
+    parameters = float(sum(p.numel() for p in model.parameters()))
+    return AttentionShape(len(calls), heads, kv_heads, head_dim, tokens, element_bytes, parameters)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

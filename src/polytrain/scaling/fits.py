@@ -4,8 +4,9 @@ unit's weights gathered whole under FSDP2), worked out from the model's shapes (
 is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
 memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
 holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (plan/activations.py,
-measured on fake tensors by activation_memory.py); where they cannot be measured they are left out and the
-figure is a lower bound.
+measured on fake tensors by activation_memory.py), on a context rank its part of each sequence's with the
+keys and values its attention gathers and its chunks' zero rows (`context_part`); where they cannot be measured
+they are left out and the figure is a lower bound.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def check_fits(
     activations = measured_activations(model, dataset, device)
     accumulate = getattr(config, "accumulate", 1) or 1
     work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
+    if work.attention and getattr(config, "precision", "fp32") != "fp32":  # autocast's attention: 2 bytes
+        work = dataclasses.replace(work, attention=dataclasses.replace(work.attention, element_bytes=2))
     label = strategy if devices > 1 else "single"
     mode = getattr(config, "activation_checkpointing", "none") or "none"
 

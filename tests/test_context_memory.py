@@ -1,0 +1,141 @@
+"""What a rank of a context group holds (plan/activations.py `context_part`, `--context-parallel C`): 1/C of one
+device's activations plus the keys and values its attention gathers whole and its chunks' zero rows, counted from
+the attention's shape against hand-worked figures and against what a context rank's forward keeps, measured on
+fake tensors in this process (a fake process group of C ranks: the gather runs without peers); and the memory
+check's figure for a context-parallel layout."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from polytrain.models.gpt import GPT
+from polytrain.models.llama import Llama
+from polytrain.objective import Objective
+from polytrain.plan.activations import AttentionShape, context_bytes, context_part, peak_bytes
+from polytrain.plan.costmodel import Workload, memory_per_rank
+from polytrain.plan.layout import layout_of
+from polytrain.scaling.activation_memory import activation_profile
+
+VOCAB, BATCH = 65, 2
+MODELS = {
+    "gpt": lambda context: GPT(VOCAB, context=context, layers=3, heads=4, width=64),
+    "llama": lambda context: Llama(VOCAB, context=context, layers=2, heads=4, kv_heads=2, width=64),
+}
+FIGURES = ("activation_bytes", "block_bytes", "block_input_bytes", "block_matmul_bytes")
+# a 2-layer llama of 4 heads over 2 key/value heads of width 32, T = 64, float32
+SHAPE = AttentionShape(layers=2, heads=4, kv_heads=2, head_dim=32, context=64, element_bytes=4)
+
+
+def test_what_a_context_rank_s_attention_keeps_beyond_one_c_worked_by_hand():
+    # C = 2: a rank's 32 tokens are 2 chunks of 16, from 0 and 48 (rank 0): 16 and 64 rows with the zero rows, 80
+    kept, outputs = context_bytes(SHAPE, 2)
+    gathered = 2 * 2 * 64 * 32 * 4 - 2 * 2 * 32 * 32 * 4  # keys and values of all 64 tokens, not its own 32
+    padded = 2 * 4 * 80 * 32 * 4 - 4 * 32 * 32 * 4  # queries and outputs of 80 rows, not its own 32 queries
+    log_sum_exp = 4 * 80 * 4 - 4 * 32 * 4
+    assert kept == gathered + padded + log_sum_exp == 82688
+    assert outputs == 4 * 80 * 32 * 4 + 4 * 80 * 4 - (4 * 32 * 32 * 4 + 4 * 32 * 4) == 25344
+    # C = 4: 16 tokens, chunks of 8 ending at 8 and 64 (rank 0): 72 rows
+    kept, _ = context_bytes(SHAPE, 4)
+    assert kept == (2 * 2 * (64 - 16) * 32 + 4 * (2 * 72 - 16) * 32) * 4 + 4 * 4 * (72 - 16)
+    assert context_bytes(SHAPE, 1) == (0.0, 0.0)
+    # float64 keeps its log-sum-exp in float64; bf16 in float32
+    wide, _ = context_bytes(dataclasses.replace(SHAPE, element_bytes=8), 2)
+    assert wide == 2 * (gathered + padded) + 2 * log_sum_exp
+    narrow, _ = context_bytes(dataclasses.replace(SHAPE, element_bytes=2), 2)
+    assert narrow == (gathered + padded) / 2 + log_sum_exp
+
+
+def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its_blocks_are_kept():
+    work = Workload(
+        compute_seconds=0.0, parameter_bytes=0.0, batch_size=8, activation_bytes=1000e3, blocks=2,
+        block_bytes=400e3, block_input_bytes=20e3, block_matmul_bytes=100e3, attention=SHAPE,
+    )  # fmt: skip
+    kept, outputs = 82688, 25344
+    part = context_part(work, 2)
+    assert part.activation_bytes == 500e3 + 2 * kept and part.block_bytes == 200e3 + kept
+    assert part.block_input_bytes == 10e3 and part.block_matmul_bytes == 50e3 + outputs
+    outside = (1000e3 - 2 * 400e3) / 2  # embeddings, head and loss: 1/C
+    assert peak_bytes(part, "none") == 500e3 + 2 * kept
+    # full: each block's input, and one recomputed block with its gathered keys and values and zero rows
+    assert peak_bytes(part, "full") == outside + 2 * 10e3 + 200e3 + kept
+    assert peak_bytes(part, "selective") == outside + 2 * (10e3 + 50e3 + outputs) + 200e3 + kept
+    # per rank: a slice of 4 sequences (2 context groups of 2 split the batch of 8), a part of each
+    data = layout_of("data", 4, context_parallel=2)
+    weights = memory_per_rank(dataclasses.replace(work, activation_bytes=0.0), "data", 4, layout=data)
+    for mode in ("none", "full"):
+        held = memory_per_rank(work, "data", 4, layout=data, checkpointing=mode) - weights
+        assert held == pytest.approx(4 * peak_bytes(part, mode))
+    assert context_part(work, 1) is work
+    # a workload whose attention was not seen: 1/C alone (the cuts' too, where nothing else is known)
+    unseen = context_part(dataclasses.replace(work, attention=None, boundary_bytes=(10.0, 30.0)), 2)
+    assert unseen.activation_bytes == 500e3 and unseen.boundary_bytes == (5.0, 15.0)
+
+
+@pytest.fixture
+def fake_group():
+    """A fake process group of `size` ranks in this process: collectives return tensors of their shapes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(size: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+        return dist.group.WORLD
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, name, size):
+    """One device's figures, split by `context_part`, against a context rank's forward on fake tensors: every
+    rank (its chunks end elsewhere, their rows with the zero rows do not), every figure checkpointing uses."""
+    from polytrain.strategies.context_parallel import ContextGroup, apply_context_parallel
+
+    group, context = fake_group(size), 64
+    ids = torch.zeros(BATCH, context, dtype=torch.long)
+    for rank in range(size):
+        model, objective = MODELS[name](context), Objective(kind="language")
+        one = activation_profile(model, objective, ids, ids)
+        assert one["attention"].context == context and one["attention"].layers == len(model) - 3
+        counted = context_part(
+            Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, **one), size
+        )
+        apply_context_parallel(model, ContextGroup(group, rank, size))
+        objective.sequence_parts = size
+        kept = activation_profile(model, objective, ids[:, : context // size], ids[:, : context // size])
+        for figure in FIGURES:  # (the token ids' bool mask, 1 byte a sample, is not split: 2 bytes at most)
+            assert getattr(counted, figure) == pytest.approx(kept[figure], abs=2), (rank, figure)
+        assert kept["activation_bytes"] > one["activation_bytes"] / size + 20e3  # far from 1/C alone
+
+
+def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_and_zero_rows_do_not_fit(monkeypatch):
+    """benchmarks/context_parallel.py's T = 16384 batch 1 case, where 1/C alone passed 4 ranks that then held
+    2.3x its figure: with a limit between 1/C and the count, 4 context ranks are refused, the count named."""
+    from polytrain.config import TrainConfig
+    from polytrain.data import load_dataset
+    from polytrain.errors import UserError
+    from polytrain.models import build_model_on_meta
+    from polytrain.scaling import fits
+
+    shape = dict(layers=2, width=128, heads=4, kv_heads=2, context=16384)
+    data = load_dataset("shakespeare", context=16384)
+    model = build_model_on_meta("llama", data.input_shape, data.num_classes, shape)
+    config = TrainConfig(model="llama", strategy="sharded", devices=4, context_parallel=4, batch_size=1)
+    layout = fits.layout_for(config, "sharded")
+    activations = fits.measured_activations(model, data, torch.device("cpu"))
+    work = fits.model_workload(model, batch_size=1, **activations)
+    counted = memory_per_rank(work, "sharded", 4, optimizer_slots=2, layout=layout)
+    alone = memory_per_rank(
+        dataclasses.replace(work, attention=None), "sharded", 4, optimizer_slots=2, layout=layout
+    )
+    # both layers' gathered keys and values and zero rows, one sequence: 44 MiB beside 1/C's 95
+    assert counted - alone == pytest.approx(2 * context_bytes(work.attention, 4)[0])
+    assert work.attention == AttentionShape(2, 4, 2, 32, 16384, 4, sum(p.numel() for p in model.parameters()))
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: (counted + alone) / 2)
+    with pytest.raises(UserError, match=f"at least {counted / 2**30:,.1f} GiB"):
+        fits.check_fits(
+            config, model, "sharded", name="llama", device=torch.device("cpu"), slots=2, dataset=data
+        )

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from .data.order import leaves, rows
+from .data.token_rows import IGNORE_INDEX
 from .errors import UserError
+from .models import call_model, first_output
 from .models.own_loss import token_labels, with_num_items
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KINDS = ("classification", "language", "model")  # model: the model returns its loss
-IGNORE_INDEX = -100  # a label that trains nothing (Hugging Face's and torch's cross-entropy default)
 
 
 class Objective:
@@ -272,14 +273,6 @@ def gives_pair(value) -> bool:
     )
 
 
-def first_output(output):
-    """A model's outputs for the loss: a tuple's first tensor (nanoGPT's (logits, loss) called without
-    targets, whose loss is None), else the output itself."""
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return output
-
-
 @contextlib.contextmanager
 def shards_outside_forward(step):
     """A step= that makes a tensor from the model's parameters outside its forward (pytorch/examples'
@@ -296,15 +289,6 @@ def shards_outside_forward(step):
             f"next(model.parameters()).new_zeros(...) in an init_hidden) is a DTensor too; make it with "
             f"torch.zeros(..., device=inputs.device) instead, or use --strategy data"
         ) from None
-
-
-def call_model(model, x):
-    """The model on a batch's inputs: a dict as keyword arguments, a tuple or list as positional ones."""
-    if isinstance(x, dict):
-        return model(**x)
-    if isinstance(x, (tuple, list)):
-        return model(*x)
-    return model(x)
 
 
 def carried_loss(output):

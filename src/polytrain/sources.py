@@ -19,10 +19,10 @@ from .data import ArrayDataset, dataset_settings, load_dataset
 from .data.order import rows
 from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
 from .errors import DataError, UserError, first_line
-from .models import run_on_sample
+from .models import first_output, run_on_sample
 from .models.lightning import LightningStep
 from .models.own_loss import label_shift
-from .objective import Objective, carried_loss, describe_value, first_output
+from .objective import Objective, carried_loss, describe_value
 from .strategies import STRATEGIES
 
 

@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import Dataset
 
 from ..errors import DataError
-from ..objective import IGNORE_INDEX
 from .stream import DatasetPair, spec_of
 
+IGNORE_INDEX = -100  # a label that trains nothing (Hugging Face's and torch's cross-entropy default)
 COLUMNS = ("input_ids", "labels", "attention_mask")
 SCAN_ROWS = 4096
 

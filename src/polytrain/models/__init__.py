@@ -85,12 +85,28 @@ def text_vocabulary(dataset) -> Optional[int]:
     return getattr(dataset, "sequence_vocabulary", None)
 
 
+def call_model(model, x):
+    """The model on a batch's inputs: a dict as keyword arguments, a tuple or list as positional ones."""
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, (tuple, list)):
+        return model(*x)
+    return model(x)
+
+
+def first_output(output):
+    """A model's outputs for the loss: a tuple's first tensor (nanoGPT's (logits, loss) called without
+    targets, whose loss is None), else the output itself."""
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return output
+
+
 @torch.no_grad()
 def run_on_sample(model: nn.Module, x, what: str):
     """The model on a sample batch `x` (a tensor; a dict as keyword arguments, a tuple as positional ones) in
     eval mode on the model's device (mode restored); one line naming `what` if it fails."""
     from ..data.order import map_tree
-    from ..objective import call_model
 
     if type(model).forward is nn.Module.forward:
         raise UserError(
@@ -126,8 +142,6 @@ def takes_channels_last(model: nn.Module, sample) -> bool:
     module that flattens with `.view()` fails it and keeps the default format."""
     if not isinstance(sample, torch.Tensor) or sample.dim() != 4 or not sample.is_floating_point():
         return False
-    from ..objective import call_model, first_output
-
     try:
         expected = first_output(run_on_sample(model, sample, "a sample"))
         probe = copy.deepcopy(model).to(memory_format=torch.channels_last).eval()

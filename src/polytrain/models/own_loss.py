@@ -25,7 +25,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn as nn
 
-IGNORE_INDEX = -100
+from ..data.token_rows import IGNORE_INDEX
 
 NOT_TOKEN_EXACT = (
     "note: the model's own loss is its mean over each micro-batch's labels (-100 left out), and {why}, so "

@@ -64,7 +64,7 @@ def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
 def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
     """Run rank 0's slice of `model` on `sample` (two samples, as the data give them); one line if it fails."""
     from ..data.order import map_tree
-    from ..objective import call_model
+    from ..models import call_model
 
     named = [f"{name} ({style})" for name, style, _ in plan.styles if style != "replicate"]
     split = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")

@@ -11,8 +11,7 @@ import pytest
 from polytrain.models import build_model
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank, predict_all, tensor_parallel
 from polytrain.plan.layout import Layout, settings_of_label
-from polytrain.scaling.auto import measured_choice, pick, read_plan, steady_choice
-from polytrain.scaling.bench import (
+from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,
     Row,
@@ -22,7 +21,8 @@ from polytrain.scaling.bench import (
     predict_rows,
     row_config,
 )
-from polytrain.scaling.report import report, table, write_json
+from polytrain.runtime.bench_report import report, table, write_json
+from polytrain.scaling.auto import measured_choice, pick, read_plan, steady_choice
 
 MS = 1e-3
 LINK = Link(alpha=1e-4, beta=1e9)

@@ -137,7 +137,7 @@ def test_bench_takes_every_model_setting_the_command_line_has():
     import dataclasses
 
     from polytrain.config.model_defaults import MODEL_SETTINGS
-    from polytrain.scaling.bench import BenchOptions
+    from polytrain.runtime.bench import BenchOptions
 
     fields = {field.name for field in dataclasses.fields(BenchOptions)}
     assert set(MODEL_SETTINGS) <= fields, sorted(set(MODEL_SETTINGS) - fields)

@@ -148,7 +148,7 @@ def test_bench_runs_a_tiny_gpt_and_reports_tokens_per_second(tmp_path):
 
 def test_bench_refuses_gpt_sizes_for_another_model():
     from polytrain.errors import ConfigError
-    from polytrain.scaling.bench import BenchOptions
+    from polytrain.runtime.bench import BenchOptions
 
     with pytest.raises(ConfigError, match="--layers applies to the gpt and llama models only"):
         BenchOptions(model="lenet", layers=2)

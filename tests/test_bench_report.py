@@ -9,8 +9,7 @@ import pytest
 from polytrain.cli import main
 from polytrain.errors import ConfigError
 from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank
-from polytrain.scaling.auto import describe, measured_choice, pick, read_plan
-from polytrain.scaling.bench import (
+from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,
     Row,
@@ -19,7 +18,8 @@ from polytrain.scaling.bench import (
     link_of,
     summarize,
 )
-from polytrain.scaling.report import draw, explain, report, table, write_json
+from polytrain.runtime.bench_report import draw, explain, report, table, write_json
+from polytrain.scaling.auto import describe, measured_choice, pick, read_plan
 from polytrain.scaling.workload import link_for
 from polytrain.strategies.parameter_server import ParameterServer
 
@@ -351,7 +351,7 @@ def test_auto_keeps_data_parallelism_unless_another_is_clearly_faster():
 
 
 def test_the_median_round_is_kept():
-    from polytrain.scaling.bench import median_row
+    from polytrain.runtime.bench import median_row
 
     runs = [Row("cpu", "data", 2, 64, step_seconds=s) for s in (0.03, 0.01, 0.02)]
     assert median_row(runs).step_seconds == 0.02
@@ -473,7 +473,7 @@ def test_a_count_the_batch_does_not_split_into_is_a_line_that_says_so():
 
 
 def test_projections_cover_every_count_asked_for():
-    from polytrain.scaling.bench import project
+    from polytrain.runtime.bench import project
 
     options = BenchOptions(devices=(1, 2), strategies=("data",), batch_sizes=(64,), predict=(1, 3, 4))
     projected = project(options, {("cpu", 64): WORK}, {"cpu": Link(2e-4, 1e9)})

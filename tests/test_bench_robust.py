@@ -12,9 +12,9 @@ from conftest import tiny_digits
 
 from polytrain.objective import Objective
 from polytrain.plan.costmodel import Link, Prediction, Workload
+from polytrain.runtime.bench import BenchOptions, BenchResult, Row, fill_speedups
+from polytrain.runtime.bench_report import table, write_json
 from polytrain.scaling.auto import measured_choice, pick, steady_choice
-from polytrain.scaling.bench import BenchOptions, BenchResult, Row, fill_speedups
-from polytrain.scaling.report import table, write_json
 from polytrain.scaling.timing import interleave, low
 from polytrain.scaling.workload import measure
 

@@ -86,7 +86,8 @@ def never_built(*args, **kwargs):
 
 
 def test_bench_refuses_a_model_it_could_not_hold_before_building_it(monkeypatch):
-    from polytrain.scaling import bench, whole_model
+    from polytrain.runtime import bench
+    from polytrain.scaling import whole_model
 
     monkeypatch.setattr(whole_model, "available_per_rank", lambda device, devices: 2**20)
     monkeypatch.setattr(bench, "build_model", never_built)

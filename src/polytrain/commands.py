@@ -359,8 +359,8 @@ def verify_command(args) -> int:
 def bench_command(args) -> int:
     import time
 
-    from .scaling.bench import BenchOptions, run_bench
-    from .scaling.report import draw, report, write_json
+    from .runtime.bench import BenchOptions, run_bench
+    from .runtime.bench_report import draw, report, write_json
 
     kinds = (
         parse_list(args.device, "--device")

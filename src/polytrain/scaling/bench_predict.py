@@ -1,4 +1,4 @@
-"""The cost model beside `polytrain bench`'s measured rows (bench.py): each strategy's cost per message fitted
+"""The cost model beside `polytrain bench`'s measured rows (runtime/bench.py): each strategy's cost per message fitted
 to its row on the fewest devices, the predicted step of every row, and projections to the `--predict` counts
 (the strategy `--strategy auto` would pick there)."""
 

@@ -53,19 +53,16 @@ def measurable_copy(
     return materialised_copy(model, device="cpu", seed=seed)
 
 
-def check_bench(meta_model: nn.Module, *, devices: int, kinds) -> None:
+def check_bench(meta_model: nn.Module, *, devices: int, on) -> None:
     """`polytrain bench` trains the model in this process (the one-device rows and the workload's timings:
     the model, its copy and `devices` replicas side by side) and in each of `devices` CPU processes: one line
-    where that would not fit on this machine, or on a GPU (the model and its copy)."""
-    from ..runtime.worker import choose_device
-
-    for kind in kinds:
-        if kind == "cuda" and not torch.cuda.is_available():
-            continue
+    where that would not fit on this machine, or on a GPU (the model and its copy); `on`: the first device of
+    each kind the bench runs on (runtime/bench.py)."""
+    for device in on:
         check_measurable(
             meta_model,
-            copies=2 * devices + 3 if kind == "cpu" else 2,
-            device=choose_device(kind, 0),
+            copies=2 * devices + 3 if device.type == "cpu" else 2,
+            device=device,
             what="polytrain bench trains the model on one device and",
             instead="bench a smaller one (fewer --layers, a smaller --width or --size), or train this one with "
             "--strategy sharded, whose fit check reads only the model's shapes",

@@ -19,9 +19,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..config.host import usable_cores
 from ..plan.costmodel import Link, Prediction, Workload, predict_all
 from ..plan.pipeline import default_microbatches
-from ..runtime.hostenv import usable_cores
 from .tensor_inputs import narrowed, runs, split_share, tensor_fields, tensor_plans
 from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 

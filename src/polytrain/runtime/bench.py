@@ -1,6 +1,6 @@
 """`polytrain bench`: every combination of device kind, global batch, strategy and device count runs a fixed
-number of steps after a warm-up; each rank times what it spent each step on (stepclock.py). The rows, the
-cost model's prediction for each, and projections to larger counts go to report.py for the table, the
+number of steps after a warm-up; each rank times what it spent each step on (scaling/stepclock.py). The rows, the
+cost model's prediction for each, and projections to larger counts go to bench_report.py for the table, the
 explanations, bench.json and bench.png.
 
 Any strategy in the registry can be benchmarked: the bench only asks it to train, and reads the phases it
@@ -23,15 +23,15 @@ from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
 from ..plan import costmodel
 from ..plan.layout import Layout, label_of, layout_of_label
-from ..runtime.hostenv import most_cpu_processes, usable_cores
-from ..runtime.launch import WorkerFailed, check_devices, check_main_guard, run_job
-from ..runtime.worker import Job, choose_device
+from ..scaling.bench_predict import fit_message_costs, predict_rows, project
+from ..scaling.flops import flops_per_sample, matmul_peak
+from ..scaling.whole_model import check_bench
+from ..scaling.workload import measure_link, measure_workload, turns
 from ..sources import as_dataset
 from ..strategies import STRATEGIES, contiguous_strategies, make_plan
-from .bench_predict import fit_message_costs, predict_rows, project
-from .flops import flops_per_sample, matmul_peak
-from .whole_model import check_bench
-from .workload import measure_link, measure_workload, turns
+from .hostenv import most_cpu_processes, usable_cores
+from .launch import WorkerFailed, check_devices, check_main_guard, run_job
+from .worker import Job, choose_device
 
 PHASES = ("compute", "communication", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
@@ -395,7 +395,9 @@ def run_bench(options: BenchOptions, *, progress=print) -> BenchResult:
     shapes = build_model_on_meta(
         options.model, dataset.input_shape, dataset.num_classes, options.model_options
     )
-    check_bench(shapes, devices=max(options.devices), kinds=options.device_kinds)  # before it is built
+    usable = [kind for kind in options.device_kinds if kind == "cpu" or torch.cuda.is_available()]
+    on = [choose_device(kind, 0) for kind in usable]
+    check_bench(shapes, devices=max(options.devices), on=on)  # before it is built
     torch.manual_seed(options.seed)
     model = build_model(options.model, dataset.input_shape, dataset.num_classes, options.model_options)
     rounds = [combinations(options, tensor=has_tensor_plan(model)) for _ in range(options.repeats)]

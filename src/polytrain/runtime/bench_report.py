@@ -19,9 +19,9 @@ from ..plan.costmodel import bubble, tensor_collectives, tensor_size
 from ..plan.pipeline import default_microbatches
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
-from ..runtime.hostenv import usable_cores
 from ..strategies import STRATEGIES
 from .bench import PHASES, BenchResult, Row
+from .hostenv import usable_cores
 
 MB = 1e6
 

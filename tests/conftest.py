@@ -86,7 +86,7 @@ def stacks_before_timeout(request):
 
 def load_weights(path) -> dict:
     """A weights file's state dict (read from the shards it names, where a sharded run wrote it)."""
-    from polytrain.checkpoint import read_weights
+    from polytrain.runtime.checkpoint import read_weights
 
     return read_weights(path)
 

@@ -9,10 +9,10 @@ from conftest import tiny_digits
 
 import polytrain
 from polytrain.api import train_run
-from polytrain.checkpoint import CheckpointError, atomic_torch_save, load_weights, safe_load
 from polytrain.cli import main
 from polytrain.config import TrainConfig
 from polytrain.models import build_model
+from polytrain.runtime.checkpoint import CheckpointError, atomic_torch_save, load_weights, safe_load
 
 
 def weights(model):

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz_readers import no_hang
 
-from polytrain.checkpoint import CheckpointError, load_weights
 from polytrain.models import build_model
+from polytrain.runtime.checkpoint import CheckpointError, load_weights
 
 FUZZ = settings(
     max_examples=200,

@@ -425,7 +425,7 @@ def test_a_sharded_rank_reads_only_its_rows(checkpoints, monkeypatch):
 
     from polytrain.config.pretrained import weight_files
     from polytrain.models import build_model_on_meta
-    from polytrain.models.pretrained import Pretrained
+    from polytrain.runtime.pretrained import Pretrained
     from polytrain.strategies.materialise import materialise
 
     folder = checkpoints["llama"]
@@ -483,7 +483,7 @@ def test_a_rank_reads_only_its_pieces_of_gpt2(checkpoints, monkeypatch, layout):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from polytrain.models import build_model_on_meta
-    from polytrain.models.pretrained import Pretrained
+    from polytrain.runtime.pretrained import Pretrained
     from polytrain.strategies.materialise import materialise
     from polytrain.strategies.tensor import plan_for
     from polytrain.strategies.tensor_split import replicate_rest, split_layers

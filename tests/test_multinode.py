@@ -9,7 +9,7 @@ import torch.distributed as dist
 from conftest import polytrain_here
 from processes import finish, start
 
-from polytrain.checkpoint import read_weights
+from polytrain.runtime.checkpoint import read_weights
 
 pytestmark = pytest.mark.multiprocess
 

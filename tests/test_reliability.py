@@ -37,7 +37,7 @@ def polytrain_cli(*args):
 
 
 def load(path):
-    from polytrain.checkpoint import read_weights  # follows model.pt to the shards a sharded run wrote
+    from polytrain.runtime.checkpoint import read_weights  # follows model.pt to a sharded run's shards
 
     return read_weights(path)
 

@@ -412,7 +412,7 @@ def test_a_tensor_plan_table_in_a_file_is_the_settings_value(tmp_path, name, tex
 
 @pytest.mark.multiprocess
 def test_a_tensor_run_with_its_own_plan_repeats_from_its_config_json(tmp_path):
-    from polytrain.checkpoint import read_weights
+    from polytrain.runtime.checkpoint import read_weights
 
     first, second = tmp_path / "first", tmp_path / "second"
     polytrain.fit(

@@ -9,9 +9,9 @@ import torch
 from conftest import RESUME_TRAIN, assert_same_weights, polytrain_here
 from conftest import load_weights as load
 
-from polytrain.checkpoint import Checkpointer, atomic_torch_save, pointer
 from polytrain.cli import main
 from polytrain.runtime import export, shards
+from polytrain.runtime.checkpoint import Checkpointer, atomic_torch_save, pointer
 
 # float32 AdamW over a resume: 1 of 409,600 weights of the straight run's trajectory lands 1.1e-5 away (its
 # update is lr x a sign where the gradient is near eps); the Adam moments below catch a real mapping error

@@ -26,7 +26,6 @@ from .loggers import split_logger_argument
 from .models.classifier import SequenceClassifier
 from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
-from .models.pretrained import check_vocabulary, initial_weights
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
 from .runtime.hostenv import launcher_env
@@ -47,6 +46,7 @@ from .runtime.phases import (
     train_in_folder,
     under_launcher,
 )
+from .runtime.pretrained import check_vocabulary, initial_weights
 from .runtime.worker import Job, choose_device
 from .scaling.fits import check_fits
 from .sources import (

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from .api import evaluate, predict, spread_indices, train_run
-from .checkpoint import read_progress
 from .config import (
     REPLANNING,
     RESUMABLE,
@@ -28,6 +27,7 @@ from .errors import UserError
 from .models import build_model_on_meta, text_vocabulary
 from .optim.steps import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
+from .runtime.checkpoint import read_progress
 from .runtime.launch import check_devices, run_job
 from .runtime.sampling import generate_text
 from .runtime.verify_limits import DEFAULT_TOLERANCE

@@ -10,7 +10,7 @@ that asks for something the model does not compute (GPT-2's scale_attn_by_invers
 polytrain run folder (its config.json records polytrain's version) gives its model and the settings that fix
 that model's weights (`RUN_MODEL_SETTINGS`); its final weights (model.pt, or the shards it names) start a new
 run: step 0, a new optimizer (--resume continues a run instead). Pure: reads JSON, no torch (the weights are
-read by each rank: models/pretrained.py).
+read by each rank: runtime/pretrained.py).
 
     polytrain train --init-from ./Qwen2-0.5B --dataset shakespeare --strategy sharded --devices 2
     polytrain train --init-from ./gpt2 --dataset text --data-dir notes.txt --context 256

@@ -13,7 +13,7 @@ objective trains (cross-entropy, accuracy).
 
 The classifier keeps the language model's layers and their names (`0.token.weight`, `1.attention.qkv.weight`,
 ...), with `score.weight` for the head (Hugging Face's name), so a language model's weights load into its body
-(`--init-from` a checkpoint or a run; models/pretrained.py) and the head takes its seeded initial value,
+(`--init-from` a checkpoint or a run; runtime/pretrained.py) and the head takes its seeded initial value,
 N(0, 0.02) as Hugging Face's `_init_weights`. Its `forward` is its own, so the pipeline, which splits an
 nn.Sequential by its layers, refuses it; FSDP2 and DDP wrap it as they wrap the language model.
 """
@@ -55,7 +55,7 @@ class SequenceClassifier:
             super().init_module(name, module)
 
     def start_line(self, weights) -> str:
-        """What a run started from `weights` (models/pretrained.py: a checkpoint or a run folder) says of its
+        """What a run started from `weights` (runtime/pretrained.py: a checkpoint or a run folder) says of its
         heads."""
         if loads_head(self, HEAD, weights.shapes(), weights.folder):
             return f"--init-from {weights.folder}: the body and the score head ({self.classes} classes) load"

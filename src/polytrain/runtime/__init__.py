@@ -1,3 +1,4 @@
 """How processes run: starting workers (in this process, under torchrun or SLURM's srun, or spawned), what one
-worker does, what the launcher told it, stopping on signals, and the hang watchdog. Strategies know nothing of
-this; nothing here parses the command line."""
+worker does, stopping on signals, the hang watchdog, checkpoints and the weights a run starts from, and the
+commands that run jobs (bench, verify, export, generate). Strategies know nothing of this; nothing here parses
+the command line."""

@@ -30,9 +30,9 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import safe_load, shard_folder
 from ..errors import UserError
 from . import shards
+from .checkpoint import safe_load, shard_folder
 
 FORMATS = ("safetensors", "pt")  # one file; "hf" writes a folder (export_hf)
 # the dtypes of polytrain's weights that safetensors stores

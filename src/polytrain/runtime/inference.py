@@ -9,7 +9,6 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..checkpoint import load_weights
 from ..config import STRATEGY_FLAGS, TrainConfig
 from ..data import ArrayDataset, dataset_settings, load_dataset
 from ..data.loader import make_loaders
@@ -19,6 +18,7 @@ from ..run_dir import read_config
 from ..sources import as_dataset, check_objective, dataset_pair, is_torch_dataset, make_objective
 from ..strategies import SingleDevice
 from ..trainer import Trainer
+from .checkpoint import load_weights
 from .launch import check_devices
 from .worker import choose_device
 

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import read_progress
 from ..errors import ConfigError, UserError
+from .checkpoint import read_progress
 from .forkserver import start_method, with_this_output
 from .hostenv import launcher_env, most_cpu_processes, usable_cores
 from .stopping import TrainingInterrupted, interrupted_message

@@ -8,12 +8,12 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import load_weights
 from ..config import STRATEGY_FLAGS, TrainConfig
 from ..errors import UserError
 from ..models import build_model
 from ..models.gpt import generate
 from ..run_dir import read_config
+from .checkpoint import load_weights
 from .inference import weights_file
 from .launch import check_devices
 from .worker import choose_device

@@ -87,7 +87,7 @@ def _planners():
 
 def piece_planner():
     """A DCP load planner that reads a value's blocks (`Blocks` of strategies/checkpoint_parts.py, `Pieces` of
-    models/pretrained.py) into the views it hands out for them, and other tensors as DCP's own does."""
+    runtime/pretrained.py) into the views it hands out for them, and other tensors as DCP's own does."""
     return _planners()[1]()
 
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..callbacks import Curves, MetricsLog, Monitor, ProgressBar, StepRecorder
-from ..checkpoint import Checkpointer, restore_rng
 from ..config import TrainConfig
 from ..config.registry_names import parse_loggers
 from ..data import ArrayDataset
@@ -22,7 +21,6 @@ from ..data.loader import make_loaders
 from ..errors import UserError
 from ..loggers import make_loggers
 from ..models.lightning import plan_loop
-from ..models.pretrained import initial_weights
 from ..objective import Objective
 from ..optim import make_recipe
 from ..optim.steps import Position, describe_position
@@ -32,7 +30,9 @@ from ..scaling.timeline import Timeline
 from ..strategies import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
+from .checkpoint import Checkpointer, restore_rng
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores, usable_cores
+from .pretrained import initial_weights
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .watchdog import Allowance, Watchdog, first_step_work, predicted_step_seconds
 

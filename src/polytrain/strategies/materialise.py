@@ -5,7 +5,7 @@ FSDP2) and then call `materialise`: every tensor this rank holds gets storage on
 the tensor's one-device initial value (models/meta.py makes those one module at a time, from a seed per module
 name): a DTensor its shard or slice, in any placement (FSDP2 over a tensor split included), a plain tensor all
 of it. Shards, slices, stages and one device therefore start from the same weights. With a pretrained
-checkpoint (--init-from, models/pretrained.py) its values replace the initial ones: each rank reads the pieces
+checkpoint (--init-from, runtime/pretrained.py) its values replace the initial ones: each rank reads the pieces
 it holds, and only tensors the checkpoint lacks are initialised.
 """
 

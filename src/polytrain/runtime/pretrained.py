@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..checkpoint import shard_folder
 from ..config.pretrained import is_run_folder, weight_files
 from ..errors import CheckpointError, ConfigError, first_line
-from . import gpt, llama
-from .classifier import HEAD, SequenceClassifier, loads_head
+from ..models import gpt, llama
+from ..models.classifier import HEAD, SequenceClassifier, loads_head
+from . import shards
+from .checkpoint import shard_folder
 
 
 def names_of(model: nn.Module, stored=()) -> tuple:
@@ -170,8 +171,6 @@ class Pretrained:
         ranks, read in that order (`Pieces`). Returns (names filled, {}: nothing read whole)."""
         import torch.distributed.checkpoint as dcp
 
-        from ..runtime.shards import piece_planner
-
         reorder = reorder or {}
         # a tensor the checkpoint has under one name may be held here under several (a tied head): one load
         # per holder, so that each template names each stored tensor once
@@ -199,7 +198,7 @@ class Pretrained:
                 dcp.load(
                     values,
                     storage_reader=dcp.HuggingFaceStorageReader(str(self.folder)),
-                    planner=piece_planner(),
+                    planner=shards.piece_planner(),
                     no_dist=True,
                 )
         return filled, {}
@@ -227,8 +226,6 @@ class RunWeights:
 
     def shapes(self) -> dict:
         """name -> shape of every stored model tensor (a shard folder's from its index; no tensor is read)."""
-        from ..runtime import shards
-
         folder, state = self._open()
         if folder is not None:
             return {name: shape for name, (shape, _) in shards.model_entries(shards.check(folder)).items()}
@@ -258,8 +255,6 @@ class RunWeights:
         process group), the names in `reorder` (fused layers) read whole and returned for the caller to cut;
         a one-file state dict returns every tensor, mapped from the disk, for the caller to cut its part
         from."""
-        from ..runtime import shards
-
         whole = set(reorder or ())
         folder, state = self._open()
         if folder is None:

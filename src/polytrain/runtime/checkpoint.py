@@ -5,7 +5,7 @@ so a crash leaves either the previous complete checkpoint or the new complete on
 Loading uses `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts only.
 
 A strategy that shards the model (`writes_shards`) writes no whole copy: every rank writes its own shards into a
-new folder (runtime/shards.py), and `checkpoint.pt` keeps only where training stands (position, history,
+new folder (shards.py), and `checkpoint.pt` keeps only where training stands (position, history,
 RNG, scheduler) and that folder's name; `model.pt` and `best.pt` are then small pointers naming a folder
 (`{"format": "polytrain-shards-1", "shards": NAME, "names": [...]}`), which `load_weights` follows and
 `polytrain export` turns into one file. The pointers are replaced atomically after the folder is complete,
@@ -28,10 +28,10 @@ from typing import Optional
 
 import torch
 
-from .errors import CheckpointError, first_line
-from .optim.steps import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
-from .run_dir import atomic_write_bytes
-from .runtime import shards
+from ..errors import CheckpointError, first_line
+from ..optim.steps import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
+from ..run_dir import atomic_write_bytes
+from . import shards
 
 FORMAT = "polytrain-checkpoint-1"
 

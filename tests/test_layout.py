@@ -1,5 +1,6 @@
-"""The package's shape: no import circles, small modules, a short top level. Read from the source (ast), so a
-circle hidden inside a function's import is found too."""
+"""The package's shape: no import circles, between modules or between rooms (each top-level module and each
+subpackage), small modules, a short top level. Read from the source (ast), so a circle hidden inside a
+function's import is found too."""
 
 import ast
 from pathlib import Path
@@ -84,6 +85,61 @@ def test_the_graph_reads_relative_imports_and_imports_inside_functions():
 
 def test_no_module_imports_one_that_imports_it_back():
     assert circles(import_graph()) == []
+
+
+def room_of(module: str) -> str:
+    """The room a module is in: its subpackage (`polytrain.runtime.worker` -> `runtime`), or itself for a
+    top-level module (`polytrain.api` -> `api`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_graph(graph: dict) -> dict:
+    """room -> {a room it imports: the modules whose imports make that edge}, from a module graph."""
+    rooms = {}
+    for module, targets in graph.items():
+        edges = rooms.setdefault(room_of(module), {})
+        for target in targets:
+            if room_of(target) != room_of(module):
+                edges.setdefault(room_of(target), set()).add(module)
+    return rooms
+
+
+def room_circles(rooms: dict) -> list:
+    """Each circle of rooms, as its edges: `config -> cli (polytrain.config.reference)`."""
+    found = circles({room: {target for target in edges if target in rooms} for room, edges in rooms.items()})
+    return [
+        [
+            f"{room} -> {target} ({', '.join(sorted(rooms[room][target]))})"
+            for room in group
+            for target in sorted(rooms[room])
+            if target in group
+        ]
+        for group in found
+    ]
+
+
+def test_the_room_finder_names_the_imports_that_close_a_circle():
+    graph = {
+        "polytrain.low.a": {"polytrain.high"},
+        "polytrain.low.b": set(),
+        "polytrain.high": {"polytrain.low.b", "polytrain.errors"},
+        "polytrain.errors": set(),
+    }
+    assert room_circles(room_graph(graph)) == [
+        ["high -> low (polytrain.high)", "low -> high (polytrain.low.a)"]
+    ]
+    del graph["polytrain.low.a"]
+    assert room_circles(room_graph(graph)) == []
+
+
+def test_the_rooms_import_downward_only():
+    # the layers, lowest first, are in docs/architecture.md ("The layers"): an import that runs back up, even
+    # inside a function, makes a circle of rooms
+    found = room_circles(room_graph(import_graph()))
+    assert found == [], "rooms that import each other in a circle:\n" + "\n".join(
+        "\n".join(edges) for edges in found
+    )
 
 
 def test_no_module_is_over_500_formatted_lines():

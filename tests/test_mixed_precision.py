@@ -71,7 +71,7 @@ def test_verify_passes_bf16_sharded_as_trained():
 
 
 def test_the_policy_is_not_asked_for_without_bf16():
-    from polytrain.strategies.sharded import mixed_precision
+    from polytrain.strategies.fsdp import mixed_precision
 
     assert mixed_precision("fp32") == {} and mixed_precision("fp16") == {}
     policy = mixed_precision("bf16")["mp_policy"]  # sharded's, tensor's, and that of pipelines of shards

@@ -79,7 +79,7 @@ def test_word_language_model_code_trains_on_two_devices_as_on_one():
 def test_under_ddp_a_step_reads_the_models_own_methods_and_buffers_get_default_strides(tmp_path):
     import torch.distributed as dist
 
-    from polytrain.strategies.data import Replicated, contiguous_buffers
+    from polytrain.strategies.ddp import Replicated, contiguous_buffers
 
     model = SequenceFirstLM()
     pe = model.pe.clone()

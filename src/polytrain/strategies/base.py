@@ -20,10 +20,12 @@ from ..optim import step_per_epoch
 from ..plan.layout import Layout
 from . import cuda_graphs
 from .activation_checkpoint import apply_activation_checkpointing
-from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
+from .global_batch import slice_offsets
 from .gradients import Gradients
 from .materialise import is_meta, materialise
+from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, whole_state
+from .parallelize import Preparation, apply_global_batch, parallelize
 
 
 @dataclass
@@ -61,6 +63,9 @@ class Strategy:
     # gathers the whole state into one file on rank 0
     writes_shards = False
     graphs_cuda_steps = False  # True: on a GPU its training passes may replay as CUDA graphs (one device)
+    # the layout's degrees of size 1 that its mesh keeps as dimensions all the same (strategies/mesh.py)
+    mesh_keeps: tuple = ()
+    data_parallel = "none"  # how its data dimensions hold the model (parallelize.py): none, replicate, shard
 
     def __init__(
         self,
@@ -97,6 +102,8 @@ class Strategy:
         self.rank, self.world_size = rank, world_size
         # the run's degrees of parallelism (plan/layout.py): the batch's slices and gradient ranks derive from it
         self.given_layout = layout
+        self._world_mesh = None  # the run's DeviceMesh, built from the layout at its first use
+        self.fused = {}  # parameter name -> the row order of a fused layer's rows on the tensor ranks
         # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
         self.context = None
         self.precision = precision
@@ -141,6 +148,14 @@ class Strategy:
         """The run's layout as the worker gives it; made without one (in tests), this strategy's own."""
         return self.given_layout if self.given_layout is not None else self.default_layout()
 
+    @property
+    def world_mesh(self):
+        """The run's one DeviceMesh, built from its layout at the first use (strategies/mesh.py): every part of
+        preparation that needs a mesh takes its dimensions from this one (`tp`, `cp`, `pp`, the data dimensions)."""
+        if self._world_mesh is None:
+            self._world_mesh = device_mesh(self.layout, self.device.type, keep=self.mesh_keeps)
+        return self._world_mesh
+
     def samples_counted(self, samples: int) -> int:
         """The samples of its slice this rank counts in the figures (a context group's first rank only)."""
         return samples if self.context is None or self.context.rank == 0 else 0
@@ -168,38 +183,57 @@ class Strategy:
         return self.layout.gradient_ranks
 
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
-        """Place the model, wrap it for this strategy, then build the optimizer and scheduler over it. A model
-        built on the meta device is split and wrapped without storage, then each rank materialises what it
-        holds."""
+        """Place the model, prepare it for the run's layout (strategies/parallelize.py: tensor plan, context
+        parallelism, activation checkpointing, the global batch, FSDP2 or DDP, materialise), then build the
+        optimizer and scheduler over it. A model built on the meta device is split and wrapped without storage,
+        then each rank materialises what it holds."""
         model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        self.split_model(model)
-        self.split_sequences(model)
-        self.checkpoint_activations(model)
-        self.whole_batch_layers(model)
-        self.runner = self.wrap(model)
-        self.materialise(model)
+        layout = self.layout
+        needs_mesh = self.splits_layers or layout.context > 1 or self.data_parallel == "shard"
+        done = parallelize(
+            model,
+            self.world_mesh if needs_mesh else None,
+            layout,
+            self.preparation(),
+            objective=self.objective,
+        )
+        self.runner, self.context, self.global_rows = done.runner, done.context, done.global_rows
+        self.fused.update(done.fused)
+        if self.is_main:
+            self.placement += done.lines
         if self.compile:
             self.runner = torch.compile(self.runner)
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
-        self.graph_passes(model)
+        self.graphed = cuda_graphs.graph_passes(self, model)
 
-    def graph_passes(self, model: nn.Module) -> None:
-        """On a GPU: replay the training passes as CUDA graphs where asked and possible, with a start-up
-        line saying which (strategies/cuda_graphs.py)."""
-        if self.device.type != "cuda" or not self.graphs_cuda_steps:
-            return
-        reason = "--no-cuda-graphs" if not self.wants_cuda_graphs else cuda_graphs.reason_against(self, model)
-        if reason is None:
-            self.graphed = cuda_graphs.GraphedPasses(model, self.objective, precision=self.precision)
-            self.placement.append(
-                "CUDA graphs: each training pass's forward and backward replay as graphs captured on its first "
-                "batch of a shape (--no-cuda-graphs: eager)"
-            )
-        else:
-            self.placement.append(f"CUDA graphs: off ({reason})")
+    def preparation(self) -> Preparation:
+        """What this run's settings ask of each step of `parallelize`."""
+        return Preparation(
+            device=self.device,
+            data_parallel=self.data_parallel,
+            tensor_plan=self.plan if self.splits_layers else None,
+            activation_checkpointing=self.activation_checkpointing,
+            global_batch=self.global_batch,
+            loud=self.global_batch == "across" and self.data_rank == 0,
+            precision=self.precision,
+            cpu_offload=getattr(self, "cpu_offload", False),
+            blueprint=self.blueprint,
+            seed=self.seed,
+            weights=self.pretrained,
+            home=self.home_device,
+        )
+
+    @property
+    def global_batch(self) -> str:
+        """Whether BatchNorm and Dropout compute over the global batch (parallelize.py GLOBAL_BATCH): across the
+        data ranks where each computes a slice (`normalises_global_batch`), and one device draws its dropout
+        masks alike (the reference)."""
+        if self.normalises_global_batch and self.data_world > 1:
+            return "across"
+        return "masks" if self.reference else "off"
 
     def place(self, model: nn.Module) -> nn.Module:
         """`model` on this rank's device (channels-last where asked); one built on the meta device stays there,
@@ -233,33 +267,15 @@ class Strategy:
                 weights=self.pretrained,
             )
 
-    def split_model(self, model: nn.Module) -> None:
-        """Split the model's layers over ranks in place (the tensor plan), before checkpointing and wrapping."""
-
-    def split_sequences(self, model: nn.Module) -> None:
-        """With context parallelism: the model's attention and positions switched to this rank's context group,
-        and the loss to a part of each window's (strategies/context_parallel.py)."""
-        if self.layout.context > 1:
-            from .context_parallel import split_model_sequences
-
-            self.context, line = split_model_sequences(
-                model, self.objective, self.world_size, self.layout.context, self.device.type
-            )
-            if self.is_main:
-                self.placement.append(line)
-
     def own_tokens(self, x, y) -> tuple:
         """This rank's head and tail chunks of each sequence of (x, y) under context parallelism, else (x, y)."""
         return (x, y) if self.context is None else (self.context.own_tokens(x), self.context.own_tokens(y))
 
     def whole_batch_layers(self, model: nn.Module) -> None:
-        """With data-parallel ranks that each compute a slice (`normalises_global_batch`): BatchNorm and Dropout
-        layers compute over the global batch, as on one device (strategies/global_batch.py)."""
-        across = self.normalises_global_batch and self.data_world > 1
-        if across or self.reference:  # (one device draws its dropout masks alike: the reference)
-            self.global_rows = GlobalRows()
-            self.global_rows.loud = across and self.data_rank == 0
-            whole_batch_layers(model, self.global_rows, batchnorm=across)
+        """Step 4 of `parallelize` alone (the parameter server's replica): BatchNorm and Dropout over the global
+        batch as `global_batch` says (strategies/global_batch.py)."""
+        how = self.global_batch
+        self.global_rows = apply_global_batch(model, how, loud=how == "across" and self.data_rank == 0)
 
     def first_global_row(self, batch) -> int:
         """Where this rank's slice of the step's global batch starts (as the loader cuts it)."""
@@ -279,9 +295,6 @@ class Strategy:
         """Activation checkpointing of the model's blocks as asked, in place (after any split of its layers,
         before FSDP2 or DDP wraps it); its structure and parameter names stay the model's."""
         apply_activation_checkpointing(model, self.activation_checkpointing)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return model
 
     def autocast(self):
         if self.precision in ("bf16", "fp16"):
@@ -359,10 +372,15 @@ class Strategy:
         last (here: nothing to synchronise)."""
         return contextlib.nullcontext()
 
-    # The ranks over which local gradients are parts of the whole model's, and those that must agree on an
-    # fp16 overflow (see gradients.py); None: every rank already holds the whole, identical gradient.
+    # The ranks over which local gradients are parts of the whole model's (see gradients.py); None: every rank
+    # holds the whole gradient, or DTensors whose norm torch sums itself (shards, slices)
     norm_group = None
-    overflow_group = None
+
+    @property
+    def overflow_group(self):
+        """The ranks that must agree on an fp16 overflow (gradients.py): all, where each unscales its own part of
+        the gradients (FSDP2's shards, a tensor plan's slices); None where each holds the whole, identical one."""
+        return torch.distributed.group.WORLD if self.data_parallel == "shard" or self.splits_layers else None
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

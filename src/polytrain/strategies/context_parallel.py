@@ -193,24 +193,20 @@ def apply_context_parallel(model: nn.Module, group) -> nn.Module:
     return model
 
 
-def split_model_sequences(model: nn.Module, objective, world_size: int, size: int, device_type: str):
+def split_model_sequences(model: nn.Module, objective, mesh, slices: int):
     """(this rank's ContextGroup, the start-up line that says so): `model` switched to context-parallel mode over
-    the group of `size` consecutive ranks that holds this rank (the "cp" dimension of the layout's mesh), and
-    `objective`'s token loss to a part of each window's."""
-    from ..plan.layout import Layout
-    from .mesh import device_mesh
-
-    mesh = device_mesh(Layout(replicate=world_size // size, context=size), device_type)
-    context = ContextGroup.of(mesh["cp"])
+    this rank's context group, the `cp` dimension of the run's mesh (`mesh`), and `objective`'s token loss to a
+    part of each window's; `slices`: into how many slices the batch is cut (for the line)."""
+    context = ContextGroup.of(mesh)
     apply_context_parallel(model, context)
+    size = mesh.size()
     objective.sequence_parts = size
     length = getattr(model, "context", None)
     tokens, chunk = (f" of {length} tokens", f" of {length // (2 * size)}") if length else ("", "")
-    groups = world_size // size
     line = (
         f"context parallel: each sequence{tokens} split over {size} ranks (a head and a tail chunk{chunk} "
         f"each), keys and values gathered over the group for attention; "
-        + (f"{groups} such groups split the batch" if groups > 1 else "every rank reads the whole batch")
+        + (f"{slices} such groups split the batch" if slices > 1 else "every rank reads the whole batch")
     )
     return context, line
 

@@ -217,3 +217,19 @@ def release_gradients(parameters) -> None:
     if holders:
         for p, copy in zip(holders, torch._foreach_mul([p.grad for p in holders], 1.0)):
             p.grad = copy
+
+
+def graph_passes(strategy, model: nn.Module):
+    """On a GPU: the strategy's training passes replayed as CUDA graphs where asked and possible (`GraphedPasses`,
+    else None), with a start-up line saying which."""
+    if strategy.device.type != "cuda" or not strategy.graphs_cuda_steps:
+        return None
+    reason = "--no-cuda-graphs" if not strategy.wants_cuda_graphs else reason_against(strategy, model)
+    if reason is not None:
+        strategy.placement.append(f"CUDA graphs: off ({reason})")
+        return None
+    strategy.placement.append(
+        "CUDA graphs: each training pass's forward and backward replay as graphs captured on its first batch of a "
+        "shape (--no-cuda-graphs: eager)"
+    )
+    return GraphedPasses(model, strategy.objective, precision=strategy.precision)

@@ -1,8 +1,10 @@
-"""The one DeviceMesh of a layout: every strategy that needs a mesh builds it here from its degrees.
+"""The one DeviceMesh of a run, built from its layout, and the parts of it each step of preparation works over.
 
-Dimensions in the layout's order (`plan/layout.py`: dp_replicate, dp_shard, pp, tp; the tensor dimension
-innermost), those of size 1 left out unless a strategy asks to `keep` them (so that its code can always ask
-for, say, the data dimension's process group).
+A strategy builds the mesh once, at its first use (`Strategy.world_mesh`), from the run's `Layout`: dimensions in
+the layout's order (`plan/layout.py`: dp_replicate, dp_shard, pp, cp, tp; the tensor dimension innermost), those
+of size 1 left out unless the strategy asks to `keep` them (so that its code can always ask for, say, the data
+dimension's process group). Every other mesh is a part of it, asked for by name: `tp` for the tensor plan, `cp`
+for context parallelism, `pp` for the pipeline, and `fsdp_submesh` for what FSDP2 shards over.
 """
 
 from __future__ import annotations
@@ -27,9 +29,27 @@ def data_dims(hybrid: bool) -> tuple:
     return ("dp_replicate", "dp_shard") if hybrid else ("dp_shard",)
 
 
-def data_submesh(mesh, hybrid: bool):
-    """The part of `mesh` FSDP2 shards over (`data_dims`): 2-D for hybrid sharding, else 1-D."""
-    return mesh[data_dims(hybrid)] if hybrid else mesh["dp_shard"]
+SHARD_AND_CONTEXT = "dp_shard_cp"  # the name of the flattened (dp_shard, cp) dimension (torchtitan's)
+
+
+def fsdp_submesh(mesh, layout: Layout):
+    """The part of the run's `mesh` FSDP2 shards over: dp_shard, within each dp_replicate copy for hybrid
+    sharding (2-D). The ranks of a context group hold the same parameters, so under context parallelism they
+    shard too: dp_shard and cp flattened into one dimension, the same ranks as `layout.sharding`'s (torch's
+    private `DeviceMesh._flatten` and `_unflatten`, as torchtitan uses them; torch has no public spelling yet)."""
+    hybrid = layout.replicate > 1
+    if layout.context == 1:
+        return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+    names = tuple(name for name in ("dp_shard", "cp") if name in mesh.mesh_dim_names)
+    if not hybrid:
+        return mesh[names]._flatten(SHARD_AND_CONTEXT)
+    copies, shards = layout.replicate, layout.shard * layout.context
+    if not hasattr(mesh, "_unflatten"):  # an older torch: slice the flattened dimension from the mesh
+        mesh[names]._flatten(SHARD_AND_CONTEXT)
+        return mesh["dp_replicate", SHARD_AND_CONTEXT]
+    # (torch 2.11 and later warn that slicing a flattened dimension from the mesh will go: unflatten instead)
+    data = mesh[("dp_replicate", *names)]._flatten("dp_replicate_shard_cp")
+    return data._unflatten(0, (copies, shards), ("dp_replicate", SHARD_AND_CONTEXT))
 
 
 def forget_earlier_meshes() -> None:

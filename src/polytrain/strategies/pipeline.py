@@ -38,7 +38,6 @@ from .distributed import Distributed
 from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, named_subset
-from .mesh import device_mesh
 from .optimizer_state import positions, whole_state
 from .pipeline_plan import plan_pipeline
 from .pipeline_shard import reshard, shard_stages
@@ -98,6 +97,10 @@ class Pipeline(Distributed):
         """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
         return super().reduce(tensor if self.tensor_index == 0 else torch.zeros_like(tensor))
 
+    def default_layout(self) -> Layout:
+        """The plan's degrees (made without the run's layout, in tests)."""
+        return Layout(**self.plan.layout.degrees())
+
     @property
     def data_rank(self) -> int:
         return self.replica
@@ -115,9 +118,8 @@ class Pipeline(Distributed):
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout = self.plan.layout
         if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
-            degrees = layout.degrees()  # the data dimension replicates, or shards (FSDP2: pipeline_shard.py)
-            keep = tuple(name for name in degrees if name != "tensor")  # the data dimension(s) and pp
-            self.mesh = device_mesh(Layout(**degrees), self.device.type, keep=keep)
+            # the run's mesh: its data dimension replicates, or shards (FSDP2: pipeline_shard.py)
+            self.mesh = self.world_mesh
             self.pp_group = self.mesh["pp"].get_group()
             summed = layout.replicas > 1 and not layout.shard  # replicas sum their gradients by hand
             self.dp_group = self.mesh["dp_replicate"].get_group() if summed else None

@@ -32,8 +32,8 @@ from functools import partial
 
 import torch
 
-from .mesh import data_submesh
-from .sharded import GATHERED_IN_BF16, mixed_precision, own_tensor, shard_model
+from .fsdp import GATHERED_IN_BF16, mixed_precision, own_tensor, shard_model
+from .mesh import fsdp_submesh
 
 
 def _units(stage_modules):
@@ -45,9 +45,7 @@ def _units(stage_modules):
 def shard_stages(strategy) -> None:
     """Each of this rank's stages sharded over the dp_shard dimension (with --replicas, over the 2-D
     (dp_replicate, dp_shard) part of the mesh: hybrid sharding); their gradients summed, not averaged."""
-    options = dict(
-        mesh=data_submesh(strategy.mesh, strategy.plan.layout.copies > 1), reshard_after_forward=False
-    )
+    options = dict(mesh=fsdp_submesh(strategy.mesh, strategy.layout), reshard_after_forward=False)
     if strategy.plan.layout.tensor > 1:
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces (as in
         # tensor.py), and it gathers the (dp_shard, tp) shards of a whole tensor in two steps

@@ -14,17 +14,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
 from ..plan.layout import Layout
 from ..plan.sharded import ShardedPlan
 from .distributed import Distributed
+from .fsdp import GATHERED_IN_BF16, mixed_precision
 from .holdings import figures, heading, local_bytes, optimizer_slots
-from .mesh import device_mesh
 from .optimizer_state import keep_speed
-from .units import shard_units
 
 
 def _full(**extra):
@@ -33,54 +31,14 @@ def _full(**extra):
     return StateDictOptions(full_state_dict=True, **extra)
 
 
-def own_tensor(module, inputs, output):
-    """A unit whose output is a view (an nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C)
-    product) makes FSDP2 warn that an in-place op on the view would skip its backward hook. Nothing else holds
-    that output: the unit returns it as a tensor of its own (the same memory and numbers, no copy)."""
-    if isinstance(output, torch.Tensor) and output._base is not None:
-        return torch.ops.aten._unsafe_view(output, output.shape)
-    if isinstance(output, tuple) and type(output) is tuple:  # (nn.MultiheadAttention: output, weights)
-        owned = [own_tensor(module, inputs, item) for item in output]
-        if any(item is not None for item in owned):
-            return tuple(item if new is None else new for item, new in zip(output, owned))
-    return None
-
-
-def mixed_precision(precision: str) -> dict:
-    """fully_shard's options for --precision bf16 (sharded, tensor, and pipelines of shards): parameters cast to
-    bfloat16 for the forward and backward passes and gathered so (half the bytes of each all-gather and of the
-    layer gathered whole), gradients reduced in float32 into the float32 shards the optimizer steps (the master
-    weights)."""
-    if precision != "bf16":
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
-# the start-up line's words where `mixed_precision` gives a policy
-GATHERED_IN_BF16 = ", gathered in bf16 for compute (float32 master shards)"
-
-
-def shard_model(model: nn.Module, **options) -> nn.Module:
-    """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per block, or per layer outside blocks
-    (units.py), then the root: only a unit's full weights (and the next one's, prefetched) exist at a time."""
-    from torch.distributed.fsdp import fully_shard
-
-    for _, unit in shard_units(model):
-        unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
-        fully_shard(unit, **options)
-    model.register_forward_hook(own_tensor)  # the root's output too (a head kept in the root returns a view)
-    fully_shard(model, **options)
-    return model
-
-
 class Sharded(Distributed):
     name = "sharded"
     normalises_global_batch = True
     keeps_channels_last = False  # FSDP2 shards contiguous parameters only
     writes_shards = True
     bench_copies = True
+    mesh_keeps = ("shard",)  # FSDP2 shards over dp_shard, even of one rank (a layout of replicas and context)
+    data_parallel = "shard"  # FSDP2 (parallelize.py apply_fsdp)
 
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
@@ -105,24 +63,6 @@ class Sharded(Distributed):
     def default_layout(self) -> Layout:
         """`copies` replicas of `world_size / copies` shards (one replica: plain FSDP2)."""
         return Layout(replicate=self.copies, shard=self.world_size // self.copies)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return self.shard(model, device_mesh(self.layout.sharding, self.device.type, keep=("shard",)))
-
-    def shard(self, model: nn.Module, mesh) -> nn.Module:
-        """`model` sharded with FSDP2 over `mesh`, one unit per block (units.py): a 1-D mesh shards
-        over every rank; a 2-D (dp_replicate, dp_shard) one shards within each replica (HSDP)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy
-
-        options = {"mesh": mesh, **mixed_precision(self.precision)}
-        if self.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
-        return shard_model(model, **options)
-
-    @property
-    def overflow_group(self):
-        """Every rank unscales its own shards, so all must agree on an overflow."""
-        return dist.group.WORLD
 
     @contextlib.contextmanager
     def gradient_sync(self, *, last: bool):

@@ -15,9 +15,8 @@ its slices under the original names, fused layers' rows at their one-device plac
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 from dataclasses import replace
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .checkpoint_parts import apply_groups, in_one_device_rows
 from .holdings import figures, heading, local_bytes, optimizer_slots
-from .mesh import data_dims, data_submesh, device_mesh
+from .mesh import data_dims
 from .rank_slice import check_rank_slice, is_conv1d
 from .sharded import Sharded
 from .tensor_split import (  # noqa: F401  (pipeline_tensor and tests take them from here)
@@ -202,13 +201,11 @@ class TensorParallel(Sharded):
     bench_copies = False  # its rows are its (data, tensor) meshes; hybrid ones are not measured yet
     keeps_model_whole = False
     splits_layers = True
+    mesh_keeps = ("shard", "tensor")  # the tensor plan's tp and FSDP2's dp_shard, even of one rank
 
     def __init__(self, *, plan: TensorPlan = None, **common):
         super().__init__(plan=None, **common)
         self.plan = plan
-        self.mesh = None
-        # parameter name -> row order of a fused (colwise:K) layer's weight and bias as the ranks hold them
-        self.fused = {}
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> TensorPlan:
@@ -249,47 +246,17 @@ class TensorParallel(Sharded):
         return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
 
     @property
-    def overflow_group(self):
-        """Each rank unscales its own slices of the split layers, so all must agree on an overflow."""
-        return dist.group.WORLD
+    def data_parallel(self) -> str:
+        """FSDP2 over the data dimensions where there are several tensor groups (as torchtitan), else none."""
+        return "shard" if self.plan.replicas > 1 else "none"
 
-    def split_model(self, model: nn.Module) -> None:
-        layout, copies = self.layout, self.plan.copies
-        self.full_mesh = device_mesh(layout, self.device.type, keep=("shard", "tensor"))
-        self.mesh = self.full_mesh["tp"]
-        self.data_mesh = data_submesh(self.full_mesh, copies > 1)
-        self.data_groups = (
-            [self.full_mesh[name].get_group() for name in reversed(data_dims(copies > 1))]
-            if layout.data_degree > 1
-            else []
-        )
-        if self.plan.apply is not None:
-            self.plan.apply(model, self.mesh)
-        else:
-            self._split(model)
-        replicate_rest(model, self.mesh)
-        if self.plan.sequence_parallel and not self.plan.vocabulary:  # (else sequence_styles cuts them)
-            next(model.children()).register_forward_hook(self._my_positions)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.plan.replicas > 1:  # as torchtitan: FSDP2 over the data dimension of the 2-D mesh
-            # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
-            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-            # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-            self.shard(model, self.data_mesh)  # a 2-D (dp_replicate, dp_shard) mesh: hybrid sharding
-        return model
-
-    def _split(self, model: nn.Module) -> None:
-        self.fused.update(split_layers(model, self.mesh, self.plan))
-
-    def _my_positions(self, module, inputs, output):
-        """Embeddings whole on every rank (a vocabulary too small to split): each keeps its part of the sequence,
-        through DTensor, so that backward gathers the parts' gradients for the embeddings."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        whole = DTensor.from_local(output, self.mesh, [Replicate()], run_check=False)
-        return whole.redistribute(self.mesh, [Shard(1)]).to_local()
+    @cached_property
+    def data_groups(self) -> list:
+        """The process groups of the data dimensions, innermost first (`reduce` sums over the shards, then the
+        copies)."""
+        if self.layout.data_degree == 1:
+            return []
+        return [self.world_mesh[name].get_group() for name in reversed(data_dims(self.plan.copies > 1))]
 
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)

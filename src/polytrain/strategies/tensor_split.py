@@ -4,6 +4,8 @@ the reordering of a fused layer's rows between the ranks' order and the one-devi
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 
@@ -218,3 +220,28 @@ def transposed_style(style: str):
             )
 
     return Transposed()
+
+
+def apply_tensor_plan(model: nn.Module, mesh, plan: TensorPlan) -> dict:
+    """`model` split over the tensor ranks of `mesh` (the run's `tp` dimension) as `plan` says, in place: its
+    layers by the plan's styles (or the user's own `apply`), every other parameter a replicated DTensor, and,
+    under sequence parallelism with whole embeddings, each rank keeping its part of the positions. Returns
+    parameter name -> the row order of each fused layer as the ranks hold them."""
+    fused = {}
+    if plan.apply is not None:
+        plan.apply(model, mesh)
+    else:
+        fused = split_layers(model, mesh, plan)
+    replicate_rest(model, mesh)
+    if plan.sequence_parallel and not plan.vocabulary:  # (else sequence_styles cuts them)
+        next(model.children()).register_forward_hook(partial(_my_positions, mesh))
+    return fused
+
+
+def _my_positions(mesh, module, inputs, output):
+    """Embeddings whole on every rank (a vocabulary too small to split): each keeps its part of the sequence,
+    through DTensor, so that backward gathers the parts' gradients for the embeddings."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    whole = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(mesh, [Shard(1)]).to_local()

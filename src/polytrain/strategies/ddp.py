@@ -1,0 +1,69 @@
+"""DistributedDataParallel as polytrain applies it: the user's module kept reachable through the wrapper, and
+parameters and buffers given the strides DDP expects (the same values, nothing computes differently)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def default_strides_where_alike(model: nn.Module) -> None:
+    """Channels-last parameters whose memory order is the default one too (a convolution over one input
+    channel: the strides differ only in a dimension of size 1) get the default strides: cuDNN returns their
+    gradients so, and DDP's gradient buckets, which follow each parameter's strides, would otherwise warn on
+    every step. The same values in the same memory order: nothing computes differently."""
+    for parameter in model.parameters():
+        if parameter.dim() == 4 and parameter.is_contiguous():
+            plain = parameter.data.clone(memory_format=torch.contiguous_format)
+            if plain.stride() != parameter.stride():
+                parameter.data = plain
+
+
+def default_strides(shape) -> tuple:
+    """The strides of a tensor of `shape` in the default (row-major) memory order."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def contiguous_buffers(model: nn.Module) -> None:
+    """Buffers with the default strides (which `is_contiguous` does not check in a dimension of size 1): DDP broadcasts rank 0's buffers before each forward through one
+    flat tensor, and copying back into a buffer of unusual strides fails (a positional encoding made with
+    `unsqueeze(0).transpose(0, 1)`: "some elements of the input tensor and the written-to tensor refer to a
+    single memory location"). The same values: nothing computes differently."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.stride() != default_strides(buffer.shape):
+                module._buffers[name] = buffer.clone(memory_format=torch.contiguous_format)
+
+
+class Replicated(DistributedDataParallel):
+    """DistributedDataParallel whose attributes it lacks are its module's: a `step=` function may call the
+    user's methods and read their attributes (`model.init_hidden(batch)`) as it does on one device, while
+    calling it runs DDP's forward."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+
+def apply_ddp(module: nn.Module, device: torch.device) -> nn.Module:
+    """Step 5 with copies: DistributedDataParallel over every rank (`Replicated`)."""
+    if not dist.is_initialized():
+        raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
+    device_ids = [device.index] if device.type == "cuda" else None
+    # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
+    # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).
+    if device.type == "cuda":
+        default_strides_where_alike(module)
+    contiguous_buffers(module)
+    return Replicated(module, device_ids=device_ids)

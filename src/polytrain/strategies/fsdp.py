@@ -1,0 +1,73 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) as polytrain applies it: one unit per block, then the root, over
+the data dimensions of the run's mesh, with the bf16 policy and host-memory offload where asked. The sharded
+and tensor strategies (through `parallelize`) and a pipeline's stages (pipeline_shard.py) shard with it."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+
+from ..plan.layout import Layout
+from .mesh import fsdp_submesh
+from .units import shard_units
+
+
+def own_tensor(module, inputs, output):
+    """A unit whose output is a view (an nn.Linear given (B, T, C) with a bias returns a view of its (B*T, C)
+    product) makes FSDP2 warn that an in-place op on the view would skip its backward hook. Nothing else holds
+    that output: the unit returns it as a tensor of its own (the same memory and numbers, no copy)."""
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return torch.ops.aten._unsafe_view(output, output.shape)
+    if isinstance(output, tuple) and type(output) is tuple:  # (nn.MultiheadAttention: output, weights)
+        owned = [own_tensor(module, inputs, item) for item in output]
+        if any(item is not None for item in owned):
+            return tuple(item if new is None else new for item, new in zip(output, owned))
+    return None
+
+
+def mixed_precision(precision: str) -> dict:
+    """fully_shard's options for --precision bf16 (sharded, tensor, and pipelines of shards): parameters cast to
+    bfloat16 for the forward and backward passes and gathered so (half the bytes of each all-gather and of the
+    layer gathered whole), gradients reduced in float32 into the float32 shards the optimizer steps (the master
+    weights)."""
+    if precision != "bf16":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+# the start-up line's words where `mixed_precision` gives a policy
+GATHERED_IN_BF16 = ", gathered in bf16 for compute (float32 master shards)"
+
+
+def shard_model(model: nn.Module, **options) -> nn.Module:
+    """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per block, or per layer outside blocks
+    (units.py), then the root: only a unit's full weights (and the next one's, prefetched) exist at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    for _, unit in shard_units(model):
+        unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
+        fully_shard(unit, **options)
+    model.register_forward_hook(own_tensor)  # the root's output too (a head kept in the root returns a view)
+    fully_shard(model, **options)
+    return model
+
+
+def apply_fsdp(module: nn.Module, mesh, layout: Layout, *, precision: str, cpu_offload: bool) -> nn.Module:
+    """Step 5 with shards: FSDP2 over the data dimensions of `mesh` (`fsdp_submesh`: dp_shard, the context ranks
+    folded in, within each dp_replicate copy for hybrid sharding), one unit per block (units.py)."""
+    if layout.tensor > 1:  # as torchtitan: FSDP2 over the data dimensions of a (data, tensor) mesh
+        # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    options = {"mesh": fsdp_submesh(mesh, layout), **mixed_precision(precision)}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        options["offload_policy"] = CPUOffloadPolicy()
+    return shard_model(module, **options)

@@ -1,0 +1,126 @@
+"""Preparing a module for a run's layout: one function, `parallelize`, that applies each degree in one order.
+
+    parallelize(module, mesh, layout, options, objective=...)
+
+`mesh` is the run's one DeviceMesh (strategies/mesh.py, built from `layout`), `options` what the settings ask
+(`Preparation`). Each step is a function that takes the module and the part of the mesh it works over, never a
+strategy, and changes the module in place; a step whose degree is 1 does nothing:
+
+  1. tensor plan              each named layer split over the `tp` ranks, the rest replicated on them
+                              (tensor_split.py `apply_tensor_plan`)
+  2. context parallelism      attention and positions over the `cp` ranks, the loss a part of each window's
+                              (context_parallel.py `split_model_sequences`)
+  3. activation checkpointing the model's blocks recomputed in backward (activation_checkpoint.py)
+  4. the global batch         BatchNorm and Dropout computed over the global batch where the data ranks each
+                              compute a slice, Dropout drawn as one device draws it (global_batch.py)
+  5. data parallelism         FSDP2 over the data dimensions (with the context ranks folded in), or DDP copies
+                              (`apply_data_parallel`)
+  6. materialise              a model built on the meta device given storage and its one-device values (or a
+                              checkpoint's): after FSDP2, which shards what it wraps; before DDP, which starts
+                              every copy from rank 0's values (materialise.py)
+
+The order is torchtitan's: a layer is split before its blocks are wrapped for recomputation, and FSDP2 wraps
+what the tensor plan made DTensors. `torch.compile` (where asked) then compiles what steps run. The strategies
+that run every rank through one training step (single, data, sharded, tensor) prepare their module with it
+(`Strategy.setup`); a pipeline applies steps 1, 3, 4, 5 and 6 to its stages, the parameter server 3 and 4 to
+its replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+import torch.nn as nn
+
+from ..plan.layout import Layout
+from .activation_checkpoint import apply_activation_checkpointing
+from .ddp import apply_ddp
+from .fsdp import apply_fsdp
+from .global_batch import GlobalRows, whole_batch_layers
+from .materialise import materialise
+
+DATA_PARALLEL = ("none", "replicate", "shard")  # how the data dimensions hold the model: one, DDP, FSDP2
+GLOBAL_BATCH = ("off", "masks", "across")  # off; Dropout drawn as one device draws it; BatchNorm across too
+
+
+@dataclass
+class Preparation:
+    """What the settings ask of each step of `parallelize` (the layout says where each degree is above 1)."""
+
+    device: torch.device
+    data_parallel: str = "none"  # DATA_PARALLEL
+    tensor_plan: Any = None  # plan/tensor.py TensorPlan: the layers split over the tp dimension
+    activation_checkpointing: str = "none"  # none | full | selective | selective:K
+    global_batch: str = "off"  # GLOBAL_BATCH
+    loud: bool = False  # the global batch's layers say what they do (one rank)
+    precision: str = "fp32"
+    cpu_offload: bool = False  # FSDP2's shards in host memory between uses (GPUs)
+    # a model built on the meta device: its blueprint, the run's seed, a pretrained checkpoint, where it lives
+    blueprint: Optional[nn.Module] = None
+    seed: int = 0
+    weights: Any = None
+    home: Optional[torch.device] = None
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` made: the module the training step calls, and what the steps need of it later."""
+
+    runner: nn.Module
+    context: Any = None  # this rank's ContextGroup under context parallelism
+    global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
+    fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
+    lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
+
+
+def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *, objective) -> Parallelized:
+    """`module` prepared in place for `layout` over the run's `mesh` (None on one device and where no step needs
+    one), in the order above; `objective` takes the loss's part under context parallelism."""
+    done = Parallelized(runner=module)
+    if options.tensor_plan is not None:  # (a tp dimension, of one rank where a test asks)
+        from .tensor_split import apply_tensor_plan
+
+        done.fused = apply_tensor_plan(module, mesh["tp"], options.tensor_plan)
+    if layout.context > 1:
+        from .context_parallel import split_model_sequences
+
+        done.context, line = split_model_sequences(module, objective, mesh["cp"], layout.data_degree)
+        done.lines.append(line)
+    apply_activation_checkpointing(module, options.activation_checkpointing)
+    done.global_rows = apply_global_batch(module, options.global_batch, loud=options.loud)
+    if options.data_parallel == "replicate":
+        _materialise(
+            module, options, done.fused
+        )  # DDP starts from rank 0's values: every rank holds them all
+        done.runner = apply_ddp(module, options.device)
+    else:
+        if options.data_parallel == "shard":
+            apply_fsdp(module, mesh, layout, precision=options.precision, cpu_offload=options.cpu_offload)
+        _materialise(module, options, done.fused)
+    return done
+
+
+def apply_global_batch(module: nn.Module, how: str, *, loud: bool = False) -> Optional[GlobalRows]:
+    """Step 4: Dropout draws one device's masks for the rows a pass holds (`masks`), and BatchNorm normalises
+    over the global batch too (`across`); the rows to set before each pass, or None (`off`)."""
+    if how == "off":
+        return None
+    rows = GlobalRows()
+    rows.loud = loud
+    whole_batch_layers(module, rows, batchnorm=how == "across")
+    return rows
+
+
+def _materialise(module: nn.Module, options: Preparation, fused: dict) -> None:
+    """Step 6, where the module was built on the meta device (`options.blueprint`)."""
+    if options.blueprint is not None:
+        materialise(
+            module,
+            options.blueprint,
+            device=options.home or options.device,
+            seed=options.seed,
+            reorder=fused,
+            weights=options.weights,
+        )

@@ -1,0 +1,141 @@
+"""`parallelize` (strategies/parallelize.py) on the run's one mesh, at full size in one process: a `fake` process
+group of 64 ranks, the model built on the meta device, one rank's view. Each parameter must be the DTensor that
+rank holds (sharded over the right ranks, split over the right ones), the context group the ranks the layout
+names, and every step applied. The multi-process proofs that these layouts train one device's model are
+`polytrain verify`'s (test_context_parallel.py, test_tensor.py, test_sharded.py)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from polytrain.models import build_model_on_meta
+from polytrain.objective import Objective
+from polytrain.plan.layout import Layout
+from polytrain.strategies.context_parallel import sequence_modules
+from polytrain.strategies.parallelize import Preparation, parallelize
+
+WORLD, RANK = 64, 45
+LLAMA = dict(layers=2, heads=4, kv_heads=2, width=32, context=32)
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of WORLD ranks in this process, this process being RANK."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from polytrain.strategies.mesh import forget_earlier_meshes
+
+    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        forget_earlier_meshes()
+
+
+def ranks_where(layout: Layout, **same) -> list:
+    """The ranks whose coordinates equal RANK's along the degrees named in `same` (True)."""
+    mine = layout.coordinates(RANK)
+    return [
+        rank
+        for rank in range(layout.world_size)
+        if all(layout.coordinates(rank)[name] == mine[name] for name in same)
+    ]
+
+
+def held_rows(full: int, parts: int, index: int) -> int:
+    """torch.chunk's rows for part `index` of `parts` (ceil-sized chunks, the last ones smaller or empty)."""
+    size = math.ceil(full / parts)
+    return max(0, min(size, full - index * size))
+
+
+def split_dim(module, style, bias: bool):
+    """The dimension torch's parallel styles split a parameter of `module` along (None: replicated): colwise
+    splits a Linear's outputs (weight rows and bias), rowwise its inputs (weight columns; the bias whole); on an
+    Embedding, rowwise splits the vocabulary and colwise the width."""
+    if style is None:
+        return None
+    if isinstance(module, torch.nn.Embedding):
+        return 0 if style == "rowwise" else 1
+    if style == "rowwise":
+        return None if bias else 1
+    return 0
+
+
+def test_fsdp_over_shards_and_context_ranks_within_copies(fake_world):
+    """llama on 2 copies x 8 shards x 4 context ranks, full checkpointing: FSDP2 shards each copy over its 32
+    (dp_shard, cp) ranks (torchtitan's dp_shard_cp), the 4 ranks of RANK's context group split its sequences."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from polytrain.strategies.mesh import device_mesh
+
+    layout = Layout(replicate=2, shard=8, context=4)
+    model = build_model_on_meta("llama", (LLAMA["context"],), 64, dict(LLAMA))
+    wholes = {name: p.shape for name, p in model.named_parameters()}
+    objective = Objective()
+    mesh = device_mesh(layout, "cpu", keep=("shard",))
+    options = Preparation(device=torch.device("cpu"), data_parallel="shard", activation_checkpointing="full")
+    done = parallelize(model, mesh, layout, options, objective=objective)
+
+    where = layout.coordinates(RANK)
+    copy_ranks = ranks_where(layout, replicate=True)  # the 32 ranks of RANK's copy
+    index = copy_ranks.index(RANK)
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, DTensor), name
+        assert parameter.placements == (Replicate(), Shard(0)), name
+        shard_mesh = parameter.device_mesh
+        assert shard_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp"), name
+        assert shard_mesh.mesh[where["replicate"]].tolist() == copy_ranks
+        assert parameter.to_local().shape[0] == held_rows(wholes[name][0], 32, index), name
+    assert done.context.rank == where["context"] and done.context.size == 4
+    assert objective.sequence_parts == 4
+    assert done.context.group.mesh.tolist() == ranks_where(layout, replicate=True, shard=True)
+    switched = sequence_modules(model)
+    assert switched and all(module.context_parallel is done.context for module in switched)
+    recomputed = [m for m in model.modules() if "forward" in m.__dict__]
+    assert len(recomputed) == LLAMA["layers"]  # the blocks, wrapped for recomputation
+    assert done.runner is model and done.global_rows is None
+
+
+def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
+    """gpt on 16 shards x 4 tensor ranks: the built-in plan splits the attention and MLP layers over RANK's 4
+    consecutive tensor ranks, and FSDP2 shards over the 16 ranks at RANK's tensor index (a 2-D DTensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from polytrain.strategies.mesh import device_mesh
+    from polytrain.strategies.tensor import plan_for
+
+    layout = Layout(shard=16, tensor=4)
+    options = dict(layers=2, heads=4, width=64, context=32)
+    model = build_model_on_meta("gpt", (32,), 64, options)
+    wholes = {name: p.shape for name, p in model.named_parameters()}
+    plan = plan_for(SimpleNamespace(tensor_plan=None), model, devices=4)
+    mesh = device_mesh(layout, "cpu", keep=("shard", "tensor"))
+    preparation = Preparation(device=torch.device("cpu"), data_parallel="shard", tensor_plan=plan)
+    parallelize(model, mesh, layout, preparation, objective=Objective())
+
+    where = layout.coordinates(RANK)
+    styles = {name: style for name, style, _ in plan.styles}
+    assert len(styles) >= 4, "the built-in plan splits the attention and MLP layers"
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, DTensor), name
+        assert parameter.device_mesh.mesh_dim_names == ("dp_shard", "tp"), name
+        assert parameter.device_mesh.mesh[:, where["tensor"]].tolist() == ranks_where(layout, tensor=True)
+        assert parameter.shape == wholes[name], name  # the DTensor keeps the one-device shape
+        data, tensor = parameter.placements
+        assert getattr(data, "dim", None) == 0, name  # FSDP2 over dp_shard (strided over a tp split of rows)
+        module = name.rsplit(".", 1)[0]
+        dim = split_dim(model.get_submodule(module), styles.get(module), name.endswith("bias"))
+        expected = list(wholes[name])
+        if dim is None:
+            assert tensor == Replicate(), name
+        else:
+            assert tensor == Shard(dim), name
+            expected[dim] = held_rows(expected[dim], 4, where["tensor"])
+        expected[0] = held_rows(expected[0], 16, where["shard"])
+        assert list(parameter.to_local().shape) == expected, name

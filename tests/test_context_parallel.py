@@ -192,9 +192,9 @@ def test_a_model_over_the_split_sequence_equals_one_device(on_four_ranks, size, 
         assert max(errors.values()) < EXACT, (rank, model, errors)
 
 
-# `polytrain verify --context-parallel C`: the strategies that split sequences (data, sharded) on both models,
-# C = 2 inside 2 sharded data slices (4 ranks) and C = 4 over every rank, with activation checkpointing and
-# accumulation, against one device in float64
+# `polytrain verify --context-parallel C`: the strategies that split sequences (data, sharded, tensor) on both
+# models, C = 2 inside 2 sharded data slices (4 ranks), C = 4 over every rank, and C = 2 beside 2 tensor ranks, with
+# activation checkpointing and accumulation, against one device in float64
 SMALL = ["--dataset", "shakespeare", "--layers", "2", "--heads", "4", "--width", "32", "--context", "32"]
 VERIFIES = {
     "llama sharded 2 x cp 2, full checkpointing, 2 passes": [
@@ -204,6 +204,14 @@ VERIFIES = {
     "gpt data, cp 4, selective checkpointing": [
         "--model", "gpt", "--strategy", "data", "--devices", "4", "--context-parallel", "4",
         "--activation-checkpointing", "selective",
+    ],
+    "llama cp 2 x tp 2, selective checkpointing, 2 passes": [
+        "--model", "llama", "--kv-heads", "2", "--strategy", "tensor", "--devices", "4", "--tensor-parallel", "2",
+        "--context-parallel", "2", "--activation-checkpointing", "selective", "--accumulate", "2",
+    ],
+    "gpt cp 2 x tp 2 (norms whole: no sequence parallelism), full checkpointing": [
+        "--model", "gpt", "--strategy", "tensor", "--devices", "4", "--tensor-parallel", "2",
+        "--context-parallel", "2", "--activation-checkpointing", "full",
     ],
 }  # fmt: skip
 
@@ -223,8 +231,12 @@ def test_verify_passes_with_sequences_split_over_a_context_group(capfd, case):
 
 REFUSALS = {
     "a strategy that does not split sequences": (
-        ["--model", "gpt", "--strategy", "tensor", "--devices", "2", "--context-parallel", "2"],
-        ["--context-parallel applies to --strategy data or sharded"],
+        ["--model", "gpt", "--strategy", "pipeline", "--devices", "2", "--context-parallel", "2"],
+        ["--context-parallel applies to --strategy data or sharded or tensor"],
+    ),
+    "context groups that do not divide the tensor groups": (
+        ["--model", "gpt", "--strategy", "tensor", "--devices", "2", "--tensor-parallel", "2", "--context-parallel", "2"],
+        ["--context-parallel 2 must divide the 1 tensor groups"],
     ),
     "a model without attention": (
         ["--model", "mlp", "--dataset", "synthetic", "--strategy", "data", "--devices", "2", "--context-parallel", "2"],

@@ -92,7 +92,7 @@ def test_the_resume_rules_come_from_the_declarations():
         "sharded": ("context_parallel", "cpu_offload", "replicas"),
         "data": ("context_parallel",),
         "parameter-server": ("servers", "server_device", "staleness"),
-        "tensor": ("replicas", "tensor_plan", "tensor_parallel"),
+        "tensor": ("context_parallel", "replicas", "tensor_plan", "tensor_parallel"),
     }
 
 

@@ -129,21 +129,34 @@ def _one_device(devices: int, **_) -> Layout:
 
 
 def _tensor(
-    devices: int, *, tensor_parallel: Optional[int] = None, replicas: Optional[int] = None, **_
+    devices: int,
+    *,
+    tensor_parallel: Optional[int] = None,
+    replicas: Optional[int] = None,
+    context_parallel: Optional[int] = None,
+    **_,
 ) -> Layout:
-    group = tensor_parallel or devices
+    group, context = tensor_parallel or devices, context_parallel or 1
     if group < 1 or devices % group:
         raise ConfigError(
             f"--tensor-parallel {group} must divide --devices {devices}; use a divisor of {devices}"
         )
-    copies, groups = replicas or 1, devices // group
-    if groups % copies or (copies > 1 and copies >= groups):
+    groups = devices // group
+    if groups % context:
         raise ConfigError(
-            f"--replicas {copies} must divide the {groups} tensor groups (--devices / --tensor-parallel) and be "
-            f"fewer than them; use a divisor of {groups} below {groups}, or drop --replicas"
+            f"--context-parallel {context} must divide the {groups} tensor groups (--devices / --tensor-parallel): "
+            f"each sequence is split over {context} tensor groups; use a divisor of {groups}, or more --devices"
         )
-    # the data dimension is sharded (FSDP2); with --replicas, as copies of shard groups (HSDP)
-    return Layout(replicate=copies, shard=groups // copies, tensor=group)
+    copies, slices = replicas or 1, groups // context
+    if slices % copies or (copies > 1 and copies >= slices):
+        per = " / --context-parallel" if context > 1 else ""
+        raise ConfigError(
+            f"--replicas {copies} must divide the {slices} tensor groups (--devices / --tensor-parallel{per}) and "
+            f"be fewer than them; use a divisor of {slices} below {slices}, or drop --replicas"
+        )
+    # the data dimension is sharded (FSDP2; with the context ranks folded in); with --replicas, as copies of shard
+    # groups (HSDP)
+    return Layout(replicate=copies, shard=slices // copies, context=context, tensor=group)
 
 
 def _pipeline(
@@ -205,7 +218,8 @@ PRESETS: Dict[str, Callable[..., Layout]] = {
 }
 
 
-CONTEXT_PRESETS = ("data", "sharded")  # those that split sequences over context groups (--context-parallel)
+# the presets that split sequences over context groups (--context-parallel)
+CONTEXT_PRESETS = ("data", "sharded", "tensor")
 
 
 def layout_of(
@@ -227,7 +241,8 @@ def layout_of(
     options = dict(context_parallel=context_parallel) if context_parallel not in (None, 1) else {}
     if options and strategy not in CONTEXT_PRESETS:
         raise ConfigError(
-            f"--context-parallel applies to --strategy {' or '.join(CONTEXT_PRESETS)} so far; use one of them, "
+            f"--context-parallel applies to --strategy {', '.join(CONTEXT_PRESETS[:-1])} or {CONTEXT_PRESETS[-1]} so "
+            f"far; use one of them, "
             f"or drop --context-parallel"
         )
     return PRESETS[strategy](

@@ -23,12 +23,6 @@ def mesh_dims(layout: Layout, keep: Collection[str] = ()) -> tuple:
     )
 
 
-def data_dims(hybrid: bool) -> tuple:
-    """The mesh dimensions FSDP2 shards over: (dp_replicate, dp_shard) for copies of shard groups (hybrid
-    sharding), else dp_shard."""
-    return ("dp_replicate", "dp_shard") if hybrid else ("dp_shard",)
-
-
 SHARD_AND_CONTEXT = "dp_shard_cp"  # the name of the flattened (dp_shard, cp) dimension (torchtitan's)
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from functools import cached_property
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
@@ -28,7 +26,6 @@ from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 from .checkpoint_parts import apply_groups, in_one_device_rows
 from .holdings import figures, heading, local_bytes, optimizer_slots
-from .mesh import data_dims
 from .rank_slice import check_rank_slice, is_conv1d
 from .sharded import Sharded
 from .tensor_split import (  # noqa: F401  (pipeline_tensor and tests take them from here)
@@ -221,6 +218,9 @@ class TensorParallel(Sharded):
             isinstance(config.tensor_plan, dict) and dataset is not None
         ):  # the user's: tried on a rank's slice
             check_rank_slice(model, plan, dataset.sample_inputs(2))
+        if (config.context_parallel or 1) > 1 and plan.sequence_parallel:
+            # the sequence is already split over the context ranks: the norms stay whole on each tensor rank
+            plan = replace(plan, sequence_parallel=False)
         copies = config.replicas or 1
         return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None, copies=copies)
 
@@ -231,32 +231,22 @@ class TensorParallel(Sharded):
         return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums over the tensor groups; the ranks of a group hold the same (one group: MAX keeps them exact, and
-        still waits for all)."""
-        tensor = tensor.clone()
-        if self.plan.replicas == 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        for group in self.data_groups:  # over the shards, then over the copies (hybrid sharding)
-            dist.all_reduce(tensor, group=group)
-        return tensor
+        """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
+        counted = self.layout.coordinates(self.rank)["tensor"] == 0
+        return super().reduce(tensor if counted else torch.zeros_like(tensor))
 
     def gradient_sync(self, *, last: bool):
-        if self.plan.replicas > 1:  # FSDP2 over the data dimension: reduce-scatter in the last pass only
+        if (
+            self.data_parallel == "shard"
+        ):  # FSDP2 over the data dimension: reduce-scatter in the last pass only
             return super().gradient_sync(last=last)
         return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
 
     @property
     def data_parallel(self) -> str:
-        """FSDP2 over the data dimensions where there are several tensor groups (as torchtitan), else none."""
-        return "shard" if self.plan.replicas > 1 else "none"
-
-    @cached_property
-    def data_groups(self) -> list:
-        """The process groups of the data dimensions, innermost first (`reduce` sums over the shards, then the
-        copies)."""
-        if self.layout.data_degree == 1:
-            return []
-        return [self.world_mesh[name].get_group() for name in reversed(data_dims(self.plan.copies > 1))]
+        """FSDP2 over the ranks beside each tensor group (the data dimensions and the context ranks, as
+        torchtitan), where there are any; else none."""
+        return "shard" if self.layout.world_size > self.layout.tensor else "none"
 
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)
@@ -267,11 +257,15 @@ class TensorParallel(Sharded):
         if not self.is_main:
             return []
         lines = [f"tensor: {self.plan.describe()}; {heading(slots)}"]
+        layout = self.layout
         for rank, device, size in rows:
-            data, part = self.plan.coords(rank)
-            where = f", data shard {data + 1}/{self.plan.replicas}" if self.plan.replicas > 1 else ""
+            where, at = "", layout.coordinates(rank)
+            if layout.data_degree > 1:
+                where += f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}"
+            if layout.context > 1:
+                where += f", context rank {at['context'] + 1}/{layout.context}"
             lines.append(
-                f"  rank {rank} ({device}{where}, tensor slice {part + 1}/{self.plan.devices}): "
+                f"  rank {rank} ({device}{where}, tensor slice {at['tensor'] + 1}/{layout.tensor}): "
                 f"{figures(size, slots)}; a replica would hold {figures(full, slots)}"
             )
         return lines

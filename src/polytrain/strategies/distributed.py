@@ -15,7 +15,9 @@ class Distributed(Strategy):
     reference = False
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.clone()
+        """Sums over ranks, each tensor group counted once: its ranks hold the same figures (from the layout)."""
+        counted = self.layout.tensor == 1 or self.layout.coordinates(self.rank)["tensor"] == 0
+        tensor = tensor.clone() if counted else torch.zeros_like(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 

@@ -93,10 +93,6 @@ class Pipeline(Distributed):
         split = self.plan.layout.tensor > 1 or self.plan.layout.shard
         return dist.group.WORLD if split else self.norm_group
 
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
-        return super().reduce(tensor if self.tensor_index == 0 else torch.zeros_like(tensor))
-
     def default_layout(self) -> Layout:
         """The plan's degrees (made without the run's layout, in tests)."""
         return Layout(**self.plan.layout.degrees())

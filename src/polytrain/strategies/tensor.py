@@ -230,17 +230,9 @@ class TensorParallel(Sharded):
         copies = self.plan.copies
         return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
 
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums over ranks, each tensor group counted once: its ranks hold the same figures."""
-        counted = self.layout.coordinates(self.rank)["tensor"] == 0
-        return super().reduce(tensor if counted else torch.zeros_like(tensor))
-
     def gradient_sync(self, *, last: bool):
-        if (
-            self.data_parallel == "shard"
-        ):  # FSDP2 over the data dimension: reduce-scatter in the last pass only
-            return super().gradient_sync(last=last)
-        return contextlib.nullcontext()  # no replicas: nothing to synchronise between passes
+        # FSDP2 over the data dimension: reduce-scatter in the last pass only; no replicas: nothing to synchronise
+        return super().gradient_sync(last=last) if self.data_parallel == "shard" else contextlib.nullcontext()
 
     @property
     def data_parallel(self) -> str:

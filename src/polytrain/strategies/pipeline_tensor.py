@@ -9,7 +9,7 @@ Every rank of a stage applies the tensor plan (plan/tensor.py, the built-in one 
 stage's layers by their names in the whole model, over the mesh's `tp` dimension; everything else it holds
 becomes a replicated DTensor. Stages exchange whole activations as plain tensors (no sequence parallelism):
 tensor slice t of stage s sends to slice t of stage s + 1, over one pipeline process group per tensor index. The
-ranks of a tensor group compute the same loss, so sums are counted from slice 0 only (`Pipeline.reduce`); the
+ranks of a tensor group compute the same loss, so sums are counted from slice 0 only (`Distributed.reduce`); the
 global norm is each stage's DTensor norm (every element once), summed over the stages. Checkpoints hold the
 whole model by its original names, fused rows in their original order (pipeline_parts.py), so `--resume` moves
 runs between this and any other strategy. The split comes before FSDP2 shards the stages (pipeline_shard.py).
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .tensor import replicate_rest, split_layers
+from .tensor_split import apply_tensor_plan, replicate_rest
 
 
 def split_stages(strategy) -> None:
@@ -30,9 +30,10 @@ def split_stages(strategy) -> None:
     held = {name for name, _ in strategy.model.named_modules()}
     plan = strategy.plan.tensor
     mine = replace(plan, styles=tuple(entry for entry in plan.styles if entry[0] in held))
-    if mine.styles:
-        strategy.fused = split_layers(strategy.model, mesh, mine)
-    replicate_rest(strategy.model, mesh)
+    if mine.styles:  # (parallelize.py's tensor step, on the layers this rank's stages hold)
+        strategy.fused = apply_tensor_plan(strategy.model, mesh, mine)
+    else:
+        replicate_rest(strategy.model, mesh)
 
 
 def tensor_line(plan, tail: str) -> str:

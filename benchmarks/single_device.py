@@ -28,7 +28,13 @@ Targets: polytrain <= 1.02x by-hand, and <= 0.85x naive.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +87,29 @@ def train_polytrain(model, dataset, *, epochs, batch_size, seed, device):
         print(f"  note: polytrain.fit changed torch threads {threads} -> {torch.get_num_threads()}; restored")
         torch.set_num_threads(threads)
     return list(zip(history["epoch_seconds"], history["train_loss"]))
+
+
+def train_command(model, dataset, *, epochs, batch_size, seed, device):
+    """`polytrain train` on the command line, as a user runs it (its own worker process and seeded LeNet;
+    `model` is not used); the epoch times are the training passes it writes to metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable,
+            "-m",
+            "polytrain",
+            "train",
+            "--dataset",
+            "mnist-sample",
+            "--model",
+            "lenet",
+        ]
+        command += ["--epochs", str(epochs), "--batch-size", str(batch_size), "--optimizer", "sgd"]
+        command += ["--lr", str(LR), "--momentum", str(MOMENTUM), "--weight-decay", str(WEIGHT_DECAY)]
+        command += ["--schedule", "constant", "--warmup-epochs", "0", "--seed", str(seed)]
+        command += ["--device", device.type, "--out", out]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    return [(row["epoch_seconds"], row["train_loss"]) for row in rows]
 
 
 def train_by_hand(model, dataset, *, epochs, batch_size, seed, device):
@@ -173,6 +202,11 @@ def main(argv=None) -> dict:
         help="default: lenet (the benchmark); mlp shows per-step overhead, as its compute is tiny",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--command-line",
+        action="store_true",
+        help="also time `polytrain train` run as a command (its own process), as a user runs it",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -189,12 +223,18 @@ def main(argv=None) -> dict:
         + f", model {args.model}, {len(dataset.train_y)} training images, batch {args.batch_size}"
     )
 
+    ways = dict(WAYS, **({"command": train_command} if args.command_line else {}))
     epochs, losses = interleave(
-        WAYS, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs, dataset=dataset, **common
+        ways, base, repeats=args.repeats, warmup=args.warmup, epochs=args.epochs, dataset=dataset, **common
     )
     medians, ratios, _ = report(
         epochs, losses, per_epoch=len(dataset.train_y), unit="samples", targets=TARGETS
     )
+    if args.command_line:
+        command = statistics.median(epochs["command"]) / medians["by-hand"]
+        fastest = min(epochs["command"]) / min(epochs["by-hand"])
+        print(f"command   / by-hand  = {command:.3f}   (ratio of the fastest epochs {fastest:.3f})")
+        ratios["command/by-hand"] = command
     result = dict(
         model=args.model,
         torch=torch.__version__,

@@ -5,6 +5,8 @@ time against C = 1 on the same process count, and a context that one process's m
     python benchmarks/context_parallel.py --contexts 2048 --rounds 1 --limit-context 0     # a quick look
     python benchmarks/context_parallel.py --parts limit --steps 2 --width 256 --heads 8 --kv-heads 4 \\
         --limit-context 8192 --limit-gib 0.34                       # the limit part of docs/benchmarks.md
+    python benchmarks/context_parallel.py --contexts 2048,4096 --rounds 1 --parts table,time   # ~15 min
+    python benchmarks/context_parallel.py --contexts 4096 --processes 1,2 --rounds 3 --steps 5 --parts table,time
 
 Each configuration is what a user gets from (N processes, C ranks per sequence):
 
@@ -28,9 +30,14 @@ way they are split: C = 1 splits the batch, C > 1 each sequence.
   temporaries, and what the allocator keeps of them), not torch, gloo or the training state, which do not grow
   with T. Beside it, the memory check's prediction for the same layout, worked out as `check_fits` does
   (scaling/fits.py): `measured_activations` on the meta model at T, `memory_per_rank(..., layout=layout_for(
-  config, "sharded"))` with and without the activations.
+  config, "sharded"))` with and without the activations (on a context rank: its part of each sequence, with the
+  keys and values it gathers and its chunks' zero rows, plan/activations.py `context_part`).
 - **Step time**: the median over rounds of each run's median step (the steps after the first), and its ratio
-  to C = 1 on the same number of processes in the same round.
+  to C = 1 on the same number of processes in the same round. With `--parts time`, beside it the cost model's
+  step at the largest context (plan/context.py `context_parallel`, `sharded` where C = 1): from the workload
+  and link `--strategy auto` measures in this process (scaling/workload.py `measure`, the model materialised),
+  without a cost per message, attention's share of a pass taken from its FLOPs and, beside it, timed (its
+  layers' forward + backward alone against the measured pass).
 - **A context one process cannot hold** (`--limit-context`, `--limit-gib`): the memory check has no setting
   for a memory limit (it reads the host's MemAvailable / processes), so the limit is given to it by replacing
   `polytrain.scaling.fits.available_per_rank` in this process: its one line for 1 process, and whether it
@@ -150,6 +157,7 @@ def one_run(spec: dict) -> None:
     polytrain.fit(
         "llama", "shakespeare", **spec["shape"], batch_size=spec["batch"], max_steps=spec["steps"],
         out=spec["out"], verbose=False, callbacks=[ImportableProbe(spec["result"], spec["processes"])], **layout,
+        activation_checkpointing=spec.get("checkpointing", "none"),
     )  # fmt: skip
 
 
@@ -178,7 +186,7 @@ def train(spec: dict, folder: Path, name: str, limit_as: int = 0) -> dict:
     }
 
 
-def predicted(shape: dict, batch: int, processes: int, cp: int) -> tuple:
+def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: str = "none") -> tuple:
     """(bytes per rank, of which activations) as `check_fits` counts them for this layout."""
     import torch
 
@@ -194,17 +202,86 @@ def predicted(shape: dict, batch: int, processes: int, cp: int) -> tuple:
     layout = layout_for(config, strategy)
     work = model_workload(model, batch_size=batch, **measured_activations(model, data, torch.device("cpu")))
     label = strategy if processes > 1 else "single"
-    whole = memory_per_rank(work, label, processes, optimizer_slots=2, layout=layout)
+    whole = memory_per_rank(
+        work, label, processes, optimizer_slots=2, layout=layout, checkpointing=checkpointing
+    )
     bare = memory_per_rank(
         dataclasses.replace(work, activation_bytes=0.0), label, processes, optimizer_slots=2, layout=layout
     )
     return whole, whole - bare
 
 
-def config_of(batch: int, processes: int, cp: int):
+def predicted_steps(args, context: int) -> dict:
+    """The cost model's step (seconds) of each configuration at `context`: {label: (with attention's share of
+    one device's pass taken from the FLOPs, with it measured: its layers' forward + backward timed alone)}."""
+    import torch
+
+    from polytrain.data import load_dataset
+    from polytrain.models import build_model
+    from polytrain.objective import Objective
+    from polytrain.plan.context import attention_share, context_parallel
+    from polytrain.scaling.workload import link_for, measure
+
+    shape = shape_of(args, context)
+    data = load_dataset("shakespeare", context=context)
+    torch.manual_seed(0)
+    model = build_model("llama", data.input_shape, data.num_classes, shape)
+    work, (link, _) = measure(
+        model, data, Objective(kind="language"), batch_size=args.batch_size, device=torch.device("cpu"),
+        devices=sorted({n for _, n, _ in CONFIGS if n > 1}), repeats=3, link=True,
+    )  # fmt: skip
+    shares = attention_share(work), timed_share(model, data, work.attention, args.batch_size)
+    steps = {"1 process": (work.compute_seconds,) * 2}
+    for label, n, cp in CONFIGS[1:]:
+        seen = link_for(link, n, device_type="cpu")
+        steps[label] = tuple(
+            context_parallel(work, n, seen, context=cp, scatter_by_allreduce=True, share=share).step_seconds
+            for share in shares
+        )
+    print(
+        f"cost model at T={context}: one device {work.compute_seconds:.2f} s, replica passes "
+        f"{ {n: round(s, 2) for n, s in work.replica_seconds.items()} }, attention's share "
+        f"{shares[0]:.2f} of the FLOPs, {shares[1]:.2f} of the pass; link alpha {link.alpha * 1e6:.0f} us beta "
+        f"{link.beta / 1e9:.2f} GB/s",
+        flush=True,
+    )
+    return {"steps": steps, "shares": shares}
+
+
+def timed_share(model, data, shape, batch: int, rounds: int = 4) -> float:
+    """Attention's share of one device's forward + backward: its layers alone (random queries, keys and values
+    of their shapes) against the whole model's pass, interleaved, the fastest of `rounds` each."""
+    import torch
+    import torch.nn.functional as F
+
+    from polytrain.objective import Objective
+    from polytrain.scaling.workload import sample_batch
+
+    x, y = sample_batch(data, batch)
+    sizes = [(batch, heads, shape.context, shape.head_dim) for heads in (shape.heads, shape.kv_heads)]
+    q, k, v = (torch.randn(sizes[i > 0], requires_grad=True) for i in range(3))
+
+    def attention():
+        for _ in range(shape.layers):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def whole():
+        model.zero_grad()
+        Objective(kind="language").loss_sum(model(x), y).backward()
+
+    fastest = [float("inf")] * 2
+    for _ in range(rounds):
+        for i, work in enumerate((attention, whole)):
+            began = time.perf_counter()
+            work()
+            fastest[i] = min(fastest[i], time.perf_counter() - began)
+    return fastest[0] / fastest[1]
+
+
+def config_of(batch: int, processes: int, cp: int, checkpointing: str = "none"):
     """The settings `check_fits` and `layout_for` read."""
     return types.SimpleNamespace(
-        devices=processes, batch_size=batch, accumulate=1, activation_checkpointing="none",
+        devices=processes, batch_size=batch, accumulate=1, activation_checkpointing=checkpointing,
         context_parallel=cp if cp > 1 else None, pipeline_stages=None, tensor_parallel=None,
         data_parallel=None, replicas=None,
     )  # fmt: skip
@@ -251,12 +328,20 @@ def main() -> None:
         "--steps", type=int, default=3, help="--max-steps of each run (the first is not timed)"
     )
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--processes", default="1,2,4", help="only the configurations on these process counts"
+    )
     parser.add_argument("--baseline-context", type=int, default=64, help="the tiny context (a multiple of 8)")
     parser.add_argument("--limit-context", type=int, default=16384, help="0: skip the memory-limit part")
     parser.add_argument(
         "--limit-gib", type=float, default=0.0, help="default: halfway between the 2 predictions"
     )
-    parser.add_argument("--parts", default="table,limit", help="table, limit or both")
+    parser.add_argument(
+        "--parts",
+        default="table,limit",
+        help="table, limit, time (the cost model's steps beside the table's)",
+    )
+    parser.add_argument("--activation-checkpointing", default="none", help="of every run of the table")
     parser.add_argument("--json", type=Path, help="write every figure here too")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,8 +349,10 @@ def main() -> None:
         return one_run(json.loads(args.one))
     import torch
 
+    global CONFIGS
+    CONFIGS = tuple(c for c in CONFIGS if str(c[1]) in args.processes.split(","))
     contexts = [int(c) for c in args.contexts.split(",")]
-    batch, steps = args.batch_size, args.steps
+    batch, steps, mode = args.batch_size, args.steps, args.activation_checkpointing
     print(
         f"torch {torch.__version__}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True
     )
@@ -277,19 +364,23 @@ def main() -> None:
         folder = Path(tmp)
         for label, n, cp in CONFIGS if "table" in args.parts else ():  # what they hold at a tiny context
             spec = dict(shape=shape_of(args, args.baseline_context), batch=batch, processes=n, cp=cp, steps=2)
-            base = train(spec, folder, f"base-{n}-{cp}")
+            base = train(dict(spec, checkpointing=mode), folder, f"base-{n}-{cp}")
             if "error" in base:
                 raise SystemExit(f"{label} at the baseline context failed:\n{base['error']}")
             record["baseline"][label] = base
             print(f"baseline {label}: peak RSS {[mib(h) for h in base['hwm']]} MiB", flush=True)
         for context in contexts if "table" in args.parts else ():
             for label, n, cp in CONFIGS:
-                record["predicted"][f"{context} {label}"] = predicted(shape_of(args, context), batch, n, cp)
+                record["predicted"][f"{context} {label}"] = predicted(
+                    shape_of(args, context), batch, n, cp, mode
+                )
+        if "time" in args.parts:
+            record["steps"] = predicted_steps(args, max(contexts))
         for round_ in range(args.rounds if "table" in args.parts else 0):
             for context in contexts:
                 for label, n, cp in CONFIGS:
                     spec = dict(shape=shape_of(args, context), batch=batch, processes=n, cp=cp, steps=steps)
-                    run = train(spec, folder, f"r{round_}-{context}-{n}-{cp}")
+                    run = train(dict(spec, checkpointing=mode), folder, f"r{round_}-{context}-{n}-{cp}")
                     record["runs"].setdefault(f"{context} {label}", []).append(run)
                     if "error" in run:
                         print(f"round {round_ + 1} T={context} {label}: FAILED\n{run['error']}", flush=True)
@@ -302,10 +393,40 @@ def main() -> None:
                     )
         if "table" in args.parts:
             table(record, contexts, batch)
+        if "table" in args.parts and "time" in args.parts:
+            step_table(record, max(contexts))
         if "limit" in args.parts and args.limit_context:
             limit_part(args, folder, record)
     if args.json:
-        args.json.write_text(json.dumps(record, indent=1))
+        args.json.write_text(json.dumps(record, indent=1, default=str))
+
+
+def step_table(record: dict, context: int) -> None:
+    """The cost model's step against the measured one at `context` (median over rounds), and both ratios to
+    C = 1 on the same processes."""
+    measured = {}
+    for label, _, _ in CONFIGS:
+        runs = [r for r in record["runs"][f"{context} {label}"] if "error" not in r]
+        measured[label] = statistics.median(r["step"] for r in runs) if runs else float("nan")
+    predicted = record["steps"]["steps"]
+    record["step_table"] = {"measured": measured}
+    flops, timed = record["steps"]["shares"]
+    print(
+        f"\nT={context}: step seconds, measured against the cost model with attention's share of a pass "
+        f"from its FLOPs ({flops:.2f}) and timed ({timed:.2f}); ratios to C = 1 on the same processes"
+    )
+    print("| configuration | measured s | predicted s (FLOPs, timed) | measured / C=1 | predicted / C=1 |")
+    print("| --- | --- | --- | --- | --- |")
+    reference = {}
+    for label, n, cp in CONFIGS:
+        if cp == 1:
+            reference[n] = label
+        base = reference[n]
+        ratios = [f"{mine / theirs:.2f}" for mine, theirs in zip(predicted[label], predicted[base])]
+        print(
+            f"| {label} | {measured[label]:.2f} | {', '.join(f'{s:.2f}' for s in predicted[label])} | "
+            f"{measured[label] / measured[base]:.2f} | {', '.join(ratios)} |"
+        )
 
 
 def table(record: dict, contexts: list, batch: int) -> None:

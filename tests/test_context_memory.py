@@ -1,8 +1,8 @@
-"""What a rank of a context group holds (plan/activations.py `context_part`, `--context-parallel C`): 1/C of one
-device's activations plus the keys and values its attention gathers whole and its chunks' zero rows, counted from
-the attention's shape against hand-worked figures and against what a context rank's forward keeps, measured on
-fake tensors in this process (a fake process group of C ranks: the gather runs without peers); and the memory
-check's figure for a context-parallel layout."""
+"""What a rank of a context group holds (plan/activations.py `context_part`, `--context-parallel C`): 1/C of
+one device's activations plus the keys and values its attention gathers whole and its chunks' zero rows,
+counted from the attention's shape, against hand-worked figures and against what a context rank's forward
+keeps, measured on fake tensors in this process (a fake process group of C ranks: the gather runs without
+peers); and the memory check's figure for a context-parallel layout."""
 
 import dataclasses
 
@@ -29,7 +29,8 @@ SHAPE = AttentionShape(layers=2, heads=4, kv_heads=2, head_dim=32, context=64, e
 
 
 def test_what_a_context_rank_s_attention_keeps_beyond_one_c_worked_by_hand():
-    # C = 2: a rank's 32 tokens are 2 chunks of 16, from 0 and 48 (rank 0): 16 and 64 rows with the zero rows, 80
+    # C = 2: a rank's 32 tokens are 2 chunks of 16, from 0 and 48 (rank 0): 16 and 64 rows with the zero
+    # rows, 80
     kept, outputs = context_bytes(SHAPE, 2)
     gathered = 2 * 2 * 64 * 32 * 4 - 2 * 2 * 32 * 32 * 4  # keys and values of all 64 tokens, not its own 32
     padded = 2 * 4 * 80 * 32 * 4 - 4 * 32 * 32 * 4  # queries and outputs of 80 rows, not its own 32 queries

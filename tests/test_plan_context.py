@@ -10,8 +10,8 @@ from polytrain.plan.context import attention_share, busiest_attention, context_p
 from polytrain.plan.costmodel import Link, Workload, data_parallel, sharded
 
 LINK = Link(alpha=1e-3, beta=1e9)  # 1 ms a message, 1 GB/s
-# 2 attention layers of 4 heads over 2 key/value heads of width 32, T = 1024, float32; the parameters chosen so
-# that attention does as many FLOPs as the matrix products: 6 N T = 2 x 7 x 4 x 32 x 1024^2
+# 2 attention layers of 4 heads over 2 key/value heads of width 32, T = 1024, float32; the parameters chosen
+# so that attention does as many FLOPs as the matrix products: 6 N T = 2 x 7 x 4 x 32 x 1024^2
 SHAPE = AttentionShape(2, 4, 2, 32, 1024, 4, parameters=2 * 7 * 4 * 32 * 1024 / 6)
 WORK = Workload(
     compute_seconds=10.1, parameter_bytes=4e6, batch_size=4, update_seconds=0.1, layers=4, attention=SHAPE,
@@ -21,8 +21,8 @@ WORK = Workload(
 
 def test_a_rank_s_attention_counts_its_chunks_zero_rows():
     assert attention_share(WORK) == pytest.approx(0.5)
-    # rank 0 of 2: chunks of c = T/4 ending at c and 4c, (1 + 16) c^2 / 2 pairs a sequence against one device's
-    # (4c)^2 / 2, for 2 sequences' parts where a C = 1 rank has one sequence: 2 x 17/16
+    # rank 0 of 2: chunks of c = T/4 ending at c and 4c, (1 + 16) c^2 / 2 pairs a sequence against one
+    # device's (4c)^2 / 2, for 2 sequences' parts where a C = 1 rank has one sequence: 2 x 17/16
     assert busiest_attention(2) == 2 * 17 / 16
     assert busiest_attention(4) == 4 * (1 + 64) / 64  # chunks of T/8 ending at T/8 and T
     assert busiest_attention(1) == 1.0
@@ -32,14 +32,18 @@ def test_sharded_with_sequences_split_over_two_ranks_worked_by_hand():
     base = sharded(WORK, 2, LINK)
     split = context_parallel(WORK, 2, LINK, context=2)
     assert split.strategy == "sharded cp2"
-    # matrix products at 1/C (half the pass's 5 s as a C = 1 rank), attention 2 x 17/16 of its half; the update
-    # sharded over both ranks as without context parallelism
+    # matrix products at 1/C (half the pass's 5 s as a C = 1 rank), attention 2 x 17/16 of its half; the
+    # update sharded over both ranks as without context parallelism
     assert split.compute == pytest.approx(5.0 * (0.5 + 0.5 * 17 / 8) + 0.1 / 2)
-    # per layer the keys and the values (4 sequences x 2 heads x 1024 tokens x 32 x 4 bytes, 1 MiB each) gathered,
-    # then their gradients reduce-scattered: 2 layers x 2 tensors x 2 rings x 1 message, half of each tensor moved
+    # per layer the keys and the values (4 sequences x 2 heads x 1024 tokens x 32 x 4 bytes, 1 MiB each)
+    # gathered, then their gradients reduce-scattered: 2 layers x 2 tensors x 2 rings x 1 message, half of
+    # each tensor moved
     gathered = 4 * 2 * 1024 * 32 * 4
     assert split.messages == base.messages + 8
     assert split.communication == pytest.approx(base.communication + 8 * gathered / 2 / 1e9 + 8 * 1e-3)
+    # attention's measured share of the pass in place of its FLOPs'
+    measured = context_parallel(WORK, 2, LINK, context=2, share=0.25)
+    assert measured.compute == pytest.approx(5.0 * (0.75 + 0.25 * 17 / 8) + 0.1 / 2)
     # gloo reduce-scatters by all-reducing: twice the gradients' bytes and messages
     gloo = context_parallel(WORK, 2, LINK, context=2, scatter_by_allreduce=True)
     base = sharded(WORK, 2, LINK, scatter_by_allreduce=True)
@@ -50,7 +54,8 @@ def test_data_parallel_of_two_slices_each_split_over_two_ranks_worked_by_hand():
     base = data_parallel(WORK, 4, LINK)
     split = context_parallel(WORK, 4, LINK, context=2, strategy="data")
     assert split.strategy == "data cp2"
-    # every rank repeats the update; a slice of 2 sequences, 2 tensors of 2 x 2 x 1024 x 32 x 4 bytes per layer
+    # every rank repeats the update; a slice of 2 sequences, 2 tensors of 2 x 2 x 1024 x 32 x 4 bytes a
+    # layer
     assert split.compute == pytest.approx(2.5 * (0.5 + 0.5 * 17 / 8) + 0.1)
     gathered = 2 * 2 * 1024 * 32 * 4
     assert split.communication == pytest.approx(base.communication + 8 * gathered / 2 / 1e9 + 8 * 1e-3)

@@ -19,11 +19,11 @@ pass its forward runs again, one block at a time, and holds that block's b until
 the peak adds one block's b (an upper bound for selective, which recomputes only what is not kept). A model
 without blocks (n = 0) keeps A in every mode.
 
-**A rank of a context group** (`--context-parallel C`, strategies/context_parallel.py) holds T/C tokens of each
-sample: 1/C of every figure above, plus what its attention keeps beyond 1/C of one device's (`context_part`).
-Per attention layer and sample, with h query heads, g key/value heads of width d, e bytes an element, L = T/C
-the rank's tokens and P = L + (2C - 1) T/2C the rows its two chunks' attention sees with their zero rows in
-front (chunk r over the keys before (r+1) T/2C, chunk 2C-1-r before (2C-r) T/2C: P = T + T/2C in all):
+**A rank of a context group** (`--context-parallel C`, strategies/context_parallel.py) holds T/C tokens of
+each sample: 1/C of every figure above, plus what its attention keeps beyond 1/C of one device's
+(`context_part`). Per attention layer and sample, with h query heads, g key/value heads of width d, e bytes an
+element, L = T/C the rank's tokens and P the rows its two chunks' attention sees with their zero rows in front
+(chunk r over the keys before (r+1) T/2C, chunk 2C-1-r before (2C-r) T/2C: P = T + T/2C in all):
 
     gathered keys and values       2 g T d e      (its own 2 g L d e no longer kept beside them)
     padded queries and outputs     2 h P d e      (its own queries h L d e no longer kept)
@@ -106,8 +106,9 @@ def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
 
 def context_part(work, size: int):
     """`work` with its per-sample figures those of a context rank's part of each sample (`size` ranks split
-    each sequence): 1/size of one device's (the cuts' too), and the attention's extra (`context_bytes`) in every
-    block and in the whole. Without `work.attention` (a model whose attention was not seen) only 1/size: a lower bound."""
+    each sequence): 1/size of one device's (the cuts' too), and the attention's extra (`context_bytes`) in
+    every block and in the whole. Without `work.attention` (a model whose attention was not seen) only
+    1/size: a lower bound."""
     if size == 1:
         return work
     attention: Optional[AttentionShape] = getattr(work, "attention", None)

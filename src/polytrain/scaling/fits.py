@@ -5,8 +5,8 @@ is judged without allocating it), against what each rank has: a GPU's free memor
 memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
 holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (plan/activations.py,
 measured on fake tensors by activation_memory.py), on a context rank its part of each sequence's with the
-keys and values its attention gathers and its chunks' zero rows (`context_part`); where they cannot be measured
-they are left out and the figure is a lower bound.
+keys and values its attention gathers and its chunks' zero rows (`context_part`); where they cannot be
+measured they are left out and the figure is a lower bound.
 """
 
 from __future__ import annotations

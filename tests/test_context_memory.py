@@ -140,3 +140,20 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_and_zero_r
         fits.check_fits(
             config, model, "sharded", name="llama", device=torch.device("cpu"), slots=2, dataset=data
         )
+
+
+def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
+    """--strategy tensor --context-parallel C: FSDP2 shards each tensor rank's weights, gradients and optimizer
+    state over the data and context ranks (strategies/mesh.py fsdp_submesh), so C context ranks hold 1/C of a
+    tensor rank's state each; without activations, the rest of the count is that state and the gathered unit."""
+    from polytrain.plan.costmodel import Workload, memory_per_rank
+    from polytrain.plan.layout import Layout
+
+    work = Workload(
+        compute_seconds=1.0, parameter_bytes=8e6, split_bytes=6e6, batch_size=4, gathered_bytes=1e6
+    )
+    held = 6e6 / 2 + 2e6  # a tensor rank's weights: the split layers' half and the rest whole
+    for context in (1, 2, 4):
+        layout = Layout(shard=2, context=context, tensor=2)
+        memory = memory_per_rank(work, "tensor", layout.world_size, optimizer_slots=2, layout=layout)
+        assert memory == pytest.approx(held * (1 + 1 + 2) / (2 * context) + 1e6), context

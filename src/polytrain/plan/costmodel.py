@@ -488,8 +488,8 @@ def memory_per_rank(
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     # frozen parameters (--freeze) hold their weights only: no gradient, no optimizer state
     trained = 1.0 if work.trained_bytes is None or not weights else work.trained_bytes / weights
-    # FSDP2 shards over the data ranks and, where sharded, the context groups' ranks too
-    shards = layout.shard * (layout.context if strategy.startswith("sharded") else 1)
+    # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
+    shards = layout.shard * (layout.context if strategy.startswith(("sharded", "tensor")) else 1)
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step

@@ -100,6 +100,18 @@ def run_polytrain(name: str, shape: dict, steps: int, folder: Path) -> dict:
     return {"tokens_per_second": record["tokens_per_second"], "peak_rss": peak, "wall": seconds}
 
 
+ABORT_WORDS = (
+    "malloc",
+    "free()",
+    "corrupted",
+    "Fatal Python error",
+    "double free",
+    "Segmentation",
+    "Aborted",
+    "terminate called",
+)
+
+
 def run_hand(name: str, shape: dict, steps: int, folder: Path) -> dict:
     result = folder / f"hand-{name}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -113,10 +125,16 @@ def run_hand(name: str, shape: dict, steps: int, folder: Path) -> dict:
         str(result),
     ]
     seconds, code, peak = watched(command, folder / f"hand-{name}.log")
+    log = (folder / f"hand-{name}.log").read_text()
+    if code and result.exists() and "terminate called without an active exception" in log:
+        # measured on torch 2.13 (gloo, 2 ranks): a rank of this plain torch loop aborts in 3 of 8 runs while the
+        # process group is torn down, after the timed steps and the result: the figures stand, and we say so
+        print(f"  (the hand loop's rank aborted at teardown on {name}, after writing its result)", flush=True)
+        code = 0
     if code:
-        raise SystemExit(
-            f"the hand loop failed on {name}: {(folder / f'hand-{name}.log').read_text()[-2000:]}"
-        )
+        # a rank that aborts says why early in the log, before torchrun's summary (the tail)
+        why = [line for line in log.splitlines() if any(word in line for word in ABORT_WORDS)]
+        raise SystemExit(f"the hand loop failed on {name}: " + "\n".join(why[:20]) + "\n..." + log[-2000:])
     return dict(json.loads(result.read_text()), peak_rss=peak, wall=seconds)
 
 

@@ -139,3 +139,46 @@ def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
             expected[dim] = held_rows(expected[dim], 4, where["tensor"])
         expected[0] = held_rows(expected[0], 16, where["shard"])
         assert list(parameter.to_local().shape) == expected, name
+
+
+def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
+    """llama on 2 copies x 4 shards x 2 context ranks x 4 tensor ranks (64): the tensor plan splits over RANK's 4
+    tensor ranks, the context group is its 2 neighbouring tensor groups, and FSDP2 shards each copy's tensor slices
+    over the 8 (dp_shard, cp) ranks at RANK's tensor index, hybrid over the copies."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from polytrain.strategies.mesh import device_mesh
+    from polytrain.strategies.tensor import plan_for
+
+    layout = Layout(replicate=2, shard=4, context=2, tensor=4)
+    model = build_model_on_meta("llama", (32,), 64, dict(LLAMA, heads=8, kv_heads=4))
+    wholes = {name: p.shape for name, p in model.named_parameters()}
+    plan = plan_for(SimpleNamespace(tensor_plan=None), model, devices=4)
+    objective = Objective()
+    mesh = device_mesh(layout, "cpu", keep=("shard", "tensor"))
+    options = Preparation(device=torch.device("cpu"), data_parallel="shard", tensor_plan=plan)
+    done = parallelize(model, mesh, layout, options, objective=objective)
+
+    where = layout.coordinates(RANK)
+    assert done.context.group.mesh.tolist() == ranks_where(layout, replicate=True, shard=True, tensor=True)
+    assert objective.sequence_parts == 2
+    # RANK's copy, at its tensor index: 8 ranks
+    shard_ranks = ranks_where(layout, replicate=True, tensor=True)
+    index = shard_ranks.index(RANK)
+    styles = {name: style for name, style, _ in plan.styles}
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, DTensor), name
+        assert parameter.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp", "tp"), name
+        ranks = parameter.device_mesh.mesh[where["replicate"], :, where["tensor"]].tolist()
+        assert ranks == shard_ranks, name
+        copies, data, tensor = parameter.placements
+        assert copies == Replicate() and getattr(data, "dim", None) == 0, name
+        module = name.rsplit(".", 1)[0]
+        dim = split_dim(model.get_submodule(module), styles.get(module), name.endswith("bias"))
+        expected = list(wholes[name])
+        if dim is None:
+            assert tensor == Replicate(), name
+        else:
+            expected[dim] = held_rows(expected[dim], 4, where["tensor"])
+        expected[0] = held_rows(expected[0], 8, index)
+        assert list(parameter.to_local().shape) == expected, name

@@ -85,7 +85,7 @@ class TensorPlan:
     vocabulary_size: int = 0  # ... and its entries
 
     def describe(self) -> str:
-        mesh = f"; {self.replicas} such groups shard the data dimension (FSDP2)" if self.replicas > 1 else ""
+        mesh = f"; {self.replicas} such groups side by side, FSDP2 over them" if self.replicas > 1 else ""
         if self.copies > 1:
             shards = self.replicas // self.copies
             mesh = f"; {self.replicas} such groups as {self.copies} replicas of {shards} shards (hybrid sharding)"

@@ -27,8 +27,6 @@ the one a folder needs.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
 
 import torch
@@ -108,15 +106,6 @@ def pieces(tensor: torch.Tensor, *, transposed: bool, order=None) -> Pieces:
     return Pieces(tensor.shape, blocks)
 
 
-@contextlib.contextmanager
-def _quiet():
-    """DCP warns that it runs without a process group when asked to (no_dist): each rank reads on its own."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*assuming the intent.*")
-        yield
-
-
 class Pretrained:
     """A checkpoint folder and the names of `model`'s parameters in it (picklable: sent to each worker)."""
 
@@ -194,7 +183,7 @@ class Pretrained:
                 else pieces(tensor, transposed=name in self.transposed, order=reorder.get(name))
                 for theirs, (tensor, name) in template.items()
             }
-            with _quiet():
+            with shards.quiet():
                 dcp.load(
                     values,
                     storage_reader=dcp.HuggingFaceStorageReader(str(self.folder)),

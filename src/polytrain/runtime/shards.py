@@ -35,8 +35,9 @@ STEMS = ("checkpoint", "best")
 
 
 @contextlib.contextmanager
-def _quiet():
-    """DCP warns that it runs in one process when asked to (no_dist); that is the intent here."""
+def quiet():
+    """DCP warns that it runs in one process when asked to (no_dist); that is the intent here (also of each rank
+    reading its pieces of a pretrained checkpoint on its own, runtime/pretrained.py)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", message=".*assuming the intent.*")
@@ -98,7 +99,7 @@ def save(state: dict, run_dir: Path, name: str, *, is_main: bool) -> None:
 
     temporary = Path(run_dir) / f"{name}.tmp"
     try:
-        with _quiet():
+        with quiet():
             dcp.save(state, checkpoint_id=temporary, planner=_planners()[0](), no_dist=not _distributed())
     except BaseException:  # DCP's CheckpointException is a BaseException: what every rank raised
         if is_main:
@@ -164,7 +165,7 @@ def save_async(state: dict, run_dir: Path, name: str, *, group):
     (rank 0's: when the whole folder is). `publish` it after `result()`."""
     import torch.distributed.checkpoint as dcp
 
-    with _quiet():
+    with quiet():
         return dcp.async_save(
             snapshot(state),
             checkpoint_id=Path(run_dir) / f"{name}.tmp",
@@ -233,7 +234,7 @@ def _load(template: dict, folder: Path, *, no_dist: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        with _quiet():
+        with quiet():
             dcp.load(template, checkpoint_id=folder, planner=_planners()[1](), no_dist=no_dist)
     except BaseException as error:  # CheckpointException: each failing rank's error, wrapped
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
@@ -286,7 +287,7 @@ def read_whole(folder: Path) -> dict:
     check(folder)
     state = {}
     try:
-        with _quiet():  # as torch's dcp_to_torch_save reads a checkpoint whole
+        with quiet():  # as torch's dcp_to_torch_save reads a checkpoint whole
             _load_state_dict(
                 state,
                 storage_reader=FileSystemReader(str(folder)),

@@ -66,6 +66,7 @@ class Strategy:
     # the layout's degrees of size 1 that its mesh keeps as dimensions all the same (strategies/mesh.py)
     mesh_keeps: tuple = ()
     data_parallel = "none"  # how its data dimensions hold the model (parallelize.py): none, replicate, shard
+    cpu_offload = False  # True: FSDP2 keeps shards in host memory between uses (--cpu-offload, sharded.py)
 
     def __init__(
         self,
@@ -219,7 +220,7 @@ class Strategy:
             global_batch=self.global_batch,
             loud=self.global_batch == "across" and self.data_rank == 0,
             precision=self.precision,
-            cpu_offload=getattr(self, "cpu_offload", False),
+            cpu_offload=self.cpu_offload,
             blueprint=self.blueprint,
             seed=self.seed,
             weights=self.pretrained,

@@ -67,6 +67,26 @@ def split_dim(module, style, bias: bool):
     return 0
 
 
+def assert_tensor_and_data_split(model, name, parameter, styles, whole, *, tensor_index, shards, shard_index):
+    """`parameter` (called `name` in `model`) is split over 4 tensor ranks as the plan's `styles` say (Replicate
+    where it names none) and FSDP2's rows of this rank's slice over `shards`: its local shape is the one-device
+    `whole` cut by torch.chunk's shares, at `tensor_index` and `shard_index`; the DTensor keeps `whole`."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    assert parameter.shape == whole, name
+    tensor = parameter.placements[-1]
+    module = name.rsplit(".", 1)[0]
+    dim = split_dim(model.get_submodule(module), styles.get(module), name.endswith("bias"))
+    expected = list(whole)
+    if dim is None:
+        assert tensor == Replicate(), name
+    else:
+        assert tensor == Shard(dim), name
+        expected[dim] = held_rows(expected[dim], 4, tensor_index)
+    expected[0] = held_rows(expected[0], shards, shard_index)
+    assert list(parameter.to_local().shape) == expected, name
+
+
 def test_fsdp_over_shards_and_context_ranks_within_copies(fake_world):
     """llama on 2 copies x 8 shards x 4 context ranks, full checkpointing: FSDP2 shards each copy over its 32
     (dp_shard, cp) ranks (torchtitan's dp_shard_cp), the 4 ranks of RANK's context group split its sequences."""
@@ -105,7 +125,7 @@ def test_fsdp_over_shards_and_context_ranks_within_copies(fake_world):
 def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
     """gpt on 16 shards x 4 tensor ranks: the built-in plan splits the attention and MLP layers over RANK's 4
     consecutive tensor ranks, and FSDP2 shards over the 16 ranks at RANK's tensor index (a 2-D DTensor)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     from polytrain.strategies.mesh import device_mesh
     from polytrain.strategies.tensor import plan_for
@@ -126,19 +146,12 @@ def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
         assert isinstance(parameter, DTensor), name
         assert parameter.device_mesh.mesh_dim_names == ("dp_shard", "tp"), name
         assert parameter.device_mesh.mesh[:, where["tensor"]].tolist() == ranks_where(layout, tensor=True)
-        assert parameter.shape == wholes[name], name  # the DTensor keeps the one-device shape
-        data, tensor = parameter.placements
+        data = parameter.placements[0]
         assert getattr(data, "dim", None) == 0, name  # FSDP2 over dp_shard (strided over a tp split of rows)
-        module = name.rsplit(".", 1)[0]
-        dim = split_dim(model.get_submodule(module), styles.get(module), name.endswith("bias"))
-        expected = list(wholes[name])
-        if dim is None:
-            assert tensor == Replicate(), name
-        else:
-            assert tensor == Shard(dim), name
-            expected[dim] = held_rows(expected[dim], 4, where["tensor"])
-        expected[0] = held_rows(expected[0], 16, where["shard"])
-        assert list(parameter.to_local().shape) == expected, name
+        assert_tensor_and_data_split(
+            model, name, parameter, styles, wholes[name], tensor_index=where["tensor"], shards=16,
+            shard_index=where["shard"],
+        )  # fmt: skip
 
 
 def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
@@ -171,14 +184,15 @@ def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
         assert parameter.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp", "tp"), name
         ranks = parameter.device_mesh.mesh[where["replicate"], :, where["tensor"]].tolist()
         assert ranks == shard_ranks, name
-        copies, data, tensor = parameter.placements
+        copies, data, _ = parameter.placements
         assert copies == Replicate() and getattr(data, "dim", None) == 0, name
-        module = name.rsplit(".", 1)[0]
-        dim = split_dim(model.get_submodule(module), styles.get(module), name.endswith("bias"))
-        expected = list(wholes[name])
-        if dim is None:
-            assert tensor == Replicate(), name
-        else:
-            expected[dim] = held_rows(expected[dim], 4, where["tensor"])
-        expected[0] = held_rows(expected[0], 8, index)
-        assert list(parameter.to_local().shape) == expected, name
+        assert_tensor_and_data_split(
+            model,
+            name,
+            parameter,
+            styles,
+            wholes[name],
+            tensor_index=where["tensor"],
+            shards=8,
+            shard_index=index,
+        )

@@ -107,7 +107,7 @@ def _mlp() -> nn.Module:
         )
 
 
-def _hold_on_rank(rank: int, world: int) -> dict:
+def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from polytrain.data.order import Batch
@@ -119,7 +119,7 @@ def _hold_on_rank(rank: int, world: int) -> dict:
     model = _mlp()
     built_on_meta = all(p.is_meta for p in model.parameters())
     names = tuple(name for name, _ in flatten_layers(model))
-    plan = PipelinePlan(PipelineLayout(world, 2, shard=True), "1f1b", 2, (3,), names, (1, 8, 8))
+    plan = PipelinePlan(PipelineLayout(world, 2, shard=shard), "1f1b", 2, (3,), names, (1, 8, 8))
     strategy = Pipeline(
         plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0, precision="bf16"
     )
@@ -145,8 +145,8 @@ def _hold_on_rank(rank: int, world: int) -> dict:
         slots=local_bytes(slots),
         meta=built_on_meta and not any(p.to_local().is_meta for p in params),
         same=same,
-        sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules)
-        and strategy.mesh.mesh_dim_names == ("dp_shard", "pp"),
+        sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules),
+        mesh=strategy.world_mesh.mesh_dim_names,
         summed_by_hand=strategy.dp_group is not None,
         # --precision bf16: sharded's MixedPrecisionPolicy on every unit (float32 master shards, stepped above)
         policies={
@@ -164,23 +164,28 @@ def _hold_on_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_state():
+@pytest.mark.parametrize("shard", [True, False], ids=["shards", "replicas"])
+def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_state(shard):
     """In --precision bf16, which gathers and computes in bfloat16 as --strategy sharded does: the shards, their
-    gradients and the optimizer state stay float32."""
+    gradients and the optimizer state stay float32. Whole replicas (no --data-parallel shard) are FSDP2 too, over a
+    dp_shard dimension of one rank: each holds its whole stage, and no gradient is summed by hand."""
     from distributed import run_on_ranks
 
-    results = run_on_ranks(_hold_on_rank, world_size=4, timeout=300)
+    results = run_on_ranks(_hold_on_rank, shard, world_size=4, timeout=300)
     # ranks 0 and 2 hold stage 0 (one Linear(64, 32)), ranks 1 and 3 stage 1 (Linear(32, 32), Linear(32, 10))
     assert [r["stage"] for r in results] == [(64 * 32 + 32) * 4, (32 * 32 + 32 + 32 * 10 + 10) * 4] * 2
+    mesh = ("dp_shard", "pp") if shard else ("dp_replicate", "dp_shard", "pp")
     for rank, result in enumerate(results):
         assert result["sharded"] and not result["summed_by_hand"] and result["meta"], (rank, result)
+        assert result["mesh"] == mesh, (rank, result)
         assert result["same"], f"rank {rank} does not start from the one-device weights"
-        assert result["held"] * 2 == result["stage"] and result["grads"] == result["held"], (rank, result)
+        parts = 2 if shard else 1
+        assert result["held"] * parts == result["stage"] and result["grads"] == result["held"], (rank, result)
         assert result["slots"] == 2 * result["held"], (rank, result)  # Adam's two moments, of its shard only
-        assert result["policies"] == {("torch.bfloat16", "torch.float32")} and result["dtypes"] == {
-            "torch.float32"
-        }
-    assert "gathered in bf16 for compute (float32 master shards)" in results[0]["line"]
+        # whole replicas keep float32 weights under autocast, as one pipeline does
+        policy = ("torch.bfloat16", "torch.float32") if shard else ("None", "None")
+        assert result["policies"] == {policy} and result["dtypes"] == {"torch.float32"}, (rank, result)
+    assert ("gathered in bf16 for compute (float32 master shards)" in results[0]["line"]) == shard
 
 
 GPT_TINY = ["--model", "gpt", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2"]

@@ -57,9 +57,23 @@ def shard_model(model: nn.Module, **options) -> nn.Module:
     return model
 
 
-def apply_fsdp(module: nn.Module, mesh, layout: Layout, *, precision: str, cpu_offload: bool) -> nn.Module:
+def apply_fsdp(
+    module: nn.Module,
+    mesh,
+    layout: Layout,
+    *,
+    precision: str,
+    cpu_offload: bool = False,
+    roots: tuple = (),
+    sums: bool = False,
+    keep_gathered: bool = False,
+) -> None:
     """Step 5 with shards: FSDP2 over the data dimensions of `mesh` (`fsdp_submesh`: dp_shard, the context ranks
-    folded in, within each dp_replicate copy for hybrid sharding), one unit per block (units.py)."""
+    folded in, within each dp_replicate copy for hybrid sharding), one unit per block (units.py), `module` the
+    root, or each of `roots` (a pipeline rank's stages, which torch's schedule drives one by one). With `sums` the
+    units sum the data ranks' gradients instead of averaging them (the loss is already divided by the global
+    batch); with `keep_gathered` a unit keeps its gathered weights from its forward to its backward (a pipeline's
+    micro-batches reuse them)."""
     if layout.tensor > 1:  # as torchtitan: FSDP2 over the data dimensions of a (data, tensor) mesh
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -70,4 +84,14 @@ def apply_fsdp(module: nn.Module, mesh, layout: Layout, *, precision: str, cpu_o
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         options["offload_policy"] = CPUOffloadPolicy()
-    return shard_model(module, **options)
+    if keep_gathered:
+        options["reshard_after_forward"] = False
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in roots or (module,):
+        shard_model(root, **options)
+        for unit in root.modules():
+            if sums and isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)
+                if hasattr(unit, "set_force_sum_reduction_for_comms"):  # a plain sum (gloo has no other)
+                    unit.set_force_sum_reduction_for_comms(True)

@@ -22,8 +22,8 @@ strategy, and changes the module in place; a step whose degree is 1 does nothing
 The order is torchtitan's: a layer is split before its blocks are wrapped for recomputation, and FSDP2 wraps
 what the tensor plan made DTensors. `torch.compile` (where asked) then compiles what steps run. The strategies
 that run every rank through one training step (single, data, sharded, tensor) prepare their module with it
-(`Strategy.setup`); a pipeline applies steps 1, 3, 4, 5 and 6 to its stages, the parameter server 3 and 4 to
-its replica.
+(`Strategy.setup`); a pipeline prepares the layers of its rank's stages with it (`Preparation.stages`: each stage
+its own FSDP2 root, driven by torch's schedule), the parameter server applies steps 3 and 4 to its replica.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ class Preparation:
     seed: int = 0
     weights: Any = None
     home: Optional[torch.device] = None
+    # a pipeline rank's part of the model: its stage modules (each an FSDP2 root of its own), the whole model
+    # whose blocks are counted for `selective:K`, and FSDP2 as a pipeline drives it (gradients summed, the
+    # loss already divided by the global batch; weights kept gathered from the first forward to the last backward)
+    stages: tuple = ()
+    whole: Optional[nn.Module] = None
+    sum_gradients: bool = False
+    keep_gathered: bool = False
 
 
 @dataclass
@@ -88,7 +95,9 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
 
         done.context, line = split_model_sequences(module, objective, mesh["cp"], layout.data_degree)
         done.lines.append(line)
-    apply_activation_checkpointing(module, options.activation_checkpointing)
+    apply_activation_checkpointing(
+        module if options.whole is None else options.whole, options.activation_checkpointing
+    )
     done.global_rows = apply_global_batch(module, options.global_batch, loud=options.loud)
     if options.data_parallel == "replicate":
         _materialise(
@@ -97,7 +106,16 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         done.runner = apply_ddp(module, options.device)
     else:
         if options.data_parallel == "shard":
-            apply_fsdp(module, mesh, layout, precision=options.precision, cpu_offload=options.cpu_offload)
+            apply_fsdp(
+                module,
+                mesh,
+                layout,
+                precision=options.precision,
+                cpu_offload=options.cpu_offload,
+                roots=options.stages,
+                sums=options.sum_gradients,
+                keep_gathered=options.keep_gathered,
+            )
         _materialise(module, options, done.fused)
     return done
 

@@ -7,10 +7,12 @@ the whole global batch's size, and gradients are summed (never rescaled): the st
 one-device step. Evaluation sends activations rank to rank without gradients; checkpoints are each rank's
 stages, written as shards (checkpoint_parts.py).
 
-The degrees of the layout are steps of one set-up, each applied where its degree is above 1, in torchtitan's
-order: split into stages -> the tensor plan over `tp` (`--tensor-parallel T`, pipeline_tensor.py) -> activation
-checkpointing -> whole-batch dropout -> FSDP2 over `dp_shard` (`--data-parallel shard`, pipeline_shard.py) ->
-materialise. The whole-model state methods handle any mix of them (pipeline_parts.py).
+The degrees of the layout are applied by `parallelize` (parallelize.py) to the layers of this rank's stages, in
+torchtitan's order after the split into stages: the tensor plan over `tp` (`--tensor-parallel T`: Megatron's
+layout, each stage split over T consecutive ranks; stages exchange whole activations as plain tensors, tensor
+slice t of stage s sending to slice t of stage s + 1), activation checkpointing (the whole model's blocks
+counted), whole-batch dropout, FSDP2 over the pipelines side by side (pipeline_shard.py), materialise. The
+whole-model state methods handle any mix of them (pipeline_parts.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -35,13 +38,13 @@ from .activations import receive, send
 from .base import StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
 from .distributed import Distributed
-from .global_batch import GlobalRows, slice_offsets, whole_batch_layers
+from .global_batch import slice_offsets
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, named_subset
 from .optimizer_state import positions, whole_state
+from .parallelize import parallelize
 from .pipeline_plan import plan_pipeline
-from .pipeline_shard import reshard, shard_stages
-from .pipeline_tensor import split_stages
+from .pipeline_shard import reshard, stage_hooks, stage_precision
 from .pipeline_trace import record_calls
 from .tied import TiedWeights
 from .traced import setup_traced
@@ -90,8 +93,26 @@ class Pipeline(Distributed):
     def overflow_group(self):
         """The stages' gradients overflow apart and replicas share theirs; ranks that unscale their own slices or
         shards must all agree."""
-        split = self.plan.layout.tensor > 1 or self.plan.layout.shard
+        split = self.plan.layout.tensor > 1 or self.data_parallel == "shard"
         return dist.group.WORLD if split else self.norm_group
+
+    @property
+    def data_parallel(self) -> str:
+        """FSDP2 over the pipelines side by side, shards or whole replicas (pipeline_shard.py); traced stages'
+        replicas sum their gradients in the step."""
+        return "shard" if self.plan.layout.replicas > 1 and not self.plan.split_at else "none"
+
+    @property
+    def mesh_keeps(self) -> tuple:
+        """Whole replicas are FSDP2 over a dp_shard dimension of one rank."""
+        return ("shard",) if self.data_parallel == "shard" else ()
+
+    @property
+    def global_batch(self) -> str:
+        """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
+        that stages draw what one device draws; BatchNorm normalises over each micro-batch (verify compares
+        with one device in as many passes)."""
+        return "masks" if self.plan.draws_dropout_as_one_device else "off"
 
     def default_layout(self) -> Layout:
         """The plan's degrees (made without the run's layout, in tests)."""
@@ -112,13 +133,12 @@ class Pipeline(Distributed):
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
-        layout = self.plan.layout
+        layout, mesh = self.plan.layout, None
         if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
-            # the run's mesh: its data dimension replicates, or shards (FSDP2: pipeline_shard.py)
-            self.mesh = self.world_mesh
-            self.pp_group = self.mesh["pp"].get_group()
-            summed = layout.replicas > 1 and not layout.shard  # replicas sum their gradients by hand
-            self.dp_group = self.mesh["dp_replicate"].get_group() if summed else None
+            mesh = self.world_mesh
+            self.pp_group = mesh["pp"].get_group()
+            if layout.replicas > 1 and self.data_parallel == "none":  # traced replicas sum by hand
+                self.dp_group = mesh["dp_replicate"].get_group()
         model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
@@ -134,12 +154,21 @@ class Pipeline(Distributed):
         ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
-        # each degree a step where it is above 1, in torchtitan's order: the tensor plan, then FSDP2
-        self.split_model(self.model)
-        self.checkpoint_activations(model)  # the whole model's blocks: those of this rank's stages among them
-        self.whole_batch_layers(model)
-        self.wrap(self.model)
-        self.materialise(self.model)  # only this rank's stages (their slices, shards) get storage
+        if self.data_parallel == "shard":
+            stage_hooks(self)  # (before FSDP2's own)
+        options = replace(
+            self.preparation(),
+            tensor_plan=self.plan.tensor if layout.tensor > 1 else None,
+            loud=self.data_rank == 0,
+            precision=stage_precision(self),
+            stages=tuple(self.stage_modules),
+            whole=model,
+            sum_gradients=True,
+            keep_gathered=True,
+        )
+        done = parallelize(self.model, mesh, self.layout, options, objective=self.objective)
+        self.fused.update(done.fused)
+        self.global_rows = done.global_rows
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,
@@ -150,26 +179,6 @@ class Pipeline(Distributed):
                 layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit
             )
         )
-
-    def split_model(self, model: nn.Module) -> None:
-        """This rank's stages split over the tensor ranks (pipeline_tensor.py), where there are several."""
-        if self.plan.layout.tensor > 1:
-            split_stages(self)
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The stages sharded over the pipelines side by side (pipeline_shard.py); as they are otherwise."""
-        if self.plan.layout.shard:
-            shard_stages(self)
-        return model
-
-    def whole_batch_layers(self, model: nn.Module) -> None:
-        """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
-        that stages draw what one device draws; BatchNorm normalises over each micro-batch (verify compares
-        with one device in as many passes)."""
-        if self.plan.draws_dropout_as_one_device:
-            self.global_rows = GlobalRows()
-            self.global_rows.loud = self.data_rank == 0
-            whole_batch_layers(model, self.global_rows, batchnorm=False)
 
     def mark_chunk(self, chunk: int) -> None:
         """Tell the whole-batch Dropout layers which rows of the global batch micro-batch `chunk` holds (before
@@ -369,7 +378,9 @@ class Pipeline(Distributed):
         for works, _ in pending:  # the tensors stay referenced until their sends complete
             for work in works:
                 work.wait()
-        if self.plan.layout.shard:  # the units keep what they gathered: whole until the next step otherwise
+        if (
+            self.data_parallel == "shard"
+        ):  # the units keep what they gathered: whole until the next step otherwise
             reshard(self)
         return self._stats(len(batch.y))
 

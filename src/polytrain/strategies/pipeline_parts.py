@@ -14,7 +14,6 @@ from ..plan.pipeline import runnable_schedule
 from .holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
 from .optimizer_state import load_part, positions, to_cpu
 from .pipeline_shard import shard_line
-from .pipeline_tensor import tensor_line
 from .tensor import reordered, reordered_optimizer
 
 
@@ -132,3 +131,11 @@ def holding_lines(strategy) -> list:
             f"  rank {rank}: {where}{tensor}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}"
         )
     return lines
+
+
+def tensor_line(plan, tail: str) -> str:
+    """The start-up line of the tensor split of each stage, `tail` after the plan's description."""
+    return (
+        f"  each stage split over {plan.layout.tensor} tensor ranks: "
+        f"{plan.tensor.describe().split(': ', 1)[-1]}{tail}"
+    )

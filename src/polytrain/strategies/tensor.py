@@ -28,7 +28,7 @@ from .checkpoint_parts import apply_groups, in_one_device_rows
 from .holdings import figures, heading, local_bytes, optimizer_slots
 from .rank_slice import check_rank_slice, is_conv1d
 from .sharded import Sharded
-from .tensor_split import (  # noqa: F401  (pipeline_tensor and tests take them from here)
+from .tensor_split import (  # noqa: F401  (tests take them from here)
     _permutation,
     interleave,
     reordered,
@@ -298,4 +298,4 @@ class TensorParallel(Sharded):
         super().load_state_dict(state)
 
 
-# -- splitting a model's layers on a 1-D tensor mesh (also each stage of pipeline_tensor.py) ----------------
+# -- splitting a model's layers on a 1-D tensor mesh (also each stage of a pipeline) ----------------

@@ -4,6 +4,7 @@ the reordering of a fused layer's rows between the ranks' order and the one-devi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -226,12 +227,15 @@ def apply_tensor_plan(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     """`model` split over the tensor ranks of `mesh` (the run's `tp` dimension) as `plan` says, in place: its
     layers by the plan's styles (or the user's own `apply`), every other parameter a replicated DTensor, and,
     under sequence parallelism with whole embeddings, each rank keeping its part of the positions. Returns
-    parameter name -> the row order of each fused layer as the ranks hold them."""
+    parameter name -> the row order of each fused layer as the ranks hold them. A part of the model (a pipeline
+    rank's stages, under the whole model's names) takes the styles of the layers it holds."""
     fused = {}
     if plan.apply is not None:
         plan.apply(model, mesh)
     else:
-        fused = split_layers(model, mesh, plan)
+        held = {name for name, _ in model.named_modules()}
+        mine = replace(plan, styles=tuple(entry for entry in plan.styles if entry[0] in held))
+        fused = split_layers(model, mesh, mine) if mine.styles else {}
     replicate_rest(model, mesh)
     if plan.sequence_parallel and not plan.vocabulary:  # (else sequence_styles cuts them)
         next(model.children()).register_forward_hook(partial(_my_positions, mesh))

@@ -5,16 +5,16 @@ an all-reduce); every other parameter is a replicated DTensor on the same mesh.
     polytrain train --model gpt --dataset shakespeare --strategy tensor --devices 2
     polytrain verify --model mlp --strategy tensor --devices 2
 
-There is no data-parallel dimension: every rank reads the whole global batch and computes the same loss, so
-the loss is divided by the whole batch (`replicas` is 1) and the epoch's sums are the one replica's. DTensor
-sums the split layers' gradients itself. Checkpoints are shards, as `sharded` writes them: every rank writes
-its slices under the original names, fused layers' rows at their one-device places (checkpoint_parts.py), so
-`--resume` moves runs between any strategies and device counts.
+The ranks of a tensor group read the same slice of the global batch and compute the same loss; DTensor sums the
+split layers' gradients itself. Groups side by side (`--devices` above `--tensor-parallel`) are the data
+dimensions, FSDP2 over them (`parallelize`), and with `--context-parallel C` each sequence is split over C
+groups. Checkpoints are each rank's parts, as every strategy of DTensor parts writes them (dtensor_model.py):
+slices under the original names, fused layers' rows at their one-device places, so `--resume` moves runs between
+any strategies and device counts.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Optional
 
@@ -24,10 +24,9 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..plan.layout import Layout
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
-from .checkpoint_parts import apply_groups, in_one_device_rows
+from .dtensor_model import DTensorModel
 from .holdings import figures, heading, local_bytes, optimizer_slots
 from .rank_slice import check_rank_slice, is_conv1d
-from .sharded import Sharded
 from .tensor_split import (  # noqa: F401  (tests take them from here)
     _permutation,
     interleave,
@@ -189,7 +188,7 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
     return replace(plan.without_vocabulary(), sequence_parallel=False)
 
 
-class TensorParallel(Sharded):
+class TensorParallel(DTensorModel):
     """Its parameters are DTensors, as sharded's are: the whole-model state dicts (gathered and loaded through
     torch.distributed.checkpoint, numbered as on one device) are sharded's; the step is the base class's."""
 
@@ -201,7 +200,7 @@ class TensorParallel(Sharded):
     mesh_keeps = ("shard", "tensor")  # the tensor plan's tp and FSDP2's dp_shard, even of one rank
 
     def __init__(self, *, plan: TensorPlan = None, **common):
-        super().__init__(plan=None, **common)
+        super().__init__(**common)
         self.plan = plan
 
     @classmethod
@@ -230,10 +229,6 @@ class TensorParallel(Sharded):
         copies = self.plan.copies
         return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
 
-    def gradient_sync(self, *, last: bool):
-        # FSDP2 over the data dimension: reduce-scatter in the last pass only; no replicas: nothing to synchronise
-        return super().gradient_sync(last=last) if self.data_parallel == "shard" else contextlib.nullcontext()
-
     @property
     def data_parallel(self) -> str:
         """FSDP2 over the ranks beside each tensor group (the data dimensions and the context ranks, as
@@ -261,41 +256,6 @@ class TensorParallel(Sharded):
                 f"{figures(size, slots)}; a replica would hold {figures(full, slots)}"
             )
         return lines
-
-    def _reordered(self, state: dict, *, back: bool) -> dict:
-        return reordered(state, self.fused, back=back)
-
-    def _reordered_optimizer(self, saved: dict, *, back: bool) -> dict:
-        return reordered_optimizer(saved, self.fused, self.parameter_names, back=back)
-
-    def model_state(self) -> dict:
-        return self._reordered(super().model_state(), back=True)
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        if state and self.fused:
-            state["optimizer"] = self._reordered_optimizer(state["optimizer"], back=True)
-        return state
-
-    def shard_state(self, *, optimizer: bool = True) -> dict:
-        """Sharded's, the fused layers' rows at their one-device places."""
-        return in_one_device_rows(super().shard_state(optimizer=optimizer), self.fused)
-
-    def load_shards(self, load, scheduler: dict) -> None:
-        """DCP reads each rank's slices into its parameters and optimizer state in place (`shard_state`)."""
-        state = self.shard_state()
-        load(state)
-        apply_groups(self.optimizer, state["optimizer"]["param_groups"])
-        self.scheduler.load_state_dict(scheduler)
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.fused:
-            state = dict(
-                state,
-                model=self._reordered(state["model"], back=False),
-                optimizer=self._reordered_optimizer(state["optimizer"], back=False),
-            )
-        super().load_state_dict(state)
 
 
 # -- splitting a model's layers on a 1-D tensor mesh (also each stage of a pipeline) ----------------

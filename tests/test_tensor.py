@@ -67,7 +67,7 @@ def test_on_a_data_and_tensor_mesh_the_vocabulary_splits_only_where_all_the_devi
         "3",
     )
     whole = plan(GPT(66, context=8, layers=1, heads=2, width=16), 4, tensor_parallel=2)
-    assert whole.vocabulary == () and whole.replicas == 2 and "vocabulary" not in whole.describe()
+    assert whole.vocabulary == () and "vocabulary" not in whole.describe()
     assert plan(GPT(66, context=8, layers=1, heads=2, width=16), 2).vocabulary == ("0.token", "3")
     given = {"0.token": "rowwise", "3": "colwise", "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
     with pytest.raises(
@@ -276,7 +276,7 @@ def test_verify_a_tiny_gpt_on_two_replicas_of_two_shards_of_two_tensor_ranks(cap
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-10 for *_, diff in rows) and "PASS" in result.stdout
-    assert "4 such groups as 2 replicas of 2 shards (hybrid sharding)" in result.stdout
+    assert "(2 replicas x 2 shards x 2 tensor ranks)" in result.stdout
 
 
 def test_replicas_of_tensor_groups_make_a_three_d_mesh_and_wrong_counts_are_one_line(tmp_path, capsys):
@@ -506,3 +506,15 @@ def test_the_gpt_vocabulary_splits_unevenly_and_stays_tied():
     from distributed import run_on_ranks
 
     run_on_ranks(_split_vocabulary_on_rank)
+
+
+def test_the_groups_beside_a_tensor_group_are_the_layouts_words():
+    """The plan describes one tensor group; the groups beside it come from the run's layout."""
+    from polytrain.strategies.tensor import beside
+
+    assert beside(Layout(tensor=2)) == ""
+    assert beside(Layout(shard=2, context=2, tensor=2)) == "; 4 such groups side by side, FSDP2 over them"
+    assert beside(Layout(replicate=2, shard=2, tensor=2)) == (
+        "; 4 such groups as 2 replicas of 2 shards (hybrid sharding)"
+    )
+

@@ -296,6 +296,8 @@ def verify_command(args) -> int:
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
     context = config.context_parallel or 1
     split = f" (each sequence split over {context} context ranks)" if context > 1 else ""
+    if len(config.layout.degrees()) > 1:  # a mesh: its degrees in words
+        split += f" ({config.layout.describe()})"
     print(
         f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
         f"1 device vs {config.devices} device(s) with strategy {strategy!r}{split}, "

@@ -78,22 +78,14 @@ class TensorPlan:
     model: str = "your model"
     heads: Optional[int] = None  # attention heads per layer, where known (each rank runs heads / devices)
     apply: Optional[Callable] = None  # the user's fn(model, mesh) that splits the model itself (styles: ())
-    replicas: int = 1  # tensor groups side by side on a 2-D (data, tensor) mesh, sharded over data
-    copies: int = 1  # --replicas: the data dimension as `copies` replicas of replicas / copies shards (HSDP)
     sequence_parallel: bool = False  # the norms on parts of the sequence (the built-in GPT's plan)
     vocabulary: tuple = ()  # the layers split by their vocabulary (an embedding rowwise, its tied head colwise)
     vocabulary_size: int = 0  # ... and its entries
 
     def describe(self) -> str:
-        mesh = f"; {self.replicas} such groups side by side, FSDP2 over them" if self.replicas > 1 else ""
-        if self.copies > 1:
-            shards = self.replicas // self.copies
-            mesh = f"; {self.replicas} such groups as {self.copies} replicas of {shards} shards (hybrid sharding)"
+        """How one tensor group splits the model (the groups beside it are the run's layout's)."""
         if self.apply is not None:
-            return (
-                f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
-                + mesh
-            )
+            return f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
         split = sum(1 for _, style, _ in self.styles if style != "replicate")
         heads = (
             f", {self.heads // self.devices} of {self.heads} attention heads per rank" if self.heads else ""
@@ -108,19 +100,18 @@ class TensorPlan:
         )
         return (
             f"{self.model} split over {self.devices} ranks: {split} layers split{heads}{vocabulary}{norms}, the "
-            f"rest replicated" + mesh
+            f"rest replicated"
         )
 
-    def with_replicas(self, replicas: int, *, builtin: bool, copies: int = 1) -> "TensorPlan":
-        """The plan for `replicas` tensor groups side by side on a (data, tensor) mesh. FSDP2 cuts each rank's
-        part of a vocabulary again over the data dimension, and torch (2.13) cannot place a whole checkpoint's
-        rows into those parts unless the devices divide the vocabulary: a built-in plan keeps it whole then."""
-        plan = replace(self, replicas=replicas, copies=copies)  # (copies checked with the layout: layout.py)
-        if replicas == 1 or self.vocabulary_size % (self.devices * replicas) == 0:
-            return plan
+    def for_data_ranks(self, data: int, *, builtin: bool) -> "TensorPlan":
+        """The plan for `data` ranks beside each tensor group (FSDP2 over them). FSDP2 cuts each rank's part of a
+        vocabulary again over those ranks, and torch (2.13) cannot place a whole checkpoint's rows into such parts
+        unless the ranks divide the vocabulary: a built-in plan keeps it whole then."""
+        if data == 1 or self.vocabulary_size % (self.devices * data) == 0:
+            return self
         if builtin:
-            return plan.without_vocabulary()
-        devices = self.devices * replicas
+            return self.without_vocabulary()
+        devices = self.devices * data
         raise ConfigError(
             f"--devices {devices} --tensor-parallel {self.devices}: tensor_plan splits the vocabulary "
             f"({', '.join(self.vocabulary)}) of {self.vocabulary_size} entries, which {devices} ranks "
@@ -136,18 +127,6 @@ class TensorPlan:
             vocabulary=(),
             vocabulary_size=0,
         )
-
-    def coords(self, rank: int) -> tuple:
-        """(data index, tensor index) of a rank on the (data, tensor) mesh: tensor groups are consecutive ranks."""
-        return divmod(rank, self.devices)
-
-    def layout_lines(self) -> list:
-        """Which rank holds which shard: one line per rank."""
-        return [
-            f"  rank {r}: data shard {r // self.devices} of {self.replicas}, tensor slice {r % self.devices} of "
-            f"{self.devices}"
-            for r in range(self.devices * self.replicas)
-        ]
 
     def record(self) -> dict:
         if self.apply is not None:

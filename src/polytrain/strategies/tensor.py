@@ -126,6 +126,17 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
             )
 
 
+def beside(layout: Layout) -> str:
+    """The tensor groups beside each other in `layout`, in words ("" for one group)."""
+    groups = layout.world_size // layout.tensor
+    if groups == 1:
+        return ""
+    if layout.replicate > 1:
+        shards = groups // layout.replicate
+        return f"; {groups} such groups as {layout.replicate} replicas of {shards} shards (hybrid sharding)"
+    return f"; {groups} such groups side by side, FSDP2 over them"
+
+
 def plan_for(
     config, model: nn.Module, *, devices: int, run: Optional[str] = None, divisor: str = "--devices"
 ) -> TensorPlan:
@@ -220,14 +231,12 @@ class TensorParallel(DTensorModel):
         if (config.context_parallel or 1) > 1 and plan.sequence_parallel:
             # the sequence is already split over the context ranks: the norms stay whole on each tensor rank
             plan = replace(plan, sequence_parallel=False)
-        copies = config.replicas or 1
-        return plan.with_replicas(config.devices // group, builtin=config.tensor_plan is None, copies=copies)
+        return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)
 
     def default_layout(self) -> Layout:
-        """The plan's tensor groups side by side: sharded over the data dimension, as `copies` replicas of shard
-        groups with --replicas (not the sharded strategy's layout of shards only)."""
-        copies = self.plan.copies
-        return Layout(replicate=copies, shard=self.plan.replicas // copies, tensor=self.plan.devices)
+        """The plan's tensor group, as many side by side as the ranks make, sharded over them (made without the
+        run's layout, in tests)."""
+        return Layout(shard=self.world_size // self.plan.devices, tensor=self.plan.devices)
 
     @property
     def data_parallel(self) -> str:
@@ -243,7 +252,7 @@ class TensorParallel(DTensorModel):
         rows = self.gather_object((self.rank, str(self.device), held))
         if not self.is_main:
             return []
-        lines = [f"tensor: {self.plan.describe()}; {heading(slots)}"]
+        lines = [f"tensor: {self.plan.describe()}{beside(self.layout)}; {heading(slots)}"]
         layout = self.layout
         for rank, device, size in rows:
             where, at = "", layout.coordinates(rank)

@@ -38,7 +38,8 @@ def _peak_rss_bytes() -> int:
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
-    from polytrain.plan.pipeline import PipelineLayout, PipelinePlan
+    from polytrain.plan.layout import layout_of
+    from polytrain.plan.pipeline import PipelinePlan
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.layers import flatten_layers
     from polytrain.strategies.pipeline import Pipeline
@@ -53,7 +54,9 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
             plan=plan_for(TrainConfig(strategy="tensor", devices=2), model, devices=2), **common
         )
     names = tuple(name for name, _ in flatten_layers(model))  # stage 0: embedding and 3 blocks
-    plan = PipelinePlan(PipelineLayout(2, 2), "gpipe", 2, (4,), names, SHAPE, input_dtype="int64")
+    plan = PipelinePlan(
+        layout_of("pipeline", 2, pipeline_stages=2), "gpipe", 2, (4,), names, SHAPE, input_dtype="int64"
+    )
     return Pipeline(plan=plan, **common)
 
 

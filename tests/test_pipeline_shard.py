@@ -13,8 +13,8 @@ from conftest import load_weights as load
 
 from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
-from polytrain.plan.layout import Layout
-from polytrain.plan.pipeline import PipelineLayout
+from polytrain.plan.layout import Layout, layout_of
+from polytrain.plan.pipeline import data_words, pipelines_words
 from polytrain.strategies import Pipeline
 
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
@@ -35,12 +35,16 @@ def test_the_pipelines_side_by_side_are_a_shard_degree_on_the_mesh():
     replicated = TrainConfig(strategy="pipeline", devices=8, pipeline_stages=2)  # as before: replicas
     assert replicated.layout == Layout(replicate=4, pipeline=2)
     assert TrainConfig(**dict(replicated.to_dict(), data_parallel="replicate")).layout == replicated.layout
-    layout = PipelineLayout(4, 2, shard=True)  # the ranks' coordinates are the replicated pipeline's
-    assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert (
-        layout.degrees() == {"shard": 2, "pipeline": 2, "tensor": 1}
-        and layout.pipelines == "2 shards (FSDP2)"
-    )
+    layout = layout_of(
+        "pipeline", 4, pipeline_stages=2, data_parallel="shard"
+    )  # as the replicated pipeline's
+    assert [(layout.data_rank(r), layout.coordinates(r)["pipeline"]) for r in range(4)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    assert layout.degrees() == {"shard": 2, "pipeline": 2} and pipelines_words(layout) == "2 shards (FSDP2)"
     with_tensor = TrainConfig(
         strategy="pipeline", devices=8, pipeline_stages=2, tensor_parallel=2, data_parallel="shard"
     )  # the shard degree combines with the tensor degree: a (dp_shard, pp, tp) mesh
@@ -54,11 +58,12 @@ def test_replicas_of_sharding_pipelines_are_a_replicate_degree_beside_the_shard_
     assert config.layout == Layout(replicate=2, shard=2, pipeline=2) and config.data_parallel_size == 4
     assert config.layout.mesh_names == ("dp_replicate", "dp_shard", "pp")
     assert config.layout.describe() == "2 replicas x 2 shards x 2 stages"
-    layout = PipelineLayout(8, 2, shard=True, copies=2)
-    assert [layout.coords(r) for r in range(8)] == [(d, s) for d in range(4) for s in range(2)]
-    assert [config.layout.data_rank(r) for r in range(8)] == [layout.coords(r)[0] for r in range(8)]
-    assert layout.pipelines == "2 replicas of 2 shards (hybrid sharding, FSDP2)"
-    assert [layout.data_words(d) for d in (0, 3)] == ["replica 1/2, shard 1/2", "replica 2/2, shard 2/2"]
+    layout = config.layout
+    assert [(layout.data_rank(r), layout.coordinates(r)["pipeline"]) for r in range(8)] == [
+        (d, s) for d in range(4) for s in range(2)
+    ]
+    assert pipelines_words(layout) == "2 replicas of 2 shards (hybrid sharding, FSDP2)"
+    assert [data_words(layout, d) for d in (0, 3)] == ["replica 1/2, shard 1/2", "replica 2/2, shard 2/2"]
     with_tensor = TrainConfig(**dict(HYBRID_SETTINGS, devices=16, tensor_parallel=2))
     assert with_tensor.layout == Layout(replicate=2, shard=2, pipeline=2, tensor=2)
     assert TrainConfig(**dict(HYBRID_SETTINGS, replicas=1)).layout == Layout(shard=4, pipeline=2)
@@ -119,7 +124,8 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     model = _mlp()
     built_on_meta = all(p.is_meta for p in model.parameters())
     names = tuple(name for name, _ in flatten_layers(model))
-    plan = PipelinePlan(PipelineLayout(world, 2, shard=shard), "1f1b", 2, (3,), names, (1, 8, 8))
+    layout = layout_of("pipeline", world, pipeline_stages=2, data_parallel="shard" if shard else None)
+    plan = PipelinePlan(layout, "1f1b", 2, (3,), names, (1, 8, 8))
     strategy = Pipeline(
         plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0, precision="bf16"
     )

@@ -19,7 +19,8 @@ from polytrain.config.train import TrainConfig, replicas
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
-from polytrain.plan.pipeline import PipelineLayout, check_tensor_cuts
+from polytrain.plan.layout import layout_of
+from polytrain.plan.pipeline import check_tensor_cuts
 from polytrain.sources import as_dataset
 from polytrain.strategies import make_plan
 
@@ -27,12 +28,17 @@ from polytrain.strategies import make_plan
 
 
 def test_tensor_ranks_are_innermost_on_the_data_pipeline_tensor_mesh():
-    layout = PipelineLayout(8, 2, 2)  # 2 pipelines x 2 stages x 2 tensor ranks
-    assert (
-        layout.replicas == 2 and layout.mesh_shape() == (2, 2, 2) and layout.mesh_names == ("dp", "pp", "tp")
-    )
+    layout = layout_of(
+        "pipeline", 8, pipeline_stages=2, tensor_parallel=2
+    )  # 2 pipelines x 2 stages x 2 tensor ranks
+    assert layout.data_degree == 2 and layout.mesh_shape == (2, 2, 2)
+    assert layout.mesh_names == ("dp_replicate", "pp", "tp")
+
+    def coords(r):
+        return (layout.data_rank(r), layout.coordinates(r)["pipeline"]), layout.coordinates(r)["tensor"]
+
     # rank: (replica, pipeline rank), tensor slice
-    assert [(layout.coords(r), layout.tensor_index(r)) for r in range(8)] == [
+    assert [coords(r) for r in range(8)] == [
         ((0, 0), 0),
         ((0, 0), 1),
         ((0, 1), 0),
@@ -42,11 +48,12 @@ def test_tensor_ranks_are_innermost_on_the_data_pipeline_tensor_mesh():
         ((1, 1), 0),
         ((1, 1), 1),
     ]
-    assert [layout.rank(*layout.coords(r), layout.tensor_index(r)) for r in range(8)] == list(range(8))
-    assert [layout.peer(r, layout.coords(r)[1] + 1) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
-    assert layout.stage_ranks(1) == [2, 3, 6, 7]
-    plain = PipelineLayout(4, 2)  # without tensor ranks: as before
-    assert plain.mesh_shape() == (2, 2) and plain.stage_ranks(1) == [1, 3] and plain.peer(2, 1) == 3
+    assert [layout.rank_with(r) for r in range(8)] == list(range(8))
+    assert [layout.rank_with(r, pipeline=1 - coords(r)[0][1]) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
+    assert layout.ranks_where(pipeline=1) == [2, 3, 6, 7]
+    plain = layout_of("pipeline", 4, pipeline_stages=2)  # without tensor ranks: as before
+    assert plain.mesh_shape == (2, 2) and plain.ranks_where(pipeline=1) == [1, 3]
+    assert plain.rank_with(2, pipeline=1) == 3
 
 
 def test_replicas_count_a_pipeline_of_tensor_groups_once():

@@ -17,7 +17,7 @@ from polytrain.config import TrainConfig
 from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
-from polytrain.plan.pipeline import PipelineLayout
+from polytrain.plan.layout import layout_of
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job
 from polytrain.strategies import Pipeline
@@ -202,7 +202,9 @@ def test_the_plan_traces_the_runtime_micro_batch_and_leaves_the_model_as_it_was(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = plan_of(model, microbatches=4, batch_size=16)
     assert plan.micro_batch == 4 and plan.input_dtype == "int64" and plan.points == (3,)
-    layout = PipelineLayout(2, 2)  # 28 windows: batches of 8 in micro-batches of 4, then 4 in two of 2
+    layout = layout_of(
+        "pipeline", 2, pipeline_stages=2
+    )  # 28 windows: batches of 8 in micro-batches of 4, then 4 in two of 2
     assert micro_batch_sizes(config(), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
     assert micro_batch_sizes(config(batch_size=7, microbatches=7), tiny_text(), layout, "1f1b", 7, 7) == [1]
     assert "traced, split before modules transformer.h.1" in plan.describe()

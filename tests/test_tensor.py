@@ -517,4 +517,3 @@ def test_the_groups_beside_a_tensor_group_are_the_layouts_words():
     assert beside(Layout(replicate=2, shard=2, tensor=2)) == (
         "; 4 such groups as 2 replicas of 2 shards (hybrid sharding)"
     )
-

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import ConfigError
-from .pipeline import PipelineLayout
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
 
 # mesh order, outermost first; the names are the device mesh's dimension names
 DEGREES = ("replicate", "shard", "pipeline", "context", "tensor")
@@ -113,6 +117,22 @@ class Layout:
         where = self.coordinates(rank)
         return where["replicate"] * self.shard + where["shard"]
 
+    def rank_with(self, rank: int, **changed: int) -> int:
+        """The rank at `rank`'s coordinates with some of them changed (`pipeline=1`: its peer on stage 1)."""
+        where = dict(self.coordinates(rank), **changed)
+        found = 0
+        for name in DEGREES:
+            found = found * getattr(self, name) + where[name]
+        return found
+
+    def ranks_where(self, **fixed: int) -> list:
+        """Every rank at these coordinates (`pipeline=0`: the ranks of stage 0 in every pipeline), in order."""
+        return [
+            rank
+            for rank in range(self.world_size)
+            if all(self.coordinates(rank)[name] == value for name, value in fixed.items())
+        ]
+
     def describe(self) -> str:
         """In words: '2 replicas x 2 tensor ranks'; 'one device'."""
         parts = [f"{size} {WORDS[name]}s" for name, size in self.degrees().items()]
@@ -171,8 +191,66 @@ def _pipeline(
     tensor = tensor_parallel or 1
     shard = data_parallel == "shard"  # the pipelines beside each other shard their stages (FSDP2)
     stages = pipeline_stages or devices // tensor
-    mesh = PipelineLayout(devices, stages, tensor, shard, replicas or 1)  # one line if they do not fit
-    return Layout(**mesh.degrees())
+    copies = replicas or 1
+    _check_pipeline(devices, stages, tensor, shard, copies)
+    pipelines = devices // (stages * tensor)
+    if copies > 1:
+        return Layout(replicate=copies, shard=pipelines // copies, pipeline=stages, tensor=tensor)
+    return Layout(**{"shard" if shard else "replicate": pipelines}, pipeline=stages, tensor=tensor)
+
+
+def _check_pipeline(devices: int, ranks: int, tensor: int, shard: bool, copies: int) -> None:
+    """One line where `ranks` pipeline stages of `tensor` ranks each, the pipelines beside each other sharding
+    (`shard`) as `copies` replicas, do not fit `devices`."""
+    of_tensor_ranks = f" of {tensor} tensor ranks" if tensor > 1 else ""
+    if ranks < 2 and tensor > 1:
+        raise ConfigError(
+            f"--strategy pipeline --tensor-parallel {tensor} needs at least 2 pipeline stages "
+            f"of {tensor} ranks, got {ranks}; use --devices {2 * tensor} or more"
+        )
+    if ranks < 2:
+        raise ConfigError(
+            f"--strategy pipeline needs at least 2 pipeline stages, got {ranks}; use "
+            f"--devices 2 or more (or --strategy data for replicas only)"
+        )
+    if tensor == 1 and devices % ranks:
+        raise ConfigError(
+            f"--pipeline-stages {ranks} does not divide --devices {devices}; use one "
+            f"of {', '.join(str(d) for d in divisors(devices) if d > 1)}"
+        )
+    if tensor > 1 and devices % (ranks * tensor):
+        raise ConfigError(
+            f"--pipeline-stages {ranks} x --tensor-parallel {tensor} = "
+            f"{ranks * tensor} ranks per pipeline do not divide --devices {devices}; "
+            f"use --devices a multiple of {ranks * tensor}, or fewer --pipeline-stages"
+        )
+    pipelines = devices // (ranks * tensor)
+    if shard and pipelines < 2:
+        fits = [d for d in divisors(devices // tensor) if 2 <= d <= devices // (2 * tensor)]
+        fix = (
+            f"--pipeline-stages {fits[-1]}"
+            if fits
+            else f"--devices {2 * ranks * tensor} --pipeline-stages {ranks}"
+        )
+        raise ConfigError(
+            f"--data-parallel shard shards each stage over the pipelines beside each other, but --devices "
+            f"{devices} in {ranks} stages{of_tensor_ranks} make one pipeline; use {fix} (2 or "
+            f"more pipelines), or drop --data-parallel"
+        )
+    if copies == 1:
+        return
+    if not shard:
+        raise ConfigError(
+            f"--replicas {copies} with --strategy pipeline makes replicas of sharded pipelines, but "
+            f"without --data-parallel shard every pipeline is a replica already; add --data-parallel shard, "
+            f"or drop --replicas"
+        )
+    if pipelines % copies or copies >= pipelines:
+        raise ConfigError(
+            f"--replicas {copies} must divide the {pipelines} pipelines (--devices / "
+            f"(--pipeline-stages x --tensor-parallel)) and be fewer than them; use a divisor of "
+            f"{pipelines} below {pipelines}, or drop --replicas"
+        )
 
 
 def _context_groups(devices: int, context: int) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..errors import ConfigError
+from .layout import Layout, divisors
 from .tensor import TensorPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -33,139 +34,21 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved-1f1b" else 1
 
 
-def divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def pipelines_words(layout: Layout) -> str:
+    """The pipelines beside each other, in words."""
+    if layout.replicate > 1 and layout.shard > 1:
+        return f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding, FSDP2)"
+    return f"{layout.shard} shards (FSDP2)" if layout.shard > 1 else f"{layout.replicate} replica(s)"
 
 
-@dataclass(frozen=True)
-class PipelineLayout:
-    devices: int
-    ranks: int  # pipeline ranks per replica (--pipeline-stages)
-    tensor: int = 1  # ranks each stage is split over (--tensor-parallel), consecutive
-    shard: bool = False  # the pipelines beside each other shard their stages (FSDP2), not replicate them
-    copies: int = 1  # --replicas: the sharding pipelines as `copies` replicas of shard groups (HSDP)
-
-    def __post_init__(self) -> None:
-        if self.ranks < 2 and self.tensor > 1:
-            raise ConfigError(
-                f"--strategy pipeline --tensor-parallel {self.tensor} needs at least 2 pipeline stages "
-                f"of {self.tensor} ranks, got {self.ranks}; use --devices {2 * self.tensor} or more"
-            )
-        if self.ranks < 2:
-            raise ConfigError(
-                f"--strategy pipeline needs at least 2 pipeline stages, got {self.ranks}; use "
-                f"--devices 2 or more (or --strategy data for replicas only)"
-            )
-        if self.tensor == 1 and self.devices % self.ranks:
-            raise ConfigError(
-                f"--pipeline-stages {self.ranks} does not divide --devices {self.devices}; use one "
-                f"of {', '.join(str(d) for d in divisors(self.devices) if d > 1)}"
-            )
-        if self.tensor > 1 and self.devices % (self.ranks * self.tensor):
-            raise ConfigError(
-                f"--pipeline-stages {self.ranks} x --tensor-parallel {self.tensor} = "
-                f"{self.ranks * self.tensor} ranks per pipeline do not divide --devices {self.devices}; "
-                f"use --devices a multiple of {self.ranks * self.tensor}, or fewer --pipeline-stages"
-            )
-        if self.shard and self.replicas < 2:
-            group = self.ranks * self.tensor  # the ranks of one pipeline
-            fits = [
-                d
-                for d in divisors(self.devices // self.tensor)
-                if 2 <= d <= self.devices // (2 * self.tensor)
-            ]
-            fix = (
-                f"--pipeline-stages {fits[-1]}"
-                if fits
-                else f"--devices {2 * group} --pipeline-stages {self.ranks}"
-            )
-            raise ConfigError(
-                f"--data-parallel shard shards each stage over the pipelines beside each other, but --devices "
-                f"{self.devices} in {self.ranks} stages{self._of_tensor_ranks} make one pipeline; use {fix} (2 or "
-                f"more pipelines), or drop --data-parallel"
-            )
-        self._check_copies()
-
-    def _check_copies(self) -> None:
-        if self.copies == 1:
-            return
-        if not self.shard:
-            raise ConfigError(
-                f"--replicas {self.copies} with --strategy pipeline makes replicas of sharded pipelines, but "
-                f"without --data-parallel shard every pipeline is a replica already; add --data-parallel shard, "
-                f"or drop --replicas"
-            )
-        if self.replicas % self.copies or self.copies >= self.replicas:
-            raise ConfigError(
-                f"--replicas {self.copies} must divide the {self.replicas} pipelines (--devices / "
-                f"(--pipeline-stages x --tensor-parallel)) and be fewer than them; use a divisor of "
-                f"{self.replicas} below {self.replicas}, or drop --replicas"
-            )
-
-    @property
-    def _of_tensor_ranks(self) -> str:
-        return f" of {self.tensor} tensor ranks" if self.tensor > 1 else ""
-
-    @property
-    def replicas(self) -> int:
-        """The pipelines beside each other, each taking a slice of every global batch (replicas or shards)."""
-        return self.devices // (self.ranks * self.tensor)
-
-    @property
-    def shard_group(self) -> int:
-        """The pipelines that shard each stage between them: all of them, or with --replicas one copy's."""
-        return self.replicas // self.copies
-
-    def degrees(self) -> dict:
-        """The layout's degrees (plan/layout.py `Layout`): the pipelines beside each other replicate or shard
-        (with --replicas, as copies of shard groups: both)."""
-        if self.copies > 1:
-            data = {"replicate": self.copies, "shard": self.shard_group}
-        else:
-            data = {"shard" if self.shard else "replicate": self.replicas}
-        return {**data, "pipeline": self.ranks, "tensor": self.tensor}
-
-    @property
-    def pipelines(self) -> str:
-        """The pipelines beside each other, in words."""
-        if self.copies > 1:
-            return f"{self.copies} replicas of {self.shard_group} shards (hybrid sharding, FSDP2)"
-        return f"{self.replicas} shards (FSDP2)" if self.shard else f"{self.replicas} replica(s)"
-
-    def data_words(self, data: int) -> str:
-        """Where the pipeline at data coordinate `data` stands among those beside it, in words."""
-        if self.copies > 1:
-            shards = self.shard_group
-            return f"replica {data // shards + 1}/{self.copies}, shard {data % shards + 1}/{shards}"
-        return f"shard {data + 1}/{self.replicas}" if self.shard else f"replica {data + 1}/{self.replicas}"
-
-    def coords(self, rank: int) -> Tuple[int, int]:
-        """(replica, pipeline rank) of a global rank."""
-        return divmod(rank // self.tensor, self.ranks)
-
-    def tensor_index(self, rank: int) -> int:
-        """Which tensor slice of its stage a global rank holds."""
-        return rank % self.tensor
-
-    def rank(self, replica: int, pipeline_rank: int, tensor_index: int = 0) -> int:
-        """The global rank at these coordinates."""
-        return (replica * self.ranks + pipeline_rank) * self.tensor + tensor_index
-
-    def peer(self, rank: int, pipeline_rank: int) -> int:
-        """The rank that holds `pipeline_rank` (mod ranks) in `rank`'s replica, at its tensor index."""
-        return self.rank(self.coords(rank)[0], pipeline_rank % self.ranks, self.tensor_index(rank))
-
-    def stage_ranks(self, pipeline_rank: int) -> list:
-        """Every rank that holds `pipeline_rank`: each replica's tensor group, in rank order."""
-        return [self.rank(r, pipeline_rank, t) for r in range(self.replicas) for t in range(self.tensor)]
-
-    def mesh_shape(self) -> Tuple[int, ...]:
-        """(replicas, pipeline ranks[, tensor ranks]): the device mesh's shape, the last dimension innermost."""
-        return (self.replicas, self.ranks) + ((self.tensor,) if self.tensor > 1 else ())
-
-    @property
-    def mesh_names(self) -> Tuple[str, ...]:
-        return ("dp", "pp", "tp")[: len(self.mesh_shape())]
+def data_words(layout: Layout, data: int) -> str:
+    """Where the pipeline at data coordinate `data` stands among those beside it, in words."""
+    if layout.replicate > 1 and layout.shard > 1:
+        shards = layout.shard
+        return f"replica {data // shards + 1}/{layout.replicate}, shard {data % shards + 1}/{shards}"
+    if layout.shard > 1:
+        return f"shard {data + 1}/{layout.shard}"
+    return f"replica {data + 1}/{layout.replicate}"
 
 
 def default_microbatches(per_replica_batch: int, ranks: int) -> int:
@@ -213,7 +96,7 @@ def runnable_schedule(schedule: str, microbatches: int, ranks: int) -> str:
 class PipelinePlan:
     """Everything a pipeline worker needs, computed once in the launching process."""
 
-    layout: PipelineLayout
+    layout: Layout  # the run's: pipeline ranks, the pipelines beside each other (data), tensor ranks
     schedule: str
     microbatches: int
     points: Tuple[int, ...]  # first layer of model stages 1..n-1
@@ -236,7 +119,7 @@ class PipelinePlan:
     def micro_batch_passes(self) -> Optional[int]:
         """The passes in which one device computes what this pipeline computes per micro-batch (BatchNorm
         normalises over each): its micro-batches, where one pipeline takes the whole batch; None otherwise."""
-        whole = self.layout.replicas == 1 and self.layout.tensor == 1 and not self.split_at
+        whole = self.layout.data_degree == 1 and self.layout.tensor == 1 and not self.split_at
         return self.microbatches if whole else None
 
     @property
@@ -258,7 +141,7 @@ class PipelinePlan:
             else ""
         )
         return (
-            f"pipeline of {self.layout.ranks} stages x {self.layout.pipelines}, schedule "
+            f"pipeline of {self.layout.pipeline} stages x {pipelines_words(self.layout)}, schedule "
             f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}"
         )
 
@@ -269,7 +152,7 @@ class PipelinePlan:
             "stages": [
                 {
                     "stage": stage,
-                    "pipeline_rank": stage % self.layout.ranks,
+                    "pipeline_rank": stage % self.layout.pipeline,
                     "layers": [self.layer_names[i] for i in self.stage_layers(stage)],
                 }
                 for stage in range(self.model_stages)
@@ -279,7 +162,7 @@ class PipelinePlan:
 
     @property
     def model_stages(self) -> int:
-        return self.layout.ranks * stages_per_rank(self.schedule)
+        return self.layout.pipeline * stages_per_rank(self.schedule)
 
     def stage_layers(self, stage: int) -> range:
         bounds = (0, *self.points, len(self.layer_names))
@@ -287,7 +170,7 @@ class PipelinePlan:
 
     def stages_of_rank(self, pipeline_rank: int) -> Tuple[int, ...]:
         """Model stages a pipeline rank holds: stage s runs on pipeline rank s mod ranks."""
-        return tuple(range(pipeline_rank, self.model_stages, self.layout.ranks))
+        return tuple(range(pipeline_rank, self.model_stages, self.layout.pipeline))
 
 
 def check_tensor_cuts(styles, layer_names, points) -> None:

@@ -73,8 +73,9 @@ class Pipeline(Distributed):
         super().__init__(**common)
         self.plan = plan
         # (with --data-parallel shard, `replica` is the rank's shard index)
-        self.replica, self.pipeline_rank = plan.layout.coords(self.rank)
-        self.tensor_index = plan.layout.tensor_index(self.rank)
+        where = plan.layout.coordinates(self.rank)
+        self.replica, self.pipeline_rank = plan.layout.data_rank(self.rank), where["pipeline"]
+        self.tensor_index = where["tensor"]
         self.fused = {}  # parameter name -> the order of a fused layer's rows on the tensor ranks
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
         self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
@@ -100,7 +101,7 @@ class Pipeline(Distributed):
     def data_parallel(self) -> str:
         """FSDP2 over the pipelines side by side, shards or whole replicas (pipeline_shard.py); traced stages'
         replicas sum their gradients in the step."""
-        return "shard" if self.plan.layout.replicas > 1 and not self.plan.split_at else "none"
+        return "shard" if self.plan.layout.data_degree > 1 and not self.plan.split_at else "none"
 
     @property
     def mesh_keeps(self) -> tuple:
@@ -116,7 +117,7 @@ class Pipeline(Distributed):
 
     def default_layout(self) -> Layout:
         """The plan's degrees (made without the run's layout, in tests)."""
-        return Layout(**self.plan.layout.degrees())
+        return self.plan.layout
 
     @property
     def data_rank(self) -> int:
@@ -124,7 +125,7 @@ class Pipeline(Distributed):
 
     @property
     def data_world(self) -> int:
-        return self.plan.layout.replicas
+        return self.plan.layout.data_degree
 
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
@@ -134,10 +135,10 @@ class Pipeline(Distributed):
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout, mesh = self.plan.layout, None
-        if layout.replicas > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
+        if layout.data_degree > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
             mesh = self.world_mesh
             self.pp_group = mesh["pp"].get_group()
-            if layout.replicas > 1 and self.data_parallel == "none":  # traced replicas sum by hand
+            if layout.data_degree > 1 and self.data_parallel == "none":  # traced replicas sum by hand
                 self.dp_group = mesh["dp_replicate"].get_group()
         model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -240,13 +241,13 @@ class Pipeline(Distributed):
             samples,
             self.plan.microbatches * self.gradients.accumulate,
             schedule=self.plan.schedule,
-            ranks=self.plan.layout.ranks,
+            ranks=self.plan.layout.pipeline,
         )
         key = (microbatches, samples // microbatches)
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.ranks)
+            kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.pipeline)
             stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []  # or below
             for s, module in zip(self.my_stages, self.stage_modules):
                 inputs, outputs = self._stage_tensors(s, samples // microbatches)
@@ -286,7 +287,7 @@ class Pipeline(Distributed):
         return self.trace
 
     def trace_layout(self):
-        return self.plan.schedule, self.plan.layout.ranks, self.plan.microbatches
+        return self.plan.schedule, self.plan.layout.pipeline, self.plan.microbatches
 
     # -- steps ------------------------------------------------------------------------------------------
     def _loss(self, logits, target):
@@ -359,7 +360,7 @@ class Pipeline(Distributed):
             return self.traced.eval_step(batch)
         if self.model.training:
             self.model.eval()
-        ranks, layout = self.plan.layout.ranks, self.plan.layout
+        ranks, layout = self.plan.layout.pipeline, self.plan.layout
         self._sums, pending = [], []
         parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
         for chunk, target in zip(torch.tensor_split(batch.x, parts), torch.tensor_split(batch.y, parts)):
@@ -368,11 +369,11 @@ class Pipeline(Distributed):
                 if stage % ranks != self.pipeline_rank:
                     continue
                 if stage > 0:
-                    x = receive(layout.peer(self.rank, stage - 1), self.device)
+                    x = receive(layout.rank_with(self.rank, pipeline=(stage - 1) % ranks), self.device)
                 with self.autocast():
                     x = self.stage_modules[self.my_stages.index(stage)](x)
                 if stage < self.plan.model_stages - 1:
-                    pending.append(send(x, layout.peer(self.rank, stage + 1)))
+                    pending.append(send(x, layout.rank_with(self.rank, pipeline=(stage + 1) % ranks)))
                 else:
                     self._loss(x, target)
         for works, _ in pending:  # the tensors stay referenced until their sends complete

@@ -10,7 +10,7 @@ data coordinate 0), so that each stage is counted once.
 
 from __future__ import annotations
 
-from ..plan.pipeline import runnable_schedule
+from ..plan.pipeline import data_words, pipelines_words, runnable_schedule
 from .holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
 from .optimizer_state import load_part, positions, to_cpu
 from .pipeline_shard import shard_line
@@ -78,20 +78,20 @@ def placement_lines(strategy, holds) -> list:
         return []
     plan, where = strategy.plan, dict(devices)
     lines = [
-        f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.ranks} "
-        f"ranks x {plan.layout.pipelines}, {plan.microbatches} micro-batches per step, schedule "
+        f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.pipeline} "
+        f"ranks x {pipelines_words(plan.layout)}, {plan.microbatches} micro-batches per step, schedule "
         f"{plan.schedule}"
     ]
     for stage in range(plan.model_stages):
-        ranks = plan.layout.stage_ranks(stage % plan.layout.ranks)
+        ranks = plan.layout.ranks_where(pipeline=stage % plan.layout.pipeline)
         lines.append(
             f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
             f"{holds(stage)}"
         )
-    runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.ranks)
+    runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.pipeline)
     if runs != plan.schedule:
         lines.append(
-            f"  note: 1f1b needs at least {plan.layout.ranks} micro-batches; with {plan.microbatches} "
+            f"  note: 1f1b needs at least {plan.layout.pipeline} micro-batches; with {plan.microbatches} "
             f"it runs as gpipe"
         )
     return lines + held
@@ -101,7 +101,8 @@ def holding_lines(strategy) -> list:
     """Rank 0's lines of what each rank holds of its stages (its parts: parameters, as many gradients, and the
     optimizer's slots per parameter) where a degree splits them; [] elsewhere (every rank calls it)."""
     layout = strategy.plan.layout
-    if layout.tensor == 1 and not layout.shard:
+    shards = layout.shard > 1
+    if layout.tensor == 1 and not shards:
         return []
     params = list(strategy.model.parameters())  # a tied copy is held too, but stepped by its owner
     stepped = [p for p in params if not strategy.tied.is_copy(p)]
@@ -115,18 +116,20 @@ def holding_lines(strategy) -> list:
         meta = strategy.full_meta
         full = sum(meta[name].numel() * meta[name].element_size() for name in strategy.parameter_names)
         whole_model = f"; {heading(slots)}, where a replica would hold {figures(full, slots)}"
-        lines.append(tensor_line(strategy.plan, "" if layout.shard else whole_model))
-    if layout.shard:
+        lines.append(tensor_line(strategy.plan, "" if shards else whole_model))
+    if shards:
         lines.append(shard_line(strategy, heading(slots)))
-    for rank in range(layout.devices):
-        data, pipeline_rank = layout.coords(rank)
+    for rank in range(layout.world_size):
+        data, pipeline_rank = layout.data_rank(rank), layout.coordinates(rank)["pipeline"]
         stages = "/".join(map(str, strategy.plan.stages_of_rank(pipeline_rank)))
-        where = f"{layout.data_words(data)}{' of' if layout.shard else ','} stage {stages}"
+        where = f"{data_words(layout, data)}{' of' if shards else ','} stage {stages}"
         tensor = (
-            f", tensor slice {layout.tensor_index(rank) + 1}/{layout.tensor}" if layout.tensor > 1 else ""
+            f", tensor slice {layout.coordinates(rank)['tensor'] + 1}/{layout.tensor}"
+            if layout.tensor > 1
+            else ""
         )
         mine, stepped_bytes, stage = held[rank]
-        whole_stage = f"; the whole stage {figures(stage, slots)}" if layout.shard else ""
+        whole_stage = f"; the whole stage {figures(stage, slots)}" if shards else ""
         lines.append(
             f"  rank {rank}: {where}{tensor}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}"
         )

@@ -12,7 +12,6 @@ from ..models.meta import one_by_one
 from ..plan.balance import balance_by_time, parse_split
 from ..plan.pipeline import (
     DEFAULT_SCHEDULE,
-    PipelineLayout,
     PipelinePlan,
     check_torch,
     default_microbatches,
@@ -32,14 +31,12 @@ def torch_version() -> tuple:
 def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
     """The pipeline's plan: its layout, schedule, micro-batches and where the model is cut (measured layer by
     layer, or as --split says), with every mistake refused in one line before any worker starts."""
-    shard = config.layout.shard > 1  # the pipelines side by side shard their stages (pipeline_shard.py)
-    copies = config.layout.replicate if shard else 1  # --replicas: copies of the shard groups (HSDP)
-    layout = PipelineLayout(config.devices, config.pipeline_ranks, config.tensor_parallel or 1, shard, copies)
+    layout = config.layout  # pipeline ranks, the pipelines beside each other, tensor ranks
     schedule = config.pipeline_schedule or DEFAULT_SCHEDULE
-    per_replica = config.batch_size // layout.replicas
+    per_replica = config.batch_size // layout.data_degree
     # with --accumulate K, each of the K passes is cut into the micro-batches
     whole = per_replica // config.accumulate if per_replica % config.accumulate == 0 else per_replica
-    microbatches = config.microbatches or default_microbatches(whole, layout.ranks)
+    microbatches = config.microbatches or default_microbatches(whole, layout.pipeline)
     passes = microbatches * config.accumulate
     if config.accumulate > 1 and per_replica % passes:
         fitting = [
@@ -52,22 +49,22 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
             f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches"
         )
     last = dataset.num_train % config.batch_size or config.batch_size
-    parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)]
+    parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.data_degree)]
     if min(parts) == 0:
         raise ConfigError(
-            f"the last batch of an epoch has {last} samples, too few for {layout.replicas} pipeline "
-            f"replicas; choose a --batch-size that leaves at least {layout.replicas} (or none)"
+            f"the last batch of an epoch has {last} samples, too few for {layout.data_degree} pipeline "
+            f"replicas; choose a --batch-size that leaves at least {layout.data_degree} (or none)"
         )
     fewest = min(
-        microbatches_for(part, microbatches, schedule=schedule, ranks=layout.ranks) for part in parts
+        microbatches_for(part, microbatches, schedule=schedule, ranks=layout.pipeline) for part in parts
     )
-    check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.ranks)
+    check_torch(torch_version(), device_type=device.type, fewest_microbatches=fewest, ranks=layout.pipeline)
     if config.split_at:  # any model, cut by torch's tracer at named modules
         return traced_plan(config, model, dataset, layout, schedule, microbatches, per_replica)
     tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
     layers = flatten_layers(model)
     names = tuple(name for name, _ in layers)
-    stages = layout.ranks * stages_per_rank(schedule)
+    stages = layout.pipeline * stages_per_rank(schedule)
     if stages > len(layers):
         raise ConfigError(
             f"cannot split {len(layers)} layers into {stages} stages; use at most "

@@ -46,7 +46,7 @@ def _units(stage_modules):
 def stage_precision(strategy) -> str:
     """The precision FSDP2 gathers in: shards gather in bf16 under --precision bf16, as --strategy sharded does;
     whole replicas keep float32 weights under autocast, as a pipeline of one replica does."""
-    return strategy.precision if strategy.plan.layout.shard else "fp32"
+    return strategy.precision if strategy.plan.layout.shard > 1 else "fp32"
 
 
 def stage_hooks(strategy) -> None:
@@ -87,9 +87,9 @@ def shard_line(strategy, heading: str) -> str:
     """The start-up line of the sharding; `heading` names what each rank's figures count."""
     bf16 = GATHERED_IN_BF16 if mixed_precision(strategy.precision) else ""
     layout = strategy.plan.layout
-    shards = layout.shard_group
-    copies = f" in each of {layout.copies} replicas" if layout.copies > 1 else ""
-    kind = "FSDP2 hybrid sharding" if layout.copies > 1 else "FSDP2"
+    shards = layout.shard
+    copies = f" in each of {layout.replicate} replicas" if layout.replicate > 1 else ""
+    kind = "FSDP2 hybrid sharding" if layout.replicate > 1 else "FSDP2"
     return (
         f"  each stage sharded over {shards} ranks{copies} ({kind}; within a step a rank gathers "
         f"its stages' weights and gradients whole, from the first forward to the last backward); {heading}{bf16}"

@@ -26,22 +26,21 @@ class TiedWeights:
     def __init__(self, plan, layers, *, rank: int):
         stage_of = {i: s for s in range(plan.model_stages) for i in plan.stage_layers(s)}
         layout = plan.layout
-        (replica, pipeline_rank), tensor_index = layout.coords(rank), layout.tensor_index(rank)
+        pipeline_rank = layout.coordinates(rank)["pipeline"]
         # ((layer, parameter name in it), group, owner rank, whether this rank holds a copy), in the same order
         # on every rank, so that two ranks tied twice call their collectives in one order
         self.ties: List[tuple] = []
         for first, later, name, later_name in shared_between(layers):
-            owner_rank, copy_rank = stage_of[first] % layout.ranks, stage_of[later] % layout.ranks
+            owner_rank, copy_rank = stage_of[first] % layout.pipeline, stage_of[later] % layout.pipeline
             if owner_rank == copy_rank:
                 continue  # one rank holds both stages: they share the parameter itself
-            for r in range(layout.replicas):
-                for t in range(layout.tensor):
-                    owner, holder = layout.rank(r, owner_rank, t), layout.rank(r, copy_rank, t)
-                    group = dist.new_group([owner, holder])
-                    if (r, t) == (replica, tensor_index) and pipeline_rank in (owner_rank, copy_rank):
-                        copy = pipeline_rank == copy_rank
-                        held = (layers[later][1], later_name) if copy else (layers[first][1], name)
-                        self.ties.append((held, group, owner, copy))
+            for owner in layout.ranks_where(pipeline=owner_rank):  # each pipeline's, each tensor slice's
+                holder = layout.rank_with(owner, pipeline=copy_rank)
+                group = dist.new_group([owner, holder])
+                if rank in (owner, holder):
+                    copy = pipeline_rank == copy_rank
+                    held = (layers[later][1], later_name) if copy else (layers[first][1], name)
+                    self.ties.append((held, group, owner, copy))
 
     def is_copy(self, parameter) -> bool:
         return any(parameter is layer.get_parameter(name) and copy for (layer, name), _, _, copy in self.ties)

@@ -126,7 +126,7 @@ def traced_plan(
 ) -> PipelinePlan:
     """The plan of a traced split, checked here, in the launching process: the names, the trace at the
     runtime micro-batch's shape, the number of stages it gives, and no weight on two stages."""
-    stages = layout.ranks * stages_per_rank(schedule)
+    stages = layout.pipeline * stages_per_rank(schedule)
     names = split_names(config.split_at)
     if config.split not in (None, "auto"):
         raise ConfigError(
@@ -177,9 +177,11 @@ def micro_batch_sizes(config, dataset, layout, schedule: str, microbatches: int,
     wanted = microbatches * config.accumulate
     last = dataset.num_train % config.batch_size
     parts = [per_replica] + [
-        len(part) for part in torch.tensor_split(torch.arange(last), layout.replicas)
+        len(part) for part in torch.tensor_split(torch.arange(last), layout.data_degree)
     ] * bool(last)
-    sizes = [part // microbatches_for(part, wanted, schedule=schedule, ranks=layout.ranks) for part in parts]
+    sizes = [
+        part // microbatches_for(part, wanted, schedule=schedule, ranks=layout.pipeline) for part in parts
+    ]
     return list(dict.fromkeys(sizes))
 
 
@@ -260,7 +262,7 @@ class TracedStages:
         if s.model.training:
             s.model.eval()
         microbatches = microbatches_for(
-            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.plan.layout.ranks
+            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.plan.layout.pipeline
         )
         key = ("eval", microbatches, len(batch.y) // microbatches)
         if key not in s.schedules:

@@ -196,3 +196,29 @@ def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
             shards=8,
             shard_index=index,
         )
+
+
+def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole():
+    """--compile (step 5): each block of a GPT compiled in place, with its recomputation inside, and the same
+    gradients as the eager model's; LeNet, which has no blocks, is left for the caller to compile whole."""
+    import copy
+
+    from polytrain.models import build_model
+
+    torch.manual_seed(0)
+    eager = build_model("gpt", (8,), 65, dict(layers=1, width=16, heads=2, context=8))
+    compiled = copy.deepcopy(eager)
+    options = Preparation(device=torch.device("cpu"), compile=True, activation_checkpointing="full")
+    done = parallelize(compiled, None, Layout(), options, objective=Objective())
+    assert not done.compile_whole and compiled._compiled_call_impl is None
+    assert [name for name, m in compiled.named_modules() if m._compiled_call_impl is not None] == ["1"]
+    x = torch.randint(0, 65, (2, 8))
+    for model in (eager, compiled):
+        model(x).square().mean().backward()
+    assert [name for name, _ in eager.named_parameters()] == [name for name, _ in compiled.named_parameters()]
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    lenet = build_model("lenet", (1, 28, 28), 10, {})
+    options = Preparation(device=torch.device("cpu"), compile=True)
+    done = parallelize(lenet, None, Layout(), options, objective=Objective())
+    assert done.compile_whole and not any(m._compiled_call_impl is not None for m in lenet.modules())

@@ -204,7 +204,7 @@ class Strategy:
         self.fused.update(done.fused)
         if self.is_main:
             self.placement += done.lines
-        if self.compile:
+        if done.compile_whole:  # (a model with blocks had them compiled in place by parallelize)
             self.runner = torch.compile(self.runner)
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
@@ -220,6 +220,7 @@ class Strategy:
             global_batch=self.global_batch,
             loud=self.global_batch == "across" and self.data_rank == 0,
             precision=self.precision,
+            compile=self.compile,
             cpu_offload=self.cpu_offload,
             blueprint=self.blueprint,
             seed=self.seed,

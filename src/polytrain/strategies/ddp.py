@@ -57,7 +57,7 @@ class Replicated(DistributedDataParallel):
 
 
 def apply_ddp(module: nn.Module, device: torch.device) -> nn.Module:
-    """Step 5 with copies: DistributedDataParallel over every rank (`Replicated`)."""
+    """Step 6 with copies: DistributedDataParallel over every rank (`Replicated`)."""
     if not dist.is_initialized():
         raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
     device_ids = [device.index] if device.type == "cuda" else None

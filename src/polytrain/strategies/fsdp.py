@@ -68,7 +68,7 @@ def apply_fsdp(
     sums: bool = False,
     keep_gathered: bool = False,
 ) -> None:
-    """Step 5 with shards: FSDP2 over the data dimensions of `mesh` (`fsdp_submesh`: dp_shard, the context ranks
+    """Step 6 with shards: FSDP2 over the data dimensions of `mesh` (`fsdp_submesh`: dp_shard, the context ranks
     folded in, within each dp_replicate copy for hybrid sharding), one unit per block (units.py), `module` the
     root, or each of `roots` (a pipeline rank's stages, which torch's schedule drives one by one). With `sums` the
     units sum the data ranks' gradients instead of averaging them (the loss is already divided by the global

@@ -13,14 +13,16 @@ strategy, and changes the module in place; a step whose degree is 1 does nothing
   3. activation checkpointing the model's blocks recomputed in backward (activation_checkpoint.py)
   4. the global batch         BatchNorm and Dropout computed over the global batch where the data ranks each
                               compute a slice, Dropout drawn as one device draws it (global_batch.py)
-  5. data parallelism         FSDP2 over the data dimensions (with the context ranks folded in), or DDP copies
+  5. compile                  with --compile, each block compiled in place (compiled.py); a model without
+                              blocks is compiled whole after step 6 (`Parallelized.compile_whole`)
+  6. data parallelism         FSDP2 over the data dimensions (with the context ranks folded in), or DDP copies
                               (`apply_data_parallel`)
-  6. materialise              a model built on the meta device given storage and its one-device values (or a
+  7. materialise              a model built on the meta device given storage and its one-device values (or a
                               checkpoint's): after FSDP2, which shards what it wraps; before DDP, which starts
                               every copy from rank 0's values (materialise.py)
 
-The order is torchtitan's: a layer is split before its blocks are wrapped for recomputation, and FSDP2 wraps
-what the tensor plan made DTensors. `torch.compile` (where asked) then compiles what steps run. The strategies
+The order is torchtitan's: a layer is split before its blocks are wrapped for recomputation, a block is compiled
+with its recomputation inside, and FSDP2 wraps what the tensor plan made DTensors. The strategies
 that run every rank through one training step (single, data, sharded, tensor) prepare their module with it
 (`Strategy.setup`); a pipeline prepares the layers of its rank's stages with it (`Preparation.stages`: each stage
 its own FSDP2 root, driven by torch's schedule), the parameter server applies steps 3 and 4 to its replica.
@@ -56,6 +58,7 @@ class Preparation:
     global_batch: str = "off"  # GLOBAL_BATCH
     loud: bool = False  # the global batch's layers say what they do (one rank)
     precision: str = "fp32"
+    compile: bool = False  # --compile
     cpu_offload: bool = False  # FSDP2's shards in host memory between uses (GPUs)
     # a model built on the meta device: its blueprint, the run's seed, a pretrained checkpoint, where it lives
     blueprint: Optional[nn.Module] = None
@@ -79,6 +82,7 @@ class Parallelized:
     context: Any = None  # this rank's ContextGroup under context parallelism
     global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
     fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
+    compile_whole: bool = False  # --compile on a model without blocks: the caller compiles the runner (step 5)
     lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
 
 
@@ -99,6 +103,10 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         module if options.whole is None else options.whole, options.activation_checkpointing
     )
     done.global_rows = apply_global_batch(module, options.global_batch, loud=options.loud)
+    if options.compile:
+        from .compiled import apply_compile
+
+        done.compile_whole = not apply_compile(module)
     if options.data_parallel == "replicate":
         _materialise(
             module, options, done.fused
@@ -132,7 +140,7 @@ def apply_global_batch(module: nn.Module, how: str, *, loud: bool = False) -> Op
 
 
 def _materialise(module: nn.Module, options: Preparation, fused: dict) -> None:
-    """Step 6, where the module was built on the meta device (`options.blueprint`)."""
+    """Step 7, where the module was built on the meta device (`options.blueprint`)."""
     if options.blueprint is not None:
         materialise(
             module,

@@ -181,7 +181,12 @@ class ModelSettings:
         check="count",
         example=64,
     )
-    compile: bool = setting(False, "torch.compile the model", group="model", flag="switch")
+    compile: bool = setting(
+        False,
+        "torch.compile the model: each block in place, a model without blocks whole",
+        group="model",
+        flag="switch",
+    )
     cuda_graphs: bool = setting(
         True,
         "on one GPU: replay each training pass's forward and backward as CUDA graphs, for models whose steps "

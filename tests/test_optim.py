@@ -1,3 +1,4 @@
+import copy
 import math
 from functools import partial
 
@@ -185,6 +186,62 @@ def test_no_decay_groups_update_like_a_hand_built_adamw():
     train_steps(theirs, reference)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_adamw_over_fsdp2_shards_on_cpu_is_one_dtensor_operation_per_group(tmp_path):
+    """Each DTensor operation works out where its results live, once per operation and list of shards (the first
+    step of a 2-rank llama-small spent 200 ms of CPU on it with foreach's ten operations per group, 58 fused, 84
+    in torch's own loop over the parameters): the update over FSDP2's shards is one fused operation per group,
+    the same AdamW update as the multi-tensor kernels' but for rounding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from polytrain.models import build_model
+    from polytrain.strategies.fsdp import shard_model
+
+    class DTensorOperations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(kind, DTensor) for kind in types):
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    options = dict(layers=2, width=32, heads=4, kv_heads=2, context=8)
+    torch.manual_seed(0)
+    sharded = build_model("llama", (8,), 65, options)
+    whole = copy.deepcopy(sharded)
+    shard_model(sharded, mesh=init_device_mesh("cpu", (1,)))
+    settings = dict(name="adamw", lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    mine = make_optimizer(
+        list(sharded.named_parameters()),
+        groups=plan_groups(sharded.named_parameters(), no_decay=True),
+        **settings,
+    )
+    reference = make_optimizer(
+        list(whole.named_parameters()),
+        groups=plan_groups(whole.named_parameters(), no_decay=True),
+        **settings,
+    )
+    assert reference.defaults.get("foreach") is True  # plain tensors on the CPU: the multi-tensor kernels
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for a, b in zip(sharded.parameters(), whole.parameters()):
+            b.grad = torch.randn(b.shape, generator=generator)
+            a.grad = DTensor.from_local(b.grad.clone(), a.device_mesh, a.placements)
+        counted = DTensorOperations()
+        with counted:
+            mine.step()
+        reference.step()
+        update = [name for name in counted.names if name != "zeros_like.default"]  # (the first step's state)
+        assert update == ["_fused_adamw_.default"] * 2, counted.names
+    for a, b in zip(sharded.parameters(), whole.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b, atol=1e-6, rtol=0)
 
 
 def test_a_param_groups_function_shares_groups_of_equal_options():

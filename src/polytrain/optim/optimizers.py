@@ -136,7 +136,15 @@ def optimizer_kwargs(cls, *, lr, momentum, weight_decay, betas=None, eps=None, e
 
 def speed_options(cls, params: list, given: dict) -> dict:
     """One fused kernel on CUDA (SGD, Adam, AdamW), multi-tensor `foreach` kernels otherwise, never a Python
-    loop over the parameters; nothing where the caller chose."""
+    loop over the parameters; nothing where the caller chose.
+
+    Adam and AdamW over DTensors in host memory (FSDP2's shards, tensor-parallel slices on CPU processes) also
+    take the fused kernel: DTensor works out where each result lives once per operation and list of
+    parameters, and foreach spends ten operations per group on it where fused spends one. Measured on 2 gloo
+    ranks (a 4-layer width-256 Llama's 39 shards in 2 groups, thread CPU time): the first step 200 ms with
+    foreach against 58 fused (84 for torch's default loop over the parameters), later steps 6.7 ms against
+    2.1 (9.7). The update is the same; fused rounds differently in the last bit (after 30 steps on parameters
+    of unit scale, at most 2.4e-7 apart in float32, 2.2e-16 in float64)."""
     if "fused" in given or "foreach" in given or not isinstance(cls, type):
         return {}
     if (
@@ -145,12 +153,19 @@ def speed_options(cls, params: list, given: dict) -> dict:
         and all(p.is_cuda and not _distributed(p) for p in params)
     ):
         return {"fused": True}
+    if (
+        cls in (torch.optim.Adam, torch.optim.AdamW)
+        and params
+        and not given.get("differentiable")
+        and all(p.device.type == "cpu" and _distributed(p) for p in params)
+    ):
+        return {"fused": True}
     return {"foreach": True} if "foreach" in keywords(cls) else {}
 
 
 def _distributed(parameter) -> bool:
     """A DTensor (an FSDP2 shard, a tensor-parallel slice): DTensor has no sharding rule for fused SGD, so
-    such parameters take the foreach kernels."""
+    such parameters take the foreach kernels there (it has one for fused Adam and AdamW)."""
     return any(cls.__name__ == "DTensor" for cls in type(parameter).__mro__)
 
 

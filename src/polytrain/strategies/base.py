@@ -25,7 +25,7 @@ from .gradients import Gradients
 from .materialise import is_meta, materialise
 from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, whole_state
-from .parallelize import Preparation, apply_global_batch, parallelize
+from .parallelize import Preparation, apply_global_batch, parallelize, uses_mesh
 
 
 @dataclass
@@ -191,15 +191,9 @@ class Strategy:
         model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        layout = self.layout
-        needs_mesh = self.splits_layers or layout.context > 1 or self.data_parallel == "shard"
-        done = parallelize(
-            model,
-            self.world_mesh if needs_mesh else None,
-            layout,
-            self.preparation(),
-            objective=self.objective,
-        )
+        layout, options = self.layout, self.preparation()
+        mesh = self.world_mesh if uses_mesh(layout, options) else None
+        done = parallelize(model, mesh, layout, options, objective=self.objective)
         self.runner, self.context, self.global_rows = done.runner, done.context, done.global_rows
         self.fused.update(done.fused)
         if self.is_main:

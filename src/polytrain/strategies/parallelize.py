@@ -82,7 +82,9 @@ class Parallelized:
     context: Any = None  # this rank's ContextGroup under context parallelism
     global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
     fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
-    compile_whole: bool = False  # --compile on a model without blocks: the caller compiles the runner (step 5)
+    compile_whole: bool = (
+        False  # --compile on a model without blocks: the caller compiles the runner (step 5)
+    )
     lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
 
 
@@ -126,6 +128,12 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
             )
         _materialise(module, options, done.fused)
     return done
+
+
+def uses_mesh(layout: Layout, options: Preparation) -> bool:
+    """Whether `parallelize` needs the run's mesh for this layout and these options: a tensor plan (a tp
+    dimension, of one rank where a test asks), context parallelism, or FSDP2 (DDP takes the world group)."""
+    return options.tensor_plan is not None or layout.context > 1 or options.data_parallel == "shard"
 
 
 def apply_global_batch(module: nn.Module, how: str, *, loud: bool = False) -> Optional[GlobalRows]:

@@ -114,11 +114,12 @@ def _mlp() -> nn.Module:
 
 def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
     from polytrain.data.order import Batch
     from polytrain.models.meta import give_values
     from polytrain.plan.pipeline import PipelinePlan
-    from polytrain.strategies.holdings import local_bytes
+    from polytrain.strategies.holdings import local_bytes, local_part, whole
     from polytrain.strategies.layers import flatten_layers
 
     model = _mlp()
@@ -137,8 +138,7 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     params = list(strategy.model.parameters())
     reference = give_values(_mlp(), device="cpu", seed=0)  # one device's initial values
     same = all(
-        torch.equal(p.full_tensor(), reference.get_parameter(name))
-        for name, p in strategy.model.named_parameters()
+        torch.equal(whole(p), reference.get_parameter(name)) for name, p in strategy.model.named_parameters()
     )
     generator = torch.Generator().manual_seed(strategy.data_rank)
     x, y = torch.randn(8, 1, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator)
@@ -149,9 +149,10 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
         held=local_bytes(params),
         grads=local_bytes(p.grad for p in params),
         slots=local_bytes(slots),
-        meta=built_on_meta and not any(p.to_local().is_meta for p in params),
+        meta=built_on_meta and not any(local_part(p).is_meta for p in params),
         same=same,
         sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules),
+        copies=all(isinstance(stage, DistributedDataParallel) for stage in strategy.stage_modules),
         mesh=strategy.world_mesh.mesh_dim_names,
         summed_by_hand=strategy.dp_group is not None,
         # --precision bf16: sharded's MixedPrecisionPolicy on every unit (float32 master shards, stepped above)
@@ -164,7 +165,7 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
             for unit in stage.modules()
             if isinstance(unit, FSDPModule)
         },
-        dtypes={str(p.to_local().dtype) for p in params} | {str(p.grad.to_local().dtype) for p in params},
+        dtypes={str(local_part(p).dtype) for p in params} | {str(local_part(p.grad).dtype) for p in params},
         line="\n".join(strategy.placement),
     )
 
@@ -173,24 +174,25 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
 @pytest.mark.parametrize("shard", [True, False], ids=["shards", "replicas"])
 def test_each_rank_holds_half_its_stages_parameters_gradients_and_optimizer_state(shard):
     """In --precision bf16, which gathers and computes in bfloat16 as --strategy sharded does: the shards, their
-    gradients and the optimizer state stay float32. Whole replicas (no --data-parallel shard) are FSDP2 too, over a
-    dp_shard dimension of one rank: each holds its whole stage, and no gradient is summed by hand."""
+    gradients and the optimizer state stay float32. Whole replicas (no --data-parallel shard) are DDP modules, each
+    holding its whole stage in float32, and no gradient is summed by hand."""
     from distributed import run_on_ranks
 
     results = run_on_ranks(_hold_on_rank, shard, world_size=4, timeout=300)
     # ranks 0 and 2 hold stage 0 (one Linear(64, 32)), ranks 1 and 3 stage 1 (Linear(32, 32), Linear(32, 10))
     assert [r["stage"] for r in results] == [(64 * 32 + 32) * 4, (32 * 32 + 32 + 32 * 10 + 10) * 4] * 2
-    mesh = ("dp_shard", "pp") if shard else ("dp_replicate", "dp_shard", "pp")
+    mesh = ("dp_shard", "pp") if shard else ("dp_replicate", "pp")
     for rank, result in enumerate(results):
-        assert result["sharded"] and not result["summed_by_hand"] and result["meta"], (rank, result)
+        assert result["sharded" if shard else "copies"] and not result["summed_by_hand"], (rank, result)
+        assert result["meta"], (rank, result)
         assert result["mesh"] == mesh, (rank, result)
         assert result["same"], f"rank {rank} does not start from the one-device weights"
         parts = 2 if shard else 1
         assert result["held"] * parts == result["stage"] and result["grads"] == result["held"], (rank, result)
         assert result["slots"] == 2 * result["held"], (rank, result)  # Adam's two moments, of its shard only
         # whole replicas keep float32 weights under autocast, as one pipeline does
-        policy = ("torch.bfloat16", "torch.float32") if shard else ("None", "None")
-        assert result["policies"] == {policy} and result["dtypes"] == {"torch.float32"}, (rank, result)
+        policies = {("torch.bfloat16", "torch.float32")} if shard else set()
+        assert result["policies"] == policies and result["dtypes"] == {"torch.float32"}, (rank, result)
     assert ("gathered in bf16 for compute (float32 master shards)" in results[0]["line"]) == shard
 
 

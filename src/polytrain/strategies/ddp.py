@@ -56,14 +56,38 @@ class Replicated(DistributedDataParallel):
             return getattr(module, name)
 
 
-def apply_ddp(module: nn.Module, device: torch.device) -> nn.Module:
-    """Step 6 with copies: DistributedDataParallel over every rank (`Replicated`)."""
+def apply_ddp(module: nn.Module, device: torch.device, *, group=None, stage: bool = False) -> nn.Module:
+    """Step 6 with copies: DistributedDataParallel over every rank, or the ranks of `group` (`Replicated`). A
+    pipeline's `stage` sums the copies' gradients (its loss is already divided by the global batch) into
+    gradients that are views of DDP's buckets (no second copy of them), and keeps each copy's buffers its own
+    (as one pipeline's BatchNorm statistics are its own)."""
     if not dist.is_initialized():
         raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
     device_ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view=True measured no gain on CPU and, with channels-last weights, makes DDP copy
-    # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs).
+    # every mismatched gradient (its "grad strides do not match bucket view strides" warning on GPUs); a
+    # pipeline's stages hold no channels-last weights.
     if device.type == "cuda":
         default_strides_where_alike(module)
     contiguous_buffers(module)
-    return Replicated(module, device_ids=device_ids)
+    if not stage:
+        return Replicated(module, device_ids=device_ids)
+    # (torch 2.13 renamed broadcast_buffers, and warns of the old name)
+    keep_buffers = {"forward_sync_buffers" if _takes("forward_sync_buffers") else "broadcast_buffers": False}
+    wrapped = Replicated(
+        module, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True, **keep_buffers
+    )
+    wrapped.register_comm_hook(group, _summed)
+    return wrapped
+
+
+def _takes(keyword: str) -> bool:
+    import inspect
+
+    return keyword in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _summed(group, bucket):
+    """DDP's all-reduce of one bucket of gradients, summed instead of averaged (torch's collective)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])

@@ -25,7 +25,8 @@ The order is torchtitan's: a layer is split before its blocks are wrapped for re
 with its recomputation inside, and FSDP2 wraps what the tensor plan made DTensors. The strategies
 that run every rank through one training step (single, data, sharded, tensor) prepare their module with it
 (`Strategy.setup`); a pipeline prepares the layers of its rank's stages with it (`Preparation.stages`: each stage
-its own FSDP2 root, driven by torch's schedule), the parameter server applies steps 3 and 4 to its replica.
+its own FSDP2 root or DDP module, as torch's schedules drive them), the parameter server applies steps 3 and 4 to
+its replica.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Parallelized:
     context: Any = None  # this rank's ContextGroup under context parallelism
     global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
     fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
+    stages: tuple = ()  # a pipeline rank's stage modules as its schedule runs them (DDP copies: wrapped)
     compile_whole: bool = (
         False  # --compile on a model without blocks: the caller compiles the runner (step 5)
     )
@@ -91,7 +93,7 @@ class Parallelized:
 def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *, objective) -> Parallelized:
     """`module` prepared in place for `layout` over the run's `mesh` (None on one device and where no step needs
     one), in the order above; `objective` takes the loss's part under context parallelism."""
-    done = Parallelized(runner=module)
+    done = Parallelized(runner=module, stages=tuple(options.stages))
     if options.tensor_plan is not None:  # (a tp dimension, of one rank where a test asks)
         from .tensor_split import apply_tensor_plan
 
@@ -113,7 +115,11 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         _materialise(
             module, options, done.fused
         )  # DDP starts from rank 0's values: every rank holds them all
-        done.runner = apply_ddp(module, options.device)
+        if options.stages:  # a pipeline's copies: each stage over the ranks that hold it in every pipeline
+            group = mesh["dp_replicate"].get_group()
+            done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)
+        else:
+            done.runner = apply_ddp(module, options.device)
     else:
         if options.data_parallel == "shard":
             apply_fsdp(

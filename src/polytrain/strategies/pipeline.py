@@ -99,13 +99,17 @@ class Pipeline(Distributed):
 
     @property
     def data_parallel(self) -> str:
-        """FSDP2 over the pipelines side by side, shards or whole replicas (pipeline_shard.py); traced stages'
-        replicas sum their gradients in the step."""
-        return "shard" if self.plan.layout.data_degree > 1 and not self.plan.split_at else "none"
+        """How the pipelines side by side hold their stages (pipeline_shard.py): FSDP2 shards; whole copies as
+        DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not take),
+        as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the step."""
+        layout = self.plan.layout
+        if layout.data_degree == 1 or self.plan.split_at:
+            return "none"
+        return "shard" if layout.shard > 1 or layout.tensor > 1 else "replicate"
 
     @property
     def mesh_keeps(self) -> tuple:
-        """Whole replicas are FSDP2 over a dp_shard dimension of one rank."""
+        """Whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank."""
         return ("shard",) if self.data_parallel == "shard" else ()
 
     @property
@@ -169,7 +173,7 @@ class Pipeline(Distributed):
         )
         done = parallelize(self.model, mesh, self.layout, options, objective=self.objective)
         self.fused.update(done.fused)
-        self.global_rows = done.global_rows
+        self.global_rows, self.stage_modules = done.global_rows, list(done.stages)
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,

@@ -1,7 +1,8 @@
 """The data degree of a pipeline: the pipelines side by side (`--devices N --pipeline-stages S`: N / S of them)
 hold their stages through FSDP2, as torchtitan's pp x fsdp: shard groups of each stage under `--data-parallel
-shard` (with `--replicas`, replicas of shard groups), whole replicas otherwise (FSDP2 over a dp_shard dimension of
-one rank: each keeps the whole stage, and the gradients are all-reduced over dp_replicate).
+shard` (with `--replicas`, replicas of shard groups). Whole copies are DDP modules (ddp.py `apply_ddp`), but
+where a tensor plan splits the stages into DTensors, which DDP does not take: those are FSDP2 over a dp_shard
+dimension of one rank (each keeps the whole stage; the gradients are all-reduced over dp_replicate).
 
     polytrain verify --strategy pipeline --devices 4 --pipeline-stages 2 [--data-parallel shard]
     polytrain verify --model gpt --dataset shakespeare --strategy pipeline --devices 8 --pipeline-stages 2 \

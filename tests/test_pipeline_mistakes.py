@@ -112,3 +112,23 @@ def test_a_model_that_is_not_a_plain_sequential_is_refused_from_python(tmp_path,
     message = str(refused.value)
     assert "nn.Sequential" in message and type(model).__name__ in message and "\n" not in message
     assert not (tmp_path / "run").exists()
+
+
+def test_a_last_batch_too_small_for_the_copies_is_refused_unless_the_run_stops_before_it(tmp_path, capsys):
+    """65 samples in batches of 8 leave a last batch of 1, which 2 pipeline copies cannot share: refused in one
+    line; with --max-steps 8 the run never reaches it, and it is planned."""
+    from polytrain.config.train import TrainConfig
+    from polytrain.models import build_model
+    from polytrain.strategies import make_plan
+
+    data = tiny_digits(n_train=65)
+    settings = dict(strategy="pipeline", model="mlp", devices=4, pipeline_stages=2, batch_size=8)
+    model = build_model("mlp", (1, 28, 28), 10, {})
+    with pytest.raises(UserError, match="the last batch of an epoch has 1 samples, too few for 2 pipeline"):
+        make_plan("pipeline", TrainConfig(**settings), model, data, device=torch.device("cpu"))
+    plan = make_plan(
+        "pipeline", TrainConfig(**settings, max_steps=8), model, data, device=torch.device("cpu")
+    )
+    assert plan.layout.data_degree == 2
+    with pytest.raises(UserError, match="too few for 2 pipeline"):  # the 9th step would reach it
+        make_plan("pipeline", TrainConfig(**settings, max_steps=9), model, data, device=torch.device("cpu"))

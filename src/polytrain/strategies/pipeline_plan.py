@@ -49,6 +49,8 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
             f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches"
         )
     last = dataset.num_train % config.batch_size or config.batch_size
+    if config.max_steps and config.max_steps <= dataset.num_train // config.batch_size:
+        last = config.batch_size  # the run stops before an epoch's short last batch
     parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.data_degree)]
     if min(parts) == 0:
         raise ConfigError(

@@ -84,9 +84,8 @@ class Parallelized:
     global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
     fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
     stages: tuple = ()  # a pipeline rank's stage modules as its schedule runs them (DDP copies: wrapped)
-    compile_whole: bool = (
-        False  # --compile on a model without blocks: the caller compiles the runner (step 5)
-    )
+    # --compile on a model without blocks: the caller compiles the runner (step 5)
+    compile_whole: bool = False
     lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
 
 
@@ -112,9 +111,8 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
 
         done.compile_whole = not apply_compile(module)
     if options.data_parallel == "replicate":
-        _materialise(
-            module, options, done.fused
-        )  # DDP starts from rank 0's values: every rank holds them all
+        # DDP starts from rank 0's values: every rank holds them all
+        _materialise(module, options, done.fused)
         if options.stages:  # a pipeline's copies: each stage over the ranks that hold it in every pipeline
             group = mesh["dp_replicate"].get_group()
             done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)

@@ -206,6 +206,9 @@ def test_the_plan_traces_the_runtime_micro_batch_and_leaves_the_model_as_it_was(
         "pipeline", 2, pipeline_stages=2
     )  # 28 windows: batches of 8 in micro-batches of 4, then 4 in two of 2
     assert micro_batch_sizes(config(), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
+    # a run that stops (--max-steps) within the 3 whole batches never traces the short last one
+    assert micro_batch_sizes(config(max_steps=3), tiny_text(), layout, "1f1b", 2, 8) == [4]
+    assert micro_batch_sizes(config(max_steps=4), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
     assert micro_batch_sizes(config(batch_size=7, microbatches=7), tiny_text(), layout, "1f1b", 7, 7) == [1]
     assert "traced, split before modules transformer.h.1" in plan.describe()
     assert "forward" not in vars(model.transformer.h[1])  # the tracer's wrapper is gone

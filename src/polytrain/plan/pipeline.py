@@ -51,6 +51,14 @@ def data_words(layout: Layout, data: int) -> str:
     return f"replica {data + 1}/{layout.replicate}"
 
 
+def last_batch(samples: int, batch_size: int, max_steps: Optional[int]) -> int:
+    """The samples of the last batch of an epoch a run trains: the epoch's short last batch, or a whole batch
+    where the batch size divides the samples or `max_steps` stops the run before the short one."""
+    if max_steps and max_steps <= samples // batch_size:
+        return batch_size
+    return samples % batch_size or batch_size
+
+
 def default_microbatches(per_replica_batch: int, ranks: int) -> int:
     """Four micro-batches per pipeline rank (a bubble of about 1/5 with 1F1B), or the largest count below
     that divides the replica's batch."""

@@ -15,6 +15,7 @@ from ..plan.pipeline import (
     PipelinePlan,
     check_torch,
     default_microbatches,
+    last_batch,
     microbatches_for,
     stages_per_rank,
 )
@@ -48,9 +49,7 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
             f"gets into equal parts; use --accumulate "
             f"{' or '.join(map(str, fitting[:4])) or '1'}, or set --microbatches"
         )
-    last = dataset.num_train % config.batch_size or config.batch_size
-    if config.max_steps and config.max_steps <= dataset.num_train // config.batch_size:
-        last = config.batch_size  # the run stops before an epoch's short last batch
+    last = last_batch(dataset.num_train, config.batch_size, config.max_steps)
     parts = [len(part) for part in torch.tensor_split(torch.arange(last), layout.data_degree)]
     if min(parts) == 0:
         raise ConfigError(

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, first_line
-from ..plan.pipeline import PipelinePlan, microbatches_for, stages_per_rank
+from ..plan.pipeline import PipelinePlan, last_batch, microbatches_for, stages_per_rank
 
 HOW = (
     "write forward() without Python control flow on tensor values (if x.sum() > 0, .item(), loops over a "
@@ -175,7 +175,7 @@ def micro_batch_sizes(config, dataset, layout, schedule: str, microbatches: int,
     """The sizes of training micro-batches a pipeline replica runs: a whole batch's, then a short last batch's
     (as Pipeline._schedule cuts them), so that those traces are known to work before any worker starts."""
     wanted = microbatches * config.accumulate
-    last = dataset.num_train % config.batch_size
+    last = last_batch(dataset.num_train, config.batch_size, config.max_steps) % config.batch_size
     parts = [per_replica] + [
         len(part) for part in torch.tensor_split(torch.arange(last), layout.data_degree)
     ] * bool(last)

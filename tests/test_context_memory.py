@@ -69,6 +69,9 @@ def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its
         held = memory_per_rank(work, "data", 4, layout=data, checkpointing=mode) - weights
         assert held == pytest.approx(4 * peak_bytes(part, mode))
     assert context_part(work, 1) is work
+    # beside 2 tensor ranks: each runs 2 of the 4 query heads and 1 of the 2 key/value heads
+    halved = context_bytes(dataclasses.replace(SHAPE, heads=2, kv_heads=1), 2)[0]
+    assert halved < kept and context_part(work, 2, tensor=2).block_bytes == 200e3 + halved
     # a workload whose attention was not seen: 1/C alone (the cuts' too, where nothing else is known)
     unseen = context_part(dataclasses.replace(work, attention=None, boundary_bytes=(10.0, 30.0)), 2)
     assert unseen.activation_bytes == 500e3 and unseen.boundary_bytes == (5.0, 15.0)

@@ -104,14 +104,18 @@ def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
     return kept + log_sum_exp * shape.heads * (padded - local), outputs
 
 
-def context_part(work, size: int):
+def context_part(work, size: int, tensor: int = 1):
     """`work` with its per-sample figures those of a context rank's part of each sample (`size` ranks split
     each sequence): 1/size of one device's (the cuts' too), and the attention's extra (`context_bytes`) in
-    every block and in the whole. Without `work.attention` (a model whose attention was not seen) only
-    1/size: a lower bound."""
+    every block and in the whole, for the heads a rank of `tensor` ranks runs (the tensor plan splits the query
+    heads, and the key/value heads where the ranks divide them). Without `work.attention` (a model whose
+    attention was not seen) only 1/size: a lower bound."""
     if size == 1:
         return work
     attention: Optional[AttentionShape] = getattr(work, "attention", None)
+    if attention and tensor > 1:
+        kv_heads = attention.kv_heads // tensor if attention.kv_heads % tensor == 0 else attention.kv_heads
+        attention = replace(attention, heads=max(1, attention.heads // tensor), kv_heads=kv_heads)
     extra, outputs = context_bytes(attention, size) if attention else (0.0, 0.0)
     per_block = attention.layers / work.blocks if attention and work.blocks else 0.0
     return replace(

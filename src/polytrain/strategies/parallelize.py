@@ -66,9 +66,10 @@ class Preparation:
     seed: int = 0
     weights: Any = None
     home: Optional[torch.device] = None
-    # a pipeline rank's part of the model: its stage modules (each an FSDP2 root of its own), the whole model
-    # whose blocks are counted for `selective:K`, and FSDP2 as a pipeline drives it (gradients summed, the
-    # loss already divided by the global batch; weights kept gathered from the first forward to the last backward)
+    # a pipeline rank's part of the model: its stage modules (each an FSDP2 root or a DDP module of its own), the
+    # whole model whose blocks are counted for `selective:K`, and FSDP2 as a pipeline drives it (gradients summed,
+    # the loss already divided by the global batch; weights kept gathered from the first forward to the last
+    # backward)
     stages: tuple = ()
     whole: Optional[nn.Module] = None
     sum_gradients: bool = False

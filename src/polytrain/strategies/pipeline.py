@@ -383,9 +383,8 @@ class Pipeline(Distributed):
         for works, _ in pending:  # the tensors stay referenced until their sends complete
             for work in works:
                 work.wait()
-        if (
-            self.data_parallel == "shard"
-        ):  # the units keep what they gathered: whole until the next step otherwise
+        # the units keep what they gathered: whole until the next step otherwise
+        if self.data_parallel == "shard":
             reshard(self)
         return self._stats(len(batch.y))
 

@@ -192,7 +192,7 @@ def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: s
 
     from polytrain.data import load_dataset
     from polytrain.models import build_model_on_meta
-    from polytrain.plan.costmodel import memory_per_rank
+    from polytrain.plan.memory import memory_per_rank
     from polytrain.scaling.fits import layout_for, measured_activations, model_workload
 
     data = load_dataset("shakespeare", context=shape["context"])

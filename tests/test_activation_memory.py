@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from polytrain.models import build_model, build_model_on_meta
 from polytrain.objective import Objective
 from polytrain.plan.activations import kept_bytes, peak_bytes
-from polytrain.plan.costmodel import Workload, memory_per_rank
+from polytrain.plan.costmodel import Workload
+from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
 from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
 

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from polytrain.models import build_model
-from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank, predict_all, tensor_parallel
+from polytrain.plan.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
 from polytrain.plan.layout import Layout, settings_of_label
+from polytrain.plan.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,

@@ -8,7 +8,8 @@ import pytest
 
 from polytrain.cli import main
 from polytrain.errors import ConfigError
-from polytrain.plan.costmodel import Link, Prediction, Workload, memory_per_rank
+from polytrain.plan.costmodel import Link, Prediction, Workload
+from polytrain.plan.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,

@@ -14,8 +14,9 @@ from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.objective import Objective
 from polytrain.plan.activations import AttentionShape, context_bytes, context_part, peak_bytes
-from polytrain.plan.costmodel import Workload, memory_per_rank
+from polytrain.plan.costmodel import Workload
 from polytrain.plan.layout import layout_of
+from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
 
 VOCAB, BATCH = 65, 2
@@ -149,8 +150,9 @@ def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
     """--strategy tensor --context-parallel C: FSDP2 shards each tensor rank's weights, gradients and optimizer
     state over the data and context ranks (strategies/mesh.py fsdp_submesh), so C context ranks hold 1/C of a
     tensor rank's state each; without activations, the rest of the count is that state and the gathered unit."""
-    from polytrain.plan.costmodel import Workload, memory_per_rank
+    from polytrain.plan.costmodel import Workload
     from polytrain.plan.layout import Layout
+    from polytrain.plan.memory import memory_per_rank
 
     work = Workload(
         compute_seconds=1.0, parameter_bytes=8e6, split_bytes=6e6, batch_size=4, gathered_bytes=1e6

@@ -13,13 +13,13 @@ from polytrain.plan.costmodel import (
     Link,
     Workload,
     fit_message_cost,
-    memory_per_rank,
     predict_all,
     tensor_collectives,
     tensor_name,
     tensor_parallel,
     tensor_size,
 )
+from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s

@@ -9,7 +9,6 @@ from polytrain.plan.costmodel import (
     choose,
     data_parallel,
     fit_message_cost,
-    memory_per_rank,
     parameter_server,
     pipeline,
     predict_all,
@@ -17,6 +16,7 @@ from polytrain.plan.costmodel import (
     sharded,
     with_message_cost,
 )
+from polytrain.plan.memory import memory_per_rank
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
 WORK = Workload(

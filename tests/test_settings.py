@@ -79,6 +79,7 @@ def test_the_resume_rules_come_from_the_declarations():
     }
     assert STRATEGY_OPTIONS == {
         "pipeline": (
+            "context_parallel",
             "microbatches",
             "pipeline_schedule",
             "split",

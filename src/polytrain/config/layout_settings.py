@@ -49,11 +49,12 @@ class DeviceSettings:
         "ranks each sequence's tokens are split across (--model gpt or llama): each holds a head and a tail "
         "chunk of every sequence, so its activations are about 1/C of one device's; keys and values are "
         "gathered over the group for causal attention. --devices / C such groups split the batch (with "
-        "--strategy tensor, C tensor groups split each sequence; default: 1)",
+        "--strategy tensor, C tensor groups split each sequence; with --strategy pipeline, each stage runs on C "
+        "ranks; default: 1)",
         group="devices",
         metavar="C",
         check="count",
-        strategies=("data", "sharded", "tensor"),
+        strategies=("data", "sharded", "tensor", "pipeline"),
         resume="change",
         replans=True,
     )

@@ -204,6 +204,11 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--split-at (traced stages) does not combine with --data-parallel shard; write the model as an "
             "nn.Sequential (stages split by --split), or drop --data-parallel",
         )
+        _need(
+            not (self.split_at and (self.context_parallel or 1) > 1),
+            "--split-at (traced stages) does not combine with --context-parallel; use --model gpt or llama "
+            "(stages split by --split), or drop --context-parallel",
+        )
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""

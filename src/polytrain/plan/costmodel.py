@@ -68,7 +68,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
-from .activations import AttentionShape, context_part, peak_bytes
+from .activations import AttentionShape
 from .layout import Layout, layout_of_label, sharded_name, tensor_name  # noqa: F401 (the labels, here too)
 
 
@@ -451,50 +451,3 @@ def choose(
     """The fastest prediction among the strategies that fit in memory (all, when `fits` is None)."""
     candidates = [p for name, p in predictions.items() if fits is None or fits.get(name, False)]
     return min(candidates, key=lambda p: p.step_seconds, default=None)
-
-
-def memory_per_rank(
-    work: Workload,
-    strategy: str,
-    devices: int,
-    *,
-    optimizer_slots: int = 1,
-    servers: int = 1,
-    checkpointing: str = "none",
-    layout: Optional[Layout] = None,
-) -> float:
-    """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights,
-    gradients and `optimizer_slots` tensors of optimizer state per weight, plus the activations held for
-    backward for its slice (per sample: `activation_bytes` at the peak of the backward pass under
-    `--activation-checkpointing` `checkpointing`, plan/activations.py; without them, each cut's bytes per
-    sample).
-
-    data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
-    share of the master weights and their state; sharded: 1/n of everything plus the weights gathered whole at
-    once (`gathered_bytes`: the root's and two units', else the whole model, an upper bound); pipeline: about
-    1/p of the weights, and activations for as many micro-batches as stages in flight; tensor (`tensor` or
-    `tensor RxT`): the split layers' 1/T and the replicated ones whole, over R groups sharded as `sharded` is,
-    and the activations of its group's batch (all of them, an upper bound: the split layers' are 1/T).
-    """
-    weights = work.parameter_bytes
-    layout = layout or layout_of_label(strategy, devices)
-    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
-    # context group's ranks each keep their part of every sequence's (plan/activations.py `context_part`)
-    part = context_part(work, layout.context, layout.tensor)
-    per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
-    activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
-    if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
-        return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
-    held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
-    # frozen parameters (--freeze) hold their weights only: no gradient, no optimizer state
-    trained = 1.0 if work.trained_bytes is None or not weights else work.trained_bytes / weights
-    # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
-    shards = layout.shard * (layout.context if strategy.startswith(("sharded", "tensor")) else 1)
-    states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
-    # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
-    # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
-    # (pipeline_shard.py)
-    gathered = (work.gathered_bytes or held) if shards > 1 else 0.0
-    if layout.shard > 1 and layout.pipeline > 1:
-        gathered = held * 2 / layout.pipeline
-    return states + gathered + activations

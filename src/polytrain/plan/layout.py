@@ -186,55 +186,64 @@ def _pipeline(
     tensor_parallel=None,
     data_parallel=None,
     replicas: Optional[int] = None,
+    context_parallel: Optional[int] = None,
     **_,
 ) -> Layout:
-    tensor = tensor_parallel or 1
+    tensor, context = tensor_parallel or 1, context_parallel or 1
     shard = data_parallel == "shard"  # the pipelines beside each other shard their stages (FSDP2)
-    stages = pipeline_stages or devices // tensor
+    stages = pipeline_stages or devices // (tensor * context)
     copies = replicas or 1
-    _check_pipeline(devices, stages, tensor, shard, copies)
-    pipelines = devices // (stages * tensor)
+    _check_pipeline(devices, stages, tensor, shard, copies, context)
+    pipelines = devices // (stages * tensor * context)
     if copies > 1:
-        return Layout(replicate=copies, shard=pipelines // copies, pipeline=stages, tensor=tensor)
-    return Layout(**{"shard" if shard else "replicate": pipelines}, pipeline=stages, tensor=tensor)
+        return Layout(
+            replicate=copies, shard=pipelines // copies, pipeline=stages, context=context, tensor=tensor
+        )
+    return Layout(
+        **{"shard" if shard else "replicate": pipelines}, pipeline=stages, context=context, tensor=tensor
+    )
 
 
-def _check_pipeline(devices: int, ranks: int, tensor: int, shard: bool, copies: int) -> None:
-    """One line where `ranks` pipeline stages of `tensor` ranks each, the pipelines beside each other sharding
-    (`shard`) as `copies` replicas, do not fit `devices`."""
-    of_tensor_ranks = f" of {tensor} tensor ranks" if tensor > 1 else ""
-    if ranks < 2 and tensor > 1:
+def _check_pipeline(
+    devices: int, ranks: int, tensor: int, shard: bool, copies: int, context: int = 1
+) -> None:
+    """One line where `ranks` pipeline stages of `tensor` ranks each (and `context` such groups splitting each
+    sequence), the pipelines beside each other sharding (`shard`) as `copies` replicas, do not fit `devices`."""
+    width = tensor * context  # the ranks of one stage in one pipeline
+    named = [f"--tensor-parallel {tensor}"] * (tensor > 1) + [f"--context-parallel {context}"] * (context > 1)
+    of_ranks = f" of {width} {'tensor ' if context == 1 else ''}ranks" if width > 1 else ""
+    if ranks < 2 and width > 1:
         raise ConfigError(
-            f"--strategy pipeline --tensor-parallel {tensor} needs at least 2 pipeline stages "
-            f"of {tensor} ranks, got {ranks}; use --devices {2 * tensor} or more"
+            f"--strategy pipeline {' '.join(named)} needs at least 2 pipeline stages "
+            f"of {width} ranks, got {ranks}; use --devices {2 * width} or more"
         )
     if ranks < 2:
         raise ConfigError(
             f"--strategy pipeline needs at least 2 pipeline stages, got {ranks}; use "
             f"--devices 2 or more (or --strategy data for replicas only)"
         )
-    if tensor == 1 and devices % ranks:
+    if width == 1 and devices % ranks:
         raise ConfigError(
             f"--pipeline-stages {ranks} does not divide --devices {devices}; use one "
             f"of {', '.join(str(d) for d in divisors(devices) if d > 1)}"
         )
-    if tensor > 1 and devices % (ranks * tensor):
+    if width > 1 and devices % (ranks * width):
         raise ConfigError(
-            f"--pipeline-stages {ranks} x --tensor-parallel {tensor} = "
-            f"{ranks * tensor} ranks per pipeline do not divide --devices {devices}; "
-            f"use --devices a multiple of {ranks * tensor}, or fewer --pipeline-stages"
+            f"--pipeline-stages {ranks} x {' x '.join(named)} = "
+            f"{ranks * width} ranks per pipeline do not divide --devices {devices}; "
+            f"use --devices a multiple of {ranks * width}, or fewer --pipeline-stages"
         )
-    pipelines = devices // (ranks * tensor)
+    pipelines = devices // (ranks * width)
     if shard and pipelines < 2:
-        fits = [d for d in divisors(devices // tensor) if 2 <= d <= devices // (2 * tensor)]
+        fits = [d for d in divisors(devices // width) if 2 <= d <= devices // (2 * width)]
         fix = (
             f"--pipeline-stages {fits[-1]}"
             if fits
-            else f"--devices {2 * ranks * tensor} --pipeline-stages {ranks}"
+            else f"--devices {2 * ranks * width} --pipeline-stages {ranks}"
         )
         raise ConfigError(
             f"--data-parallel shard shards each stage over the pipelines beside each other, but --devices "
-            f"{devices} in {ranks} stages{of_tensor_ranks} make one pipeline; use {fix} (2 or "
+            f"{devices} in {ranks} stages{of_ranks} make one pipeline; use {fix} (2 or "
             f"more pipelines), or drop --data-parallel"
         )
     if copies == 1:
@@ -246,9 +255,10 @@ def _check_pipeline(devices: int, ranks: int, tensor: int, shard: bool, copies: 
             f"or drop --replicas"
         )
     if pipelines % copies or copies >= pipelines:
+        per = "".join(f" x {flag.split()[0]}" for flag in named) or " x --tensor-parallel"
         raise ConfigError(
             f"--replicas {copies} must divide the {pipelines} pipelines (--devices / "
-            f"(--pipeline-stages x --tensor-parallel)) and be fewer than them; use a divisor of "
+            f"(--pipeline-stages{per})) and be fewer than them; use a divisor of "
             f"{pipelines} below {pipelines}, or drop --replicas"
         )
 
@@ -297,7 +307,7 @@ PRESETS: Dict[str, Callable[..., Layout]] = {
 
 
 # the presets that split sequences over context groups (--context-parallel)
-CONTEXT_PRESETS = ("data", "sharded", "tensor")
+CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
 
 
 def layout_of(

@@ -35,10 +35,13 @@ def stages_per_rank(schedule: str) -> int:
 
 
 def pipelines_words(layout: Layout) -> str:
-    """The pipelines beside each other, in words."""
+    """The pipelines beside each other (and the context ranks each stage runs on), in words."""
+    context = f", each sequence split over {layout.context} context ranks" if layout.context > 1 else ""
     if layout.replicate > 1 and layout.shard > 1:
-        return f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding, FSDP2)"
-    return f"{layout.shard} shards (FSDP2)" if layout.shard > 1 else f"{layout.replicate} replica(s)"
+        return f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding, FSDP2){context}"
+    return (
+        f"{layout.shard} shards (FSDP2)" if layout.shard > 1 else f"{layout.replicate} replica(s)"
+    ) + context
 
 
 def data_words(layout: Layout, data: int) -> str:

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import ConfigError, first_line
-from ..plan import costmodel
+from ..plan import costmodel, memory
 from ..plan.layout import label_of, parse_label
 from ..plan.pipeline import default_microbatches
 from .fits import available_bytes
@@ -81,7 +81,7 @@ def pick(
     predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
     fits = {
         name: strategy_of(name) not in refused
-        and costmodel.memory_per_rank(
+        and memory.memory_per_rank(
             work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1), checkpointing=checkpointing
         )
         <= available

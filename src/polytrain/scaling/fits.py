@@ -1,5 +1,5 @@
 """Refuse, before any worker starts, a layout whose ranks cannot hold the model: the cost model's bytes per
-rank (plan/costmodel.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
+rank (plan/memory.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
 unit's weights gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
 is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
 memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..plan.costmodel import Workload, memory_per_rank
+from ..plan.costmodel import Workload
 from ..plan.layout import Layout, layout_of_label, layout_or_none
+from ..plan.memory import memory_per_rank
 
 
 def available_bytes(device: torch.device, devices: int) -> float:

@@ -177,13 +177,14 @@ def sequence_modules(model: nn.Module) -> List[nn.Module]:
     return [module for module in model.modules() if hasattr(type(module), "context_parallel")]
 
 
-def apply_context_parallel(model: nn.Module, group) -> nn.Module:
+def apply_context_parallel(model: nn.Module, group, *, part: bool = False) -> nn.Module:
     """Switch `model` into context-parallel mode over `group` (a process group, a 1-D DeviceMesh, or a
     ContextGroup; None switches it back): every module that declares `context_parallel` gets the group. A
-    model with no such module is refused: its attention cannot be split here."""
+    model with no such module is refused: its attention cannot be split here; a `part` of one (a pipeline
+    rank's stages, the head alone) may have none."""
     context = group if group is None or isinstance(group, ContextGroup) else ContextGroup.of(group)
     switched = sequence_modules(model)
-    if not switched:
+    if not switched and not part:
         raise ConfigError(
             f"--context-parallel splits the sequence of the gpt and llama models; {type(model).__name__} has no "
             f"attention that polytrain can split (no module declares context_parallel)"
@@ -193,12 +194,13 @@ def apply_context_parallel(model: nn.Module, group) -> nn.Module:
     return model
 
 
-def split_model_sequences(model: nn.Module, objective, mesh, slices: int):
-    """(this rank's ContextGroup, the start-up line that says so): `model` switched to context-parallel mode over
-    this rank's context group, the `cp` dimension of the run's mesh (`mesh`), and `objective`'s token loss to a
-    part of each window's; `slices`: into how many slices the batch is cut (for the line)."""
+def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, part: bool = False):
+    """(this rank's ContextGroup, the start-up line that says so): `model` (or a `part` of one) switched to
+    context-parallel mode over this rank's context group, the `cp` dimension of the run's mesh (`mesh`), and
+    `objective`'s token loss to a part of each window's; `slices`: into how many slices the batch is cut (for the
+    line)."""
     context = ContextGroup.of(mesh)
-    apply_context_parallel(model, context)
+    apply_context_parallel(model, context, part=part)
     size = mesh.size()
     objective.sequence_parts = size
     length = getattr(model, "context", None)

@@ -46,6 +46,16 @@ def fsdp_submesh(mesh, layout: Layout):
     return data._unflatten(0, (copies, shards), ("dp_replicate", SHARD_AND_CONTEXT))
 
 
+def copies_group(mesh, layout: Layout):
+    """The process group over which whole copies of a part of the model sum their gradients (a pipeline's stages
+    as DDP modules): dp_replicate, with the context ranks folded in, since each holds a part of every sequence's
+    gradient (flattened as `fsdp_submesh` flattens them for FSDP2)."""
+    names = tuple(name for name in ("dp_replicate", "cp") if name in (mesh.mesh_dim_names or ()))
+    if len(names) == 1:
+        return mesh[names[0]].get_group()
+    return mesh[names]._flatten("dp_replicate_cp").get_group()
+
+
 def forget_earlier_meshes() -> None:
     """Drop what DTensor cached about the meshes of an earlier run in this process (a second `fit` under
     torchrun, a notebook): a DeviceMesh equals another of the same ranks, shape and names whatever its process

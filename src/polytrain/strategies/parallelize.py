@@ -43,6 +43,7 @@ from .ddp import apply_ddp
 from .fsdp import apply_fsdp
 from .global_batch import GlobalRows, whole_batch_layers
 from .materialise import materialise
+from .mesh import copies_group
 
 DATA_PARALLEL = ("none", "replicate", "shard")  # how the data dimensions hold the model: one, DDP, FSDP2
 GLOBAL_BATCH = ("off", "masks", "across")  # off; Dropout drawn as one device draws it; BatchNorm across too
@@ -101,7 +102,9 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
     if layout.context > 1:
         from .context_parallel import split_model_sequences
 
-        done.context, line = split_model_sequences(module, objective, mesh["cp"], layout.data_degree)
+        done.context, line = split_model_sequences(
+            module, objective, mesh["cp"], layout.data_degree, part=options.whole is not None
+        )
         done.lines.append(line)
     apply_activation_checkpointing(
         module if options.whole is None else options.whole, options.activation_checkpointing
@@ -115,7 +118,7 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         # DDP starts from rank 0's values: every rank holds them all
         _materialise(module, options, done.fused)
         if options.stages:  # a pipeline's copies: each stage over the ranks that hold it in every pipeline
-            group = mesh["dp_replicate"].get_group()
+            group = copies_group(mesh, layout)
             done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)
         else:
             done.runner = apply_ddp(module, options.device)

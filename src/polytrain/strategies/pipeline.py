@@ -11,7 +11,9 @@ The degrees of the layout are applied by `parallelize` (parallelize.py) to the l
 torchtitan's order after the split into stages: the tensor plan over `tp` (`--tensor-parallel T`: Megatron's
 layout, each stage split over T consecutive ranks; stages exchange whole activations as plain tensors, tensor
 slice t of stage s sending to slice t of stage s + 1), activation checkpointing (the whole model's blocks
-counted), whole-batch dropout, FSDP2 over the pipelines side by side (pipeline_shard.py), materialise. The
+counted), whole-batch dropout, FSDP2 over the pipelines side by side (pipeline_shard.py), materialise. With
+`--context-parallel C` every stage runs on C ranks that each hold a head and a tail chunk of every sequence (the
+activations crossing a cut are T/C tokens long), their gradients summed as those of pipelines side by side. The
 whole-model state methods handle any mix of them (pipeline_parts.py).
 """
 
@@ -75,7 +77,7 @@ class Pipeline(Distributed):
         # (with --data-parallel shard, `replica` is the rank's shard index)
         where = plan.layout.coordinates(self.rank)
         self.replica, self.pipeline_rank = plan.layout.data_rank(self.rank), where["pipeline"]
-        self.tensor_index = where["tensor"]
+        self.tensor_index, self.context_index = where["tensor"], where["context"]
         self.fused = {}  # parameter name -> the order of a fused layer's rows on the tensor ranks
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
         self.is_first, self.is_last = 0 in self.my_stages, plan.model_stages - 1 in self.my_stages
@@ -103,7 +105,7 @@ class Pipeline(Distributed):
         DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not take),
         as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the step."""
         layout = self.plan.layout
-        if layout.data_degree == 1 or self.plan.split_at:
+        if layout.gradient_ranks == 1 or self.plan.split_at:  # (the ranks of a context group sum theirs too)
             return "none"
         return "shard" if layout.shard > 1 or layout.tensor > 1 else "replicate"
 
@@ -139,7 +141,7 @@ class Pipeline(Distributed):
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         layout, mesh = self.plan.layout, None
-        if layout.data_degree > 1 or layout.tensor > 1:  # a (data, pipeline[, tensor]) mesh
+        if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
             mesh = self.world_mesh
             self.pp_group = mesh["pp"].get_group()
             if layout.data_degree > 1 and self.data_parallel == "none":  # traced replicas sum by hand
@@ -174,6 +176,7 @@ class Pipeline(Distributed):
         done = parallelize(self.model, mesh, self.layout, options, objective=self.objective)
         self.fused.update(done.fused)
         self.global_rows, self.stage_modules = done.global_rows, list(done.stages)
+        self.context = done.context  # (each rank's head and tail chunks of every sequence: `own_tokens`)
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,
@@ -184,6 +187,8 @@ class Pipeline(Distributed):
                 layers, self.plan.stage_layers(stage), self.plan.costs, self.plan.cost_unit
             )
         )
+        if self.is_main:
+            self.placement += done.lines
 
     def mark_chunk(self, chunk: int) -> None:
         """Tell the whole-batch Dropout layers which rows of the global batch micro-batch `chunk` holds (before
@@ -207,9 +212,10 @@ class Pipeline(Distributed):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        x = torch.zeros(
-            1, *self.plan.input_shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device
-        )
+        shape = self.plan.input_shape
+        if self.plan.layout.context > 1:  # a rank of a context group holds 1/C of each sequence's tokens
+            shape = (shape[0] // self.plan.layout.context, *shape[1:])
+        x = torch.zeros(1, *shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device)
         grads = False
         shapes = []
         for _, layer in layers:
@@ -306,7 +312,8 @@ class Pipeline(Distributed):
             self.model.train()
         self._sums, self._global_count = [], batch.global_count
         schedule, microbatches = self._schedule(len(batch.y))
-        inputs = (batch.x,) if self.is_first else ()
+        x, y = self.own_tokens(batch.x, batch.y)
+        inputs = (x,) if self.is_first else ()
         self.optimizer.zero_grad(set_to_none=True)
         if self.tracing:  # the ranks of a pipeline start the step's clock together
             self.synchronize()
@@ -318,7 +325,7 @@ class Pipeline(Distributed):
             self.chunk_rows = (offset, slice_offsets(len(batch.y), microbatches), batch.global_count)
         began = time.perf_counter()
         with self.autocast():
-            schedule.step(*inputs, target=batch.y if self.is_last else None)
+            schedule.step(*inputs, target=y if self.is_last else None)
         if self.global_rows is not None:
             self.global_rows.active, self.chunk_rows = False, None
         if self.tracing:  # what the schedule did besides this rank's passes: waiting
@@ -356,7 +363,9 @@ class Pipeline(Distributed):
                 0,
             )
         sums = torch.stack(self._sums[-last:]).sum(0)
-        return StepStats(sums[0], sums[2:], count, self.gradients.last_norm, sums[1].double())
+        return StepStats(
+            sums[0], sums[2:], self.samples_counted(count), self.gradients.last_norm, sums[1].double()
+        )
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
@@ -367,7 +376,8 @@ class Pipeline(Distributed):
         ranks, layout = self.plan.layout.pipeline, self.plan.layout
         self._sums, pending = [], []
         parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
-        for chunk, target in zip(torch.tensor_split(batch.x, parts), torch.tensor_split(batch.y, parts)):
+        inputs, targets = self.own_tokens(batch.x, batch.y)
+        for chunk, target in zip(torch.tensor_split(inputs, parts), torch.tensor_split(targets, parts)):
             x = chunk
             for stage in range(self.plan.model_stages):
                 if stage % ranks != self.pipeline_rank:

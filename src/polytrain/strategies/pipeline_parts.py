@@ -5,7 +5,7 @@ rows in the ranks' order), FSDP2 shards over `dp_shard`, both, or neither (plain
 `whole` of a DTensor gathers it over its mesh (a 2-D (dp_shard, tp) DTensor included) and `part_like` cuts a
 whole tensor back as it is placed; fused rows are put back in (or taken out of) their one-device order. Every
 rank of a stage takes part in the gathers; the whole values come from one coordinate only (tensor slice 0 of
-data coordinate 0), so that each stage is counted once.
+context rank 0 of data coordinate 0), so that each stage is counted once.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from .tensor import reordered, reordered_optimizer
 
 
 def contributes(strategy) -> bool:
-    """Whether this rank's whole stages are the ones kept: tensor slice 0 of replica (or shard) 0."""
-    return strategy.replica == 0 and strategy.tensor_index == 0
+    """Whether this rank's whole stages are the ones kept: tensor slice 0 of context rank 0 of replica (or shard)
+    0."""
+    return strategy.replica == 0 and strategy.tensor_index == 0 and strategy.context_index == 0
 
 
 def stage_state(strategy) -> dict:
@@ -123,11 +124,10 @@ def holding_lines(strategy) -> list:
         data, pipeline_rank = layout.data_rank(rank), layout.coordinates(rank)["pipeline"]
         stages = "/".join(map(str, strategy.plan.stages_of_rank(pipeline_rank)))
         where = f"{data_words(layout, data)}{' of' if shards else ','} stage {stages}"
-        tensor = (
-            f", tensor slice {layout.coordinates(rank)['tensor'] + 1}/{layout.tensor}"
-            if layout.tensor > 1
-            else ""
-        )
+        at = layout.coordinates(rank)
+        tensor = f", context rank {at['context'] + 1}/{layout.context}" if layout.context > 1 else ""
+        if layout.tensor > 1:
+            tensor += f", tensor slice {at['tensor'] + 1}/{layout.tensor}"
         mine, stepped_bytes, stage = held[rank]
         whole_stage = f"; the whole stage {figures(stage, slots)}" if shards else ""
         lines.append(

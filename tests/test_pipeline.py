@@ -343,12 +343,28 @@ def lenet_run(tmp_path_factory):
         "cpu",
         "--max-steps",
         "2",
+        "--logger",
+        "tensorboard",
         "--out",
         run_dir,
         timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout, run_dir
+
+
+def test_rank_0_logs_each_step_s_loss_that_its_last_stage_computed(lenet_run):
+    """Rank 0 runs the first stage; the step's loss it logs (and shows in the progress line) is the last stage's,
+    shared over the pipeline: its mean over the steps is the run's training loss summed over all ranks."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = lenet_run
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    losses = [event.value for event in events.Scalars("train/step_loss")]
+    assert len(losses) == 2 and min(losses) > 1.0, losses  # (LeNet's first steps: about ln 10)
+    partial = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert sum(losses) / 2 == pytest.approx(partial["train_loss"], rel=1e-6)
 
 
 def test_lenet_in_two_stages_puts_convolutions_on_one_device_and_dense_layers_on_the_other(lenet_run):

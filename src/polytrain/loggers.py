@@ -112,7 +112,9 @@ class StepLogger(Callback):
         self.log({f"epoch/{key}": value for key, value in numbers.items()}, record["epoch"])
 
     def on_fit_end(self, trainer):
-        self.pending = []
+        self.flush(
+            trainer.metric_names
+        )  # a run stopped within an epoch (--max-steps, a signal) logs its steps too
 
 
 class TensorBoard(StepLogger):

@@ -13,10 +13,15 @@ class Distributed(Strategy):
 
     needs_process_group = True
     reference = False
+    # the degrees whose ranks hold the same figures of a step (`reduce` counts each such group once): a tensor
+    # group's ranks each compute their slice's whole loss; a pipeline's share its last stage's (pipeline.py)
+    figures_shared_by = ("tensor",)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums over ranks, each tensor group counted once: its ranks hold the same figures (from the layout)."""
-        counted = self.layout.tensor == 1 or self.layout.coordinates(self.rank)["tensor"] == 0
+        """Sums over ranks, each group of ranks that hold the same figures (`figures_shared_by`, from the layout)
+        counted once."""
+        where = self.layout.coordinates(self.rank)
+        counted = all(where[degree] == 0 for degree in self.figures_shared_by)
         tensor = tensor.clone() if counted else torch.zeros_like(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor

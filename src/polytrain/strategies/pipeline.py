@@ -67,6 +67,8 @@ class Pipeline(Distributed):
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
     splits_layers = False  # as a name (bench's rows): with --tensor-parallel its plan splits each stage
+    # the last stage's figures of a step on each rank of its pipeline (`_shared_sums`), as on a tensor group's
+    figures_shared_by = ("tensor", "pipeline")
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
     writes_shards = property(lambda self: not self.plan.split_at)  # (traced stages: the tracer's names)
     shard_state, load_shards = stage_shard_state, load_stage_shards  # each rank its stages' own state
@@ -332,9 +334,9 @@ class Pipeline(Distributed):
             self.synchronize()
             busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)
             self.phases["idle"] = max(0.0, time.perf_counter() - began - busy)
-        if self.objective.counted:  # only the last stages know the counts
-            counted = torch.stack(self._sums[-microbatches:])[:, 1].sum() if self.is_last else 0
-            self.per_counted_element(counted, batch.global_count)
+        sums = self._shared_sums(last=microbatches)  # (the last stage's, on every rank of the pipeline)
+        if self.objective.counted:
+            self.per_counted_element(sums[1], batch.global_count)
         if self.tied is not None:  # tied weights: the copies' gradients join the owners'
             self.tied.send_gradients()
         if self.dp_group is not None:
@@ -345,7 +347,7 @@ class Pipeline(Distributed):
         if self.tied is not None:
             self.tied.share_weights()
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
-        return self._stats(len(batch.y), last=microbatches)
+        return self._stats(len(batch.y), sums)
 
     def _sum_gradients_over_replicas(self) -> None:
         grads = [local_part(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -355,17 +357,20 @@ class Pipeline(Distributed):
             for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(summed)
 
-    def _stats(self, count: int, *, last: int = 0) -> StepStats:
-        if not self.is_last:  # sums, not means: stages that compute no loss add zeros
-            return StepStats(
-                torch.zeros((), device=self.device),
-                torch.zeros(len(self.objective.names), device=self.device),
-                0,
-            )
-        sums = torch.stack(self._sums[-last:]).sum(0)
-        return StepStats(
-            sums[0], sums[2:], self.samples_counted(count), self.gradients.last_norm, sums[1].double()
-        )
+    def _shared_sums(self, *, last: int = 0) -> torch.Tensor:
+        """(loss sum, what it covers, metric sums) of a step's `last` micro-batches, or of an evaluation batch
+        (all), on every rank of this pipeline: the last stage's, shared over the pipeline's ranks (one small
+        all-reduce), so that rank 0, which runs the first stage, shows and logs the step's loss; `reduce` counts
+        each pipeline once (`figures_shared_by`)."""
+        if self.is_last:
+            sums = torch.stack(self._sums[-last:]).sum(0).double()
+        else:
+            sums = torch.zeros(2 + len(self.objective.names), dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=self.norm_group)
+        return sums
+
+    def _stats(self, count: int, sums: torch.Tensor) -> StepStats:
+        return StepStats(sums[0], sums[2:], self.samples_counted(count), self.gradients.last_norm, sums[1])
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
@@ -396,7 +401,7 @@ class Pipeline(Distributed):
         # the units keep what they gathered: whole until the next step otherwise
         if self.data_parallel == "shard":
             reshard(self)
-        return self._stats(len(batch.y))
+        return self._stats(len(batch.y), self._shared_sums())
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:

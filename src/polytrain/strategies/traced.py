@@ -275,7 +275,7 @@ class TracedStages:
         schedule, s._sums = s.schedules[key], []
         with s.autocast():
             _forward_only(schedule, (batch.x,) if s.is_first else (), batch.y if s.is_last else None)
-        return s._stats(len(batch.y))
+        return s._stats(len(batch.y), s._shared_sums())
 
 
 def _interleaved(stages, microbatches: int, loss):

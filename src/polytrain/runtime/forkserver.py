@@ -17,11 +17,12 @@ import os
 import sys
 from typing import Callable, Optional, Tuple
 
-# what the forkserver imports once: the workers' code and what it imports. Not torch._dynamo (which torch imports
-# on first use, in DistributedDataParallel's and every optimizer's constructor, about 1 s of CPU per worker):
-# preloaded, a worker stopped by Ctrl-C hung at its exit in about 1 of 10 runs (3 of 36 against 0 of 30 without
-# it), until torch elastic killed it 30 s later (tests/test_stopping.py's SIGINT test)
-PRELOAD = ["torch", "torch.distributed", "polytrain.runtime.worker", "polytrain.strategies"]
+# what the forkserver imports once: the workers' code and what it imports, torch._dynamo included (torch imports it
+# on first use, in DistributedDataParallel's and every optimizer's constructor: about 2 s of CPU per worker per
+# launch on a 2-core machine, more than half of a small run's worker). It was left out while a worker stopped by
+# Ctrl-C could hang at its exit (about 1 in 20 stops with it preloaded): that was torch's deadlock in the gloo
+# group's destructor, which worker.py `_leave_process_groups` now avoids
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "polytrain.runtime.worker", "polytrain.strategies"]
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 

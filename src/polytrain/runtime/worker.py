@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import signal
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -141,7 +144,20 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     finally:
         stop.close()
         if distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            _leave_process_groups(sys.exc_info()[1])
+
+
+def _leave_process_groups(error: Optional[BaseException]) -> None:
+    """Destroy the process groups once nothing of the run holds them but their Python objects. DDP's reducer
+    holds its group in C++: where it went last, the group's gloo destructor waited for gloo's threads with the GIL
+    held while one of them needed the GIL to free a collective's tensors (torch's deadlock, pytorch#56297; a worker
+    stopped by Ctrl-C hung at its exit in about 1 of 40 runs, until torch elastic killed it 30 s later). So the
+    run goes first, its frames (a failed or stopped run's traceback holds them) and its reference cycles, while
+    the groups are still registered; then the groups, whose Python objects release the GIL as they go."""
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _train(

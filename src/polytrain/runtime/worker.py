@@ -54,7 +54,7 @@ class Job:
     record_steps: bool = False  # per-step global loss and parameters, for `polytrain verify`
     channels_last: bool = False  # resolved by the caller: on for registry models with convolutions
     plan: object = None  # the strategy's plan, computed by the caller (Strategy.make_plan)
-    objective: Objective = None  # the loss and metrics; None: classification with --label-smoothing
+    objective: Objective = None  # the loss and metrics; None: classification with --label-smoothing (made here)
     loggers: tuple = ()  # logger objects given to fit(logger=...), called on the main rank
     callbacks: tuple = ()  # the user's callback objects (fit(callbacks=...)), called on the main rank
     bench: Optional[tuple] = None  # (warm-up steps, measured steps): time each step (`polytrain bench`)
@@ -65,6 +65,10 @@ class Job:
     # True: train `model` itself, the caller's object (one device in the caller's process), as a hand-written
     # loop does; False: a copy (a spawned worker's own, or one that leaves the caller's model as it was)
     in_place: bool = False
+
+    def __post_init__(self):
+        if self.objective is None:  # decided once, where the job is made, not on every rank
+            self.objective = Objective(label_smoothing=self.config.label_smoothing)
 
 
 @dataclass
@@ -221,7 +225,7 @@ def _make_strategy(job: Job, device, rank: int, world: int):
         activation_checkpointing=config.activation_checkpointing,
         seed=config.seed,
         layout=config.layout,
-        objective=job.objective or Objective(label_smoothing=config.label_smoothing),
+        objective=job.objective,
     )
 
 
@@ -346,7 +350,7 @@ def _first_step_seconds(job: Job, strategy, *, local_world: int) -> float:
     copy of the model on the meta device (a few milliseconds for a small model, a second for 600M parameters)."""
     parameters = list(job.model.parameters())
     # a copy: counting runs the loss, which learns from its first value whether it gives (sum, count) pairs
-    objective = copy.copy(job.objective or Objective(label_smoothing=job.config.label_smoothing))
+    objective = copy.copy(job.objective)
     flops, exchanged = first_step_work(
         flops_per_sample=flops_per_sample(job.model, job.dataset, objective),
         samples=-(-job.config.batch_size // max(1, strategy.data_world)),

@@ -302,7 +302,9 @@ def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
     assert staged - split == pytest.approx(100.0 * 8 / 2 - 100.0 * 8 / (2 * 2))
     shards = dict(pipeline_stages=2, data_parallel="shard")
     staged = memory_per_rank(work, "pipeline", 4, layout=layout_of("pipeline", 4, **shards))
-    split = memory_per_rank(work, "pipeline", 8, layout=layout_of("pipeline", 8, context_parallel=2, **shards))
+    split = memory_per_rank(
+        work, "pipeline", 8, layout=layout_of("pipeline", 8, context_parallel=2, **shards)
+    )
     states = 1000.0 * (1 + 2)  # weights, gradients and one optimizer slot, over shards x 2 stages
     assert staged - split == pytest.approx(states / (2 * 2) - states / (4 * 2) + 100.0 * 8 / (2 * 2) / 2)
 

@@ -54,7 +54,7 @@ class Job:
     record_steps: bool = False  # per-step global loss and parameters, for `polytrain verify`
     channels_last: bool = False  # resolved by the caller: on for registry models with convolutions
     plan: object = None  # the strategy's plan, computed by the caller (Strategy.make_plan)
-    objective: Objective = None  # the loss and metrics; None: classification with --label-smoothing (made here)
+    objective: Objective = None  # the loss and metrics; None: classification with --label-smoothing
     loggers: tuple = ()  # logger objects given to fit(logger=...), called on the main rank
     callbacks: tuple = ()  # the user's callback objects (fit(callbacks=...)), called on the main rank
     bench: Optional[tuple] = None  # (warm-up steps, measured steps): time each step (`polytrain bench`)

@@ -206,7 +206,8 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
     from polytrain.models import build_model
 
     torch.manual_seed(0)
-    eager = build_model("gpt", (8,), 65, dict(layers=1, width=16, heads=2, context=8))
+    small = dict(layers=1, width=16, heads=2, context=8)
+    eager = build_model("gpt", (8,), 65, small)
     compiled = copy.deepcopy(eager)
     options = Preparation(device=torch.device("cpu"), compile=True, activation_checkpointing="full")
     done = parallelize(compiled, None, Layout(), options, objective=Objective())
@@ -222,3 +223,20 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
     options = Preparation(device=torch.device("cpu"), compile=True)
     done = parallelize(lenet, None, Layout(), options, objective=Objective())
     assert done.compile_whole and not any(m._compiled_call_impl is not None for m in lenet.modules())
+    # a pipeline rank's part: LeNet's stages each compiled in place (what the schedule calls); a GPT's blocks
+    from polytrain.strategies.layers import Stage, flatten_layers, named_subset
+
+    for name, held in (("lenet", [0, 1, 2]), ("gpt", [0, 1])):
+        model = (
+            build_model("gpt", (8,), 65, small)
+            if name == "gpt"
+            else build_model("lenet", (1, 28, 28), 10, {})
+        )
+        layers = flatten_layers(model)
+        stage = Stage([layers[i][1] for i in held])
+        part = named_subset([layers[i] for i in held])
+        options = Preparation(device=torch.device("cpu"), compile=True, stages=(stage,), whole=model)
+        done = parallelize(part, None, Layout(), options, objective=Objective())
+        compiled = [m for m in part.modules() if m._compiled_call_impl is not None]
+        assert not done.compile_whole and (stage._compiled_call_impl is not None) == (name == "lenet"), name
+        assert len(compiled) == (0 if name == "lenet" else 1), name  # (the GPT's first stage holds one block)

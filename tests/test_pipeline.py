@@ -424,3 +424,18 @@ def test_evaluate_reads_pipeline_run_folders(lenet_run, resnet_runs):
     split, whole = polytrain.evaluate(str(pipeline), device="cpu"), polytrain.evaluate(str(one), device="cpu")
     assert split["count"] == whole["count"] == 12
     assert split["loss"] == pytest.approx(whole["loss"], abs=1e-5) and split["acc"] == whole["acc"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_compiled_stages_train_as_one_device(capfd):
+    """--compile on a pipeline of a model without blocks: each of LeNet's stages compiled in place and held by
+    DDP over 2 pipelines of 2 stages (test_parallelize.py checks what is compiled); one device's steps, in
+    float64."""
+    from conftest import polytrain_here
+
+    done = polytrain_here(
+        capfd, "verify", "--model", "lenet", "--dataset", "mnist-sample", "--strategy", "pipeline",
+        "--devices", "4", "--pipeline-stages", "2", "--compile", "--steps", "2",
+    )  # fmt: skip
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr

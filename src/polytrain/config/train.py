@@ -193,7 +193,11 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             self.split is None or isinstance(self.split, str),
             f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}",
         )
-        _need(not self.compile, "--compile is not supported with --strategy pipeline yet; drop --compile")
+        _need(
+            not (self.compile and self.split_at),
+            "--compile does not combine with --split-at (traced stages) yet; drop --compile, or write the model "
+            "as an nn.Sequential (stages split by --split)",
+        )
         _need(
             not (self.split_at and self.tensor_parallel),
             "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "

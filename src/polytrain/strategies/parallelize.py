@@ -14,7 +14,8 @@ strategy, and changes the module in place; a step whose degree is 1 does nothing
   4. the global batch         BatchNorm and Dropout computed over the global batch where the data ranks each
                               compute a slice, Dropout drawn as one device draws it (global_batch.py)
   5. compile                  with --compile, each block compiled in place (compiled.py); a model without
-                              blocks is compiled whole after step 6 (`Parallelized.compile_whole`)
+                              blocks is compiled whole after step 6 (`Parallelized.compile_whole`), a
+                              pipeline's stages each in place
   6. data parallelism         FSDP2 over the data dimensions (with the context ranks folded in), or DDP copies
                               (`apply_data_parallel`)
   7. materialise              a model built on the meta device given storage and its one-device values (or a
@@ -113,7 +114,7 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
     if options.compile:
         from .compiled import apply_compile
 
-        done.compile_whole = not apply_compile(module)
+        done.compile_whole = not apply_compile(module, whole=options.whole, stages=options.stages)
     if options.data_parallel == "replicate":
         # DDP starts from rank 0's values: every rank holds them all
         _materialise(module, options, done.fused)

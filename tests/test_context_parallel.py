@@ -252,7 +252,7 @@ REFUSALS = {
     ),
     "a model without attention": (
         ["--model", "mlp", "--dataset", "synthetic", "--strategy", "data", "--devices", "2", "--context-parallel", "2"],
-        ["--context-parallel splits the sequences of --model gpt and llama", "mlp"],
+        ["--context-parallel splits the sequences of --model gpt and llama", "MLP has no attention"],
     ),
     "a context that does not cut into head-tail chunks": (
         ["--model", "llama", "--context", "36", "--strategy", "data", "--devices", "4", "--context-parallel", "4"],

@@ -5,10 +5,11 @@ Models: polytrain's (lenet, lenet5, mlp, cifar-cnn, resnet, gpt on the built-in 
 `polytrain tokenize` writes before the launch) by name, and torch-only ones given to
 `polytrain.fit` (tests/matrix_models.py: nn.TransformerEncoderLayer blocks, pytorch/examples' sequence-first
 LSTM with a step=, Hugging Face's LlamaForCausalLM where transformers is installed). Layouts: one device; data,
-sharded, pipeline, parameter-server and tensor on 2 processes; on 4, 2 replicas x 2 pipeline stages, 2 stages x
-2 tensor ranks, 2 FSDP2 replicas x 2 tensor ranks, 2 FSDP2 shards x 2 stages, and hybrid sharding (2 replicas
-of 2 shards). The tensor layouts need a tensor plan: the built-in ones (mlp, gpt, llama) or the one given to
-fit for the Hugging Face Llama (its MLPs split).
+sharded, pipeline, parameter-server, tensor and context parallelism on 2 processes; on 4, 2 replicas x 2 pipeline
+stages, 2 stages x 2 tensor ranks, 2 FSDP2 replicas x 2 tensor ranks, 2 FSDP2 shards x 2 stages, hybrid sharding
+(2 replicas of 2 shards) and 2 stages x 2 context ranks. The tensor layouts need a tensor plan: the built-in ones
+(mlp, gpt, llama) or the one given to fit for the Hugging Face Llama (its MLPs split); the context layouts a model
+whose sequences polytrain splits (gpt, llama).
 
 The cross product is chosen, not complete, so that the launch stays within a few minutes on 2 cores:
 - every model on every layout it takes, with the defaults (fp32, no activation checkpointing);
@@ -76,9 +77,16 @@ LAYOUTS = {  # name: (strategy and its settings, processes)
     "tensor-2x2": ("tensor --tensor-parallel 2", 4),  # 2 replicas (FSDP2) x 2 tensor ranks
     "pipeline-shards": ("pipeline --pipeline-stages 2 --data-parallel shard", 4),  # 2 FSDP2 shards x 2 stages
     "hybrid": ("sharded --replicas 2", 4),  # 2 replicas of 2 FSDP2 shards
+    "context": ("data --context-parallel 2", 2),  # each sequence split over 2 ranks
+    "pipeline-context": ("pipeline --context-parallel 2", 4),  # 2 stages x 2 context ranks
 }
 TENSOR = ["tensor", "pipeline-tensor", "tensor-2x2"]
-PIPELINE = ["pipeline", "pipeline-2x2", "pipeline-tensor", "pipeline-shards"]
+PIPELINE = ["pipeline", "pipeline-2x2", "pipeline-tensor", "pipeline-shards", "pipeline-context"]
+CONTEXT = ["context", "pipeline-context"]
+SEQUENCES = [
+    "gpt",
+    "llama",
+]  # models whose sequences --context-parallel splits (refused below for the others)
 SETTINGS = {
     ("mlp", "pipeline-tensor"): "--split 4"
 }  # (its Linears 1 and 3 split the hidden units between them)
@@ -104,6 +112,8 @@ EXPECTED_REFUSALS = {
         "",
     ): "computes the loss on its last stage from the model's outputs and the targets, "
     "which a model that returns its own loss does not give",
+    ("lenet", "context", ""): "--context-parallel splits the sequences of --model gpt and llama; LeNet",
+    ("encoder", "context", ""): "splits the sequences of model= gpt and llama; EncoderLM has no attention",
     ("lenet", "single", "--activation-checkpointing full"): f"LeNet {CHECKPOINTS_NOTHING}",
     ("lenet5", "single", "--activation-checkpointing full"): f"LeNet5 {CHECKPOINTS_NOTHING}",
     ("mlp", "single", "--activation-checkpointing full"): f"MLP {CHECKPOINTS_NOTHING}",
@@ -132,7 +142,8 @@ KNOWN = {
 def takes(model: str, layout: str) -> bool:
     """Whether `model` trains on `layout` (else it is refused there: `EXPECTED_REFUSALS`)."""
     refused_plan = layout in TENSOR and model not in PLANNED
-    return not refused_plan and not (layout in PIPELINE and model in UNSPLIT)
+    refused_split = layout in CONTEXT and model not in SEQUENCES
+    return not refused_plan and not refused_split and not (layout in PIPELINE and model in UNSPLIT)
 
 
 def reduced(index: int) -> list:

@@ -56,7 +56,8 @@ def make_plan(name: str, config, model, dataset, *, device):
             "an nn.Sequential (stages split by --split), or drop --activation-checkpointing"
         )
     check_activation_checkpointing(model, config.activation_checkpointing)  # the blocks it means, or one line
-    check_context_parallel(model, config.context_parallel or 1, name=config.model or type(model).__name__)
+    # (by its class, as the other checks name it: fit()'s own module is not --model's default, lenet)
+    check_context_parallel(model, config.context_parallel or 1, name=type(model).__name__)
     return STRATEGIES[name].make_plan(config, model, dataset, device=device)
 
 

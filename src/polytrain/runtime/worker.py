@@ -152,15 +152,16 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
 
 
 def _leave_process_groups(error: Optional[BaseException]) -> None:
-    """Destroy the process groups once nothing of the run holds them but their Python objects. DDP's reducer
-    holds its group in C++: where it went last, the group's gloo destructor waited for gloo's threads with the GIL
-    held while one of them needed the GIL to free a collective's tensors (torch's deadlock, pytorch#56297; a worker
-    stopped by Ctrl-C hung at its exit in about 1 of 40 runs, until torch elastic killed it 30 s later). So the
-    run goes first, its frames (a failed or stopped run's traceback holds them) and its reference cycles, while
-    the groups are still registered; then the groups, whose Python objects release the GIL as they go."""
+    """Destroy the process groups once nothing of the run holds them but their Python objects, which release the
+    GIL as they go. DDP's reducer holds its group in C++: where it went last, the gloo group's destructor waited
+    for gloo's threads with the GIL held while one of them needed it (torch's deadlock, pytorch#56297; a worker
+    stopped by Ctrl-C hung at its exit in about 1 of 20 runs with torch._dynamo preloaded). A run that ended
+    released its reducers (`Strategy.close`); a failed one is freed here first, its traceback's frames and the
+    reference cycles that keep its objects (a full collection: about 1 s in a process that has trained many runs,
+    so not on every run)."""
     if error is not None:
         traceback.clear_frames(error.__traceback__)
-    gc.collect()
+        gc.collect()
     dist.destroy_process_group()
 
 

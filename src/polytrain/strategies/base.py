@@ -20,6 +20,7 @@ from ..optim import step_per_epoch
 from ..plan.layout import Layout
 from . import cuda_graphs
 from .activation_checkpoint import apply_activation_checkpointing
+from .ddp import release_reducers
 from .global_batch import slice_offsets
 from .gradients import Gradients
 from .materialise import is_meta, materialise
@@ -410,6 +411,7 @@ class Strategy:
     def close(self) -> None:
         """Called on every rank after training finished normally (background work ends here)."""
         self.graphed = None  # the CUDA graphs' memory goes back with them
+        release_reducers([getattr(self, "runner", None)])
 
     def epoch_extras(self) -> dict:
         """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed."""

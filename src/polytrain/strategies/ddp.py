@@ -91,3 +91,14 @@ def _summed(group, bucket):
     """DDP's all-reduce of one bucket of gradients, summed instead of averaged (torch's collective)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda done: done.value()[0])
+
+
+def release_reducers(modules) -> None:
+    """Drop each DDP module's reducer (and the logger that holds it) once training is over. The reducer holds its
+    process group in C++; where it went last, at the worker's exit, the gloo group's destructor waited for gloo's
+    threads with the GIL held while one of them needed the GIL to free a collective's tensors (torch's deadlock,
+    pytorch#56297: a worker stopped by Ctrl-C hung at its exit). Dropped here, while the groups are registered,
+    the groups go last as Python objects, which release the GIL as they go (runtime/worker.py)."""
+    for module in modules:
+        if isinstance(module, DistributedDataParallel):
+            module.reducer = module.logger = None

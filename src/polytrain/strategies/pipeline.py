@@ -39,6 +39,7 @@ from . import pipeline_parts as parts
 from .activations import receive, send
 from .base import StepStats
 from .checkpoint_parts import load_stage_shards, stage_shard_state
+from .ddp import release_reducers
 from .distributed import Distributed
 from .global_batch import slice_offsets
 from .holdings import local_part
@@ -191,6 +192,10 @@ class Pipeline(Distributed):
         )
         if self.is_main:
             self.placement += done.lines
+
+    def close(self) -> None:
+        super().close()
+        release_reducers(self.stage_modules)  # (copies of stages are DDP modules)
 
     def mark_chunk(self, chunk: int) -> None:
         """Tell the whole-batch Dropout layers which rows of the global batch micro-batch `chunk` holds (before

@@ -213,6 +213,16 @@ def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, par
     return context, line
 
 
+def own_attention(model: nn.Module):
+    """(name, class) of the first attention module of a model's own (torch's nn.MultiheadAttention, or a class
+    named for attention), or None: what a refusal of context parallelism names."""
+    for module_name, module in model.named_modules():
+        kind = type(module).__name__
+        if module_name and (isinstance(module, nn.MultiheadAttention) or "attention" in kind.lower()):
+            return module_name, kind
+    return None
+
+
 def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
     """One line, before any worker starts, where `model` (called `name`) cannot have its sequences split over
     `size` ranks: no attention polytrain can split, a context that does not cut into head-tail chunks, or
@@ -220,10 +230,15 @@ def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
     if size == 1:
         return
     if not sequence_modules(model):
+        own = own_attention(model)
+        why = (
+            f"its {own[0]} ({own[1]}) attends over the whole sequence, which polytrain cannot split"
+            if own
+            else "its attention and positions would need the whole sequence on every rank"
+        )
         raise ConfigError(
             f"--context-parallel splits the sequences of --model gpt and llama; {name} has no attention that "
-            f"polytrain can split (its attention and positions would need the whole sequence on every rank): "
-            f"use --model gpt or llama, or drop --context-parallel"
+            f"polytrain can split ({why}): use --model gpt or llama, or drop --context-parallel"
         )
     if getattr(model, "pools_last_token", False):
         raise ConfigError(

@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .layers import is_attention
 
 # torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
 # that it is deprecated), else `all_gather_tensor_autograd`; used along dim 0, which every version supports
@@ -214,12 +215,11 @@ def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, par
 
 
 def own_attention(model: nn.Module):
-    """(name, class) of the first attention module of a model's own (torch's nn.MultiheadAttention, or a class
-    named for attention), or None: what a refusal of context parallelism names."""
+    """(name, class) of the first attention layer of a model's own (layers.py `is_attention`), or None: what a
+    refusal of context parallelism names."""
     for module_name, module in model.named_modules():
-        kind = type(module).__name__
-        if module_name and (isinstance(module, nn.MultiheadAttention) or "attention" in kind.lower()):
-            return module_name, kind
+        if module_name and is_attention(module):
+            return module_name, type(module).__name__
     return None
 
 

@@ -33,6 +33,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .layers import is_attention
+
 
 class GlobalRows:
     """Which rows of the step's global batch this rank's current pass holds (set by the strategy per pass)."""
@@ -214,7 +216,7 @@ ATTENTION_DROPOUT_NAMES = (
 def _attention_dropout(module: nn.Module) -> float:
     if isinstance(module, nn.MultiheadAttention):
         return module.dropout
-    if "attention" not in type(module).__name__.lower():
+    if not is_attention(module):
         return 0.0
     for name in ATTENTION_DROPOUT_NAMES:
         value = module.__dict__.get(name, module._modules.get(name))

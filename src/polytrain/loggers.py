@@ -112,9 +112,8 @@ class StepLogger(Callback):
         self.log({f"epoch/{key}": value for key, value in numbers.items()}, record["epoch"])
 
     def on_fit_end(self, trainer):
-        self.flush(
-            trainer.metric_names
-        )  # a run stopped within an epoch (--max-steps, a signal) logs its steps too
+        # a run stopped within an epoch (--max-steps, a signal) logs its steps too
+        self.flush(trainer.metric_names)
 
 
 class TensorBoard(StepLogger):

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Tuple
 # on first use, in DistributedDataParallel's and every optimizer's constructor: about 2 s of CPU per worker per
 # launch on a 2-core machine, more than half of a small run's worker). It was left out while a worker stopped by
 # Ctrl-C could hang at its exit (about 1 in 20 stops with it preloaded): that was torch's deadlock in the gloo
-# group's destructor, which worker.py `_leave_process_groups` now avoids
+# group's destructor, which a worker now avoids (ddp.py `release_reducers`, worker.py `_leave_process_groups`)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "polytrain.runtime.worker", "polytrain.strategies"]
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 

@@ -46,7 +46,7 @@ def fsdp_submesh(mesh, layout: Layout):
     return data._unflatten(0, (copies, shards), ("dp_replicate", SHARD_AND_CONTEXT))
 
 
-def copies_group(mesh, layout: Layout):
+def copies_group(mesh):
     """The process group over which whole copies of a part of the model sum their gradients (a pipeline's stages
     as DDP modules): dp_replicate, with the context ranks folded in, since each holds a part of every sequence's
     gradient (flattened as `fsdp_submesh` flattens them for FSDP2)."""

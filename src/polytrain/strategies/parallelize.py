@@ -119,7 +119,7 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         # DDP starts from rank 0's values: every rank holds them all
         _materialise(module, options, done.fused)
         if options.stages:  # a pipeline's copies: each stage over the ranks that hold it in every pipeline
-            group = copies_group(mesh, layout)
+            group = copies_group(mesh)
             done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)
         else:
             done.runner = apply_ddp(module, options.device)

@@ -121,18 +121,16 @@ def holding_lines(strategy) -> list:
     if shards:
         lines.append(shard_line(strategy, heading(slots)))
     for rank in range(layout.world_size):
-        data, pipeline_rank = layout.data_rank(rank), layout.coordinates(rank)["pipeline"]
-        stages = "/".join(map(str, strategy.plan.stages_of_rank(pipeline_rank)))
-        where = f"{data_words(layout, data)}{' of' if shards else ','} stage {stages}"
         at = layout.coordinates(rank)
-        tensor = f", context rank {at['context'] + 1}/{layout.context}" if layout.context > 1 else ""
+        stages = "/".join(map(str, strategy.plan.stages_of_rank(at["pipeline"])))
+        where = f"{data_words(layout, layout.data_rank(rank))}{' of' if shards else ','} stage {stages}"
+        if layout.context > 1:
+            where += f", context rank {at['context'] + 1}/{layout.context}"
         if layout.tensor > 1:
-            tensor += f", tensor slice {at['tensor'] + 1}/{layout.tensor}"
+            where += f", tensor slice {at['tensor'] + 1}/{layout.tensor}"
         mine, stepped_bytes, stage = held[rank]
         whole_stage = f"; the whole stage {figures(stage, slots)}" if shards else ""
-        lines.append(
-            f"  rank {rank}: {where}{tensor}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}"
-        )
+        lines.append(f"  rank {rank}: {where}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}")
     return lines
 
 

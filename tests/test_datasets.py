@@ -235,6 +235,31 @@ def test_loggers_write_tensorboard_csv_and_call_logger_objects(tmp_path):
     assert sum("train/step_loss" in metrics for metrics, _ in recorder.calls) == 12
 
 
+def test_a_resumed_runs_tensorboard_keeps_every_step_once_and_drops_what_followed_the_checkpoint(tmp_path):
+    """The run stops at step 7 (its checkpoint); a crashed predecessor's steps 8 and 9 (written here by hand) are
+    dropped, and the resumed run logs 8 to 12: each step once, step 7 kept."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    x, y = regression(60)
+    common = dict(
+        train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), epochs=2, batch_size=8, num_workers=0,
+        logger=["tensorboard"], **REGRESSION,
+    )  # fmt: skip
+    polytrain.fit(Regressor(), out=str(tmp_path / "run"), max_steps=7, **common)
+    stale = SummaryWriter(str(tmp_path / "run" / "tensorboard"))
+    for step in (8, 9):
+        stale.add_scalar("train/step_loss", 999.0, step)
+    stale.close()
+    polytrain.fit(Regressor(), resume=str(tmp_path / "run"), **common)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("train/step_loss")
+    assert [event.step for event in losses] == list(range(1, 13))
+    assert all(event.value != 999.0 for event in losses)
+
+
 def test_tensorboard_missing_is_one_line_with_the_install_command(monkeypatch):
     import builtins
 

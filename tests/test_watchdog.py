@@ -147,13 +147,7 @@ def test_the_large_llama_the_defaults_killed_gets_a_first_step_allowance_of_minu
     strategy = SimpleNamespace(data_world=8, world_size=8, device=torch.device("cpu"), is_main=False)
     monkeypatch.setattr(worker, "usable_cores", lambda: 2)
     callbacks, _, _ = worker._make_callbacks(
-        job,
-        strategy,
-        SimpleNamespace(local_world_size=8),
-        module_loop=None,
-        run_dir=None,
-        rank=1,
-        start_step=0,
+        job, strategy, SimpleNamespace(local_world_size=8), module_loop=None, rank=1
     )
     (dog,) = [c for c in callbacks if isinstance(c, Watchdog)]
     first = dog._limit()

@@ -178,6 +178,7 @@ def train_run(
         loggers=tuple(loggers),
         callbacks=tuple(callbacks),
         optim=recipe,
+        pretrained=weights if pretrained else None,
         return_weights=return_weights and not in_place,  # trained in place: the weights are in it
         in_place=in_place,
     )

@@ -42,17 +42,13 @@ def split_logger_argument(logger) -> Tuple[Optional[str], tuple]:
     return (",".join(names) or None), objects
 
 
-def make_loggers(
-    names: Iterable[str], objects: Iterable, run_dir: Optional[Path], *, start_step: int = 0
-) -> list:
+def make_loggers(names: Iterable[str], objects: Iterable, run_dir: Optional[Path]) -> list:
     callbacks: List[Callback] = []
     for name in names:
         if run_dir is None:
             raise UserError(f"--logger {name} writes into the run folder; pass --out DIR")
         callbacks.append(
-            TensorBoard(run_dir / "tensorboard", start_step=start_step)
-            if name == "tensorboard"
-            else CSVLog(run_dir / "metrics.csv")
+            TensorBoard(run_dir / "tensorboard") if name == "tensorboard" else CSVLog(run_dir / "metrics.csv")
         )
     callbacks += [StepLogger(obj) for obj in objects]
     return callbacks
@@ -119,13 +115,17 @@ class StepLogger(Callback):
 class TensorBoard(StepLogger):
     """Event files under `RUN_DIR/tensorboard` (view with `tensorboard --logdir RUN_DIR`)."""
 
-    def __init__(self, folder: Path, *, start_step: int = 0):
+    def __init__(self, folder: Path):
         super().__init__()
         check_tensorboard()
+        self.folder, self.writer = folder, None
+
+    def on_fit_start(self, trainer):
         from torch.utils.tensorboard import SummaryWriter
 
-        # a resumed run drops what its predecessor logged after the checkpoint it continues from
-        self.writer = SummaryWriter(str(folder), purge_step=start_step or None)
+        # a resumed run drops what its predecessor logged after the checkpoint it continues from: steps are
+        # logged as the count done after them, so its first is one past the checkpoint's
+        self.writer = SummaryWriter(str(self.folder), purge_step=trainer.step + 1 if trainer.step else None)
 
     def log(self, metrics: dict, step: int) -> None:
         for key, value in metrics.items():

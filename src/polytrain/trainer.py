@@ -54,8 +54,7 @@ class Trainer:
         *,
         epochs: int,
         callbacks=(),
-        position: Optional[Position] = None,
-        history: Optional[History] = None,
+        resumed: Optional[dict] = None,
         checkpointer=None,
         checkpoint_every: int = 0,
         max_steps: int = 0,
@@ -67,8 +66,13 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.epochs = epochs
         self.callbacks = list(callbacks)
-        self.position = position or Position()
-        self.history = history or History()
+        # where training stands: from the checkpoint a run resumes (`resumed`, as Checkpointer.save wrote it)
+        self.position = Position.from_dict(resumed["position"]) if resumed else Position()
+        self.history = (
+            History(list(resumed["history"]), list(resumed.get("validations") or []))
+            if resumed
+            else History()
+        )
         self.steps_per_epoch = len(train_loader)
         self.total_steps = planned_steps(epochs, self.steps_per_epoch)  # --epochs 1.5 ends within epoch 2
         self.checkpointer = checkpointer  # called on every rank; writes on the main rank only
@@ -82,6 +86,8 @@ class Trainer:
         self.interrupted = False  # the stop vote ended training
         self.val_every = val_every  # also validate every this many optimizer steps (0: never)
         self.monitor = monitor or Monitor()  # the best validation so far and the patience spent
+        if resumed:
+            self.monitor.restore(resumed.get("monitor"))
         self.epoch = self.position.epoch + (self.position.step > 0)
         self.latest: dict = {}  # the latest validation's record
         self.last_stats = None  # the latest step's StepStats (on the device), for loggers

@@ -244,6 +244,23 @@ class Checkpointer:
                 {name: tensor.detach().cpu() for name, tensor in weights.items()}, self.run_dir / "best.pt"
             )
 
+    def resume(
+        self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int
+    ) -> Optional[dict]:
+        """Where the run left off, on every rank: the checkpoint read and checked on the main rank and sent to
+        all in one broadcast (None where the run has none), loaded into `strategy`, each rank's random streams
+        restored; the training state it returns is the trainer's (Trainer(resumed=...))."""
+        read = None
+        if self.is_main and self.path.is_file():
+            read = self.read(
+                strategy, batch_size=batch_size, steps_per_epoch=steps_per_epoch, train_samples=train_samples
+            )
+        state = strategy.broadcast_object(read)
+        if state is not None:
+            self.apply(strategy, state)
+            restore_rng(state.get("rng"), rank=strategy.rank, device=strategy.device)
+        return state
+
     def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
         state = safe_load(self.path)

@@ -26,14 +26,14 @@ from ..loggers import make_loggers
 from ..models.lightning import plan_loop
 from ..objective import Objective
 from ..optim import make_recipe
-from ..optim.steps import Position, describe_position
+from ..optim.steps import describe_position
 from ..scaling.flops import flops_per_sample
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
 from ..strategies import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
-from .checkpoint import Checkpointer, restore_rng
+from .checkpoint import Checkpointer
 from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores, usable_cores
 from .pretrained import initial_weights
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
@@ -59,6 +59,9 @@ class Job:
     callbacks: tuple = ()  # the user's callback objects (fit(callbacks=...)), called on the main rank
     bench: Optional[tuple] = None  # (warm-up steps, measured steps): time each step (`polytrain bench`)
     optim: object = None  # optim.Recipe checked by the caller; None: made from the config
+    # --init-from's weights (runtime/pretrained.py initial_weights) where the caller has them (checked against
+    # the model); None: found from the config where it names a folder (a resumed run reads its own checkpoint)
+    pretrained: object = None
     # False: the caller does not take the trained weights back (the command line: they are in the run folder),
     # so a split model is never gathered whole onto one rank
     return_weights: bool = True
@@ -67,8 +70,11 @@ class Job:
     in_place: bool = False
 
     def __post_init__(self):
-        if self.objective is None:  # decided once, where the job is made, not on every rank
+        # decided once, where the job is made, not on every rank
+        if self.objective is None:
             self.objective = Objective(label_smoothing=self.config.label_smoothing)
+        if self.pretrained is None and self.config.init_from is not None and not self.resume:
+            self.pretrained = initial_weights(self.config.init_from, self.model)
 
 
 @dataclass
@@ -140,10 +146,10 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     stop = StopSignal(exit_on_repeat=launcher is not None).install()
     try:
         stop.connect(world)
-        if distributed and job.plan is not None:  # under torchrun every rank planned: follow rank 0's plan
-            box = [job.plan]
+        if distributed:  # under torchrun every rank planned and named a run folder: follow rank 0's
+            box = [(job.plan, job.run_dir)]
             dist.broadcast_object_list(box, src=0)
-            job.plan = box[0]
+            job.plan, job.run_dir = box[0]
         return _train(job, device, rank, world, launcher, stop)
     finally:
         stop.close()
@@ -175,34 +181,38 @@ def _train(
     train_loader, val_loader = _make_loaders(job, strategy, device)
     steps = len(train_loader)
     module_loop = _set_up_model(job, strategy, steps_per_epoch=steps, rank=rank, world=world)
-    run_dir = strategy.broadcast_object(job.run_dir)
+    run_dir = job.run_dir
     checkpointer = (
         Checkpointer(Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint)
         if run_dir
         else None
     )
-    position, history, monitor = _starting_point(
-        job, strategy, checkpointer, launcher, steps_per_epoch=steps, train_loader=train_loader, rank=rank,
-        device=device,
-    )  # fmt: skip
-    callbacks, recorder, clock = _make_callbacks(
-        job, strategy, launcher, module_loop=module_loop, run_dir=run_dir, rank=rank,
-        start_step=position.epoch * steps + position.step,
-    )  # fmt: skip
+    # --resume, or a restart by the elastic agent, continues from the run's checkpoint where it has one
+    restarted = launcher is not None and launcher.restart_count > 0
+    resumed = (
+        checkpointer.resume(
+            strategy,
+            batch_size=config.batch_size,
+            steps_per_epoch=steps,
+            train_samples=train_loader.num_samples,
+        )
+        if checkpointer is not None and (job.resume or restarted)
+        else None
+    )
+    callbacks, recorder, clock = _make_callbacks(job, strategy, launcher, module_loop=module_loop, rank=rank)
     trainer = Trainer(
         strategy,
         train_loader,
         val_loader,
         epochs=config.epochs,
         callbacks=callbacks,
-        position=position,
-        history=history,
+        resumed=resumed,
         checkpointer=checkpointer,
         checkpoint_every=config.checkpoint_every,
         max_steps=config.max_steps,
         stop_vote=stop.should_stop,
         val_every=config.val_every,
-        monitor=monitor,
+        monitor=Monitor(config.monitor, config.monitor_mode, config.patience),
     )
     history = trainer.fit()
     _finish(strategy, trainer, history, checkpointer, stop, run_dir=run_dir, steps_per_epoch=steps)
@@ -266,51 +276,16 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     )
     strategy.schedule_per_step = recipe.per_step
     model = job.model if job.in_place else copy.deepcopy(job.model)
-    if config.init_from is not None and not job.resume:  # (a resumed run reads its own checkpoint)
-        strategy.pretrained = initial_weights(config.init_from, model)
+    strategy.pretrained = job.pretrained
     strategy.setup(model, recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch))
     if job.verbose and strategy.placement:
         print("\n".join(strategy.placement), flush=True)
     return module_loop
 
 
-def _starting_point(
-    job: Job, strategy, checkpointer, launcher, *, steps_per_epoch: int, train_loader, rank: int, device
-) -> tuple:
-    """Where training starts: (position, history, monitor), from the checkpoint on --resume or after a
-    restart, else from the beginning."""
-    config = job.config
-    position, history = Position(), History()
-    monitor = Monitor(config.monitor, config.monitor_mode, config.patience)
-    restarted = launcher is not None and launcher.restart_count > 0
-    if checkpointer is None or not (job.resume or restarted) or not _has_checkpoint(checkpointer, strategy):
-        return position, history, monitor
-    loaded = (
-        checkpointer.read(
-            strategy,
-            batch_size=config.batch_size,
-            steps_per_epoch=steps_per_epoch,
-            train_samples=train_loader.num_samples,
-        )
-        if strategy.is_main
-        else None
-    )
-    state = strategy.broadcast_object(loaded)
-    checkpointer.apply(strategy, state)
-    restore_rng(state.get("rng"), rank=rank, device=device)
-    position, history = (
-        Position.from_dict(state["position"]),
-        History(list(state["history"]), list(state.get("validations") or [])),
-    )
-    monitor.restore(state.get("monitor"))
-    return position, history, monitor
-
-
-def _make_callbacks(
-    job: Job, strategy, launcher, *, module_loop, run_dir, rank: int, start_step: int
-) -> tuple:
+def _make_callbacks(job: Job, strategy, launcher, *, module_loop, rank: int) -> tuple:
     """(callbacks, step recorder or None, step clock or None): what watches the steps, in the order it runs."""
-    config = job.config
+    config, run_dir = job.config, job.run_dir
     callbacks = [module_loop] if module_loop is not None else []
     if strategy.is_main and job.verbose:
         callbacks.append(ProgressBar())
@@ -318,10 +293,7 @@ def _make_callbacks(
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
     if strategy.is_main:
         callbacks += make_loggers(
-            parse_loggers(config.logger),
-            job.loggers,
-            Path(run_dir) if run_dir else None,
-            start_step=start_step,
+            parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None
         )
         if job.callbacks:
             callbacks.append(UserCallbacks(job.callbacks))
@@ -394,7 +366,3 @@ def _result(job: Job, strategy, history, recorder, clock) -> Optional[WorkerResu
     return WorkerResult(
         history, weights, recorder.steps if recorder else None, clock.result if clock else None
     )
-
-
-def _has_checkpoint(checkpointer: Checkpointer, strategy) -> bool:
-    return bool(strategy.broadcast_object(checkpointer.path.is_file() if strategy.is_main else None))

@@ -2,9 +2,11 @@
 one device's activations plus the keys and values its attention gathers whole and its chunks' zero rows,
 counted from the attention's shape, against hand-worked figures and against what a context rank's forward
 keeps, measured on fake tensors in this process (a fake process group of C ranks: the gather runs without
-peers); and the memory check's figure for a context-parallel layout."""
+peers), and beside tensor ranks against the real tensor plan on a fake process group of the layout's ranks;
+and the memory check's figure for a context-parallel layout."""
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -162,3 +164,67 @@ def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
         layout = Layout(shard=2, context=context, tensor=2)
         memory = memory_per_rank(work, "tensor", layout.world_size, optimizer_slots=2, layout=layout)
         assert memory == pytest.approx(held * (1 + 1 + 2) / (2 * context) + 1e6), context
+
+
+def kept_by_a_rank(name: str, layout, rank: int) -> float:
+    """Bytes per sample that `rank` of `layout` keeps for backward in a training forward and loss of `name` at
+    T = 64, prepared by `parallelize` (the built-in tensor plan, context parallelism) on a fake process group
+    of the layout's ranks in this process: the local part of every tensor autograd saves, weights left out."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from polytrain.strategies.mesh import device_mesh, forget_earlier_meshes
+    from polytrain.strategies.parallelize import Preparation, parallelize
+    from polytrain.strategies.tensor import plan_for
+
+    def local(tensor):
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def key(tensor):
+        return local(tensor).untyped_storage()._cdata
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        model, objective, context = MODELS[name](64), Objective(kind="language"), 64
+        plan = None
+        if layout.tensor > 1:
+            config = types.SimpleNamespace(tensor_plan=None, context=context)
+            plan = plan_for(config, model, devices=layout.tensor)
+        mesh = device_mesh(layout, "cpu", keep=("tensor",) if layout.tensor > 1 else ())
+        options = Preparation(device=torch.device("cpu"), tensor_plan=plan)
+        parallelize(model, mesh, layout, options, objective=objective)
+        weights, saved = {key(p) for p in model.parameters()}, {}
+
+        def pack(tensor):
+            if key(tensor) not in weights:
+                saved.setdefault(key(tensor), local(tensor).untyped_storage().nbytes())
+            return tensor
+
+        ids = torch.zeros(BATCH, context // layout.context, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            objective.loss_sum(model(ids), ids)
+        return sum(saved.values()) / BATCH
+    finally:
+        dist.destroy_process_group()
+        forget_earlier_meshes()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
+    """--context-parallel 2 beside 2 tensor ranks: every rank of the 4 keeps half of what a rank of the tensor
+    group alone keeps, plus the gathered keys and values and zero rows of the heads it runs (half the query
+    and key/value heads: `context_part(work, C, tensor=T)`), measured against the real tensor plan on a fake
+    process group. With all the heads counted, the figure would be 2 x 2 x 20 KiB (llama) high."""
+    from polytrain.plan.layout import Layout
+
+    one = activation_profile(
+        MODELS[name](64), Objective(kind="language"), *[torch.zeros(BATCH, 64).long()] * 2
+    )
+    tensor = kept_by_a_rank(name, Layout(tensor=2), 0)
+    work = Workload(
+        compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, activation_bytes=tensor,
+        attention=one["attention"],
+    )  # fmt: skip
+    counted = context_part(work, 2, tensor=2).activation_bytes
+    assert counted < context_part(work, 2).activation_bytes - 2 * 16e3  # fewer heads: less gathered
+    for rank in range(4):
+        assert kept_by_a_rank(name, Layout(context=2, tensor=2), rank) == pytest.approx(counted, abs=2), rank

@@ -14,8 +14,9 @@ queries under the causal mask of their global positions (`causal_attention`): th
 parallelism of the Llama 3 paper. The gather is torch's autograd-aware functional collective, whose backward
 sums each key's and value's gradient over every rank's queries onto the rank that holds the token (a
 reduce-scatter). The older `torch.distributed.nn.functional.all_gather` gives the right output and query
-gradients but wrong key gradients, and is not used. torch's `context_parallel` (ring attention over DTensor)
-is the route on GPUs; on CPU processes it has no sharding rule for the CPU attention kernel.
+gradients but wrong key gradients, and is not used. GPUs run the same gather: torch's `context_parallel` (ring
+attention over DTensor) would overlap it with the attention there, but is not used yet (no GPU has proved it
+here); on CPU processes it has no sharding rule for the CPU attention kernel.
 
 **Switching a model into context-parallel mode.** The GPT's and the Llama's modules that depend on where a
 token is in the sequence declare a class attribute `context_parallel = None`: the GPT's `Embeddings` (rows of

@@ -1,0 +1,133 @@
+"""What the memory check counts for a step's activations, against the tensors a step really holds at its peak and
+against what a CPU process's resident memory grows by.
+
+Run (about 2 minutes on an idle 2-core CPU):
+
+    python benchmarks/memory_check.py
+
+For each model, batch and `--activation-checkpointing` mode, one device, float32:
+- *counted*: the activations the memory check counts for the step (`plan/activations.py` `peak_bytes` of the
+  figures `scaling/activation_memory.py` measures on fake tensors: what the forward saves, and where each
+  checkpointing mode keeps or recomputes it);
+- *live peak*: torch's `MemTracker` (`torch.distributed._tools.mem_tracker`) over a forward, backward and AdamW
+  step on fake tensors: the activations and temporaries alive together at the step's peak, parameters,
+  gradients and optimizer state apart (what a GPU's `max_memory_allocated` sees of them);
+- *RSS after 1 / 3 steps*: a fresh process (1 thread, the C allocator set as polytrain's workers set it,
+  `runtime/hostenv.py` `keep_freed_memory`) trains the same step on real tensors; its peak resident memory above
+  what it held before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+MiB = 2**20
+CASES = (  # (model, context, batch)
+    ("llama", 4096, 4),
+    ("gpt", 1024, 16),
+)
+MODES = ("none", "selective", "full")
+
+
+def build(name: str, context: int):
+    from polytrain.models.gpt import GPT
+    from polytrain.models.llama import Llama
+
+    if name == "llama":
+        return Llama(65, context=context, layers=2, heads=4, kv_heads=2, width=128)
+    return GPT(65, context=context, layers=4, heads=4, width=128)
+
+
+def loss_of(objective, model, ids):
+    loss = objective.loss_sum(model(ids), ids)
+    return loss[0] if isinstance(loss, tuple) else loss
+
+
+def counted(name: str, context: int, batch: int, mode: str) -> float:
+    import torch
+
+    from polytrain.objective import Objective
+    from polytrain.plan.activations import peak_bytes
+    from polytrain.plan.costmodel import Workload
+    from polytrain.scaling.activation_memory import activation_profile
+
+    ids = torch.zeros(batch, context, dtype=torch.long)
+    figures = activation_profile(build(name, context), Objective(kind="language"), ids, ids)
+    work = Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=batch, **figures)
+    return peak_bytes(work, mode) * batch
+
+
+def live_peak(name: str, context: int, batch: int, mode: str) -> float:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from polytrain.objective import Objective
+    from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+
+    with FakeTensorMode():
+        model = build(name, context)
+        apply_activation_checkpointing(model, mode)
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            loss_of(
+                Objective(kind="language"), model, torch.zeros(batch, context, dtype=torch.long)
+            ).backward()
+            optimizer.step()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    kinds = {str(kind).rsplit(".", 1)[-1]: value for kind, value in peak.items()}
+    return kinds["ACT"] + kinds["TEMP"]
+
+
+def resident(name: str, context: int, batch: int, mode: str, steps: int) -> float:
+    """Peak resident bytes above the level before the first step, in a fresh process."""
+    code = f"""
+import json, torch
+from polytrain.runtime.hostenv import keep_freed_memory
+from polytrain.objective import Objective
+from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+import benchmarks.memory_check as here
+keep_freed_memory(model_bytes=0)
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = here.build({name!r}, {context})
+apply_activation_checkpointing(model, {mode!r})
+optimizer = torch.optim.AdamW(model.parameters())
+objective, ids = Objective(kind="language"), torch.randint(0, 65, ({batch}, {context}))
+def status(field):
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
+before = status("VmRSS")
+for _ in range({steps}):
+    here.loss_of(objective, model, ids).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(json.dumps(status("VmHWM") - before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    print("| model, T, batch | checkpointing | counted MiB | live peak MiB | live / counted | RSS after 1 step MiB "
+          "| RSS after 3 steps MiB | RSS (3) / live |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, context, batch in CASES:
+        for mode in MODES:
+            count, live = counted(name, context, batch, mode), live_peak(name, context, batch, mode)
+            one, three = (resident(name, context, batch, mode, steps) for steps in (1, 3))
+            print(
+                f"| {name}, {context}, {batch} | {mode} | {count / MiB:.0f} | {live / MiB:.0f} | {live / count:.2f} "
+                f"| {one / MiB:.0f} | {three / MiB:.0f} | {three / live:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

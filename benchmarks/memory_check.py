@@ -1,9 +1,10 @@
 """What the memory check counts for a step's activations, against the tensors a step really holds at its peak and
 against what a CPU process's resident memory grows by.
 
-Run (about 2 minutes on an idle 2-core CPU):
+Run from the repository's root (about 3 minutes on an idle 2-core CPU):
 
-    python benchmarks/memory_check.py
+    python benchmarks/memory_check.py                      # both parts
+    python benchmarks/memory_check.py --parts allocator    # the second alone
 
 For each model, batch and `--activation-checkpointing` mode, one device, float32:
 - *counted*: the activations the memory check counts for the step (`plan/activations.py` `peak_bytes` of the
@@ -15,6 +16,11 @@ For each model, batch and `--activation-checkpointing` mode, one device, float32
 - *RSS after 1 / 3 steps*: a fresh process (1 thread, the C allocator set as polytrain's workers set it,
   `runtime/hostenv.py` `keep_freed_memory`) trains the same step on real tensors; its peak resident memory above
   what it held before the first step.
+
+Then (`allocator`), for the Llama without and with full checkpointing, the C allocator's two settings
+(`keep_freed_memory`: freed blocks kept in the heap, polytrain's default, or given back at once, for a large model
+or where the memory check finds the kept heap would not fit): the median step and, over one step sampled after
+every operation, the peaks of what malloc hands out, of its heap with its mapped blocks, and of resident memory.
 """
 
 from __future__ import annotations
@@ -112,9 +118,81 @@ print(json.dumps(status("VmHWM") - before))
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def allocator(name: str, context: int, batch: int, mode: str, large: bool, steps: int = 4) -> dict:
+    """In a fresh process (2 threads): median step seconds over `steps` steps after the first, and the peaks
+    above the start of what glibc's malloc hands out (`mallinfo2`: in-use bytes, and the heap with its mapped
+    blocks) and of resident memory, sampled after every operation of the last step; with the C allocator as
+    polytrain sets it for a model under 1 GiB (`large` False: freed blocks kept in the heap) or over (True: blocks
+    over 1 MiB mapped on their own and given back when freed)."""
+    code = f"""
+import ctypes, json, statistics, time, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from polytrain.runtime.hostenv import LARGE_MODEL, keep_freed_memory
+from polytrain.objective import Objective
+from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+import benchmarks.memory_check as here
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def now():
+    info = libc.mallinfo2()
+    rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    return dict(in_use=info.uordblks + info.hblkhd, heap=info.arena + info.hblkhd, rss=rss)
+keep_freed_memory(model_bytes=LARGE_MODEL if {large} else 0)
+torch.set_num_threads(2)
+torch.manual_seed(0)
+model = here.build({name!r}, {context})
+apply_activation_checkpointing(model, {mode!r})
+optimizer = torch.optim.AdamW(model.parameters())
+objective, ids = Objective(kind="language"), torch.randint(0, 65, ({batch}, {context}))
+start, peak, seconds = now(), dict(in_use=0, heap=0, rss=0), []
+class Sample(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {{}}))
+        for key, value in now().items():
+            peak[key] = max(peak[key], value - start[key])
+        return out
+def step():
+    here.loss_of(objective, model, ids).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+for _ in range({steps}):
+    began = time.perf_counter()
+    step()
+    seconds.append(time.perf_counter() - began)
+with Sample():
+    step()
+print(json.dumps(dict(peak, seconds=statistics.median(seconds[1:]))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--parts", default="count,allocator", help="count, allocator, or both (comma-separated)"
+    )
+    parts = parser.parse_args(argv).parts.split(",")
+    if "allocator" in parts:
+        print(
+            "| model, T, batch | checkpointing | C allocator | step s | malloc in use MiB | heap MiB | RSS MiB |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, context, batch in CASES[:1]:
+            for mode in ("none", "full"):
+                for large in (False, True):
+                    got = allocator(name, context, batch, mode, large)
+                    print(
+                        f"| {name}, {context}, {batch} | {mode} | {'mapped over 1 MiB' if large else 'kept'} "
+                        f"| {got['seconds']:.2f} | {got['in_use'] / MiB:.0f} | {got['heap'] / MiB:.0f} "
+                        f"| {got['rss'] / MiB:.0f} |",
+                        flush=True,
+                    )
+    if "count" not in parts:
+        return
     print("| model, T, batch | checkpointing | counted MiB | live peak MiB | live / counted | RSS after 1 step MiB "
           "| RSS after 3 steps MiB | RSS (3) / live |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -188,3 +188,60 @@ def test_only_what_the_check_itself_finds_would_fit_is_proposed(llama_8b, monkey
             slots=2,
             dataset=dataset,
         )
+
+
+def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit(
+    monkeypatch, tmp_path, capsys
+):
+    """The check's figures are the count (memory_per_rank with and without activations); where the tensors fit
+    but a heap keeping freed blocks (HEAP_KEEPS x the activations more) would not, the command line says so in
+    one line and its process trains with freed blocks given back (runtime/hostenv.py keep_freed_memory)."""
+    from polytrain.cli import main
+    from polytrain.data import load_dataset
+    from polytrain.plan.memory import memory_per_rank
+    from polytrain.runtime import worker
+
+    shape = dict(layers=2, width=64, heads=4, kv_heads=2, context=128)
+    settings = dict(model="llama", dataset="shakespeare", batch_size=8, max_steps=1, **shape)
+    data = load_dataset("shakespeare", context=128)
+    model = build_model_on_meta("llama", data.input_shape, data.num_classes, shape)
+    config = TrainConfig(**settings)
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: 64 * GIB)
+    found = fits.check_fits(
+        config, model, "single", name="llama", device=torch.device("cpu"), slots=2, dataset=data
+    )
+    work = fits.model_workload(
+        model, batch_size=8, **fits.measured_activations(model, data, torch.device("cpu"))
+    )
+    assert found.needed == memory_per_rank(work, "single", 1, optimizer_slots=2)
+    assert 1e6 < found.activations < found.needed and not found.gives_back_memory()
+    between = found.needed + fits.HEAP_KEEPS * found.activations / 2
+    assert fits.Fit(found.needed, found.activations, between).gives_back_memory()
+    assert not fits.Fit(found.needed, found.activations, between + found.activations).gives_back_memory()
+
+    calls = []
+    monkeypatch.setattr(worker, "keep_freed_memory", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(worker, "allocator_is_ours", lambda: True)  # the command line's own process
+    flags = [
+        "--model",
+        "llama",
+        "--dataset",
+        "shakespeare",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "1",
+        "--layers",
+        "2",
+    ]
+    flags += ["--width", "64", "--heads", "4", "--kv-heads", "2", "--context", "128", "--out"]
+    lines = {}
+    for available, gives_back in ((between, True), (64 * GIB, False)):
+        monkeypatch.setattr(fits, "available_per_rank", lambda device, devices, limit=available: limit)
+        assert main(["train", *flags, str(tmp_path / str(gives_back))]) == 0
+        lines[gives_back] = [
+            line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: ")
+        ]
+        assert calls.pop()["give_back"] is gives_back
+    assert lines[False] == [] and len(lines[True]) == 1
+    assert "gives freed blocks back to the system at once" in lines[True][0], lines[True]

@@ -28,7 +28,7 @@ from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
-from .runtime.hostenv import launcher_env
+from .runtime.hostenv import allocator_is_ours, launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
 from .runtime.launch import check_devices, spawns_workers
 from .runtime.own_module import attributes_kept, left_as_given, trains_in_place, workers_note
@@ -146,9 +146,14 @@ def train_run(
             if shout:
                 print(note, flush=True)
         name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
-        check_fits(
+        fit = check_fits(
             config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset
         )
+        # (only a process of polytrain's own has its C allocator set: never the caller's)
+        ours = launcher is not None or allocator_is_ours() or spawns_workers(strategy, config.devices)
+        give_back = ours and device.type == "cpu" and fit.gives_back_memory()
+        if shout and give_back:
+            print(fit.line(), flush=True)
         plan = make_plan(strategy, config, module, dataset, device=device)
     in_place = trains_in_place(
         module if own else None, strategy=strategy, devices=config.devices, launched=launcher is not None
@@ -179,6 +184,7 @@ def train_run(
         callbacks=tuple(callbacks),
         optim=recipe,
         pretrained=weights if pretrained else None,
+        give_back_memory=give_back,
         return_weights=return_weights and not in_place,  # trained in place: the weights are in it
         in_place=in_place,
     )

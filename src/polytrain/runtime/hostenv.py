@@ -29,20 +29,32 @@ def share_cores(processes_on_this_machine: int) -> int:
 LARGE_MODEL = 2**30  # bytes of parameters from which a process gives freed memory back at once
 
 
-def keep_freed_memory(*, model_bytes: int = 0) -> bool:
+_OWNED = []  # [True] once polytrain has set this process's C allocator: a process of its own
+
+
+def allocator_is_ours() -> bool:
+    """Whether this process is polytrain's own (the command line, a worker), whose C allocator it sets."""
+    return bool(_OWNED)
+
+
+def keep_freed_memory(*, model_bytes: int = 0, give_back: bool = False) -> bool:
     """Stop glibc from returning and re-mapping activation buffers on every step.
 
     By default glibc serves blocks over 128 KB with mmap and gives them back on free, so each training step
     page-faults its activations in again (measured: ~30k faults and 90-100 ms per step instead of 61-70 ms,
     LeNet at batch 512 on 2 threads; docs/benchmarks.md). Fixed thresholds keep the memory in the heap.
-    For a model of `LARGE_MODEL` bytes or more the opposite: blocks over 1 MB are mapped on their own and
-    given back when freed, since a heap that keeps up to a GiB per process of freed gathered layers and
-    optimizer temporaries is what makes 8 processes of a 1e9-parameter model run out of memory (measured).
-    Only for processes polytrain owns (the command line and its workers); a no-op off glibc.
+    For a model of `LARGE_MODEL` bytes or more, or where asked (`give_back`: the memory check found that a heap
+    keeping freed blocks would outgrow what the process has, scaling/fits.py `Fit.gives_back_memory`), the
+    opposite: blocks over 1 MB are mapped on their own and given back when freed, since a heap that keeps up to a
+    GiB per process of freed gathered layers and optimizer temporaries is what makes 8 processes of a
+    1e9-parameter model run out of memory (measured), and a fragmented heap holds up to 1.25x a step's
+    activations beyond them (benchmarks/memory_check.py). Only for processes polytrain owns (the command line
+    and its workers); a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
         return False
-    large = model_bytes >= LARGE_MODEL
+    _OWNED[:] = [True]
+    large = give_back or model_bytes >= LARGE_MODEL
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, (1 if large else 32) * 1024 * 1024)) and bool(

@@ -34,7 +34,14 @@ from ..strategies import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
 from .checkpoint import Checkpointer
-from .hostenv import LauncherEnv, keep_freed_memory, launcher_env, share_cores, usable_cores
+from .hostenv import (
+    LauncherEnv,
+    allocator_is_ours,
+    keep_freed_memory,
+    launcher_env,
+    share_cores,
+    usable_cores,
+)
 from .pretrained import initial_weights
 from .stopping import StopSignal, TrainingInterrupted, interrupted_message
 from .watchdog import Allowance, Watchdog, first_step_work, predicted_step_seconds
@@ -62,6 +69,9 @@ class Job:
     # --init-from's weights (runtime/pretrained.py initial_weights) where the caller has them (checked against
     # the model); None: found from the config where it names a folder (a resumed run reads its own checkpoint)
     pretrained: object = None
+    # a CPU process gives freed blocks back to the system at once, where the memory check found that a heap
+    # keeping them would outgrow what it has (scaling/fits.py `Fit.gives_back_memory`)
+    give_back_memory: bool = False
     # False: the caller does not take the trained weights back (the command line: they are in the run folder),
     # so a split model is never gathered whole onto one rank
     return_weights: bool = True
@@ -137,10 +147,11 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     distributed = STRATEGIES[job.strategy].needs_process_group
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if launcher is not None:  # a process started for training: tune it (never the caller's)
-        keep_freed_memory(model_bytes=sum(p.numel() * p.element_size() for p in job.model.parameters()))
-        if device.type == "cpu":
-            share_cores(local_world)
+    if launcher is not None or allocator_is_ours():  # a process started for training, or the command line's
+        model_bytes = sum(p.numel() * p.element_size() for p in job.model.parameters())
+        keep_freed_memory(model_bytes=model_bytes, give_back=job.give_back_memory)
+    if launcher is not None and device.type == "cpu":  # (never the caller's)
+        share_cores(local_world)
     if distributed and not dist.is_initialized():
         join_process_group("nccl" if device.type == "cuda" else "gloo", launcher)
     stop = StopSignal(exit_on_repeat=launcher is not None).install()

@@ -7,6 +7,12 @@ holds at the peak of its backward pass are counted as --activation-checkpointing
 measured on fake tensors by activation_memory.py), on a context rank its part of each sequence's with the
 keys and values its attention gathers and its chunks' zero rows (`context_part`); where they cannot be
 measured they are left out and the figure is a lower bound.
+
+What it counts is tensors, as a GPU's allocator holds them. A CPU process holds more where its C allocator keeps
+freed blocks in its heap for the next step (runtime/hostenv.py `keep_freed_memory`, several times faster than
+mapping them afresh): the heap fragments, and resident memory grows past the live tensors by up to `HEAP_KEEPS`
+times the activations. A layout that fits only without that gets a process that gives freed blocks back at
+once (`Fit.gives_back_memory`: steps 1.25-1.4x slower, but within the memory it has).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,6 +30,35 @@ from ..errors import UserError
 from ..plan.costmodel import Workload
 from ..plan.layout import Layout, layout_of_label, layout_or_none
 from ..plan.memory import memory_per_rank
+
+# what a CPU process's heap, keeping freed blocks, holds beyond the live tensors at a step's peak, per byte of
+# activations: 0.7 without activation checkpointing and 1.2 with full (a Llama at T 4096, batch 4, 2 threads;
+# `python benchmarks/memory_check.py --parts allocator`, docs/benchmarks.md)
+HEAP_KEEPS = 1.25
+
+
+@dataclass
+class Fit:
+    """What the memory check found for a rank: bytes of tensors at its step's peak (`needed`), of them the
+    activations, and what the rank has."""
+
+    needed: float
+    activations: float
+    available: float
+
+    def gives_back_memory(self) -> bool:
+        """Whether a CPU process must give freed blocks back to the system at once to stay within what it has:
+        where its heap, keeping them, would hold `HEAP_KEEPS` x the activations more than the tensors."""
+        return self.needed + HEAP_KEEPS * self.activations > self.available
+
+    def line(self) -> str:
+        """Why a CPU process gives freed memory back (a start-up line)."""
+        return (
+            f"memory: each process gives freed blocks back to the system at once (steps up to about 1.4x slower): "
+            f"it needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, and has "
+            f"{_size(self.available)}; a heap that kept freed blocks would hold up to "
+            f"{_size(self.needed + HEAP_KEEPS * self.activations)}"
+        )
 
 
 def available_bytes(device: torch.device, devices: int) -> float:
@@ -50,6 +86,10 @@ def available_per_rank(device: torch.device, devices: int) -> float:
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def _size(nbytes: float) -> str:
+    return _gib(nbytes) if nbytes >= 2**30 else f"{nbytes / 2**20:,.0f} MiB"
 
 
 def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, **activations) -> Workload:
@@ -121,10 +161,11 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
 
 def check_fits(
     config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int, dataset=None
-) -> None:
+) -> Fit:
     """One line, before any worker starts, where each rank of `strategy` on `config.devices` would need more
     memory than it has: the figures, and only settings that the same count shows would fit, each with its
-    figure. With `dataset`, the activations of each rank's slice of the batch are counted."""
+    figure; else what it counted (`Fit`). With `dataset`, the activations of each rank's slice of the batch are
+    counted."""
     devices = config.devices
     layout = layout_for(config, strategy) or layout_of_label(strategy, devices)
     split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
@@ -144,8 +185,12 @@ def check_fits(
 
     needed = needs(label, devices, mode, accumulate, layout)
     available = available_per_rank(device, devices)
+    weights_only = dataclasses.replace(work, activation_bytes=0.0)
+    activations = needed - memory_per_rank(
+        weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
+    )
     if needed <= available:
-        return
+        return Fit(needed, activations, available)
     where = (
         "free on the GPU"
         if device.type == "cuda"
@@ -166,11 +211,7 @@ def check_fits(
     held = "before activations"
     lower = "; the activations come on top; --activation-checkpointing full and --precision bf16 lower them"
     if work.activation_bytes:
-        weights_only = dataclasses.replace(work, activation_bytes=0.0)
-        per_rank = needed - memory_per_rank(
-            weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
-        )
-        held, lower = f"{_gib(per_rank)} of activations with --activation-checkpointing {mode}", ""
+        held, lower = f"{_gib(activations)} of activations with --activation-checkpointing {mode}", ""
     raise UserError(
         f"{name} ({sum(p.numel() for p in model.parameters()) / 1e9:,.2f}B parameters) "
         f"does not fit --strategy {strategy} on {devices} device(s): each rank needs at least "

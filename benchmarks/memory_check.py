@@ -176,6 +176,19 @@ def main(argv=None) -> None:
         "--parts", default="count,allocator", help="count, allocator, or both (comma-separated)"
     )
     parts = parser.parse_args(argv).parts.split(",")
+    if "count" in parts:
+        print("| model, T, batch | checkpointing | counted MiB | live peak MiB | live / counted | RSS after 1 step MiB "
+              "| RSS after 3 steps MiB | RSS (3) / live |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name, context, batch in CASES:
+            for mode in MODES:
+                count, live = counted(name, context, batch, mode), live_peak(name, context, batch, mode)
+                one, three = (resident(name, context, batch, mode, steps) for steps in (1, 3))
+                print(
+                    f"| {name}, {context}, {batch} | {mode} | {count / MiB:.0f} | {live / MiB:.0f} | {live / count:.2f} "
+                    f"| {one / MiB:.0f} | {three / MiB:.0f} | {three / live:.2f} |",
+                    flush=True,
+                )
     if "allocator" in parts:
         print(
             "| model, T, batch | checkpointing | C allocator | step s | malloc in use MiB | heap MiB | RSS MiB |"
@@ -191,20 +204,6 @@ def main(argv=None) -> None:
                         f"| {got['rss'] / MiB:.0f} |",
                         flush=True,
                     )
-    if "count" not in parts:
-        return
-    print("| model, T, batch | checkpointing | counted MiB | live peak MiB | live / counted | RSS after 1 step MiB "
-          "| RSS after 3 steps MiB | RSS (3) / live |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, context, batch in CASES:
-        for mode in MODES:
-            count, live = counted(name, context, batch, mode), live_peak(name, context, batch, mode)
-            one, three = (resident(name, context, batch, mode, steps) for steps in (1, 3))
-            print(
-                f"| {name}, {context}, {batch} | {mode} | {count / MiB:.0f} | {live / MiB:.0f} | {live / count:.2f} "
-                f"| {one / MiB:.0f} | {three / MiB:.0f} | {three / live:.2f} |",
-                flush=True,
-            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import pytest
 import torch
 from processes import polytrain
 
+import polytrain as polytrain_api
 from polytrain.config import TrainConfig
 from polytrain.errors import UserError
 from polytrain.models import build_model_on_meta
@@ -221,7 +222,6 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
 
     calls = []
     monkeypatch.setattr(worker, "keep_freed_memory", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr(worker, "allocator_is_ours", lambda: True)  # the command line's own process
     flags = [
         "--model",
         "llama",
@@ -244,4 +244,20 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
         ]
         assert calls.pop()["give_back"] is gives_back
     assert lines[False] == [] and len(lines[True]) == 1
-    assert "gives freed blocks back to the system at once" in lines[True][0], lines[True]
+    assert "freed blocks are given back to the system at once" in lines[True][0], lines[True]
+    # fit() on one device trains in the caller's own process: its allocator is never set, whatever the check found
+    monkeypatch.setattr(fits.Fit, "gives_back_memory", lambda self: True)
+    polytrain_api.fit("llama", "shakespeare", batch_size=8, max_steps=1, out=str(tmp_path / "fit"), **shape)
+    assert calls == [] and "memory: " not in capsys.readouterr().out
+
+
+def test_under_a_launcher_the_host_is_shared_by_its_own_ranks_only(llama_8b, monkeypatch):
+    """16 ranks on 2 hosts (torchrun's local world of 8): each rank has 1/8 of its host's memory, not 1/16."""
+    shares = []
+    monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: shares.append(devices) or 8 * GIB)
+    config = TrainConfig(model="llama", strategy="sharded", devices=16)
+    with pytest.raises(UserError, match=r"the host's available memory / 8 processes"):
+        fits.check_fits(
+            config, llama_8b, "sharded", name="llama", device=torch.device("cpu"), slots=2, on_this_host=8
+        )
+    assert shares == [8]

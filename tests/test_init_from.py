@@ -200,6 +200,27 @@ def test_the_comparison_sees_wrong_weights(checkpoints, tmp_path):
         assert (seeded.eval()(ids) - hf(ids).logits).abs().max().item() > 0.1
 
 
+def test_a_run_resumed_before_its_first_checkpoint_starts_from_the_pretrained_weights_again(
+    checkpoints, tmp_path
+):
+    """A run stopped before it wrote a checkpoint (here: its checkpoint and weights removed) and continued with
+    --resume trains from the start, from --init-from's weights (it trained from the seed's)."""
+    from polytrain.cli import main
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype=torch.float32).eval()
+    ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
+    run = tmp_path / "run"
+    flags = ["--init-from", str(checkpoints["qwen2"]), "--dataset", "shakespeare", "--context", "16"]
+    flags += ["--batch-size", "4", "--max-steps", "1", "--lr", "1e-30", "--device", "cpu", "--out", str(run)]
+    assert main(["train", *flags]) == 0
+    for name in ("checkpoint.pt", "model.pt", "best.pt", "metrics.jsonl"):
+        (run / name).unlink(missing_ok=True)
+    assert main(["train", "--resume", str(run)]) == 0
+    _, _, model = load_run(run)
+    with torch.no_grad():
+        assert (model.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-5
+
+
 def test_settings_come_from_the_config(checkpoints):
     values = dict(init_from=str(checkpoints["llama"]))
     model, given = apply_checkpoint(values, set())

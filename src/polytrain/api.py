@@ -28,6 +28,7 @@ from .models.lightning import is_lightning, lightning_parts
 from .models.meta import from_factory, give_values
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
+from .runtime.checkpoint import has_checkpoint
 from .runtime.hostenv import allocator_is_ours, launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
 from .runtime.launch import check_devices, spawns_workers
@@ -105,7 +106,9 @@ def train_run(
         dataset, objective = prepare_data(
             config, model, data, train, val, loss=loss, metrics=metrics, step=step, eval_step=eval_step, shout=shout
         )  # fmt: skip
-        pretrained = config.init_from is not None and resume_dir is None
+        # --init-from's weights, unless the run continues from a checkpoint of its own (a resumed or restarted
+        # run that stopped before its first checkpoint starts from them again)
+        pretrained = config.init_from is not None and (resume_dir is None or not has_checkpoint(resume_dir))
         if pretrained:
             check_vocabulary(config, dataset)
         check_same_tokenizer(
@@ -147,8 +150,9 @@ def train_run(
                 print(note, flush=True)
         name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
         fit = check_fits(
-            config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset
-        )
+            config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset,
+            on_this_host=launcher.local_world_size if launcher else None,
+        )  # fmt: skip
         # (only a process of polytrain's own has its C allocator set: never the caller's)
         ours = launcher is not None or allocator_is_ours() or spawns_workers(strategy, config.devices)
         give_back = ours and device.type == "cpu" and fit.gives_back_memory()

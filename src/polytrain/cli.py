@@ -360,13 +360,14 @@ def run_command(argv=None) -> int:
         parser.print_help()
         return 0
     from .commands import COMMANDS
-    from .runtime.hostenv import keep_freed_memory
+    from .runtime.hostenv import keep_freed_memory, own_process
     from .runtime.launch import WorkerFailed
     from .runtime.stopping import TrainingInterrupted
 
     keep_freed_memory()  # this process is ours: see hostenv.keep_freed_memory
     try:
-        return COMMANDS[args.command](args)
+        with own_process():
+            return COMMANDS[args.command](args)
     except TrainingInterrupted as stop:
         print(f"polytrain: {stop}", file=sys.stderr)
         return stop.exit_code

@@ -34,6 +34,7 @@ from ..run_dir import atomic_write_bytes
 from . import shards
 
 FORMAT = "polytrain-checkpoint-1"
+TRAINING_STATE = ("position", "history", "validations", "monitor")  # the trainer's part, as `save` writes it
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -248,18 +249,28 @@ class Checkpointer:
         self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int
     ) -> Optional[dict]:
         """Where the run left off, on every rank: the checkpoint read and checked on the main rank and sent to
-        all in one broadcast (None where the run has none), loaded into `strategy`, each rank's random streams
-        restored; the training state it returns is the trainer's (Trainer(resumed=...))."""
+        all in one broadcast (None where the run has none; a checkpoint that does not fit this run is refused on
+        every rank alike, none left waiting), loaded into `strategy`, each rank's random streams restored. Returns
+        the trainer's part of it (Trainer(resumed=...)): where training stood; the weights are not kept."""
         read = None
         if self.is_main and self.path.is_file():
-            read = self.read(
-                strategy, batch_size=batch_size, steps_per_epoch=steps_per_epoch, train_samples=train_samples
-            )
+            try:
+                read = self.read(
+                    strategy,
+                    batch_size=batch_size,
+                    steps_per_epoch=steps_per_epoch,
+                    train_samples=train_samples,
+                )
+            except CheckpointError as error:
+                read = str(error)  # sent as it is, raised on every rank
         state = strategy.broadcast_object(read)
-        if state is not None:
-            self.apply(strategy, state)
-            restore_rng(state.get("rng"), rank=strategy.rank, device=strategy.device)
-        return state
+        if isinstance(state, str):
+            raise CheckpointError(state)
+        if state is None:
+            return None
+        self.apply(strategy, state)
+        restore_rng(state.get("rng"), rank=strategy.rank, device=strategy.device)
+        return {key: state[key] for key in TRAINING_STATE if key in state}
 
     def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""
@@ -345,10 +356,15 @@ class Progress:
         return describe_position(self.epoch, self.step, self.steps_per_epoch)
 
 
+def has_checkpoint(run_dir) -> bool:
+    """Whether the run in `run_dir` has written a checkpoint (a run stopped before its first has none)."""
+    return (Path(run_dir) / "checkpoint.pt").is_file()
+
+
 def read_progress(run_dir) -> Optional[Progress]:
     """The run's progress, or None when it has no checkpoint yet."""
     path = Path(run_dir) / "checkpoint.pt"
-    if not path.is_file():
+    if not has_checkpoint(run_dir):
         return None
     state = safe_load(path)
     position = state.get("position")

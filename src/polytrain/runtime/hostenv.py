@@ -3,6 +3,7 @@ ask too): its share of the cores as torch threads, how many CPU workers are wort
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 
@@ -29,11 +30,22 @@ def share_cores(processes_on_this_machine: int) -> int:
 LARGE_MODEL = 2**30  # bytes of parameters from which a process gives freed memory back at once
 
 
-_OWNED = []  # [True] once polytrain has set this process's C allocator: a process of its own
+_OWNED = []  # not empty while this process runs a command of polytrain's (`own_process`)
+
+
+@contextlib.contextmanager
+def own_process():
+    """Within: this process is polytrain's own (the command line's), whose C allocator it may set (a worker is
+    known by its launcher's environment instead); never a process that calls fit()."""
+    _OWNED.append(True)
+    try:
+        yield
+    finally:
+        _OWNED.pop()
 
 
 def allocator_is_ours() -> bool:
-    """Whether this process is polytrain's own (the command line, a worker), whose C allocator it sets."""
+    """Whether this process runs a command of polytrain's (`own_process`), whose C allocator it sets."""
     return bool(_OWNED)
 
 
@@ -53,7 +65,6 @@ def keep_freed_memory(*, model_bytes: int = 0, give_back: bool = False) -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    _OWNED[:] = [True]
     large = give_back or model_bytes >= LARGE_MODEL
     try:
         libc = ctypes.CDLL("libc.so.6")

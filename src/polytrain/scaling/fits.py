@@ -54,8 +54,8 @@ class Fit:
     def line(self) -> str:
         """Why a CPU process gives freed memory back (a start-up line)."""
         return (
-            f"memory: each process gives freed blocks back to the system at once (steps up to about 1.4x slower): "
-            f"it needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, and has "
+            f"memory: freed blocks are given back to the system at once (steps up to about 1.4x slower): each "
+            f"process needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, and has "
             f"{_size(self.available)}; a heap that kept freed blocks would hold up to "
             f"{_size(self.needed + HEAP_KEEPS * self.activations)}"
         )
@@ -160,12 +160,21 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
 
 
 def check_fits(
-    config, model: nn.Module, strategy: str, *, name: str, device: torch.device, slots: int, dataset=None
+    config,
+    model: nn.Module,
+    strategy: str,
+    *,
+    name: str,
+    device: torch.device,
+    slots: int,
+    dataset=None,
+    on_this_host: Optional[int] = None,
 ) -> Fit:
     """One line, before any worker starts, where each rank of `strategy` on `config.devices` would need more
     memory than it has: the figures, and only settings that the same count shows would fit, each with its
     figure; else what it counted (`Fit`). With `dataset`, the activations of each rank's slice of the batch are
-    counted."""
+    counted. `on_this_host`: how many of the ranks share this host's memory (under a launcher, its local
+    world; default all of them)."""
     devices = config.devices
     layout = layout_for(config, strategy) or layout_of_label(strategy, devices)
     split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
@@ -184,7 +193,8 @@ def check_fits(
         )
 
     needed = needs(label, devices, mode, accumulate, layout)
-    available = available_per_rank(device, devices)
+    sharing = on_this_host or devices
+    available = available_per_rank(device, sharing)
     weights_only = dataclasses.replace(work, activation_bytes=0.0)
     activations = needed - memory_per_rank(
         weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
@@ -194,7 +204,7 @@ def check_fits(
     where = (
         "free on the GPU"
         if device.type == "cuda"
-        else f"the host's available memory / {devices} process{'es' * (devices > 1)}"
+        else f"the host's available memory / {sharing} process{'es' * (sharing > 1)}"
     )
     fixes = _fixes(
         needs,

@@ -195,7 +195,7 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
     monkeypatch, tmp_path, capsys
 ):
     """The check's figures are the count (memory_per_rank with and without activations); where the tensors fit
-    but a heap keeping freed blocks (HEAP_KEEPS x the activations more) would not, the command line says so in
+    but a heap keeping freed blocks (heap_keeps x the activations more) would not, the command line says so in
     one line and its process trains with freed blocks given back (runtime/hostenv.py keep_freed_memory)."""
     from polytrain.cli import main
     from polytrain.data import load_dataset
@@ -216,9 +216,15 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
     )
     assert found.needed == memory_per_rank(work, "single", 1, optimizer_slots=2)
     assert 1e6 < found.activations < found.needed and not found.gives_back_memory()
-    between = found.needed + fits.HEAP_KEEPS * found.activations / 2
+    assert found.kept_heap == found.needed + 0.8 * found.activations  # (without activation checkpointing)
+    between = (found.needed + found.kept_heap) / 2
     assert fits.Fit(found.needed, found.activations, between).gives_back_memory()
     assert not fits.Fit(found.needed, found.activations, between + found.activations).gives_back_memory()
+    # full checkpointing recomputes each block's activations while the gradients live: its heap keeps more
+    room = found.needed + found.activations
+    assert not fits.Fit(found.needed, found.activations, room).gives_back_memory()
+    assert fits.Fit(found.needed, found.activations, room, "full").gives_back_memory()
+    assert fits.heap_keeps("selective:2") == fits.heap_keeps("selective")
 
     calls = []
     monkeypatch.setattr(worker, "keep_freed_memory", lambda **kwargs: calls.append(kwargs))

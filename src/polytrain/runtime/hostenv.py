@@ -59,8 +59,8 @@ def keep_freed_memory(*, model_bytes: int = 0, give_back: bool = False) -> bool:
     keeping freed blocks would outgrow what the process has, scaling/fits.py `Fit.gives_back_memory`), the
     opposite: blocks over 1 MB are mapped on their own and given back when freed, since a heap that keeps up to a
     GiB per process of freed gathered layers and optimizer temporaries is what makes 8 processes of a
-    1e9-parameter model run out of memory (measured), and a fragmented heap holds up to 1.25x a step's
-    activations beyond them (benchmarks/memory_check.py). Only for processes polytrain owns (the command line
+    1e9-parameter model run out of memory (measured), and a fragmented heap holds up to 0.8x a step's
+    activations beyond them, 1.5x with full activation checkpointing (benchmarks/memory_check.py). Only for processes polytrain owns (the command line
     and its workers); a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):

@@ -10,8 +10,8 @@ measured they are left out and the figure is a lower bound.
 
 What it counts is tensors, as a GPU's allocator holds them. A CPU process holds more where its C allocator keeps
 freed blocks in its heap for the next step (runtime/hostenv.py `keep_freed_memory`, several times faster than
-mapping them afresh): the heap fragments, and resident memory grows past the live tensors by up to `HEAP_KEEPS`
-times the activations. A layout that fits only without that gets a process that gives freed blocks back at
+mapping them afresh): the heap fragments, and resident memory grows past the live tensors by up to a share of
+the activations that depends on --activation-checkpointing (`HEAP_KEEPS`). A layout that fits only without that gets a process that gives freed blocks back at
 once (`Fit.gives_back_memory`: steps 1.25-1.4x slower, but within the memory it has).
 """
 
@@ -31,10 +31,17 @@ from ..plan.costmodel import Workload
 from ..plan.layout import Layout, layout_of_label, layout_or_none
 from ..plan.memory import memory_per_rank
 
-# what a CPU process's heap, keeping freed blocks, holds beyond the live tensors at a step's peak, per byte of
-# activations: 0.7 without activation checkpointing and 1.2 with full (a Llama at T 4096, batch 4, 2 threads;
-# `python benchmarks/memory_check.py --parts allocator`, docs/benchmarks.md)
-HEAP_KEEPS = 1.25
+# what a CPU process's heap, keeping freed blocks, holds beyond the live tensors, per byte of activations counted,
+# by --activation-checkpointing: measured (resident memory after 3-5 steps less the live peak) 0.22-0.78 without
+# and 0.33-0.64 selective, 1.27-1.43 full, where recomputation allocates and frees each block's activations while
+# the gradients live (a Llama at T 4096, batch 4, a GPT at T 1024, batch 16; `python benchmarks/memory_check.py`,
+# docs/benchmarks.md): the largest, rounded up
+HEAP_KEEPS = {"none": 0.8, "selective": 0.8, "full": 1.5}
+
+
+def heap_keeps(checkpointing: str) -> float:
+    """`HEAP_KEEPS` of an --activation-checkpointing mode (selective:K as selective)."""
+    return HEAP_KEEPS.get(checkpointing.split(":")[0], max(HEAP_KEEPS.values()))
 
 
 @dataclass
@@ -45,11 +52,17 @@ class Fit:
     needed: float
     activations: float
     available: float
+    checkpointing: str = "none"
+
+    @property
+    def kept_heap(self) -> float:
+        """What a CPU process whose heap keeps freed blocks holds at most: the tensors, and `heap_keeps` x the
+        activations."""
+        return self.needed + heap_keeps(self.checkpointing) * self.activations
 
     def gives_back_memory(self) -> bool:
-        """Whether a CPU process must give freed blocks back to the system at once to stay within what it has:
-        where its heap, keeping them, would hold `HEAP_KEEPS` x the activations more than the tensors."""
-        return self.needed + HEAP_KEEPS * self.activations > self.available
+        """Whether a CPU process must give freed blocks back to the system at once to stay within what it has."""
+        return self.kept_heap > self.available
 
     def line(self) -> str:
         """Why a CPU process gives freed memory back (a start-up line)."""
@@ -57,7 +70,7 @@ class Fit:
             f"memory: freed blocks are given back to the system at once (steps up to about 1.4x slower): each "
             f"process needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, and has "
             f"{_size(self.available)}; a heap that kept freed blocks would hold up to "
-            f"{_size(self.needed + HEAP_KEEPS * self.activations)}"
+            f"{_size(self.kept_heap)}"
         )
 
 
@@ -200,7 +213,7 @@ def check_fits(
         weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
     )
     if needed <= available:
-        return Fit(needed, activations, available)
+        return Fit(needed, activations, available, mode)
     where = (
         "free on the GPU"
         if device.type == "cuda"

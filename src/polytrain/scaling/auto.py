@@ -17,7 +17,7 @@ from ..errors import ConfigError, first_line
 from ..plan import costmodel, memory
 from ..plan.layout import label_of, parse_label
 from ..plan.pipeline import default_microbatches
-from .fits import available_bytes
+from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
 # A strategy replaces a simpler one only when predicted at least this much faster: measurements move by
@@ -210,7 +210,7 @@ def choose_strategy(
         devices=n,
         device_type=device.type,
         refused=refused,
-        available=available_bytes(device, n),
+        available=available_per_rank(device, n),
         optimizer=config.optimizer,
         message_costs=costs,
         checkpointing=config.activation_checkpointing,

@@ -260,6 +260,47 @@ def test_a_resumed_runs_tensorboard_keeps_every_step_once_and_drops_what_followe
     assert all(event.value != 999.0 for event in losses)
 
 
+def test_every_step_and_epoch_is_logged_before_the_checkpoint_that_counts_it(tmp_path, monkeypatch):
+    """A resume does not log again what its checkpoint counts as done: at each checkpoint (every 4 steps within
+    the 6-step epochs, and each epoch's end) the loggers have had every step up to it and every finished
+    epoch's figures; and a run that starts at step 0 in a folder with a predecessor's events (one resumed before
+    its first checkpoint) drops them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from polytrain.runtime.checkpoint import Checkpointer
+
+    x, y = regression(60)
+    recorder, seen = Recorder(), []
+    saving = Checkpointer.save
+
+    def save(self, trainer, position):
+        steps = [step for metrics, step in recorder.calls if "train/step_loss" in metrics]
+        epochs = [step for metrics, step in recorder.calls if "epoch/train_loss" in metrics]
+        seen.append((position.epoch * 6 + position.step, max(steps), epochs))
+        saving(self, trainer, position)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    polytrain.fit(
+        Regressor(), train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), epochs=2, batch_size=8,
+        num_workers=0, logger=[recorder], checkpoint_every=4, out=str(tmp_path / "run"), **REGRESSION,
+    )  # fmt: skip
+    assert seen == [(4, 4, []), (6, 6, [1]), (10, 10, [1]), (12, 12, [1, 2])]
+
+    stale = SummaryWriter(str(tmp_path / "fresh" / "tensorboard"))  # a run killed before its first checkpoint
+    stale.add_scalar("train/step_loss", 999.0, 3)
+    stale.close()
+    polytrain.fit(
+        Regressor(), train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), epochs=1, batch_size=8,
+        num_workers=0, logger="tensorboard", out=str(tmp_path / "fresh"), **REGRESSION,
+    )  # fmt: skip
+    events = EventAccumulator(str(tmp_path / "fresh" / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("train/step_loss")
+    assert [event.step for event in losses] == list(range(1, 7)) and all(e.value != 999.0 for e in losses)
+
+
 def test_tensorboard_missing_is_one_line_with_the_install_command(monkeypatch):
     import builtins
 

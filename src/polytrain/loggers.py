@@ -98,6 +98,9 @@ class StepLogger(Callback):
                 self.log(metrics, global_step)
         self.pending = []
 
+    def before_checkpoint(self, trainer):
+        self.flush(trainer.metric_names)
+
     def on_epoch_end(self, trainer, record):
         self.flush(trainer.metric_names)
         numbers = {
@@ -123,13 +126,18 @@ class TensorBoard(StepLogger):
     def on_fit_start(self, trainer):
         from torch.utils.tensorboard import SummaryWriter
 
-        # a resumed run drops what its predecessor logged after the checkpoint it continues from: steps are
-        # logged as the count done after them, so its first is one past the checkpoint's
-        self.writer = SummaryWriter(str(self.folder), purge_step=trainer.step + 1 if trainer.step else None)
+        # a resumed run drops what its predecessor logged after the checkpoint it continues from (from the start
+        # where it had none): steps are logged as the count done after them, so its first is one past the
+        # checkpoint's
+        self.writer = SummaryWriter(str(self.folder), purge_step=trainer.step + 1)
 
     def log(self, metrics: dict, step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+
+    def before_checkpoint(self, trainer):
+        super().before_checkpoint(trainer)
+        self.writer.flush()  # on disk before the checkpoint that says they were logged
 
     def on_epoch_end(self, trainer, record):
         super().on_epoch_end(trainer, record)

@@ -180,6 +180,14 @@ class Trainer:
             self._emit("on_fit_end")  # also on failure: e.g. the watchdog must stop watching
         return self.history
 
+    def _save(self, position) -> None:
+        """A checkpoint at `position` (with a run folder): what callbacks log up to it is written first
+        (`before_checkpoint`), since a resume from it does not log those steps again."""
+        if self.checkpointer is None:
+            return
+        self._emit("before_checkpoint")
+        self.checkpointer.save(self, position)
+
     def _agreed(self, wanted: bool) -> bool:
         """A callback's request on the main rank, known to every rank (at epoch ends and validations)."""
         return bool(self.strategy.broadcast_object(bool(wanted)))
@@ -196,9 +204,8 @@ class Trainer:
             if self.validates:
                 self._emit("on_validation_end", record)
             finished = self.max_steps and self.step >= self.max_steps
-            if self.checkpointer is not None:
-                self.checkpointer.save(self, self.position)
-            self._emit("on_epoch_end", record)
+            self._emit("on_epoch_end", record)  # (loggers write the epoch's figures before the checkpoint)
+            self._save(self.position)
             self.should_stop = self._agreed(self.should_stop)
             if finished or self.interrupted or self.should_stop or self.history.stopped:
                 break
@@ -310,10 +317,8 @@ class Trainer:
             if paused and not last_of_epoch:  # --max-steps: what the steps so far did, before the checkpoint
                 self._partial_record(epoch, batch.step + 1, totals, count)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
-            if (due or stop) and not last_of_epoch and self.checkpointer is not None:
-                self.checkpointer.save(
-                    self, self._global_position(epoch, batch.step + 1, totals, count, began)
-                )
+            if (due or stop) and not last_of_epoch:
+                self._save(self._global_position(epoch, batch.step + 1, totals, count, began))
             if stop and not last_of_epoch:
                 return None
             if done >= self.total_steps:  # the last step of the run (also within an epoch)

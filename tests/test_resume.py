@@ -217,3 +217,24 @@ def test_a_child_forked_while_a_run_trains_does_not_keep_its_folder_locked(tmp_p
         os.waitpid(child, 0)
         for end in started + hold:
             os.close(end)
+
+
+def test_a_resume_from_python_refuses_a_setting_of_the_trajectory_given_otherwise_than_the_run_had_it(
+    tmp_path,
+):
+    """fit(resume=) with lr= other than the run's trained on with the checkpoint's rate, and without epochs=
+    laid the run's onecycle schedule out over the default 5 epochs, both silently; each is one line naming the
+    run's value. The run's own settings resume; a schedule that does not depend on the length may extend it."""
+    run = str(tmp_path / "run")
+    common = dict(device="cpu", verbose=False, batch_size=64)
+    polytrain.fit("lenet", "mnist-sample", epochs=2, out=run, max_steps=3, **common)
+    with pytest.raises(UserError, match=r"trained with lr=0\.05, this call gives lr=0\.5; .* pass the run's"):
+        polytrain.fit("lenet", "mnist-sample", resume=run, epochs=2, lr=0.5, max_steps=4, **common)
+    with pytest.raises(UserError, match=r"trained with epochs=2, this call gives epochs=5"):
+        polytrain.fit("lenet", "mnist-sample", resume=run, max_steps=4, **common)
+    history = polytrain.fit("lenet", "mnist-sample", resume=run, epochs=2, max_steps=4, **common)
+    assert history.validations[-1]["global_step"] == 4
+    constant = str(tmp_path / "constant")
+    polytrain.fit("lenet", "mnist-sample", epochs=1, schedule="constant", out=constant, max_steps=2, **common)
+    longer = polytrain.fit("lenet", "mnist-sample", resume=constant, epochs=2, schedule="constant", **common)
+    assert len(longer.epochs) == 2

@@ -36,6 +36,7 @@ from .runtime.own_module import attributes_kept, left_as_given, trains_in_place,
 from .runtime.phases import (
     announce_recipe,
     check_precision,
+    check_resumed_settings,
     check_spawnable,
     check_the_objective,
     choose_channels_last,
@@ -304,6 +305,8 @@ def fit(
             )
         config = TrainConfig(devices=devices, strategy=strategy, out=out or resume, **settings)
         refuse_ignored(config, given)
+        if resume is not None:
+            check_resumed_settings(config, resume)
         named = data if isinstance(data, str) else config.dataset if data is None and train is None else None
         unused = unused_dataset_options(named, settings)
         if unused:

@@ -25,6 +25,7 @@ from .data import ArrayDataset
 from .data.order import global_batch_order
 from .errors import UserError
 from .models import build_model_on_meta, text_vocabulary
+from .optim.schedules import length_free
 from .optim.steps import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.checkpoint import read_progress
@@ -62,15 +63,6 @@ def _devices_phrase(config: TrainConfig) -> str:
     return f"{config.devices} CPU process{'es' if config.devices > 1 else ''}"
 
 
-def length_free_schedule(schedule: str) -> bool:
-    """Whether a schedule's steps so far stay the same when the run gets longer: constant, and torch's
-    lr_scheduler classes (their arguments are their own, not the run's length); polytrain's cosine and onecycle
-    are laid out over --epochs."""
-    from .optim import SCHEDULES
-
-    return schedule == "constant" or schedule.lower() not in SCHEDULES
-
-
 def resume_settings(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
@@ -104,7 +96,7 @@ def resume_settings(args):
     except TypeError:
         raise UserError(f"{run_dir}/config.json does not hold polytrain settings; restore it") from None
     progress = read_progress(run_dir)
-    extendable = length_free_schedule(config.schedule)
+    extendable = length_free(config.schedule)
     if config.epochs != before.get("epochs") and not extendable:
         raise UserError(
             f"--epochs: this run's {config.schedule} learning-rate schedule is laid out over its "

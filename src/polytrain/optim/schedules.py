@@ -11,6 +11,13 @@ from torch.optim import lr_scheduler
 from .optimizers import SCHEDULERS, SCHEDULES, resolve
 
 
+def length_free(schedule: str) -> bool:
+    """Whether a schedule's steps so far stay the same when the run gets longer: constant, and torch's
+    lr_scheduler classes (their arguments are their own, not the run's length); polytrain's cosine and onecycle
+    are laid out over --epochs."""
+    return schedule == "constant" or schedule.lower() not in SCHEDULES
+
+
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, kind: str) -> float:
     """The multiplier of the base learning rate before optimizer step `step` (0-based).
 

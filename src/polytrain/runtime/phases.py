@@ -20,6 +20,7 @@ from ..models import build_model_on_meta, check_model_output, takes_channels_las
 from ..models.lightning import is_lightning, plan_loop
 from ..models.own_loss import weighed_by_samples
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
+from ..optim.schedules import length_free
 from ..run_dir import (
     atomic_write_bytes,
     forget_unstarted_run,
@@ -60,6 +61,41 @@ def under_launcher(config: TrainConfig, launcher, resume_dir):
     if launcher.restart_count > 0 and resume_dir is None:
         resume_dir = config.out
     return config, resume_dir
+
+
+# the settings that lay out a run's trajectory: a resume from Python must give them as the run had them (the
+# command line reads them from the run's config.json)
+TRAJECTORY = (
+    "epochs", "batch_size", "optimizer", "lr", "lr_scale", "momentum", "weight_decay", "betas", "eps",
+    "no_decay_norms_and_biases", "schedule", "schedule_args", "warmup_epochs", "label_smoothing", "clip_grad_norm",
+    "clip_grad_value", "seed", "freeze", "dropout",
+)  # fmt: skip
+
+
+def check_resumed_settings(config: TrainConfig, run_dir) -> None:
+    """fit(resume=RUN_DIR): one line where a setting of the trajectory differs from the run's (config.json),
+    naming each with the run's value; the checkpoint's optimizer state and schedule would otherwise continue
+    with the run's own and silently drop the new value, or lay the schedule out anew. --epochs may change where
+    the schedule does not depend on it, as on the command line."""
+    saved = read_config(run_dir)
+
+    def plain(value):
+        return tuple(value) if isinstance(value, list) else value
+
+    differ = [
+        name
+        for name in TRAJECTORY
+        if name in saved
+        and plain(saved[name]) != plain(getattr(config, name, None))
+        and not (name == "epochs" and length_free(str(saved.get("schedule") or "")))
+    ]
+    if differ:
+        runs = ", ".join(f"{name}={plain(saved[name])!r}" for name in differ)
+        given = ", ".join(f"{name}={plain(getattr(config, name, None))!r}" for name in differ)
+        raise UserError(
+            f"resume={str(run_dir)!r}: the run was trained with {runs}, this call gives {given}; a resumed run "
+            f"continues with its own settings: pass the run's, or start a new run (out=) for new ones"
+        )
 
 
 def prepare_data(config, model, data, train, val, *, loss, metrics, step, eval_step, shout: bool):

@@ -249,28 +249,20 @@ class Checkpointer:
         self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int
     ) -> Optional[dict]:
         """Where the run left off, on every rank: the checkpoint read and checked on the main rank and sent to
-        all in one broadcast (None where the run has none; a checkpoint that does not fit this run is refused on
-        every rank alike, none left waiting), loaded into `strategy`, each rank's random streams restored. Returns
-        the trainer's part of it (Trainer(resumed=...)): where training stood; the weights are not kept."""
+        all in one broadcast (None where the run has none), loaded into `strategy`, each rank's random streams
+        restored. Returns the trainer's part of it (Trainer(resumed=...)): where training stood; the weights are
+        not kept."""
         read = None
         if self.is_main and self.path.is_file():
-            try:
-                read = self.read(
-                    strategy,
-                    batch_size=batch_size,
-                    steps_per_epoch=steps_per_epoch,
-                    train_samples=train_samples,
-                )
-            except CheckpointError as error:
-                read = str(error)  # sent as it is, raised on every rank
+            read = self.read(
+                strategy, batch_size=batch_size, steps_per_epoch=steps_per_epoch, train_samples=train_samples
+            )
         state = strategy.broadcast_object(read)
-        if isinstance(state, str):
-            raise CheckpointError(state)
-        if state is None:
-            return None
-        self.apply(strategy, state)
-        restore_rng(state.get("rng"), rank=strategy.rank, device=strategy.device)
-        return {key: state[key] for key in TRAINING_STATE if key in state}
+        if state is not None:
+            self.apply(strategy, state)
+            restore_rng(state.get("rng"), rank=strategy.rank, device=strategy.device)
+            state = {key: state[key] for key in TRAINING_STATE if key in state}
+        return state
 
     def read(self, strategy, *, batch_size: int, steps_per_epoch: int, train_samples: int) -> dict:
         """The checkpoint, checked against this run (on the main rank); `apply` then loads it."""

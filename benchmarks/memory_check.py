@@ -47,6 +47,24 @@ def build(name: str, context: int):
     return GPT(65, context=context, layers=4, heads=4, width=128)
 
 
+def prepared(name: str, context: int, batch: int, mode: str, *, threads: int, large: bool = False):
+    """In a fresh process: the C allocator as polytrain sets it (for a model of 1 GiB or more where `large`),
+    `threads` torch threads, and (model under `mode`'s checkpointing, AdamW, objective, token ids)."""
+    import torch
+
+    from polytrain.objective import Objective
+    from polytrain.runtime.hostenv import LARGE_MODEL, keep_freed_memory
+    from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+
+    keep_freed_memory(model_bytes=LARGE_MODEL if large else 0)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build(name, context)
+    apply_activation_checkpointing(model, mode)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return model, optimizer, Objective(kind="language"), torch.randint(0, 65, (batch, context))
+
+
 def loss_of(objective, model, ids):
     loss = objective.loss_sum(model(ids), ids)
     return loss[0] if isinstance(loss, tuple) else loss
@@ -93,18 +111,9 @@ def live_peak(name: str, context: int, batch: int, mode: str) -> float:
 def resident(name: str, context: int, batch: int, mode: str, steps: int) -> float:
     """Peak resident bytes above the level before the first step, in a fresh process."""
     code = f"""
-import json, torch
-from polytrain.runtime.hostenv import keep_freed_memory
-from polytrain.objective import Objective
-from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+import json
 import benchmarks.memory_check as here
-keep_freed_memory(model_bytes=0)
-torch.set_num_threads(1)
-torch.manual_seed(0)
-model = here.build({name!r}, {context})
-apply_activation_checkpointing(model, {mode!r})
-optimizer = torch.optim.AdamW(model.parameters())
-objective, ids = Objective(kind="language"), torch.randint(0, 65, ({batch}, {context}))
+model, optimizer, objective, ids = here.prepared({name!r}, {context}, {batch}, {mode!r}, threads=1)
 def status(field):
     return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
 before = status("VmRSS")
@@ -127,9 +136,6 @@ def allocator(name: str, context: int, batch: int, mode: str, large: bool, steps
     code = f"""
 import ctypes, json, statistics, time, torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from polytrain.runtime.hostenv import LARGE_MODEL, keep_freed_memory
-from polytrain.objective import Objective
-from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
 import benchmarks.memory_check as here
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -140,13 +146,7 @@ def now():
     info = libc.mallinfo2()
     rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
     return dict(in_use=info.uordblks + info.hblkhd, heap=info.arena + info.hblkhd, rss=rss)
-keep_freed_memory(model_bytes=LARGE_MODEL if {large} else 0)
-torch.set_num_threads(2)
-torch.manual_seed(0)
-model = here.build({name!r}, {context})
-apply_activation_checkpointing(model, {mode!r})
-optimizer = torch.optim.AdamW(model.parameters())
-objective, ids = Objective(kind="language"), torch.randint(0, 65, ({batch}, {context}))
+model, optimizer, objective, ids = here.prepared({name!r}, {context}, {batch}, {mode!r}, threads=2, large={large})
 start, peak, seconds = now(), dict(in_use=0, heap=0, rss=0), []
 class Sample(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

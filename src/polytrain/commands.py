@@ -244,6 +244,7 @@ def verify_command(args) -> int:
         raise UserError(f"--steps must be positive, got {args.steps}")
     if args.tolerance is not None and args.tolerance <= 0:
         raise UserError(f"--tolerance must be positive, got {args.tolerance:g}")
+    auto = config.strategy == "auto" and config.devices > 1
     strategy = resolve_strategy_name(config.strategy if config.strategy != "auto" else "data", config.devices)
     check_devices(config.devices, config.device)
     float64 = compares_in_float64(
@@ -292,7 +293,13 @@ def verify_command(args) -> int:
         split += f" ({config.layout.describe()})"
     print(
         f"verify: {config.model} on {data.name}, global batch {config.batch_size}, "
-        f"1 device vs {config.devices} device(s) with strategy {strategy!r}{split}, "
+        f"1 device vs {config.devices} device(s) with strategy {strategy!r}{split}"
+        + (
+            " (--strategy auto, the default, is verified as data: give --strategy to verify another)"
+            if auto
+            else ""
+        )
+        + ", "
         + ("both in float64" if float64 else f"both as trained ({config.precision})")
     )
     channels_last = (

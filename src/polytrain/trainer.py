@@ -317,7 +317,8 @@ class Trainer:
             if paused and not last_of_epoch:  # --max-steps: what the steps so far did, before the checkpoint
                 self._partial_record(epoch, batch.step + 1, totals, count)
             due = self.checkpoint_every and (batch.step + 1) % self.checkpoint_every == 0
-            if (due or stop) and not last_of_epoch:
+            # (the position's sums are reduced over the ranks: only where a checkpoint is written)
+            if (due or stop) and not last_of_epoch and self.checkpointer is not None:
                 self._save(self._global_position(epoch, batch.step + 1, totals, count, began))
             if stop and not last_of_epoch:
                 return None

@@ -355,9 +355,9 @@ def has_checkpoint(run_dir) -> bool:
 
 def read_progress(run_dir) -> Optional[Progress]:
     """The run's progress, or None when it has no checkpoint yet."""
-    path = Path(run_dir) / "checkpoint.pt"
     if not has_checkpoint(run_dir):
         return None
+    path = Path(run_dir) / "checkpoint.pt"
     state = safe_load(path)
     position = state.get("position")
     if not isinstance(position, dict) or not isinstance(state.get("steps_per_epoch"), int):

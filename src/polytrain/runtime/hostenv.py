@@ -60,8 +60,8 @@ def keep_freed_memory(*, model_bytes: int = 0, give_back: bool = False) -> bool:
     opposite: blocks over 1 MB are mapped on their own and given back when freed, since a heap that keeps up to a
     GiB per process of freed gathered layers and optimizer temporaries is what makes 8 processes of a
     1e9-parameter model run out of memory (measured), and a fragmented heap holds up to 0.8x a step's
-    activations beyond them, 1.5x with full activation checkpointing (benchmarks/memory_check.py). Only for processes polytrain owns (the command line
-    and its workers); a no-op off glibc.
+    activations beyond them, 1.5x with full activation checkpointing (benchmarks/memory_check.py). Only for
+    processes polytrain owns (the command line and its workers); a no-op off glibc.
     """
     if not sys.platform.startswith("linux"):
         return False

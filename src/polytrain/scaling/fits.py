@@ -11,8 +11,9 @@ measured they are left out and the figure is a lower bound.
 What it counts is tensors, as a GPU's allocator holds them. A CPU process holds more where its C allocator keeps
 freed blocks in its heap for the next step (runtime/hostenv.py `keep_freed_memory`, several times faster than
 mapping them afresh): the heap fragments, and resident memory grows past the live tensors by up to a share of
-the activations that depends on --activation-checkpointing (`HEAP_KEEPS`). A layout that fits only without that gets a process that gives freed blocks back at
-once (`Fit.gives_back_memory`: steps 1.25-1.4x slower, but within the memory it has).
+the activations that depends on --activation-checkpointing (`HEAP_KEEPS`). A layout that fits only without that
+gets a process that gives freed blocks back at once (`Fit.gives_back_memory`: steps 1.25-1.4x slower, but
+within the memory it has).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class Fit:
         """Why a CPU process gives freed memory back (a start-up line)."""
         return (
             f"memory: freed blocks are given back to the system at once (steps up to about 1.4x slower): each "
-            f"process needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, and has "
-            f"{_size(self.available)}; a heap that kept freed blocks would hold up to "
+            f"process needs {_size(self.needed)} of tensors, {_size(self.activations)} of them activations, "
+            f"and has {_size(self.available)}; a heap that kept freed blocks would hold up to "
             f"{_size(self.kept_heap)}"
         )
 

@@ -10,7 +10,8 @@ per run, met through a file). A MODEL of polytrain's registry trains as `polytra
 one of tests/matrix_models.py's is given to `polytrain.fit` with the ARGs as its keywords (`--pipeline-stages 2`
 as `pipeline_stages=2`), the command line's way of printing a refusal (`polytrain: error: ...`, exit code 2); with
 torchrun's variables set, fit joins the process group made here, as `polytrain train` does, and starts no workers.
-Before each run every process writes `matrix-run N: ARGS` to stderr, and after it `matrix-exit N: CODE`.
+Before each run every process writes `matrix-run N: ARGS` to stderr and to stdout, and after it
+`matrix-exit N: CODE` to stderr.
 """
 
 import datetime
@@ -79,6 +80,7 @@ def run(number: int, model: str, args: list, folder: str, *, rank: int, world: i
     # default filter changes nothing else)
     warnings.filterwarnings("ignore", category=ImportWarning)
     print(f"matrix-run {number}: {model} {' '.join(args)}", file=sys.stderr, flush=True)
+    print(f"matrix-run {number}: {model} {' '.join(args)}", flush=True)  # what it prints on stdout follows
     try:
         code = train(model, args, os.path.join(folder, f"run-{number}"))
     except SystemExit as error:

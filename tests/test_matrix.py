@@ -237,7 +237,8 @@ def plan(folder: Path, cases: list) -> dict:
 
 @pytest.fixture(scope="module")
 def printed(tmp_path_factory) -> dict:
-    """What each case printed on stderr, all processes together, and its exit codes: case -> (codes, lines)."""
+    """What each case printed, all processes together, and its exit codes: case -> (codes, lines on stderr,
+    lines on stdout)."""
     folder = tmp_path_factory.mktemp("matrix")
     text = folder / "corpus.txt"
     text.write_text(SHAKESPEARE.read_text()[:100_000])
@@ -253,8 +254,15 @@ def printed(tmp_path_factory) -> dict:
     helper = Path(__file__).with_name("matrix_runs.py")
     processes = [start([sys.executable, helper, folder / "plan.json", p]) for p in range(4)]
     finished = [finish(process, timeout=600) for process in processes]
-    found = {case: ([], []) for case in cases}
+    found = {case: ([], [], []) for case in cases}
     for process, done in enumerate(finished):
+        case = None
+        for line in done.stdout.splitlines():
+            opened = re.match(r"matrix-run (\d+): ", line)
+            if opened:
+                case = cases[int(opened.group(1)) - 1]
+            elif case is not None:
+                found[case][2].append(line)
         case = None
         for line in done.stderr.splitlines():
             opened = re.match(r"matrix-run (\d+): ", line)
@@ -282,7 +290,7 @@ def case_id(case) -> str:
     ids=case_id,
 )
 def test_trains_without_a_word_from_torch(printed, case):
-    codes, lines = printed[case]
+    codes, lines, _ = printed[case]
     assert codes == [0] * LAYOUTS[case[1]][1], "\n".join(lines)
     assert not [line for line in lines if WARNING.search(line)], "\n".join(lines)
 
@@ -291,7 +299,40 @@ def test_trains_without_a_word_from_torch(printed, case):
     "case", [pytest.param(case, marks=marks(case)) for case in EXPECTED_REFUSALS], ids=case_id
 )
 def test_refused_in_one_line_before_workers_start(printed, case):
-    codes, lines = printed[case]
+    codes, lines, _ = printed[case]
     assert codes == [2] and len(lines) == 1, "\n".join(lines)
     assert lines[0].startswith("polytrain: error: ") and "worker rank" not in lines[0], lines[0]
     assert EXPECTED_REFUSALS[case] in lines[0]
+
+
+def lacks_lstm_kernel(precision: str) -> bool:
+    """Whether this processor's kernels cannot run an LSTM under autocast at `precision`, asked of torch (oneDNN
+    has no LSTM primitive for bf16 or fp16 on a CPU without bf16 instructions, such as an AMD EPYC of the Zen 2
+    or 3 generations)."""
+    import torch
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16" else torch.float16):
+            torch.nn.LSTM(8, 8)(torch.randn(5, 3, 8))
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, marks=marks(case))
+        for case in CASES
+        if case[0] == "lstm" and "--precision" in case[2] and case not in EXPECTED_REFUSALS
+    ],
+    ids=case_id,
+)
+def test_an_lstm_runs_in_float32_where_this_processor_lacks_its_reduced_kernel_and_says_so(printed, case):
+    """Where the processor has the kernel, the LSTM trains in the reduced precision and nothing is said; where it
+    lacks it (tests/test_precision.py makes such a processor), the LSTM runs in float32 and one line says so."""
+    codes, _, out = printed[case]
+    precision = case[2].split()[-1]
+    said = [line for line in out if line.startswith(f"--precision {precision}: this processor has no ")]
+    assert codes == [0] * LAYOUTS[case[1]][1]
+    assert len(said) == (1 if lacks_lstm_kernel(precision) else 0), "\n".join(out)

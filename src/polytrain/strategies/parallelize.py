@@ -6,6 +6,9 @@
 (`Preparation`). Each step is a function that takes the module and the part of the mesh it works over, never a
 strategy, and changes the module in place; a step whose degree is 1 does nothing:
 
+  0. precision                under --precision bf16 or fp16, the layers whose kernels this processor lacks
+                              under autocast (a probe: an LSTM on a CPU without bf16 instructions) run in
+                              float32, and a start-up line says so (precision.py)
   1. tensor plan              each named layer split over the `tp` ranks, the rest replicated on them
                               (tensor_split.py `apply_tensor_plan`)
   2. context parallelism      attention and positions over the `cp` ranks, the loss a part of each window's
@@ -45,6 +48,7 @@ from .fsdp import apply_fsdp
 from .global_batch import GlobalRows, whole_batch_layers
 from .materialise import materialise
 from .mesh import copies_group
+from .precision import apply_precision
 
 DATA_PARALLEL = ("none", "replicate", "shard")  # how the data dimensions hold the model: one, DDP, FSDP2
 GLOBAL_BATCH = ("off", "masks", "across")  # off; Dropout drawn as one device draws it; BatchNorm across too
@@ -96,6 +100,8 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
     """`module` prepared in place for `layout` over the run's `mesh` (None on one device and where no step needs
     one), in the order above; `objective` takes the loss's part under context parallelism."""
     done = Parallelized(runner=module, stages=tuple(options.stages))
+    line = apply_precision(module, options.device, options.precision)
+    done.lines += [line] if line else []
     if options.tensor_plan is not None:  # (a tp dimension, of one rank where a test asks)
         from .tensor_split import apply_tensor_plan
 

@@ -21,6 +21,7 @@ from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
 from .distributed import Distributed
 from .optimizer_state import load_part, numbered_part, positions, whole_state
+from .precision import apply_precision
 
 
 class ParameterServer(Distributed):
@@ -49,6 +50,7 @@ class ParameterServer(Distributed):
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         model = self.place(model)  # (channels-last where the loader hands over channels-last images)
         self.materialise(model)  # every rank holds a whole replica
+        kept = apply_precision(model, self.device, self.precision)  # steps 0, 3 and 4 of parallelize
         self.checkpoint_activations(model)
         self.whole_batch_layers(model)
         self.model = self.runner = model
@@ -62,7 +64,7 @@ class ParameterServer(Distributed):
         named = [(self.parameter_names[i], weight) for i, weight in zip(self.global_index, self.master)]
         self.optimizer = make_optimizer(named or [("", nn.Parameter(torch.zeros(0)))])
         self.scheduler = make_scheduler(self.optimizer)
-        self.placement = self._placement()
+        self.placement = self._placement() + ([kept] if kept and self.is_main else [])
         self.server = None
         if self.plan.staleness:
             # one process group per server: on each rank, one thread uses it (the server's own thread on

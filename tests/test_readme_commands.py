@@ -330,12 +330,12 @@ def test_commands_are_found_and_shortened_as_written_by_hand():
 
 def test_the_list_of_what_a_resume_may_change_is_the_settings_declared_so():
     """docs/reliability.md lists the flags a resume may change; the declarations (resume="change") decide."""
-    from polytrain.config import RESUMABLE
+    from polytrain.config import RESUMABLE_FLAGS
     from polytrain.config.flags import flag_name
 
     page = DOCS / "reliability.md"
     sentence = page.read_text().split("Only where and how it runs may change", 1)[1].split("(this list", 1)[0]
-    assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE], (
+    assert re.findall(r"`(--[a-z-]+)`", sentence) == [flag_name(name) for name in RESUMABLE_FLAGS], (
         f"update the list in {page_name(page)} (## Resume) to the settings declared with resume='change'"
     )
 

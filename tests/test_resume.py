@@ -51,6 +51,26 @@ def test_max_steps_below_the_steps_done_is_refused(tmp_path, capsys):
     assert "--max-steps 4: this run has already done 5 steps; give more than 5" in err
 
 
+def test_the_runs_own_command_given_again_resumes_and_only_a_changed_value_is_refused(tmp_path, capsys):
+    """A user adds --resume to the command that started the run: the flags that equal the run's values (a path
+    given another way too) resume; a changed one is refused naming the run's value, and the flags it says may
+    change are the command line's (no --tensor-plan, a setting of fit() only)."""
+    out = tmp_path / "run"
+    first = [*COMMON, "--epochs", 2, "--lr", 0.05, "--max-steps", 2, "--out", out]
+    assert train(capsys, *first)[0] == 0
+    again = [*COMMON, "--epochs", 2, "--lr", "5e-2", "--max-steps", 3, "--out", tmp_path / "." / "run"]
+    code, stdout, err = train(capsys, *again, "--resume", out)
+    assert code == 0 and err == "", err
+    assert "stopped after 3 steps" in stdout
+    code, _, err = train(capsys, *COMMON, "--lr", 0.1, "--batch-size", 16, "--resume", out)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert (
+        "it was trained with --batch-size 32, --lr 0.05, and this command gives --batch-size 16, --lr 0.1"
+        in err
+    )
+    assert "--tensor-parallel" in err and "--tensor-plan" not in err
+
+
 def test_a_constant_schedule_is_extended_to_more_epochs_like_a_longer_run(tmp_path, capsys):
     constant = [*COMMON, "--schedule", "constant", "--warmup-epochs", "0.5"]
     assert train(capsys, *constant, "--epochs", 2, "--out", tmp_path / "short")[0] == 0

@@ -12,6 +12,7 @@ from .api import evaluate, predict, spread_indices, train_run
 from .config import (
     REPLANNING,
     RESUMABLE,
+    RESUMABLE_FLAGS,
     SETTINGS,
     STRATEGY_OPTIONS,
     TrainConfig,
@@ -63,18 +64,36 @@ def _devices_phrase(config: TrainConfig) -> str:
     return f"{config.devices} CPU process{'es' if config.devices > 1 else ''}"
 
 
+def same_setting(given, saved) -> bool:
+    """Whether a flag's value is the one a run's config.json records: equal, as a list or tuple alike, or a
+    path to the same place."""
+    if isinstance(given, (list, tuple)) and isinstance(saved, (list, tuple)):
+        return tuple(given) == tuple(saved)
+    if isinstance(given, str) and isinstance(saved, str) and given != saved:
+        return Path(given).exists() and Path(given).resolve() == Path(saved).resolve()
+    return given == saved
+
+
 def resume_settings(args):
     """The config a `--resume` continues with, and what to say first; or None, with the message, when the
     run has nothing left to do."""
     run_dir = str(resolve_run_dir(args.resume))
     refuse_if_training(run_dir)  # before its config.json is rewritten for this resume
-    fixed = sorted(args.given - set(RESUMABLE) - {"epochs"})
-    if fixed:
-        raise UserError(
-            f"--resume continues a run with its own settings; drop {flag_list(fixed)} (only "
-            f"{flag_list(RESUMABLE)} may change, and --epochs on a schedule that does not depend on it)"
-        )
     settings = read_config(run_dir)
+    # the run's own command may be given again: a flag is refused only where its value differs from the run's
+    fixed = sorted(
+        name
+        for name in args.given - set(RESUMABLE) - {"epochs"}
+        if not same_setting(getattr(args, name), settings.get(name, unset_value(name)))
+    )
+    if fixed:
+        given = ", ".join(f"{flag_name(name)} {getattr(args, name)}" for name in fixed)
+        had = ", ".join(f"{flag_name(name)} {settings.get(name, unset_value(name))}" for name in fixed)
+        raise UserError(
+            f"--resume continues a run with its own settings: it was trained with {had}, and this command gives "
+            f"{given}; drop {'it' if len(fixed) == 1 else 'them'}, or start a new run (only "
+            f"{flag_list(RESUMABLE_FLAGS)} may change, and --epochs on a schedule that does not depend on it)"
+        )
     if settings.get("custom_model") or settings.get("custom_data"):
         raise UserError(
             f"{run_dir} was trained from Python on a custom model or in-memory data; resume it "

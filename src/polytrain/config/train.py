@@ -288,6 +288,7 @@ for _name, _meta in SETTINGS.items():
         STRATEGY_OPTIONS[_owner] = (*STRATEGY_OPTIONS.get(_owner, ()), _name)
 STRATEGY_FLAGS = tuple(name for name, meta in SETTINGS.items() if meta.strategies)
 RESUMABLE = tuple(name for name, meta in SETTINGS.items() if meta.resume == "change")
+RESUMABLE_FLAGS = tuple(name for name in RESUMABLE if SETTINGS[name].flag != "none")  # (the command line's)
 REPLANNING = tuple(name for name, meta in SETTINGS.items() if meta.replans)
 
 

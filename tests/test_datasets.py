@@ -301,6 +301,35 @@ def test_every_step_and_epoch_is_logged_before_the_checkpoint_that_counts_it(tmp
     assert [event.step for event in losses] == list(range(1, 7)) and all(e.value != 999.0 for e in losses)
 
 
+def test_steps_jsonl_holds_every_steps_loss_and_a_resume_drops_what_followed_its_checkpoint(tmp_path):
+    """Every run folder has the per-step figures without TensorBoard: step 1's loss is the mean squared error of
+    the initial model on the first global batch of the seeded order, and every step's is what a logger object
+    gets. A crashed predecessor's lines past the checkpoint (steps 8 and 9, written here by hand, the last cut
+    short) are dropped, and the resumed run writes 8 to 12: each step once."""
+    import json
+
+    x, y = regression(60)
+    recorder, model = Recorder(), Regressor()
+    first = global_batch_order(48, epoch=0, seed=0)[:8]
+    with torch.no_grad():
+        want = F.mse_loss(model(x[:48][first]), y[:48][first]).item()
+    common = dict(
+        train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), epochs=2, batch_size=8, num_workers=0,
+        **REGRESSION,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    polytrain.fit(model, out=str(run), max_steps=7, logger=[recorder], **common)
+    with open(run / "steps.jsonl", "a") as stale:
+        stale.write(json.dumps({"step": 8, "loss": 999.0, "lr": 0.05}) + "\n" + '{"step": 9, "lo')
+    polytrain.fit(Regressor(), resume=str(run), logger=[recorder], **common)
+    lines = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 13))
+    assert lines[0]["loss"] == pytest.approx(want, rel=1e-6)
+    logged = {step: metrics for metrics, step in recorder.calls if "train/step_loss" in metrics}
+    assert [line["loss"] for line in lines] == [logged[step]["train/step_loss"] for step in range(1, 13)]
+    assert all(set(line) == {"step", "loss", "lr"} for line in lines)
+
+
 def test_tensorboard_missing_is_one_line_with_the_install_command(monkeypatch):
     import builtins
 

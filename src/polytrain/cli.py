@@ -65,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = command(
         "train",
         help="train a model and save a run folder",
-        description="Train an image classifier (images (N, C, H, W) with integer labels; the model "
-        "gives (N, classes) scores, trained with cross-entropy); writes config.json, "
-        "metrics.jsonl, model.pt, checkpoint.pt and curves.png into the run folder. "
+        description="Train a model on a dataset: an image classifier (cross-entropy over integer labels), a "
+        "language model (--model gpt or llama on text or token shards: next-token cross-entropy), or a "
+        "Hugging Face checkpoint fine-tuned (--init-from DIR); writes config.json, metrics.jsonl, model.pt, "
+        "checkpoint.pt and curves.png into the run folder. "
         "Ctrl-C or SIGTERM stops at a checkpoint; --resume continues from it.",
     )
     add_setting_flags(train, "train")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
@@ -146,6 +147,51 @@ class TensorBoard(StepLogger):
     def on_fit_end(self, trainer):
         super().on_fit_end(trainer)
         self.writer.close()
+
+
+class StepsFile(StepLogger):
+    """`steps.jsonl`: one line per optimizer step, `{"step", "loss", the metrics, "lr"}` (and "grad_norm" with
+    clipping), the per-step figures without TensorBoard. Written with the other loggers' figures (the main rank's
+    share of each global batch), appended every `every` steps and before each checkpoint; a resumed run drops the
+    lines past the checkpoint it continues from, as it trains those steps again."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path, self.handle = Path(path), None
+
+    def on_fit_start(self, trainer):
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):  # a line cut short by a killed run: the rest too
+                    break
+                if step > trainer.step:
+                    break
+                kept.append(line + "\n")
+        atomic_write_bytes(self.path, "".join(kept).encode())
+        self.handle = open(self.path, "a", encoding="utf-8")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if "train/step_loss" not in metrics:  # an epoch's figures: metrics.jsonl holds them
+            return
+        record = {"step": step}
+        for key, value in metrics.items():
+            record[key.removeprefix("train/").removeprefix("step_")] = value
+        self.handle.write(json.dumps(record) + "\n")
+
+    def before_checkpoint(self, trainer):
+        super().before_checkpoint(trainer)
+        self.handle.flush()
+
+    def on_epoch_end(self, trainer, record):
+        super().on_epoch_end(trainer, record)
+        self.handle.flush()
+
+    def on_fit_end(self, trainer):
+        super().on_fit_end(trainer)
+        self.handle.close()
 
 
 class CSVLog(Callback):

@@ -22,7 +22,7 @@ from ..config.registry_names import parse_loggers
 from ..data import ArrayDataset
 from ..data.loader import make_loaders
 from ..errors import UserError
-from ..loggers import make_loggers
+from ..loggers import StepsFile, make_loggers
 from ..models.lightning import plan_loop
 from ..objective import Objective
 from ..optim import make_recipe
@@ -302,6 +302,7 @@ def _make_callbacks(job: Job, strategy, launcher, *, module_loop, rank: int) -> 
         callbacks.append(ProgressBar())
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
+        callbacks.append(StepsFile(Path(run_dir) / "steps.jsonl"))
     if strategy.is_main:
         callbacks += make_loggers(
             parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None

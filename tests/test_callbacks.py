@@ -418,3 +418,20 @@ def test_a_run_ended_by_max_steps_writes_its_partial_record_and_curves(tmp_path,
     assert resumed.returncode == 0, resumed.stderr
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r.get("step"), r.get("partial")) for r in lines] == [(1, 3, True), (1, None, None)]
+
+
+def test_fits_history_last_after_a_max_steps_stop_is_the_partial_record_then_the_epochs():
+    """history.last was {} after a run that --max-steps ended within its first epoch; it is the partial record
+    (the training figures of the steps so far), and once an epoch ends, that epoch's record."""
+    from map_datasets import Pairs, Regressor, regression
+
+    x, y = regression(64)
+    data = dict(train=Pairs(x[:48], y[:48]), val=Pairs(x[48:], y[48:]), batch_size=8, num_workers=0)
+    settings = dict(loss=torch.nn.MSELoss(), lr=0.05, device="cpu", verbose=False, epochs=2)
+    history = polytrain.fit(Regressor(), max_steps=3, **data, **settings)
+    assert history.last["partial"] is True and history.last["step"] == 3 and history.last["train_loss"] > 0
+    assert history.last is history.validations[-1] and not history.epochs
+    history = polytrain.fit(Regressor(), max_steps=8, **data, **settings)  # epoch 1 (6 steps), then 2 more
+    assert history.last is history.validations[-1] and history.last["epoch"] == 2
+    history = polytrain.fit(Regressor(), **data, **settings)
+    assert history.last is history.epochs[-1] and history.last["epoch"] == 2 and "val_loss" in history.last

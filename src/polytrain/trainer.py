@@ -38,7 +38,12 @@ class History:
 
     @property
     def last(self) -> dict:
-        return self.epochs[-1] if self.epochs else {}
+        """The latest figures: the last epoch's record, or a record within a later epoch (a run that --max-steps
+        or a stop ended within an epoch: its partial training figures, and a validation at that step);
+        {} before any."""
+        done = self.epochs[-1]["epoch"] if self.epochs else 0
+        later = [record for record in self.validations if record.get("epoch", 0) > done]
+        return later[-1] if later else self.epochs[-1] if self.epochs else {}
 
 
 class Trainer:

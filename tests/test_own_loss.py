@@ -10,6 +10,7 @@ from hand_sgd import plain_sgd
 from hf_rows import LabelledRows, global_token_mean, hand_trained, stacked, tiny_llama
 
 import polytrain
+from polytrain.errors import UserError
 from polytrain.models.own_loss import label_shift, trained_labels
 
 pytest.importorskip("transformers")
@@ -101,3 +102,18 @@ def test_a_model_without_num_items_keeps_its_mean_and_says_so_once(data, model, 
     )
     # as before: each pass's mean weighted by its samples, not the hand loop's token mean
     assert difference(model.llama, hand_trained(data[0], batch_size=8, steps=STEPS, lr=0.5)) > 1e-3
+
+
+def test_pairs_given_to_a_causal_lm_are_refused_pointing_to_rows_with_labels():
+    """(inputs, targets) pairs reach a Hugging Face causal LM without labels, so it returns no loss: the one
+    line names the dict form that trains (it said only that the model must return a row per sample)."""
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return torch.arange(i, i + 8) % 16, torch.arange(i + 1, i + 9) % 16
+
+    with pytest.raises(UserError, match=r"CausalLMOutputWithPast without a loss: .*give items as dicts "):
+        polytrain.fit(tiny_llama(), train=Pairs(), val=Pairs(), **SGD)

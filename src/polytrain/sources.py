@@ -173,6 +173,13 @@ def run_model(model: nn.Module, x, input_shape, output=None) -> torch.Tensor:
     output = run_on_sample(model, x, f"samples of shape {tuple(input_shape)}") if output is None else output
     if not isinstance(output, torch.Tensor) or output.shape[:1] != (rows(x),):
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        if hasattr(output, "logits") and not isinstance(x, dict):  # a Hugging Face model's output
+            raise UserError(
+                f"the model returned a {got} without a loss: a Hugging Face model computes its own loss from "
+                f"labels, so give items as dicts {{'input_ids': ids, 'labels': ids}} (labels are shifted "
+                f"inside the model; -100 marks tokens not trained on), not (inputs, targets) pairs; or pass "
+                f"step=fn(model, batch) returning the loss"
+            )
         raise UserError(
             f"the model must return one output row per sample; for {len(x)} samples it returned {got}"
         )

@@ -370,6 +370,44 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
     refused(small, ["vocabulary of 40 tokens", "has 65"])
 
 
+def test_added_tokens_of_the_checkpoints_own_tokenizer_are_named_with_fixes_that_work(tmp_path, capsys):
+    """The checkpoint's own tokenizer holds 2 added tokens past its model's 300 embedding rows: the line says
+    so, naming them, and gives the fixes that work (it told the user to tokenize with the tokenizer they had
+    used); a corpus tokenized by it otherwise trains."""
+    from polytrain.cli import main
+    from polytrain.data.corpus import tokenize_corpus
+    from polytrain.data.tokenizer import train_byte_bpe
+
+    folder = save_llama(tmp_path / "own", vocab=300, shard=False)
+    text = (Path(polytrain.__file__).with_name("data") / "shakespeare" / "input.txt").read_text()[:20_000]
+    tokenizer = train_byte_bpe([text], vocab_size=300)
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == 300
+    tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text(text)
+    tokenize_corpus(
+        [str(tmp_path / "corpus.txt")], str(tmp_path / "tokens"), tokenizer=str(folder), show=False
+    )
+    capsys.readouterr()
+    common = [
+        "--dataset",
+        "tokens",
+        "--data-dir",
+        str(tmp_path / "tokens"),
+        "--context",
+        "16",
+        "--max-steps",
+        "1",
+    ]
+    code = main(["train", "--init-from", str(folder), *common, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        "own tokenizer has 302 tokens with its added ones ('<|im_start|>' (300), '<|im_end|>' (301))" in err
+    )
+    assert "resize_token_embeddings(len(tokenizer))" in err and "--tokenizer" not in err
+
+
 GPT2_REFUSALS = [  # (a change to the GPT-2's config.json, words of the line)
     (dict(scale_attn_by_inverse_layer_idx=True), ["scale_attn_by_inverse_layer_idx true", "false only"]),
     (dict(reorder_and_upcast_attn=True), ["reorder_and_upcast_attn true"]),

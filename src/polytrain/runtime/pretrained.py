@@ -267,19 +267,44 @@ def initial_weights(folder, model: nn.Module):
 
 def check_vocabulary(config, dataset) -> None:
     """One line where the data's token ids reach beyond the checkpoint's vocabulary (the launching process,
-    before the model is built)."""
+    before the model is built): where the checkpoint's own tokenizer wrote the data, it is that tokenizer's
+    added tokens, which the checkpoint has no embedding rows for."""
     tokens = getattr(dataset, "num_classes", None)
     if getattr(dataset, "kind", None) == "classification" or tokens is None or config.vocab_size is None:
         return
-    if tokens > config.vocab_size:
-        raise ConfigError(
-            f"--init-from: {config.init_from} has a vocabulary of {config.vocab_size} tokens, and the dataset "
-            f"{getattr(dataset, 'name', '')} has {tokens}; train on data whose token ids are below "
-            f"{config.vocab_size}, or start from a checkpoint with {tokens} tokens or more"
-            + (
-                f" (write the corpus with the checkpoint's tokenizer: polytrain tokenize FILES --tokenizer "
-                f"{config.init_from} --out DIR)"
-                if getattr(dataset, "tokenizer_file", None)
-                else ""
-            )
+    if tokens <= config.vocab_size:
+        return
+    kept = getattr(dataset, "tokenizer_file", None)
+    own = Path(str(config.init_from)) / "tokenizer.json"
+    if kept is not None and own.is_file() and _same_file(own, Path(kept)):
+        from ..data import tokenizer as tokenizers_file
+
+        added = tokenizers_file.load(Path(kept)).get_added_tokens_decoder()
+        beyond = sorted((i, token.content) for i, token in added.items() if i >= config.vocab_size)
+        named = ", ".join(f"{content!r} ({i})" for i, content in beyond[:3]) + (
+            ", ..." if len(beyond) > 3 else ""
         )
+        raise ConfigError(
+            f"--init-from: {config.init_from}'s own tokenizer has {tokens} tokens with its added ones ({named}), "
+            f"and its model has embedding rows for {config.vocab_size} only, so those ids have no row; give the "
+            f"model rows for them in transformers (model.resize_token_embeddings(len(tokenizer)), then "
+            f"save_pretrained(DIR) and --init-from DIR), or tokenize the corpus with a tokenizer without those "
+            f"added tokens (polytrain does not grow a checkpoint's vocabulary: the new rows would start untrained)"
+        )
+    raise ConfigError(
+        f"--init-from: {config.init_from} has a vocabulary of {config.vocab_size} tokens, and the dataset "
+        f"{getattr(dataset, 'name', '')} has {tokens}; train on data whose token ids are below "
+        f"{config.vocab_size}, or start from a checkpoint with {tokens} tokens or more"
+        + (
+            f" (write the corpus with the checkpoint's tokenizer: polytrain tokenize FILES --tokenizer "
+            f"{config.init_from} --out DIR)"
+            if kept is not None and own.is_file()
+            else ""
+        )
+    )
+
+
+def _same_file(one: Path, other: Path) -> bool:
+    from ..data.tokenizer import file_sha256
+
+    return other.is_file() and file_sha256(one) == file_sha256(other)

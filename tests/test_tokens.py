@@ -7,6 +7,7 @@ N ranks train as one (verify); bad input is one line each.
 """
 
 import json
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -241,9 +242,16 @@ def test_bad_input_is_one_line(written, tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"body": "x", "id": 1}) + "\n")
     with pytest.raises(DataError, match=r"has no text field 'text' \(it has: body, id\); name the field"):
         corpus.tokenize_corpus([str(tmp_path / "rows.jsonl")], str(tmp_path / "o1"), show=False)
-    (tmp_path / "t.csv").write_text("a,b\n")
-    with pytest.raises(UserError, match="reads .txt, .md, .jsonl files"):
-        corpus.tokenize_corpus([str(tmp_path / "t.csv")], str(tmp_path / "o2"), show=False)
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "pictures" / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(UserError, match=r"holds no text files \(1 hidden or not UTF-8 text, skipped\); give"):
+        corpus.tokenize_corpus([str(tmp_path / "pictures")], str(tmp_path / "o2"), show=False)
+    with pytest.raises(UserError, match=r"holds no text files matching --glob '\*\*/\*.rs'; give another"):
+        corpus.tokenize_corpus([str(SHAKESPEARE.parent)], str(tmp_path / "o2"), glob="**/*.rs", show=False)
+    with pytest.raises(UserError, match="chooses files in a folder, and no folder was given"):
+        corpus.tokenize_corpus([str(SHAKESPEARE)], str(tmp_path / "o2"), glob="*.txt", show=False)
+    with pytest.raises(UserError, match="give a pattern inside the folder"):
+        corpus.tokenize_corpus([str(tmp_path)], str(tmp_path / "o2"), glob="/etc/*.conf", show=False)
     with pytest.raises(UserError, match="--vocab-size trains a tokenizer and --tokenizer gives one"):
         corpus.tokenize_corpus(
             [str(SHAKESPEARE)], str(tmp_path / "o3"), tokenizer=str(root / "out"), vocab_size=9
@@ -255,6 +263,115 @@ def test_bad_input_is_one_line(written, tmp_path):
         )
     with pytest.raises(DataError, match="polytrain tokenize FILES --out DIR"):
         load_token_shards(str(tmp_path), context=8)
+
+
+def _code_folder(root):
+    """A folder of Python source at two depths, with what a repository also holds: a .git folder, a hidden
+    file, a picture, compiled bytecode and a README."""
+    (root / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / ".git" / "objects").mkdir(parents=True)
+    (root / "setup.py").write_text("from setuptools import setup\n\nsetup(name='pkg')\n")
+    (root / "pkg" / "core.py").write_text("def twice(x):\n    return 2 * x  # é 中文\n" * 200)
+    (root / "README.md").write_text("# pkg\n\nDoubles numbers.\n")
+    (root / ".git" / "config").write_text("[core]\n\tbare = false\n")
+    (root / ".git" / "objects" / "ab").write_bytes(b"x\x01\x9c\xcb\x00\xff")
+    (root / ".env").write_text("TOKEN=1\n")
+    (root / "pkg" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    (root / "pkg" / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0c")
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+
+
+def test_a_folder_gives_its_text_files_whatever_their_names_and_glob_chooses_among_them(tmp_path, capsys):
+    """Every UTF-8 file of a folder by default (hidden files and folders, binary files and a Latin-1 one
+    skipped and named in one line), those --glob matches with it, and a file named always, whatever its name."""
+    code = tmp_path / "code"
+    _code_folder(code)
+    chosen = corpus.corpus_files([str(code)])
+    assert chosen.files == [code / "README.md", code / "pkg" / "core.py", code / "setup.py"]
+    assert chosen.hidden == [code / ".env", code / ".git"]
+    assert chosen.not_text == [code / "latin1.txt", code / "pkg" / "__pycache__" / "core.cpython-311.pyc"] + [
+        code / "pkg" / "logo.png"
+    ]
+    assert corpus.corpus_files([str(code)], "**/*.py").files == [code / "pkg" / "core.py", code / "setup.py"]
+    assert corpus.corpus_files([str(code)], "*.py").files == [code / "setup.py"]  # the folder's top only
+    assert corpus.corpus_files([str(code)], "**/*.py").skipped() is None  # nothing it matched was passed over
+    (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    named = [str(tmp_path / "table.csv"), str(code / ".env"), str(code)]
+    assert corpus.corpus_files(named, "**/*.py").files == [
+        tmp_path / "table.csv",
+        code / ".env",
+        code / "pkg" / "core.py",
+        code / "setup.py",
+    ]
+    manifest = corpus.tokenize_corpus([str(code)], str(tmp_path / "out"), vocab_size=300, glob="**/*.py")
+    assert manifest["corpus"]["files"] == 2 and manifest["corpus"]["documents"] == 2
+    corpus.tokenize_corpus([str(code)], str(tmp_path / "all"), vocab_size=300)
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]
+    assert skipped == [
+        f"skipped 2 hidden ({code / '.env'}, {code / '.git'}); 3 not UTF-8 text ({code / 'latin1.txt'}, "
+        f"{code / 'pkg' / '__pycache__' / 'core.cpython-311.pyc'}, {code / 'pkg' / 'logo.png'}); name a file on "
+        f"the command line to read it anyway"
+    ]
+
+
+def test_the_validation_split_is_useful_on_a_small_corpus_and_a_small_share_of_a_large_one():
+    MiB = 2**20
+    # a 127k-token corpus, about 500 kB: a tenth of it (12.7k tokens, 99 windows of 128), not 0.005 (644 tokens)
+    assert corpus.validation_bytes(500_000) == 50_000
+    assert corpus.validation_bytes(9 * MiB) == int(0.9 * MiB)  # a tenth, below 10 MiB
+    assert corpus.validation_bytes(50 * MiB) == MiB  # the floor, 2% of it
+    assert corpus.validation_bytes(200 * MiB) == MiB
+    assert corpus.validation_bytes(10 * 2**30) == int(0.005 * 10 * 2**30)  # 0.005 of a large corpus
+    assert all(  # never more than a tenth, never less than 0.005
+        0.005 * total - 1 <= corpus.validation_bytes(total) <= 0.1 * total
+        for total in (1, 999, 10 * MiB - 1, 10 * MiB, 200 * MiB + 1, 10**12)
+    )
+    # a fraction given is taken as it is, 0 included
+    assert corpus.validation_bytes(500_000, 0.005) == 2500 and corpus.validation_bytes(500_000, 0.0) == 0
+    assert corpus.validation_bytes(10 * 2**30, 0.2) == int(0.2 * 10 * 2**30)
+
+
+def test_shards_written_with_a_checkpoints_tokenizer_name_a_command_that_fine_tunes_it(
+    written, tmp_path, capsys
+):
+    """`--tokenizer CHECKPOINT` (the folder, or its tokenizer.json): the closing line names `polytrain train
+    --init-from CHECKPOINT`, and that command trains; a tokenizer trained here, or one on its own, names
+    --model gpt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root, _, _ = written
+    checkpoint = tmp_path / "my llama"  # a space, quoted in the command
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = LlamaConfig(vocab_size=400, num_key_value_heads=1, max_position_embeddings=64, **sizes)
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    (checkpoint / "tokenizer.json").write_bytes((root / "out" / "tokenizer.json").read_bytes())
+    (tmp_path / "c.txt").write_text(SHAKESPEARE.read_text()[:20_000])
+    for name, tokenizer in (("a", checkpoint), ("b", checkpoint / "tokenizer.json")):
+        assert (
+            main(
+                [
+                    "tokenize",
+                    str(tmp_path / "c.txt"),
+                    "--out",
+                    str(tmp_path / name),
+                    "--tokenizer",
+                    str(tokenizer),
+                ]
+            )
+            == 0
+        )
+        hint = capsys.readouterr().out.split("Train with: ")[1].strip()
+        assert shlex.split(hint) == [
+            "polytrain", "train", "--init-from", str(checkpoint), "--dataset", "tokens", "--data-dir",
+            str(tmp_path / name),
+        ]  # fmt: skip
+    run = ["--max-steps", "1", "--context", "16", "--batch-size", "2", "--device", "cpu"]
+    assert main([*shlex.split(hint)[1:], *run, "--out", str(tmp_path / "run")]) == 0
+    assert corpus.next_command("tokens", str(root / "out")) == (
+        "polytrain train --model gpt --dataset tokens --data-dir tokens"
+    )  # the tokenizer of an earlier tokenize: no model beside it
+    assert corpus.next_command("tokens") == "polytrain train --model gpt --dataset tokens --data-dir tokens"
 
 
 def test_training_generating_and_resuming_on_shards(written, tmp_path, capsys):
@@ -309,6 +426,9 @@ def test_the_command_line_writes_and_names_the_next_command(tmp_path):
     assert "encoding:" in done.stdout and "MiB/s" in done.stdout
     data = load_dataset("tokens", data_dir=str(tmp_path / "out"), context=8)
     assert data.num_classes == 300
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    held = manifest["val"]["tokens"] / (manifest["train"]["tokens"] + manifest["val"]["tokens"])
+    assert manifest["corpus"]["val_fraction"] == 0.1 and 0.08 < held < 0.12  # a tenth of a small corpus
     again = run_polytrain("tokenize", tmp_path / "c.txt", "--out", tmp_path / "out")
     assert (
         again.returncode == 2

@@ -159,15 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize = command(
         "tokenize",
         help="write text files as token shards for --dataset tokens, training a tokenizer or using one",
-        description="Streams text files (.txt, .md: a document each; .jsonl: a document per line) through a "
+        description="Streams text files (a document each; .jsonl: a document per line) through a "
         "Hugging Face tokenizer into DIR: token shards (uint16 where the vocabulary allows), a held-out "
         "validation split, tokenizer.json and manifest.json with every shard's checksum. Without --tokenizer "
         "it first trains a byte-level BPE tokenizer on the corpus. Memory stays flat whatever the corpus's "
-        "size; an interrupted run leaves nothing a later run would read. Then: polytrain train --dataset "
-        "tokens --data-dir DIR",
+        "size; an interrupted run leaves nothing a later run would read. Then: polytrain train --model gpt "
+        "(or --init-from the checkpoint whose tokenizer it took) --dataset tokens --data-dir DIR",
     )
     tokenize.add_argument(
-        "paths", nargs="+", metavar="FILES_OR_FOLDER", help="text files, or folders of them"
+        "paths",
+        nargs="+",
+        metavar="FILES_OR_FOLDER",
+        help="text files, each read whatever its name, or folders: their files that --glob matches and whose "
+        "start is UTF-8 text, hidden files and folders (.git) skipped",
+    )
+    tokenize.add_argument(
+        "--glob",
+        metavar="PATTERN",
+        help="the files to read in each folder, a pattern inside it, e.g. '**/*.py' (** is any depth of "
+        "folders); default: every file",
     )
     tokenize.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new, or empty)")
     tokenize.add_argument(
@@ -186,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize.add_argument(
         "--val-fraction",
         type=float,
-        default=0.005,
+        default=None,
         metavar="F",
-        help="the last F of the corpus's bytes, held out for validation (default: %(default)s)",
+        help="the last F of the corpus's bytes, held out for validation (default: a tenth of a corpus under "
+        "10 MiB, 1 MiB of one up to 200 MiB, 0.005 of a larger one)",
     )
     tokenize.add_argument(
         "--shard-tokens",

@@ -447,7 +447,7 @@ def export_command(args) -> int:
 
 
 def tokenize_command(args) -> int:
-    from .data.corpus import tokenize_corpus
+    from .data.corpus import next_command, tokenize_corpus
 
     manifest = tokenize_corpus(
         args.paths,
@@ -455,6 +455,7 @@ def tokenize_command(args) -> int:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         val_fraction=args.val_fraction,
+        glob=args.glob,
         shard_tokens=args.shard_tokens,
         text_key=args.text_key,
         end_of_text=args.end_of_text,
@@ -465,11 +466,12 @@ def tokenize_command(args) -> int:
         f"wrote {args.out}: {train['tokens']:,} training and {val['tokens']:,} validation tokens "
         f"({manifest['dtype']}) in {shards} shard{'s' if shards != 1 else ''}, from "
         f"{manifest['corpus']['documents']:,} documents; a tokenizer of {tokenizer['vocab_size']:,} tokens "
-        f"({tokenizer['source']}). Train with: polytrain train --model gpt --dataset tokens --data-dir {args.out}"
+        f"({tokenizer['source']}). Train with: {next_command(args.out, args.tokenizer)}"
     )
-    if not val["tokens"] and args.val_fraction:
+    if not val["tokens"] and args.val_fraction != 0:
         print(
-            f"note: the corpus is too small for --val-fraction {args.val_fraction} to hold out any text; give more"
+            f"note: the corpus is too small to hold out any text for validation "
+            f"({manifest['corpus']['val_fraction']} of it); give more"
         )
     return 0
 

@@ -5,9 +5,10 @@ The corpus is read in blocks, never whole: memory stays flat whatever its size. 
 at a line break that has a non-space character on both sides (`CUT`); byte-level BPE pre-tokenizers (GPT-2's,
 Llama 3's, Qwen2's) never join tokens across such a break, so encoding the pieces apart gives the ids of the
 whole text. The pieces are encoded in batches by the tokenizers library's `encode_batch`, on every core. A
-document is a .txt file or one line of a .jsonl file (its `--text-key` field), and each is followed by the
-tokenizer's end-of-text id. The last `--val-fraction` of the input's bytes is held out as the validation
-split.
+document is a text file, or one line of a .jsonl file (its `--text-key` field), and each is followed by the
+tokenizer's end-of-text id. Files named are read whatever their names; in a folder, the files `--glob`
+matches (every file by default) whose start is UTF-8 text, hidden files and folders (.git) skipped and named
+in one line. The last bytes of the input are held out as the validation split (`validation_bytes`).
 
 Each split's tokens go into shards of at most `--shard-tokens` ids, uint16 where the vocabulary allows, else
 uint32 (flat little-endian arrays, as nanoGPT's train.bin, read through np.memmap). A shard is written under a
@@ -25,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -39,13 +41,17 @@ from . import tokenizer as tokenizers_file
 
 MANIFEST = "manifest.json"
 FORMAT = "polytrain-tokens/1"
-SUFFIXES = (".txt", ".md", ".jsonl")
 CUT = re.compile(r"(?<=\S)\n(?=\S)")  # a line break between two non-space characters
 FALLBACK_CUT = re.compile(r"(?<=\S)(?= \S)")  # before a space between words, in a text without such breaks
 BLOCK = 1 << 20  # characters read at a time
 PIECE = 1 << 14  # characters per piece, about
 BATCH = 1 << 20  # characters per encode_batch call, about
 SHARD_NAME = re.compile(r"^(train|val)-\d{5}\.bin$")
+SNIFF = 1 << 16  # bytes read from the start of a file found in a folder to tell text from binary
+NAMED = 5  # skipped paths named in the line that reports them
+VAL_FRACTION = 0.005  # of a large corpus's bytes held out for validation by default
+VAL_FLOOR = 1 << 20  # bytes held out by default at least, where VAL_CAP allows
+VAL_CAP = 0.1  # of the corpus's bytes, the most the floor holds out
 
 
 @dataclass
@@ -57,28 +63,95 @@ class Piece:
     split: str = "train"  # the split its ids go to: "train" or "val"
 
 
-def corpus_files(paths: Sequence[str]) -> List[Path]:
-    """The files named, and the .txt, .md and .jsonl files under folders named (recursively, in name order)."""
-    found: List[Path] = []
+@dataclass
+class CorpusFiles:
+    """The files a corpus is read from, in order, and what the folders given held that is not read."""
+
+    files: List[Path]
+    hidden: List[Path] = field(default_factory=list)  # hidden files and folders (.git), not looked into
+    not_text: List[Path] = field(default_factory=list)  # files whose start is not UTF-8 text (images, .pyc)
+
+    def skipped(self) -> Optional[str]:
+        """One line naming what was skipped, or None."""
+
+        def named(paths: List[Path]) -> str:
+            more = f" and {len(paths) - NAMED:,} more" if len(paths) > NAMED else ""
+            return ", ".join(str(path) for path in paths[:NAMED]) + more
+
+        parts = [f"{len(self.hidden):,} hidden ({named(self.hidden)})"] if self.hidden else []
+        if self.not_text:
+            parts.append(f"{len(self.not_text):,} not UTF-8 text ({named(self.not_text)})")
+        if not parts:
+            return None
+        return f"skipped {'; '.join(parts)}; name a file on the command line to read it anyway"
+
+
+def is_text(path: Path) -> bool:
+    """Whether a file's start is UTF-8 text without a NUL byte (as git tells binary files): a file that turns
+    out otherwise further on is refused in one line while it is read."""
+    with open(path, "rb") as handle:
+        start = handle.read(SNIFF)
+    if b"\0" in start:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(start, final=False)  # a character cut at SNIFF is fine
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _in_folder(folder: Path, pattern: str, chosen: CorpusFiles) -> None:
+    """Add the files under `folder` that `pattern` matches, in name order, to `chosen`: its text files to
+    `files`, the rest to what is skipped."""
+    try:
+        matched = sorted(folder.glob(pattern))
+    except (ValueError, NotImplementedError) as error:  # pathlib's words for an empty or absolute pattern
+        raise UserError(
+            f"--glob {pattern!r}: {error}; give a pattern inside the folder, e.g. '**/*.py'"
+        ) from None
+    hidden, files = set(), []
+    for path in matched:
+        parts = path.relative_to(folder).parts
+        secret = next((index for index, part in enumerate(parts) if part.startswith(".")), None)
+        if secret is not None:
+            hidden.add(folder.joinpath(*parts[: secret + 1]))
+        elif path.is_file():
+            files.append(path)
+    chosen.hidden.extend(sorted(hidden))
+    for path in files:
+        (chosen.files if is_text(path) else chosen.not_text).append(path)
+
+
+def corpus_files(paths: Sequence[str], pattern: Optional[str] = None) -> CorpusFiles:
+    """The files named, each read whatever its name, and the text files under the folders named that
+    `pattern` (a pathlib glob inside the folder; default: every file, recursively) matches, hidden files
+    and folders left out."""
+    chosen = CorpusFiles([])
+    folders = [Path(name).expanduser() for name in paths if Path(name).expanduser().is_dir()]
+    if pattern is not None and not folders:
+        raise UserError(
+            f"--glob {pattern!r} chooses files in a folder, and no folder was given; give one, or drop --glob"
+        )
     for name in paths:
         path = Path(name).expanduser()
         if path.is_dir():
-            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
-            if not inside:
-                raise UserError(
-                    f"{path} holds no {', '.join(SUFFIXES)} files; give text files or their folder"
+            before = len(chosen.files), len(chosen.hidden) + len(chosen.not_text)
+            _in_folder(path, pattern or "**/*", chosen)
+            if len(chosen.files) == before[0]:
+                passed = len(chosen.hidden) + len(chosen.not_text) - before[1]
+                which = f" matching --glob {pattern!r}" if pattern else ""
+                skipped = f" ({passed:,} hidden or not UTF-8 text, skipped)" if passed else ""
+                fix = (
+                    "give another --glob, or name text files"
+                    if pattern
+                    else "give text files or their folder"
                 )
-            found.extend(inside)
+                raise UserError(f"{path} holds no text files{which}{skipped}; {fix}")
         elif path.is_file():
-            if path.suffix not in SUFFIXES:
-                raise UserError(
-                    f"{path}: polytrain tokenize reads {', '.join(SUFFIXES)} files (a .jsonl line is a "
-                    f"document, its text under --text-key); convert it, or rename a plain text file to .txt"
-                )
-            found.append(path)
+            chosen.files.append(path)
         else:
             raise UserError(f"{path} does not exist; give text files or folders of them")
-    return found
+    return chosen
 
 
 def _cut(text: str, *, final: bool) -> Tuple[List[str], str]:
@@ -320,32 +393,54 @@ def prepare_folder(out: Path) -> None:
             path.unlink()
 
 
+def validation_bytes(total: int, fraction: Optional[float] = None) -> int:
+    """How many of a corpus's `total` bytes, its last, are held out for validation: `fraction` of them where
+    given; by default a tenth of a corpus under 10 MiB, 1 MiB of one up to 200 MiB, and 0.005 of a larger one.
+    A fixed fraction alone leaves a small corpus a few windows to validate on (0.005 of a 127k-token corpus is
+    5 windows of 128); the floor of 1 MiB, about 250,000 tokens of BPE, gives a steady loss, and the cap of a
+    tenth keeps most of a small corpus for training."""
+    if fraction is not None:
+        return int(total * fraction)
+    return max(int(total * VAL_FRACTION), min(VAL_FLOOR, int(total * VAL_CAP)))
+
+
+def next_command(out: str, tokenizer: Optional[str] = None) -> str:
+    """The command that trains on the shards in `out`: from the checkpoint whose tokenizer they were written
+    with (its ids mean something only to that model), else a new gpt of the tokenizer's vocabulary."""
+    folder = tokenizers_file.checkpoint_folder(tokenizer) if tokenizer is not None else None
+    model = f"--init-from {shlex.quote(str(folder))}" if folder is not None else "--model gpt"
+    return f"polytrain train {model} --dataset tokens --data-dir {shlex.quote(str(out))}"
+
+
 def tokenize_corpus(
     paths: Sequence[str],
     out: str,
     *,
     tokenizer: Optional[str] = None,
     vocab_size: Optional[int] = None,
-    val_fraction: float = 0.005,
+    val_fraction: Optional[float] = None,
+    glob: Optional[str] = None,
     shard_tokens: int = 100_000_000,
     text_key: str = "text",
     end_of_text: Optional[str] = None,
     show: bool = True,
 ) -> dict:
-    """Write `paths` (text files or folders) into `out` as token shards; returns the manifest."""
+    """Write `paths` (text files, or folders whose text files `glob` chooses) into `out` as token shards;
+    returns the manifest."""
     if tokenizer is not None and vocab_size is not None:
         raise UserError("--vocab-size trains a tokenizer and --tokenizer gives one; drop one of them")
-    if not 0 <= val_fraction < 1:
+    if val_fraction is not None and not 0 <= val_fraction < 1:
         raise UserError(f"--val-fraction {val_fraction} must be at least 0 and below 1, e.g. 0.005")
     if shard_tokens < 1:
         raise UserError(f"--shard-tokens {shard_tokens} must be 1 or more")
-    files = corpus_files(paths)
+    chosen = corpus_files(paths, glob)
+    if show and chosen.skipped():
+        print(chosen.skipped(), flush=True)
+    files = chosen.files
     total = sum(path.stat().st_size for path in files)
     if total == 0:
         raise UserError(f"{', '.join(map(str, paths))} hold no text; give files with text in them")
-    held_from = (
-        int(total * (1 - val_fraction)) if val_fraction else total
-    )  # byte offset where validation starts
+    held_from = total - validation_bytes(total, val_fraction)  # byte offset where validation starts
     folder = Path(out).expanduser()
     prepare_folder(folder)
     if tokenizer is not None:
@@ -373,6 +468,6 @@ def tokenize_corpus(
         progress.update(sum(piece.nbytes for piece in batch))
     return shards.finish(
         source=str(source.resolve()) if tokenizer is not None else "trained here (byte-level BPE)",
-        corpus=dict(files=len(files), bytes=total, val_fraction=val_fraction),
+        corpus=dict(files=len(files), bytes=total, val_fraction=round((total - held_from) / total, 6)),
         seconds=progress.close(),
     )

@@ -59,6 +59,15 @@ def find_tokenizer(path: str) -> Path:
     return where
 
 
+def checkpoint_folder(path: str) -> Optional[Path]:
+    """The model folder whose tokenizer `--tokenizer path` names: the folder given, or the one holding the file
+    given, where it also holds a config.json (as a Hugging Face checkpoint and a polytrain run do, both of
+    which --init-from loads); None for a tokenizer on its own."""
+    where = Path(path).expanduser()
+    folder = where if where.is_dir() else where.parent
+    return folder if (folder / "config.json").is_file() else None
+
+
 def load(path: Path):
     """The tokenizer in `path`, or one line naming the file and what is wrong with it."""
     library = tokenizers_library()

@@ -195,3 +195,51 @@ def test_sizes_as_hugging_face_writes_them():
     ]
     entries = [("a", (10,), torch.float32), ("b", (10,), torch.float32), ("c", (30,), torch.float32)]
     assert [[e[0] for e in part] for part in export._shards(entries, 80)] == [["a", "b"], ["c"]]
+
+
+def test_the_export_holds_the_runs_tokenizer_as_autotokenizer_loads_it(tmp_path):
+    """A run on token shards that a checkpoint's tokenizer wrote exports that tokenizer with its special tokens
+    and chat template: AutoTokenizer loads the export and encodes, names its end token and formats a chat as
+    the checkpoint's does (AutoTokenizer.from_pretrained(export) failed: no tokenizer was written). A tokenizer
+    trained by polytrain tokenize exports with a config of its own, its end-of-text token as bos and eos."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from polytrain.data.corpus import tokenize_corpus
+    from polytrain.data.tokenizer import train_byte_bpe
+
+    text = (Path(polytrain.__file__).with_name("data") / "shakespeare" / "input.txt").read_text()[:30_000]
+    (tmp_path / "corpus.txt").write_text(text)
+    checkpoint = tmp_path / "checkpoint"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    PreTrainedTokenizerFast(
+        tokenizer_object=train_byte_bpe([text], vocab_size=300),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+    ).save_pretrained(checkpoint)
+    tokenize_corpus(
+        [str(tmp_path / "corpus.txt")], str(tmp_path / "tokens"), tokenizer=str(checkpoint), show=False
+    )
+    quick = dict(batch_size=4, max_steps=3, device="cpu", verbose=False, context=16)
+    trained = dict(data_dir=str(tmp_path / "tokens"), **quick)
+    polytrain.fit(None, "tokens", init_from=str(checkpoint), out=str(tmp_path / "run"), **trained)
+    out, _, _ = export.export_run(tmp_path / "run", format="hf")
+    theirs, ours = AutoTokenizer.from_pretrained(checkpoint), AutoTokenizer.from_pretrained(out)
+    sample = "ROMEO: What light through yonder window breaks?"
+    assert ours(sample)["input_ids"] == theirs(sample)["input_ids"]
+    assert (ours.eos_token, ours.bos_token) == (theirs.eos_token, theirs.bos_token) == ("<|endoftext|>",) * 2
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+
+    tokenize_corpus([str(tmp_path / "corpus.txt")], str(tmp_path / "own"), vocab_size=300, show=False)
+    own = dict(trained, data_dir=str(tmp_path / "own"))
+    polytrain.fit("gpt", "tokens", out=str(tmp_path / "gpt"), layers=1, heads=2, width=16, **own)
+    out, _, _ = export.export_run(tmp_path / "gpt", format="hf")
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.eos_token == loaded.bos_token == "<|endoftext|>"
+    assert loaded(sample)["input_ids"] == loaded.backend_tokenizer.encode(sample).ids

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "they were saved as shards by every rank (--strategy sharded): read and written one tensor at a "
         "time, so it never holds more than the largest tensor. --format hf writes a folder that "
         "transformers' AutoModelForCausalLM.from_pretrained loads (a --model llama or gpt run: config.json "
-        "and safetensors files; no tokenizer).",
+        "and safetensors files, with the run's tokenizer where it has one).",
     )
     export.add_argument("run_dir", metavar="RUN_DIR")
     export.add_argument(

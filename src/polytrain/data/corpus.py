@@ -447,6 +447,8 @@ def tokenize_corpus(
         source = tokenizers_file.find_tokenizer(tokenizer)
         model = tokenizers_file.load(source)
         shutil.copyfile(source, folder / tokenizers_file.FILE)
+        for companion in tokenizers_file.companions(source):  # its special tokens and chat template
+            shutil.copyfile(companion, folder / companion.name)
     else:
         progress = Progress("training the tokenizer", held_from, show=show)
 

@@ -4,7 +4,9 @@
 every byte a token of its own before any merge, so any text encodes, and `<|endoftext|>` as the one special
 token) or takes a tokenizer.json the user gives (or the one inside a Hugging Face checkpoint folder). The file
 is copied byte for byte beside the token shards and into the run folder, and named by its SHA-256: shards
-written by one tokenizer are never read by a run of another.
+written by one tokenizer are never read by a run of another. A checkpoint's other tokenizer files
+(`COMPANIONS`: its tokenizer_config.json with the special tokens, its chat template) travel with it, so that
+`polytrain export --format hf` writes a folder AutoTokenizer loads.
 
 Documents are separated by the tokenizer's end-of-text token, found by name among its special tokens
 (`END_OF_TEXT`: GPT-2's and Qwen2's `<|endoftext|>`, Llama 3's `<|end_of_text|>`, SentencePiece's `</s>`).
@@ -19,6 +21,9 @@ from typing import Iterable, Optional
 from ..errors import DataError, UserError
 
 FILE = "tokenizer.json"
+# what transformers writes beside tokenizer.json (save_pretrained): the tokenizer's class, its special tokens
+# and chat template; kept with the tokenizer from a checkpoint, so that an export loads with AutoTokenizer
+COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 TRAINED_END_OF_TEXT = "<|endoftext|>"
 
@@ -57,6 +62,12 @@ def find_tokenizer(path: str) -> Path:
     if not where.is_file():
         raise UserError(f"tokenizer {where} does not exist; give a tokenizer.json written by Hugging Face")
     return where
+
+
+def companions(tokenizer_file: Path) -> list:
+    """The files of `COMPANIONS` that lie beside `tokenizer_file` (in a checkpoint folder, or copied with it)."""
+    folder = Path(tokenizer_file).parent
+    return [folder / name for name in COMPANIONS if (folder / name).is_file()]
 
 
 def checkpoint_folder(path: str) -> Optional[Path]:

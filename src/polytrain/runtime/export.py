@@ -14,8 +14,9 @@ nn.Linear weights, each transposed as it is copied into the scratch file, so tha
 are the most held; c_attn is the GPT's fused qkv as it is; transformers 5 keeps its causal mask out of the
 checkpoint, so no attn.bias is written), writes config.json from the model's own sizes (`hf_config`), and cuts
 the weights into files of at most --max-shard-size listed in model.safetensors.index.json, as
-`save_pretrained` does. No tokenizer is written: a polytrain run has none of Hugging Face's (shakespeare's
-characters are the run's vocabulary).
+`save_pretrained` does. The run's tokenizer goes with it where it has one (a run on token shards, or on text a
+tokenizer encodes): tokenizer.json and the checkpoint's tokenizer_config.json, special tokens and chat template,
+or a tokenizer_config.json of its own for one trained here; shakespeare's characters have none.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ from typing import Optional
 
 import torch
 
+from ..data.tokenizer import COMPANIONS
 from ..errors import UserError
 from . import shards
 from .checkpoint import safe_load, shard_folder
 
 FORMATS = ("safetensors", "pt")  # one file; "hf" writes a folder (export_hf)
+TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+# the files of an --format hf folder besides the weights (model*): an export there may be replaced
+EXPORTED = ("config.json", TOKENIZER, *COMPANIONS)
 # the dtypes of polytrain's weights that safetensors stores
 SAFETENSORS_DTYPES = (
     torch.float64,
@@ -225,10 +230,36 @@ def _source_config(settings: dict) -> Optional[dict]:
     return config if isinstance(config, dict) and config.get("architectures") else None
 
 
+def _write_tokenizer(run_dir: Path, settings: dict, folder: Path, *, window) -> None:
+    """The run's tokenizer into the export, as AutoTokenizer reads it: tokenizer.json and the files of the
+    checkpoint it came from (its tokenizer_config.json with the special tokens, its chat template); a tokenizer
+    trained here gets a tokenizer_config.json of its own, its end-of-text token as GPT-2's is (bos and eos).
+    Nothing for a run without one (shakespeare's characters are its vocabulary)."""
+    kept = settings.get("kept_tokenizer")
+    if not kept:
+        return
+    shutil.copyfile(run_dir / kept["file"], folder / TOKENIZER)
+    names = [name for name in kept.get("companions", ()) if (run_dir / name).is_file()]
+    for name in names:
+        shutil.copyfile(run_dir / name, folder / name)
+    if TOKENIZER_CONFIG not in names:
+        from ..data import tokenizer as tokenizers_file
+
+        end = tokenizers_file.load(run_dir / kept["file"]).id_to_token(int(kept["end_of_text_id"]))
+        config = dict(
+            tokenizer_class="PreTrainedTokenizerFast",
+            bos_token=end,
+            eos_token=end,
+            model_max_length=window,
+            clean_up_tokenization_spaces=False,
+        )
+        (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
 def _replace_folder(temporary: Path, out: Path) -> None:
     """`temporary` renamed to `out`; an earlier export there is replaced, a folder holding anything else is not."""
     if out.exists():
-        ours = lambda path: path.name == "config.json" or path.name.startswith("model")  # noqa: E731
+        ours = lambda path: path.name in EXPORTED or path.name.startswith("model")  # noqa: E731
         if not out.is_dir() or not all(path.is_file() and ours(path) for path in out.iterdir()):
             raise UserError(
                 f"--out {out} exists and holds more than an export; give a new folder, or remove it"
@@ -302,6 +333,7 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
             (temporary / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config = family.hf_config(built, _source_config(settings))
         (temporary / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_tokenizer(run_dir, settings, temporary, window=config.get("max_position_embeddings"))
         _replace_folder(temporary, out)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)

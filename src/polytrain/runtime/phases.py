@@ -15,6 +15,7 @@ from ..config import TrainConfig
 from ..config.declare import flag_name
 from ..data import ArrayDataset
 from ..data.tokenizer import FILE as TOKENIZER
+from ..data.tokenizer import companions
 from ..errors import UserError
 from ..models import build_model_on_meta, check_model_output, takes_channels_last, text_vocabulary
 from ..models.lightning import is_lightning, plan_loop
@@ -271,9 +272,14 @@ def write_run_settings(
     # a sequence classifier (a score head, its classes above): generate and export --format hf refuse it
     if getattr(dataset, "sequence_vocabulary", None):
         settings["classifies_texts"] = True
+    kept_with = []
     if getattr(dataset, "tokenizer_file", None):  # token shards: their tokenizer, kept with the run
+        kept_with = companions(dataset.tokenizer_file)
         settings["kept_tokenizer"] = dict(
-            file=TOKENIZER, sha256=dataset.tokenizer_sha256, end_of_text_id=dataset.end_of_text_id
+            file=TOKENIZER,
+            sha256=dataset.tokenizer_sha256,
+            end_of_text_id=dataset.end_of_text_id,
+            companions=[path.name for path in kept_with],
         )
     skipped = getattr(dataset, "skipped", None)
     if skipped:
@@ -281,6 +287,8 @@ def write_run_settings(
     write_config(run_dir, settings)
     if "kept_tokenizer" in settings:
         atomic_write_bytes(run_dir / TOKENIZER, Path(dataset.tokenizer_file).read_bytes())
+        for path in kept_with:
+            atomic_write_bytes(run_dir / path.name, path.read_bytes())
     if skipped:
         atomic_write_bytes(run_dir / "skipped.txt", "".join(f"{path}\n" for path in skipped).encode())
 

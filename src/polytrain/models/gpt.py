@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .kv_cache import attend, cached, caching_layers
 
 # nanoGPT's CPU-sized model ("baby GPT" on Shakespeare)
 DEFAULT_SIZES = dict(layers=4, heads=4, width=128, context=64)
@@ -63,9 +64,11 @@ HF_PREFIX = "transformer."
 class Embeddings(nn.Module):
     """Token plus position embeddings: (B, T) ids -> (B, T, width). With `context_parallel` set (a ContextGroup,
     strategies/context_parallel.py) the ids are this rank's part of each sequence, and their rows of the table
-    of positions are those of their global positions."""
+    of positions are those of their global positions; with `kv_cache` set (a KVCache, while `generate` runs)
+    they follow the tokens read before, and take the rows of the positions after theirs."""
 
     context_parallel = None
+    kv_cache = None
 
     def __init__(self, vocab: int, context: int, width: int, dropout: float = 0.0):
         super().__init__()
@@ -74,7 +77,10 @@ class Embeddings(nn.Module):
         self.drop = nn.Dropout(dropout) if dropout else None  # (no layer at all without dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.context_parallel is None:
+        if self.kv_cache is not None:
+            positions = self.kv_cache.positions(idx.shape[1], device=idx.device)
+            self.kv_cache.extend(idx.shape[1])
+        elif self.context_parallel is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         else:
             positions = self.context_parallel.positions(idx.shape[1], device=idx.device)
@@ -137,9 +143,12 @@ def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
 
 class CausalSelfAttention(nn.Module):
     """Causal multi-head attention; with `context_parallel` set (a ContextGroup) over a sequence split across
-    ranks, its queries against the whole sequence's keys and values (strategies/context_parallel.py)."""
+    ranks, its queries against the whole sequence's keys and values (strategies/context_parallel.py); with
+    `kv_cache` set (a KVCache, while `generate` runs), its queries against the keys and values of the tokens
+    read before and their own (models/kv_cache.py)."""
 
     context_parallel = None
+    kv_cache = None
 
     def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
@@ -151,7 +160,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = (part.view(B, T, -1, self.head_dim).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=2))
-        if self.context_parallel is None:
+        if self.kv_cache is not None:
+            y = attend(q, *self.kv_cache.extend(T, k, v))
+        elif self.context_parallel is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = self.context_parallel.attention(q, k, v)
@@ -300,7 +311,7 @@ def build_gpt(
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: nn.Module,
     idx: torch.Tensor,
     tokens: int,
     *,
@@ -308,20 +319,46 @@ def generate(
     top_k=None,
     generator=None,
     vocabulary: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Extend the ids `idx` (1, T) by `tokens` samples, each conditioned on the last `context` ids. With
-    `vocabulary`, only ids below it are drawn: a model with more rows than the data's tokens (--vocab-size)
-    never emits one the tokenizer cannot decode (the other rows' scores are dropped before sampling)."""
+    """Extend the ids `idx` (1, T) by `tokens` samples, as transformers' `generate` does: the prompt runs
+    through the model once, then each new token alone, at its position, against the keys and values its
+    layers keep of the tokens before (models/kv_cache.py). With `vocabulary`, only ids below it are drawn: a
+    model with more rows than the data's tokens (--vocab-size) never emits one the tokenizer cannot decode
+    (the other rows' scores are dropped before sampling).
+
+    `window` (default: the model's `context`) is the longest sequence the model reads: the GPT's table of
+    positions, or a llama's max_position_embeddings (runtime/sampling.py). Once the text is longer, each
+    token is drawn from the last `window` ids, run anew (no cache: their first token now starts the
+    sequence, at position 0). transformers does not slide there: a GPT-2 fails for want of a position row,
+    and a Llama goes on at positions it was never trained on; up to `window` + 1 tokens in all, the two agree
+    (tested). A model that keeps no cache (no layer with a `kv_cache`) reruns the whole text per token."""
     model.eval()
-    for _ in range(tokens):
-        logits = model(idx[:, -model.context :])[:, -1, :vocabulary].float()
-        if temperature == 0:
-            following = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            following = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+    window = model.context if window is None else window
+    with_cache = min(tokens, max(0, window + 1 - idx.shape[1]))  # tokens drawn from at most `window` ids
+    if not caching_layers(model):
+        with_cache = 0
+    with cached(model):
+        logits = model(idx) if with_cache else None
+        for drawn in range(1, with_cache + 1):
+            following = _next_token(logits[:, -1, :vocabulary], temperature, top_k, generator)
+            idx = torch.cat([idx, following], dim=1)
+            if drawn < with_cache:
+                logits = model(following)
+    for _ in range(tokens - with_cache):
+        logits = model(idx[:, -window:])
+        following = _next_token(logits[:, -1, :vocabulary], temperature, top_k, generator)
         idx = torch.cat([idx, following], dim=1)
     return idx
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> torch.Tensor:
+    """The id (1, 1) drawn from the scores (1, vocab) of the next token: the likeliest at `temperature` 0."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..config.declare import flag_name
 from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, preset
 from ..errors import ConfigError
+from .kv_cache import attend
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
@@ -132,9 +133,12 @@ class Attention(nn.Module):
     """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups. With
     `context_parallel` set (a ContextGroup) over a sequence split across ranks, its tokens are turned by the
     rotary angles of their global positions and its queries attend to the whole sequence's keys and values
-    (strategies/context_parallel.py)."""
+    (strategies/context_parallel.py). With `kv_cache` set (a KVCache, while models/gpt.py `generate` runs), its
+    tokens follow those read before: turned by the angles of their true positions, their queries attend to
+    the cached keys and values and their own (models/kv_cache.py)."""
 
     context_parallel = None
+    kv_cache = None
 
     def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float, qkv_bias: bool = False):
         super().__init__()
@@ -150,11 +154,16 @@ class Attention(nn.Module):
         q, k, v = (
             layer(x).view(B, T, -1, self.head_dim).transpose(1, 2) for layer in (self.wq, self.wk, self.wv)
         )
-        split = self.context_parallel
-        positions = T if split is None else split.positions(T, device=x.device)
+        split, cache = self.context_parallel, self.kv_cache
+        if cache is not None:
+            positions = cache.positions(T, device=x.device)
+        else:
+            positions = T if split is None else split.positions(T, device=x.device)
         cos, sin = rotary(positions, self.head_dim, self.rope_theta, like=q)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if split is None:
+        if cache is not None:
+            y = attend(q, *cache.extend(T, k, v))
+        elif split is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         else:
             y = split.attention(q, k, v)

@@ -1,9 +1,16 @@
 """`polytrain generate`: text sampled from a language model run, decoded with what the run kept: the characters
 of a character-level run (`vocab` in its config.json), or the tokenizer of a run on token shards (its
-`tokenizer.json`, named under `kept_tokenizer`)."""
+`tokenizer.json`, named under `kept_tokenizer`).
+
+The model reads at most its own window (`model_window`), as transformers' `generate` does on the same weights
+(polytrain export --format hf): the GPT's table of positions, or for a llama that started from a Hugging Face
+checkpoint (--init-from) that checkpoint's max_position_embeddings, not the --context it was trained on.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -60,12 +67,14 @@ def generate_text(
     if not prompt:
         prompt = "\n" if "\n" in vocab else vocab[0]
     model, dev = _sampling_model(run_dir, settings, len(vocab), device=device, weights=weights)
+    window = model_window(settings, model)
     index = {char: i for i, char in enumerate(vocab)}
     idx = torch.tensor([[index[char] for char in prompt]], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
     out = generate(
-        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=len(vocab)
-    )
+        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=len(vocab),
+        window=window,
+    )  # fmt: skip
     return prompt + "".join(vocab[i] for i in out[0, idx.shape[1] :].tolist())
 
 
@@ -88,6 +97,7 @@ def _generate_tokens(run_dir, settings, prompt, tokens, *, temperature, top_k, s
     tokenizer = tokenizers_file.load(run_dir / settings["kept_tokenizer"]["file"])
     vocabulary = tokenizer.get_vocab_size(with_added_tokens=True)
     model, dev = _sampling_model(run_dir, settings, vocabulary, device=device, weights=weights)
+    window = model_window(settings, model)
     ids = (
         [int(settings["kept_tokenizer"]["end_of_text_id"])]
         if prompt in ("", "\n")
@@ -96,9 +106,48 @@ def _generate_tokens(run_dir, settings, prompt, tokens, *, temperature, top_k, s
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     generator = torch.Generator(device=dev).manual_seed(seed)
     out = generate(
-        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=vocabulary
-    )
+        model, idx, tokens, temperature=temperature, top_k=top_k, generator=generator, vocabulary=vocabulary,
+        window=window,
+    )  # fmt: skip
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=False)
+
+
+# how many runs of --init-from RUN `model_window` follows back to a Hugging Face checkpoint (a guard against a
+# loop of folders that name each other)
+SOURCE_HOPS = 16
+
+
+def model_window(settings: dict, model) -> int:
+    """The longest sequence the run's model reads: its `context` (the GPT's table of positions: a GPT-2's
+    n_positions, or a llama's --context), or for a llama that started from a Hugging Face checkpoint the
+    larger of that and the checkpoint's max_position_embeddings, the window polytrain export --format hf
+    writes for it. The checkpoint is found through --init-from (and the runs it names, for --init-from RUN),
+    where it still is; a checkpoint moved away leaves the model's context."""
+    window = int(model.context)
+    if settings.get("model") != "llama":
+        return window
+    folder = settings.get("init_from")
+    for _ in range(SOURCE_HOPS):
+        source = _read_source_config(folder)
+        if source is None:
+            break
+        if not (source.get("versions") or {}).get("polytrain"):
+            positions = source.get("max_position_embeddings")
+            return max(window, positions) if isinstance(positions, int) and positions > 0 else window
+        folder = source.get("init_from")  # a run that started from another run or checkpoint
+    return window
+
+
+def _read_source_config(folder) -> Optional[dict]:
+    """The config.json in `folder` (a Hugging Face checkpoint's or a polytrain run's), or None where there is
+    none to read."""
+    if not folder:
+        return None
+    try:
+        config = json.loads((Path(folder).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def check_sampling(tokens: int, temperature: float, top_k: Optional[int]) -> None:

@@ -139,7 +139,8 @@ def test_the_one_file_exports_read_as_before(runs, tmp_path):
 def test_a_gpt2_comes_back_out_as_it_went_in(tmp_path):
     """A GPT-2 saved by transformers, loaded with --init-from (one step at a learning rate too small to move a
     float32 weight) and exported: the same tensors by the same names, bit for bit, the same logits in
-    transformers, and the source config's other keys (its token ids) kept."""
+    transformers, and the source config's other keys kept: its token ids, and its dropouts (GPT-2's 0.1, which
+    a later fine-tune in transformers inherits; the run's 0.0 was written over them)."""
     torch.manual_seed(3)
     source = GPT2Config(
         vocab_size=65, n_layer=2, n_head=4, n_embd=32, n_positions=64, bos_token_id=7, eos_token_id=7
@@ -160,6 +161,7 @@ def test_a_gpt2_comes_back_out_as_it_went_in(tmp_path):
         torch.testing.assert_close(after[key], before[key], rtol=0, atol=0)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["bos_token_id"] == 7 and config["n_positions"] == 64 and config["model_type"] == "gpt2"
+    assert config["embd_pdrop"] == config["resid_pdrop"] == config["attn_pdrop"] == 0.1
     ids = torch.randint(0, 65, (3, 16), generator=torch.Generator().manual_seed(2))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():

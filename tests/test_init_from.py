@@ -353,6 +353,12 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
     refused(llama, ["--width 64 contradicts", "hidden_size: 32", "drop it"], "--width", "64")
     refused(llama, ["--model gpt", "holds a llama model"], "--model", "gpt")
     refused(llama, ["--size tiny", "drop it"], "--size", "tiny")
+    refused(
+        llama,
+        ["--context 128 is longer than the 64 positions the llama reads", "--context 64 or less"],
+        "--context",
+        "128",
+    )
     refused(llama, ["--tie-embeddings True contradicts", "tie_word_embeddings: False"], "--tie-embeddings")
     foreign = edited(llama, tmp_path / "foreign", architectures=["MistralForCausalLM"])
     refused(foreign, ["MistralForCausalLM", "it loads LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"])

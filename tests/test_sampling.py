@@ -140,9 +140,12 @@ def test_greedy_text_equals_transformers_up_to_the_checkpoints_window(runs, fami
 
 def test_the_window_is_the_checkpoints_or_the_models_context(runs, tmp_path):
     checkpoint, run = runs["llama"]
+    settings = read_config(run)
+    assert settings["positions"] == WINDOW  # the checkpoint's max_position_embeddings, recorded by the run
+    built = Llama(VOCAB, context=CONTEXT, layers=1, heads=2, width=8, positions=settings["positions"])
+    assert model_window(settings, built) == WINDOW
+    # a run made before the llama recorded --positions: the checkpoint that its --init-from (a run) started from
     model = Llama(VOCAB, context=CONTEXT, layers=1, heads=2, width=8)
-    assert model_window(read_config(run), model) == WINDOW  # the checkpoint's max_position_embeddings
-    # --init-from RUN: the checkpoint that run started from
     assert model_window({"model": "llama", "init_from": str(run)}, model) == WINDOW
     assert model_window({"model": "llama", "init_from": None}, model) == CONTEXT  # trained from scratch
     moved = {"model": "llama", "init_from": str(tmp_path / "gone")}

@@ -93,8 +93,9 @@ class LlamaSettings:
     )
     positions: Optional[int] = setting(
         None,
-        "--model gpt: rows of the table of learned positions, the longest --context the model reads "
-        "(default: --context; a GPT-2 checkpoint's n_positions)",
+        "the longest --context the model reads: --model gpt's rows of its table of learned positions (a GPT-2 "
+        "checkpoint's n_positions), --model llama's max_position_embeddings (a checkpoint's; generate reads "
+        "that far, and export writes it) (default: --context)",
         group="model",
         metavar="P",
         check="count",

@@ -25,6 +25,7 @@ MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
         "tie_embeddings",
         "norm_eps",
         "qkv_bias",
+        "positions",
     ),
 }
 MODEL_SETTINGS = tuple(dict.fromkeys(key for keys in MODEL_OPTIONS.values() for key in keys))

@@ -140,6 +140,7 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qwen2,
+        positions=config.get("max_position_embeddings"),
     )
 
 
@@ -203,6 +204,7 @@ CONFIG_KEYS = dict(
     norm_eps="rms_norm_eps",
     tie_embeddings="tie_word_embeddings",
     qkv_bias="q/k/v biases",
+    positions="max_position_embeddings",
 )
 GPT2_CONFIG_KEYS = dict(
     layers="n_layer",

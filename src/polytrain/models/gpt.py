@@ -112,8 +112,9 @@ HF_CONFIG_DROPPED = ("transformers_version", "torch_dtype", "n_ctx")
 def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
     """The config.json of a Hugging Face GPT2LMHeadModel checkpoint of `model` (polytrain export --format hf),
     its sizes read off the model itself. `base`, the config.json of the checkpoint the run started from
-    (--init-from), keeps its other keys (token ids, say). The dropout probabilities are the model's: after the
-    embeddings and each block's attention and MLP (embd_pdrop, resid_pdrop), none on the attention weights."""
+    (--init-from), keeps its other keys (token ids, say) and its dropout probabilities. Without one, they are
+    the model's: after the embeddings and each block's attention and MLP (embd_pdrop, resid_pdrop), none on
+    the attention weights."""
     block = model[1]
     dropout = block.attention.drop.p if block.attention.drop is not None else 0.0
     config = {key: value for key, value in (base or {}).items() if key not in HF_CONFIG_DROPPED}
@@ -133,11 +134,12 @@ def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
         scale_attn_by_inverse_layer_idx=False,
         reorder_and_upcast_attn=False,
         add_cross_attention=False,
-        embd_pdrop=dropout,
-        resid_pdrop=dropout,
-        attn_pdrop=0.0,
         dtype=str(model[0].token.weight.dtype).removeprefix("torch."),
     )
+    # a checkpoint's dropouts are kept (a later fine-tune in transformers inherits them: writing the run's 0.0
+    # switched them off silently); a model trained from scratch has its own
+    for key, value in (("embd_pdrop", dropout), ("resid_pdrop", dropout), ("attn_pdrop", 0.0)):
+        config.setdefault(key, value)
     return config
 
 

@@ -95,7 +95,7 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
         num_key_value_heads=attention.kv_heads,
         head_dim=attention.head_dim,
         hidden_act="silu",
-        max_position_embeddings=max(int(model.context), int(config.get("max_position_embeddings") or 0)),
+        max_position_embeddings=max(int(model.positions), int(config.get("max_position_embeddings") or 0)),
         rms_norm_eps=block.attention_norm.eps,
         rope_theta=attention.rope_theta,
         rope_parameters={"rope_type": "default", "rope_theta": attention.rope_theta},
@@ -246,6 +246,7 @@ class Llama(nn.Sequential):
         tie_embeddings: bool = False,
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
+        positions=None,
     ):
         derived = derived_sizes(heads, width)
         kv_heads = derived.get("kv_heads") if kv_heads is None else kv_heads
@@ -283,6 +284,8 @@ class Llama(nn.Sequential):
         )
         super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
+        # the longest sequence it reads (a checkpoint's max_position_embeddings; default: the training context)
+        self.positions = context if positions is None else positions
         self._init_weights(layers)
 
     @torch.no_grad()
@@ -332,4 +335,11 @@ def build_llama(input_shape, num_classes: int, *, size=None, vocab_size=None, co
             f"{num_classes} or more, or leave it out (default: the dataset's)"
         )
     context = context if context is not None else named.get("context", int(input_shape[0]))
+    positions = shape.get("positions")
+    if positions is not None and isinstance(context, int) and context > positions:
+        raise ConfigError(
+            f"--context {context} is longer than the {positions} positions the llama reads (--positions: a "
+            f"checkpoint's max_position_embeddings); its rotary angles past them were never trained, and the "
+            f"checkpoint does not scale them (rope_scaling): give --context {positions} or less"
+        )
     return Llama(vocab, context=context, **shape)

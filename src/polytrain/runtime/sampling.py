@@ -121,11 +121,12 @@ def model_window(settings: dict, model) -> int:
     """The longest sequence the run's model reads: its `context` (the GPT's table of positions: a GPT-2's
     n_positions, or a llama's --context), or for a llama that started from a Hugging Face checkpoint the
     larger of that and the checkpoint's max_position_embeddings, the window polytrain export --format hf
-    writes for it. The checkpoint is found through --init-from (and the runs it names, for --init-from RUN),
-    where it still is; a checkpoint moved away leaves the model's context."""
-    window = int(model.context)
-    if settings.get("model") != "llama":
-        return window
+    writes for it: recorded as the run's --positions, or, for a run made before the llama had them, found
+    through --init-from (and the runs it names, for --init-from RUN) where it still is; a checkpoint moved away
+    leaves the model's context."""
+    window = int(getattr(model, "positions", None) or model.context)
+    if settings.get("model") != "llama" or settings.get("positions") is not None:
+        return window  # (a llama run records its checkpoint's max_position_embeddings as --positions)
     folder = settings.get("init_from")
     for _ in range(SOURCE_HOPS):
         source = _read_source_config(folder)

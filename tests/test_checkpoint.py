@@ -155,7 +155,11 @@ def test_resume_refuses_settings_that_would_change_the_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", str(out), "--batch-size", "16", "--lr", "0.3"]) == 2
     err = capsys.readouterr().err
-    assert "drop --batch-size, --lr" in err and err.count("\n") == 1
+    assert (
+        "drop --batch-size, --lr" in err
+        and "trained with --batch-size 32, --lr 0.05" in err
+        and err.count("\n") == 1
+    )
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a polytrain run folder" in capsys.readouterr().err
 

@@ -91,7 +91,7 @@ def resume_settings(args):
         had = ", ".join(f"{flag_name(name)} {settings.get(name, unset_value(name))}" for name in fixed)
         raise UserError(
             f"--resume continues a run with its own settings: it was trained with {had}, and this command gives "
-            f"{given}; drop {'it' if len(fixed) == 1 else 'them'}, or start a new run (only "
+            f"{given}; drop {flag_list(fixed)}, or start a new run (only "
             f"{flag_list(RESUMABLE_FLAGS)} may change, and --epochs on a schedule that does not depend on it)"
         )
     if settings.get("custom_model") or settings.get("custom_data"):

@@ -99,8 +99,15 @@ class StepLogger(Callback):
                 self.log(metrics, global_step)
         self.pending = []
 
+    def persist(self) -> None:
+        """Put what `log` wrote on disk (a logger that writes files; nothing for a logger object)."""
+
+    def close(self) -> None:
+        """Close what `log` writes to, at the end of fit."""
+
     def before_checkpoint(self, trainer):
         self.flush(trainer.metric_names)
+        self.persist()  # on disk before the checkpoint that says they were logged
 
     def on_epoch_end(self, trainer, record):
         self.flush(trainer.metric_names)
@@ -110,10 +117,12 @@ class StepLogger(Callback):
             if isinstance(value, (int, float)) and key != "epoch" and not isinstance(value, bool)
         }
         self.log({f"epoch/{key}": value for key, value in numbers.items()}, record["epoch"])
+        self.persist()
 
     def on_fit_end(self, trainer):
         # a run stopped within an epoch (--max-steps, a signal) logs its steps too
         self.flush(trainer.metric_names)
+        self.close()
 
 
 class TensorBoard(StepLogger):
@@ -136,16 +145,10 @@ class TensorBoard(StepLogger):
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
 
-    def before_checkpoint(self, trainer):
-        super().before_checkpoint(trainer)
-        self.writer.flush()  # on disk before the checkpoint that says they were logged
-
-    def on_epoch_end(self, trainer, record):
-        super().on_epoch_end(trainer, record)
+    def persist(self) -> None:
         self.writer.flush()
 
-    def on_fit_end(self, trainer):
-        super().on_fit_end(trainer)
+    def close(self) -> None:
         self.writer.close()
 
 
@@ -181,16 +184,10 @@ class StepsFile(StepLogger):
             record[key.removeprefix("train/").removeprefix("step_")] = value
         self.handle.write(json.dumps(record) + "\n")
 
-    def before_checkpoint(self, trainer):
-        super().before_checkpoint(trainer)
+    def persist(self) -> None:
         self.handle.flush()
 
-    def on_epoch_end(self, trainer, record):
-        super().on_epoch_end(trainer, record)
-        self.handle.flush()
-
-    def on_fit_end(self, trainer):
-        super().on_fit_end(trainer)
+    def close(self) -> None:
         self.handle.close()
 
 

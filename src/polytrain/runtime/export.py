@@ -32,12 +32,13 @@ from typing import Optional
 import torch
 
 from ..data.tokenizer import COMPANIONS
+from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import UserError
 from . import shards
 from .checkpoint import safe_load, shard_folder
 
 FORMATS = ("safetensors", "pt")  # one file; "hf" writes a folder (export_hf)
-TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # the files of an --format hf folder besides the weights (model*): an export there may be replaced
 EXPORTED = ("config.json", TOKENIZER, *COMPANIONS)
 # the dtypes of polytrain's weights that safetensors stores

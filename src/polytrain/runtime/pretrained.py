@@ -274,11 +274,12 @@ def check_vocabulary(config, dataset) -> None:
         return
     if tokens <= config.vocab_size:
         return
-    kept = getattr(dataset, "tokenizer_file", None)
-    own = Path(str(config.init_from)) / "tokenizer.json"
-    if kept is not None and own.is_file() and _same_file(own, Path(kept)):
-        from ..data import tokenizer as tokenizers_file
+    from ..data import tokenizer as tokenizers_file
 
+    kept = getattr(dataset, "tokenizer_file", None)
+    own = Path(str(config.init_from)) / tokenizers_file.FILE
+    # (the data's tokenizer is named by its hash, as check_same_tokenizer compares it)
+    if kept is not None and own.is_file() and tokenizers_file.file_sha256(own) == dataset.tokenizer_sha256:
         added = tokenizers_file.load(Path(kept)).get_added_tokens_decoder()
         beyond = sorted((i, token.content) for i, token in added.items() if i >= config.vocab_size)
         named = ", ".join(f"{content!r} ({i})" for i, content in beyond[:3]) + (
@@ -302,9 +303,3 @@ def check_vocabulary(config, dataset) -> None:
             else ""
         )
     )
-
-
-def _same_file(one: Path, other: Path) -> bool:
-    from ..data.tokenizer import file_sha256
-
-    return other.is_file() and file_sha256(one) == file_sha256(other)

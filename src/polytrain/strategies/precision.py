@@ -7,7 +7,7 @@ the Zen 2 or 3 generations) oneDNN has no LSTM primitive under autocast, in bf16
 
     RuntimeError: could not create a primitive descriptor for the LSTM forward propagation primitive.
 
-Which layers fail is asked of the machine, not of a list of processor names: `unsupported(device, dtype)` runs a
+Which layers fail is asked of the machine, not of a list of processor names: `unsupported(module, device, precision)` runs a
 small instance of each layer of `PROBED` forward and backward under autocast, once per process, and keeps the
 classes whose kernels raise. Measured with torch 2.13 on a Xeon with oneDNN limited to AVX2
 (`ONEDNN_MAX_CPU_ISA=AVX2`, what such a processor offers): only `nn.LSTM` fails, in bf16 and fp16; GRU (autocast

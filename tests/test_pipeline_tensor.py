@@ -135,6 +135,18 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(settings, words):
     )
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_tensor_degree_that_does_not_divide_the_devices_is_one_message_from_the_layout(strategy, size):
+    """The tensor degree is checked in one place (plan/layout.py `layout_of`), whatever preset names it: the
+    same line from the layout and from the settings (config/train.py wrote it a second time)."""
+    words = f"--tensor-parallel {size} must be 2 or more and divide --devices 4"
+    with pytest.raises(ConfigError, match=words):
+        layout_of(strategy, 4, tensor_parallel=size)
+    with pytest.raises(ConfigError, match=words):
+        TrainConfig(strategy=strategy, devices=4, tensor_parallel=size)
+
+
 def test_the_cli_refuses_a_split_at_with_tensor_ranks_in_one_line(tmp_path, capsys):
     assert_refused_in_one_line(
         capsys,

@@ -129,13 +129,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         )
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
-        tp = self.tensor_parallel
-        _need(
-            tp is None or (self.devices % tp == 0 and tp > 1),
-            f"--tensor-parallel {tp} must be 2 or more and divide --devices {self.devices} (each group of {tp} "
-            f"ranks splits every layer; --devices / {tp} groups split the batch); use a divisor of {self.devices}",
-        )
-        layout = self.layout  # validates the degrees: one line where they do not multiply out
+        layout = self.layout  # validates the degrees (plan/layout.py): one line where they do not multiply out
         if layout.pipeline > 1:
             self._check_pipeline()
         _need(

@@ -157,11 +157,7 @@ def _tensor(
     **_,
 ) -> Layout:
     group, context = tensor_parallel or devices, context_parallel or 1
-    if group < 1 or devices % group:
-        raise ConfigError(
-            f"--tensor-parallel {group} must divide --devices {devices}; use a divisor of {devices}"
-        )
-    groups = devices // group
+    groups = devices // group  # (layout_of has checked that --tensor-parallel divides --devices)
     if groups % context:
         raise ConfigError(
             f"--context-parallel {context} must divide the {groups} tensor groups (--devices / --tensor-parallel): "
@@ -332,6 +328,12 @@ def layout_of(
             f"--context-parallel applies to --strategy {', '.join(CONTEXT_PRESETS[:-1])} or {CONTEXT_PRESETS[-1]} so "
             f"far; use one of them, "
             f"or drop --context-parallel"
+        )
+    if tensor_parallel is not None and (tensor_parallel < 2 or devices % tensor_parallel):
+        raise ConfigError(
+            f"--tensor-parallel {tensor_parallel} must be 2 or more and divide --devices {devices} (each group "
+            f"of {tensor_parallel} ranks splits every layer; --devices / {tensor_parallel} groups split the "
+            f"batch); use a divisor of {devices}"
         )
     return PRESETS[strategy](
         devices,

@@ -129,7 +129,8 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         )
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
-        layout = self.layout  # validates the degrees (plan/layout.py): one line where they do not multiply out
+        # validates the degrees (plan/layout.py): one line where they do not multiply out
+        layout = self.layout
         if layout.pipeline > 1:
             self._check_pipeline()
         _need(

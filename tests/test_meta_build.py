@@ -38,7 +38,7 @@ def _peak_rss_bytes() -> int:
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
-    from polytrain.plan.layout import layout_of
+    from polytrain.plan.layout import Layout, layout_of
     from polytrain.plan.pipeline import PipelinePlan
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.layers import flatten_layers
@@ -48,16 +48,18 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
 
     common = dict(device=torch.device("cpu"), rank=rank, world_size=world, seed=0)
     if kind == "sharded":
-        return Sharded(plan=ShardedPlan(cpu_offload=False), **common)
+        return Sharded(plan=ShardedPlan(cpu_offload=False), layout=Layout(shard=world), **common)
     if kind == "tensor":
         return TensorParallel(
-            plan=plan_for(TrainConfig(strategy="tensor", devices=2), model, devices=2), **common
+            plan=plan_for(TrainConfig(strategy="tensor", devices=2), model, devices=2),
+            layout=Layout(shard=world // 2, tensor=2),
+            **common,
         )
     names = tuple(name for name, _ in flatten_layers(model))  # stage 0: embedding and 3 blocks
     plan = PipelinePlan(
         layout_of("pipeline", 2, pipeline_stages=2), "gpipe", 2, (4,), names, SHAPE, input_dtype="int64"
     )
-    return Pipeline(plan=plan, **common)
+    return Pipeline(plan=plan, layout=plan.layout, **common)
 
 
 def _expected_bytes(kind: str, whole: nn.Module, rank: int) -> int:

@@ -13,6 +13,7 @@ def _dtypes_on_rank(rank: int, world: int, precision: str) -> dict:
     from polytrain.data.order import Batch
     from polytrain.models.gpt import GPT
     from polytrain.objective import Objective
+    from polytrain.plan.layout import Layout
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.sharded import Sharded
 
@@ -24,6 +25,7 @@ def _dtypes_on_rank(rank: int, world: int, precision: str) -> dict:
         world_size=world,
         precision=precision,
         plan=ShardedPlan(cpu_offload=False),
+        layout=Layout(shard=world),
         objective=Objective(kind="language"),
     )
     strategy.setup(

@@ -52,7 +52,9 @@ def _train_each_on_ranks(rank, world_size, model, data, jobs):
     found = []
     for config, plan in jobs:
         torch.manual_seed(config.seed)
-        strategy = Pipeline(device=torch.device("cpu"), rank=rank, world_size=world_size, plan=plan)
+        strategy = Pipeline(
+            device=torch.device("cpu"), rank=rank, world_size=world_size, plan=plan, layout=plan.layout
+        )
         train, val = make_loaders(
             data,
             batch_size=config.batch_size,

@@ -128,7 +128,13 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     layout = layout_of("pipeline", world, pipeline_stages=2, data_parallel="shard" if shard else None)
     plan = PipelinePlan(layout, "1f1b", 2, (3,), names, (1, 8, 8))
     strategy = Pipeline(
-        plan=plan, device=torch.device("cpu"), rank=rank, world_size=world, seed=0, precision="bf16"
+        plan=plan,
+        layout=layout,
+        device=torch.device("cpu"),
+        rank=rank,
+        world_size=world,
+        seed=0,
+        precision="bf16",
     )
     strategy.setup(
         model,

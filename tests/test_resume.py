@@ -211,10 +211,10 @@ def test_a_resumed_folder_records_the_layout_it_now_trains_on(tmp_path):
     )
     (tmp_path / "config.json").write_text(json.dumps(before))
     now = TrainConfig(strategy="sharded", devices=4, replicas=2, epochs=3)
-    record_new_layout(tmp_path, now, "sharded", ShardedPlan(replicas=2), launched=False)
+    record_new_layout(tmp_path, now, "sharded", ShardedPlan(), launched=False)
     recorded = json.loads((tmp_path / "config.json").read_text())
     assert (recorded["strategy"], recorded["devices"], recorded["replicas"]) == ("sharded", 4, 2)
-    assert recorded["strategy_plan"] == {"summary": "shards on each device, 2 replicas"}
+    assert recorded["strategy_plan"] == {"summary": "shards on each device"}
     assert recorded["epochs"] == 3 and recorded["versions"]["torch"] == torch.__version__
 
 

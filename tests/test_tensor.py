@@ -409,7 +409,13 @@ def test_a_plan_function_trains_like_one_device_and_saves_the_whole_model(tmp_pa
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     model = build_model("mlp", (1, 4, 4), 3)
     reference = copy.deepcopy(model)
-    strategy = TensorParallel(device=CPU, rank=0, world_size=1, plan=TensorPlan(1, (), "MLP", apply=split))
+    strategy = TensorParallel(
+        device=CPU,
+        rank=0,
+        world_size=1,
+        plan=TensorPlan(1, (), "MLP", apply=split),
+        layout=Layout(tensor=1),
+    )
     strategy.setup(
         model,
         lambda named: torch.optim.SGD([p for _, p in named], lr=0.1, momentum=0.9),
@@ -461,6 +467,7 @@ def _split_vocabulary_on_rank(rank, world_size):
         world_size=world_size,
         objective=Objective(kind="language"),
         plan=plan_for(TrainConfig(strategy="tensor", devices=2), model, devices=2),
+        layout=Layout(tensor=2),
     )
     strategy.setup(
         model,

@@ -102,8 +102,13 @@ class Strategy:
             fp16=precision == "fp16",
         )
         self.rank, self.world_size = rank, world_size
-        # the run's degrees of parallelism (plan/layout.py): the batch's slices and gradient ranks derive from it
-        self.given_layout = layout
+        # the run's degrees of parallelism (plan/layout.py), the one description of them: the batch's slices, the
+        # gradient ranks and the mesh derive from it (made without one, in tests: every rank a replica)
+        self.layout = layout if layout is not None else Layout(replicate=world_size)
+        if self.layout.world_size != world_size:
+            raise ValueError(
+                f"a layout of {self.layout.world_size} ranks ({self.layout.describe()}) on {world_size}"
+            )
         self._world_mesh = None  # the run's DeviceMesh, built from the layout at its first use
         self.fused = {}  # parameter name -> the row order of a fused layer's rows on the tensor ranks
         # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
@@ -146,11 +151,6 @@ class Strategy:
         return self.rank == 0
 
     @property
-    def layout(self) -> Layout:
-        """The run's layout as the worker gives it; made without one (in tests), this strategy's own."""
-        return self.given_layout if self.given_layout is not None else self.default_layout()
-
-    @property
     def world_mesh(self):
         """The run's one DeviceMesh, built from its layout at the first use (strategies/mesh.py): every part of
         preparation that needs a mesh takes its dimensions from this one (`tp`, `cp`, `pp`, the data dimensions)."""
@@ -161,10 +161,6 @@ class Strategy:
     def samples_counted(self, samples: int) -> int:
         """The samples of its slice this rank counts in the figures (a context group's first rank only)."""
         return samples if self.context is None or self.context.rank == 0 else 0
-
-    def default_layout(self) -> Layout:
-        """Every rank a replica."""
-        return Layout(replicate=self.world_size)
 
     @property
     def data_rank(self) -> int:

@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..models.meta import to_empty
-from ..plan.layout import Layout
 from ..plan.pipeline import (
     PipelinePlan,
     microbatches_for,
@@ -77,9 +76,13 @@ class Pipeline(Distributed):
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
         self.plan = plan
+        if plan.layout != self.layout:
+            raise ValueError(
+                f"a pipeline planned for {plan.layout.describe()} runs on {self.layout.describe()}"
+            )
         # (with --data-parallel shard, `replica` is the rank's shard index)
-        where = plan.layout.coordinates(self.rank)
-        self.replica, self.pipeline_rank = plan.layout.data_rank(self.rank), where["pipeline"]
+        where = self.layout.coordinates(self.rank)
+        self.replica, self.pipeline_rank = self.layout.data_rank(self.rank), where["pipeline"]
         self.tensor_index, self.context_index = where["tensor"], where["context"]
         self.fused = {}  # parameter name -> the order of a fused layer's rows on the tensor ranks
         self.my_stages = plan.stages_of_rank(self.pipeline_rank)
@@ -99,7 +102,7 @@ class Pipeline(Distributed):
     def overflow_group(self):
         """The stages' gradients overflow apart and replicas share theirs; ranks that unscale their own slices or
         shards must all agree."""
-        split = self.plan.layout.tensor > 1 or self.data_parallel == "shard"
+        split = self.layout.tensor > 1 or self.data_parallel == "shard"
         return dist.group.WORLD if split else self.norm_group
 
     @property
@@ -107,7 +110,7 @@ class Pipeline(Distributed):
         """How the pipelines side by side hold their stages (pipeline_shard.py): FSDP2 shards; whole copies as
         DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not take),
         as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the step."""
-        layout = self.plan.layout
+        layout = self.layout
         if layout.gradient_ranks == 1 or self.plan.split_at:  # (the ranks of a context group sum theirs too)
             return "none"
         return "shard" if layout.shard > 1 or layout.tensor > 1 else "replicate"
@@ -124,17 +127,13 @@ class Pipeline(Distributed):
         with one device in as many passes)."""
         return "masks" if self.plan.draws_dropout_as_one_device else "off"
 
-    def default_layout(self) -> Layout:
-        """The plan's degrees (made without the run's layout, in tests)."""
-        return self.plan.layout
-
     @property
     def data_rank(self) -> int:
         return self.replica
 
     @property
     def data_world(self) -> int:
-        return self.plan.layout.data_degree
+        return self.layout.data_degree
 
     # -- planning, in the launching process -------------------------------------------------------------
     @classmethod
@@ -143,7 +142,7 @@ class Pipeline(Distributed):
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
-        layout, mesh = self.plan.layout, None
+        layout, mesh = self.layout, None
         if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
             mesh = self.world_mesh
             self.pp_group = mesh["pp"].get_group()
@@ -220,8 +219,8 @@ class Pipeline(Distributed):
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
         shape = self.plan.input_shape
-        if self.plan.layout.context > 1:  # a rank of a context group holds 1/C of each sequence's tokens
-            shape = (shape[0] // self.plan.layout.context, *shape[1:])
+        if self.layout.context > 1:  # a rank of a context group holds 1/C of each sequence's tokens
+            shape = (shape[0] // self.layout.context, *shape[1:])
         x = torch.zeros(1, *shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device)
         grads = False
         shapes = []
@@ -258,13 +257,13 @@ class Pipeline(Distributed):
             samples,
             self.plan.microbatches * self.gradients.accumulate,
             schedule=self.plan.schedule,
-            ranks=self.plan.layout.pipeline,
+            ranks=self.layout.pipeline,
         )
         key = (microbatches, samples // microbatches)
         if key not in self.schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            kind = runnable_schedule(self.plan.schedule, microbatches, self.plan.layout.pipeline)
+            kind = runnable_schedule(self.plan.schedule, microbatches, self.layout.pipeline)
             stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []  # or below
             for s, module in zip(self.my_stages, self.stage_modules):
                 inputs, outputs = self._stage_tensors(s, samples // microbatches)
@@ -304,7 +303,7 @@ class Pipeline(Distributed):
         return self.trace
 
     def trace_layout(self):
-        return self.plan.schedule, self.plan.layout.pipeline, self.plan.microbatches
+        return self.plan.schedule, self.layout.pipeline, self.plan.microbatches
 
     # -- steps ------------------------------------------------------------------------------------------
     def _loss(self, logits, target):
@@ -383,7 +382,7 @@ class Pipeline(Distributed):
             return self.traced.eval_step(batch)
         if self.model.training:
             self.model.eval()
-        ranks, layout = self.plan.layout.pipeline, self.plan.layout
+        ranks, layout = self.layout.pipeline, self.layout
         self._sums, pending = [], []
         parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
         inputs, targets = self.own_tokens(batch.x, batch.y)

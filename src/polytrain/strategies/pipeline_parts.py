@@ -101,7 +101,7 @@ def placement_lines(strategy, holds) -> list:
 def holding_lines(strategy) -> list:
     """Rank 0's lines of what each rank holds of its stages (its parts: parameters, as many gradients, and the
     optimizer's slots per parameter) where a degree splits them; [] elsewhere (every rank calls it)."""
-    layout = strategy.plan.layout
+    layout = strategy.layout
     shards = layout.shard > 1
     if layout.tensor == 1 and not shards:
         return []

@@ -47,7 +47,7 @@ def _units(stage_modules):
 def stage_precision(strategy) -> str:
     """The precision FSDP2 gathers in: shards gather in bf16 under --precision bf16, as --strategy sharded does;
     whole replicas keep float32 weights under autocast, as a pipeline of one replica does."""
-    return strategy.precision if strategy.plan.layout.shard > 1 else "fp32"
+    return strategy.precision if strategy.layout.shard > 1 else "fp32"
 
 
 def stage_hooks(strategy) -> None:
@@ -55,7 +55,7 @@ def stage_hooks(strategy) -> None:
     run before FSDP2's own hooks): a stage that ends in a view (Flatten), and under --tensor-parallel each split
     layer's local output, returned as tensors of their own; with weights gathered in bf16, each stage's output
     in the dtype its peer posted to receive."""
-    if strategy.plan.layout.tensor > 1:
+    if strategy.layout.tensor > 1:
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces (as in
         # tensor.py), and it gathers the (dp_shard, tp) shards of a whole tensor in two steps
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -65,7 +65,7 @@ def stage_hooks(strategy) -> None:
         if bf16:
             end = strategy.boundaries[strategy.plan.stage_layers(index)[-1] + 1][1]
             stage.register_forward_hook(partial(_as_dtype, end))
-        if strategy.plan.layout.tensor > 1:
+        if strategy.layout.tensor > 1:
             for module in stage.modules():
                 if any(p is not None for p in module._parameters.values()):
                     module.register_forward_hook(own_tensor)
@@ -87,7 +87,7 @@ def reshard(strategy) -> None:
 def shard_line(strategy, heading: str) -> str:
     """The start-up line of the sharding; `heading` names what each rank's figures count."""
     bf16 = GATHERED_IN_BF16 if mixed_precision(strategy.precision) else ""
-    layout = strategy.plan.layout
+    layout = strategy.layout
     shards = layout.shard
     copies = f" in each of {layout.replicate} replicas" if layout.replicate > 1 else ""
     kind = "FSDP2 hybrid sharding" if layout.replicate > 1 else "FSDP2"

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..plan.layout import Layout
 from ..plan.sharded import ShardedPlan
 from .dtensor_model import DTensorModel
 from .fsdp import GATHERED_IN_BF16, mixed_precision
@@ -33,7 +32,6 @@ class Sharded(DTensorModel):
     def __init__(self, *, plan=None, **common):
         super().__init__(**common)
         self.cpu_offload = bool(plan and plan.cpu_offload)
-        self.copies = getattr(plan, "replicas", 1)  # of the sharded model (hybrid sharding where above 1)
 
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> ShardedPlan:
@@ -42,11 +40,7 @@ class Sharded(DTensorModel):
                 "--cpu-offload moves each GPU's shards to host memory; CPU processes keep them there "
                 "already: drop --cpu-offload, or train on GPUs"
             )
-        return ShardedPlan(cpu_offload=config.cpu_offload, replicas=config.replicas or 1)
-
-    def default_layout(self) -> Layout:
-        """`copies` replicas of `world_size / copies` shards (one replica: plain FSDP2)."""
-        return Layout(replicate=self.copies, shard=self.world_size // self.copies)
+        return ShardedPlan(cpu_offload=config.cpu_offload)
 
     def _memory_lines(self, full: int) -> list:
         """What each rank holds (parameters; gradients are the same size; optimizer state after its first

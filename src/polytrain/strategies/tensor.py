@@ -233,11 +233,6 @@ class TensorParallel(DTensorModel):
             plan = replace(plan, sequence_parallel=False)
         return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)
 
-    def default_layout(self) -> Layout:
-        """The plan's tensor group, as many side by side as the ranks make, sharded over them (made without the
-        run's layout, in tests)."""
-        return Layout(shard=self.world_size // self.plan.devices, tensor=self.plan.devices)
-
     @property
     def data_parallel(self) -> str:
         """FSDP2 over the ranks beside each tensor group (the data dimensions and the context ranks, as

@@ -262,7 +262,7 @@ class TracedStages:
         if s.model.training:
             s.model.eval()
         microbatches = microbatches_for(
-            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.plan.layout.pipeline
+            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.layout.pipeline
         )
         key = ("eval", microbatches, len(batch.y) // microbatches)
         if key not in s.schedules:

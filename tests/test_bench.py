@@ -128,7 +128,7 @@ def test_auto_trains_the_hybrid_layout_a_bench_file_measured_fastest(bench_run, 
     ) in result.stdout
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (recorded["strategy"], recorded["replicas"]) == ("sharded", 2)
-    assert recorded["strategy_plan"]["summary"] == "shards on each device"  # the replicas: the layout's, above
+    assert recorded["strategy_plan"]["summary"] == "shards on each device"  # the replicas: recorded above
 
 
 def test_bench_takes_every_model_setting_the_command_line_has():

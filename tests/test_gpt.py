@@ -289,9 +289,7 @@ def test_verify_gpt_on_every_strategy(strategy, capfd):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
-    assert ("(2 replicas x 2 shards)" in result.stdout) == (
-        option == "--replicas" and degree is not None
-    )
+    assert ("(2 replicas x 2 shards)" in result.stdout) == (option == "--replicas" and degree is not None)
 
 
 @pytest.mark.multiprocess

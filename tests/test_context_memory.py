@@ -172,7 +172,7 @@ def kept_by_a_rank(name: str, layout, rank: int) -> float:
     of the layout's ranks in this process: the local part of every tensor autograd saves, weights left out."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from polytrain.strategies.mesh import device_mesh, forget_earlier_meshes
+    from polytrain.strategies.mesh import forget_earlier_meshes
     from polytrain.strategies.parallelize import Preparation, parallelize
     from polytrain.strategies.tensor import plan_for
 
@@ -189,9 +189,8 @@ def kept_by_a_rank(name: str, layout, rank: int) -> float:
         if layout.tensor > 1:
             config = types.SimpleNamespace(tensor_plan=None, context=context)
             plan = plan_for(config, model, devices=layout.tensor)
-        mesh = device_mesh(layout, "cpu", keep=("tensor",) if layout.tensor > 1 else ())
         options = Preparation(device=torch.device("cpu"), tensor_plan=plan)
-        parallelize(model, mesh, layout, options, objective=objective)
+        parallelize(model, layout, options, objective=objective)
         weights, saved = {key(p) for p in model.parameters()}, {}
 
         def pack(tensor):

@@ -92,15 +92,12 @@ def test_fsdp_over_shards_and_context_ranks_within_copies(fake_world):
     (dp_shard, cp) ranks (torchtitan's dp_shard_cp), the 4 ranks of RANK's context group split its sequences."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from polytrain.strategies.mesh import device_mesh
-
     layout = Layout(replicate=2, shard=8, context=4)
     model = build_model_on_meta("llama", (LLAMA["context"],), 64, dict(LLAMA))
     wholes = {name: p.shape for name, p in model.named_parameters()}
     objective = Objective()
-    mesh = device_mesh(layout, "cpu", keep=("shard",))
     options = Preparation(device=torch.device("cpu"), data_parallel="shard", activation_checkpointing="full")
-    done = parallelize(model, mesh, layout, options, objective=objective)
+    done = parallelize(model, layout, options, objective=objective)
 
     where = layout.coordinates(RANK)
     copy_ranks = ranks_where(layout, replicate=True)  # the 32 ranks of RANK's copy
@@ -127,7 +124,6 @@ def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
     consecutive tensor ranks, and FSDP2 shards over the 16 ranks at RANK's tensor index (a 2-D DTensor)."""
     from torch.distributed.tensor import DTensor
 
-    from polytrain.strategies.mesh import device_mesh
     from polytrain.strategies.tensor import plan_for
 
     layout = Layout(shard=16, tensor=4)
@@ -135,9 +131,8 @@ def test_tensor_plan_then_fsdp_over_the_data_dimension(fake_world):
     model = build_model_on_meta("gpt", (32,), 64, options)
     wholes = {name: p.shape for name, p in model.named_parameters()}
     plan = plan_for(SimpleNamespace(tensor_plan=None), model, devices=4)
-    mesh = device_mesh(layout, "cpu", keep=("shard", "tensor"))
     preparation = Preparation(device=torch.device("cpu"), data_parallel="shard", tensor_plan=plan)
-    parallelize(model, mesh, layout, preparation, objective=Objective())
+    parallelize(model, layout, preparation, objective=Objective())
 
     where = layout.coordinates(RANK)
     styles = {name: style for name, style, _ in plan.styles}
@@ -160,7 +155,6 @@ def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
     over the 8 (dp_shard, cp) ranks at RANK's tensor index, hybrid over the copies."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    from polytrain.strategies.mesh import device_mesh
     from polytrain.strategies.tensor import plan_for
 
     layout = Layout(replicate=2, shard=4, context=2, tensor=4)
@@ -168,9 +162,8 @@ def test_every_degree_but_the_pipeline_on_one_mesh(fake_world):
     wholes = {name: p.shape for name, p in model.named_parameters()}
     plan = plan_for(SimpleNamespace(tensor_plan=None), model, devices=4)
     objective = Objective()
-    mesh = device_mesh(layout, "cpu", keep=("shard", "tensor"))
     options = Preparation(device=torch.device("cpu"), data_parallel="shard", tensor_plan=plan)
-    done = parallelize(model, mesh, layout, options, objective=objective)
+    done = parallelize(model, layout, options, objective=objective)
 
     where = layout.coordinates(RANK)
     assert done.context.group.mesh.tolist() == ranks_where(layout, replicate=True, shard=True, tensor=True)
@@ -210,7 +203,7 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
     eager = build_model("gpt", (8,), 65, small)
     compiled = copy.deepcopy(eager)
     options = Preparation(device=torch.device("cpu"), compile=True, activation_checkpointing="full")
-    done = parallelize(compiled, None, Layout(), options, objective=Objective())
+    done = parallelize(compiled, Layout(), options, objective=Objective())
     assert not done.compile_whole and compiled._compiled_call_impl is None
     assert [name for name, m in compiled.named_modules() if m._compiled_call_impl is not None] == ["1"]
     x = torch.randint(0, 65, (2, 8))
@@ -221,7 +214,7 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
     lenet = build_model("lenet", (1, 28, 28), 10, {})
     options = Preparation(device=torch.device("cpu"), compile=True)
-    done = parallelize(lenet, None, Layout(), options, objective=Objective())
+    done = parallelize(lenet, Layout(), options, objective=Objective())
     assert done.compile_whole and not any(m._compiled_call_impl is not None for m in lenet.modules())
     # a pipeline rank's part: LeNet's stages each compiled in place (what the schedule calls); a GPT's blocks
     from polytrain.strategies.layers import Stage, flatten_layers, named_subset
@@ -236,7 +229,7 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
         stage = Stage([layers[i][1] for i in held])
         part = named_subset([layers[i] for i in held])
         options = Preparation(device=torch.device("cpu"), compile=True, stages=(stage,), whole=model)
-        done = parallelize(part, None, Layout(), options, objective=Objective())
+        done = parallelize(part, Layout(), options, objective=Objective())
         compiled = [m for m in part.modules() if m._compiled_call_impl is not None]
         assert not done.compile_whole and (stage._compiled_call_impl is not None) == (name == "lenet"), name
         assert len(compiled) == (0 if name == "lenet" else 1), name  # (the GPT's first stage holds one block)

@@ -159,7 +159,7 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
         same=same,
         sharded=all(isinstance(stage, FSDPModule) for stage in strategy.stage_modules),
         copies=all(isinstance(stage, DistributedDataParallel) for stage in strategy.stage_modules),
-        mesh=strategy.world_mesh.mesh_dim_names,
+        mesh=strategy.mesh.world.mesh_dim_names,
         summed_by_hand=strategy.dp_group is not None,
         # --precision bf16: sharded's MixedPrecisionPolicy on every unit (float32 master shards, stepped above)
         policies={

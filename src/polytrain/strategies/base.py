@@ -24,9 +24,8 @@ from .ddp import release_reducers
 from .global_batch import slice_offsets
 from .gradients import Gradients
 from .materialise import is_meta, materialise
-from .mesh import device_mesh
 from .optimizer_state import load_part, numbered_part, positions, whole_state
-from .parallelize import Preparation, apply_global_batch, parallelize, uses_mesh
+from .parallelize import Preparation, apply_global_batch, parallelize
 
 
 @dataclass
@@ -64,8 +63,6 @@ class Strategy:
     # gathers the whole state into one file on rank 0
     writes_shards = False
     graphs_cuda_steps = False  # True: on a GPU its training passes may replay as CUDA graphs (one device)
-    # the layout's degrees of size 1 that its mesh keeps as dimensions all the same (strategies/mesh.py)
-    mesh_keeps: tuple = ()
     data_parallel = "none"  # how its data dimensions hold the model (parallelize.py): none, replicate, shard
     cpu_offload = False  # True: FSDP2 keeps shards in host memory between uses (--cpu-offload, sharded.py)
 
@@ -109,7 +106,7 @@ class Strategy:
             raise ValueError(
                 f"a layout of {self.layout.world_size} ranks ({self.layout.describe()}) on {world_size}"
             )
-        self._world_mesh = None  # the run's DeviceMesh, built from the layout at its first use
+        self.mesh = None  # the run's RunMesh (strategies/mesh.py), where preparing the model needed one
         self.fused = {}  # parameter name -> the row order of a fused layer's rows on the tensor ranks
         # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
         self.context = None
@@ -150,14 +147,6 @@ class Strategy:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def world_mesh(self):
-        """The run's one DeviceMesh, built from its layout at the first use (strategies/mesh.py): every part of
-        preparation that needs a mesh takes its dimensions from this one (`tp`, `cp`, `pp`, the data dimensions)."""
-        if self._world_mesh is None:
-            self._world_mesh = device_mesh(self.layout, self.device.type, keep=self.mesh_keeps)
-        return self._world_mesh
-
     def samples_counted(self, samples: int) -> int:
         """The samples of its slice this rank counts in the figures (a context group's first rank only)."""
         return samples if self.context is None or self.context.rank == 0 else 0
@@ -188,10 +177,9 @@ class Strategy:
         model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
-        layout, options = self.layout, self.preparation()
-        mesh = self.world_mesh if uses_mesh(layout, options) else None
-        done = parallelize(model, mesh, layout, options, objective=self.objective)
-        self.runner, self.context, self.global_rows = done.runner, done.context, done.global_rows
+        done = parallelize(model, self.layout, self.preparation(), objective=self.objective)
+        self.mesh, self.runner, self.context = done.mesh, done.runner, done.context
+        self.global_rows = done.global_rows
         self.fused.update(done.fused)
         if self.is_main:
             self.placement += done.lines

@@ -10,8 +10,6 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..plan.layout import Layout
-from .mesh import fsdp_submesh
 from .units import shard_units
 
 
@@ -60,7 +58,6 @@ def shard_model(model: nn.Module, **options) -> nn.Module:
 def apply_fsdp(
     module: nn.Module,
     mesh,
-    layout: Layout,
     *,
     precision: str,
     cpu_offload: bool = False,
@@ -68,18 +65,18 @@ def apply_fsdp(
     sums: bool = False,
     keep_gathered: bool = False,
 ) -> None:
-    """Step 6 with shards: FSDP2 over the data dimensions of `mesh` (`fsdp_submesh`: dp_shard, the context ranks
+    """Step 6 with shards: FSDP2 over the data dimensions of the run's `mesh` (its `fsdp`: dp_shard, the context ranks
     folded in, within each dp_replicate copy for hybrid sharding), one unit per block (units.py), `module` the
     root, or each of `roots` (a pipeline rank's stages, which torch's schedule drives one by one). With `sums` the
     units sum the data ranks' gradients instead of averaging them (the loss is already divided by the global
     batch); with `keep_gathered` a unit keeps its gathered weights from its forward to its backward (a pipeline's
     micro-batches reuse them)."""
-    if layout.tensor > 1:  # as torchtitan: FSDP2 over the data dimensions of a (data, tensor) mesh
+    if mesh.layout.tensor > 1:  # as torchtitan: FSDP2 over the data dimensions of a (data, tensor) mesh
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    options = {"mesh": fsdp_submesh(mesh, layout), **mixed_precision(precision)}
+    options = {"mesh": mesh.fsdp, **mixed_precision(precision)}
     if cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -1,14 +1,17 @@
-"""The one DeviceMesh of a run, built from its layout, and the parts of it each step of preparation works over.
+"""The one DeviceMesh of a run, built from its layout, and the named parts of it each step of preparation works over.
 
-A strategy builds the mesh once, at its first use (`Strategy.world_mesh`), from the run's `Layout`: dimensions in
-the layout's order (`plan/layout.py`: dp_replicate, dp_shard, pp, cp, tp; the tensor dimension innermost), those
-of size 1 left out unless the strategy asks to `keep` them (so that its code can always ask for, say, the data
-dimension's process group). Every other mesh is a part of it, asked for by name: `tp` for the tensor plan, `cp`
-for context parallelism, `pp` for the pipeline, and `fsdp_submesh` for what FSDP2 shards over.
+`RunMesh(layout, device_type, shard=..., tensor=...)` lays the mesh out in the layout's order (`plan/layout.py`:
+dp_replicate, dp_shard, pp, cp, tp; the tensor dimension innermost), those of size 1 left out unless a step needs
+them all the same: FSDP2's dp_shard (`shard`: FSDP2 is applied, even over one rank of a layout of replicas and
+context) and the tensor plan's tp (`tensor`: a plan is applied, of one rank where a test asks). Every part is asked
+of it by what it is for: `tensor`, `context` and `pipeline` (the tp, cp and pp dimensions), `fsdp` (what FSDP2
+shards over), `copies` (the group whose whole copies sum their gradients), `replicas` (dp_replicate). Nothing
+else builds a mesh or slices one by name.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Collection
 
 from ..plan.layout import DEGREES, MESH_NAMES, Layout
@@ -90,3 +93,42 @@ def device_mesh(layout: Layout, device_type: str, *, keep: Collection[str] = ())
     dims = mesh_dims(layout, keep) or (("dp_replicate", 1),)
     names, shape = zip(*dims)
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+class RunMesh:
+    """The run's DeviceMesh (`world`) for `layout` over every rank of the process group, and its named parts."""
+
+    def __init__(self, layout: Layout, device_type: str, *, shard: bool = False, tensor: bool = False):
+        self.layout = layout
+        keep = ("shard",) * shard + ("tensor",) * tensor
+        self.world = device_mesh(layout, device_type, keep=keep)
+
+    @property
+    def tensor(self):
+        """The tp dimension: the ranks each layer of the tensor plan is split over."""
+        return self.world["tp"]
+
+    @property
+    def context(self):
+        """The cp dimension: the ranks each sequence is split over."""
+        return self.world["cp"]
+
+    @property
+    def pipeline(self):
+        """The pp dimension: the stages of one pipeline."""
+        return self.world["pp"]
+
+    @property
+    def replicas(self):
+        """The dp_replicate dimension: whole copies side by side."""
+        return self.world["dp_replicate"]
+
+    @cached_property
+    def fsdp(self):
+        """What FSDP2 shards over (`fsdp_submesh`)."""
+        return fsdp_submesh(self.world, self.layout)
+
+    @cached_property
+    def copies(self):
+        """The process group over which whole copies of a pipeline's stages sum their gradients (`copies_group`)."""
+        return copies_group(self.world)

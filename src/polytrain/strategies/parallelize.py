@@ -1,10 +1,12 @@
 """Preparing a module for a run's layout: one function, `parallelize`, that applies each degree in one order.
 
-    parallelize(module, mesh, layout, options, objective=...)
+    parallelize(module, layout, options, objective=...)
 
-`mesh` is the run's one DeviceMesh (strategies/mesh.py, built from `layout`), `options` what the settings ask
-(`Preparation`). Each step is a function that takes the module and the part of the mesh it works over, never a
-strategy, and changes the module in place; a step whose degree is 1 does nothing:
+`options` is what the settings ask (`Preparation`). The run's one mesh is built from `layout` here, where a step
+needs one (strategies/mesh.py `RunMesh`, its dimensions those the layout and the steps need; a pipeline passes the
+one it built for its stages), and kept in what `parallelize` returns. Each step is a function that takes the module
+and the part of the mesh it works over, never a strategy, and changes the module in place; a step whose degree is 1
+does nothing:
 
   0. precision                under --precision bf16 or fp16, the layers whose kernels this processor lacks
                               under autocast (a probe: an LSTM on a CPU without bf16 instructions) run in
@@ -47,7 +49,7 @@ from .ddp import apply_ddp
 from .fsdp import apply_fsdp
 from .global_batch import GlobalRows, whole_batch_layers
 from .materialise import materialise
-from .mesh import copies_group
+from .mesh import RunMesh
 from .precision import apply_precision
 
 DATA_PARALLEL = ("none", "replicate", "shard")  # how the data dimensions hold the model: one, DDP, FSDP2
@@ -87,6 +89,7 @@ class Parallelized:
     """What `parallelize` made: the module the training step calls, and what the steps need of it later."""
 
     runner: nn.Module
+    mesh: Optional[RunMesh] = None  # the run's mesh, where a step needed one
     context: Any = None  # this rank's ContextGroup under context parallelism
     global_rows: Optional[GlobalRows] = None  # the rows of the global batch a pass holds (step 4)
     fused: dict = field(default_factory=dict)  # parameter name -> row order of a fused layer (step 1)
@@ -96,21 +99,25 @@ class Parallelized:
     lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
 
 
-def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *, objective) -> Parallelized:
-    """`module` prepared in place for `layout` over the run's `mesh` (None on one device and where no step needs
-    one), in the order above; `objective` takes the loss's part under context parallelism."""
-    done = Parallelized(runner=module, stages=tuple(options.stages))
+def parallelize(
+    module: nn.Module, layout: Layout, options: Preparation, *, objective, mesh: Optional[RunMesh] = None
+) -> Parallelized:
+    """`module` prepared in place for `layout`, in the order above, over the run's `mesh` (built here where a step
+    needs one and none is given: `mesh_for`); `objective` takes the loss's part under context parallelism."""
+    if mesh is None:
+        mesh = mesh_for(layout, options)
+    done = Parallelized(runner=module, mesh=mesh, stages=tuple(options.stages))
     line = apply_precision(module, options.device, options.precision)
     done.lines += [line] if line else []
     if options.tensor_plan is not None:  # (a tp dimension, of one rank where a test asks)
         from .tensor_split import apply_tensor_plan
 
-        done.fused = apply_tensor_plan(module, mesh["tp"], options.tensor_plan)
+        done.fused = apply_tensor_plan(module, mesh.tensor, options.tensor_plan)
     if layout.context > 1:
         from .context_parallel import split_model_sequences
 
         done.context, line = split_model_sequences(
-            module, objective, mesh["cp"], layout.data_degree, part=options.whole is not None
+            module, objective, mesh.context, layout.data_degree, part=options.whole is not None
         )
         done.lines.append(line)
     apply_activation_checkpointing(
@@ -125,7 +132,7 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
         # DDP starts from rank 0's values: every rank holds them all
         _materialise(module, options, done.fused)
         if options.stages:  # a pipeline's copies: each stage over the ranks that hold it in every pipeline
-            group = copies_group(mesh)
+            group = mesh.copies
             done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)
         else:
             done.runner = apply_ddp(module, options.device)
@@ -134,7 +141,6 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
             apply_fsdp(
                 module,
                 mesh,
-                layout,
                 precision=options.precision,
                 cpu_offload=options.cpu_offload,
                 roots=options.stages,
@@ -145,10 +151,14 @@ def parallelize(module: nn.Module, mesh, layout: Layout, options: Preparation, *
     return done
 
 
-def uses_mesh(layout: Layout, options: Preparation) -> bool:
-    """Whether `parallelize` needs the run's mesh for this layout and these options: a tensor plan (a tp
-    dimension, of one rank where a test asks), context parallelism, or FSDP2 (DDP takes the world group)."""
-    return options.tensor_plan is not None or layout.context > 1 or options.data_parallel == "shard"
+def mesh_for(layout: Layout, options: Preparation) -> Optional[RunMesh]:
+    """The run's mesh where `parallelize` needs one for this layout and these options (a tensor plan: a tp
+    dimension, of one rank where a test asks; context parallelism; FSDP2: a dp_shard dimension, of one rank where
+    the layout has replicas and context ranks only), else None (DDP takes the world group)."""
+    shard, tensor = options.data_parallel == "shard", options.tensor_plan is not None
+    if not (shard or tensor or layout.context > 1):
+        return None
+    return RunMesh(layout, options.device.type, shard=shard, tensor=tensor)
 
 
 def apply_global_batch(module: nn.Module, how: str, *, loud: bool = False) -> Optional[GlobalRows]:

@@ -43,6 +43,7 @@ from .distributed import Distributed
 from .global_batch import slice_offsets
 from .holdings import local_part
 from .layers import Stage, describe_stage, flatten_layers, named_subset
+from .mesh import RunMesh
 from .optimizer_state import positions, whole_state
 from .parallelize import parallelize
 from .pipeline_plan import plan_pipeline
@@ -116,11 +117,6 @@ class Pipeline(Distributed):
         return "shard" if layout.shard > 1 or layout.tensor > 1 else "replicate"
 
     @property
-    def mesh_keeps(self) -> tuple:
-        """Whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank."""
-        return ("shard",) if self.data_parallel == "shard" else ()
-
-    @property
     def global_batch(self) -> str:
         """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
         that stages draw what one device draws; BatchNorm normalises over each micro-batch (verify compares
@@ -142,12 +138,13 @@ class Pipeline(Distributed):
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
-        layout, mesh = self.layout, None
+        layout = self.layout
         if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
-            mesh = self.world_mesh
-            self.pp_group = mesh["pp"].get_group()
+            # (whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank)
+            self.mesh = RunMesh(layout, self.device.type, shard=self.data_parallel == "shard")
+            self.pp_group = self.mesh.pipeline.get_group()
             if layout.data_degree > 1 and self.data_parallel == "none":  # traced replicas sum by hand
-                self.dp_group = mesh["dp_replicate"].get_group()
+                self.dp_group = self.mesh.replicas.get_group()
         model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
@@ -175,7 +172,7 @@ class Pipeline(Distributed):
             sum_gradients=True,
             keep_gathered=True,
         )
-        done = parallelize(self.model, mesh, self.layout, options, objective=self.objective)
+        done = parallelize(self.model, self.layout, options, objective=self.objective, mesh=self.mesh)
         self.fused.update(done.fused)
         self.global_rows, self.stage_modules = done.global_rows, list(done.stages)
         self.context = done.context  # (each rank's head and tail chunks of every sequence: `own_tokens`)

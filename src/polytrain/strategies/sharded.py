@@ -26,7 +26,6 @@ class Sharded(DTensorModel):
     name = "sharded"
     normalises_global_batch = True
     bench_copies = True
-    mesh_keeps = ("shard",)  # FSDP2 shards over dp_shard, even of one rank (a layout of replicas and context)
     data_parallel = "shard"  # FSDP2 (parallelize.py apply_fsdp)
 
     def __init__(self, *, plan=None, **common):

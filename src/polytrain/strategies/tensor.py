@@ -208,7 +208,6 @@ class TensorParallel(DTensorModel):
     bench_copies = False  # its rows are its (data, tensor) meshes; hybrid ones are not measured yet
     keeps_model_whole = False
     splits_layers = True
-    mesh_keeps = ("shard", "tensor")  # the tensor plan's tp and FSDP2's dp_shard, even of one rank
 
     def __init__(self, *, plan: TensorPlan = None, **common):
         super().__init__(**common)

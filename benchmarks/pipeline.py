@@ -38,7 +38,7 @@ import torch
 
 from polytrain.data import load_dataset
 from polytrain.models import build_model
-from polytrain.plan.balance import balance_by_time, stage_ranges
+from polytrain.pipeline.balance import balance_by_time, stage_ranges
 from polytrain.strategies.layers import flatten_layers, layer_memory, time_layers
 
 TIMELINE = re.compile(r"bubble measured ([0-9.]+), theoretical .* = ([0-9.]+)")

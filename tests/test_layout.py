@@ -87,10 +87,17 @@ def test_no_module_imports_one_that_imports_it_back():
     assert circles(import_graph()) == []
 
 
+# polytrain/pipeline/ gathers one idea over two layers (docs/architecture.md, "The layers"): its pure modules are
+# in plan's room, the rest in strategies' (whose registry names Pipeline, which builds on strategies/base.py)
+PIPELINE_ROOMS = {"plan": "plan", "schedule": "plan", "balance": "plan"}
+
+
 def room_of(module: str) -> str:
     """The room a module is in: its subpackage (`polytrain.runtime.worker` -> `runtime`), or itself for a
-    top-level module (`polytrain.api` -> `api`)."""
+    top-level module (`polytrain.api` -> `api`); a module of pipeline/ as PIPELINE_ROOMS says."""
     parts = module.split(".")
+    if parts[1:2] == ["pipeline"]:
+        return PIPELINE_ROOMS.get(".".join(parts[2:]), "strategies")
     return parts[1] if len(parts) > 1 else parts[0]
 
 

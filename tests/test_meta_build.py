@@ -38,11 +38,11 @@ def _peak_rss_bytes() -> int:
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
+    from polytrain.pipeline.plan import PipelinePlan
+    from polytrain.pipeline.strategy import Pipeline
     from polytrain.plan.layout import Layout, layout_of
-    from polytrain.plan.pipeline import PipelinePlan
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.layers import flatten_layers
-    from polytrain.strategies.pipeline import Pipeline
     from polytrain.strategies.sharded import Sharded
     from polytrain.strategies.tensor import TensorParallel, plan_for
 

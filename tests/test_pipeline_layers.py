@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from polytrain.models import build_model
-from polytrain.plan.balance import balance_by_time
+from polytrain.pipeline.balance import balance_by_time
 from polytrain.strategies.layers import flatten_layers, layer_memory, named_subset, time_layers
 
 

@@ -13,8 +13,8 @@ from conftest import load_weights as load
 
 from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
+from polytrain.pipeline.plan import data_words, pipelines_words
 from polytrain.plan.layout import Layout, layout_of
-from polytrain.plan.pipeline import data_words, pipelines_words
 from polytrain.strategies import Pipeline
 
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
@@ -118,7 +118,7 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
 
     from polytrain.data.order import Batch
     from polytrain.models.meta import give_values
-    from polytrain.plan.pipeline import PipelinePlan
+    from polytrain.pipeline.plan import PipelinePlan
     from polytrain.strategies.holdings import local_bytes, local_part, whole
     from polytrain.strategies.layers import flatten_layers
 

@@ -19,8 +19,8 @@ from polytrain.config.train import TrainConfig, replicas
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
+from polytrain.pipeline.plan import check_tensor_cuts
 from polytrain.plan.layout import layout_of
-from polytrain.plan.pipeline import check_tensor_cuts
 from polytrain.sources import as_dataset
 from polytrain.strategies import make_plan
 

@@ -17,12 +17,12 @@ from polytrain.config import TrainConfig
 from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
+from polytrain.pipeline.traced import TracedStages, micro_batch_sizes, trace
 from polytrain.plan.layout import layout_of
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job
 from polytrain.strategies import Pipeline
 from polytrain.strategies.layers import flatten_layers
-from polytrain.strategies.traced import TracedStages, micro_batch_sizes, trace
 
 CONTEXT = 8
 TOLERANCE = 1e-5  # polytrain verify's default

@@ -3,7 +3,7 @@
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.plan.balance import balance_by_time, parse_split, stage_costs, stage_ranges
+from polytrain.pipeline.balance import balance_by_time, parse_split, stage_costs, stage_ranges
 
 
 @pytest.mark.parametrize(

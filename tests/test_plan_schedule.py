@@ -3,7 +3,14 @@
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.plan.schedule import Action, bubble_fraction, rank_orders, render, simulate, theoretical_bubble
+from polytrain.pipeline.schedule import (
+    Action,
+    bubble_fraction,
+    rank_orders,
+    render,
+    simulate,
+    theoretical_bubble,
+)
 
 
 def table_of(kind, *, p, m, v=1, backward_ticks=1):

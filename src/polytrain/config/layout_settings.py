@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..plan.pipeline import DEFAULT_SCHEDULE
-from ..plan.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from ..pipeline.plan import DEFAULT_SCHEDULE
+from ..pipeline.plan import SCHEDULES as PIPELINE_SCHEDULES
 from .declare import setting
 
 

@@ -1,19 +1,3 @@
-"""Pure planning: stage balancing, schedule tables, device mesh layout. No torch.distributed here."""
-
-from __future__ import annotations
-
-from polytrain.plan.balance import balance_by_time, parse_split, stage_costs, stage_ranges
-from polytrain.plan.schedule import Action, bubble_fraction, rank_orders, render, simulate, theoretical_bubble
-
-__all__ = [
-    "Action",
-    "balance_by_time",
-    "bubble_fraction",
-    "parse_split",
-    "rank_orders",
-    "render",
-    "simulate",
-    "stage_costs",
-    "stage_ranges",
-    "theoretical_bubble",
-]
+"""Pure planning: the device mesh layout, tensor and sharded plans, parameter servers, the cost and memory
+models. No torch.distributed here. (A pipeline's pure planning, its plan, schedule tables and stage balancing,
+is in polytrain/pipeline/: plan.py, schedule.py, balance.py.)"""

@@ -51,7 +51,7 @@ def memory_per_rank(
     trained = 1.0 if work.trained_bytes is None or not weights else work.trained_bytes / weights
     # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
-    # splits them: pipeline_shard.py)
+    # splits them: pipeline/sharding.py)
     fsdp = strategy.startswith(("sharded", "tensor")) or (
         layout.pipeline > 1 and layout.shard * layout.tensor > 1
     )
@@ -59,7 +59,7 @@ def memory_per_rank(
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
-    # (pipeline_shard.py)
+    # (pipeline/sharding.py)
     gathered = (work.gathered_bytes or held) if shards > 1 else 0.0
     if shards > 1 and layout.pipeline > 1:
         gathered = held * 2 / layout.pipeline

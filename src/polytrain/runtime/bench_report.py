@@ -15,8 +15,8 @@ from typing import List
 
 import torch
 
+from ..pipeline.plan import default_microbatches
 from ..plan.costmodel import bubble, tensor_collectives, tensor_size
-from ..plan.pipeline import default_microbatches
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
 from ..strategies import STRATEGIES

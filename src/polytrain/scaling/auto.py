@@ -14,9 +14,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import ConfigError, first_line
+from ..pipeline.plan import default_microbatches
 from ..plan import costmodel, memory
 from ..plan.layout import label_of, parse_label
-from ..plan.pipeline import default_microbatches
 from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
@@ -37,9 +37,9 @@ SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  
 def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
     """The strategies that cannot run this model on `devices` ranks here, with the reason."""
     from ..errors import UserError
-    from ..plan.pipeline import check_torch
+    from ..pipeline.plan import check_torch
+    from ..pipeline.planning import torch_version
     from ..strategies.layers import flatten_layers
-    from ..strategies.pipeline_plan import torch_version
 
     refused = {}
     try:

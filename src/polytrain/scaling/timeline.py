@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterable, List, Tuple
 
 from ..callbacks import Callback
-from ..plan.pipeline import stages_per_rank
-from ..plan.schedule import bubble_fraction, rank_orders, simulate, theoretical_bubble
+from ..pipeline.plan import stages_per_rank
+from ..pipeline.schedule import bubble_fraction, rank_orders, simulate, theoretical_bubble
 from ..report import save_figure
 
 Event = Tuple[int, int, str, int, int, float, float]

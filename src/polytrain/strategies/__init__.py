@@ -1,7 +1,11 @@
 """Strategies by name; `auto` picks `single` for one device and `data` for several. The names are declared in
 config/registry_names.py (the command line reads them without importing torch); `STRATEGIES` maps them to
-classes and is checked against them at import. One class runs every layout of its name: a pipeline's tensor and
-shard degrees are steps of `Pipeline.setup`, not classes of their own."""
+classes and is checked against them when first used. One class runs every layout of its name: a pipeline's tensor
+and shard degrees are steps of `Pipeline.setup`, not classes of their own.
+
+`Pipeline` lives in polytrain/pipeline/strategy.py, which builds on this package's modules (base.py,
+distributed.py, ...): it and `STRATEGIES` are imported when first asked for (PEP 562's module `__getattr__`), so
+that importing polytrain.pipeline.strategy first, which imports this package before `Pipeline` exists, works."""
 
 from __future__ import annotations
 
@@ -12,20 +16,37 @@ from .base import StepStats, Strategy
 from .context_parallel import check_context_parallel
 from .data import DataParallel
 from .parameter_server import ParameterServer
-from .pipeline import Pipeline
 from .sharded import Sharded
 from .single import SingleDevice
 from .tensor import TensorParallel
 
-STRATEGIES = {
-    "single": SingleDevice,
-    "data": DataParallel,
-    "pipeline": Pipeline,
-    "sharded": Sharded,
-    "parameter-server": ParameterServer,
-    "tensor": TensorParallel,
-}
-check_registry("strategy", STRATEGIES, STRATEGY_NAMES)
+_STRATEGIES: dict = {}  # filled by strategy_classes
+
+
+def strategy_classes() -> dict:
+    """`STRATEGIES`: each strategy's class by name, made (and checked against the declared names) once."""
+    if not _STRATEGIES:
+        from ..pipeline.strategy import Pipeline
+
+        classes = {
+            "single": SingleDevice,
+            "data": DataParallel,
+            "pipeline": Pipeline,
+            "sharded": Sharded,
+            "parameter-server": ParameterServer,
+            "tensor": TensorParallel,
+        }
+        check_registry("strategy", classes, STRATEGY_NAMES)
+        _STRATEGIES.update(classes)
+    return _STRATEGIES
+
+
+def __getattr__(name: str):
+    if name == "STRATEGIES":
+        return strategy_classes()
+    if name == "Pipeline":
+        return strategy_classes()["pipeline"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_strategy_name(name: str, devices: int) -> str:
@@ -39,7 +60,7 @@ def resolve_strategy_name(name: str, devices: int) -> str:
 
 def contiguous_strategies() -> tuple:
     """The strategies that train in the default memory format even where channels-last is asked for."""
-    return tuple(name for name, strategy in STRATEGIES.items() if not strategy.keeps_channels_last)
+    return tuple(name for name, strategy in strategy_classes().items() if not strategy.keeps_channels_last)
 
 
 def make_plan(name: str, config, model, dataset, *, device):
@@ -52,7 +73,7 @@ def make_plan(name: str, config, model, dataset, *, device):
     check_activation_checkpointing(model, config.activation_checkpointing)  # the blocks it means, or one line
     # (by its class, as the other checks name it: fit()'s own module is not --model's default, lenet)
     check_context_parallel(model, config.context_parallel or 1, name=type(model).__name__)
-    return STRATEGIES[name].make_plan(config, model, dataset, device=device)
+    return strategy_classes()[name].make_plan(config, model, dataset, device=device)
 
 
 __all__ = [
@@ -68,4 +89,5 @@ __all__ = [
     "contiguous_strategies",
     "make_plan",
     "resolve_strategy_name",
+    "strategy_classes",
 ]

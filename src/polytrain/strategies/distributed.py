@@ -14,7 +14,7 @@ class Distributed(Strategy):
     needs_process_group = True
     reference = False
     # the degrees whose ranks hold the same figures of a step (`reduce` counts each such group once): a tensor
-    # group's ranks each compute their slice's whole loss; a pipeline's share its last stage's (pipeline.py)
+    # group's ranks each compute their slice's whole loss; a pipeline's share its last stage's (pipeline/strategy.py)
     figures_shared_by = ("tensor",)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) as polytrain applies it: one unit per block, then the root, over
 the data dimensions of the run's mesh, with the bf16 policy and host-memory offload where asked. The sharded
-and tensor strategies (through `parallelize`) and a pipeline's stages (pipeline_shard.py) shard with it."""
+and tensor strategies (through `parallelize`) and a pipeline's stages (pipeline/sharding.py) shard with it."""
 
 from __future__ import annotations
 

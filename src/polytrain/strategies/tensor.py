@@ -195,7 +195,7 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
         run=f"--strategy pipeline --tensor-parallel {tensor}",
         divisor="a --tensor-parallel",
     )
-    # the first and last stages hold the embedding and the head whole (tied across stages by tied.py)
+    # the first and last stages hold the embedding and the head whole (tied across stages by pipeline/tied.py)
     return replace(plan.without_vocabulary(), sequence_parallel=False)
 
 

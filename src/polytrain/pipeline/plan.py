@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..errors import ConfigError
-from .layout import Layout, divisors
-from .tensor import TensorPlan
+from ..plan.layout import Layout, divisors
+from ..plan.tensor import TensorPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 DEFAULT_SCHEDULE = "1f1b"

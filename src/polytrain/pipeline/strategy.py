@@ -4,17 +4,17 @@ micro-batches that flow through the stages (torch.distributed.pipelining runs th
 With `--pipeline-stages` below `--devices`, several pipelines (replicas) run side by side on a 2-D mesh
 and average their gradients stage by stage. The loss of each micro-batch is its summed cross-entropy over
 the whole global batch's size, and gradients are summed (never rescaled): the step is exactly the
-one-device step. Evaluation sends activations rank to rank without gradients; checkpoints are each rank's
-stages, written as shards (checkpoint_parts.py).
+one-device step. Evaluation sends activations rank to rank without gradients (transfer.py); checkpoints are
+each rank's stages, written as shards (state.py).
 
-The degrees of the layout are applied by `parallelize` (parallelize.py) to the layers of this rank's stages, in
-torchtitan's order after the split into stages: the tensor plan over `tp` (`--tensor-parallel T`: Megatron's
-layout, each stage split over T consecutive ranks; stages exchange whole activations as plain tensors, tensor
-slice t of stage s sending to slice t of stage s + 1), activation checkpointing (the whole model's blocks
-counted), whole-batch dropout, FSDP2 over the pipelines side by side (pipeline_shard.py), materialise. With
+The degrees of the layout are applied by `parallelize` (strategies/parallelize.py) to the layers of this rank's
+stages, in torchtitan's order after the split into stages: the tensor plan over `tp` (`--tensor-parallel T`:
+Megatron's layout, each stage split over T consecutive ranks; stages exchange whole activations as plain tensors,
+tensor slice t of stage s sending to slice t of stage s + 1), activation checkpointing (the whole model's blocks
+counted), whole-batch dropout, FSDP2 over the pipelines side by side (sharding.py), materialise. With
 `--context-parallel C` every stage runs on C ranks that each hold a head and a tail chunk of every sequence (the
 activations crossing a cut are T/C tokens long), their gradients summed as those of pipelines side by side. The
-whole-model state methods handle any mix of them (pipeline_parts.py).
+whole-model state methods handle any mix of them (state.py).
 """
 
 from __future__ import annotations
@@ -29,28 +29,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..models.meta import to_empty
-from ..plan.pipeline import (
-    PipelinePlan,
-    microbatches_for,
-    runnable_schedule,
-)
-from . import pipeline_parts as parts
-from .activations import receive, send
-from .base import StepStats
-from .checkpoint_parts import load_stage_shards, stage_shard_state
-from .ddp import release_reducers
-from .distributed import Distributed
-from .global_batch import slice_offsets
-from .holdings import local_part
-from .layers import Stage, describe_stage, flatten_layers, named_subset
-from .mesh import RunMesh
-from .optimizer_state import positions, whole_state
-from .parallelize import parallelize
-from .pipeline_plan import plan_pipeline
-from .pipeline_shard import reshard, stage_hooks, stage_precision
-from .pipeline_trace import record_calls
+from ..strategies.base import StepStats
+from ..strategies.ddp import release_reducers
+from ..strategies.distributed import Distributed
+from ..strategies.global_batch import slice_offsets
+from ..strategies.holdings import local_part
+from ..strategies.layers import Stage, describe_stage, flatten_layers, named_subset
+from ..strategies.mesh import RunMesh
+from ..strategies.optimizer_state import positions, whole_state
+from ..strategies.parallelize import parallelize
+from . import state as rank_state
+from .plan import PipelinePlan, microbatches_for, runnable_schedule
+from .planning import plan_pipeline
+from .sharding import reshard, stage_hooks, stage_precision
 from .tied import TiedWeights
-from .traced import setup_traced
+from .timeline import record_calls
+from .traced import traced_holdings, traced_stages
+from .transfer import receive, send
 
 
 def _schedule_class(kind: str):
@@ -68,11 +63,10 @@ class Pipeline(Distributed):
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
     splits_layers = False  # as a name (bench's rows): with --tensor-parallel its plan splits each stage
-    # the last stage's figures of a step on each rank of its pipeline (`_shared_sums`), as on a tensor group's
+    # the last stage's figures of a step on each rank of its pipeline (`shared_sums`), as on a tensor group's
     figures_shared_by = ("tensor", "pipeline")
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
     writes_shards = property(lambda self: not self.plan.split_at)  # (traced stages: the tracer's names)
-    shard_state, load_shards = stage_shard_state, load_stage_shards  # each rank its stages' own state
 
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
@@ -92,6 +86,7 @@ class Pipeline(Distributed):
         self.schedules = {}  # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
         self.tied = None  # weights shared across stages (tied.py)
+        self.group_names = None  # every optimizer group's members over the whole model, once known (state.py)
         self.chunk_rows = None  # (offset, each micro-batch's rows, global count) within a training step
 
     @property
@@ -108,7 +103,7 @@ class Pipeline(Distributed):
 
     @property
     def data_parallel(self) -> str:
-        """How the pipelines side by side hold their stages (pipeline_shard.py): FSDP2 shards; whole copies as
+        """How the pipelines side by side hold their stages (sharding.py): FSDP2 shards; whole copies as
         DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not take),
         as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the step."""
         layout = self.layout
@@ -152,7 +147,12 @@ class Pipeline(Distributed):
         }
         if self.plan.split_at:  # the tracer runs the whole model: it is materialised first
             self.materialise(model)
-            return setup_traced(self, model, make_optimizer, make_scheduler)
+            self.traced, self.model = traced_stages(self, model)
+            self.stage_modules = []  # `_schedule` takes the traced stages instead
+            # traced stages refuse tied weights: this rank steps every parameter it holds
+            self.build_optimizer(list(self.model.named_parameters()), make_optimizer, make_scheduler)
+            self.placement = self.placement_lines(traced_holdings(self.plan))
+            return
         layers = flatten_layers(model)
         self.boundaries = self._boundary_shapes(layers)
         self.stage_modules = [
@@ -243,7 +243,7 @@ class Pipeline(Distributed):
 
     def placement_lines(self, holds) -> list:
         """Rank 0's lines of where each stage runs and what it holds (`holds(stage)`); every rank calls it."""
-        return parts.placement_lines(self, holds)
+        return rank_state.placement_lines(self, holds)
 
     def _schedule(self, samples: int):
         """The schedule for a batch of `samples`: stages infer the shapes they exchange once, so each size of
@@ -286,7 +286,7 @@ class Pipeline(Distributed):
             self.schedules[key] = schedule_class(
                 stages if kind == "interleaved-1f1b" else stages[0],
                 microbatches,
-                loss_fn=self._loss,
+                loss_fn=self.microbatch_loss,
                 **options,
             )
         return self.schedules[key], microbatches
@@ -303,17 +303,21 @@ class Pipeline(Distributed):
         return self.plan.schedule, self.layout.pipeline, self.plan.microbatches
 
     # -- steps ------------------------------------------------------------------------------------------
-    def _loss(self, logits, target):
+    def microbatch_loss(self, logits, target):
+        """The last stage's loss of one micro-batch (the schedule's `loss_fn`, and evaluation's): its figures are
+        kept in `microbatch_sums`; it returns its summed loss over the global batch's count, for the backward."""
         loss_sum, count = self.objective.outputs_loss(logits, target, training=self.model.training)
         metrics = self.objective.metric_sums(logits, target) if self.objective.names else self.no_metrics
         count = torch.as_tensor(count, dtype=loss_sum.dtype, device=loss_sum.device).reshape(1)
-        self._sums.append(torch.cat([loss_sum.detach().reshape(1), count, metrics.to(loss_sum.dtype)]))
+        self.microbatch_sums.append(
+            torch.cat([loss_sum.detach().reshape(1), count, metrics.to(loss_sum.dtype)])
+        )
         return self.gradients.scale(loss_sum / self._global_count)
 
     def train_step(self, batch) -> StepStats:
         if not self.model.training:
             self.model.train()
-        self._sums, self._global_count = [], batch.global_count
+        self.microbatch_sums, self._global_count = [], batch.global_count
         schedule, microbatches = self._schedule(len(batch.y))
         x, y = self.own_tokens(batch.x, batch.y)
         inputs = (x,) if self.is_first else ()
@@ -335,7 +339,7 @@ class Pipeline(Distributed):
             self.synchronize()
             busy = sum(e[6] - e[5] for e in self.trace if e[1] == self.traced_steps)
             self.phases["idle"] = max(0.0, time.perf_counter() - began - busy)
-        sums = self._shared_sums(last=microbatches)  # (the last stage's, on every rank of the pipeline)
+        sums = self.shared_sums(last=microbatches)  # (the last stage's, on every rank of the pipeline)
         if self.objective.counted:
             self.per_counted_element(sums[1], batch.global_count)
         if self.tied is not None:  # tied weights: the copies' gradients join the owners'
@@ -348,7 +352,7 @@ class Pipeline(Distributed):
         if self.tied is not None:
             self.tied.share_weights()
         # the stages' first step may call the loss once more, on sample outputs, to infer gradient shapes
-        return self._stats(len(batch.y), sums)
+        return self.step_stats(len(batch.y), sums)
 
     def _sum_gradients_over_replicas(self) -> None:
         grads = [local_part(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -358,19 +362,20 @@ class Pipeline(Distributed):
             for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(summed)
 
-    def _shared_sums(self, *, last: int = 0) -> torch.Tensor:
+    def shared_sums(self, *, last: int = 0) -> torch.Tensor:
         """(loss sum, what it covers, metric sums) of a step's `last` micro-batches, or of an evaluation batch
         (all), on every rank of this pipeline: the last stage's, shared over the pipeline's ranks (one small
         all-reduce), so that rank 0, which runs the first stage, shows and logs the step's loss; `reduce` counts
         each pipeline once (`figures_shared_by`)."""
         if self.is_last:
-            sums = torch.stack(self._sums[-last:]).sum(0).double()
+            sums = torch.stack(self.microbatch_sums[-last:]).sum(0).double()
         else:
             sums = torch.zeros(2 + len(self.objective.names), dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, group=self.norm_group)
         return sums
 
-    def _stats(self, count: int, sums: torch.Tensor) -> StepStats:
+    def step_stats(self, count: int, sums: torch.Tensor) -> StepStats:
+        """A step's StepStats from `shared_sums`' figures of its `count` samples."""
         return StepStats(sums[0], sums[2:], self.samples_counted(count), self.gradients.last_norm, sums[1])
 
     @torch.no_grad()
@@ -380,7 +385,7 @@ class Pipeline(Distributed):
         if self.model.training:
             self.model.eval()
         ranks, layout = self.layout.pipeline, self.layout
-        self._sums, pending = [], []
+        self.microbatch_sums, pending = [], []
         parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
         inputs, targets = self.own_tokens(batch.x, batch.y)
         for chunk, target in zip(torch.tensor_split(inputs, parts), torch.tensor_split(targets, parts)):
@@ -395,14 +400,14 @@ class Pipeline(Distributed):
                 if stage < self.plan.model_stages - 1:
                     pending.append(send(x, layout.rank_with(self.rank, pipeline=(stage + 1) % ranks)))
                 else:
-                    self._loss(x, target)
+                    self.microbatch_loss(x, target)
         for works, _ in pending:  # the tensors stay referenced until their sends complete
             for work in works:
                 work.wait()
         # the units keep what they gathered: whole until the next step otherwise
         if self.data_parallel == "shard":
             reshard(self)
-        return self._stats(len(batch.y), self._shared_sums())
+        return self.step_stats(len(batch.y), self.shared_sums())
 
     # -- the whole model, by its original names ---------------------------------------------------------
     def model_state(self) -> dict:
@@ -414,7 +419,7 @@ class Pipeline(Distributed):
 
     def stage_state(self) -> dict:
         """This rank's stages' whole state dict on the CPU, from one coordinate ({} elsewhere); all call it."""
-        return parts.stage_state(self)
+        return rank_state.stage_state(self)
 
     def expected_state(self) -> dict:
         return self.full_meta
@@ -430,7 +435,14 @@ class Pipeline(Distributed):
 
     def stage_optimizer_state(self, numbers: dict) -> dict:
         """numbered_part's form of this rank's optimizer state, whole, from one coordinate ({} elsewhere)."""
-        return parts.stage_optimizer_state(self, numbers)
+        return rank_state.stage_optimizer_state(self, numbers)
 
     def load_state_dict(self, state: dict) -> None:
-        parts.load_stages(self, state)
+        rank_state.load_stages(self, state)
+
+    def shard_state(self, *, optimizer: bool = True) -> dict:
+        """Each rank its stages' own state, as torch.distributed.checkpoint writes it (state.py)."""
+        return rank_state.stage_shard_state(self, optimizer=optimizer)
+
+    def load_shards(self, load, scheduler: dict) -> None:
+        rank_state.load_stage_shards(self, load, scheduler)

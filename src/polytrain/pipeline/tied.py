@@ -12,8 +12,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from .holdings import local_part
-from .layers import shared_between
+from ..strategies.holdings import local_part
+from ..strategies.layers import shared_between
 
 
 class TiedWeights:

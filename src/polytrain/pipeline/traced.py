@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, first_line
-from ..plan.pipeline import PipelinePlan, last_batch, microbatches_for, stages_per_rank
+from .plan import PipelinePlan, last_batch, microbatches_for, stages_per_rank
 
 HOW = (
     "write forward() without Python control flow on tensor values (if x.sum() > 0, .item(), loops over a "
@@ -173,7 +173,7 @@ def traced_plan(
 
 def micro_batch_sizes(config, dataset, layout, schedule: str, microbatches: int, per_replica: int) -> list:
     """The sizes of training micro-batches a pipeline replica runs: a whole batch's, then a short last batch's
-    (as Pipeline._schedule cuts them), so that those traces are known to work before any worker starts."""
+    (as the strategy's schedules cut them), so that those traces are known to work before any worker starts."""
     wanted = microbatches * config.accumulate
     last = last_batch(dataset.num_train, config.batch_size, config.max_steps) % config.batch_size
     parts = [per_replica] + [
@@ -268,14 +268,14 @@ class TracedStages:
         if key not in s.schedules:
             stages = self.stages(key[2], training=False)
             s.schedules[key] = (
-                ScheduleGPipe(stages[0], microbatches, loss_fn=s._loss)
+                ScheduleGPipe(stages[0], microbatches, loss_fn=s.microbatch_loss)
                 if len(stages) == 1
-                else _interleaved(stages, microbatches, s._loss)
+                else _interleaved(stages, microbatches, s.microbatch_loss)
             )
-        schedule, s._sums = s.schedules[key], []
+        schedule, s.microbatch_sums = s.schedules[key], []
         with s.autocast():
             _forward_only(schedule, (batch.x,) if s.is_first else (), batch.y if s.is_last else None)
-        return s._stats(len(batch.y), s._shared_sums())
+        return s.step_stats(len(batch.y), s.shared_sums())
 
 
 def _interleaved(stages, microbatches: int, loss):
@@ -295,14 +295,13 @@ def _forward_only(schedule, inputs, target) -> None:
         schedule._has_backward = kept
 
 
-def setup_traced(strategy, model: nn.Module, make_optimizer, make_scheduler) -> None:
-    """`Pipeline.setup` for --split-at: trace at the training micro-batch's size, hold this rank's stages."""
-    s, plan = strategy, strategy.plan
-    s.traced = TracedStages(s, model)
-    s.model = view_of(s.traced.modules(plan.micro_batch), s.full_meta)
-    s.stage_modules = []  # Pipeline._schedule takes the traced stages instead
-    # traced stages refuse tied weights: this rank steps every parameter it holds
-    s.build_optimizer(list(s.model.named_parameters()), make_optimizer, make_scheduler)
-    s.placement = s.placement_lines(
-        lambda stage: f"modules {', '.join(plan.layer_names[i] for i in plan.stage_layers(stage))}"
-    )
+def traced_stages(strategy, model: nn.Module) -> Tuple[TracedStages, nn.Module]:
+    """`Pipeline.setup`'s part for --split-at: this rank's stages traced at the training micro-batch's size, and
+    a module holding their tensors under the model's names (the rank's `model`)."""
+    traced = TracedStages(strategy, model)
+    return traced, view_of(traced.modules(strategy.plan.micro_batch), strategy.full_meta)
+
+
+def traced_holdings(plan):
+    """What each traced stage holds, for the start-up lines: its modules (the plan's names for them)."""
+    return lambda stage: f"modules {', '.join(plan.layer_names[i] for i in plan.stage_layers(stage))}"

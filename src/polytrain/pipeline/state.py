@@ -6,15 +6,19 @@ rows in the ranks' order), FSDP2 shards over `dp_shard`, both, or neither (plain
 whole tensor back as it is placed; fused rows are put back in (or taken out of) their one-device order. Every
 rank of a stage takes part in the gathers; the whole values come from one coordinate only (tensor slice 0 of
 context rank 0 of data coordinate 0), so that each stage is counted once.
+
+Checkpoints of shards (`Pipeline.shard_state`, `load_shards`) are each rank's stages as they are held, keyed by
+their one-device names in the form strategies/checkpoint_parts.py gives every sharded layout.
 """
 
 from __future__ import annotations
 
-from ..plan.pipeline import data_words, pipelines_words, runnable_schedule
-from .holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
-from .optimizer_state import load_part, positions, to_cpu
-from .pipeline_shard import shard_line
-from .tensor import reordered, reordered_optimizer
+from ..strategies.checkpoint_parts import apply_groups, in_one_device_rows, named_optimizer
+from ..strategies.holdings import figures, heading, local_bytes, optimizer_slots, part_like, whole
+from ..strategies.optimizer_state import load_part, positions, to_cpu
+from ..strategies.tensor import reordered, reordered_optimizer
+from .plan import data_words, pipelines_words, runnable_schedule
+from .sharding import shard_line
 
 
 def contributes(strategy) -> bool:
@@ -140,3 +144,47 @@ def tensor_line(plan, tail: str) -> str:
         f"  each stage split over {plan.layout.tensor} tensor ranks: "
         f"{plan.tensor.describe().split(': ', 1)[-1]}{tail}"
     )
+
+
+# -- checkpoints of shards: each rank its stages' parameters and optimizer state ---------------------------
+
+
+def stage_shard_state(strategy, *, optimizer: bool = True) -> dict:
+    """A pipeline rank's part (Pipeline.shard_state): its stages' tensors by their one-device names (split over
+    tensor ranks: DTensors, fused rows as strategies/checkpoint_parts.py's `fused_rows`) and the optimizer state
+    of the parameters it steps. Ranks that hold the same tensor (replicas, a tied copy, replicated slices) all
+    offer it; DCP writes it once."""
+    state = {"model": strategy.model.state_dict()}
+    if optimizer:
+        names = {id(p): strategy.parameter_names[i] for p, i in zip(strategy.trained, strategy.global_index)}
+        state["optimizer"] = named_optimizer(strategy.optimizer, names, _group_names(strategy, names))
+    return in_one_device_rows(state, getattr(strategy, "fused", {}))
+
+
+def _group_names(strategy, names: dict) -> list:
+    """The names of every parameter group's members over the whole model (each rank knows its own: gathered
+    once, names only, in the one-device order), so that every rank writes the same groups."""
+    if strategy.group_names is None:
+        import torch.distributed as dist
+
+        mine = [
+            [names[id(p)] for p in g["params"] if id(p) in names] for g in strategy.optimizer.param_groups
+        ]
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        order = {name: i for i, name in enumerate(strategy.parameter_names)}
+        strategy.group_names = [
+            sorted({name for part in parts for name in part[g]}, key=order.get) for g in range(len(mine))
+        ]
+    return strategy.group_names
+
+
+def load_stage_shards(strategy, load, scheduler: dict) -> None:
+    """Pipeline.load_shards: DCP reads the rank's stages and optimizer slots in place (slots created first)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(strategy.optimizer)
+    state = stage_shard_state(strategy)
+    load(state)
+    apply_groups(strategy.optimizer, state["optimizer"]["param_groups"])
+    strategy.scheduler.load_state_dict(scheduler)

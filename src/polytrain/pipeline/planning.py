@@ -9,8 +9,11 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..models.meta import one_by_one
-from ..plan.balance import balance_by_time, parse_split
-from ..plan.pipeline import (
+from ..strategies.layers import flatten_layers, layer_memory, time_layers
+from ..strategies.optimizer_state import state_slots_of
+from ..strategies.tensor import plan_for_stages
+from .balance import balance_by_time, parse_split
+from .plan import (
     DEFAULT_SCHEDULE,
     PipelinePlan,
     check_torch,
@@ -19,9 +22,6 @@ from ..plan.pipeline import (
     microbatches_for,
     stages_per_rank,
 )
-from .layers import flatten_layers, layer_memory, time_layers
-from .optimizer_state import state_slots_of
-from .tensor import plan_for_stages
 from .traced import traced_plan
 
 

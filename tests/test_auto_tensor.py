@@ -10,7 +10,7 @@ import pytest
 
 from polytrain.models import build_model
 from polytrain.plan.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
-from polytrain.plan.layout import Layout, settings_of_label
+from polytrain.plan.layout import Layout, flags_of, label, layout_of
 from polytrain.plan.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,
@@ -73,7 +73,10 @@ def test_auto_keeps_data_parallelism_when_tensor_is_faster_by_less_than_the_marg
 
 def test_auto_takes_tensor_when_nothing_else_fits_in_memory():
     light = replace(HEAVY, parameter_bytes=4e5, split_bytes=3.9e5, tensor_reductions=(1e5,) * 8)
-    need = {name: memory_per_rank(light, name, 2, optimizer_slots=2) for name in predict_all(light, 2, LINK)}
+    need = {
+        name: memory_per_rank(light, p.strategy, 2, optimizer_slots=2, layout=p.layout)
+        for name, p in predict_all(light, 2, LINK).items()
+    }
     # AdamW, T = 2: (195 KB + 10 KB) x 4 and 64 samples' activations, against sharded's 400 KB x 4 / 2 + 400 KB
     # and 32 samples' (the model has no cuts: no pipeline, as `candidates` says)
     assert need["tensor"] == pytest.approx(4 * 2.05e5 + 64 * 1000)
@@ -115,8 +118,10 @@ SHARDABLE = replace(HEAVY, tensor_splits=(), split_bytes=0.0, split_share=0.0, t
 
 def test_auto_takes_hybrid_sharding_where_predicted_clearly_faster_and_says_which_flags_it_means():
     need = {
-        name: memory_per_rank(SHARDABLE, name, 8)
-        for name in pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=1e12)[1]
+        name: memory_per_rank(SHARDABLE, p.strategy, 8, layout=p.layout)
+        for name, p in pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=1e12)[
+            1
+        ].items()
     }
     room = max(need["sharded 4x2"], need["sharded 2x4"], need["sharded"]) + 1  # a replica does not fit
     assert need["data"] > room and need["parameter-server"] > room
@@ -127,11 +132,15 @@ def test_auto_takes_hybrid_sharding_where_predicted_clearly_faster_and_says_whic
     )
     assert [name for name, ok in fits.items() if ok] == ["sharded", "sharded 4x2", "sharded 2x4"]
     # 4 copies of 2 shards: 142.3 ms, clearly faster than 2 copies of 4 (157.8) and FSDP2 over all 8 (201.5)
-    assert best.strategy == "sharded 4x2"
+    assert best.label == "sharded 4x2" and best.layout == Layout(replicate=4, shard=2)
     assert predictions["sharded 2x4"].step_seconds > best.step_seconds * 1.1
-    assert settings_of_label(best.strategy) == ("sharded", {"replicas": 4})
-    assert settings_of_label("tensor 2x4") == ("tensor", {"tensor_parallel": 4})
-    assert settings_of_label("data") == ("data", {})
+    # the flags that give a layout: the inverse of layout_of (made from the layout, no label read back)
+    assert flags_of(best.strategy, best.layout) == {"replicas": 4}
+    assert layout_of("sharded", 8, **flags_of(best.strategy, best.layout)) == best.layout
+    assert flags_of("tensor", Layout(shard=2, tensor=4)) == {"tensor_parallel": 4}
+    assert flags_of("data", Layout(replicate=8)) == {}
+    assert flags_of("sharded", Layout(shard=4, context=2)) == {"context_parallel": 2}
+    assert label("sharded", Layout(shard=4, context=2)) == "sharded cp2"
     # within 10% of each other, the layout nearest plain sharding is kept: fewer copies
     best, predictions, _ = pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=room)
     assert (
@@ -139,7 +148,7 @@ def test_auto_takes_hybrid_sharding_where_predicted_clearly_faster_and_says_whic
         < predictions["sharded 2x4"].step_seconds
         < (predictions["sharded 4x2"].step_seconds * 1.1)
     )
-    assert best.strategy == "sharded 2x4"
+    assert best.label == "sharded 2x4"
 
 
 def test_the_bench_runs_tensor_rows_and_meshes_only_for_a_model_with_a_plan():
@@ -247,8 +256,8 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
     document = json.loads((tmp_path / "bench.json").read_text())
     assert [r["tensor_parallel"] for r in document["rows"]] == [0, 0, 0, 2]
     assert (
-        measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[0]
-        == "tensor 2x2"  # 90 ms, against one group of 4's 120
+        measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[:2]
+        == ("tensor", {"tensor_parallel": 2})  # tensor 2x2: 90 ms, against one group of 4's 120
     )
 
 
@@ -309,8 +318,9 @@ def test_auto_takes_a_measured_hybrid_row_as_its_layout_not_as_its_strategy(tmp_
     write_json(result, tmp_path / "bench.json")
     assert [r["replicas"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == [0, 0, 0, 2]
     chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
-    assert chosen[0] == "sharded 2x2" and "fastest at 5.0 ms/step" in chosen[1]
+    assert chosen[:2] == ("sharded", {"replicas": 2}) and "sharded 2x2 on 4 cpu device(s)" in chosen[2]
+    assert "fastest at 5.0 ms/step" in chosen[2]
     rows[3].step_seconds = 11.5 * MS  # within 10% of plain sharding, 15% slower than data
     write_json(replace(result, rows=rows), tmp_path / "bench.json")
     chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
-    assert chosen[0] == "data" and "10.0 ms/step" in chosen[1]
+    assert chosen[:2] == ("data", {}) and "10.0 ms/step" in chosen[2]

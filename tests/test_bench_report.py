@@ -191,7 +191,7 @@ def test_auto_picks_the_fastest_that_can_run_and_fits_in_memory():
     best, predictions, fits = pick(WORK, link, devices=2, device_type="cuda", refused={}, available=1e12)
     assert best.strategy == min(predictions.values(), key=lambda p: p.step_seconds).strategy
     # memory too small for a whole replica: only the sharded strategy fits
-    need = {name: memory_per_rank(WORK, name, 2) for name in predictions}
+    need = {name: memory_per_rank(WORK, p.strategy, 2, layout=p.layout) for name, p in predictions.items()}
     assert need["sharded"] < min(need["data"], need["parameter-server"])
     best, _, fits = pick(
         WORK, link, devices=2, device_type="cuda", refused={"pipeline": "no"}, available=need["sharded"]
@@ -255,8 +255,10 @@ def test_bench_json_round_trips_into_the_plan_that_auto_reads(tmp_path):
     document = json.loads((tmp_path / "bench.json").read_text())
     assert [r["strategy"] for r in document["rows"]] == ["single", "data", "sharded", "pipeline"]
     assert document["projections"][0]["chosen"] == "data"
-    name, line = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
-    assert name == "sharded" and "measured fastest at 7.0 ms/step" in line
+    name, settings, line = measured_choice(
+        str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64
+    )
+    assert (name, settings) == ("sharded", {}) and "measured fastest at 7.0 ms/step" in line
     assert measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64) is None
     work, link, source = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=128)
     assert work.batch_size == 128 and work.pass_seconds == pytest.approx(2 * WORK.pass_seconds)
@@ -398,10 +400,10 @@ def test_auto_measures_in_this_process_and_names_its_pick():
         torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)
     )
     config = TrainConfig(devices=2, batch_size=32, device="cpu")
-    name, line = choose_strategy(
+    name, settings, line = choose_strategy(
         config, model, tiny_digits(), Objective(), device=torch.device("cpu"), channels_last=False
     )
-    assert name in ("data", "parameter-server", "sharded", "pipeline")
+    assert name in ("data", "parameter-server", "sharded", "pipeline") and settings == {}  # (no mesh of 2)
     assert (
         line.startswith(f"--strategy auto: {name} on 2 cpu device(s), predicted ") and "a few seconds" in line
     )

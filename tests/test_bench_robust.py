@@ -89,10 +89,10 @@ def test_a_bench_file_keeps_data_unless_another_was_measured_clearly_faster(tmp_
         write_json(result, tmp_path / "bench.json")
         return measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
 
-    name, line = plan(data=10, pipeline=9.5)
-    assert name == "data" and "within 10% of pipeline (9.5)" in line
-    name, line = plan(data=10, pipeline=8.5)
-    assert name == "pipeline" and "measured fastest at 8.5 ms/step" in line
+    name, settings, line = plan(data=10, pipeline=9.5)
+    assert (name, settings) == ("data", {}) and "within 10% of pipeline (9.5)" in line
+    name, settings, line = plan(data=10, pipeline=8.5)
+    assert (name, settings) == ("pipeline", {}) and "measured fastest at 8.5 ms/step" in line
 
 
 class Sleepy(nn.Module):

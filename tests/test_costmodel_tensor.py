@@ -15,10 +15,9 @@ from polytrain.plan.costmodel import (
     fit_message_cost,
     predict_all,
     tensor_collectives,
-    tensor_name,
     tensor_parallel,
-    tensor_size,
 )
+from polytrain.plan.layout import Layout
 from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 
@@ -108,7 +107,7 @@ def test_sequence_parallel_reduce_scatters_and_all_gathers_instead():
 def test_a_data_by_tensor_mesh_adds_fsdp2_over_the_data_dimension_on_each_ranks_slice():
     # 2 groups of 2: each group 32 samples; each rank holds 1.5 MB + 1 MB = 2.5 MB
     p = tensor_parallel(WORK, 4, LINK, tensor=2, scatter_by_allreduce=True)
-    assert p.strategy == "tensor 2x2" == tensor_name(4, 2) and tensor_size("tensor 2x2", 4) == 2
+    assert (p.strategy, p.layout, p.label) == ("tensor", Layout(shard=2, tensor=2), "tensor 2x2")
     # compute: 90 ms / 2 x (0.2 + 0.4) = 27 ms; the update over 2.5 of 4 MB, split over the 2 data shards
     assert p.compute == pytest.approx(0.027 + 0.01 * 0.625 / 2)
     activations = 8 * (2 * 0.5 * 32768e-9 + 2 * 2e-4)  # 8 all-reduces of 32 x 1024 bytes
@@ -198,7 +197,9 @@ def test_memory_per_rank_holds_the_split_layers_share_and_the_replicated_whole()
     assert memory_per_rank(WORK, "tensor", 4, optimizer_slots=2) == pytest.approx(4 * 1.75e6 + 64 * 1000)
     # 2 x 2: each rank's 2.5 MB sharded over 2 data shards, plus a layer gathered (the whole 2.5 MB, an upper
     # bound, as for sharded); activations of its group's 32 samples
-    assert memory_per_rank(WORK, "tensor 2x2", 4) == pytest.approx(3 * 2.5e6 / 2 + 2.5e6 + 32 * 1000)
+    assert memory_per_rank(WORK, "tensor", 4, layout=Layout(shard=2, tensor=2)) == pytest.approx(
+        3 * 2.5e6 / 2 + 2.5e6 + 32 * 1000
+    )
 
 
 def test_the_split_layers_share_from_the_pass_with_them_narrowed():

@@ -31,7 +31,7 @@ def test_a_rank_s_attention_counts_its_chunks_zero_rows():
 def test_sharded_with_sequences_split_over_two_ranks_worked_by_hand():
     base = sharded(WORK, 2, LINK)
     split = context_parallel(WORK, 2, LINK, context=2)
-    assert split.strategy == "sharded cp2"
+    assert (split.strategy, split.label) == ("sharded", "sharded cp2")
     # matrix products at 1/C (half the pass's 5 s as a C = 1 rank), attention 2 x 17/16 of its half; the
     # update sharded over both ranks as without context parallelism
     assert split.compute == pytest.approx(5.0 * (0.5 + 0.5 * 17 / 8) + 0.1 / 2)
@@ -53,7 +53,7 @@ def test_sharded_with_sequences_split_over_two_ranks_worked_by_hand():
 def test_data_parallel_of_two_slices_each_split_over_two_ranks_worked_by_hand():
     base = data_parallel(WORK, 4, LINK)
     split = context_parallel(WORK, 4, LINK, context=2, strategy="data")
-    assert split.strategy == "data cp2"
+    assert (split.strategy, split.label) == ("data", "data cp2")
     # every rank repeats the update; a slice of 2 sequences, 2 tensors of 2 x 2 x 1024 x 32 x 4 bytes a
     # layer
     assert split.compute == pytest.approx(2.5 * (0.5 + 0.5 * 17 / 8) + 0.1)

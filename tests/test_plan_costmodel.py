@@ -16,6 +16,7 @@ from polytrain.plan.costmodel import (
     sharded,
     with_message_cost,
 )
+from polytrain.plan.layout import Layout
 from polytrain.plan.memory import memory_per_rank
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
@@ -74,7 +75,8 @@ def test_hybrid_sharding_gathers_within_a_copy_and_all_reduces_each_shard_across
     p = sharded(WORK, 4, LINK, replicas=2)  # 2 copies of 2 shards
     # within a copy: 3 * 1/2 * 4 ms = 6 ms; across: 2 * 1/2 * (4 MB / 2) / 1 GB/s = 2 ms;
     # (3 * 1 + 2 * 1) messages * 4 layers * 0.1 ms = 2 ms
-    assert p.strategy == "sharded 2x2" and p.messages == 20
+    assert (p.strategy, p.layout, p.label) == ("sharded", Layout(replicate=2, shard=2), "sharded 2x2")
+    assert p.messages == 20
     assert p.communication == pytest.approx(0.010)
     assert p.compute == pytest.approx(0.09 / 4 + 0.01 / 2)  # the update split over a copy's 2 shards
     priced = predict_all(WORK, 4, LINK, message_costs={"sharded": 1e-3})  # FSDP2's cost per message
@@ -82,7 +84,7 @@ def test_hybrid_sharding_gathers_within_a_copy_and_all_reduces_each_shard_across
     # a half of weights, gradients and momentum, a layer gathered whole (the model: no layer sizes known), and
     # the activations at the cuts of a quarter of the batch
     expected = 4e6 * 3 / 2 + 4e6 + 5500 * 64 / 4
-    assert memory_per_rank(WORK, "sharded 2x2", 4) == pytest.approx(expected)
+    assert memory_per_rank(WORK, "sharded", 4, layout=p.layout) == pytest.approx(expected)
     eight = predict_all(WORK, 8, LINK)  # shard groups of 2 and 4 ranks; 8 is `sharded`
     assert [name for name in eight if name.startswith("sharded")] == ["sharded", "sharded 4x2", "sharded 2x4"]
     assert "sharded 2x4" not in predict_all(WORK, 8, LINK, meshes=False)

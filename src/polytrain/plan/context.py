@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Optional
 
 from .costmodel import Link, Prediction, Workload, data_parallel, sharded
+from .layout import Layout
 
 
 def attention_share(work: Workload) -> float:
@@ -64,15 +65,20 @@ def context_parallel(
     share: Optional[float] = None,
 ) -> Prediction:
     """The step of `strategy` (data or sharded) on `devices` ranks with each sequence split over `context` of
-    them (the module's docstring); `<strategy> cp<C>`. `share`: attention's measured share of one device's
+    them (the module's docstring), printed `<strategy> cp<C>`. `share`: attention's measured share of one device's
     pass (default: its share of the FLOPs). Impossible where the workload has no attention shape."""
-    name = f"{strategy} cp{context}"
     if strategy == "sharded":
         base = sharded(work, devices, link, scatter_by_allreduce=scatter_by_allreduce)
     else:
         base = data_parallel(work, devices, link)
     if context == 1:
         return base
+    slices = devices // context  # the data degree: a sharded one's FSDP2 ranks, a data one's replicas
+    layout = (
+        Layout(**{"shard" if strategy == "sharded" else "replicate": slices}, context=context)
+        if devices % context == 0
+        else None
+    )
     shape = work.attention
     if shape is None or devices % context:
         why = (
@@ -80,7 +86,7 @@ def context_parallel(
             if shape is None
             else f"{context} does not divide {devices}"
         )
-        return Prediction(name, devices, 0.0, 0.0, float("inf"), note=why)
+        return Prediction(strategy, devices, 0.0, 0.0, float("inf"), note=why, layout=layout)
     share, replica = attention_share(work) if share is None else share, work.replica_pass(devices)
     compute = base.compute - replica + replica * ((1 - share) + share * busiest_attention(context))
     sequences = work.batch_size / (devices // context)  # each rank's slice: its part of each of them
@@ -91,7 +97,7 @@ def context_parallel(
     moved = collectives * rings * (context - 1) / context * gathered
     return replace(
         base,
-        strategy=name,
+        layout=layout,
         compute=compute,
         communication=base.communication + moved / link.beta + messages * link.alpha,
         messages=base.messages + messages,

@@ -68,8 +68,9 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
+from ..errors import ConfigError
 from .activations import AttentionShape
-from .layout import Layout, layout_of_label, sharded_name, tensor_name  # noqa: F401 (the labels, here too)
+from .layout import Layout, label, plain_layout
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,20 @@ class Prediction:
     )
     collectives: float = 0.0  # host-side collective calls (tensor): priced per call, not per ring message
     turns: float = 1.0  # CPU processes per core: host work per collective stretches by it
+    # the degrees it predicts (None: the strategy's plain layout on `devices`, where that is one)
+    layout: Optional[Layout] = None
+
+    def __post_init__(self):
+        if self.layout is None:
+            try:
+                object.__setattr__(self, "layout", plain_layout(self.strategy, self.devices))
+            except ConfigError:  # (a prediction of what cannot run: its note says why)
+                pass
+
+    @property
+    def label(self) -> str:
+        """The strategy on its layout, as printed (`sharded 2x4`; plan/layout.py `label`)."""
+        return label(self.strategy, self.layout) if self.layout is not None else self.strategy
 
     @property
     def step_seconds(self) -> float:
@@ -224,17 +239,17 @@ def sharded(
     of R copies: the gathers and the gradient's reduction run within a copy, each layer's gradient shard (1/G
     of it) is then all-reduced across the copies, 2 (R-1)/R (S/G)/B + 2 (R-1) alpha per layer, and the update
     is split G ways."""
-    shards, name = devices // replicas, sharded_name(devices, replicas)
+    shards, layout = devices // replicas, Layout(replicate=replicas, shard=devices // replicas)
     compute = work.replica_pass(devices) + work.update_seconds / shards
     if devices == 1:
-        return Prediction(name, devices, compute, 0.0)
+        return Prediction("sharded", devices, compute, 0.0, layout=layout)
     rings = 2 + (2 if scatter_by_allreduce else 1)  # two all-gathers, then the gradient's reduction
     messages = (rings * (shards - 1) + 2 * (replicas - 1)) * work.layers
     copies = ring_allreduce(replicas, work.parameter_bytes / shards, Link(0.0, link.beta))  # bytes only
     communication = (
         rings * (shards - 1) / shards * work.parameter_bytes / link.beta + copies + messages * link.alpha
     )
-    return Prediction(name, devices, compute, communication, messages=messages)
+    return Prediction("sharded", devices, compute, communication, messages=messages, layout=layout)
 
 
 # hybrid sharding's shard groups in the cost model's rows: up to one machine of 8 GPUs (a copy within a machine,
@@ -280,11 +295,6 @@ def bubble(stages: int, microbatches: int) -> float:
 SEQUENCE_REDUCTIONS, MESH_SEQUENCE_REDUCTIONS = 3, 1
 
 
-def tensor_size(name: str, devices: int) -> int:
-    """The group size T a `tensor_name` stands for."""
-    return layout_of_label(name, devices).tensor
-
-
 def tensor_collectives(work: Workload, devices: int, tensor: int) -> dict:
     """What one step of tensor parallelism sends over each group of `tensor` ranks: kind of collective -> the
     bytes of the whole tensor each one gathers or reduces (FSDP2's over the data dimension are `sharded`'s)."""
@@ -316,15 +326,17 @@ def tensor_parallel(
     batch, FSDP2 sharding each rank's weights over them. Each ring message costs alpha twice (its latency, and
     its rank's CPU time); `turns`: CPU processes per core, which stretch the host work per collective."""
     tensor = tensor or devices
-    groups, name = devices // tensor, tensor_name(devices, tensor)
+    groups = devices // tensor
+    layout = Layout(shard=groups, tensor=tensor) if devices % tensor == 0 else None
     if devices % tensor or tensor not in work.tensor_splits:
         return Prediction(
-            name,
+            "tensor",
             devices,
             0.0,
             0.0,
             float("inf"),
             note=f"the model's tensor plan does not split over {tensor} ranks",
+            layout=layout,
         )
     held = work.tensor_rank_bytes(tensor)
     compute = work.tensor_pass(devices, tensor) + work.update_seconds * held / work.parameter_bytes / groups
@@ -348,7 +360,7 @@ def tensor_parallel(
         communication, messages = communication + data.communication, messages + data.messages
         shard_messages = data.messages
     return Prediction(
-        name,
+        "tensor",
         devices,
         compute,
         communication,
@@ -356,6 +368,7 @@ def tensor_parallel(
         shard_messages=shard_messages,
         collectives=calls,
         turns=turns,
+        layout=layout,
     )
 
 
@@ -416,7 +429,7 @@ def predict_all(
                 scatter_by_allreduce=scatter_by_allreduce,
                 replicas=devices // shards,
             )
-            predictions[predicted.strategy] = predicted
+            predictions[predicted.label] = predicted
     for tensor in work.tensor_splits:
         if devices % tensor == 0 and (tensor == devices or meshes):
             predicted = tensor_parallel(
@@ -427,7 +440,7 @@ def predict_all(
                 scatter_by_allreduce=scatter_by_allreduce,
                 turns=turns,
             )
-            predictions[predicted.strategy] = predicted
+            predictions[predicted.label] = predicted
     costs = message_costs or {}
     return {name: priced(p, costs) for name, p in predictions.items()}
 
@@ -436,7 +449,7 @@ def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
     """The prediction with its strategy's cost per message; tensor's (every layout's) is per collective, times
     the turns of processes per core, and FSDP2's messages on a (data, tensor) mesh are priced at `sharded`'s cost
     per message where one is known (copies around each collective, as there), else at tensor's."""
-    own = costs.get(prediction.strategy.split()[0], 0.0)
+    own = costs.get(prediction.strategy, 0.0)
     if not prediction.collectives:
         return with_message_cost(prediction, own)
     extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get(

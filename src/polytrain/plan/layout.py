@@ -345,55 +345,43 @@ def layout_of(
     )
 
 
-def sharded_name(devices: int, replicas: int) -> str:
-    """`sharded` for one copy sharded over all `devices`; `sharded RxG` for R copies of G shards (HSDP)."""
-    return "sharded" if replicas == 1 else f"sharded {replicas}x{devices // replicas}"
+def plain_layout(strategy: str, devices: int) -> Layout:
+    """The layout `strategy` names on `devices` with no other setting (one device: no degree at all, whatever
+    the strategy)."""
+    return Layout() if devices == 1 else layout_of(strategy, devices)
 
 
-def tensor_name(devices: int, tensor: int) -> str:
-    """`tensor` for one group of all `devices` ranks; `tensor RxT` for R groups of T on a (data, tensor) mesh."""
-    return "tensor" if tensor == devices else f"tensor {devices // tensor}x{tensor}"
+def mesh_of(strategy: str, layout: Layout) -> Tuple[int, ...]:
+    """The numbers a label shows beside the strategy where its layout is a mesh that the strategy's plain layout
+    is not: (R, G) of hybrid sharding, R copies of G shards; (R, T) of R groups of T tensor ranks; () else."""
+    if strategy == "sharded" and layout.replicate > 1:
+        return layout.replicate, layout.shard
+    if strategy == "tensor" and layout.data_degree > 1:
+        return layout.data_degree, layout.tensor
+    return ()
 
 
-def label_of(strategy: str, devices: int, *, tensor_parallel: int = 0, replicas: int = 0) -> str:
-    """The label the cost model and bench give a layout: the strategy, or with its mesh (`sharded 2x2`, R
-    copies of G shards; `tensor 2x2`, R groups of T tensor ranks); 0 or `devices` ranks per group: one group."""
-    if replicas and replicas > 1:
-        return sharded_name(devices, replicas)
-    if tensor_parallel in (0, devices):
-        return strategy
-    return tensor_name(devices, tensor_parallel)
+def label(strategy: str, layout: Layout) -> str:
+    """How the cost model, bench and `--strategy auto` print a strategy on its layout, for reading only: the
+    strategy's name, with its mesh where it has one (`sharded 2x4`: 2 copies of 4 shards; `tensor 2x4`: 2 groups
+    of 4 tensor ranks) and its context ranks (`sharded cp2`)."""
+    mesh = mesh_of(strategy, layout)
+    words = f"{strategy} {'x'.join(map(str, mesh))}" if mesh else strategy
+    return words + (f" cp{layout.context}" if layout.context > 1 else "")
 
 
-# What a label's mesh `AxB` says to a preset: `tensor RxT`, R groups of T tensor ranks; `sharded RxG`, R copies
-# of G shards (hybrid sharding)
-LABEL_MESHES: Dict[str, Callable[[int, int], dict]] = {
-    "tensor": lambda groups, size: dict(tensor_parallel=size),
-    "sharded": lambda copies, size: dict(replicas=copies),
-}
-
-
-def parse_label(label: str) -> Tuple[str, Tuple[int, ...]]:
-    """(strategy, its mesh's numbers) of a cost-model or bench row's label: `sharded 2x4` is ("sharded",
-    (2, 4)), a plain name (name, ())."""
-    name, _, mesh = label.partition(" ")
-    return name, tuple(int(n) for n in mesh.split("x")) if mesh else ()
-
-
-def settings_of_label(label: str) -> Tuple[str, dict]:
-    """(strategy, the settings beside it) that a cost-model or bench row's label names: `sharded 2x2` is
-    ("sharded", {"replicas": 2}), `tensor 2x4` ("tensor", {"tensor_parallel": 4}), a plain name itself."""
-    name, mesh = parse_label(label)
-    return name, LABEL_MESHES[name](*mesh) if mesh else {}
-
-
-def layout_of_label(label: str, devices: int) -> Layout:
-    """The layout a cost-model or bench row's label stands for: a strategy name, or one with its mesh
-    (`LABEL_MESHES`)."""
-    if devices == 1:
-        return Layout()
-    name, settings = settings_of_label(label)
-    return layout_of(name, devices, **settings)
+def flags_of(strategy: str, layout: Layout) -> dict:
+    """The settings beside `--strategy` that give its mesh (`layout_of` the other way): --replicas R of hybrid
+    sharding, --tensor-parallel T of groups of tensor ranks, --context-parallel C; {} for a plain layout."""
+    mesh = mesh_of(strategy, layout)
+    flags = {}
+    if mesh:
+        flags["replicas" if strategy == "sharded" else "tensor_parallel"] = mesh[
+            0 if strategy == "sharded" else 1
+        ]
+    if layout.context > 1:
+        flags["context_parallel"] = layout.context
+    return flags
 
 
 def layout_or_none(

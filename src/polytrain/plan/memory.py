@@ -11,7 +11,7 @@ from typing import Optional
 
 from .activations import context_part, peak_bytes
 from .costmodel import Workload
-from .layout import Layout, layout_of_label
+from .layout import Layout, plain_layout
 
 
 def memory_per_rank(
@@ -38,7 +38,7 @@ def memory_per_rank(
     and the activations of its group's batch (all of them, an upper bound: the split layers' are 1/T).
     """
     weights = work.parameter_bytes
-    layout = layout or layout_of_label(strategy, devices)
+    layout = layout or plain_layout(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
     # context group's ranks each keep their part of every sequence's (plan/activations.py `context_part`)
     part = context_part(work, layout.context, layout.tensor)
@@ -52,7 +52,7 @@ def memory_per_rank(
     # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
     # splits them: pipeline/sharding.py)
-    fsdp = strategy.startswith(("sharded", "tensor")) or (
+    fsdp = strategy in ("sharded", "tensor") or (
         layout.pipeline > 1 and layout.shard * layout.tensor > 1
     )
     shards = layout.shard * (layout.context if fsdp else 1)

@@ -22,7 +22,7 @@ from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
 from ..plan import costmodel
-from ..plan.layout import Layout, label_of, layout_of_label
+from ..plan.layout import Layout, label, layout_of, plain_layout
 from ..scaling.bench_predict import fit_message_costs, predict_rows, project
 from ..scaling.flops import flops_per_sample, matmul_peak
 from ..scaling.whole_model import check_bench
@@ -153,16 +153,21 @@ class Row:
 
     @property
     def label(self) -> str:
-        """The strategy as the cost model names its layout (`tensor 2x2`: 2 groups of 2 on a 2-D mesh;
+        """The strategy on its layout, as the cost model prints it (`tensor 2x2`: 2 groups of 2 on a 2-D mesh;
         `sharded 2x2`: 2 copies of 2 shards)."""
-        return label_of(
-            self.strategy, self.devices, tensor_parallel=self.tensor_parallel, replicas=self.replicas
-        )
+        return label(self.strategy, self.layout)
 
     @property
     def layout(self) -> Layout:
         """The degrees of parallelism this row ran."""
-        return layout_of_label(self.label, self.devices)
+        if not (self.tensor_parallel or self.replicas):
+            return plain_layout(self.strategy, self.devices)
+        return layout_of(
+            self.strategy,
+            self.devices,
+            tensor_parallel=self.tensor_parallel or None,
+            replicas=self.replicas or None,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

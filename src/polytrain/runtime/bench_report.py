@@ -16,7 +16,7 @@ from typing import List
 import torch
 
 from ..pipeline.plan import default_microbatches
-from ..plan.costmodel import bubble, tensor_collectives, tensor_size
+from ..plan.costmodel import bubble, tensor_collectives
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
 from ..strategies import STRATEGIES
@@ -195,7 +195,7 @@ def _size(nbytes: float) -> str:
 
 def collectives(work, row: Row) -> str:
     """The collectives one step of a tensor-parallel row makes, as the cost model counts them."""
-    tensor = tensor_size(row.label, row.devices)
+    tensor = row.layout.tensor
     sent = tensor_collectives(work, row.devices, tensor)
     gloo = " (all-reduces on gloo)" if row.device == "cpu" else ""
     parts = []

@@ -297,7 +297,6 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
     """(the settings with --strategy auto on several devices decided, the line that says why). Under torchrun
     or srun every rank would measure for itself and might choose differently, so there only a --plan file
     chooses. A layout on a mesh (`sharded 2x2`) sets the flags that name it (--replicas 2)."""
-    from ..plan.layout import settings_of_label
     from ..scaling.auto import choose_strategy
 
     if objective.step is not None or item_form(dataset) != "pair":
@@ -309,10 +308,9 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
             "--strategy auto: data (under torchrun/srun every rank would have to measure alike; pass "
             "--plan bench.json from polytrain bench to choose by measurement)"
         )
-    label, line = choose_strategy(
+    strategy, settings, line = choose_strategy(
         config, module, dataset, objective, device=device, channels_last=channels_last
     )
-    strategy, settings = settings_of_label(label)
     if settings:
         flags = " ".join(f"{flag_name(name)} {value}" for name, value in settings.items())
         line += f" (--strategy {strategy} {flags})"

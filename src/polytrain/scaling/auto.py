@@ -16,7 +16,7 @@ import torch
 from ..errors import ConfigError, first_line
 from ..pipeline.plan import default_microbatches
 from ..plan import costmodel, memory
-from ..plan.layout import label_of, parse_label
+from ..plan.layout import Layout, flags_of, label, layout_of, mesh_of
 from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
@@ -80,12 +80,17 @@ def pick(
 
     predictions = predictions_for(work, link, devices=devices, kind=device_type, message_costs=message_costs)
     fits = {
-        name: strategy_of(name) not in refused
+        name: p.strategy not in refused
         and memory.memory_per_rank(
-            work, name, devices, optimizer_slots=SLOTS.get(optimizer, 1), checkpointing=checkpointing
+            work,
+            p.strategy,
+            devices,
+            optimizer_slots=SLOTS.get(optimizer, 1),
+            checkpointing=checkpointing,
+            layout=p.layout,
         )
         <= available
-        for name in predictions
+        for name, p in predictions.items()
     }
     # tensor parallelism's host work around each collective (DTensor's) is most of its step on small models and
     # only a bench measures it (its cost per message, one for all its layouts): unpriced, a layout with tensor
@@ -93,7 +98,7 @@ def pick(
     priced = {
         name: p
         for name, p in predictions.items()
-        if costmodel.layout_of_label(name, devices).tensor == 1 or strategy_of(name) in (message_costs or {})
+        if p.layout is None or p.layout.tensor == 1 or p.strategy in (message_costs or {})
     }
     best = steady_choice(priced, fits=fits) or steady_choice(predictions, fits=fits)
     return best, predictions, fits
@@ -109,44 +114,41 @@ def steady_choice(
     is predicted to beat by `margin`: a near tie goes to the common choice, and the same one run after run."""
     name = steady_name(
         {name: p.step_seconds for name, p in predictions.items() if fits is None or fits.get(name, False)},
+        {name: simplest_first(p.strategy, p.layout) for name, p in predictions.items()},
         margin=margin,
     )
     return predictions[name] if name is not None else None
 
 
-def steady_name(seconds: Dict[str, float], *, margin: float = PREFER_DATA) -> Optional[str]:
-    """Of strategies and their step times, the first in `SIMPLEST_FIRST` order that none is `margin` faster
-    than (None for none)."""
+def steady_name(
+    seconds: Dict[str, float], places: Dict[str, tuple], *, margin: float = PREFER_DATA
+) -> Optional[str]:
+    """Of layouts (by label) and their step times, the first in `SIMPLEST_FIRST` order (each one's `places`,
+    `simplest_first`) that none is `margin` faster than (None for none)."""
     finite = {name: value for name, value in seconds.items() if not math.isnan(value)}
     if not finite:
         return None
     fastest = min(finite.values())
-    order = sorted(finite, key=simplest_first)
+    order = sorted(finite, key=lambda name: (places[name], name))
     return next((name for name in order if finite[name] < fastest * margin), min(finite, key=finite.get))
 
 
-def strategy_of(label: str) -> str:
-    """The strategy a label's layout belongs to: `sharded` of `sharded 2x2`."""
-    return parse_label(label)[0]
-
-
-def simplest_first(label: str) -> tuple:
-    """The order of `SIMPLEST_FIRST`, each strategy's plain layout before its meshes, and of those the one
-    nearest the plain layout first: fewest copies of the shards (`sharded 2x4` before `sharded 4x2`), fewest
-    groups of tensor ranks."""
-    strategy, mesh = parse_label(label)
+def simplest_first(strategy: str, layout: Optional[Layout]) -> tuple:
+    """The place of `strategy` on `layout` in the order of `SIMPLEST_FIRST`, each strategy's plain layout before
+    its meshes, and of those the one nearest the plain layout first: fewest copies of the shards (`sharded 2x4`
+    before `sharded 4x2`), fewest groups of tensor ranks."""
     rank = SIMPLEST_FIRST.index(strategy) if strategy in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
-    return rank, mesh, label
+    return rank, mesh_of(strategy, layout) if layout is not None else ()
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
     others = ", ".join(
         f"{name} {p.step_seconds * 1e3:.1f}"
         for name, p in predictions.items()
-        if name != best.strategy and math.isfinite(p.step_seconds)
+        if name != best.label and math.isfinite(p.step_seconds)
     )
     line = (
-        f"--strategy auto: {best.strategy} on {devices} {kind} device(s), predicted {best.step_seconds * 1e3:.1f} "
+        f"--strategy auto: {best.label} on {devices} {kind} device(s), predicted {best.step_seconds * 1e3:.1f} "
         f"ms/step (others, ms: {others}; one device {one_device * 1e3:.1f}), from {source}"
     )
     if best.step_seconds > one_device:
@@ -156,9 +158,9 @@ def describe(best, predictions: dict, one_device: float, *, devices: int, kind: 
 
 def choose_strategy(
     config, model, dataset, objective, *, device: torch.device, channels_last: bool
-) -> Tuple[str, str]:
-    """(the label of the layout chosen, the line that says why) for `--strategy auto` with several devices: a
-    strategy (`data`), or one on a mesh (`sharded 2x2`; `plan.layout.settings_of_label` reads it)."""
+) -> Tuple[str, dict, str]:
+    """(the strategy chosen, the settings beside it that give its layout, the line that says why) for `--strategy
+    auto` with several devices: a strategy (`data`, {}), or one on a mesh (`sharded`, {"replicas": 2})."""
     from .whole_model import measurable_copy
     from .workload import measure
 
@@ -199,9 +201,13 @@ def choose_strategy(
             )
             source = "a few seconds of measurement"
         except Exception as error:  # a model the probe cannot drive: train as before, say why
-            return "data", (
-                f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
-                f"--strategy to choose)"
+            return (
+                "data",
+                {},
+                (
+                    f"--strategy auto: data (measuring the model failed: {first_line(error)}; pass "
+                    f"--strategy to choose)"
+                ),
             )
     refused = candidates(model, work, n, device_type=device.type)
     best, predictions, _ = pick(
@@ -216,14 +222,18 @@ def choose_strategy(
         checkpointing=config.activation_checkpointing,
     )
     if best is None:
-        return "data", "--strategy auto: no strategy is predicted to fit in memory; trying data"
-    return best.strategy, describe(
-        best,
-        {k: v for k, v in predictions.items() if k not in refused},
-        work.compute_seconds,
-        devices=n,
-        kind=device.type,
-        source=source,
+        return "data", {}, "--strategy auto: no strategy is predicted to fit in memory; trying data"
+    return (
+        best.strategy,
+        flags_of(best.strategy, best.layout),
+        describe(
+            best,
+            {k: v for k, v in predictions.items() if k not in refused},
+            work.compute_seconds,
+            devices=n,
+            kind=device.type,
+            source=source,
+        ),
     )
 
 
@@ -254,10 +264,10 @@ def _load(path: str) -> dict:
 
 def measured_choice(
     path: str, *, device_type: str, devices: int, batch_size: int
-) -> Optional[Tuple[str, str]]:
-    """The layout the bench file measured fastest at exactly this device kind, count and batch (a simpler one
-    within `PREFER_DATA` of it, as `steady_choice` takes), by its label: `sharded 2x2` for a row of hybrid
-    sharding."""
+) -> Optional[Tuple[str, dict, str]]:
+    """(strategy, the settings beside it, the line that says why) of the layout the bench file measured fastest
+    at exactly this device kind, count and batch (a simpler one within `PREFER_DATA` of it, as `steady_choice`
+    takes): ("sharded", {"replicas": 2}) for a row of hybrid sharding."""
     rows = [
         r
         for r in _load(path)["rows"]
@@ -268,30 +278,43 @@ def measured_choice(
         and not r.get("skipped")
         and r.get("devices", 1) > 1
     ]
+    measured = {}  # label -> (seconds, strategy, layout)
     try:
-        seconds = {
-            label_of(
-                str(r["strategy"]),
+        for r in rows:
+            strategy = str(r["strategy"])
+            layout = layout_of(
+                strategy,
                 int(r["devices"]),
-                tensor_parallel=int(r.get("tensor_parallel", 0)),  # absent in files written before meshes
-                replicas=int(r.get("replicas", 0)),
-            ): float(r["step_seconds"])
-            for r in rows
-        }
-    except (KeyError, TypeError, ValueError):
+                tensor_parallel=int(r.get("tensor_parallel", 0))
+                or None,  # absent in files written before meshes
+                replicas=int(r.get("replicas", 0)) or None,
+            )
+            measured[label(strategy, layout)] = float(r["step_seconds"]), strategy, layout
+    except (KeyError, TypeError, ValueError, ConfigError):
         raise ConfigError(
-            f"--plan {path}: a row lacks its step_seconds; write the file again with polytrain bench"
+            f"--plan {path}: a row lacks its step_seconds or its layout; write the file again with polytrain bench"
         ) from None
-    name = steady_name(seconds)
+    seconds = {name: row[0] for name, row in measured.items()}
+    name = steady_name(seconds, {name: simplest_first(*row[1:]) for name, row in measured.items()})
     if name is None:
         return None
+    _, strategy, layout = measured[name]
     fastest = min(seconds, key=seconds.get)
     line = f"--strategy auto: {name} on {devices} {device_type} device(s), measured "
     if name == fastest:
-        return name, line + f"fastest at {seconds[name] * 1e3:.1f} ms/step in {path}"
-    return name, line + (
-        f"at {seconds[name] * 1e3:.1f} ms/step in {path}, within {PREFER_DATA - 1:.0%} of "
-        f"{fastest} ({seconds[fastest] * 1e3:.1f}), the simpler kept"
+        return (
+            strategy,
+            flags_of(strategy, layout),
+            line + f"fastest at {seconds[name] * 1e3:.1f} ms/step in {path}",
+        )
+    return (
+        strategy,
+        flags_of(strategy, layout),
+        line
+        + (
+            f"at {seconds[name] * 1e3:.1f} ms/step in {path}, within {PREFER_DATA - 1:.0%} of "
+            f"{fastest} ({seconds[fastest] * 1e3:.1f}), the simpler kept"
+        ),
     )
 
 

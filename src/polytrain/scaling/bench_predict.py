@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..plan import costmodel
+from ..plan.layout import mesh_of
 from .auto import steady_choice
 from .workload import predictions_for
 
@@ -65,6 +66,11 @@ def project(options, workloads: dict, links: dict, message_costs: Optional[dict]
                 work, links[kind], devices=n, kind=kind, message_costs=(message_costs or {}).get(kind)
             )
             # as --strategy auto would: without the meshes (`tensor RxT`, `sharded RxG`), which it does not choose
-            best = steady_choice({name: p for name, p in predictions.items() if " " not in name})
-            projections.append((kind, batch, n, predictions, best.strategy if best else None))
+            plain = {
+                name: p
+                for name, p in predictions.items()
+                if p.layout is None or not mesh_of(p.strategy, p.layout)
+            }
+            best = steady_choice(plain)
+            projections.append((kind, batch, n, predictions, best.label if best else None))
     return projections

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..plan.costmodel import Workload
-from ..plan.layout import Layout, layout_of_label, layout_or_none
+from ..plan.layout import Layout, layout_or_none, plain_layout
 from ..plan.memory import memory_per_rank
 
 # what a CPU process's heap, keeping freed blocks, holds beyond the live tensors, per byte of activations counted,
@@ -190,7 +190,7 @@ def check_fits(
     counted. `on_this_host`: how many of the ranks share this host's memory (under a launcher, its local
     world; default all of them)."""
     devices = config.devices
-    layout = layout_for(config, strategy) or layout_of_label(strategy, devices)
+    layout = layout_for(config, strategy) or plain_layout(strategy, devices)
     split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
     activations = measured_activations(model, dataset, device)
     accumulate = getattr(config, "accumulate", 1) or 1

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from polytrain.models import MODELS, build_model
-from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
 MODES = ("none", "full", "selective", "selective:2")
 VOCAB = 65

@@ -53,8 +53,8 @@ def prepared(name: str, context: int, batch: int, mode: str, *, threads: int, la
     import torch
 
     from polytrain.objective import Objective
+    from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
     from polytrain.runtime.hostenv import LARGE_MODEL, keep_freed_memory
-    from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
 
     keep_freed_memory(model_bytes=LARGE_MODEL if large else 0)
     torch.set_num_threads(threads)
@@ -90,7 +90,7 @@ def live_peak(name: str, context: int, batch: int, mode: str) -> float:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from polytrain.objective import Objective
-    from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
+    from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
     with FakeTensorMode():
         model = build(name, context)

@@ -12,8 +12,8 @@ from conftest import polytrain_here
 from torch.profiler import ProfilerActivity, profile
 
 from polytrain.models.gpt import GPT
-from polytrain.strategies import activation_checkpoint as ac
-from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing, find_blocks
+from polytrain.parallel import activation_checkpoint as ac
+from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing, find_blocks
 
 MODES = ("none", "full", "selective", "selective:2")
 

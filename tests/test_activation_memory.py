@@ -10,11 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from polytrain.models import build_model, build_model_on_meta
 from polytrain.objective import Objective
+from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from polytrain.plan.activations import kept_bytes, peak_bytes
 from polytrain.plan.costmodel import Workload
 from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
-from polytrain.strategies.activation_checkpoint import apply_activation_checkpointing
 
 VOCAB, CONTEXT, BATCH = 65, 32, 4
 SHAPES = dict(layers=4, width=64, heads=4, context=CONTEXT)

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from polytrain.models import build_model
+from polytrain.parallel.layout import Layout, flags_of, label, layout_of
 from polytrain.plan.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
-from polytrain.plan.layout import Layout, flags_of, label, layout_of
 from polytrain.plan.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,

@@ -5,7 +5,7 @@ import json
 import pytest
 from processes import polytrain
 
-from polytrain.plan.layout import plain_layout
+from polytrain.parallel.layout import plain_layout
 from polytrain.scaling.auto import simplest_first, steady_name
 
 pytestmark = pytest.mark.multiprocess

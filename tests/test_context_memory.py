@@ -15,9 +15,9 @@ import torch.distributed as dist
 from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.objective import Objective
+from polytrain.parallel.layout import layout_of
 from polytrain.plan.activations import AttentionShape, context_bytes, context_part, peak_bytes
 from polytrain.plan.costmodel import Workload
-from polytrain.plan.layout import layout_of
 from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
 
@@ -99,7 +99,7 @@ def fake_group():
 def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, name, size):
     """One device's figures, split by `context_part`, against a context rank's forward on fake tensors: every
     rank (its chunks end elsewhere, their rows with the zero rows do not), every figure checkpointing uses."""
-    from polytrain.strategies.context_parallel import ContextGroup, apply_context_parallel
+    from polytrain.parallel.context import ContextGroup, apply_context_parallel
 
     group, context = fake_group(size), 64
     ids = torch.zeros(BATCH, context, dtype=torch.long)
@@ -150,10 +150,10 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_and_zero_r
 
 def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
     """--strategy tensor --context-parallel C: FSDP2 shards each tensor rank's weights, gradients and optimizer
-    state over the data and context ranks (strategies/mesh.py fsdp_submesh), so C context ranks hold 1/C of a
+    state over the data and context ranks (parallel/mesh.py fsdp_submesh), so C context ranks hold 1/C of a
     tensor rank's state each; without activations, the rest of the count is that state and the gathered unit."""
+    from polytrain.parallel.layout import Layout
     from polytrain.plan.costmodel import Workload
-    from polytrain.plan.layout import Layout
     from polytrain.plan.memory import memory_per_rank
 
     work = Workload(
@@ -172,8 +172,8 @@ def kept_by_a_rank(name: str, layout, rank: int) -> float:
     of the layout's ranks in this process: the local part of every tensor autograd saves, weights left out."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from polytrain.strategies.mesh import forget_earlier_meshes
-    from polytrain.strategies.parallelize import Preparation, parallelize
+    from polytrain.parallel.mesh import forget_earlier_meshes
+    from polytrain.parallel.parallelize import Preparation, parallelize
     from polytrain.strategies.tensor import plan_for
 
     def local(tensor):
@@ -213,7 +213,7 @@ def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
     group alone keeps, plus the gathered keys and values and zero rows of the heads it runs (half the query
     and key/value heads: `context_part(work, C, tensor=T)`), measured against the real tensor plan on a fake
     process group. With all the heads counted, the figure would be 2 x 2 x 20 KiB (llama) high."""
-    from polytrain.plan.layout import Layout
+    from polytrain.parallel.layout import Layout
 
     one = activation_profile(
         MODELS[name](64), Objective(kind="language"), *[torch.zeros(BATCH, 64).long()] * 2

@@ -1,4 +1,4 @@
-"""Context parallelism (strategies/context_parallel.py): the head-tail split of a sequence, and causal attention,
+"""Context parallelism (parallel/context.py): the head-tail split of a sequence, and causal attention,
 the GPT and the Llama over a sequence split across 2 and 4 gloo processes, against one device in float64.
 
 One launch of 4 processes runs every multi-process check: C = 2 on the context dimension of a 2 x 2 DeviceMesh
@@ -15,7 +15,7 @@ from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.models.mlp import MLP
 from polytrain.objective import IGNORE_INDEX, Objective
-from polytrain.strategies.context_parallel import (
+from polytrain.parallel.context import (
     ContextGroup,
     apply_context_parallel,
     head_tail_positions,
@@ -130,7 +130,7 @@ def _model_errors(context: ContextGroup, build) -> dict:
 
     part_logits = model(mine(ids))
     objective = Objective(kind="language")
-    objective.sequence_parts = context.size  # as a strategy sets it (strategies/context_parallel.py)
+    objective.sequence_parts = context.size  # as a strategy sets it (parallel/context.py)
     part_loss, part_count = objective.token_loss(part_logits, mine(labels))
     part_loss.backward()
     grads = dict(whole.named_parameters())
@@ -285,8 +285,8 @@ def test_what_context_parallelism_cannot_split_is_one_line_before_any_worker(cap
 
 
 def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
+    from polytrain.parallel.layout import layout_of
     from polytrain.plan.costmodel import Workload
-    from polytrain.plan.layout import layout_of
     from polytrain.plan.memory import memory_per_rank
 
     work = Workload(parameter_bytes=1000.0, compute_seconds=0.0, activation_bytes=100.0, batch_size=8)

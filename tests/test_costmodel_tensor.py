@@ -9,6 +9,7 @@ import torch
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
+from polytrain.parallel.layout import Layout
 from polytrain.plan.costmodel import (
     Link,
     Workload,
@@ -17,7 +18,6 @@ from polytrain.plan.costmodel import (
     tensor_collectives,
     tensor_parallel,
 )
-from polytrain.plan.layout import Layout
 from polytrain.plan.memory import memory_per_rank
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 

@@ -179,7 +179,7 @@ def test_channels_last_weights_over_one_channel_get_the_default_strides_for_ddp_
     import torch
 
     from polytrain.models import build_model
-    from polytrain.strategies.ddp import default_strides_where_alike
+    from polytrain.parallel.ddp import default_strides_where_alike
 
     model = build_model("lenet", (1, 28, 28), 10).to(memory_format=torch.channels_last)
     before = {name: (p.detach().clone(), p.stride()) for name, p in model.named_parameters()}

@@ -1,5 +1,5 @@
 """BatchNorm and Dropout compute over the global batch on data-parallel layouts, so that N devices equal one
-(strategies/global_batch.py): the dropout masks of every slice and pass are the rows of one device's mask, the
+(parallel/global_batch.py): the dropout masks of every slice and pass are the rows of one device's mask, the
 BatchNorm statistics those of the whole batch, and verify passes on the built-in models that hold them (on a
 pipeline against one device in as many passes as micro-batches, BatchNorm normalising over each)."""
 
@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import polytrain_here
 
-from polytrain.strategies.global_batch import GlobalRows, slice_offsets, whole_batch_layers
+from polytrain.parallel.global_batch import GlobalRows, slice_offsets, whole_batch_layers
 
 
 def dropped(model, rows, x, start, stop, total, *, step=1, seed=0):

@@ -490,8 +490,8 @@ def test_a_sharded_rank_reads_only_its_rows(checkpoints, monkeypatch):
 
     from polytrain.config.pretrained import weight_files
     from polytrain.models import build_model_on_meta
+    from polytrain.parallel.materialise import materialise
     from polytrain.runtime.pretrained import Pretrained
-    from polytrain.strategies.materialise import materialise
 
     folder = checkpoints["llama"]
     values = dict(init_from=str(folder))
@@ -548,10 +548,10 @@ def test_a_rank_reads_only_its_pieces_of_gpt2(checkpoints, monkeypatch, layout):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from polytrain.models import build_model_on_meta
+    from polytrain.parallel.materialise import materialise
+    from polytrain.parallel.tensor import replicate_rest, split_layers
     from polytrain.runtime.pretrained import Pretrained
-    from polytrain.strategies.materialise import materialise
     from polytrain.strategies.tensor import plan_for
-    from polytrain.strategies.tensor_split import replicate_rest, split_layers
 
     folder = checkpoints["gpt2"]
     values = dict(init_from=str(folder), context=16)

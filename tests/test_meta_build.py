@@ -1,4 +1,4 @@
-"""Models built on the meta device (models/meta.py, strategies/materialise.py): each rank gives storage only to
+"""Models built on the meta device (models/meta.py, parallel/materialise.py): each rank gives storage only to
 what it holds (its FSDP2 shards, tensor slices or pipeline stage) and fills it with its part of the one-device
 initial values, and no rank holds the whole model while setting up (its peak resident memory, measured by the
 operating system, grows by its part and one parameter, not by the model)."""
@@ -38,9 +38,9 @@ def _peak_rss_bytes() -> int:
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
+    from polytrain.parallel.layout import Layout, layout_of
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.pipeline.strategy import Pipeline
-    from polytrain.plan.layout import Layout, layout_of
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.layers import flatten_layers
     from polytrain.strategies.sharded import Sharded

@@ -13,7 +13,7 @@ def _dtypes_on_rank(rank: int, world: int, precision: str) -> dict:
     from polytrain.data.order import Batch
     from polytrain.models.gpt import GPT
     from polytrain.objective import Objective
-    from polytrain.plan.layout import Layout
+    from polytrain.parallel.layout import Layout
     from polytrain.plan.sharded import ShardedPlan
     from polytrain.strategies.sharded import Sharded
 
@@ -73,7 +73,7 @@ def test_verify_passes_bf16_sharded_as_trained():
 
 
 def test_the_policy_is_not_asked_for_without_bf16():
-    from polytrain.strategies.fsdp import mixed_precision
+    from polytrain.parallel.fsdp import mixed_precision
 
     assert mixed_precision("fp32") == {} and mixed_precision("fp16") == {}
     policy = mixed_precision("bf16")["mp_policy"]  # sharded's, tensor's, and that of pipelines of shards

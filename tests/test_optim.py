@@ -199,7 +199,7 @@ def test_adamw_over_fsdp2_shards_on_cpu_is_one_dtensor_operation_per_group(tmp_p
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from polytrain.models import build_model
-    from polytrain.strategies.fsdp import shard_model
+    from polytrain.parallel.fsdp import shard_model
 
     class DTensorOperations(TorchDispatchMode):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""`parallelize` (strategies/parallelize.py) on the run's one mesh, at full size in one process: a `fake` process
+"""`parallelize` (parallel/parallelize.py) on the run's one mesh, at full size in one process: a `fake` process
 group of 64 ranks, the model built on the meta device, one rank's view. Each parameter must be the DTensor that
 rank holds (sharded over the right ranks, split over the right ones), the context group the ranks the layout
 names, and every step applied. The multi-process proofs that these layouts train one device's model are
@@ -14,9 +14,9 @@ import torch
 
 from polytrain.models import build_model_on_meta
 from polytrain.objective import Objective
-from polytrain.plan.layout import Layout
-from polytrain.strategies.context_parallel import sequence_modules
-from polytrain.strategies.parallelize import Preparation, parallelize
+from polytrain.parallel.context import sequence_modules
+from polytrain.parallel.layout import Layout
+from polytrain.parallel.parallelize import Preparation, parallelize
 
 WORLD, RANK = 64, 45
 LLAMA = dict(layers=2, heads=4, kv_heads=2, width=32, context=32)
@@ -28,7 +28,7 @@ def fake_world():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from polytrain.strategies.mesh import forget_earlier_meshes
+    from polytrain.parallel.mesh import forget_earlier_meshes
 
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
     try:

@@ -13,8 +13,8 @@ from conftest import load_weights as load
 
 from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
+from polytrain.parallel.layout import Layout, layout_of
 from polytrain.pipeline.plan import data_words, pipelines_words
-from polytrain.plan.layout import Layout, layout_of
 from polytrain.strategies import Pipeline
 
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)

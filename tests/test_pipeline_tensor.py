@@ -19,8 +19,8 @@ from polytrain.config.train import TrainConfig, replicas
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
+from polytrain.parallel.layout import layout_of
 from polytrain.pipeline.plan import check_tensor_cuts
-from polytrain.plan.layout import layout_of
 from polytrain.sources import as_dataset
 from polytrain.strategies import make_plan
 
@@ -138,7 +138,7 @@ def test_a_mesh_that_does_not_multiply_out_is_one_line(settings, words):
 @pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
 @pytest.mark.parametrize("size", [1, 3])
 def test_a_tensor_degree_that_does_not_divide_the_devices_is_one_message_from_the_layout(strategy, size):
-    """The tensor degree is checked in one place (plan/layout.py `layout_of`), whatever preset names it: the
+    """The tensor degree is checked in one place (parallel/layout.py `layout_of`), whatever preset names it: the
     same line from the layout and from the settings (config/train.py wrote it a second time)."""
     words = f"--tensor-parallel {size} must be 2 or more and divide --devices 4"
     with pytest.raises(ConfigError, match=words):

@@ -17,8 +17,8 @@ from polytrain.config import TrainConfig
 from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
+from polytrain.parallel.layout import layout_of
 from polytrain.pipeline.traced import TracedStages, micro_batch_sizes, trace
-from polytrain.plan.layout import layout_of
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job
 from polytrain.strategies import Pipeline

@@ -2,6 +2,7 @@
 
 import pytest
 
+from polytrain.parallel.layout import Layout
 from polytrain.plan.costmodel import (
     Link,
     Workload,
@@ -16,7 +17,6 @@ from polytrain.plan.costmodel import (
     sharded,
     with_message_cost,
 )
-from polytrain.plan.layout import Layout
 from polytrain.plan.memory import memory_per_rank
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s

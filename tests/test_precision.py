@@ -1,5 +1,5 @@
 """--precision bf16 and fp16 on a processor without the kernels a layer needs under autocast: the layer runs in
-float32, the rest in the reduced precision, and one start-up line says so (strategies/precision.py).
+float32, the rest in the reduced precision, and one start-up line says so (parallel/precision.py).
 
 A CPU without bf16 instructions is what oneDNN sees when limited to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`): there an
 LSTM under autocast raises "could not create a primitive descriptor for the LSTM forward propagation primitive"
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from sequence_first import VOCAB, SequenceFirstLM
 
-from polytrain.strategies import precision
-from polytrain.strategies.precision import apply_precision, keep_in_float32, probed_layers, unsupported
+from polytrain.parallel import precision
+from polytrain.parallel.precision import apply_precision, keep_in_float32, probed_layers, unsupported
 
 TESTS = Path(__file__).parent
 

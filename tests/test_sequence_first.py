@@ -12,7 +12,7 @@ from sequence_first import SequenceFirstLM, Windows, sequence_first_step
 
 import polytrain
 from polytrain.errors import UserError
-from polytrain.strategies.global_batch import (
+from polytrain.parallel.global_batch import (
     GlobalRows,
     batch_dimension,
     per_rank_dropout_line,
@@ -79,7 +79,7 @@ def test_word_language_model_code_trains_on_two_devices_as_on_one():
 def test_under_ddp_a_step_reads_the_models_own_methods_and_buffers_get_default_strides(tmp_path):
     import torch.distributed as dist
 
-    from polytrain.strategies.ddp import Replicated, contiguous_buffers
+    from polytrain.parallel.ddp import Replicated, contiguous_buffers
 
     model = SequenceFirstLM()
     pe = model.pe.clone()

@@ -19,7 +19,7 @@ from conftest import (
 import polytrain
 from polytrain.config.train import TrainConfig
 from polytrain.models import build_model
-from polytrain.plan.layout import Layout
+from polytrain.parallel.layout import Layout
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,7 +14,7 @@ from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
-from polytrain.plan.layout import Layout
+from polytrain.parallel.layout import Layout
 from polytrain.plan.tensor import BUILTIN_PLANS, Layer, resolve
 from polytrain.strategies import make_plan
 from polytrain.strategies.tensor import _permutation

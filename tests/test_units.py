@@ -1,4 +1,4 @@
-"""FSDP2's units (strategies/units.py): one per transformer block, one per layer outside blocks, shared weights
+"""FSDP2's units (parallel/units.py): one per transformer block, one per layer outside blocks, shared weights
 in the root; and what the memory check counts as gathered at once."""
 
 import torch
@@ -7,7 +7,7 @@ import torch.nn as nn
 from polytrain.models.gpt import GPT
 from polytrain.models.lenet import LeNet
 from polytrain.models.llama import Llama
-from polytrain.strategies.units import gathered_bytes, shard_units, unit_count
+from polytrain.parallel.units import gathered_bytes, shard_units, unit_count
 
 
 def names(model):

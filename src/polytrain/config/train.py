@@ -11,8 +11,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
+from ..parallel.layout import Layout, layout_of, layout_or_none
 from ..pipeline.plan import check_microbatches
-from ..plan.layout import Layout, layout_of, layout_or_none
 from .declare import check_value, declared, flag_name, unset
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
@@ -129,7 +129,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         )
         if "tensorboard" in parse_loggers(self.logger):
             check_tensorboard()
-        # validates the degrees (plan/layout.py): one line where they do not multiply out
+        # validates the degrees (parallel/layout.py): one line where they do not multiply out
         layout = self.layout
         if layout.pipeline > 1:
             self._check_pipeline()
@@ -217,7 +217,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 
     @property
     def layout(self) -> Layout:
-        """The degrees of parallelism these settings name (plan/layout.py)."""
+        """The degrees of parallelism these settings name (parallel/layout.py)."""
         return layout_of(
             self.strategy,
             self.devices,

@@ -63,7 +63,7 @@ HF_PREFIX = "transformer."
 
 class Embeddings(nn.Module):
     """Token plus position embeddings: (B, T) ids -> (B, T, width). With `context_parallel` set (a ContextGroup,
-    strategies/context_parallel.py) the ids are this rank's part of each sequence, and their rows of the table
+    parallel/context.py) the ids are this rank's part of each sequence, and their rows of the table
     of positions are those of their global positions; with `kv_cache` set (a KVCache, while `generate` runs)
     they follow the tokens read before, and take the rows of the positions after theirs."""
 
@@ -145,7 +145,7 @@ def hf_config(model: "GPT", base: Optional[dict] = None) -> dict:
 
 class CausalSelfAttention(nn.Module):
     """Causal multi-head attention; with `context_parallel` set (a ContextGroup) over a sequence split across
-    ranks, its queries against the whole sequence's keys and values (strategies/context_parallel.py); with
+    ranks, its queries against the whole sequence's keys and values (parallel/context.py); with
     `kv_cache` set (a KVCache, while `generate` runs), its queries against the keys and values of the tokens
     read before and their own (models/kv_cache.py)."""
 

@@ -133,7 +133,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups. With
     `context_parallel` set (a ContextGroup) over a sequence split across ranks, its tokens are turned by the
     rotary angles of their global positions and its queries attend to the whole sequence's keys and values
-    (strategies/context_parallel.py). With `kv_cache` set (a KVCache, while models/gpt.py `generate` runs), its
+    (parallel/context.py). With `kv_cache` set (a KVCache, while models/gpt.py `generate` runs), its
     tokens follow those read before: turned by the angles of their true positions, their queries attend to
     the cached keys and values and their own (models/kv_cache.py)."""
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..errors import ConfigError
-from ..plan.layout import Layout, divisors
+from ..parallel.layout import Layout, divisors
 from ..plan.tensor import TensorPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

@@ -1,6 +1,6 @@
 """The data degree of a pipeline: the pipelines side by side (`--devices N --pipeline-stages S`: N / S of them)
 hold their stages through FSDP2, as torchtitan's pp x fsdp: shard groups of each stage under `--data-parallel
-shard` (with `--replicas`, replicas of shard groups). Whole copies are DDP modules (strategies/ddp.py
+shard` (with `--replicas`, replicas of shard groups). Whole copies are DDP modules (parallel/ddp.py
 `apply_ddp`), but where a tensor plan splits the stages into DTensors, which DDP does not take: those are
 FSDP2 over a dp_shard dimension of one rank (each keeps the whole stage; the gradients are all-reduced over
 dp_replicate).
@@ -10,10 +10,10 @@ dp_replicate).
         --tensor-parallel 2 --data-parallel shard
 
 `parallelize` shards each of a rank's stage modules (`Preparation.stages`) over the data part of the mesh, one
-unit per block, or per layer outside blocks (strategies/units.py), after the tensor plan and activation
+unit per block, or per layer outside blocks (parallel/units.py), after the tensor plan and activation
 checkpointing: the ranks that hold one stage (one tensor slice of it) in every pipeline keep one shard each of
 its weights, gradients and optimizer state, and a model built on the meta device gets storage for those shards
-only (strategies/materialise.py). A stage split over tensor ranks is sharded as torchtitan shards its
+only (parallel/materialise.py). A stage split over tensor ranks is sharded as torchtitan shards its
 tensor-parallel blocks: FSDP2 sees each parameter's DTensor over `tp` and shards it further, on the (dp_shard,
 tp) part of the mesh. torch's PipelineStage and schedules drive FSDP2 themselves: no gradient sync in the
 step's backward passes but the last, then one reduce-scatter (and all-reduce over replicas) per unit and a
@@ -21,7 +21,7 @@ reshard. The reductions sum (the loss of every micro-batch is already divided by
 FSDP2's default average. As torchtitan does under a pipeline, the units keep the weights they gathered from
 the first micro-batch's forward to the end of the step's backward, instead of gathering them again for every
 micro-batch; evaluation reshards them after each batch. `--precision bf16` gathers and computes in bfloat16
-with float32 master shards, as `--strategy sharded` does (strategies/fsdp.py `mixed_precision`). Traced stages
+with float32 master shards, as `--strategy sharded` does (parallel/fsdp.py `mixed_precision`). Traced stages
 (`--split-at`) are not FSDP2 modules: their replicas all-reduce their gradients in the step (strategy.py).
 
 Checkpoints are each rank's shards of its stages, written by torch.distributed.checkpoint at their places in
@@ -37,7 +37,7 @@ from functools import partial
 
 import torch
 
-from ..strategies.fsdp import GATHERED_IN_BF16, mixed_precision, own_tensor
+from ..parallel.fsdp import GATHERED_IN_BF16, mixed_precision, own_tensor
 
 
 def _units(stage_modules):

@@ -128,10 +128,7 @@ def holding_lines(strategy) -> list:
         at = layout.coordinates(rank)
         stages = "/".join(map(str, strategy.plan.stages_of_rank(at["pipeline"])))
         where = f"{data_words(layout, layout.data_rank(rank))}{' of' if shards else ','} stage {stages}"
-        if layout.context > 1:
-            where += f", context rank {at['context'] + 1}/{layout.context}"
-        if layout.tensor > 1:
-            where += f", tensor slice {at['tensor'] + 1}/{layout.tensor}"
+        where += layout.place(rank)
         mine, stepped_bytes, stage = held[rank]
         whole_stage = f"; the whole stage {figures(stage, slots)}" if shards else ""
         lines.append(f"  rank {rank}: {where}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}")

@@ -7,7 +7,7 @@ the whole global batch's size, and gradients are summed (never rescaled): the st
 one-device step. Evaluation sends activations rank to rank without gradients (transfer.py); checkpoints are
 each rank's stages, written as shards (state.py).
 
-The degrees of the layout are applied by `parallelize` (strategies/parallelize.py) to the layers of this rank's
+The degrees of the layout are applied by `parallelize` (parallel/parallelize.py) to the layers of this rank's
 stages, in torchtitan's order after the split into stages: the tensor plan over `tp` (`--tensor-parallel T`:
 Megatron's layout, each stage split over T consecutive ranks; stages exchange whole activations as plain tensors,
 tensor slice t of stage s sending to slice t of stage s + 1), activation checkpointing (the whole model's blocks
@@ -29,15 +29,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..models.meta import to_empty
+from ..parallel.ddp import release_reducers
+from ..parallel.global_batch import slice_offsets
+from ..parallel.mesh import RunMesh
+from ..parallel.parallelize import parallelize
 from ..strategies.base import StepStats
-from ..strategies.ddp import release_reducers
 from ..strategies.distributed import Distributed
-from ..strategies.global_batch import slice_offsets
 from ..strategies.holdings import local_part
 from ..strategies.layers import Stage, describe_stage, flatten_layers, named_subset
-from ..strategies.mesh import RunMesh
 from ..strategies.optimizer_state import positions, whole_state
-from ..strategies.parallelize import parallelize
 from . import state as rank_state
 from .plan import PipelinePlan, microbatches_for, runnable_schedule
 from .planning import plan_pipeline

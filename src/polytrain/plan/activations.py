@@ -3,7 +3,7 @@ arithmetic on what one forward of the model saves for its backward pass (measure
 scaling/activation_memory.py, on fake tensors, so any model size is measured without memory).
 
 Per sample, with A the bytes autograd keeps after a forward with nothing recomputed (each storage once,
-weights not at all), n the blocks checkpointing recomputes (strategies/activation_checkpoint.py `find_blocks`),
+weights not at all), n the blocks checkpointing recomputes (parallel/activation_checkpoint.py `find_blocks`),
 and, averaged over the blocks, b the bytes one block keeps, i its input and m the outputs of its matrix
 multiplications (mm, addmm, bmm, attention: what selective checkpointing keeps), O = A - n b is what is kept
 outside the blocks (embeddings, the last norm, the head's scores, the loss):
@@ -19,7 +19,7 @@ pass its forward runs again, one block at a time, and holds that block's b until
 the peak adds one block's b (an upper bound for selective, which recomputes only what is not kept). A model
 without blocks (n = 0) keeps A in every mode.
 
-**A rank of a context group** (`--context-parallel C`, strategies/context_parallel.py) holds T/C tokens of
+**A rank of a context group** (`--context-parallel C`, parallel/context.py) holds T/C tokens of
 each sample: 1/C of every figure above, plus what its attention keeps beyond 1/C of one device's
 (`context_part`). Per attention layer and sample, with h query heads, g key/value heads of width d, e bytes an
 element, L = T/C the rank's tokens and P the rows its two chunks' attention sees with their zero rows in front

@@ -1,5 +1,5 @@
 """Predicted step time of context parallelism (`--context-parallel C` with --strategy data or sharded,
-strategies/context_parallel.py): n ranks in n/C data slices, each slice's sequences split over a context group
+parallel/context.py): n ranks in n/C data slices, each slice's sequences split over a context group
 of C ranks. Pure arithmetic on the cost model's inputs (plan/costmodel.py), tested against values worked out
 by hand; what a context rank holds is plan/activations.py's (`context_part`).
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from ..parallel.layout import Layout
 from .costmodel import Link, Prediction, Workload, data_parallel, sharded
-from .layout import Layout
 
 
 def attention_share(work: Workload) -> float:

@@ -69,8 +69,8 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
+from ..parallel.layout import Layout, label, plain_layout
 from .activations import AttentionShape
-from .layout import Layout, label, plain_layout
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Workload:
     parameter_bytes: float  # S
     batch_size: int  # the global batch
     update_seconds: float = 0.0  # the optimizer update's part of compute_seconds
-    layers: int = 1  # FSDP2's units (messages per collective; strategies/units.py)
+    layers: int = 1  # FSDP2's units (messages per collective; parallel/units.py)
     boundary_bytes: Tuple[float, ...] = ()  # activation bytes per sample at each cut between layers
     activation_bytes: float = 0.0  # bytes per sample kept for backward (0: unknown, the cuts' sum stands in)
     gathered_bytes: float = (
@@ -195,7 +195,7 @@ class Prediction:
 
     @property
     def label(self) -> str:
-        """The strategy on its layout, as printed (`sharded 2x4`; plan/layout.py `label`)."""
+        """The strategy on its layout, as printed (`sharded 2x4`; parallel/layout.py `label`)."""
         return label(self.strategy, self.layout) if self.layout is not None else self.strategy
 
     @property

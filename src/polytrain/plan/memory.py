@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..parallel.layout import Layout, plain_layout
 from .activations import context_part, peak_bytes
 from .costmodel import Workload
-from .layout import Layout, plain_layout
 
 
 def memory_per_rank(
@@ -52,9 +52,7 @@ def memory_per_rank(
     # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
     # splits them: pipeline/sharding.py)
-    fsdp = strategy in ("sharded", "tensor") or (
-        layout.pipeline > 1 and layout.shard * layout.tensor > 1
-    )
+    fsdp = strategy in ("sharded", "tensor") or (layout.pipeline > 1 and layout.shard * layout.tensor > 1)
     shards = layout.shard * (layout.context if fsdp else 1)
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper

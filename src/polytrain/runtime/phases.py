@@ -22,6 +22,7 @@ from ..models.lightning import is_lightning, plan_loop
 from ..models.own_loss import weighed_by_samples
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
 from ..optim.schedules import length_free
+from ..parallel.global_batch import per_rank_dropout_line
 from ..run_dir import (
     atomic_write_bytes,
     forget_unstarted_run,
@@ -42,7 +43,6 @@ from ..sources import (
     oversized_batch_note,
     refuse_for_strategy,
 )
-from ..strategies.global_batch import per_rank_dropout_line
 from ..strategies.gradients import check_fp16
 from .inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
 from .launch import check_main_guard, run_job, spawns_workers
@@ -227,7 +227,7 @@ def check_precision(config: TrainConfig, device: torch.device, *, shout: bool) -
         )
 
 
-# the settings that name a run's layout with its strategy (plan/layout.py `layout_of`)
+# the settings that name a run's layout with its strategy (parallel/layout.py `layout_of`)
 LAYOUT_SETTINGS = ("devices", "pipeline_stages", "tensor_parallel", "data_parallel", "replicas")
 
 

@@ -3,7 +3,7 @@
 `Pretrained(folder, model)` pairs each parameter of polytrain's model (its one-device name) with the
 checkpoint's tensor (models/llama.py and models/gpt.py `hf_names`). In the launching process `check` compares
 their shapes against the model built on the meta device, reading only the files' headers. On every rank, the
-model's tensors are given storage (strategies/materialise.py) and `read_into` fills them through
+model's tensors are given storage (parallel/materialise.py) and `read_into` fills them through
 torch.distributed.checkpoint's `HuggingFaceStorageReader`: DCP plans, for each tensor this rank holds (an
 FSDP2 shard, a tensor-parallel slice, a whole tensor of its pipeline stage), the piece of the stored tensor
 it covers, and the reader reads that piece alone through safetensors' lazy slices; the checkpoint's dtype

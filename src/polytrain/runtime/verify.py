@@ -93,10 +93,10 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
     """In how many passes the one-device reference takes each step: 1, or a pipeline's micro-batches for a
     model with BatchNorm (which normalises over each micro-batch there). One line where no reference can be
     equal: BatchNorm and Dropout compute over the global batch on data-parallel layouts
-    (strategies/global_batch.py), and a pipeline's Dropout draws one device's masks, but not over the ranks of
+    (parallel/global_batch.py), and a pipeline's Dropout draws one device's masks, but not over the ranks of
     a tensor group; and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
+    from ..parallel.global_batch import per_rank_dropout_words, uses_whole_batch
     from ..strategies import STRATEGIES
-    from ..strategies.global_batch import per_rank_dropout_words, uses_whole_batch
 
     per_rank = per_rank_dropout_words(model)
     if per_rank is not None:

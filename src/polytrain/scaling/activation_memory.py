@@ -63,7 +63,7 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ..strategies.activation_checkpoint import KEPT_OPS, find_blocks
+    from ..parallel.activation_checkpoint import KEPT_OPS, find_blocks
 
     class MatmulOutputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -14,9 +14,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import ConfigError, first_line
+from ..parallel.layout import Layout, flags_of, label, layout_of, mesh_of
 from ..pipeline.plan import default_microbatches
 from ..plan import costmodel, memory
-from ..plan.layout import Layout, flags_of, label, layout_of, mesh_of
 from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from ..parallel.layout import mesh_of
 from ..plan import costmodel
-from ..plan.layout import mesh_of
 from .auto import steady_choice
 from .workload import predictions_for
 

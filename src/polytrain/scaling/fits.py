@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from ..parallel.layout import Layout, layout_or_none, plain_layout
 from ..plan.costmodel import Workload
-from ..plan.layout import Layout, layout_or_none, plain_layout
 from ..plan.memory import memory_per_rank
 
 # what a CPU process's heap, keeping freed blocks, holds beyond the live tensors, per byte of activations counted,
@@ -109,7 +109,7 @@ def _size(nbytes: float) -> str:
 def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, **activations) -> Workload:
     """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine),
     with the `activations` figures of activation_memory.py where they were measured."""
-    from ..strategies.units import gathered_bytes, unit_count
+    from ..parallel.units import gathered_bytes, unit_count
 
     return Workload(
         compute_seconds=0.0,
@@ -246,7 +246,7 @@ def check_fits(
 
 def sequence_length(model: nn.Module) -> int:
     """The tokens of each sequence of a model whose sequences `--context-parallel` can split (0: none)."""
-    from ..strategies.context_parallel import sequence_modules
+    from ..parallel.context import sequence_modules
 
     return int(getattr(model, "context", 0) or 0) if sequence_modules(model) else 0
 

@@ -48,8 +48,8 @@ def parameter_bytes(model: nn.Module) -> int:
 
 
 def parameter_layers(model: nn.Module) -> int:
-    """FSDP2's units, each gathered separately (strategies/units.py)."""
-    from ..strategies.units import unit_count
+    """FSDP2's units, each gathered separately (parallel/units.py)."""
+    from ..parallel.units import unit_count
 
     return unit_count(model)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from ..config.registry_names import STRATEGY_NAMES, check_registry
 from ..errors import ConfigError
-from .activation_checkpoint import check_activation_checkpointing
+from ..parallel.activation_checkpoint import check_activation_checkpointing
+from ..parallel.context import check_context_parallel
 from .base import StepStats, Strategy
-from .context_parallel import check_context_parallel
 from .data import DataParallel
 from .parameter_server import ParameterServer
 from .sharded import Sharded
@@ -51,7 +51,7 @@ def __getattr__(name: str):
 
 def resolve_strategy_name(name: str, devices: int) -> str:
     """The strategy that runs `name` on `devices` (auto: single on one device, data on several), for settings
-    already validated: the layout of the settings (plan/layout.py `layout_of`) has refused a name it does not
+    already validated: the layout of the settings (parallel/layout.py `layout_of`) has refused a name it does not
     know, and one that does not fit the devices, in one line each."""
     if name == "auto":
         return "single" if devices == 1 else "data"

@@ -17,15 +17,15 @@ from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
-from ..plan.layout import Layout
+from ..parallel.activation_checkpoint import apply_activation_checkpointing
+from ..parallel.ddp import release_reducers
+from ..parallel.global_batch import slice_offsets
+from ..parallel.layout import Layout
+from ..parallel.materialise import is_meta, materialise
+from ..parallel.parallelize import Preparation, apply_global_batch, parallelize
 from . import cuda_graphs
-from .activation_checkpoint import apply_activation_checkpointing
-from .ddp import release_reducers
-from .global_batch import slice_offsets
 from .gradients import Gradients
-from .materialise import is_meta, materialise
 from .optimizer_state import load_part, numbered_part, positions, whole_state
-from .parallelize import Preparation, apply_global_batch, parallelize
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Strategy:
     # what the strategy is, asked of it rather than decided by its name
     reference = True  # the one-device run every other strategy reproduces (bench's baseline row)
     # True: each data-parallel rank computes a slice of the batch through the whole model, so BatchNorm and
-    # Dropout are made to compute over the global batch (strategies/global_batch.py)
+    # Dropout are made to compute over the global batch (parallel/global_batch.py)
     normalises_global_batch = False
     splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
     # True: bench also runs it as R copies of shard groups (--replicas R, hybrid sharding)
@@ -99,16 +99,16 @@ class Strategy:
             fp16=precision == "fp16",
         )
         self.rank, self.world_size = rank, world_size
-        # the run's degrees of parallelism (plan/layout.py), the one description of them: the batch's slices, the
+        # the run's degrees of parallelism (parallel/layout.py), the one description of them: the batch's slices, the
         # gradient ranks and the mesh derive from it (made without one, in tests: every rank a replica)
         self.layout = layout if layout is not None else Layout(replicate=world_size)
         if self.layout.world_size != world_size:
             raise ValueError(
                 f"a layout of {self.layout.world_size} ranks ({self.layout.describe()}) on {world_size}"
             )
-        self.mesh = None  # the run's RunMesh (strategies/mesh.py), where preparing the model needed one
+        self.mesh = None  # the run's RunMesh (parallel/mesh.py), where preparing the model needed one
         self.fused = {}  # parameter name -> the row order of a fused layer's rows on the tensor ranks
-        # this rank's ContextGroup under context parallelism (strategies/context_parallel.py)
+        # this rank's ContextGroup under context parallelism (parallel/context.py)
         self.context = None
         self.precision = precision
         self.compile = compile
@@ -170,7 +170,7 @@ class Strategy:
         return self.layout.gradient_ranks
 
     def setup(self, model: nn.Module, make_optimizer: Callable, make_scheduler: Callable) -> None:
-        """Place the model, prepare it for the run's layout (strategies/parallelize.py: tensor plan, context
+        """Place the model, prepare it for the run's layout (parallel/parallelize.py: tensor plan, context
         parallelism, activation checkpointing, the global batch, FSDP2 or DDP, materialise), then build the
         optimizer and scheduler over it. A model built on the meta device is split and wrapped without storage,
         then each rank materialises what it holds."""
@@ -235,7 +235,7 @@ class Strategy:
 
     def materialise(self, model: nn.Module) -> None:
         """Storage for what this rank holds of a meta-device `model` (its shards, slices or stage), filled with
-        its part of the one-device initial values (strategies/materialise.py), or of the pretrained checkpoint's
+        its part of the one-device initial values (parallel/materialise.py), or of the pretrained checkpoint's
         (--init-from); nothing for a model with values."""
         if self.blueprint is not None:
             reorder = getattr(self, "fused", None)
@@ -254,7 +254,7 @@ class Strategy:
 
     def whole_batch_layers(self, model: nn.Module) -> None:
         """Step 4 of `parallelize` alone (the parameter server's replica): BatchNorm and Dropout over the global
-        batch as `global_batch` says (strategies/global_batch.py)."""
+        batch as `global_batch` says (parallel/global_batch.py)."""
         how = self.global_batch
         self.global_rows = apply_global_batch(model, how, loud=how == "across" and self.data_rank == 0)
 

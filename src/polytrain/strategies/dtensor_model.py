@@ -18,10 +18,10 @@ import contextlib
 
 import torch
 
+from ..parallel.tensor import reordered, reordered_optimizer
 from .checkpoint_parts import apply_groups, in_one_device_rows
 from .distributed import Distributed
 from .optimizer_state import keep_speed
-from .tensor_split import reordered, reordered_optimizer
 
 
 def _full(**extra):

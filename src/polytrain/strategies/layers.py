@@ -15,12 +15,6 @@ from ..errors import UserError
 Layers = List[Tuple[str, nn.Module]]  # (name in the model, module), in the order data flows
 
 
-def is_attention(module: nn.Module) -> bool:
-    """Whether `module` is an attention layer as a model writes one: torch's nn.MultiheadAttention, or a class
-    named for attention (Hugging Face's LlamaAttention, GPT-2's GPT2Attention)."""
-    return isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower()
-
-
 def _plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 

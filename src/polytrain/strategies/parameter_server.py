@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import TrainConfig
+from ..parallel.precision import apply_precision
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
 from .distributed import Distributed
 from .optimizer_state import load_part, numbered_part, positions, whole_state
-from .precision import apply_precision
 
 
 class ParameterServer(Distributed):

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..parallel.fsdp import GATHERED_IN_BF16, mixed_precision
 from ..plan.sharded import ShardedPlan
 from .dtensor_model import DTensorModel
-from .fsdp import GATHERED_IN_BF16, mixed_precision
 from .holdings import figures, heading, local_bytes, optimizer_slots
 
 

@@ -22,12 +22,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..plan.layout import Layout
-from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
-from .dtensor_model import DTensorModel
-from .holdings import figures, heading, local_bytes, optimizer_slots
-from .rank_slice import check_rank_slice, is_conv1d
-from .tensor_split import (  # noqa: F401  (tests take them from here)
+from ..parallel.layout import Layout
+from ..parallel.rank_slice import check_rank_slice, is_conv1d
+from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
     interleave,
     reordered,
@@ -36,6 +33,9 @@ from .tensor_split import (  # noqa: F401  (tests take them from here)
     sequence_styles,
     split_layers,
 )
+from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
+from .dtensor_model import DTensorModel
+from .holdings import figures, heading, local_bytes, optimizer_slots
 
 NEEDS = "2.5"  # torch.distributed.tensor (public DTensor) and its parallel styles
 
@@ -249,13 +249,11 @@ class TensorParallel(DTensorModel):
         lines = [f"tensor: {self.plan.describe()}{beside(self.layout)}; {heading(slots)}"]
         layout = self.layout
         for rank, device, size in rows:
-            where, at = "", layout.coordinates(rank)
-            if layout.data_degree > 1:
-                where += f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}"
-            if layout.context > 1:
-                where += f", context rank {at['context'] + 1}/{layout.context}"
+            where = f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}" * (
+                layout.data_degree > 1
+            )
             lines.append(
-                f"  rank {rank} ({device}{where}, tensor slice {at['tensor'] + 1}/{layout.tensor}): "
+                f"  rank {rank} ({device}{where}{layout.place(rank)}): "
                 f"{figures(size, slots)}; a replica would hold {figures(full, slots)}"
             )
         return lines

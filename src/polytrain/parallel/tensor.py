@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 from ..plan.tensor import TensorPlan
-from .holdings import local_part
 from .rank_slice import is_conv1d
 
 
@@ -182,7 +181,8 @@ def _rows(value, order: torch.Tensor, *, back: bool):
 
 
 def _to_local(module, inputs, output):
-    return local_part(output)
+    """A forward hook: this rank's part of a DTensor output, as a plain tensor."""
+    return output.to_local() if hasattr(output, "to_local") else output
 
 
 def transposed_style(style: str):

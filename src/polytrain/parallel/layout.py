@@ -37,6 +37,8 @@ MESH_NAMES = {
     "context": "cp",
     "tensor": "tp",
 }
+# a rank's place along the degrees that split the work on its slice of the batch (`Layout.place`)
+PLACES = {"context": "context rank", "tensor": "tensor slice"}
 WORDS = {
     "replicate": "replica",
     "shard": "shard",
@@ -132,6 +134,16 @@ class Layout:
             for rank in range(self.world_size)
             if all(self.coordinates(rank)[name] == value for name, value in fixed.items())
         ]
+
+    def place(self, rank: int) -> str:
+        """Where `rank` sits in the degrees that split its slice of the batch, in words (', context rank 1/2,
+        tensor slice 2/2'; '' where there are none): start-up lines name each rank's place so."""
+        at = self.coordinates(rank)
+        return "".join(
+            f", {PLACES[name]} {at[name] + 1}/{getattr(self, name)}"
+            for name in PLACES
+            if getattr(self, name) > 1
+        )
 
     def describe(self) -> str:
         """In words: '2 replicas x 2 tensor ranks'; 'one device'."""

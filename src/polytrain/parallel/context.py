@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .layers import is_attention
+from .global_batch import is_attention
 
 # torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
 # that it is deprecated), else `all_gather_tensor_autograd`; used along dim 0, which every version supports
@@ -216,7 +216,7 @@ def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, par
 
 
 def own_attention(model: nn.Module):
-    """(name, class) of the first attention layer of a model's own (layers.py `is_attention`), or None: what a
+    """(name, class) of the first attention layer of a model's own (global_batch.py `is_attention`), or None: what a
     refusal of context parallelism names."""
     for module_name, module in model.named_modules():
         if module_name and is_attention(module):

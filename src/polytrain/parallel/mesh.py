@@ -1,6 +1,6 @@
 """The one DeviceMesh of a run, built from its layout, and the named parts of it each step of preparation works over.
 
-`RunMesh(layout, device_type, shard=..., tensor=...)` lays the mesh out in the layout's order (`plan/layout.py`:
+`RunMesh(layout, device_type, shard=..., tensor=...)` lays the mesh out in the layout's order (`parallel/layout.py`:
 dp_replicate, dp_shard, pp, cp, tp; the tensor dimension innermost), those of size 1 left out unless a step needs
 them all the same: FSDP2's dp_shard (`shard`: FSDP2 is applied, even over one rank of a layout of replicas and
 context) and the tensor plan's tp (`tensor`: a plan is applied, of one rank where a test asks). Every part is asked
@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Collection
 
-from ..plan.layout import DEGREES, MESH_NAMES, Layout
+from .layout import DEGREES, MESH_NAMES, Layout
 
 
 def mesh_dims(layout: Layout, keep: Collection[str] = ()) -> tuple:

@@ -3,7 +3,7 @@
     parallelize(module, layout, options, objective=...)
 
 `options` is what the settings ask (`Preparation`). The run's one mesh is built from `layout` here, where a step
-needs one (strategies/mesh.py `RunMesh`, its dimensions those the layout and the steps need; a pipeline passes the
+needs one (parallel/mesh.py `RunMesh`, its dimensions those the layout and the steps need; a pipeline passes the
 one it built for its stages), and kept in what `parallelize` returns. Each step is a function that takes the module
 and the part of the mesh it works over, never a strategy, and changes the module in place; a step whose degree is 1
 does nothing:
@@ -43,11 +43,11 @@ from typing import Any, List, Optional
 import torch
 import torch.nn as nn
 
-from ..plan.layout import Layout
 from .activation_checkpoint import apply_activation_checkpointing
 from .ddp import apply_ddp
 from .fsdp import apply_fsdp
 from .global_batch import GlobalRows, whole_batch_layers
+from .layout import Layout
 from .materialise import materialise
 from .mesh import RunMesh
 from .precision import apply_precision
@@ -110,11 +110,11 @@ def parallelize(
     line = apply_precision(module, options.device, options.precision)
     done.lines += [line] if line else []
     if options.tensor_plan is not None:  # (a tp dimension, of one rank where a test asks)
-        from .tensor_split import apply_tensor_plan
+        from .tensor import apply_tensor_plan
 
         done.fused = apply_tensor_plan(module, mesh.tensor, options.tensor_plan)
     if layout.context > 1:
-        from .context_parallel import split_model_sequences
+        from .context import split_model_sequences
 
         done.context, line = split_model_sequences(
             module, objective, mesh.context, layout.data_degree, part=options.whole is not None
@@ -125,7 +125,7 @@ def parallelize(
     )
     done.global_rows = apply_global_batch(module, options.global_batch, loud=options.loud)
     if options.compile:
-        from .compiled import apply_compile
+        from .compile import apply_compile
 
         done.compile_whole = not apply_compile(module, whole=options.whole, stages=options.stages)
     if options.data_parallel == "replicate":

@@ -33,7 +33,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .layers import is_attention
+
+def is_attention(module: nn.Module) -> bool:
+    """Whether `module` is an attention layer as a model writes one: torch's nn.MultiheadAttention, or a class
+    named for attention (Hugging Face's LlamaAttention, GPT-2's GPT2Attention)."""
+    return isinstance(module, nn.MultiheadAttention) or "attention" in type(module).__name__.lower()
 
 
 class GlobalRows:

@@ -187,7 +187,7 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                 if splits_layers and not tensor:
                     continue
                 for n in options.devices:
-                    if STRATEGIES[strategy].reference or n == 1:
+                    if not STRATEGIES[strategy].needs_process_group or n == 1:
                         continue  # one device is the baseline row
                     rows.append(Row(kind, strategy, n, batch))
                     if splits_layers:
@@ -196,7 +196,9 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                             for t in range(2, n)
                             if n % t == 0
                         ]
-                    if STRATEGIES[strategy].bench_copies:  # hybrid sharding, as the cost model projects it
+                    # hybrid sharding, as the cost model projects it (FSDP2 over the data ranks; a tensor strategy's
+                    # rows are its (data, tensor) meshes, hybrid ones not measured yet)
+                    if STRATEGIES[strategy].data_parallel == "shard":
                         rows += [
                             Row(kind, strategy, n, batch, replicas=n // shards)
                             for shards in costmodel.HYBRID_SHARDS

@@ -45,24 +45,22 @@ class Strategy:
     """One process, one device: the reference every other strategy must reproduce."""
 
     name = "single"
-    needs_process_group = False  # True: every rank must join a torch.distributed group first
+    # True: every rank must join a torch.distributed group first; False: the one-device run every other strategy
+    # reproduces (bench's baseline row; its training passes may replay as CUDA graphs on a GPU)
+    needs_process_group = False
     keeps_channels_last = True  # False: trains in the default memory format even when asked otherwise
     schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
     # what the strategy is, asked of it rather than decided by its name
-    reference = True  # the one-device run every other strategy reproduces (bench's baseline row)
     # True: each data-parallel rank computes a slice of the batch through the whole model, so BatchNorm and
     # Dropout are made to compute over the global batch (parallel/global_batch.py)
     normalises_global_batch = False
     splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
-    # True: bench also runs it as R copies of shard groups (--replicas R, hybrid sharding)
-    bench_copies = False
     waits_on_servers = False  # True: workers pull weights from server ranks (their waiting is the servers')
     keeps_model_whole = True  # False: splits the module or moves its optimizer away from it
     loss_from_outputs_only = False  # True: the loss is computed from the outputs and targets (no own step)
     # True: each rank writes and reads its own part of checkpoints (shard_state, load_shards); False: state_dict
     # gathers the whole state into one file on rank 0
     writes_shards = False
-    graphs_cuda_steps = False  # True: on a GPU its training passes may replay as CUDA graphs (one device)
     data_parallel = "none"  # how its data dimensions hold the model (parallelize.py): none, replicate, shard
     cpu_offload = False  # True: FSDP2 keeps shards in host memory between uses (--cpu-offload, sharded.py)
 
@@ -214,7 +212,7 @@ class Strategy:
         masks alike (the reference)."""
         if self.normalises_global_batch and self.data_world > 1:
             return "across"
-        return "masks" if self.reference else "off"
+        return "masks" if not self.needs_process_group else "off"
 
     def place(self, model: nn.Module) -> nn.Module:
         """`model` on this rank's device (channels-last where asked); one built on the meta device stays there,

@@ -30,7 +30,7 @@ MAX_SHAPES = 2  # the full pass and the short last batch
 def reason_against(strategy, model: nn.Module):
     """Why this strategy's training passes cannot be replayed as CUDA graphs (None: they can)."""
     objective = strategy.objective
-    if not strategy.graphs_cuda_steps:
+    if strategy.needs_process_group:
         return f"--strategy {strategy.name} (CUDA graphs replay one-device steps only)"
     if strategy.compile:
         return "--compile (compiled code makes graphs of its own with mode='reduce-overhead')"
@@ -222,7 +222,7 @@ def release_gradients(parameters) -> None:
 def graph_passes(strategy, model: nn.Module):
     """On a GPU: the strategy's training passes replayed as CUDA graphs where asked and possible (`GraphedPasses`,
     else None), with a start-up line saying which."""
-    if strategy.device.type != "cuda" or not strategy.graphs_cuda_steps:
+    if strategy.device.type != "cuda" or strategy.needs_process_group:
         return None
     reason = "--no-cuda-graphs" if not strategy.wants_cuda_graphs else reason_against(strategy, model)
     if reason is not None:

@@ -12,7 +12,6 @@ class Distributed(Strategy):
     """A strategy whose ranks form one torch.distributed group: sums and objects go through it."""
 
     needs_process_group = True
-    reference = False
     # the degrees whose ranks hold the same figures of a step (`reduce` counts each such group once): a tensor
     # group's ranks each compute their slice's whole loss; a pipeline's share its last stage's (pipeline/strategy.py)
     figures_shared_by = ("tensor",)

@@ -25,7 +25,6 @@ from .holdings import figures, heading, local_bytes, optimizer_slots
 class Sharded(DTensorModel):
     name = "sharded"
     normalises_global_batch = True
-    bench_copies = True
     data_parallel = "shard"  # FSDP2 (parallelize.py apply_fsdp)
 
     def __init__(self, *, plan=None, **common):

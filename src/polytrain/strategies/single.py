@@ -5,4 +5,3 @@ class SingleDevice(Strategy):
     """Everything on one device in one process."""
 
     name = "single"
-    graphs_cuda_steps = True

@@ -205,7 +205,6 @@ class TensorParallel(DTensorModel):
 
     name = "tensor"
     normalises_global_batch = False  # (its BatchNorm-free plans: layers split, not batches)
-    bench_copies = False  # its rows are its (data, tensor) meshes; hybrid ones are not measured yet
     keeps_model_whole = False
     splits_layers = True
 

@@ -36,7 +36,7 @@ from polytrain.data import load_dataset
 from polytrain.data.order import Batch
 from polytrain.models import build_model
 from polytrain.optim import make_optimizer, make_scheduler
-from polytrain.strategies import SingleDevice
+from polytrain.strategies import Strategy
 
 SPEED = re.compile(r"([0-9,]+) samples/s")
 
@@ -46,7 +46,7 @@ def activation_bytes(batch_size: int, accumulate: int) -> int:
     data = load_dataset("mnist-sample")
     torch.manual_seed(0)
     model = build_model("lenet", data.input_shape, data.num_classes)
-    strategy = SingleDevice(device=torch.device("cpu"), accumulate=accumulate)
+    strategy = Strategy(device=torch.device("cpu"), accumulate=accumulate)
     strategy.setup(
         model,
         lambda named: make_optimizer(named, name="sgd", lr=0.05, momentum=0.9),

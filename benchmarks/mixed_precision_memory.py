@@ -36,24 +36,25 @@ def _rank(rank: int, init_file: str, mode: str, args, results) -> None:
     from polytrain.data.order import Batch
     from polytrain.models import build_model_on_meta
     from polytrain.objective import Objective
+    from polytrain.parallel import fsdp
+    from polytrain.parallel.layout import Layout
     from polytrain.plan.sharded import ShardedPlan
+    from polytrain.strategies import Strategy
     from polytrain.strategies.holdings import local_bytes
-    from polytrain.strategies.sharded import Sharded
 
-    class AutocastOnly(Sharded):  # the behaviour before the policy: autocast over float32 shards
-        def mixed_precision(self) -> dict:
-            return {}
+    if mode == "bf16 autocast only":  # the behaviour before the policy: autocast over float32 shards
+        fsdp.mixed_precision = lambda precision: {}
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     before = _rss()
     sizes = dict(layers=args.layers, width=args.width, heads=args.width // 64)
     model = build_model_on_meta("gpt", (64,), 65, sizes)
-    kind = AutocastOnly if mode == "bf16 autocast only" else Sharded
-    strategy = kind(
+    strategy = Strategy(
         device=torch.device("cpu"),
         rank=rank,
         world_size=2,
+        layout=Layout(shard=2),
         precision="fp32" if mode == "fp32" else "bf16",
         plan=ShardedPlan(cpu_offload=False),
         objective=Objective(kind="language"),

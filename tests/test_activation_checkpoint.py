@@ -92,9 +92,9 @@ def test_checkpointing_keeps_fewer_bytes_for_backward():
 
 
 def test_a_strategy_checkpoints_the_blocks_of_the_model_it_sets_up():
-    from polytrain.strategies import SingleDevice
+    from polytrain.strategies import Strategy
 
-    strategy = SingleDevice(device="cpu", activation_checkpointing="selective:2")
+    strategy = Strategy(device="cpu", activation_checkpointing="selective:2")
     strategy.setup(gpt(), lambda named: torch.optim.SGD([p for _, p in named], lr=0.1), lambda opt: None)
     replaced = [name for name, module in strategy.model.named_modules() if "forward" in vars(module)]
     assert replaced == ["2", "4"] and strategy.parameter_names == [

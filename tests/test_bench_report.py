@@ -299,9 +299,12 @@ def test_strategies_that_cannot_train_channels_last_say_so_and_do_not():
         assert STRATEGIES[name].keeps_channels_last
     asked = STRATEGIES["single"](device=torch.device("cpu"), channels_last=True)
     assert asked.channels_last
-    from polytrain.strategies.sharded import Sharded
+    from polytrain.parallel.layout import Layout
 
-    assert not Sharded(device=torch.device("cpu"), channels_last=True).channels_last
+    sharded = STRATEGIES["sharded"](
+        device=torch.device("cpu"), world_size=2, layout=Layout(shard=2), channels_last=True
+    )
+    assert not sharded.channels_last
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ def test_what_cannot_be_captured_is_named():
     assert cuda_graphs.reason_against(strategy(), lenet) is None
     assert "--compile" in cuda_graphs.reason_against(strategy(compile=True), lenet)
     assert "checkpointing" in cuda_graphs.reason_against(strategy(activation_checkpointing="full"), lenet)
-    assert "--strategy data" in cuda_graphs.reason_against(strategy("data"), lenet)
+    assert "--devices 2" in cuda_graphs.reason_against(strategy("data", world_size=2), lenet)
     own = strategy(objective=Objective(step=lambda model, batch: model(batch[0]).sum()))
     assert "own training step" in cuda_graphs.reason_against(own, lenet)
     dropout = build_model("cifar-cnn", (3, 32, 32), 10)

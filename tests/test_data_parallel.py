@@ -19,7 +19,7 @@ from polytrain.data.loader import make_loaders
 from polytrain.models import build_model
 from polytrain.runtime.launch import WorkerFailed
 from polytrain.runtime.verify import in_float64
-from polytrain.strategies import DataParallel, SingleDevice
+from polytrain.strategies import Strategy
 from polytrain.trainer import Trainer
 
 pytestmark = pytest.mark.multiprocess
@@ -63,7 +63,7 @@ def test_whole_epochs_on_real_digits_equal_one_device_in_float64():
 
 
 def _evaluate_on_rank(rank, world_size, model, data):
-    strategy = DataParallel(device=torch.device("cpu"), rank=rank, world_size=world_size)
+    strategy = Strategy(device=torch.device("cpu"), rank=rank, world_size=world_size)
     strategy.model = model
     _, val = make_loaders(
         data, batch_size=64, device="cpu", rank=rank, world_size=world_size, eval_batch_size=7
@@ -74,7 +74,7 @@ def _evaluate_on_rank(rank, world_size, model, data):
 def test_sharded_evaluation_equals_one_device_exactly():
     data = tiny_digits(n_train=64, n_val=101)  # odd size: no rank may pad or drop a sample
     model = build_model("mlp", data.input_shape, 10)
-    strategy = SingleDevice(device=torch.device("cpu"))
+    strategy = Strategy(device=torch.device("cpu"))
     strategy.model = model
     _, val = make_loaders(data, batch_size=64, device="cpu", eval_batch_size=7)
     expected = Trainer(strategy, val, val, epochs=0).evaluate()

@@ -15,7 +15,8 @@ from polytrain.config.flags import config_from_args
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.llama import HF_NAMES, Llama
-from polytrain.strategies.tensor import TensorParallel, plan_for
+from polytrain.parallel.layout import Layout
+from polytrain.strategies.tensor import plan_for, run_plan
 
 VOCAB = 65
 
@@ -137,11 +138,17 @@ def test_settings_presets_and_refusals():
     with pytest.raises(ConfigError, match="the model's 2 key/value heads do not split evenly; use --devices"):
         plan_for(SimpleNamespace(tensor_plan=None), model, devices=4)
     # with --tensor-parallel the groups are what does not divide, not --devices
-    config = SimpleNamespace(tensor_plan=None, devices=8, tensor_parallel=4, replicas=None)
+    config = SimpleNamespace(
+        tensor_plan=None,
+        devices=8,
+        tensor_parallel=4,
+        context_parallel=None,
+        layout=Layout(shard=2, tensor=4),
+    )
     with pytest.raises(
         ConfigError, match="tensor-parallel 4: .* 2 key/value heads .* use a --tensor-parallel that"
     ):
-        TensorParallel.make_plan(config, model, None, device=torch.device("cpu"))
+        run_plan(config, model, None)
 
 
 def test_llama_trains_on_shakespeare(tmp_path):

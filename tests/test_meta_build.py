@@ -42,15 +42,15 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.pipeline.strategy import Pipeline
     from polytrain.plan.sharded import ShardedPlan
+    from polytrain.strategies import Strategy
     from polytrain.strategies.layers import flatten_layers
-    from polytrain.strategies.sharded import Sharded
-    from polytrain.strategies.tensor import TensorParallel, plan_for
+    from polytrain.strategies.tensor import plan_for
 
     common = dict(device=torch.device("cpu"), rank=rank, world_size=world, seed=0)
     if kind == "sharded":
-        return Sharded(plan=ShardedPlan(cpu_offload=False), layout=Layout(shard=world), **common)
+        return Strategy(plan=ShardedPlan(cpu_offload=False), layout=Layout(shard=world), **common)
     if kind == "tensor":
-        return TensorParallel(
+        return Strategy(
             plan=plan_for(TrainConfig(strategy="tensor", devices=2), model, devices=2),
             layout=Layout(shard=world // 2, tensor=2),
             **common,

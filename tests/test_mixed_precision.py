@@ -15,11 +15,11 @@ def _dtypes_on_rank(rank: int, world: int, precision: str) -> dict:
     from polytrain.objective import Objective
     from polytrain.parallel.layout import Layout
     from polytrain.plan.sharded import ShardedPlan
-    from polytrain.strategies.sharded import Sharded
+    from polytrain.strategies import Strategy
 
     torch.manual_seed(0)
     model = GPT(65, context=8, layers=1, heads=2, width=16)
-    strategy = Sharded(
+    strategy = Strategy(
         device=torch.device("cpu"),
         rank=rank,
         world_size=world,

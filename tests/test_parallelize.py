@@ -238,9 +238,9 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
 def test_a_strategy_takes_the_run_s_layout_and_refuses_one_of_another_world_size():
     """The layout is the one description of a run's degrees: a strategy reads its batch slices and gradient ranks
     from the layout it is given (no degree of its own), and one whose product is not the world size is refused."""
-    from polytrain.strategies import Sharded, Strategy
+    from polytrain.strategies import Strategy
 
-    sharded = Sharded(device=torch.device("cpu"), rank=3, world_size=4, layout=Layout(replicate=2, shard=2))
+    sharded = Strategy(device=torch.device("cpu"), rank=3, world_size=4, layout=Layout(replicate=2, shard=2))
     assert (sharded.data_rank, sharded.data_world, sharded.replicas) == (3, 4, 4)
     tensor = Strategy(device=torch.device("cpu"), rank=3, world_size=4, layout=Layout(shard=2, tensor=2))
     assert (tensor.data_rank, tensor.data_world, tensor.replicas) == (1, 2, 2)

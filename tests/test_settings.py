@@ -395,11 +395,19 @@ def test_file_values_read_as_flags_read_them(tmp_path):
         (
             "run.json",
             json.dumps(
-                {"versions": {}, "strategy": "tensor", "tensor_plan": {"1": "colwise", "3": "rowwise"}}
+                {
+                    "versions": {},
+                    "strategy": "tensor",
+                    "devices": 2,
+                    "tensor_plan": {"1": "colwise", "3": "rowwise"},
+                }
             ),
         ),
-        ("run.toml", 'strategy = "tensor"\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n'),
-        ("run.toml", 'strategy = "tensor"\n[tensor]\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n'),
+        ("run.toml", 'strategy = "tensor"\ndevices = 2\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n'),
+        (
+            "run.toml",
+            'strategy = "tensor"\ndevices = 2\n[tensor]\ntensor_plan = { 1 = "colwise", 3 = "rowwise" }\n',
+        ),
     ],
     ids=["config.json", "toml", "toml-group"],
 )

@@ -390,31 +390,30 @@ def test_a_run_moves_tensor_to_data_to_tensor_on_one_straight_trajectory(text_ru
     assert_same_weights(load(out / "model.pt"), straight)
 
 
-def test_a_plan_function_trains_like_one_device_and_saves_the_whole_model(tmp_path):
-    """In this process on a one-rank mesh: the user's function splits, the rest is replicated, the step is the
-    one-device step, and the state dicts hold the original names and load back."""
+def _plan_function_on_rank(rank, world_size):
+    """The user's function splits, the rest is replicated, the step is the one-device step, and the state dicts
+    hold the original names and load back."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from polytrain.data.order import Batch
     from polytrain.plan.tensor import TensorPlan
-    from polytrain.strategies.tensor import TensorParallel
+    from polytrain.strategies import Strategy
 
     def split(model, mesh):
         parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    torch.manual_seed(0)
     model = build_model("mlp", (1, 4, 4), 3)
     reference = copy.deepcopy(model)
-    strategy = TensorParallel(
+    strategy = Strategy(
         device=CPU,
-        rank=0,
-        world_size=1,
-        plan=TensorPlan(1, (), "MLP", apply=split),
-        layout=Layout(tensor=1),
+        rank=rank,
+        world_size=world_size,
+        plan=TensorPlan(world_size, (), "MLP", apply=split),
+        layout=Layout(tensor=world_size),
     )
     strategy.setup(
         model,
@@ -432,23 +431,35 @@ def test_a_plan_function_trains_like_one_device_and_saves_the_whole_model(tmp_pa
         optimizer.step()
         assert float(stats.loss_sum) / 8 == pytest.approx(loss.item(), abs=1e-6)
     saved = strategy.state_dict()
-    assert_same_weights(saved["model"], reference.state_dict(), atol=1e-6)
-    assert sorted(saved["optimizer"]["state"]) == list(range(6))  # one-device numbering
-    torch.testing.assert_close(
-        saved["optimizer"]["state"][0]["momentum_buffer"],
-        optimizer.state_dict()["state"][0]["momentum_buffer"],
-        atol=1e-6,
-        rtol=0,
-    )
+    if rank == 0:
+        assert_same_weights(saved["model"], reference.state_dict(), atol=1e-6)
+        assert sorted(saved["optimizer"]["state"]) == list(range(6))  # one-device numbering
+        torch.testing.assert_close(
+            saved["optimizer"]["state"][0]["momentum_buffer"],
+            optimizer.state_dict()["state"][0]["momentum_buffer"],
+            atol=1e-6,
+            rtol=0,
+        )
     with torch.no_grad():
         for parameter in strategy.model.parameters():
             parameter.zero_()
-    strategy.load_state_dict(copy.deepcopy(saved))  # (loading turns the given tensors into DTensors)
-    assert_same_weights(strategy.model_state(), saved["model"], atol=0)
+    whole = [saved]
+    torch.distributed.broadcast_object_list(whole)  # every rank loads the file's state
+    strategy.load_state_dict(copy.deepcopy(whole[0]))  # (loading turns the given tensors into DTensors)
+    state = strategy.model_state()
+    if rank == 0:
+        assert_same_weights(state, whole[0]["model"], atol=0)
+
+
+@pytest.mark.multiprocess
+def test_a_plan_function_trains_like_one_device_and_saves_the_whole_model():
+    from distributed import run_on_ranks
+
+    run_on_ranks(_plan_function_on_rank)
 
 
 def _split_vocabulary_on_rank(rank, world_size):
-    """The built-in GPT (vocabulary 65, sequence-parallel) in TensorParallel against a one-device loop: the
+    """The built-in GPT (vocabulary 65, sequence-parallel) split over 2 tensor ranks against a one-device loop: the
     tied embedding and head hold one DTensor, cut 33/32 by the vocabulary, and train, save and load as one."""
     import copy
 
@@ -456,12 +467,13 @@ def _split_vocabulary_on_rank(rank, world_size):
 
     from polytrain.data.order import Batch
     from polytrain.objective import Objective
-    from polytrain.strategies.tensor import TensorParallel, plan_for
+    from polytrain.strategies import Strategy
+    from polytrain.strategies.tensor import plan_for
 
     torch.manual_seed(0)
     model = GPT(65, context=8, layers=1, heads=2, width=16)
     reference = copy.deepcopy(model)
-    strategy = TensorParallel(
+    strategy = Strategy(
         device=CPU,
         rank=rank,
         world_size=world_size,
@@ -517,7 +529,7 @@ def test_the_gpt_vocabulary_splits_unevenly_and_stays_tied():
 
 def test_the_groups_beside_a_tensor_group_are_the_layouts_words():
     """The plan describes one tensor group; the groups beside it come from the run's layout."""
-    from polytrain.strategies.tensor import beside
+    from polytrain.strategies.holdings import beside
 
     assert beside(Layout(tensor=2)) == ""
     assert beside(Layout(shard=2, context=2, tensor=2)) == "; 4 such groups side by side, FSDP2 over them"

@@ -155,17 +155,15 @@ def train_run(
             on_this_host=launcher.local_world_size if launcher else None,
         )  # fmt: skip
         # (only a process of polytrain's own has its C allocator set: never the caller's)
-        ours = launcher is not None or allocator_is_ours() or spawns_workers(strategy, config.devices)
+        ours = launcher is not None or allocator_is_ours() or spawns_workers(config.devices)
         give_back = ours and device.type == "cpu" and fit.gives_back_memory()
         if shout and give_back:
             print(fit.line(), flush=True)
         plan = make_plan(strategy, config, module, dataset, device=device)
-    in_place = trains_in_place(
-        module if own else None, strategy=strategy, devices=config.devices, launched=launcher is not None
-    )
+    in_place = trains_in_place(module if own else None, devices=config.devices, launched=launcher is not None)
     if shout:
         announce_recipe(recipe, steps_per_epoch=steps_per_epoch, epochs=config.epochs, words=words)
-        if own and return_weights and spawns_workers(strategy, config.devices):
+        if own and return_weights and spawns_workers(config.devices):
             print(workers_note(module, config.devices), flush=True)
     run_dir, fresh = prepare_run_dir(
         config, resume_dir, launcher, keep_files=keep_files, strategy=strategy, plan=plan,

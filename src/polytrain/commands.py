@@ -306,8 +306,7 @@ def verify_command(args) -> int:
     if float64:
         model, data = in_float64(model, data)
     objective = make_objective(config, kind=getattr(data, "kind", "classification"))
-    context = config.context_parallel or 1
-    split = f" (each sequence split over {context} context ranks)" if context > 1 else ""
+    split = f" ({config.layout.sequence_words[2:]})" if config.layout.sequence_words else ""
     if len(config.layout.degrees()) > 1:  # a mesh: its degrees in words
         split += f" ({config.layout.describe()})"
     print(

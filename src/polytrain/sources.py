@@ -370,7 +370,8 @@ def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective
             f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
             f"the targets, which {what} does not give; use the data or sharded strategy"
         )
-    if not kind.keeps_model_whole and isinstance(objective.step, LightningStep):
+    splits = not kind.keeps_model_whole or config.layout.tensor > 1
+    if splits and isinstance(objective.step, LightningStep):
         raise UserError(
             f"the {strategy} strategy splits the model or moves its optimizer, which a LightningModule's "
             f"training_step and configure_optimizers are written for whole; use the data or sharded "

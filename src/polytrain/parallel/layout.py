@@ -57,12 +57,20 @@ class Layout:
     pipeline: int = 1
     context: int = 1
     tensor: int = 1
+    # which data dimension the context ranks join in holding the parameters (they hold the same ones): "shard"
+    # (FSDP2 over them, torchtitan's dp_shard_cp) or "replicate" (whole copies, DDP over them); without context
+    # ranks it says nothing and is "shard"
+    context_in: str = "shard"
 
     def __post_init__(self) -> None:
         for name in DEGREES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"the {name} degree must be a whole number of at least 1, got {value!r}")
+        if self.context_in not in ("shard", "replicate"):
+            raise ConfigError(f"context_in must be 'shard' or 'replicate', got {self.context_in!r}")
+        if self.context == 1:  # (one description per layout: equal layouts compare equal)
+            object.__setattr__(self, "context_in", "shard")
 
     @property
     def world_size(self) -> int:
@@ -74,6 +82,23 @@ class Layout:
         data-parallel ranks (the ranks of one pipeline, of one context group and of one tensor group read the same
         slice)."""
         return self.replicate * self.shard
+
+    @property
+    def data_parallel(self) -> str:
+        """How the ranks that hold the same parameters (the data ranks and the context ranks beside a tensor
+        group or a pipeline stage) hold them: "none" (there are none), "replicate" (whole copies, DDP) or
+        "shard" (FSDP2; also over whole copies of a tensor plan's DTensors, which DDP does not take)."""
+        if self.replicate * self.shard * self.context == 1:
+            return "none"
+        if self.shard > 1 or self.tensor > 1 or (self.context > 1 and self.context_in == "shard"):
+            return "shard"
+        return "replicate"
+
+    @property
+    def holds_parts(self) -> bool:
+        """True where each rank's parameters are DTensors, parts of the whole model's (FSDP2's shards, a tensor
+        plan's slices): its state is gathered and cut back, and its checkpoints are each rank's parts."""
+        return self.data_parallel == "shard" or self.tensor > 1
 
     @property
     def splits_model(self) -> bool:
@@ -145,6 +170,11 @@ class Layout:
             if getattr(self, name) > 1
         )
 
+    @property
+    def sequence_words(self) -> str:
+        """', each sequence split over C context ranks' where there are context ranks ('' else)."""
+        return f", each sequence split over {self.context} context ranks" if self.context > 1 else ""
+
     def describe(self) -> str:
         """In words: '2 replicas x 2 tensor ranks'; 'one device'."""
         parts = [f"{size} {WORDS[name]}s" for name, size in self.degrees().items()]
@@ -168,6 +198,8 @@ def _tensor(
     context_parallel: Optional[int] = None,
     **_,
 ) -> Layout:
+    if devices < 2:
+        raise ConfigError("--strategy tensor splits every layer over --devices 2 or more; add --devices 2")
     group, context = tensor_parallel or devices, context_parallel or 1
     groups = devices // group  # (layout_of has checked that --tensor-parallel divides --devices)
     if groups % context:
@@ -208,7 +240,11 @@ def _pipeline(
             replicate=copies, shard=pipelines // copies, pipeline=stages, context=context, tensor=tensor
         )
     return Layout(
-        **{"shard" if shard else "replicate": pipelines}, pipeline=stages, context=context, tensor=tensor
+        **{"shard" if shard else "replicate": pipelines},
+        pipeline=stages,
+        context=context,
+        tensor=tensor,
+        context_in="shard" if shard else "replicate",
     )
 
 
@@ -283,7 +319,8 @@ def _context_groups(devices: int, context: int) -> int:
 
 def _data(devices: int, *, context_parallel: Optional[int] = None, **_) -> Layout:
     context = context_parallel or 1
-    return Layout(replicate=_context_groups(devices, context), context=context)
+    # whole copies on every rank, the context ranks' too (DDP over them all)
+    return Layout(replicate=_context_groups(devices, context), context=context, context_in="replicate")
 
 
 def _sharded(

@@ -43,7 +43,7 @@ from typing import Any, List, Optional
 import torch
 import torch.nn as nn
 
-from .activation_checkpoint import apply_activation_checkpointing
+from .activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
 from .ddp import apply_ddp
 from .fsdp import apply_fsdp
 from .global_batch import GlobalRows, whole_batch_layers
@@ -149,6 +149,17 @@ def parallelize(
             )
         _materialise(module, options, done.fused)
     return done
+
+
+def check_model(model: nn.Module, layout: Layout, *, activation_checkpointing: str) -> None:
+    """One line each, in the launching process before any worker starts, where `model` cannot be prepared for
+    `layout` as asked: activation checkpointing without the blocks it means, sequences context parallelism cannot
+    split (by the model's class, as the other checks name it: fit()'s own module is not --model's default)."""
+    check_activation_checkpointing(model, activation_checkpointing)
+    if layout.context > 1:
+        from .context import check_context_parallel
+
+        check_context_parallel(model, layout.context, name=type(model).__name__)
 
 
 def mesh_for(layout: Layout, options: Preparation) -> Optional[RunMesh]:

@@ -36,7 +36,7 @@ def stages_per_rank(schedule: str) -> int:
 
 def pipelines_words(layout: Layout) -> str:
     """The pipelines beside each other (and the context ranks each stage runs on), in words."""
-    context = f", each sequence split over {layout.context} context ranks" if layout.context > 1 else ""
+    context = layout.sequence_words
     if layout.replicate > 1 and layout.shard > 1:
         return f"{layout.replicate} replicas of {layout.shard} shards (hybrid sharding, FSDP2){context}"
     return (

@@ -33,8 +33,7 @@ from ..parallel.ddp import release_reducers
 from ..parallel.global_batch import slice_offsets
 from ..parallel.mesh import RunMesh
 from ..parallel.parallelize import parallelize
-from ..strategies.base import StepStats
-from ..strategies.distributed import Distributed
+from ..strategies.base import StepStats, Strategy
 from ..strategies.holdings import local_part
 from ..strategies.layers import Stage, describe_stage, flatten_layers, named_subset
 from ..strategies.optimizer_state import positions, whole_state
@@ -58,11 +57,12 @@ def _schedule_class(kind: str):
     }[kind]
 
 
-class Pipeline(Distributed):
+class Pipeline(Strategy):
     name = "pipeline"
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
-    splits_layers = False  # as a name (bench's rows): with --tensor-parallel its plan splits each stage
+    # BatchNorm normalises over each micro-batch, Dropout draws one device's masks (`global_batch`)
+    normalises_global_batch = False
     # the last stage's figures of a step on each rank of its pipeline (`shared_sums`), as on a tensor group's
     figures_shared_by = ("tensor", "pipeline")
     keeps_channels_last = False  # activations cross processes as plain contiguous tensors
@@ -103,13 +103,11 @@ class Pipeline(Distributed):
 
     @property
     def data_parallel(self) -> str:
-        """How the pipelines side by side hold their stages (sharding.py): FSDP2 shards; whole copies as
-        DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not take),
-        as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the step."""
-        layout = self.layout
-        if layout.gradient_ranks == 1 or self.plan.split_at:  # (the ranks of a context group sum theirs too)
-            return "none"
-        return "shard" if layout.shard > 1 or layout.tensor > 1 else "replicate"
+        """How the pipelines side by side hold their stages (sharding.py), as the layout says: FSDP2 shards; whole
+        copies as DDP modules, or, where a tensor plan makes the stages' parameters DTensors (which DDP does not
+        take), as FSDP2 over a dp_shard dimension of one rank. Traced stages' copies sum their gradients in the
+        step."""
+        return "none" if self.plan.split_at else self.layout.data_parallel
 
     @property
     def global_batch(self) -> str:

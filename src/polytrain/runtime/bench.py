@@ -183,14 +183,16 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
         for batch in options.batch_sizes:
             rows.append(Row(kind, "single", 1, batch))
             for strategy in options.strategies:
-                splits_layers = STRATEGIES[strategy].splits_layers
-                if splits_layers and not tensor:
+                if strategy == "single":
+                    continue  # one device is the baseline row
+                plain = layout_of(strategy, 2)  # what the preset is: its layout on 2 devices
+                if plain.tensor > 1 and not tensor:
                     continue
                 for n in options.devices:
-                    if not STRATEGIES[strategy].needs_process_group or n == 1:
-                        continue  # one device is the baseline row
+                    if n == 1:
+                        continue
                     rows.append(Row(kind, strategy, n, batch))
-                    if splits_layers:
+                    if plain.tensor > 1:
                         rows += [
                             Row(kind, strategy, n, batch, tensor_parallel=t)
                             for t in range(2, n)
@@ -198,7 +200,7 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                         ]
                     # hybrid sharding, as the cost model projects it (FSDP2 over the data ranks; a tensor strategy's
                     # rows are its (data, tensor) meshes, hybrid ones not measured yet)
-                    if STRATEGIES[strategy].data_parallel == "shard":
+                    if plain.data_parallel == "shard":
                         rows += [
                             Row(kind, strategy, n, batch, replicas=n // shards)
                             for shards in costmodel.HYBRID_SHARDS

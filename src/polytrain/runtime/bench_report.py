@@ -285,8 +285,7 @@ def report(result: BenchResult) -> List[str]:
         costs = result.message_costs.get(kind)
         if costs:
             each = ", ".join(
-                f"{name} {seconds * 1e3:.2f} ms"
-                + (" per collective" if name in STRATEGIES and STRATEGIES[name].splits_layers else "")
+                f"{name} {seconds * 1e3:.2f} ms" + (" per collective" if name == "tensor" else "")
                 for name, seconds in costs.items()
             )
             lines.append(

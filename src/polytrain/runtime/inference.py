@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..models import build_model, text_vocabulary
 from ..run_dir import read_config
 from ..sources import as_dataset, check_objective, dataset_pair, is_torch_dataset, make_objective
-from ..strategies import SingleDevice
+from ..strategies import Strategy
 from ..trainer import Trainer
 from .checkpoint import load_weights
 from .launch import check_devices
@@ -95,7 +95,7 @@ def evaluate(
     elif data is not None or dataset is None:
         dataset = as_dataset(data, TrainConfig())
     check_devices(1, device)
-    strategy = SingleDevice(device=choose_device(device, 0), objective=objective)
+    strategy = Strategy(device=choose_device(device, 0), objective=objective)
     objective = check_objective(model, objective, dataset)
     strategy.objective = objective
     first = next(model.parameters(), None)

@@ -104,16 +104,15 @@ def _is_main_guard(test: ast.expr) -> bool:
     )
 
 
-def spawns_workers(strategy: str, devices: int) -> bool:
-    """Whether training `strategy` on `devices` starts worker processes here (not under torchrun or srun)."""
-    from ..strategies import STRATEGIES
-
-    return launcher_env() is None and (devices > 1 or STRATEGIES[strategy].needs_process_group)
+def spawns_workers(devices: int) -> bool:
+    """Whether training on `devices` starts worker processes here (not under torchrun or srun): every strategy
+    on several devices runs a process per device; one device trains in the caller's process."""
+    return launcher_env() is None and devices > 1
 
 
 def run_job(job: Job) -> WorkerResult:
     """Run `job` on `job.config.devices` processes and return rank 0's result."""
-    return spawn_workers(job) if spawns_workers(job.strategy, job.config.devices) else train_worker(job)
+    return spawn_workers(job) if spawns_workers(job.config.devices) else train_worker(job)
 
 
 def spawn_workers(job: Job) -> WorkerResult:

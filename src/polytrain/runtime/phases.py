@@ -331,7 +331,7 @@ def plan_record(plan) -> Optional[dict]:
 def check_spawnable(strategy: str, config, module, recipe, *, registry_model: bool, **objects) -> None:
     """Where the run starts worker processes: the script guards its training (`if __name__ == "__main__"`)
     and everything they are handed pickles (a registry model is built in each worker instead)."""
-    if not spawns_workers(strategy, config.devices):
+    if not spawns_workers(config.devices):
         return
     check_main_guard(config.devices)
     check_picklable(

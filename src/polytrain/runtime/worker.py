@@ -144,7 +144,9 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
         else (0, 1, 0, 1)
     )
     device = choose_device(config.device, local_rank)
-    distributed = STRATEGIES[job.strategy].needs_process_group
+    distributed = (
+        world > 1
+    )  # (every strategy on several devices; one device is the run every other reproduces)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if launcher is not None or allocator_is_ours():  # a process started for training, or the command line's

@@ -1,7 +1,9 @@
 """Strategies by name; `auto` picks `single` for one device and `data` for several. The names are declared in
 config/registry_names.py (the command line reads them without importing torch); `STRATEGIES` maps them to
-classes and is checked against them when first used. One class runs every layout of its name: a pipeline's tensor
-and shard degrees are steps of `Pipeline.setup`, not classes of their own.
+classes and is checked against them when first used. The names are presets of degrees (parallel/layout.py
+`layout_of`): one class, `Strategy`, runs every layout whose ranks all take one step (single, data, sharded,
+tensor, with context ranks, and their meshes), prepared by `parallelize`; the pipeline is `parallelize` applied
+per stage with a schedule of its own; the parameter server is a different algorithm.
 
 `Pipeline` lives in polytrain/pipeline/strategy.py, which builds on this package's modules (base.py,
 distributed.py, ...): it and `STRATEGIES` are imported when first asked for (PEP 562's module `__getattr__`), so
@@ -11,14 +13,10 @@ from __future__ import annotations
 
 from ..config.registry_names import STRATEGY_NAMES, check_registry
 from ..errors import ConfigError
-from ..parallel.activation_checkpoint import check_activation_checkpointing
-from ..parallel.context import check_context_parallel
+from ..parallel.layout import layout_of
+from ..parallel.parallelize import check_model
 from .base import StepStats, Strategy
-from .data import DataParallel
 from .parameter_server import ParameterServer
-from .sharded import Sharded
-from .single import SingleDevice
-from .tensor import TensorParallel
 
 _STRATEGIES: dict = {}  # filled by strategy_classes
 
@@ -29,12 +27,12 @@ def strategy_classes() -> dict:
         from ..pipeline.strategy import Pipeline
 
         classes = {
-            "single": SingleDevice,
-            "data": DataParallel,
+            "single": Strategy,
+            "data": Strategy,
             "pipeline": Pipeline,
-            "sharded": Sharded,
+            "sharded": Strategy,
             "parameter-server": ParameterServer,
-            "tensor": TensorParallel,
+            "tensor": Strategy,
         }
         check_registry("strategy", classes, STRATEGY_NAMES)
         _STRATEGIES.update(classes)
@@ -59,8 +57,14 @@ def resolve_strategy_name(name: str, devices: int) -> str:
 
 
 def contiguous_strategies() -> tuple:
-    """The strategies that train in the default memory format even where channels-last is asked for."""
-    return tuple(name for name, strategy in strategy_classes().items() if not strategy.keeps_channels_last)
+    """The strategies that train in the default memory format even where channels-last is asked for: a
+    pipeline's (`keeps_channels_last`), and those whose ranks hold parts of the parameters on several devices
+    (FSDP2 shards contiguous parameters only)."""
+    return tuple(
+        name
+        for name, strategy in strategy_classes().items()
+        if not strategy.keeps_channels_last or (name != "single" and layout_of(name, 2).holds_parts)
+    )
 
 
 def make_plan(name: str, config, model, dataset, *, device):
@@ -70,22 +74,16 @@ def make_plan(name: str, config, model, dataset, *, device):
             "--activation-checkpointing does not combine with --split-at (traced stages); write the model as "
             "an nn.Sequential (stages split by --split), or drop --activation-checkpointing"
         )
-    check_activation_checkpointing(model, config.activation_checkpointing)  # the blocks it means, or one line
-    # (by its class, as the other checks name it: fit()'s own module is not --model's default, lenet)
-    check_context_parallel(model, config.context_parallel or 1, name=type(model).__name__)
+    check_model(model, config.layout, activation_checkpointing=config.activation_checkpointing)
     return strategy_classes()[name].make_plan(config, model, dataset, device=device)
 
 
 __all__ = [
-    "DataParallel",
     "ParameterServer",
     "Pipeline",
-    "Sharded",
-    "SingleDevice",
     "STRATEGIES",
     "StepStats",
     "Strategy",
-    "TensorParallel",
     "contiguous_strategies",
     "make_plan",
     "resolve_strategy_name",

@@ -11,21 +11,24 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..data.order import split_rows
 from ..errors import UserError
 from ..objective import Objective
 from ..optim import step_per_epoch
-from ..parallel.activation_checkpoint import apply_activation_checkpointing
 from ..parallel.ddp import release_reducers
 from ..parallel.global_batch import slice_offsets
 from ..parallel.layout import Layout
 from ..parallel.materialise import is_meta, materialise
-from ..parallel.parallelize import Preparation, apply_global_batch, parallelize
+from ..parallel.parallelize import Preparation, parallelize
+from ..plan.sharded import sharded_plan
 from . import cuda_graphs
 from .gradients import Gradients
-from .optimizer_state import load_part, numbered_part, positions, whole_state
+from .holdings import holding_lines, local_bytes, optimizer_slots
+from .model_state import ModelState
+from .tensor import run_plan
 
 
 @dataclass
@@ -41,28 +44,24 @@ class StepStats:
             self.loss_count = self.count
 
 
-class Strategy:
-    """One process, one device: the reference every other strategy must reproduce."""
+class Strategy(ModelState):
+    """One training step for every layout whose ranks all run it (one device, data parallelism, FSDP2 shards, a
+    tensor plan, context ranks, their meshes): `setup` prepares the model with `parallelize` for the run's
+    `Layout`, and what differs between layouts is asked of the layout. The pipeline (pipeline/strategy.py) and the
+    parameter server (parameter_server.py) build on it with steps of their own."""
 
-    name = "single"
-    # True: every rank must join a torch.distributed group first; False: the one-device run every other strategy
-    # reproduces (bench's baseline row; its training passes may replay as CUDA graphs on a GPU)
-    needs_process_group = False
+    # What the algorithm is, asked of it rather than decided by its name; what the layout decides is asked of the
+    # layout (parallel/layout.py: whether a rank's parameters are parts, how the data ranks hold them).
     keeps_channels_last = True  # False: trains in the default memory format even when asked otherwise
-    schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
-    # what the strategy is, asked of it rather than decided by its name
-    # True: each data-parallel rank computes a slice of the batch through the whole model, so BatchNorm and
-    # Dropout are made to compute over the global batch (parallel/global_batch.py)
-    normalises_global_batch = False
-    splits_layers = False  # True: splits each layer over ranks (needs the model's tensor plan)
+    # True: each data-parallel rank computes a slice of the batch through the whole model (where the layout splits
+    # no layer), so BatchNorm and Dropout are made to compute over the global batch (parallel/global_batch.py)
+    normalises_global_batch = True
     waits_on_servers = False  # True: workers pull weights from server ranks (their waiting is the servers')
     keeps_model_whole = True  # False: splits the module or moves its optimizer away from it
     loss_from_outputs_only = False  # True: the loss is computed from the outputs and targets (no own step)
-    # True: each rank writes and reads its own part of checkpoints (shard_state, load_shards); False: state_dict
-    # gathers the whole state into one file on rank 0
-    writes_shards = False
-    data_parallel = "none"  # how its data dimensions hold the model (parallelize.py): none, replicate, shard
-    cpu_offload = False  # True: FSDP2 keeps shards in host memory between uses (--cpu-offload, sharded.py)
+    # the degrees whose ranks hold the same figures of a step (`reduce` counts each such group once): a tensor
+    # group's ranks each compute their slice's whole loss; a pipeline's share its last stage's (pipeline/strategy.py)
+    figures_shared_by = ("tensor",)
 
     def __init__(
         self,
@@ -97,6 +96,10 @@ class Strategy:
             fp16=precision == "fp16",
         )
         self.rank, self.world_size = rank, world_size
+        self.plan = plan  # what the launching process planned for the workers (make_plan), or None
+        # FSDP2 keeps shards in host memory between uses (--cpu-offload: plan/sharded.py)
+        self.cpu_offload = bool(getattr(plan, "cpu_offload", False))
+        self.schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
         # the run's degrees of parallelism (parallel/layout.py), the one description of them: the batch's slices, the
         # gradient ranks and the mesh derive from it (made without one, in tests: every rank a replica)
         self.layout = layout if layout is not None else Layout(replicate=world_size)
@@ -110,7 +113,8 @@ class Strategy:
         self.context = None
         self.precision = precision
         self.compile = compile
-        self.channels_last = channels_last and self.keeps_channels_last
+        # (FSDP2 shards contiguous parameters only)
+        self.channels_last = channels_last and self.keeps_channels_last and not self.layout.holds_parts
         self.objective = objective or Objective()
         self.model: nn.Module = None  # the plain module: its state_dict is what gets saved
         self.runner: nn.Module = None  # what the training step calls (compiled or wrapped)
@@ -129,8 +133,11 @@ class Strategy:
     @classmethod
     def make_plan(cls, config, model: nn.Module, dataset, *, device=None):
         """Check this strategy's options and compute what its workers execute, in the launching process,
-        before any worker starts (None: nothing to plan)."""
-        return None
+        before any worker starts (None: nothing to plan): the tensor plan of a layout with a tensor degree, where
+        FSDP2's shards live for one whose data ranks shard."""
+        offload, device_type = bool(getattr(config, "cpu_offload", False)), getattr(device, "type", None)
+        sharded = sharded_plan(config.layout, cpu_offload=offload, device_type=device_type)
+        return run_plan(config, model, dataset) if config.layout.tensor > 1 else sharded
 
     @classmethod
     def settle_phases(cls, ranks: list) -> list:
@@ -172,6 +179,10 @@ class Strategy:
         parallelism, activation checkpointing, the global batch, FSDP2 or DDP, materialise), then build the
         optimizer and scheduler over it. A model built on the meta device is split and wrapped without storage,
         then each rank materialises what it holds."""
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.full_meta = {  # the whole model's names and shapes, which a rank of parts no longer has
+            k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
+        }
         model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -186,13 +197,33 @@ class Strategy:
         self.optimizer = make_optimizer(list(self.model.named_parameters()))
         self.scheduler = make_scheduler(self.optimizer)
         self.graphed = cuda_graphs.graph_passes(self, model)
+        if self.layout.holds_parts:
+            self.placement += self.holding_lines(full)
+
+    def holding_lines(self, full: int) -> list:
+        """Rank 0's start-up lines of what each rank holds beside `full` bytes of a whole replica (holdings.py);
+        every rank calls it."""
+        slots = optimizer_slots(self.optimizer)
+        rows = self.gather_object((self.rank, str(self.device), local_bytes(self.model.parameters())))
+        if not self.is_main:
+            return []
+        plan = self.plan if self.layout.tensor > 1 else None
+        return holding_lines(
+            self.layout,
+            rows,
+            slots,
+            full,
+            tensor_plan=plan,
+            offload=self.cpu_offload,
+            precision=self.precision,
+        )
 
     def preparation(self) -> Preparation:
         """What this run's settings ask of each step of `parallelize`."""
         return Preparation(
             device=self.device,
             data_parallel=self.data_parallel,
-            tensor_plan=self.plan if self.splits_layers else None,
+            tensor_plan=self.plan if self.layout.tensor > 1 else None,
             activation_checkpointing=self.activation_checkpointing,
             global_batch=self.global_batch,
             loud=self.global_batch == "across" and self.data_rank == 0,
@@ -206,13 +237,18 @@ class Strategy:
         )
 
     @property
+    def data_parallel(self) -> str:
+        """How the ranks that hold the same parameters hold them (parallelize.py DATA_PARALLEL): the layout's."""
+        return self.layout.data_parallel
+
+    @property
     def global_batch(self) -> str:
         """Whether BatchNorm and Dropout compute over the global batch (parallelize.py GLOBAL_BATCH): across the
-        data ranks where each computes a slice (`normalises_global_batch`), and one device draws its dropout
-        masks alike (the reference)."""
-        if self.normalises_global_batch and self.data_world > 1:
+        data ranks where each computes a slice through the whole model (`normalises_global_batch`, no layer split),
+        and one device draws its dropout masks alike (the reference)."""
+        if self.normalises_global_batch and self.layout.tensor == 1 and self.data_world > 1:
             return "across"
-        return "masks" if not self.needs_process_group else "off"
+        return "masks" if self.world_size == 1 else "off"
 
     def place(self, model: nn.Module) -> nn.Module:
         """`model` on this rank's device (channels-last where asked); one built on the meta device stays there,
@@ -227,9 +263,10 @@ class Strategy:
 
     @property
     def home_device(self) -> torch.device:
-        """Where the model's parameters live between steps (the GPU itself, but host memory under
-        --cpu-offload)."""
-        return self.device
+        """Where the model's parameters live between steps: the GPU itself, but host memory under --cpu-offload,
+        from the start (FSDP2 keeps each shard there and gathers a layer onto the GPU only while it computes; it
+        refuses parameters placed on the GPU first)."""
+        return torch.device("cpu") if self.cpu_offload else self.device
 
     def materialise(self, model: nn.Module) -> None:
         """Storage for what this rank holds of a meta-device `model` (its shards, slices or stage), filled with
@@ -250,12 +287,6 @@ class Strategy:
         """This rank's head and tail chunks of each sequence of (x, y) under context parallelism, else (x, y)."""
         return (x, y) if self.context is None else (self.context.own_tokens(x), self.context.own_tokens(y))
 
-    def whole_batch_layers(self, model: nn.Module) -> None:
-        """Step 4 of `parallelize` alone (the parameter server's replica): BatchNorm and Dropout over the global
-        batch as `global_batch` says (parallel/global_batch.py)."""
-        how = self.global_batch
-        self.global_rows = apply_global_batch(model, how, loud=how == "across" and self.data_rank == 0)
-
     def first_global_row(self, batch) -> int:
         """Where this rank's slice of the step's global batch starts (as the loader cuts it)."""
         return slice_offsets(batch.global_count, self.data_world)[self.data_rank][0]
@@ -269,11 +300,6 @@ class Strategy:
         start = self.first_global_row(batch)
         first, last = slice_offsets(len(batch), passes)[index]
         self.global_rows.set(start + first, start + last, batch.global_count, step=self.whole_batch_steps)
-
-    def checkpoint_activations(self, model: nn.Module) -> None:
-        """Activation checkpointing of the model's blocks as asked, in place (after any split of its layers,
-        before FSDP2 or DDP wraps it); its structure and parameter names stay the model's."""
-        apply_activation_checkpointing(model, self.activation_checkpointing)
 
     def autocast(self):
         if self.precision in ("bf16", "fp16"):
@@ -346,10 +372,21 @@ class Strategy:
                 if p.grad is not None:
                     p.grad.mul_(global_count / total)
 
+    @contextlib.contextmanager
     def gradient_sync(self, *, last: bool):
         """A context for one pass of an accumulated step: gradients are synchronised across ranks only in the
-        last (here: nothing to synchronise)."""
-        return contextlib.nullcontext()
+        last (DDP all-reduces, FSDP2 reduce-scatters then; a tensor plan alone has nothing to synchronise)."""
+        if last or self.data_parallel == "none":
+            yield
+        elif self.data_parallel == "replicate":
+            with self.runner.no_sync():
+                yield
+        else:
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
 
     # The ranks over which local gradients are parts of the whole model's (see gradients.py); None: every rank
     # holds the whole gradient, or DTensors whose norm torch sums itself (shards, slices)
@@ -359,7 +396,7 @@ class Strategy:
     def overflow_group(self):
         """The ranks that must agree on an fp16 overflow (gradients.py): all, where each unscales its own part of
         the gradients (FSDP2's shards, a tensor plan's slices); None where each holds the whole, identical one."""
-        return torch.distributed.group.WORLD if self.data_parallel == "shard" or self.splits_layers else None
+        return torch.distributed.group.WORLD if self.layout.holds_parts else None
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -396,8 +433,17 @@ class Strategy:
         release_reducers([getattr(self, "runner", None)])
 
     def epoch_extras(self) -> dict:
-        """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed."""
-        return {}
+        """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed: where ranks
+        hold parts of the model on GPUs, the most device memory any rank had allocated this epoch."""
+        if self.device.type != "cuda" or not self.layout.holds_parts:
+            return {}
+        peak = torch.tensor(
+            [torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        mib = float(peak) / 2**20
+        return {"peak_device_memory_mib": mib, "note": f"peak device memory {mib:,.0f} MiB (largest rank)"}
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
@@ -411,16 +457,31 @@ class Strategy:
         return StepStats(loss_sum, metrics, self.samples_counted(len(batch)), loss_count=count)
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (one rank: unchanged)."""
+        """Sums over ranks, each group of ranks that hold the same figures (`figures_shared_by`, from the layout)
+        counted once (one rank: unchanged)."""
+        if self.world_size == 1:
+            return tensor
+        where = self.layout.coordinates(self.rank)
+        counted = all(where[degree] == 0 for degree in self.figures_shared_by)
+        tensor = tensor.clone() if counted else torch.zeros_like(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def broadcast_object(self, value):
         """Rank 0's value on every rank."""
-        return value
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def gather_object(self, value) -> list:
         """Every rank's value, in rank order, on rank 0 (None elsewhere)."""
-        return [value]
+        if self.world_size == 1:
+            return [value]
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered
 
     def start_trace(self) -> None:
         """Begin recording when this rank runs what (strategies that have something to show)."""
@@ -436,42 +497,3 @@ class Strategy:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def model_state(self) -> dict:
-        """The whole model's state dict by its original names, on rank 0 ({} elsewhere); every rank calls it."""
-        return self.model.state_dict()
-
-    def expected_state(self) -> dict:
-        """Names and shapes a loaded state dict must have (tensors, possibly on the meta device)."""
-        return self.model.state_dict()
-
-    def flat_parameters(self):
-        """All parameters of the whole model as one float64 CPU vector on rank 0 (None elsewhere); every rank
-        calls it."""
-        state = self.model_state()
-        if not self.is_main:
-            return None
-        return torch.cat([state[name].detach().double().flatten().cpu() for name in self.parameter_names])
-
-    def state_dict(self) -> dict:
-        mine = numbered_part(self.optimizer, positions(self.model.parameters()))
-        return {
-            "model": self.model_state(),
-            "optimizer": whole_state(self.optimizer, [mine]),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        load_part(self.optimizer, state["optimizer"], positions(self.model.parameters()))
-        self.scheduler.load_state_dict(state["scheduler"])
-
-    def shard_state(self, *, optimizer: bool = True) -> dict:
-        """{"model": ..., "optimizer": ...} (only "model" without `optimizer`): this rank's part of the state,
-        keyed by the one-device names, for torch.distributed.checkpoint (strategies that write shards)."""
-        raise NotImplementedError(f"the {self.name} strategy writes whole checkpoints (state_dict)")
-
-    def load_shards(self, load: Callable, scheduler: dict) -> None:
-        """Load a checkpoint of shards: `load(template)` fills `shard_state()`'s form in place, re-sharded for
-        this layout (every rank calls it); `scheduler` is the schedule's state dict."""
-        raise NotImplementedError(f"the {self.name} strategy reads whole checkpoints (load_state_dict)")

@@ -30,8 +30,8 @@ MAX_SHAPES = 2  # the full pass and the short last batch
 def reason_against(strategy, model: nn.Module):
     """Why this strategy's training passes cannot be replayed as CUDA graphs (None: they can)."""
     objective = strategy.objective
-    if strategy.needs_process_group:
-        return f"--strategy {strategy.name} (CUDA graphs replay one-device steps only)"
+    if strategy.world_size > 1:
+        return f"--devices {strategy.world_size} (CUDA graphs replay one-device steps only)"
     if strategy.compile:
         return "--compile (compiled code makes graphs of its own with mode='reduce-overhead')"
     if strategy.activation_checkpointing != "none":
@@ -222,7 +222,7 @@ def release_gradients(parameters) -> None:
 def graph_passes(strategy, model: nn.Module):
     """On a GPU: the strategy's training passes replayed as CUDA graphs where asked and possible (`GraphedPasses`,
     else None), with a start-up line saying which."""
-    if strategy.device.type != "cuda" or strategy.needs_process_group:
+    if strategy.device.type != "cuda" or strategy.world_size > 1:
         return None
     reason = "--no-cuda-graphs" if not strategy.wants_cuda_graphs else reason_against(strategy, model)
     if reason is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..parallel.fsdp import GATHERED_IN_BF16, mixed_precision
+from ..parallel.layout import Layout
 from .optimizer_state import state_slots
 
 
@@ -62,3 +64,46 @@ def figures(parameters: int, slots: int, stepped: int = None) -> str:
     return (
         f"{mib(parameters)} + {mib(parameters)} + {mib((parameters if stepped is None else stepped) * slots)}"
     )
+
+
+def beside(layout: Layout) -> str:
+    """The tensor groups beside each other in `layout`, in words ("" for one group)."""
+    groups = layout.world_size // layout.tensor
+    if groups == 1:
+        return ""
+    if layout.replicate > 1:
+        shards = groups // layout.replicate
+        return f"; {groups} such groups as {layout.replicate} replicas of {shards} shards (hybrid sharding)"
+    return f"; {groups} such groups side by side, FSDP2 over them"
+
+
+def holding_lines(
+    layout: Layout, rows: list, slots: int, full: int, *, tensor_plan=None, offload: bool, precision: str
+) -> list:
+    """The start-up lines of what each rank holds where ranks hold parts of the model: `rows` of (rank, device,
+    bytes of parameters held; gradients the same; optimizer state from its `slots` per parameter, after its
+    first step) beside `full` bytes of a whole replica; the first line says how the model is split (a tensor
+    plan's layers, or FSDP2's shards, hybrid where the layout has replicas)."""
+    if tensor_plan is not None:
+        lines = [f"tensor: {tensor_plan.describe()}{beside(layout)}; {heading(slots)}"]
+    else:
+        sharding, ranks = layout.sharding, f"{layout.world_size} ranks"
+        if sharding.replicate > 1:
+            ranks = f"{sharding.replicate} replicas of {sharding.shard} shards (hybrid sharding)"
+        lines = [
+            f"sharded: {ranks}; {heading(slots)}"
+            + (", held in host memory (--cpu-offload)" if offload else "")
+            + (GATHERED_IN_BF16 if mixed_precision(precision) else "")
+        ]
+    for rank, device, size in rows:
+        where = ""
+        if tensor_plan is not None:
+            where = f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}" * (
+                layout.data_degree > 1
+            )
+            where += layout.place(rank)
+        whole = "a replica" if tensor_plan is not None else "data parallel"
+        lines.append(
+            f"  rank {rank} ({device}{where}): {figures(size, slots)}; {whole} would hold {figures(full, slots)}"
+        )
+    return lines

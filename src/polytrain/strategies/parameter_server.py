@@ -17,17 +17,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import TrainConfig
+from ..parallel.activation_checkpoint import apply_activation_checkpointing
+from ..parallel.parallelize import apply_global_batch
 from ..parallel.precision import apply_precision
 from ..plan.servers import ServerPlan, check_servers, partition_by_size
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
-from .distributed import Distributed
+from .base import Strategy
 from .optimizer_state import load_part, numbered_part, positions, whole_state
 
 
-class ParameterServer(Distributed):
+class ParameterServer(Strategy):
     name = "parameter-server"
-    normalises_global_batch = True
     keeps_model_whole = False
+    data_parallel = "none"  # the workers' gradients go to the servers (neither DDP nor FSDP2)
     waits_on_servers = True
 
     def __init__(self, *, plan: ServerPlan, **common):
@@ -51,8 +53,9 @@ class ParameterServer(Distributed):
         model = self.place(model)  # (channels-last where the loader hands over channels-last images)
         self.materialise(model)  # every rank holds a whole replica
         kept = apply_precision(model, self.device, self.precision)  # steps 0, 3 and 4 of parallelize
-        self.checkpoint_activations(model)
-        self.whole_batch_layers(model)
+        apply_activation_checkpointing(model, self.activation_checkpointing)
+        how = self.global_batch  # BatchNorm and Dropout over the global batch
+        self.global_rows = apply_global_batch(model, how, loud=how == "across" and self.data_rank == 0)
         self.model = self.runner = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.replica = list(model.parameters())

@@ -1,16 +1,16 @@
-"""Tensor parallelism (Megatron-style, on PyTorch's DTensor): every layer a plan names is split across the
-T ranks of a 1-D device mesh, column-wise (its outputs) or row-wise (its inputs, partial outputs summed by
-an all-reduce); every other parameter is a replicated DTensor on the same mesh.
+"""A model's tensor plan (Megatron-style tensor parallelism, on PyTorch's DTensor): which layers each group of
+T tensor ranks splits column-wise (its outputs) or row-wise (its inputs, partial outputs summed by an all-reduce),
+from the user's `tensor_plan` or the built-in one of polytrain's mlp, gpt and llama; every other parameter is a
+replicated DTensor on the same mesh. `parallelize` applies it (parallel/tensor.py).
 
     polytrain train --model gpt --dataset shakespeare --strategy tensor --devices 2
     polytrain verify --model mlp --strategy tensor --devices 2
 
 The ranks of a tensor group read the same slice of the global batch and compute the same loss; DTensor sums the
 split layers' gradients itself. Groups side by side (`--devices` above `--tensor-parallel`) are the data
-dimensions, FSDP2 over them (`parallelize`), and with `--context-parallel C` each sequence is split over C
-groups. Checkpoints are each rank's parts, as every strategy of DTensor parts writes them (dtensor_model.py):
-slices under the original names, fused layers' rows at their one-device places, so `--resume` moves runs between
-any strategies and device counts.
+dimensions, FSDP2 over them, and with `--context-parallel C` each sequence is split over C groups. Checkpoints are
+each rank's parts (model_state.py): slices under the original names, fused layers' rows at their one-device
+places, so `--resume` moves runs between any strategies and device counts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout
 from ..parallel.rank_slice import check_rank_slice, is_conv1d
 from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
@@ -34,8 +33,6 @@ from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     split_layers,
 )
 from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
-from .dtensor_model import DTensorModel
-from .holdings import figures, heading, local_bytes, optimizer_slots
 
 NEEDS = "2.5"  # torch.distributed.tensor (public DTensor) and its parallel styles
 
@@ -126,17 +123,6 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
             )
 
 
-def beside(layout: Layout) -> str:
-    """The tensor groups beside each other in `layout`, in words ("" for one group)."""
-    groups = layout.world_size // layout.tensor
-    if groups == 1:
-        return ""
-    if layout.replicate > 1:
-        shards = groups // layout.replicate
-        return f"; {groups} such groups as {layout.replicate} replicas of {shards} shards (hybrid sharding)"
-    return f"; {groups} such groups side by side, FSDP2 over them"
-
-
 def plan_for(
     config, model: nn.Module, *, devices: int, run: Optional[str] = None, divisor: str = "--devices"
 ) -> TensorPlan:
@@ -199,63 +185,16 @@ def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:
     return replace(plan.without_vocabulary(), sequence_parallel=False)
 
 
-class TensorParallel(DTensorModel):
-    """Its parameters are DTensors, as sharded's are: the whole-model state dicts (gathered and loaded through
-    torch.distributed.checkpoint, numbered as on one device) are sharded's; the step is the base class's."""
-
-    name = "tensor"
-    normalises_global_batch = False  # (its BatchNorm-free plans: layers split, not batches)
-    keeps_model_whole = False
-    splits_layers = True
-
-    def __init__(self, *, plan: TensorPlan = None, **common):
-        super().__init__(**common)
-        self.plan = plan
-
-    @classmethod
-    def make_plan(cls, config, model: nn.Module, dataset, *, device: torch.device) -> TensorPlan:
-        check_torch()
-        if config.devices < 2:
-            raise ConfigError(
-                "--strategy tensor splits every layer over --devices 2 or more; add --devices 2"
-            )
-        group = config.tensor_parallel or config.devices
-        named = dict(run=f"--strategy tensor --tensor-parallel {group}", divisor="a --tensor-parallel")
-        plan = plan_for(config, model, devices=group, **(named if config.tensor_parallel else {}))
-        if (
-            isinstance(config.tensor_plan, dict) and dataset is not None
-        ):  # the user's: tried on a rank's slice
-            check_rank_slice(model, plan, dataset.sample_inputs(2))
-        if (config.context_parallel or 1) > 1 and plan.sequence_parallel:
-            # the sequence is already split over the context ranks: the norms stay whole on each tensor rank
-            plan = replace(plan, sequence_parallel=False)
-        return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)
-
-    @property
-    def data_parallel(self) -> str:
-        """FSDP2 over the ranks beside each tensor group (the data dimensions and the context ranks, as
-        torchtitan), where there are any; else none."""
-        return "shard" if self.layout.world_size > self.layout.tensor else "none"
-
-    def _memory_lines(self, full: int) -> list:
-        """What each rank holds (parameters; gradients the same; optimizer state from its slots per parameter)
-        next to a replica of the whole model."""
-        held = local_bytes(self.model.parameters())
-        slots = optimizer_slots(self.optimizer)
-        rows = self.gather_object((self.rank, str(self.device), held))
-        if not self.is_main:
-            return []
-        lines = [f"tensor: {self.plan.describe()}{beside(self.layout)}; {heading(slots)}"]
-        layout = self.layout
-        for rank, device, size in rows:
-            where = f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}" * (
-                layout.data_degree > 1
-            )
-            lines.append(
-                f"  rank {rank} ({device}{where}{layout.place(rank)}): "
-                f"{figures(size, slots)}; a replica would hold {figures(full, slots)}"
-            )
-        return lines
-
-
-# -- splitting a model's layers on a 1-D tensor mesh (also each stage of a pipeline) ----------------
+def run_plan(config, model: nn.Module, dataset) -> TensorPlan:
+    """The tensor plan of a run whose layout has a tensor degree (checked in the launching process): the
+    layers each group of `--tensor-parallel` ranks splits, a user's plan tried on a rank's slice first."""
+    check_torch()
+    group = config.layout.tensor
+    named = dict(run=f"--strategy tensor --tensor-parallel {group}", divisor="a --tensor-parallel")
+    plan = plan_for(config, model, devices=group, **(named if config.tensor_parallel else {}))
+    if isinstance(config.tensor_plan, dict) and dataset is not None:  # the user's: tried on a rank's slice
+        check_rank_slice(model, plan, dataset.sample_inputs(2))
+    if (config.context_parallel or 1) > 1 and plan.sequence_parallel:
+        # the sequence is already split over the context ranks: the norms stay whole on each tensor rank
+        plan = replace(plan, sequence_parallel=False)
+    return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)

@@ -237,7 +237,59 @@ def build_parser() -> argparse.ArgumentParser:
             description=BENCH_DESCRIPTION,
         )
     )
+    add_plan_flags(
+        command(
+            "plan",
+            help="the layouts a model trains in on N GPUs you do not have, built at full size, ranked",
+            description=PLAN_DESCRIPTION,
+        )
+    )
     return parser
+
+
+PLAN_DESCRIPTION = (
+    "Builds each layout of --devices GPUs (dp_replicate x dp_shard x cp x tp, or the one --layout names) with the "
+    "code a run uses, at its full world size on torch's fake process group and the meta device, in this process; "
+    "prints each layout's memory per GPU (parameters, gradients, optimizer state, activations, FSDP2's buffers) "
+    "and its predicted step, tokens per second per GPU and MFU, fastest first, and what limits it. A layout the code "
+    "refuses at full size is refused here with the same line."
+)
+
+
+def add_plan_flags(plan: argparse.ArgumentParser) -> None:
+    from .scaling.gpus import GPUS
+
+    plan.add_argument("--model", default="llama", metavar="NAME", help="llama or gpt (default: llama)")
+    plan.add_argument("--size", default=None, metavar="NAME", help="--model llama: tiny, 8b, 70b or 405b")
+    for flag in ("layers", "width", "heads", "kv-heads", "ffn-width", "vocab-size"):
+        plan.add_argument(
+            f"--{flag}", type=int, default=None, metavar="N", help=f"the model's {flag} (its --size's)"
+        )
+    plan.add_argument(
+        "--context", type=int, default=None, metavar="T", help="tokens per sequence (the size's)"
+    )
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="GPUs in the run")
+    plan.add_argument(
+        "--gpu", default="h100", metavar="NAME", help=f"one of {', '.join(GPUS)} (default: h100)"
+    )
+    plan.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default: 8)")
+    plan.add_argument(
+        "--batch-size", type=int, required=True, metavar="B", help="sequences per step (global)"
+    )
+    plan.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="default: bf16")
+    plan.add_argument(
+        "--activation-checkpointing",
+        default="selective",
+        metavar="MODE",
+        help="none, selective, full or selective:K (default: selective)",
+    )
+    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"), help="default: adamw")
+    plan.add_argument(
+        "--layout", default=None, metavar="DEGREES", help="one layout: dp_replicate=R,dp_shard=S,cp=C,tp=T"
+    )
+    plan.add_argument("--top", type=int, default=15, metavar="N", help="layouts shown (default: 15)")
+    plan.add_argument("--json", default=None, metavar="FILE", help="write one object per layout")
+    plan.add_argument("--png", default=None, metavar="FILE", help="draw the memory split per layout")
 
 
 WEIGHTS_HELP = (

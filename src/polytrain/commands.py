@@ -31,6 +31,7 @@ from .optim.steps import planned_steps
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.checkpoint import read_progress
 from .runtime.launch import check_devices, run_job
+from .runtime.plan_report import plan_command
 from .runtime.sampling import generate_text
 from .runtime.verify_limits import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
@@ -484,4 +485,5 @@ COMMANDS = {
     "generate": generate_command,
     "export": export_command,
     "tokenize": tokenize_command,
+    "plan": plan_command,
 }

@@ -16,8 +16,8 @@ class LlamaSettings:
     size: Optional[str] = setting(
         None,
         "--model llama: a named shape whose sizes fill those not given: tiny (the default: 4 layers, "
-        "width 128, 4 heads, 2 key/value heads; trains on a CPU in seconds), 8b or 70b (Llama 3's published "
-        "shapes, vocabulary 128256 and context 8192: for planning, as built on the meta device)",
+        "width 128, 4 heads, 2 key/value heads; trains on a CPU in seconds), 8b, 70b or 405b (Llama 3's "
+        "published shapes, vocabulary 128256 and context 8192: for planning, as built on the meta device)",
         group="model",
         metavar="NAME",
     )

@@ -57,6 +57,16 @@ PRESETS: Dict[str, Dict[str, dict]] = {
             context=8192,
             rope_theta=500000.0,
         ),
+        "405b": dict(  # Llama 3.1 405B (its config.json: 126 layers, 16384 wide, 128 heads over 8 key/value heads)
+            layers=126,
+            heads=128,
+            kv_heads=8,
+            width=16384,
+            ffn_width=53248,
+            vocab_size=128256,
+            context=8192,
+            rope_theta=500000.0,
+        ),
     },
 }
 

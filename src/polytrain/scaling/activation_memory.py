@@ -55,10 +55,19 @@ def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Tensor, *, device: str = "cpu"):
+def activation_profile(
+    model: nn.Module,
+    objective,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    device: str = "cpu",
+    precision: str = "fp32",
+):
     """The Workload's activation fields (`FIELDS`), per sample of `x`, for a training forward and loss of
-    `model` on `device`'s kernels; {} where the forward cannot run on fake tensors or the objective needs more
-    than outputs and targets."""
+    `model` on `device`'s kernels in `precision` (bf16 and fp16 under autocast, as a run computes: the matrix
+    products' outputs it keeps are half the bytes of float32's); {} where the forward cannot run on fake tensors
+    or the objective needs more than outputs and targets."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,6 +77,9 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
     class MatmulOutputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+                if _key(args[0]) in weights:  # autocast's copy of a weight is a weight, not an activation
+                    weights.add(_key(out))
             if current[0] is not None and func.overloadpacket in KEPT_OPS:
                 for tensor in out if isinstance(out, (tuple, list)) else [out]:
                     if isinstance(tensor, torch.Tensor):
@@ -102,10 +114,12 @@ def activation_profile(model: nn.Module, objective, x: torch.Tensor, y: torch.Te
                 return tensor
 
             fx, fy = torch.zeros_like(x, device=device), torch.zeros_like(y, device=device)
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
             with (
                 MatmulOutputs(),
                 AttentionCalls(),
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+                torch.autocast(device, dtype=dtype, enabled=dtype is not None),
             ):
                 objective.loss_sum(fake(fx), fy)
             for hook in hooks:

@@ -123,9 +123,10 @@ def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.
     )
 
 
-def measured_activations(model: nn.Module, dataset, device: torch.device) -> dict:
+def measured_activations(model: nn.Module, dataset, device: torch.device, precision: str = "fp32") -> dict:
     """The activation figures of a training forward of `model` on two samples of `dataset` with the built-in
-    objective of its kind ({} without data, or where it cannot be measured)."""
+    objective of its kind, in the run's `precision` (under autocast for bf16 and fp16: the saved matrix products
+    are half float32's bytes) ({} without data, or where it cannot be measured)."""
     if dataset is None:
         return {}
     from ..objective import Objective
@@ -137,7 +138,7 @@ def measured_activations(model: nn.Module, dataset, device: torch.device) -> dic
     except Exception:
         return {}
     objective = Objective(kind=getattr(dataset, "kind", "classification"))
-    return activation_profile(model, objective, x, y, device=device.type)
+    return activation_profile(model, objective, x, y, device=device.type, precision=precision)
 
 
 def _split_bytes(config, model: nn.Module, devices: int) -> float:
@@ -192,7 +193,7 @@ def check_fits(
     devices = config.devices
     layout = layout_for(config, strategy) or plain_layout(strategy, devices)
     split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
-    activations = measured_activations(model, dataset, device)
+    activations = measured_activations(model, dataset, device, getattr(config, "precision", "fp32") or "fp32")
     accumulate = getattr(config, "accumulate", 1) or 1
     work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
     if work.attention and getattr(config, "precision", "fp32") != "fp32":  # autocast's attention: 2 bytes

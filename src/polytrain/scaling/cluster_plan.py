@@ -1,0 +1,365 @@
+"""`polytrain plan`: the layouts a model can train in on a cluster of GPUs it does not have, each built at full size
+by the code a run uses (full_size.py), its memory per GPU split into what holds it, its step predicted from first
+principles, and the layouts ranked by tokens per second.
+
+**Memory** (rank 0, the busiest): its parts of the parameters, as many gradients and the optimizer's state per
+slot, exactly as the code creates them on the fake process group; FSDP2's buffers: two units gathered whole (the
+one computing and the one prefetched) in the gathered dtype, and one unit's gradients before the reduce-scatter in
+the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
+measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
+memory check cuts them (plan/activations.py `context_part`, `peak_bytes`); under a tensor plan the blocks keep
+(10 + 24/t) / 34 of one device's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Table 2, without sequence parallelism and with attention that keeps no scores). Not counted: the CUDA
+context and the caching allocator's reserve beyond the tensors.
+
+**Step time**: compute is the model's FLOPs per rank (6 per parameter outside the embedding and 12 L H Q T of
+attention per token, torchtitan's count, so that MFU reads alike; a full recomputation adds the forward's third)
+at `gpus.ACHIEVED` of the GPU's peak. Communication is the collectives the layout issues, ring algorithms under
+the alpha-beta model (plan/costmodel.py's), each over NVLink where its ranks sit in one node (the mesh puts the
+tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
+all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
+(each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and
+context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch.nn as nn
+
+from ..errors import ConfigError, UserError
+from ..parallel.layout import Layout, divisors
+from ..plan.activations import context_part, peak_bytes
+from .gpus import ACHIEVED, GPUS_PER_NODE, LATENCY, OVERLAP, Gpu
+
+GIB = 2**30
+SLOTS = {"adamw": 2, "adam": 2, "sgd": 1}  # optimizer state tensors per trained parameter
+
+
+@dataclass
+class PlanRequest:
+    """What a cluster plan is asked for: a model (a function that builds it on the meta device, and its name),
+    the cluster, and the run's batch (`batch_size` sequences of `context` tokens per step), precision and
+    activation checkpointing."""
+
+    build: Callable[[], nn.Module]
+    name: str
+    devices: int
+    gpu: Gpu
+    batch_size: int
+    context: int
+    precision: str = "bf16"
+    checkpointing: str = "none"
+    optimizer: str = "adamw"
+    gpus_per_node: int = GPUS_PER_NODE
+
+
+@dataclass
+class LayoutPlan:
+    """One layout's row of the plan: bytes per GPU by what holds them, a step's seconds by what they are spent on."""
+
+    layout: Layout
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    compute: float = 0.0
+    communication: dict = field(default_factory=dict)  # collective -> exposed seconds
+    tokens_per_second_per_device: float = 0.0
+    mfu: float = 0.0
+    fits: bool = False
+    limit: str = ""
+    refused: str = ""  # the line the code refused the layout with at full size
+
+    @property
+    def memory(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute + sum(self.communication.values())
+
+    def as_json(self, gpu: Gpu) -> dict:
+        split = {
+            key: getattr(self, key) / GIB
+            for key in ("parameters", "gradients", "optimizer", "activations", "buffers")
+        }
+        return {
+            "layout": {name: value for name, value in self.layout.degrees().items()} or {"single": 1},
+            "memory_gib": self.memory / GIB,
+            "memory_split_gib": split,
+            "device_memory_gib": gpu.memory_gib,
+            "fits": self.fits,
+            "step_seconds": self.step_seconds,
+            "compute_seconds": self.compute,
+            "exposed_communication_seconds": dict(self.communication),
+            "tokens_per_second_per_device": self.tokens_per_second_per_device,
+            "mfu": self.mfu,
+            "limit": self.limit,
+            **({"refused": self.refused} if self.refused else {}),
+        }
+
+
+def layout_words(layout: Layout) -> str:
+    """`dp_shard=8,tp=8`: the layout as `--layout` takes it."""
+    return ",".join(f"{name}={size}" for name, size in zip(layout.mesh_names, layout.mesh_shape)) or "single"
+
+
+def parse_layout(text: str, devices: int) -> Layout:
+    """`--layout dp_replicate=2,dp_shard=8,cp=2,tp=4` as a Layout of `devices`; one line where it is not one."""
+    names = {
+        "dp_replicate": "replicate",
+        "dp_shard": "shard",
+        "pp": "pipeline",
+        "cp": "context",
+        "tp": "tensor",
+    }
+    degrees = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in names or not value.isdigit() or int(value) < 1:
+            raise ConfigError(
+                f"--layout {text!r}: {part!r} is not NAME=SIZE with NAME one of {', '.join(names)}; e.g. "
+                f"--layout dp_shard=8,tp=8"
+            )
+        degrees[names[key]] = int(value)
+    layout = Layout(**degrees)
+    if layout.world_size != devices:
+        raise ConfigError(
+            f"--layout {text} makes {layout.world_size} ranks, and --devices is {devices}; give degrees whose "
+            f"product is {devices}"
+        )
+    return layout
+
+
+def candidate_layouts(request: PlanRequest) -> List[Layout]:
+    """Every layout of dp_replicate x dp_shard x cp x tp on the devices that splits the batch and the sequence
+    evenly: tensor groups within a node, context groups that cut each sequence into head-tail chunks, the data
+    ranks as whole copies (no tensor plan), shards, or copies of shard groups."""
+    n, found = request.devices, []
+    for tp in divisors(n):
+        if tp > request.gpus_per_node:
+            continue
+        for cp in divisors(n // tp):
+            if cp > 1 and request.context % (2 * cp):
+                continue
+            data = n // (tp * cp)
+            if request.batch_size % data:
+                continue
+            if tp == 1:
+                found.append(Layout(replicate=data, context=cp, context_in="replicate"))
+            for shard in divisors(data):
+                if shard > 1 or (data == 1 and tp * cp > 1):
+                    found.append(Layout(replicate=data // shard, shard=shard, context=cp, tensor=tp))
+    return list(dict.fromkeys(found))
+
+
+def _run_settings(layout: Layout) -> dict:
+    """The --strategy and flags that make `layout` (the presets of parallel/layout.py)."""
+    flags = {"context_parallel": layout.context} if layout.context > 1 else {}
+    if layout.tensor > 1:
+        flags["tensor_parallel"] = layout.tensor
+        if layout.replicate > 1:
+            flags["replicas"] = layout.replicate
+        return dict(strategy="tensor", **flags)
+    if layout.data_parallel == "replicate":
+        return dict(strategy="data", **flags)
+    if layout.replicate > 1:
+        flags["replicas"] = layout.replicate
+    return dict(strategy="sharded" if layout.world_size > 1 else "single", **flags)
+
+
+def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
+    """One layout built at full size and sized; `work`: the model's Workload with its activations per sample
+    measured in the run's precision (`model_work`). A layout the code refuses gets the line it refuses with."""
+    from ..config.train import TrainConfig
+    from ..strategies import make_plan
+    from .full_size import holdings_at_full_size
+
+    row = LayoutPlan(layout)
+    try:
+        settings = _run_settings(layout)
+        config = TrainConfig(
+            devices=layout.world_size,
+            batch_size=request.batch_size,
+            precision=request.precision,
+            activation_checkpointing=request.checkpointing,
+            **settings,
+        )
+        if config.layout != layout:
+            raise ConfigError(
+                f"{layout.describe()} is not a layout polytrain runs (it made {config.layout.describe()})"
+            )
+        model = request.build()
+        plan = make_plan(settings["strategy"], config, model, None, device=None)
+        held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
+    except UserError as error:
+        row.refused, row.limit = str(error), "refused"
+        return row
+    _memory(request, row, held, work)
+    _time(request, row, held, work)
+    return row
+
+
+def _memory(request: PlanRequest, row: LayoutPlan, held, work) -> None:
+    layout, mixed = row.layout, request.precision != "fp32"
+    row.parameters, row.gradients = float(held.parameter_bytes), float(held.trained_bytes)
+    row.optimizer = SLOTS.get(request.optimizer, 2) * float(held.trained_bytes)
+    gathered, reduced = (2, 4) if mixed else (4, 4)  # FSDP2's policy: gathered in bf16, reduced in float32
+    row.buffers = held.unit_parameters * (2 * gathered + reduced)
+    if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
+        row.buffers = held.parameter_bytes / 2
+    part = context_part(work, layout.context, layout.tensor)
+    if (
+        layout.tensor > 1 and part.blocks
+    ):  # the blocks keep (10 + 24/t) / 34 of one device's (Korthikanti et al.)
+        keep = (10 + 24 / layout.tensor) / 34
+        blocks = part.blocks * part.block_bytes * (1 - keep)
+        part = dataclasses.replace(
+            part,
+            activation_bytes=part.activation_bytes - blocks,
+            block_bytes=part.block_bytes * keep,
+            block_input_bytes=part.block_input_bytes,
+            block_matmul_bytes=part.block_matmul_bytes * keep,
+        )
+    row.activations = peak_bytes(part, request.checkpointing) * request.batch_size / layout.data_degree
+    row.fits = row.memory <= request.gpu.memory_gib * GIB
+
+
+def _ring(kind: str, ranks: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Seconds of one ring collective of `nbytes` (the whole tensor) over `ranks`."""
+    if ranks == 1:
+        return 0.0
+    factor = 2 * (ranks - 1) / ranks if kind == "all-reduce" else (ranks - 1) / ranks
+    return factor * nbytes / bandwidth + (ranks - 1) * latency
+
+
+def _link(request: PlanRequest, span: int):
+    """(bandwidth, latency) of a group whose ranks lie within `span` consecutive ranks: NVLink within a node, the
+    network across nodes."""
+    if span <= request.gpus_per_node:
+        return request.gpu.nvlink, LATENCY["nvlink"]
+    return request.gpu.network, LATENCY["network"]
+
+
+def flops_per_token(work, context: int) -> float:
+    """The model's training FLOPs per token, torchtitan's count: 6 per parameter outside the embedding, and
+    12 L H Q T for attention (`work.attention`: layers, heads, head size; T the sequence)."""
+    shape = work.attention
+    attention = 12 * shape.layers * shape.heads * shape.head_dim * context if shape else 0.0
+    return 6 * work.dense_parameters + attention
+
+
+def _time(request: PlanRequest, row: LayoutPlan, held, work) -> None:
+    layout, gpu = row.layout, request.gpu
+    tokens = request.batch_size * request.context
+    model_flops = flops_per_token(work, request.context) * tokens / layout.world_size
+    recompute = 4 / 3 if request.checkpointing == "full" else 1.0
+    row.compute = model_flops * recompute / (gpu.peak_flops(request.precision) * ACHIEVED)
+    element = 2 if request.precision != "fp32" else 4
+    exposed = {}
+    if layout.data_parallel == "shard":
+        shards = layout.shard * (layout.context if layout.context_in == "shard" else 1)
+        whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
+        # (the shard group: the dp_shard and cp dimensions beside the tensor ranks, consecutive ranks)
+        bandwidth, latency = _link(request, layout.shard * layout.context * layout.tensor)
+        seconds = 2 * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
+        seconds += _ring("reduce-scatter", shards, whole * 4, bandwidth, latency * held.units)
+        if layout.replicate > 1:
+            bandwidth, latency = _link(request, layout.world_size)
+            seconds += _ring("all-reduce", layout.replicate, held.trained_bytes, bandwidth, latency)
+        exposed["fsdp"] = max(0.0, seconds - OVERLAP * row.compute)
+    elif layout.data_parallel == "replicate":
+        bandwidth, latency = _link(request, layout.world_size)
+        ranks = layout.replicate * layout.context
+        seconds = _ring("all-reduce", ranks, held.trained_bytes, bandwidth, latency)
+        exposed["ddp"] = max(0.0, seconds - OVERLAP * row.compute * 2 / 3)  # beside the backward pass
+    shape, local_batch = work.attention, request.batch_size / layout.data_degree
+    if layout.tensor > 1 and shape:
+        width = shape.heads * shape.head_dim
+        nbytes = local_batch * request.context / layout.context * width * element
+        bandwidth, latency = _link(request, layout.tensor)
+        exposed["tensor"] = 4 * shape.layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
+    if layout.context > 1 and shape:
+        kv = max(1, shape.kv_heads // layout.tensor) * shape.head_dim
+        nbytes = 2 * local_batch * request.context * kv * element  # keys and values of the whole sequence
+        bandwidth, latency = _link(request, layout.context * layout.tensor)
+        each = _ring("all-gather", layout.context, nbytes, bandwidth, latency)
+        exposed["context"] = 2 * shape.layers * each  # the gather, and the reduce-scatter of its gradients
+    row.communication = {key: value for key, value in exposed.items() if value > 0}
+    row.tokens_per_second_per_device = tokens / row.step_seconds / layout.world_size
+    row.mfu = flops_per_token(work, request.context) * row.tokens_per_second_per_device / gpu.bf16_flops
+    if request.precision == "fp32":
+        row.mfu = flops_per_token(work, request.context) * row.tokens_per_second_per_device / gpu.fp32_flops
+    slowest = max(row.communication.items(), key=lambda item: item[1], default=("", 0.0))
+    row.limit = (
+        "memory"
+        if not row.fits
+        else (f"{slowest[0]} communication" if slowest[1] > 0.25 * row.compute else "compute")
+    )
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """What the plan needs of a model beside the layout: per-sample activation figures (plan/activations.py) and
+    the attention's shape, measured once on fake tensors in the run's precision, and its parameters outside the
+    embedding."""
+
+    activation_bytes: float
+    blocks: int
+    block_bytes: float
+    block_input_bytes: float
+    block_matmul_bytes: float
+    attention: object
+    dense_parameters: float
+    boundary_bytes: tuple = ()
+
+
+def model_work(request: PlanRequest) -> ModelWork:
+    """The model's activation figures for one sequence of `request.context` tokens in the run's precision."""
+    import torch
+
+    from ..objective import Objective
+    from .activation_memory import activation_profile
+
+    model = request.build()
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    dense = sum(p.numel() for p in model.parameters()) - embeddings
+    x = torch.zeros(1, request.context, dtype=torch.long)
+    figures = activation_profile(model, Objective(kind="language"), x, x, precision=request.precision)
+    if not figures:
+        raise UserError(f"{request.name}: its forward pass could not be measured on fake tensors")
+    return ModelWork(dense_parameters=float(dense), **figures)
+
+
+def make_plan_table(
+    request: PlanRequest, layout: Optional[Layout] = None, *, progress=None
+) -> List[LayoutPlan]:
+    """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first."""
+    work = model_work(request)
+    layouts = [layout] if layout is not None else candidate_layouts(request)
+    if not layouts:
+        raise UserError(
+            f"no layout of {request.devices} GPUs splits a batch of {request.batch_size} sequences of "
+            f"{request.context} tokens evenly; use a --batch-size that a divisor of --devices divides"
+        )
+    rows = []
+    for each in layouts:
+        rows.append(plan_layout(request, each, work))
+        if progress:
+            progress(rows[-1])
+    rows.sort(key=lambda row: (bool(row.refused), not row.fits, -row.tokens_per_second_per_device))
+    return rows
+
+
+def tokens_line(row: LayoutPlan) -> str:
+    return (
+        f"{row.tokens_per_second_per_device:,.0f} tokens/s per GPU, MFU {row.mfu:.0%}"
+        if math.isfinite(row.mfu)
+        else ""
+    )

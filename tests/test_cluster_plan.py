@@ -1,0 +1,189 @@
+"""`polytrain plan` (scaling/cluster_plan.py, scaling/full_size.py): layouts built at full size on torch's fake
+process group by the code a run uses. What a rank holds is checked against the math of torch's chunks and against
+real runs on CPU processes; what the code refuses is refused with its line; the command writes its table, JSON and
+picture."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import polytrain_here
+
+from polytrain.models import build_model, build_model_on_meta
+from polytrain.parallel.layout import Layout
+from polytrain.scaling.cluster_plan import (
+    PlanRequest,
+    _run_settings,
+    candidate_layouts,
+    layout_words,
+    make_plan_table,
+    parse_layout,
+    plan_layout,
+)
+from polytrain.scaling.full_size import holdings_at_full_size
+from polytrain.scaling.gpus import GPUS, gpu_named
+
+SMALL = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=128, context=16)
+VOCAB = 96
+
+
+def _small(meta: bool = True):
+    return (build_model_on_meta if meta else build_model)("llama", (16,), VOCAB, dict(SMALL))
+
+
+def _tensor_plan(layout: Layout, model):
+    from polytrain.config.train import TrainConfig
+    from polytrain.strategies import make_plan
+
+    settings = _run_settings(layout)
+    config = TrainConfig(devices=layout.world_size, batch_size=8 * layout.data_degree, **settings)
+    assert config.layout == layout
+    return make_plan(settings["strategy"], config, model, None, device=None)
+
+
+def _chunk(size: int, parts: int) -> int:
+    """Rank 0's share of `size` rows cut by torch.chunk into `parts`."""
+    return -(-size // parts)
+
+
+def test_a_512_rank_4d_layout_of_the_70b_shape_builds_here_with_each_parameter_cut_as_torch_cuts_it():
+    """dp_replicate 2 x dp_shard 16 x cp 2 x tp 8 of Llama 3 70B: the tensor plan's slices (colwise: rows / 8,
+    rowwise: columns / 8), then FSDP2's shards of rank 0 over the 32 ranks of dp_shard and cp; against the
+    one-device shapes."""
+    from polytrain.config.model_defaults import PRESETS
+
+    sizes = dict(PRESETS["llama"]["70b"])
+    vocab = sizes.pop("vocab_size")
+
+    def build():
+        return build_model_on_meta("llama", (sizes["context"],), vocab, sizes)
+
+    layout = Layout(replicate=2, shard=16, context=2, tensor=8)
+    assert layout.world_size == 512
+    plan = _tensor_plan(layout, build())
+    held = holdings_at_full_size(build, layout, tensor_plan=plan)
+    styles = {name: style for name, style, _ in plan.styles}
+    expected = 0
+    for name, p in build().named_parameters():
+        rows, rest = p.shape[0], math.prod(p.shape[1:])
+        style = styles.get(name.rsplit(".", 1)[0])
+        if style == "colwise":
+            rows = rows // 8
+        elif style == "rowwise" and p.dim() == 2:
+            rest = rest // 8
+        expected += _chunk(rows, 32) * rest * 4
+    assert held.parameter_bytes == held.trained_bytes == expected
+    assert expected > 70e9 * 4 / 512  # (the vocabulary's tables stay whole on the tensor ranks)
+    assert held.units == 80 + 3  # the blocks, the embedding, the head, the root
+
+
+def _holdings_on_rank(rank, world_size, layout):
+    from polytrain.strategies import Strategy
+    from polytrain.strategies.holdings import local_bytes
+
+    torch.manual_seed(0)
+    model = _small(meta=False)
+    strategy = Strategy(
+        device=torch.device("cpu"),
+        rank=rank,
+        world_size=world_size,
+        layout=layout,
+        plan=_tensor_plan(layout, model),
+    )
+    strategy.setup(model, lambda named: torch.optim.AdamW([p for _, p in named]), lambda optimizer: None)
+    return local_bytes(strategy.model.parameters())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(shard=2), Layout(tensor=2), Layout(context=2), Layout(shard=2, tensor=2)],
+    ids=["dp_shard=2", "tp=2", "cp=2", "dp_shard=2,tp=2"],
+)
+def test_what_the_plan_counts_is_what_rank_0_of_a_real_run_holds_to_the_byte(layout):
+    from distributed import run_on_ranks
+
+    real = run_on_ranks(_holdings_on_rank, layout, world_size=layout.world_size)
+    planned = holdings_at_full_size(_small, layout, tensor_plan=_tensor_plan(layout, _small()))
+    assert planned.parameter_bytes == real[0]
+    assert real[0] == max(real)  # rank 0 holds the most
+
+
+def test_a_layout_the_code_refuses_at_full_size_is_refused_with_its_line():
+    """A tensor degree above the model's key/value heads, as at run time."""
+    request = PlanRequest(_small, "llama", 8, gpu_named("h100"), 8, 16)
+    row = plan_layout(request, Layout(shard=2, tensor=4), None)
+    assert row.limit == "refused" and "key/value heads" in row.refused
+    assert not row.fits
+
+
+def test_layouts_and_gpus_are_read_in_one_line_each():
+    assert parse_layout("dp_shard=8,tp=8", 64) == Layout(shard=8, tensor=8)
+    with pytest.raises(Exception, match="product is 64"):
+        parse_layout("dp_shard=8,tp=4", 64)
+    with pytest.raises(Exception, match="NAME=SIZE"):
+        parse_layout("fsdp=8", 8)
+    with pytest.raises(Exception, match="h100, h100-pcie, h200"):
+        gpu_named("h900")
+    assert gpu_named("H100-SXM") is GPUS["h100"]
+    request = PlanRequest(_small, "llama", 8, gpu_named("h100"), 8, 16)
+    found = candidate_layouts(request)
+    assert all(layout.world_size == 8 and 8 % layout.data_degree == 0 for layout in found)
+    assert Layout(shard=8) in found and Layout(shard=2, context=2, tensor=2) in found
+    assert len({layout_words(layout) + str(layout.data_parallel) for layout in found}) == len(found)
+
+
+def test_bf16_activations_are_measured_in_bf16():
+    """The memory check counted activations in float32 whatever the precision (1.75x too much in bf16 on a GPU):
+    under autocast the saved matrix products are half the bytes."""
+    from polytrain.objective import Objective
+    from polytrain.scaling.activation_memory import activation_profile
+
+    model, x = _small(), torch.zeros(1, 16, dtype=torch.long)
+    fp32 = activation_profile(model, Objective(kind="language"), x, x)
+    bf16 = activation_profile(model, Objective(kind="language"), x, x, precision="bf16")
+    assert bf16["block_matmul_bytes"] == pytest.approx(fp32["block_matmul_bytes"] / 2, rel=0.02)
+    assert bf16["activation_bytes"] < 0.75 * fp32["activation_bytes"]
+    assert bf16["attention"].element_bytes == 2
+
+
+def test_the_plan_ranks_fitting_layouts_by_speed_and_tells_more_gpus_from_less_memory():
+    big = PlanRequest(_small, "llama", 4, gpu_named("h100"), 8, 16)
+    rows = [row for row in make_plan_table(big) if not row.refused]  # (tp=4: the 2 key/value heads refuse it)
+    assert rows and all(row.fits for row in rows)
+    speeds = [row.tokens_per_second_per_device for row in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    sharded = next(row for row in rows if row.layout == Layout(shard=4))
+    copies = next(row for row in rows if row.layout == Layout(replicate=4))
+    assert sharded.parameters * 4 == pytest.approx(copies.parameters, rel=0.05)  # (uneven chunks round up)
+    assert copies.optimizer == 2 * copies.gradients == 2 * copies.parameters  # AdamW's two slots
+    # FSDP2 gathers units whole in bf16; DDP under autocast keeps a bf16 copy of every weight for the backward
+    assert copies.buffers == copies.parameters / 2 and sharded.buffers > 0
+
+
+def test_the_plan_command_prints_its_table_and_writes_json_and_a_picture(capfd, tmp_path):
+    out = tmp_path / "plan.json"
+    done = polytrain_here(
+        capfd, "plan", "--model", "llama", "--layers", 2, "--width", 64, "--heads", 4, "--kv-heads", 2,
+        "--ffn-width", 128, "--vocab-size", VOCAB, "--context", 16, "--devices", 4, "--batch-size", 8,
+        "--json", out, "--png", tmp_path / "plan.png",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "tok/s/GPU" in done.stdout and "dp_shard=4" in done.stdout
+    objects = json.loads(out.read_text())
+    assert {"layout", "memory_gib", "tokens_per_second_per_device", "fits"} <= set(objects[0])
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    wrong = polytrain_here(capfd, "plan", "--devices", 4, "--batch-size", 8, "--gpu", "h900")
+    assert wrong.returncode != 0 and wrong.stderr.strip().splitlines()[-1].endswith(", ".join(GPUS)), (
+        wrong.stderr
+    )
+
+
+def test_no_layout_that_fits_says_the_smallest_need(capfd):
+    done = polytrain_here(
+        capfd, "plan", "--size", "8b", "--context", 1024, "--devices", 2, "--batch-size", 2, "--gpu", "l40s",
+        "--layout", "dp_shard=2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "no layout fits 2 x 45 GiB" in done.stdout and "over" in done.stdout

@@ -187,3 +187,24 @@ def test_no_layout_that_fits_says_the_smallest_need(capfd):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "no layout fits 2 x 45 GiB" in done.stdout and "over" in done.stdout
+    assert "the fewest GPUs that fit are 4 (" in done.stdout
+
+
+def test_a_hugging_face_config_is_planned_without_its_weights(capfd, tmp_path):
+    config = dict(
+        architectures=["LlamaForCausalLM"], num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=16,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "plan.json"
+    done = polytrain_here(
+        capfd, "plan", "--hf-config", tmp_path, "--devices", 2, "--batch-size", 4, "--layout", "dp_shard=2",
+        "--json", out,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    ours = holdings_at_full_size(_small, Layout(shard=2))
+    assert json.loads(out.read_text())[0]["memory_split_gib"]["parameters"] * 2**30 == ours.parameter_bytes
+    config["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    wrong = polytrain_here(capfd, "plan", "--hf-config", tmp_path, "--devices", 2, "--batch-size", 4)
+    assert wrong.returncode != 0 and "--hf-config: " in wrong.stderr and "silu" in wrong.stderr

@@ -261,6 +261,12 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
 
     plan.add_argument("--model", default="llama", metavar="NAME", help="llama or gpt (default: llama)")
     plan.add_argument("--size", default=None, metavar="NAME", help="--model llama: tiny, 8b, 70b or 405b")
+    plan.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face config.json (or its folder) of a Llama, Qwen2 or GPT-2: its shape, no weights needed",
+    )
     for flag in ("layers", "width", "heads", "kv-heads", "ffn-width", "vocab-size"):
         plan.add_argument(
             f"--{flag}", type=int, default=None, metavar="N", help=f"the model's {flag} (its --size's)"

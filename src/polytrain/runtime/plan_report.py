@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import List
 
 from ..errors import UserError
-from ..scaling.cluster_plan import GIB, LayoutPlan, PlanRequest, layout_words, make_plan_table, parse_layout
+from ..scaling.cluster_plan import (
+    GIB,
+    LayoutPlan,
+    PlanRequest,
+    layout_words,
+    make_plan_table,
+    parse_layout,
+    smallest_fit,
+)
 from ..scaling.gpus import gpu_named
 
 GPT_VOCABULARY = 50257  # --model gpt without --vocab-size: GPT-2's tokenizer
@@ -31,20 +39,26 @@ def request_of(args) -> PlanRequest:
     from ..config.model_defaults import preset
     from ..models import build_model_on_meta
 
-    if args.model not in ("llama", "gpt"):
+    model_name = args.model
+    if args.hf_config:
+        options = dict(hugging_face_shape(args.hf_config))
+        model_name = options.pop("model")
+    elif args.model not in ("llama", "gpt"):
         raise UserError(f"polytrain plan sizes --model llama or gpt (transformers), not {args.model!r}")
-    options = preset(args.model, args.size) if args.model == "llama" else {}
+    else:
+        options = preset(args.model, args.size) if args.model == "llama" else {}
     given = {key: getattr(args, key) for key in ("layers", "width", "heads", "kv_heads", "ffn_width")}
     options.update({key: value for key, value in given.items() if value is not None})
     vocabulary = args.vocab_size or options.pop("vocab_size", None) or GPT_VOCABULARY
     options.pop("vocab_size", None)
-    options["context"] = context = args.context or options.get("context") or 2048
+    positions = options.get("positions")
+    options["context"] = context = args.context or options.get("context") or min(positions or 2048, 8192)
 
     def build():
-        return build_model_on_meta(args.model, (context,), vocabulary, options)
+        return build_model_on_meta(model_name, (context,), vocabulary, options)
 
     gpu = gpu_named(args.gpu)
-    name = f"{args.model} {args.size}" if args.size else args.model
+    name = f"{model_name} {args.size}" if args.size else args.hf_config or model_name
     return PlanRequest(
         build,
         name,
@@ -57,6 +71,30 @@ def request_of(args) -> PlanRequest:
         optimizer=args.optimizer,
         gpus_per_node=args.gpus_per_node,
     )
+
+
+def hugging_face_shape(path) -> dict:
+    """polytrain's model and sizes for a Hugging Face config.json (a file, or the folder that holds it: Llama,
+    Qwen2 and GPT-2 shapes, as --init-from reads them; no weights needed)."""
+    from ..config.pretrained import ARCHITECTURES, gpt2_settings, llama_settings, read_json
+    from ..errors import ConfigError
+
+    where = Path(path).expanduser()
+    where = where / "config.json" if where.is_dir() else where
+    if not where.is_file():
+        raise UserError(f"--hf-config: {where} is not a file; give a Hugging Face config.json or its folder")
+    config = read_json(where, "config")
+    known = [name for name in config.get("architectures") or [] if name in ARCHITECTURES]
+    if not known:
+        raise UserError(
+            f"--hf-config: {where} is none of the architectures polytrain builds ({', '.join(ARCHITECTURES)})"
+        )
+    try:
+        if ARCHITECTURES[known[0]] == "gpt":
+            return gpt2_settings(config, str(where))
+        return llama_settings(config, known[0], str(where))
+    except ConfigError as error:
+        raise UserError(str(error).replace("--init-from:", "--hf-config:")) from None
 
 
 def _gib(nbytes: float) -> str:
@@ -96,9 +134,16 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int) -> List[str
     if not fit:
         best = min(over, key=lambda row: row.memory, default=None)
         if best is not None:
+            more = smallest_fit(request)
+            fix = (
+                f"the fewest GPUs that fit are {more.layout.world_size} ({layout_words(more.layout)}, "
+                f"{more.memory / GIB:,.1f} GiB each)"
+                if more is not None
+                else "no layout of up to 64 times as many GPUs fits either"
+            )
             lines.append(
                 f"no layout fits {request.devices} x {gpu.memory_gib:.0f} GiB: the smallest need is "
-                f"{best.memory / GIB:,.1f} GiB per GPU ({layout_words(best.layout)}); use more GPUs, "
+                f"{best.memory / GIB:,.1f} GiB per GPU ({layout_words(best.layout)}); {fix}; or "
                 f"--activation-checkpointing full, or a smaller --batch-size"
             )
     for row in refused:

@@ -357,6 +357,23 @@ def make_plan_table(
     return rows
 
 
+def smallest_fit(request: PlanRequest, work=None, *, most: int = 64) -> Optional[LayoutPlan]:
+    """Where no layout of `request.devices` fits: the fewest GPUs, doubling up to `most` times as many, with a
+    layout that fits the same batch, among those that hold least (FSDP2 over every data rank, beside tensor and
+    context groups); None where none does."""
+    work = work or model_work(request)
+    devices = request.devices * 2
+    while devices <= request.devices * most:
+        more = dataclasses.replace(request, devices=devices)
+        for layout in candidate_layouts(more):
+            if layout.replicate == 1 and layout.data_parallel == "shard":
+                row = plan_layout(more, layout, work)
+                if row.fits and not row.refused:
+                    return row
+        devices *= 2
+    return None
+
+
 def tokens_line(row: LayoutPlan) -> str:
     return (
         f"{row.tokens_per_second_per_device:,.0f} tokens/s per GPU, MFU {row.mfu:.0%}"

@@ -110,6 +110,49 @@ def test_what_the_plan_counts_is_what_rank_0_of_a_real_run_holds_to_the_byte(lay
     assert real[0] == max(real)  # rank 0 holds the most
 
 
+def _pipeline_plan(layout: Layout):
+    from polytrain.config.train import TrainConfig
+    from polytrain.scaling.cluster_plan import pipeline_plan
+
+    settings = _run_settings(layout)
+    config = TrainConfig(devices=layout.world_size, batch_size=8 * layout.data_degree, **settings)
+    assert config.layout == layout
+    request = PlanRequest(_small, "llama", layout.world_size, gpu_named("h100"), 8 * layout.data_degree, 16)
+    return pipeline_plan(request, config, _small())
+
+
+def _pipeline_holdings_on_rank(rank, world_size, layout):
+    from polytrain.pipeline.strategy import Pipeline
+    from polytrain.strategies.holdings import local_bytes
+
+    torch.manual_seed(0)
+    plan = _pipeline_plan(layout)
+    strategy = Pipeline(
+        device=torch.device("cpu"), rank=rank, world_size=world_size, layout=layout, plan=plan
+    )
+    strategy.setup(_small(meta=False), lambda named: torch.optim.AdamW([p for _, p in named]), lambda o: None)
+    return local_bytes(strategy.model.parameters())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(pipeline=2), Layout(shard=2, pipeline=2), Layout(pipeline=2, tensor=2, context_in="replicate")],
+    ids=["pp=2", "dp_shard=2,pp=2", "pp=2,tp=2"],
+)
+def test_a_pipeline_s_stages_as_planned_are_what_its_ranks_hold_to_the_byte(layout):
+    """The pipeline's own set-up on the fake process group, its model left on the meta device, against a real run
+    of the same plan: rank 0 (the embedding's stage) and the last stage's first rank (the head's)."""
+    from distributed import run_on_ranks
+
+    real = run_on_ranks(_pipeline_holdings_on_rank, layout, world_size=layout.world_size)
+    plan = _pipeline_plan(layout)
+    last = layout.rank_with(0, pipeline=1)
+    for rank in (0, last):
+        planned = holdings_at_full_size(_small, layout, pipeline_plan=plan, rank=rank)
+        assert planned.parameter_bytes == real[rank], rank
+
+
 def test_a_layout_the_code_refuses_at_full_size_is_refused_with_its_line():
     """A tensor degree above the model's key/value heads, as at run time."""
     request = PlanRequest(_small, "llama", 8, gpu_named("h100"), 8, 16)

@@ -29,6 +29,18 @@ def torch_version() -> tuple:
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def model_stages(layers: list, layout, schedule: str) -> int:
+    """How many model stages `layout`'s pipeline ranks run under `schedule`; one line where the model's
+    flattened `layers` are fewer."""
+    stages = layout.pipeline * stages_per_rank(schedule)
+    if stages > len(layers):
+        raise ConfigError(
+            f"cannot split {len(layers)} layers into {stages} stages; use at most "
+            f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model"
+        )
+    return stages
+
+
 def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) -> PipelinePlan:
     """The pipeline's plan: its layout, schedule, micro-batches and where the model is cut (measured layer by
     layer, or as --split says), with every mistake refused in one line before any worker starts."""
@@ -65,12 +77,7 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
     tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
     layers = flatten_layers(model)
     names = tuple(name for name, _ in layers)
-    stages = layout.pipeline * stages_per_rank(schedule)
-    if stages > len(layers):
-        raise ConfigError(
-            f"cannot split {len(layers)} layers into {stages} stages; use at most "
-            f"{len(layers) // stages_per_rank(schedule)} pipeline stages or a deeper model"
-        )
+    stages = model_stages(layers, layout, schedule)
     dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")  # token ids stay integers
     if config.split not in (None, "auto"):
         return PipelinePlan(

@@ -9,8 +9,11 @@ the reduce dtype; the activations a rank keeps at the peak of its backward pass 
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
 memory check cuts them (plan/activations.py `context_part`, `peak_bytes`); under a tensor plan the blocks keep
 (10 + 24/t) / 34 of one device's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", Table 2, without sequence parallelism and with attention that keeps no scores). Not counted: the CUDA
-context and the caching allocator's reserve beyond the tensors.
+Models", Table 2, without sequence parallelism and with attention that keeps no scores). A pipeline (set up by the
+pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
+under 1F1B its first stage holds the blocks' activations of as many micro-batches as there are stages, its last
+stage one micro-batch's and the logits; the busier of the two ranks is shown. Not counted: the CUDA context and the
+caching allocator's reserve beyond the tensors.
 
 **Step time**: compute is the model's FLOPs per rank (6 per parameter outside the embedding and 12 L H Q T of
 attention per token, torchtitan's count, so that MFU reads alike; a full recomputation adds the forward's third)
@@ -19,7 +22,8 @@ the alpha-beta model (plan/costmodel.py's), each over NVLink where its ranks sit
 tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
 all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
 (each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and
-context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed).
+context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed), a
+pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro-batches of the compute.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class PlanRequest:
     checkpointing: str = "none"
     optimizer: str = "adamw"
     gpus_per_node: int = GPUS_PER_NODE
+    schedule: str = "1f1b"  # a pipeline's (pipeline/schedule.py)
+    layers: int = 0  # the model's flattened layers (what pipeline stages cut), once known
 
 
 @dataclass
@@ -70,6 +76,8 @@ class LayoutPlan:
     buffers: float = 0.0
     compute: float = 0.0
     communication: dict = field(default_factory=dict)  # collective -> exposed seconds
+    bubble: float = 0.0  # a pipeline's idle seconds while its stages fill and drain
+    microbatches: int = 0  # a pipeline's
     tokens_per_second_per_device: float = 0.0
     mfu: float = 0.0
     fits: bool = False
@@ -82,7 +90,7 @@ class LayoutPlan:
 
     @property
     def step_seconds(self) -> float:
-        return self.compute + sum(self.communication.values())
+        return self.compute + sum(self.communication.values()) + self.bubble
 
     def as_json(self, gpu: Gpu) -> dict:
         split = {
@@ -98,6 +106,8 @@ class LayoutPlan:
             "step_seconds": self.step_seconds,
             "compute_seconds": self.compute,
             "exposed_communication_seconds": dict(self.communication),
+            "pipeline_bubble_seconds": self.bubble,
+            **({"microbatches": self.microbatches} if self.microbatches else {}),
             "tokens_per_second_per_device": self.tokens_per_second_per_device,
             "mfu": self.mfu,
             "limit": self.limit,
@@ -111,7 +121,8 @@ def layout_words(layout: Layout) -> str:
 
 
 def parse_layout(text: str, devices: int) -> Layout:
-    """`--layout dp_replicate=2,dp_shard=8,cp=2,tp=4` as a Layout of `devices`; one line where it is not one."""
+    """`--layout dp_replicate=2,dp_shard=8,pp=4,cp=2,tp=4` as a Layout of `devices` (whole copies of pipelines
+    where only dp_replicate is given beside pp, as `--strategy pipeline` makes them); one line where it is not one."""
     names = {
         "dp_replicate": "replicate",
         "dp_shard": "shard",
@@ -128,7 +139,8 @@ def parse_layout(text: str, devices: int) -> Layout:
                 f"--layout dp_shard=8,tp=8"
             )
         degrees[names[key]] = int(value)
-    layout = Layout(**degrees)
+    copies = degrees.get("pipeline", 1) > 1 and degrees.get("shard", 1) == 1
+    layout = Layout(**degrees, context_in="replicate" if copies else "shard")
     if layout.world_size != devices:
         raise ConfigError(
             f"--layout {text} makes {layout.world_size} ranks, and --devices is {devices}; give degrees whose "
@@ -138,30 +150,47 @@ def parse_layout(text: str, devices: int) -> Layout:
 
 
 def candidate_layouts(request: PlanRequest) -> List[Layout]:
-    """Every layout of dp_replicate x dp_shard x cp x tp on the devices that splits the batch and the sequence
-    evenly: tensor groups within a node, context groups that cut each sequence into head-tail chunks, the data
-    ranks as whole copies (no tensor plan), shards, or copies of shard groups."""
+    """Every layout of dp_replicate x dp_shard x pp x cp x tp on the devices that splits the batch and the sequence
+    evenly: tensor groups within a node, context groups that cut each sequence into head-tail chunks, pipelines of
+    2 to `layers` // 2 stages, the data ranks as whole copies (no tensor plan), shards, or copies of shard groups."""
     n, found = request.devices, []
     for tp in divisors(n):
         if tp > request.gpus_per_node:
             continue
-        for cp in divisors(n // tp):
-            if cp > 1 and request.context % (2 * cp):
+        for pp in divisors(n // tp):
+            if pp > 1 and (pp > request.layers // 2 or request.batch_size < pp):
                 continue
-            data = n // (tp * cp)
-            if request.batch_size % data:
-                continue
-            if tp == 1:
-                found.append(Layout(replicate=data, context=cp, context_in="replicate"))
-            for shard in divisors(data):
-                if shard > 1 or (data == 1 and tp * cp > 1):
-                    found.append(Layout(replicate=data // shard, shard=shard, context=cp, tensor=tp))
-    return list(dict.fromkeys(found))
+            for cp in divisors(n // (tp * pp)):
+                if cp > 1 and request.context % (2 * cp):
+                    continue
+                data = n // (tp * pp * cp)
+                if request.batch_size % data:
+                    continue
+                if (
+                    tp == 1 or pp > 1
+                ):  # whole copies (a pipeline's stages split over tensor ranks: FSDP2 of one)
+                    found.append(
+                        Layout(replicate=data, pipeline=pp, context=cp, tensor=tp, context_in="replicate")
+                    )
+                for shard in divisors(data):
+                    if shard > 1 or (data == 1 and tp * cp > 1 and pp == 1):
+                        found.append(
+                            Layout(replicate=data // shard, shard=shard, pipeline=pp, context=cp, tensor=tp)
+                        )
+    return [layout for layout in dict.fromkeys(found) if layout.world_size == n]
 
 
 def _run_settings(layout: Layout) -> dict:
     """The --strategy and flags that make `layout` (the presets of parallel/layout.py)."""
     flags = {"context_parallel": layout.context} if layout.context > 1 else {}
+    if layout.pipeline > 1:
+        flags.update(pipeline_stages=layout.pipeline)
+        flags.update({"tensor_parallel": layout.tensor} if layout.tensor > 1 else {})
+        if layout.shard > 1:
+            flags.update(
+                data_parallel="shard", **({"replicas": layout.replicate} if layout.replicate > 1 else {})
+            )
+        return dict(strategy="pipeline", **flags)
     if layout.tensor > 1:
         flags["tensor_parallel"] = layout.tensor
         if layout.replicate > 1:
@@ -196,22 +225,88 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
                 f"{layout.describe()} is not a layout polytrain runs (it made {config.layout.describe()})"
             )
         model = request.build()
-        plan = make_plan(settings["strategy"], config, model, None, device=None)
-        held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
+        if layout.pipeline > 1:
+            plan = pipeline_plan(request, config, model)
+            row.microbatches = plan.microbatches
+            last = layout.rank_with(
+                0, pipeline=layout.pipeline - 1
+            )  # the head's stage, and the loss's logits
+            rows = []
+            for rank in (0, last):
+                held = holdings_at_full_size(
+                    request.build, layout, pipeline_plan=plan, precision=request.precision, rank=rank
+                )
+                each = dataclasses.replace(row, communication={})
+                _memory(request, each, held, work, last_stage=rank == last)
+                rows.append((each.memory, each, held))
+            _, row, held = max(rows, key=lambda item: item[0])
+        else:
+            plan = make_plan(settings["strategy"], config, model, None, device=None)
+            held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
+            _memory(request, row, held, work)
     except UserError as error:
         row.refused, row.limit = str(error), "refused"
         return row
-    _memory(request, row, held, work)
+    except (
+        Exception
+    ) as error:  # a failure of polytrain's, not the layout's: named, and the others still planned
+        first = (str(error).strip().splitlines() or [""])[0]
+        row.refused, row.limit = f"could not be built here ({type(error).__name__}: {first})", "error"
+        return row
     _time(request, row, held, work)
     return row
 
 
-def _memory(request: PlanRequest, row: LayoutPlan, held, work) -> None:
+def pipeline_plan(request: PlanRequest, config, model: nn.Module):
+    """The pipeline a run of `config` would have, its stages cut where the layers' parameters outside embeddings
+    balance (a run measures each layer's time; a transformer's blocks are alike, so the cut is the same but at the
+    ends), `default_microbatches` micro-batches of the pipeline's slice of the batch."""
+    from ..pipeline.balance import balance_by_time
+    from ..pipeline.plan import PipelinePlan, default_microbatches
+    from ..pipeline.planning import model_stages
+    from ..strategies.layers import flatten_layers
+    from ..strategies.tensor import plan_for_stages
+
+    layout = config.layout
+    layers = flatten_layers(model)
+    stages = model_stages(layers, layout, request.schedule)
+
+    def cost(module: nn.Module) -> float:
+        return float(
+            sum(
+                p.numel()
+                for m in module.modules()
+                if not isinstance(m, nn.Embedding)
+                for p in m.parameters(recurse=False)
+            )
+        )
+
+    costs = tuple(cost(module) for _, module in layers)
+    tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
+    return PipelinePlan(
+        layout,
+        request.schedule,
+        default_microbatches(request.batch_size // layout.data_degree, layout.pipeline),
+        balance_by_time(costs, stages=stages),
+        tuple(name for name, _ in layers),
+        (request.context,),
+        costs,
+        "seconds",
+        "int64",
+        tensor=tensor,
+    )
+
+
+def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bool = False) -> None:
     layout, mixed = row.layout, request.precision != "fp32"
     row.parameters, row.gradients = float(held.parameter_bytes), float(held.trained_bytes)
     row.optimizer = SLOTS.get(request.optimizer, 2) * float(held.trained_bytes)
     gathered, reduced = (2, 4) if mixed else (4, 4)  # FSDP2's policy: gathered in bf16, reduced in float32
-    row.buffers = held.unit_parameters * (2 * gathered + reduced)
+    # FSDP2: two units gathered (computing, prefetched) and one unit's gradients; a pipeline of shards keeps its
+    # stages gathered with their gradients through the step
+    row.buffers = held.unit_parameters * (
+        (gathered + reduced) if layout.pipeline > 1 else (2 * gathered + reduced)
+    )
     if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
         row.buffers = held.parameter_bytes / 2
     part = context_part(work, layout.context, layout.tensor)
@@ -227,7 +322,16 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work) -> None:
             block_input_bytes=part.block_input_bytes,
             block_matmul_bytes=part.block_matmul_bytes * keep,
         )
-    row.activations = peak_bytes(part, request.checkpointing) * request.batch_size / layout.data_degree
+    local = request.batch_size / layout.data_degree
+    row.activations = peak_bytes(part, request.checkpointing) * local
+    if (
+        layout.pipeline > 1
+    ):  # a stage's blocks for the micro-batches in flight; the logits and loss on the last
+        outside = part.activation_bytes - part.blocks * part.block_bytes
+        inside = peak_bytes(part, request.checkpointing) - outside
+        m = row.microbatches
+        flight = m if request.schedule == "gpipe" else (1 if last_stage else min(m, layout.pipeline))
+        row.activations = (inside / layout.pipeline + (outside if last_stage else 0.0)) * local / m * flight
     row.fits = row.memory <= request.gpu.memory_gib * GIB
 
 
@@ -266,9 +370,11 @@ def _time(request: PlanRequest, row: LayoutPlan, held, work) -> None:
     if layout.data_parallel == "shard":
         shards = layout.shard * (layout.context if layout.context_in == "shard" else 1)
         whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
-        # (the shard group: the dp_shard and cp dimensions beside the tensor ranks, consecutive ranks)
-        bandwidth, latency = _link(request, layout.shard * layout.context * layout.tensor)
-        seconds = 2 * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
+        # (the shard group spans the dp_shard, pp, cp and tp dimensions: the mesh's order); a pipeline of shards
+        # gathers its stages once per step, FSDP2 alone twice (forward, and again for the backward)
+        bandwidth, latency = _link(request, layout.shard * layout.pipeline * layout.context * layout.tensor)
+        gathers = 1 if layout.pipeline > 1 else 2
+        seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
         seconds += _ring("reduce-scatter", shards, whole * 4, bandwidth, latency * held.units)
         if layout.replicate > 1:
             bandwidth, latency = _link(request, layout.world_size)
@@ -280,17 +386,26 @@ def _time(request: PlanRequest, row: LayoutPlan, held, work) -> None:
         seconds = _ring("all-reduce", ranks, held.trained_bytes, bandwidth, latency)
         exposed["ddp"] = max(0.0, seconds - OVERLAP * row.compute * 2 / 3)  # beside the backward pass
     shape, local_batch = work.attention, request.batch_size / layout.data_degree
+    layers = shape.layers / layout.pipeline if shape else 0  # a rank's blocks: its stage's
     if layout.tensor > 1 and shape:
         width = shape.heads * shape.head_dim
         nbytes = local_batch * request.context / layout.context * width * element
         bandwidth, latency = _link(request, layout.tensor)
-        exposed["tensor"] = 4 * shape.layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
+        exposed["tensor"] = 4 * layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
     if layout.context > 1 and shape:
         kv = max(1, shape.kv_heads // layout.tensor) * shape.head_dim
         nbytes = 2 * local_batch * request.context * kv * element  # keys and values of the whole sequence
         bandwidth, latency = _link(request, layout.context * layout.tensor)
         each = _ring("all-gather", layout.context, nbytes, bandwidth, latency)
-        exposed["context"] = 2 * shape.layers * each  # the gather, and the reduce-scatter of its gradients
+        exposed["context"] = 2 * layers * each  # the gather, and the reduce-scatter of its gradients
+    if layout.pipeline > 1 and shape:
+        # each micro-batch's activations to the next stage and their gradients back; only the sends while the
+        # pipeline fills and drains are on the critical path (the rest overlap other micro-batches' compute)
+        width = shape.heads * shape.head_dim
+        nbytes = local_batch / row.microbatches * request.context / layout.context * width * element
+        bandwidth, latency = _link(request, 2 * layout.context * layout.tensor)
+        exposed["pipeline"] = 2 * (layout.pipeline - 1) * (nbytes / bandwidth + latency)
+        row.bubble = row.compute * (layout.pipeline - 1) / row.microbatches
     row.communication = {key: value for key, value in exposed.items() if value > 0}
     row.tokens_per_second_per_device = tokens / row.step_seconds / layout.world_size
     row.mfu = flops_per_token(work, request.context) * row.tokens_per_second_per_device / gpu.bf16_flops
@@ -341,7 +456,10 @@ def make_plan_table(
     request: PlanRequest, layout: Optional[Layout] = None, *, progress=None
 ) -> List[LayoutPlan]:
     """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first."""
+    from ..strategies.layers import flatten_layers
+
     work = model_work(request)
+    request.layers = len(flatten_layers(request.build()))
     layouts = [layout] if layout is not None else candidate_layouts(request)
     if not layouts:
         raise UserError(
@@ -353,23 +471,36 @@ def make_plan_table(
         rows.append(plan_layout(request, each, work))
         if progress:
             progress(rows[-1])
-    rows.sort(key=lambda row: (bool(row.refused), not row.fits, -row.tokens_per_second_per_device))
+    # fitting first, fastest first, and of equally fast ones the one that holds least
+    rows.sort(
+        key=lambda row: (
+            bool(row.refused),
+            not row.fits,
+            -round(row.tokens_per_second_per_device, 6),
+            row.memory,
+        )
+    )
     return rows
 
 
-def smallest_fit(request: PlanRequest, work=None, *, most: int = 64) -> Optional[LayoutPlan]:
+def smallest_fit(request: PlanRequest, work=None, *, most: int = 64, tries: int = 4) -> Optional[LayoutPlan]:
     """Where no layout of `request.devices` fits: the fewest GPUs, doubling up to `most` times as many, with a
-    layout that fits the same batch, among those that hold least (FSDP2 over every data rank, beside tensor and
-    context groups); None where none does."""
+    layout that fits the same batch, among those that hold least (FSDP2 over every data rank, beside the most
+    tensor, pipeline and context ranks: the `tries` of them that split the model most); None where none does."""
     work = work or model_work(request)
     devices = request.devices * 2
     while devices <= request.devices * most:
         more = dataclasses.replace(request, devices=devices)
-        for layout in candidate_layouts(more):
-            if layout.replicate == 1 and layout.data_parallel == "shard":
-                row = plan_layout(more, layout, work)
-                if row.fits and not row.refused:
-                    return row
+        least = [
+            layout
+            for layout in candidate_layouts(more)
+            if layout.replicate == 1 and layout.data_parallel == "shard"
+        ]
+        least.sort(key=lambda layout: -layout.tensor * layout.pipeline * layout.context)
+        for layout in least[:tries]:
+            row = plan_layout(more, layout, work)
+            if row.fits and not row.refused:
+                return row
         devices *= 2
     return None
 

@@ -81,6 +81,44 @@ def _units(model: nn.Module, shard_ranks: int) -> list:
     return sizes
 
 
+def _pipeline_holdings(build, layout: Layout, plan, *, rank: int, precision: str) -> Holdings:
+    """`rank`'s holdings of a pipeline, set up by the pipeline strategy itself (its stages cut, tied weights, the
+    tensor plan and FSDP2 per stage), its model left on the meta device."""
+    from ..pipeline.strategy import Pipeline
+
+    class Unfilled(Pipeline):
+        """The pipeline's own set-up, with nothing given storage and no start-up lines (which gather every rank's
+        device, and a fake group gathers none)."""
+
+        def place(self, model):
+            return model
+
+        def placement_lines(self, holds):
+            return []
+
+        @property
+        def data_parallel(self) -> str:  # (DDP's copies are the stages themselves: DDP cannot wrap meta ones)
+            kind = Pipeline.data_parallel.fget(self)
+            return "none" if kind == "replicate" else kind
+
+    strategy = Unfilled(
+        plan=plan,
+        layout=layout,
+        device=torch.device("cpu"),
+        rank=rank,
+        world_size=layout.world_size,
+        precision=precision,
+    )
+    strategy.setup(build(), lambda named: None, lambda optimizer: None)
+    parts = list(strategy.model.parameters())
+    held = sum(_local(p).numel() * _local(p).element_size() for p in parts)
+    trains = sum(_local(p).numel() * _local(p).element_size() for p in parts if p.requires_grad)
+    shards = strategy.data_parallel == "shard"
+    # a pipeline of shards keeps its stages' weights gathered through a step (pipeline/sharding.py)
+    gathered = sum(_local(p).numel() for p in parts) * layout.shard * layout.context if shards else 0
+    return Holdings(held, trains, gathered, len(strategy.stage_modules))
+
+
 def holdings_at_full_size(
     build: Callable[[], nn.Module],
     layout: Layout,
@@ -88,18 +126,19 @@ def holdings_at_full_size(
     tensor_plan=None,
     precision: str = "bf16",
     objective=None,
+    pipeline_plan=None,
+    rank: int = 0,
 ) -> Holdings:
-    """Rank 0's holdings of the model `build()` makes (on the meta device) prepared for `layout` at its full world
-    size by `parallelize`, as a run prepares it (`tensor_plan`: the run's, where the layout has a tensor degree)."""
+    """`rank`'s holdings (rank 0 by default) of the model `build()` makes (on the meta device) prepared for `layout`
+    at its full world size as a run prepares it: by `parallelize` (`tensor_plan`: the run's, where the layout has a
+    tensor degree), or by the pipeline strategy (`pipeline_plan`, where it has stages)."""
     from ..objective import Objective
     from ..parallel.parallelize import Preparation, parallelize
 
     if layout.pipeline > 1:
-        raise UserError(
-            "polytrain plan sizes layouts without pipeline stages so far (dp_replicate, dp_shard, cp, tp); "
-            "drop the pipeline degree"
-        )
-    with fake_world(layout.world_size):
+        with fake_world(layout.world_size, rank):
+            return _pipeline_holdings(build, layout, pipeline_plan, rank=rank, precision=precision)
+    with fake_world(layout.world_size, rank):
         model = build()
         options = Preparation(
             device=torch.device("cpu"),

@@ -113,7 +113,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int) -> List[str
         f"of {request.context} tokens, {request.precision}, --activation-checkpointing {request.checkpointing}, "
         f"{request.optimizer}",
         f"  {'layout':40} {'holds':5} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
-        f"{'GiB':>6}  {'step s':>7} {'comm s':>7} {'tok/s/GPU':>9} {'MFU':>4}  limit",
+        f"{'GiB':>6}  {'step s':>7} {'comm s':>7} {'bubble':>7} {'tok/s/GPU':>9} {'MFU':>4}  limit",
     ]
     fit = [row for row in rows if row.fits and not row.refused]
     over = [row for row in rows if not row.fits and not row.refused]
@@ -123,7 +123,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int) -> List[str
         lines.append(
             f"  {layout_words(row.layout):40} {holds(row):5} {_gib(row.parameters)} {_gib(row.gradients)} "
             f"{_gib(row.optimizer)} {_gib(row.activations)} {_gib(row.buffers)} {_gib(row.memory)}  "
-            f"{row.step_seconds:7.2f} {sum(row.communication.values()):7.2f} "
+            f"{row.step_seconds:7.2f} {sum(row.communication.values()):7.2f} {row.bubble:7.2f} "
             f"{row.tokens_per_second_per_device:9,.0f} {row.mfu:4.0%}  {row.limit}{exceeds}"
         )
     shown = len(fit[:top] + over[: max(0, top - len(fit))])

@@ -15,15 +15,7 @@ under 1F1B its first stage holds the blocks' activations of as many micro-batche
 stage one micro-batch's and the logits; the busier of the two ranks is shown. Not counted: the CUDA context and the
 caching allocator's reserve beyond the tensors.
 
-**Step time**: compute is the model's FLOPs per rank (6 per parameter outside the embedding and 12 L H Q T of
-attention per token, torchtitan's count, so that MFU reads alike; a full recomputation adds the forward's third)
-at `gpus.ACHIEVED` of the GPU's peak. Communication is the collectives the layout issues, ring algorithms under
-the alpha-beta model (plan/costmodel.py's), each over NVLink where its ranks sit in one node (the mesh puts the
-tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
-all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
-(each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and
-context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed), a
-pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro-batches of the compute.
+**Step time**: cluster_time.py.
 """
 
 from __future__ import annotations
@@ -38,7 +30,8 @@ import torch.nn as nn
 from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
 from ..plan.activations import context_part, peak_bytes
-from .gpus import ACHIEVED, GPUS_PER_NODE, LATENCY, OVERLAP, Gpu
+from .cluster_time import step_time
+from .gpus import GPUS_PER_NODE, Gpu
 
 GIB = 2**30
 SLOTS = {"adamw": 2, "adam": 2, "sgd": 1}  # optimizer state tensors per trained parameter
@@ -253,7 +246,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
         first = (str(error).strip().splitlines() or [""])[0]
         row.refused, row.limit = f"could not be built here ({type(error).__name__}: {first})", "error"
         return row
-    _time(request, row, held, work)
+    step_time(request, row, held, work)
     return row
 
 
@@ -333,90 +326,6 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
         flight = m if request.schedule == "gpipe" else (1 if last_stage else min(m, layout.pipeline))
         row.activations = (inside / layout.pipeline + (outside if last_stage else 0.0)) * local / m * flight
     row.fits = row.memory <= request.gpu.memory_gib * GIB
-
-
-def _ring(kind: str, ranks: int, nbytes: float, bandwidth: float, latency: float) -> float:
-    """Seconds of one ring collective of `nbytes` (the whole tensor) over `ranks`."""
-    if ranks == 1:
-        return 0.0
-    factor = 2 * (ranks - 1) / ranks if kind == "all-reduce" else (ranks - 1) / ranks
-    return factor * nbytes / bandwidth + (ranks - 1) * latency
-
-
-def _link(request: PlanRequest, span: int):
-    """(bandwidth, latency) of a group whose ranks lie within `span` consecutive ranks: NVLink within a node, the
-    network across nodes."""
-    if span <= request.gpus_per_node:
-        return request.gpu.nvlink, LATENCY["nvlink"]
-    return request.gpu.network, LATENCY["network"]
-
-
-def flops_per_token(work, context: int) -> float:
-    """The model's training FLOPs per token, torchtitan's count: 6 per parameter outside the embedding, and
-    12 L H Q T for attention (`work.attention`: layers, heads, head size; T the sequence)."""
-    shape = work.attention
-    attention = 12 * shape.layers * shape.heads * shape.head_dim * context if shape else 0.0
-    return 6 * work.dense_parameters + attention
-
-
-def _time(request: PlanRequest, row: LayoutPlan, held, work) -> None:
-    layout, gpu = row.layout, request.gpu
-    tokens = request.batch_size * request.context
-    model_flops = flops_per_token(work, request.context) * tokens / layout.world_size
-    recompute = 4 / 3 if request.checkpointing == "full" else 1.0
-    row.compute = model_flops * recompute / (gpu.peak_flops(request.precision) * ACHIEVED)
-    element = 2 if request.precision != "fp32" else 4
-    exposed = {}
-    if layout.data_parallel == "shard":
-        shards = layout.shard * (layout.context if layout.context_in == "shard" else 1)
-        whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
-        # (the shard group spans the dp_shard, pp, cp and tp dimensions: the mesh's order); a pipeline of shards
-        # gathers its stages once per step, FSDP2 alone twice (forward, and again for the backward)
-        bandwidth, latency = _link(request, layout.shard * layout.pipeline * layout.context * layout.tensor)
-        gathers = 1 if layout.pipeline > 1 else 2
-        seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
-        seconds += _ring("reduce-scatter", shards, whole * 4, bandwidth, latency * held.units)
-        if layout.replicate > 1:
-            bandwidth, latency = _link(request, layout.world_size)
-            seconds += _ring("all-reduce", layout.replicate, held.trained_bytes, bandwidth, latency)
-        exposed["fsdp"] = max(0.0, seconds - OVERLAP * row.compute)
-    elif layout.data_parallel == "replicate":
-        bandwidth, latency = _link(request, layout.world_size)
-        ranks = layout.replicate * layout.context
-        seconds = _ring("all-reduce", ranks, held.trained_bytes, bandwidth, latency)
-        exposed["ddp"] = max(0.0, seconds - OVERLAP * row.compute * 2 / 3)  # beside the backward pass
-    shape, local_batch = work.attention, request.batch_size / layout.data_degree
-    layers = shape.layers / layout.pipeline if shape else 0  # a rank's blocks: its stage's
-    if layout.tensor > 1 and shape:
-        width = shape.heads * shape.head_dim
-        nbytes = local_batch * request.context / layout.context * width * element
-        bandwidth, latency = _link(request, layout.tensor)
-        exposed["tensor"] = 4 * layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
-    if layout.context > 1 and shape:
-        kv = max(1, shape.kv_heads // layout.tensor) * shape.head_dim
-        nbytes = 2 * local_batch * request.context * kv * element  # keys and values of the whole sequence
-        bandwidth, latency = _link(request, layout.context * layout.tensor)
-        each = _ring("all-gather", layout.context, nbytes, bandwidth, latency)
-        exposed["context"] = 2 * layers * each  # the gather, and the reduce-scatter of its gradients
-    if layout.pipeline > 1 and shape:
-        # each micro-batch's activations to the next stage and their gradients back; only the sends while the
-        # pipeline fills and drains are on the critical path (the rest overlap other micro-batches' compute)
-        width = shape.heads * shape.head_dim
-        nbytes = local_batch / row.microbatches * request.context / layout.context * width * element
-        bandwidth, latency = _link(request, 2 * layout.context * layout.tensor)
-        exposed["pipeline"] = 2 * (layout.pipeline - 1) * (nbytes / bandwidth + latency)
-        row.bubble = row.compute * (layout.pipeline - 1) / row.microbatches
-    row.communication = {key: value for key, value in exposed.items() if value > 0}
-    row.tokens_per_second_per_device = tokens / row.step_seconds / layout.world_size
-    row.mfu = flops_per_token(work, request.context) * row.tokens_per_second_per_device / gpu.bf16_flops
-    if request.precision == "fp32":
-        row.mfu = flops_per_token(work, request.context) * row.tokens_per_second_per_device / gpu.fp32_flops
-    slowest = max(row.communication.items(), key=lambda item: item[1], default=("", 0.0))
-    row.limit = (
-        "memory"
-        if not row.fits
-        else (f"{slowest[0]} communication" if slowest[1] > 0.25 * row.compute else "compute")
-    )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import json
 import pytest
 from processes import polytrain
 
-from polytrain.parallel.layout import plain_layout
+from polytrain.parallel.presets import plain_layout
 from polytrain.scaling.auto import simplest_first, steady_name
 
 pytestmark = pytest.mark.multiprocess

@@ -11,16 +11,9 @@ import torch
 from conftest import polytrain_here
 
 from polytrain.models import build_model, build_model_on_meta
-from polytrain.parallel.layout import Layout
-from polytrain.scaling.cluster_plan import (
-    PlanRequest,
-    _run_settings,
-    candidate_layouts,
-    layout_words,
-    make_plan_table,
-    parse_layout,
-    plan_layout,
-)
+from polytrain.parallel.layout import Layout, parse_layout
+from polytrain.parallel.presets import layout_of, settings_of
+from polytrain.scaling.cluster_plan import PlanRequest, candidate_layouts, make_plan_table, plan_layout
 from polytrain.scaling.full_size import holdings_at_full_size
 from polytrain.scaling.gpus import GPUS, gpu_named
 
@@ -36,7 +29,7 @@ def _tensor_plan(layout: Layout, model):
     from polytrain.config.train import TrainConfig
     from polytrain.strategies import make_plan
 
-    settings = _run_settings(layout)
+    settings = settings_of(layout)
     config = TrainConfig(devices=layout.world_size, batch_size=8 * layout.data_degree, **settings)
     assert config.layout == layout
     return make_plan(settings["strategy"], config, model, None, device=None)
@@ -114,7 +107,7 @@ def _pipeline_plan(layout: Layout):
     from polytrain.config.train import TrainConfig
     from polytrain.scaling.cluster_plan import pipeline_plan
 
-    settings = _run_settings(layout)
+    settings = settings_of(layout)
     config = TrainConfig(devices=layout.world_size, batch_size=8 * layout.data_degree, **settings)
     assert config.layout == layout
     request = PlanRequest(_small, "llama", layout.world_size, gpu_named("h100"), 8 * layout.data_degree, 16)
@@ -174,7 +167,15 @@ def test_layouts_and_gpus_are_read_in_one_line_each():
     found = candidate_layouts(request)
     assert all(layout.world_size == 8 and 8 % layout.data_degree == 0 for layout in found)
     assert Layout(shard=8) in found and Layout(shard=2, context=2, tensor=2) in found
-    assert len({layout_words(layout) + str(layout.data_parallel) for layout in found}) == len(found)
+    assert len({layout.words() + str(layout.data_parallel) for layout in found}) == len(found)
+    # each is a layout the presets make, and the flags that make it make it back (its words too)
+    for layout in found:
+        settings = settings_of(layout)
+        assert layout_of(settings.pop("strategy"), 8, **settings) == layout, layout
+        if layout.context == layout.world_size:  # `cp=8` says not how its ranks hold: FSDP2, as sharded
+            assert parse_layout(layout.words(), 8) == Layout(context=layout.context)
+        else:
+            assert parse_layout(layout.words(), 8) == layout, layout
 
 
 def test_bf16_activations_are_measured_in_bf16():

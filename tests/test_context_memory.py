@@ -15,7 +15,7 @@ import torch.distributed as dist
 from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.objective import Objective
-from polytrain.parallel.layout import layout_of
+from polytrain.parallel.presets import layout_of
 from polytrain.plan.activations import AttentionShape, context_bytes, context_part, peak_bytes
 from polytrain.plan.costmodel import Workload
 from polytrain.plan.memory import memory_per_rank

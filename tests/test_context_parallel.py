@@ -285,7 +285,7 @@ def test_what_context_parallelism_cannot_split_is_one_line_before_any_worker(cap
 
 
 def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
-    from polytrain.parallel.layout import layout_of
+    from polytrain.parallel.presets import layout_of
     from polytrain.plan.costmodel import Workload
     from polytrain.plan.memory import memory_per_rank
 

@@ -92,7 +92,7 @@ def test_no_module_imports_one_that_imports_it_back():
 # builds on strategies/base.py, which prepares a model with parallel/parallelize.py)
 IDEA_ROOMS = {
     "pipeline": {"plan": "plan", "schedule": "plan", "balance": "plan"},
-    "parallel": {"layout": "plan"},
+    "parallel": {"layout": "plan", "presets": "plan"},
 }
 
 

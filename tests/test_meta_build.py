@@ -38,7 +38,8 @@ def _peak_rss_bytes() -> int:
 
 def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
-    from polytrain.parallel.layout import Layout, layout_of
+    from polytrain.parallel.layout import Layout
+    from polytrain.parallel.presets import layout_of
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.pipeline.strategy import Pipeline
     from polytrain.plan.sharded import ShardedPlan

@@ -13,7 +13,8 @@ from conftest import load_weights as load
 
 from polytrain.config.train import TrainConfig
 from polytrain.errors import ConfigError
-from polytrain.parallel.layout import Layout, layout_of
+from polytrain.parallel.layout import Layout
+from polytrain.parallel.presets import layout_of
 from polytrain.pipeline.plan import data_words, pipelines_words
 from polytrain.strategies import Pipeline
 

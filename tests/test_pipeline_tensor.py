@@ -19,7 +19,7 @@ from polytrain.config.train import TrainConfig, replicas
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
-from polytrain.parallel.layout import layout_of
+from polytrain.parallel.presets import layout_of
 from polytrain.pipeline.plan import check_tensor_cuts
 from polytrain.sources import as_dataset
 from polytrain.strategies import make_plan

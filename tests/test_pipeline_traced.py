@@ -17,7 +17,7 @@ from polytrain.config import TrainConfig
 from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
-from polytrain.parallel.layout import layout_of
+from polytrain.parallel.presets import layout_of
 from polytrain.pipeline.traced import TracedStages, micro_batch_sizes, trace
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job

@@ -11,7 +11,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout, layout_of, layout_or_none
+from ..parallel.layout import Layout
+from ..parallel.presets import layout_of, layout_or_none
 from ..pipeline.plan import check_microbatches
 from .declare import check_value, declared, flag_name, unset
 from .registry_names import check_tensorboard, parse_loggers

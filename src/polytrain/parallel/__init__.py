@@ -3,7 +3,8 @@ that prepare a model for them, applied by `parallelize` in torchtitan's order. N
 module is imported by its own name. Read top-down:
 
 - layout.py: `Layout`, the degrees of parallelism (replicate, shard, pipeline, context, tensor) and what each
-  means for the batch, the gradients and the mesh; the strategy names as presets of degrees (`layout_of`);
+  means for the batch, the gradients and the mesh; its `--layout` words (`dp_shard=8,tp=8`). Pure: no torch.
+- presets.py: the strategy names as presets of degrees (`layout_of`) and back (`settings_of`, `flags_of`);
   labels made from a layout for printing. Pure: no torch.
 - mesh.py: `RunMesh`, the one DeviceMesh of a run and its named parts (tensor, context, pipeline, replicas,
   what FSDP2 shards over, the copies of a pipeline's stages).

@@ -173,6 +173,22 @@ class ContextGroup:
         return self  # a copy of a model on this rank splits its sequences over the same group
 
 
+def rank_sample_shape(shape: tuple, layout) -> tuple:
+    """A sample's shape (tokens first) as one rank of `layout` holds it: 1/C of its tokens on a context group's
+    rank (a pipeline gives its stages these shapes up front)."""
+    return (shape[0] // layout.context, *shape[1:]) if layout.context > 1 else tuple(shape)
+
+
+def tensor_plan_beside(plan, layout):
+    """A tensor plan as it runs beside `layout`'s context ranks: the sequence is split over them already, so the
+    norms stay whole on each tensor rank (no sequence parallelism)."""
+    if layout.context > 1 and plan.sequence_parallel:
+        from dataclasses import replace
+
+        return replace(plan, sequence_parallel=False)
+    return plan
+
+
 def sequence_modules(model: nn.Module) -> List[nn.Module]:
     """The modules of `model` that declare `context_parallel`: those context parallelism switches (none: its
     sequences cannot be split here)."""

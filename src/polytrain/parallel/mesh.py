@@ -40,7 +40,7 @@ def fsdp_submesh(mesh, layout: Layout):
     names = tuple(name for name in ("dp_shard", "cp") if name in mesh.mesh_dim_names)
     if not hybrid:
         return mesh[names]._flatten(SHARD_AND_CONTEXT)
-    copies, shards = layout.replicate, layout.shard * layout.context
+    copies, shards = layout.replicate, layout.fsdp_ranks
     if not hasattr(mesh, "_unflatten"):  # an older torch: slice the flattened dimension from the mesh
         mesh[names]._flatten(SHARD_AND_CONTEXT)
         return mesh["dp_replicate", SHARD_AND_CONTEXT]

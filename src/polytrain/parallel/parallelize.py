@@ -14,7 +14,7 @@ does nothing:
   1. tensor plan              each named layer split over the `tp` ranks, the rest replicated on them
                               (tensor_split.py `apply_tensor_plan`)
   2. context parallelism      attention and positions over the `cp` ranks, the loss a part of each window's
-                              (context_parallel.py `split_model_sequences`)
+                              (context.py `split_model_sequences`)
   3. activation checkpointing the model's blocks recomputed in backward (activation_checkpoint.py)
   4. the global batch         BatchNorm and Dropout computed over the global batch where the data ranks each
                               compute a slice, Dropout drawn as one device draws it (global_batch.py)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..models.meta import to_empty
+from ..parallel.context import rank_sample_shape
 from ..parallel.ddp import release_reducers
 from ..parallel.global_batch import slice_offsets
 from ..parallel.mesh import RunMesh
@@ -213,9 +214,7 @@ class Pipeline(Strategy):
         the model's output, from one sample in evaluation mode (no statistics change). Given to the stages up
         front, so they need not infer shapes by running training-mode forwards that would update BatchNorm
         statistics."""
-        shape = self.plan.input_shape
-        if self.layout.context > 1:  # a rank of a context group holds 1/C of each sequence's tokens
-            shape = (shape[0] // self.layout.context, *shape[1:])
+        shape = rank_sample_shape(self.plan.input_shape, self.layout)
         x = torch.zeros(1, *shape, dtype=getattr(torch, self.plan.input_dtype), device=self.device)
         grads = False
         shapes = []

@@ -69,7 +69,8 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout, label, plain_layout
+from ..parallel.layout import Layout
+from ..parallel.presets import label, plain_layout
 from .activations import AttentionShape
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..parallel.layout import Layout, plain_layout
+from ..parallel.layout import Layout
+from ..parallel.presets import plain_layout
 from .activations import context_part, peak_bytes
 from .costmodel import Workload
 
@@ -53,7 +54,7 @@ def memory_per_rank(
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
     # splits them: pipeline/sharding.py)
     fsdp = strategy in ("sharded", "tensor") or (layout.pipeline > 1 and layout.shard * layout.tensor > 1)
-    shards = layout.shard * (layout.context if fsdp else 1)
+    shards = layout.fsdp_ranks if fsdp else layout.shard
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step

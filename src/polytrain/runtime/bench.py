@@ -21,7 +21,8 @@ from ..config.model_defaults import MODEL_SETTINGS, apply_model_defaults, check_
 from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
-from ..parallel.layout import Layout, label, layout_of, plain_layout
+from ..parallel.layout import Layout
+from ..parallel.presets import label, layout_of, plain_layout
 from ..plan import costmodel
 from ..scaling.bench_predict import fit_message_costs, predict_rows, project
 from ..scaling.flops import flops_per_sample, matmul_peak

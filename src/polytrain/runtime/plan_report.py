@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import List
 
 from ..errors import UserError
+from ..parallel.layout import parse_layout
 from ..scaling.cluster_plan import (
     GIB,
     LayoutPlan,
     PlanRequest,
-    layout_words,
     make_plan_table,
-    parse_layout,
     smallest_fit,
 )
 from ..scaling.gpus import gpu_named
@@ -121,7 +120,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int) -> List[str
     for row in fit[:top] + over[: max(0, top - len(fit))]:
         exceeds = "" if row.fits else f"; {(row.memory / GIB - gpu.memory_gib):,.1f} GiB over"
         lines.append(
-            f"  {layout_words(row.layout):40} {holds(row):5} {_gib(row.parameters)} {_gib(row.gradients)} "
+            f"  {row.layout.words():40} {holds(row):5} {_gib(row.parameters)} {_gib(row.gradients)} "
             f"{_gib(row.optimizer)} {_gib(row.activations)} {_gib(row.buffers)} {_gib(row.memory)}  "
             f"{row.step_seconds:7.2f} {sum(row.communication.values()):7.2f} {row.bubble:7.2f} "
             f"{row.tokens_per_second_per_device:9,.0f} {row.mfu:4.0%}  {row.limit}{exceeds}"
@@ -136,18 +135,18 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int) -> List[str
         if best is not None:
             more = smallest_fit(request)
             fix = (
-                f"the fewest GPUs that fit are {more.layout.world_size} ({layout_words(more.layout)}, "
+                f"the fewest GPUs that fit are {more.layout.world_size} ({more.layout.words()}, "
                 f"{more.memory / GIB:,.1f} GiB each)"
                 if more is not None
                 else "no layout of up to 64 times as many GPUs fits either"
             )
             lines.append(
                 f"no layout fits {request.devices} x {gpu.memory_gib:.0f} GiB: the smallest need is "
-                f"{best.memory / GIB:,.1f} GiB per GPU ({layout_words(best.layout)}); {fix}; or "
+                f"{best.memory / GIB:,.1f} GiB per GPU ({best.layout.words()}); {fix}; or "
                 f"--activation-checkpointing full, or a smaller --batch-size"
             )
     for row in refused:
-        lines.append(f"  refused {layout_words(row.layout)}: {row.refused}")
+        lines.append(f"  refused {row.layout.words()}: {row.refused}")
     lines.append(
         "memory: parameters, gradients and optimizer state as the code shards them on fake ranks; activations "
         "measured on fake tensors; the CUDA context and the allocator's reserve are not counted"
@@ -171,7 +170,7 @@ def draw(request: PlanRequest, rows: List[LayoutPlan], path: Path, *, top: int) 
         axes.barh(range(len(shown)), widths, left=starts, label=part)
         starts = [s + w for s, w in zip(starts, widths)]
     axes.axvline(request.gpu.memory_gib, color="k", linestyle="--", label=f"{request.gpu.name} memory")
-    labels = [f"{layout_words(row.layout)} ({row.tokens_per_second_per_device:,.0f} tok/s)" for row in shown]
+    labels = [f"{row.layout.words()} ({row.tokens_per_second_per_device:,.0f} tok/s)" for row in shown]
     axes.set_yticks(range(len(shown)), labels, fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("GiB per GPU")

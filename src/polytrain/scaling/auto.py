@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..errors import ConfigError, first_line
-from ..parallel.layout import Layout, flags_of, label, layout_of, mesh_of
+from ..parallel.layout import Layout
+from ..parallel.presets import flags_of, label, layout_of, mesh_of
 from ..pipeline.plan import default_microbatches
 from ..plan import costmodel, memory
 from .fits import available_per_rank

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..parallel.layout import mesh_of
+from ..parallel.presets import mesh_of
 from ..plan import costmodel
 from .auto import steady_choice
 from .workload import predictions_for

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
+from ..parallel.presets import settings_of
 from ..plan.activations import context_part, peak_bytes
 from .cluster_time import step_time
 from .gpus import GPUS_PER_NODE, Gpu
@@ -108,40 +109,6 @@ class LayoutPlan:
         }
 
 
-def layout_words(layout: Layout) -> str:
-    """`dp_shard=8,tp=8`: the layout as `--layout` takes it."""
-    return ",".join(f"{name}={size}" for name, size in zip(layout.mesh_names, layout.mesh_shape)) or "single"
-
-
-def parse_layout(text: str, devices: int) -> Layout:
-    """`--layout dp_replicate=2,dp_shard=8,pp=4,cp=2,tp=4` as a Layout of `devices` (whole copies of pipelines
-    where only dp_replicate is given beside pp, as `--strategy pipeline` makes them); one line where it is not one."""
-    names = {
-        "dp_replicate": "replicate",
-        "dp_shard": "shard",
-        "pp": "pipeline",
-        "cp": "context",
-        "tp": "tensor",
-    }
-    degrees = {}
-    for part in filter(None, text.replace(" ", "").split(",")):
-        key, _, value = part.partition("=")
-        if key not in names or not value.isdigit() or int(value) < 1:
-            raise ConfigError(
-                f"--layout {text!r}: {part!r} is not NAME=SIZE with NAME one of {', '.join(names)}; e.g. "
-                f"--layout dp_shard=8,tp=8"
-            )
-        degrees[names[key]] = int(value)
-    copies = degrees.get("pipeline", 1) > 1 and degrees.get("shard", 1) == 1
-    layout = Layout(**degrees, context_in="replicate" if copies else "shard")
-    if layout.world_size != devices:
-        raise ConfigError(
-            f"--layout {text} makes {layout.world_size} ranks, and --devices is {devices}; give degrees whose "
-            f"product is {devices}"
-        )
-    return layout
-
-
 def candidate_layouts(request: PlanRequest) -> List[Layout]:
     """Every layout of dp_replicate x dp_shard x pp x cp x tp on the devices that splits the batch and the sequence
     evenly: tensor groups within a node, context groups that cut each sequence into head-tail chunks, pipelines of
@@ -173,29 +140,6 @@ def candidate_layouts(request: PlanRequest) -> List[Layout]:
     return [layout for layout in dict.fromkeys(found) if layout.world_size == n]
 
 
-def _run_settings(layout: Layout) -> dict:
-    """The --strategy and flags that make `layout` (the presets of parallel/layout.py)."""
-    flags = {"context_parallel": layout.context} if layout.context > 1 else {}
-    if layout.pipeline > 1:
-        flags.update(pipeline_stages=layout.pipeline)
-        flags.update({"tensor_parallel": layout.tensor} if layout.tensor > 1 else {})
-        if layout.shard > 1:
-            flags.update(
-                data_parallel="shard", **({"replicas": layout.replicate} if layout.replicate > 1 else {})
-            )
-        return dict(strategy="pipeline", **flags)
-    if layout.tensor > 1:
-        flags["tensor_parallel"] = layout.tensor
-        if layout.replicate > 1:
-            flags["replicas"] = layout.replicate
-        return dict(strategy="tensor", **flags)
-    if layout.data_parallel == "replicate":
-        return dict(strategy="data", **flags)
-    if layout.replicate > 1:
-        flags["replicas"] = layout.replicate
-    return dict(strategy="sharded" if layout.world_size > 1 else "single", **flags)
-
-
 def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
     """One layout built at full size and sized; `work`: the model's Workload with its activations per sample
     measured in the run's precision (`model_work`). A layout the code refuses gets the line it refuses with."""
@@ -205,7 +149,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
 
     row = LayoutPlan(layout)
     try:
-        settings = _run_settings(layout)
+        settings = settings_of(layout)
         config = TrainConfig(
             devices=layout.world_size,
             batch_size=request.batch_size,
@@ -405,7 +349,7 @@ def smallest_fit(request: PlanRequest, work=None, *, most: int = 64, tries: int 
             for layout in candidate_layouts(more)
             if layout.replicate == 1 and layout.data_parallel == "shard"
         ]
-        least.sort(key=lambda layout: -layout.tensor * layout.pipeline * layout.context)
+        least.sort(key=lambda layout: -(layout.world_size // layout.data_degree))  # the most ranks per slice
         for layout in least[:tries]:
             row = plan_layout(more, layout, work)
             if row.fits and not row.refused:

@@ -51,7 +51,7 @@ def step_time(request, row, held, work) -> None:
     element = 2 if request.precision != "fp32" else 4
     exposed = {}
     if layout.data_parallel == "shard":
-        shards = layout.shard * (layout.context if layout.context_in == "shard" else 1)
+        shards = layout.fsdp_ranks
         whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
         # (the shard group spans the dp_shard, pp, cp and tp dimensions: the mesh's order); a pipeline of shards
         # gathers its stages once per step, FSDP2 alone twice (forward, and again for the backward)

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..parallel.layout import Layout, layout_or_none, plain_layout
+from ..parallel.layout import Layout
+from ..parallel.presets import layout_or_none, plain_layout
 from ..plan.costmodel import Workload
 from ..plan.memory import memory_per_rank
 

@@ -115,7 +115,7 @@ def _pipeline_holdings(build, layout: Layout, plan, *, rank: int, precision: str
     trains = sum(_local(p).numel() * _local(p).element_size() for p in parts if p.requires_grad)
     shards = strategy.data_parallel == "shard"
     # a pipeline of shards keeps its stages' weights gathered through a step (pipeline/sharding.py)
-    gathered = sum(_local(p).numel() for p in parts) * layout.shard * layout.context if shards else 0
+    gathered = sum(_local(p).numel() for p in parts) * layout.fsdp_ranks if shards else 0
     return Holdings(held, trains, gathered, len(strategy.stage_modules))
 
 

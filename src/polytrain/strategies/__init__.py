@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from ..config.registry_names import STRATEGY_NAMES, check_registry
 from ..errors import ConfigError
-from ..parallel.layout import layout_of
 from ..parallel.parallelize import check_model
+from ..parallel.presets import layout_of
 from .base import StepStats, Strategy
 from .parameter_server import ParameterServer
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from ..parallel.context import tensor_plan_beside
 from ..parallel.rank_slice import check_rank_slice, is_conv1d
 from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
@@ -194,7 +195,5 @@ def run_plan(config, model: nn.Module, dataset) -> TensorPlan:
     plan = plan_for(config, model, devices=group, **(named if config.tensor_parallel else {}))
     if isinstance(config.tensor_plan, dict) and dataset is not None:  # the user's: tried on a rank's slice
         check_rank_slice(model, plan, dataset.sample_inputs(2))
-    if (config.context_parallel or 1) > 1 and plan.sequence_parallel:
-        # the sequence is already split over the context ranks: the norms stay whole on each tensor rank
-        plan = replace(plan, sequence_parallel=False)
+    plan = tensor_plan_beside(plan, config.layout)
     return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)

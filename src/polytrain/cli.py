@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_setting_flags(train, "train")
     train.add_argument(
+        "--dry-run",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="GPU",
+        help="check the run at its --devices without training: its layout built at full size on fake ranks, "
+        "memory per GPU and the step predicted as `polytrain plan` does, on GPU (default: this machine's, "
+        "else h100); exits 1 where it does not fit",
+    )
+    train.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue a run from its checkpoint, on the devices it had unless --device/--devices "

@@ -56,6 +56,9 @@ class PlanRequest:
     gpus_per_node: int = GPUS_PER_NODE
     schedule: str = "1f1b"  # a pipeline's (pipeline/schedule.py)
     layers: int = 0  # the model's flattened layers (what pipeline stages cut), once known
+    microbatches: Optional[int] = None  # a pipeline's (default: `default_microbatches`)
+    config: Optional[object] = None  # a run's own TrainConfig (train --dry-run): its layout built as it runs
+    slots: Optional[int] = None  # optimizer state tensors per trained parameter (default: `SLOTS`'s)
 
 
 @dataclass
@@ -149,13 +152,12 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
 
     row = LayoutPlan(layout)
     try:
-        settings = settings_of(layout)
-        config = TrainConfig(
+        config = request.config or TrainConfig(
             devices=layout.world_size,
             batch_size=request.batch_size,
             precision=request.precision,
             activation_checkpointing=request.checkpointing,
-            **settings,
+            **settings_of(layout),
         )
         if config.layout != layout:
             raise ConfigError(
@@ -178,7 +180,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
                 rows.append((each.memory, each, held))
             _, row, held = max(rows, key=lambda item: item[0])
         else:
-            plan = make_plan(settings["strategy"], config, model, None, device=None)
+            plan = make_plan(config.strategy, config, model, None, device=None)
             held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
             _memory(request, row, held, work)
     except UserError as error:
@@ -223,7 +225,8 @@ def pipeline_plan(request: PlanRequest, config, model: nn.Module):
     return PipelinePlan(
         layout,
         request.schedule,
-        default_microbatches(request.batch_size // layout.data_degree, layout.pipeline),
+        request.microbatches
+        or default_microbatches(request.batch_size // layout.data_degree, layout.pipeline),
         balance_by_time(costs, stages=stages),
         tuple(name for name, _ in layers),
         (request.context,),
@@ -237,7 +240,8 @@ def pipeline_plan(request: PlanRequest, config, model: nn.Module):
 def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bool = False) -> None:
     layout, mixed = row.layout, request.precision != "fp32"
     row.parameters, row.gradients = float(held.parameter_bytes), float(held.trained_bytes)
-    row.optimizer = SLOTS.get(request.optimizer, 2) * float(held.trained_bytes)
+    slots = request.slots if request.slots is not None else SLOTS.get(request.optimizer, 2)
+    row.optimizer = slots * float(held.trained_bytes)
     gathered, reduced = (2, 4) if mixed else (4, 4)  # FSDP2's policy: gathered in bf16, reduced in float32
     # FSDP2: two units gathered (computing, prefetched) and one unit's gradients; a pipeline of shards keeps its
     # stages gathered with their gradients through the step

@@ -31,10 +31,10 @@ way they are split: C = 1 splits the batch, C > 1 each sequence.
   with T. Beside it, the memory check's prediction for the same layout, worked out as `check_fits` does
   (scaling/fits.py): `measured_activations` on the meta model at T, `memory_per_rank(..., layout=layout_for(
   config, "sharded"))` with and without the activations (on a context rank: its part of each sequence, with the
-  keys and values it gathers and its chunks' zero rows, plan/activations.py `context_part`).
+  keys and values it gathers and its chunks' zero rows, planning/activations.py `context_part`).
 - **Step time**: the median over rounds of each run's median step (the steps after the first), and its ratio
   to C = 1 on the same number of processes in the same round. With `--parts time`, beside it the cost model's
-  step at the largest context (plan/context.py `context_parallel`, `sharded` where C = 1): from the workload
+  step at the largest context (planning/context.py `context_parallel`, `sharded` where C = 1): from the workload
   and link `--strategy auto` measures in this process (scaling/workload.py `measure`, the model materialised),
   without a cost per message, attention's share of a pass taken from its FLOPs and, beside it, timed (its
   layers' forward + backward alone against the measured pass).
@@ -192,7 +192,7 @@ def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: s
 
     from polytrain.data import load_dataset
     from polytrain.models import build_model_on_meta
-    from polytrain.plan.memory import memory_per_rank
+    from polytrain.planning.memory import memory_per_rank
     from polytrain.scaling.fits import layout_for, measured_activations, model_workload
 
     data = load_dataset("shakespeare", context=shape["context"])
@@ -219,7 +219,7 @@ def predicted_steps(args, context: int) -> dict:
     from polytrain.data import load_dataset
     from polytrain.models import build_model
     from polytrain.objective import Objective
-    from polytrain.plan.context import attention_share, context_parallel
+    from polytrain.planning.context import attention_share, context_parallel
     from polytrain.scaling.workload import link_for, measure
 
     shape = shape_of(args, context)

@@ -360,7 +360,7 @@ class StepClock:
 
 @guarded("llama")
 def llama(layers, width):
-    from polytrain.plan.memory import memory_per_rank
+    from polytrain.planning.memory import memory_per_rank
     from polytrain.scaling.fits import measured_activations, model_workload
 
     data = polytrain.load_dataset("shakespeare", context=1024)

@@ -7,7 +7,7 @@ Run from the repository's root (about 3 minutes on an idle 2-core CPU):
     python benchmarks/memory_check.py --parts allocator    # the second alone
 
 For each model, batch and `--activation-checkpointing` mode, one device, float32:
-- *counted*: the activations the memory check counts for the step (`plan/activations.py` `peak_bytes` of the
+- *counted*: the activations the memory check counts for the step (`planning/activations.py` `peak_bytes` of the
   figures `scaling/activation_memory.py` measures on fake tensors: what the forward saves, and where each
   checkpointing mode keeps or recomputes it);
 - *live peak*: torch's `MemTracker` (`torch.distributed._tools.mem_tracker`) over a forward, backward and AdamW
@@ -74,8 +74,8 @@ def counted(name: str, context: int, batch: int, mode: str) -> float:
     import torch
 
     from polytrain.objective import Objective
-    from polytrain.plan.activations import peak_bytes
-    from polytrain.plan.costmodel import Workload
+    from polytrain.planning.activations import peak_bytes
+    from polytrain.planning.costmodel import Workload
     from polytrain.scaling.activation_memory import activation_profile
 
     ids = torch.zeros(batch, context, dtype=torch.long)

@@ -38,7 +38,7 @@ def _rank(rank: int, init_file: str, mode: str, args, results) -> None:
     from polytrain.objective import Objective
     from polytrain.parallel import fsdp
     from polytrain.parallel.layout import Layout
-    from polytrain.plan.sharded import ShardedPlan
+    from polytrain.planning.sharded import ShardedPlan
     from polytrain.strategies import Strategy
     from polytrain.strategies.holdings import local_bytes
 

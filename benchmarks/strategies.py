@@ -34,7 +34,7 @@ import tempfile
 
 from polytrain.data import load_dataset
 from polytrain.models import build_model
-from polytrain.plan.servers import partition_by_size
+from polytrain.planning.servers import partition_by_size
 
 SPEED = re.compile(r"([0-9,]+) samples/s")
 ACCURACY = re.compile(r"done: validation accuracy ([0-9.]+)")

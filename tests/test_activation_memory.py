@@ -1,4 +1,4 @@
-"""The cost model's activation bytes under each --activation-checkpointing mode (plan/activations.py, from a
+"""The cost model's activation bytes under each --activation-checkpointing mode (planning/activations.py, from a
 forward on fake tensors: scaling/activation_memory.py) against the bytes a real forward on the CPU leaves
 held for the backward pass: every storage made during the forward and still alive after it, weights aside
 (autograd's saved tensors, the checkpoints' inputs, selective checkpointing's kept matrix products)."""
@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from polytrain.models import build_model, build_model_on_meta
 from polytrain.objective import Objective
 from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
-from polytrain.plan.activations import kept_bytes, peak_bytes
-from polytrain.plan.costmodel import Workload
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.activations import kept_bytes, peak_bytes
+from polytrain.planning.costmodel import Workload
+from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
 
 VOCAB, CONTEXT, BATCH = 65, 32, 4

@@ -11,8 +11,8 @@ import pytest
 from polytrain.models import build_model
 from polytrain.parallel.layout import Layout
 from polytrain.parallel.presets import flags_of, label, layout_of
-from polytrain.plan.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
+from polytrain.planning.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,

@@ -10,8 +10,8 @@ from processes import polytrain
 from polytrain.data.text import tokenise
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
-from polytrain.plan.costmodel import Link, Workload, pipeline
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.costmodel import Link, Workload, pipeline
+from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.workload import activation_bytes, boundary_bytes, parameter_bytes, sample_batch
 
 VOCAB = 65

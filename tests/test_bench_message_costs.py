@@ -7,7 +7,7 @@ import pytest
 from test_bench_report import MS, WORK, phases
 
 from polytrain.errors import ConfigError
-from polytrain.plan.costmodel import Link, Workload
+from polytrain.planning.costmodel import Link, Workload
 from polytrain.runtime.bench import BenchOptions, BenchResult, Row, fit_message_costs, predict_rows
 from polytrain.runtime.bench_report import report, table, write_json
 from polytrain.scaling.auto import read_message_costs

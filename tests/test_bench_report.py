@@ -8,8 +8,8 @@ import pytest
 
 from polytrain.cli import main
 from polytrain.errors import ConfigError
-from polytrain.plan.costmodel import Link, Prediction, Workload
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.costmodel import Link, Prediction, Workload
+from polytrain.planning.memory import memory_per_rank
 from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,
@@ -375,7 +375,7 @@ def test_a_relative_fit_lets_small_messages_set_the_latency():
 
 
 def test_measured_slices_replace_the_even_split():
-    from polytrain.plan.costmodel import data_parallel, pipeline
+    from polytrain.planning.costmodel import data_parallel, pipeline
 
     link = Link(alpha=1e-4, beta=1e9)
     even = Workload(

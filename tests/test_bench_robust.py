@@ -11,7 +11,7 @@ import torch.nn as nn
 from conftest import tiny_digits
 
 from polytrain.objective import Objective
-from polytrain.plan.costmodel import Link, Prediction, Workload
+from polytrain.planning.costmodel import Link, Prediction, Workload
 from polytrain.runtime.bench import BenchOptions, BenchResult, Row, fill_speedups
 from polytrain.runtime.bench_report import table, write_json
 from polytrain.scaling.auto import measured_choice, pick, steady_choice

@@ -252,3 +252,39 @@ def test_a_hugging_face_config_is_planned_without_its_weights(capfd, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     wrong = polytrain_here(capfd, "plan", "--hf-config", tmp_path, "--devices", 2, "--batch-size", 4)
     assert wrong.returncode != 0 and "--hf-config: " in wrong.stderr and "silu" in wrong.stderr
+
+
+class _TinyLM(torch.nn.Module):
+    """A language model of the user's own: (batch, context) token ids in, logits out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 30)
+        self.mix = torch.nn.Linear(30, 30)
+        self.head = torch.nn.Linear(30, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mix(self.embedding(ids))))
+
+
+def test_plan_from_python_takes_a_name_or_a_function_that_builds_the_model():
+    import polytrain
+    from polytrain.errors import UserError
+
+    rows = polytrain.plan("llama", devices=8, batch_size=16, vocab_size=VOCAB, **SMALL)
+    assert len(rows) == len(candidate_layouts(PlanRequest(_small, "x", 8, GPUS["h100"], 16, 16, layers=4)))
+    speeds = [row["tokens_per_second_per_device"] for row in rows if row["fits"] and "refused" not in row]
+    assert speeds == sorted(speeds, reverse=True) and len(speeds) > 10
+    # a model of the user's, built on the meta device by its class: rank 0's shard is torch.chunk's of each
+    # parameter (31 rows cut over 4 ranks: 8 each, the last 7)
+    mine = dict(context=16, activation_checkpointing="none")  # (it has no blocks to recompute)
+    (row,) = polytrain.plan(_TinyLM, devices=4, batch_size=8, layout="dp_shard=4", **mine)
+    expected = sum(4 * math.ceil(p.shape[0] / 4) * p[0].numel() for p in _TinyLM().parameters())
+    assert row["memory_split_gib"]["parameters"] * 2**30 == pytest.approx(expected, rel=1e-12)
+    assert row["fits"] and row["memory_split_gib"]["activations"] > 0
+    (refused,) = polytrain.plan(_TinyLM, devices=2, batch_size=8, layout="tp=2", **mine)
+    assert "tensor_plan" in refused["refused"] and not refused["fits"]
+    with pytest.raises(UserError, match="context=T"):
+        polytrain.plan(_TinyLM, devices=2, batch_size=8)
+    with pytest.raises(UserError, match="layers=, width="):
+        polytrain.plan("llama", devices=2, batch_size=8, depth=3)

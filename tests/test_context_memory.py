@@ -1,4 +1,4 @@
-"""What a rank of a context group holds (plan/activations.py `context_part`, `--context-parallel C`): 1/C of
+"""What a rank of a context group holds (planning/activations.py `context_part`, `--context-parallel C`): 1/C of
 one device's activations plus the keys and values its attention gathers whole and its chunks' zero rows,
 counted from the attention's shape, against hand-worked figures and against what a context rank's forward
 keeps, measured on fake tensors in this process (a fake process group of C ranks: the gather runs without
@@ -16,9 +16,9 @@ from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.objective import Objective
 from polytrain.parallel.presets import layout_of
-from polytrain.plan.activations import AttentionShape, context_bytes, context_part, peak_bytes
-from polytrain.plan.costmodel import Workload
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.activations import AttentionShape, context_bytes, context_part, peak_bytes
+from polytrain.planning.costmodel import Workload
+from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
 
 VOCAB, BATCH = 65, 2
@@ -153,8 +153,8 @@ def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
     state over the data and context ranks (parallel/mesh.py fsdp_submesh), so C context ranks hold 1/C of a
     tensor rank's state each; without activations, the rest of the count is that state and the gathered unit."""
     from polytrain.parallel.layout import Layout
-    from polytrain.plan.costmodel import Workload
-    from polytrain.plan.memory import memory_per_rank
+    from polytrain.planning.costmodel import Workload
+    from polytrain.planning.memory import memory_per_rank
 
     work = Workload(
         compute_seconds=1.0, parameter_bytes=8e6, split_bytes=6e6, batch_size=4, gathered_bytes=1e6

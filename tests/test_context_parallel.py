@@ -286,8 +286,8 @@ def test_what_context_parallelism_cannot_split_is_one_line_before_any_worker(cap
 
 def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
     from polytrain.parallel.presets import layout_of
-    from polytrain.plan.costmodel import Workload
-    from polytrain.plan.memory import memory_per_rank
+    from polytrain.planning.costmodel import Workload
+    from polytrain.planning.memory import memory_per_rank
 
     work = Workload(parameter_bytes=1000.0, compute_seconds=0.0, activation_bytes=100.0, batch_size=8)
     data = memory_per_rank(work, "data", 4, layout=layout_of("data", 4))

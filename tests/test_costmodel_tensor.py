@@ -10,7 +10,7 @@ from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
 from polytrain.parallel.layout import Layout
-from polytrain.plan.costmodel import (
+from polytrain.planning.costmodel import (
     Link,
     Workload,
     fit_message_cost,
@@ -18,7 +18,7 @@ from polytrain.plan.costmodel import (
     tensor_collectives,
     tensor_parallel,
 )
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s

@@ -199,7 +199,7 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
     one line and its process trains with freed blocks given back (runtime/hostenv.py keep_freed_memory)."""
     from polytrain.cli import main
     from polytrain.data import load_dataset
-    from polytrain.plan.memory import memory_per_rank
+    from polytrain.planning.memory import memory_per_rank
     from polytrain.runtime import worker
 
     shape = dict(layers=2, width=64, heads=4, kv_heads=2, context=128)

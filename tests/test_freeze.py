@@ -14,8 +14,8 @@ import polytrain
 from polytrain.errors import UserError
 from polytrain.optim import make_optimizer
 from polytrain.optim.freeze import freeze
-from polytrain.plan.costmodel import Workload
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.costmodel import Workload
+from polytrain.planning.memory import memory_per_rank
 
 SGD = plain_sgd()
 FROZEN = ("0.weight", "2.bias")  # the embedding, and the head's bias beside its trained weight

@@ -88,11 +88,11 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 # polytrain/pipeline/ and polytrain/parallel/ each gather one idea over two layers (docs/architecture.md, "The
-# layers"): their pure modules are in plan's room, the rest in strategies' (whose registry names Pipeline, which
+# layers"): their pure modules are in planning's room, the rest in strategies' (whose registry names Pipeline, which
 # builds on strategies/base.py, which prepares a model with parallel/parallelize.py)
 IDEA_ROOMS = {
-    "pipeline": {"plan": "plan", "schedule": "plan", "balance": "plan"},
-    "parallel": {"layout": "plan", "presets": "plan"},
+    "pipeline": {"plan": "planning", "schedule": "planning", "balance": "planning"},
+    "parallel": {"layout": "planning", "presets": "planning"},
 }
 
 

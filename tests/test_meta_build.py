@@ -42,7 +42,7 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.parallel.presets import layout_of
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.pipeline.strategy import Pipeline
-    from polytrain.plan.sharded import ShardedPlan
+    from polytrain.planning.sharded import ShardedPlan
     from polytrain.strategies import Strategy
     from polytrain.strategies.layers import flatten_layers
     from polytrain.strategies.tensor import plan_for

@@ -14,7 +14,7 @@ def _dtypes_on_rank(rank: int, world: int, precision: str) -> dict:
     from polytrain.models.gpt import GPT
     from polytrain.objective import Objective
     from polytrain.parallel.layout import Layout
-    from polytrain.plan.sharded import ShardedPlan
+    from polytrain.planning.sharded import ShardedPlan
     from polytrain.strategies import Strategy
 
     torch.manual_seed(0)

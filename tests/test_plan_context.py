@@ -1,13 +1,13 @@
-"""Context parallelism's predicted step (plan/context.py) against one worked out by hand."""
+"""Context parallelism's predicted step (planning/context.py) against one worked out by hand."""
 
 import dataclasses
 import math
 
 import pytest
 
-from polytrain.plan.activations import AttentionShape
-from polytrain.plan.context import attention_share, busiest_attention, context_parallel
-from polytrain.plan.costmodel import Link, Workload, data_parallel, sharded
+from polytrain.planning.activations import AttentionShape
+from polytrain.planning.context import attention_share, busiest_attention, context_parallel
+from polytrain.planning.costmodel import Link, Workload, data_parallel, sharded
 
 LINK = Link(alpha=1e-3, beta=1e9)  # 1 ms a message, 1 GB/s
 # 2 attention layers of 4 heads over 2 key/value heads of width 32, T = 1024, float32; the parameters chosen

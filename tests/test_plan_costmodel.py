@@ -3,7 +3,7 @@
 import pytest
 
 from polytrain.parallel.layout import Layout
-from polytrain.plan.costmodel import (
+from polytrain.planning.costmodel import (
     Link,
     Workload,
     bubble,
@@ -17,7 +17,7 @@ from polytrain.plan.costmodel import (
     sharded,
     with_message_cost,
 )
-from polytrain.plan.memory import memory_per_rank
+from polytrain.planning.memory import memory_per_rank
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
 WORK = Workload(

@@ -3,7 +3,7 @@
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.plan.servers import ServerPlan, check_servers, partition_by_size
+from polytrain.planning.servers import ServerPlan, check_servers, partition_by_size
 
 
 def test_one_server_holds_everything():

@@ -203,7 +203,7 @@ def test_a_resumed_folder_records_the_layout_it_now_trains_on(tmp_path):
     """config.json after a resume names the strategy and every setting of its layout as it now trains (those
     `--strategy auto` chose too), with the versions it now trains on."""
     from polytrain.config import TrainConfig
-    from polytrain.plan.sharded import ShardedPlan
+    from polytrain.planning.sharded import ShardedPlan
     from polytrain.runtime.phases import record_new_layout
 
     before = dict(

@@ -15,7 +15,7 @@ from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.parallel.layout import Layout
-from polytrain.plan.tensor import BUILTIN_PLANS, Layer, resolve
+from polytrain.planning.tensor import BUILTIN_PLANS, Layer, resolve
 from polytrain.strategies import make_plan
 from polytrain.strategies.tensor import _permutation
 
@@ -399,7 +399,7 @@ def _plan_function_on_rank(rank, world_size):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from polytrain.data.order import Batch
-    from polytrain.plan.tensor import TensorPlan
+    from polytrain.planning.tensor import TensorPlan
     from polytrain.strategies import Strategy
 
     def split(model, mesh):

@@ -16,6 +16,7 @@ _EXPORTS = {
     "evaluate": ".api",
     "fit": ".api",
     "load_dataset": ".data",
+    "plan": ".runtime.plan_report",
     "predict": ".api",
 }
 

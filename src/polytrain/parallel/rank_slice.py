@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, first_line
-from ..plan.tensor import TensorPlan
+from ..planning.tensor import TensorPlan
 
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ..plan.tensor import TensorPlan
+from ..planning.tensor import TensorPlan
 from .rank_slice import is_conv1d
 
 

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout, divisors
-from ..plan.tensor import TensorPlan
+from ..planning.tensor import TensorPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 DEFAULT_SCHEDULE = "1f1b"

@@ -23,7 +23,7 @@ from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
 from ..parallel.layout import Layout
 from ..parallel.presets import label, layout_of, plain_layout
-from ..plan import costmodel
+from ..planning import costmodel
 from ..scaling.bench_predict import fit_message_costs, predict_rows, project
 from ..scaling.flops import flops_per_sample, matmul_peak
 from ..scaling.whole_model import check_bench
@@ -267,7 +267,7 @@ def link_of(
 
 def has_tensor_plan(model) -> bool:
     """Whether tensor parallelism has a plan for this registry model (the built-in gpt and mlp)."""
-    from ..plan.tensor import BUILTIN_PLANS
+    from ..planning.tensor import BUILTIN_PLANS
 
     return f"{type(model).__module__}.{type(model).__qualname__}" in BUILTIN_PLANS
 

@@ -16,7 +16,7 @@ from typing import List
 import torch
 
 from ..pipeline.plan import default_microbatches
-from ..plan.costmodel import bubble, tensor_collectives
+from ..planning.costmodel import bubble, tensor_collectives
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
 from ..strategies import STRATEGIES

@@ -36,41 +36,138 @@ def holds(row: LayoutPlan) -> str:
 
 def request_of(args) -> PlanRequest:
     """The plan `args` ask for; one line for a model, size or GPU it does not know."""
+    given = {key: getattr(args, key) for key in ("layers", "width", "heads", "kv_heads", "ffn_width")}
+    return make_request(
+        args.hf_config or args.model,
+        size=args.size,
+        shape={key: value for key, value in given.items() if value is not None},
+        vocab_size=args.vocab_size,
+        context=args.context,
+        devices=args.devices,
+        gpu=args.gpu,
+        batch_size=args.batch_size,
+        precision=args.precision,
+        activation_checkpointing=args.activation_checkpointing,
+        optimizer=args.optimizer,
+        gpus_per_node=args.gpus_per_node,
+        from_file=bool(args.hf_config),
+    )
+
+
+def make_request(
+    model,
+    *,
+    devices: int,
+    batch_size: int,
+    size=None,
+    shape=None,
+    vocab_size=None,
+    context=None,
+    gpu="h100",
+    precision="bf16",
+    activation_checkpointing="selective",
+    optimizer="adamw",
+    gpus_per_node=8,
+    from_file=None,
+) -> PlanRequest:
+    """A plan's request: `model` a built-in name (llama, gpt: `size` and the `shape` keywords over its
+    defaults), a Hugging Face config.json or its folder, or a function that builds the model (called on the meta
+    device; its forward takes (batch, context) token ids and gives logits)."""
     from ..config.model_defaults import preset
     from ..models import build_model_on_meta
 
-    model_name = args.model
-    if args.hf_config:
-        options = dict(hugging_face_shape(args.hf_config))
+    if callable(model):
+        if not context:
+            raise UserError("polytrain.plan(a function, ...) needs context=T, the tokens per sequence")
+
+        def build_given():
+            import torch
+
+            with torch.device("meta"):
+                return model()
+
+        name = getattr(model, "__name__", "your model")
+        return PlanRequest(
+            build_given, name, devices, gpu_named(gpu), batch_size, context, precision=precision,
+            checkpointing=activation_checkpointing, optimizer=optimizer, gpus_per_node=gpus_per_node,
+        )  # fmt: skip
+    if from_file is None:
+        from_file = model not in ("llama", "gpt") and Path(str(model)).expanduser().exists()
+    model_name = str(model)
+    if from_file:
+        options = dict(hugging_face_shape(model))
         model_name = options.pop("model")
-    elif args.model not in ("llama", "gpt"):
-        raise UserError(f"polytrain plan sizes --model llama or gpt (transformers), not {args.model!r}")
+    elif model not in ("llama", "gpt"):
+        raise UserError(
+            f"polytrain plan sizes --model llama or gpt (transformers), a Hugging Face config.json, or from Python a "
+            f"function that builds the model; not {model!r}"
+        )
     else:
-        options = preset(args.model, args.size) if args.model == "llama" else {}
-    given = {key: getattr(args, key) for key in ("layers", "width", "heads", "kv_heads", "ffn_width")}
-    options.update({key: value for key, value in given.items() if value is not None})
-    vocabulary = args.vocab_size or options.pop("vocab_size", None) or GPT_VOCABULARY
+        options = preset(model, size) if model == "llama" else {}
+    options.update(shape or {})
+    vocabulary = vocab_size or options.pop("vocab_size", None) or GPT_VOCABULARY
     options.pop("vocab_size", None)
     positions = options.get("positions")
-    options["context"] = context = args.context or options.get("context") or min(positions or 2048, 8192)
+    options["context"] = context = context or options.get("context") or min(positions or 2048, 8192)
 
     def build():
         return build_model_on_meta(model_name, (context,), vocabulary, options)
 
-    gpu = gpu_named(args.gpu)
-    name = f"{model_name} {args.size}" if args.size else args.hf_config or model_name
+    name = f"{model_name} {size}" if size else str(model) if from_file else model_name
     return PlanRequest(
         build,
         name,
-        args.devices,
-        gpu,
-        args.batch_size,
+        devices,
+        gpu_named(gpu),
+        batch_size,
         context,
-        precision=args.precision,
-        checkpointing=args.activation_checkpointing,
-        optimizer=args.optimizer,
-        gpus_per_node=args.gpus_per_node,
+        precision=precision,
+        checkpointing=activation_checkpointing,
+        optimizer=optimizer,
+        gpus_per_node=gpus_per_node,
     )
+
+
+def plan(
+    model="llama",
+    *,
+    devices: int,
+    batch_size: int,
+    size=None,
+    context=None,
+    gpu="h100",
+    layout=None,
+    vocab_size=None,
+    precision="bf16",
+    activation_checkpointing="selective",
+    optimizer="adamw",
+    gpus_per_node=8,
+    **shape,
+) -> list:
+    """`polytrain plan` from Python: every layout of `devices` GPUs (or the one `layout` names: a Layout, or
+    its words, 'dp_shard=8,tp=8') built at full size on the fake process group, fitting layouts first, fastest
+    first; one dict per layout, the objects `--json` writes (`layout`, `memory_gib`, `memory_split_gib`,
+    `tokens_per_second_per_device`, `mfu`, `fits`, `limit`, ...).
+
+    `model`: "llama" (`size`: tiny, 8b, 70b, 405b) or "gpt", with `layers=`, `width=`, `heads=`, `kv_heads=`,
+    `ffn_width=` over the size's; a Hugging Face config.json or its folder; or a function that builds the model,
+    called on the meta device (its forward takes (batch, context) token ids and gives logits; give `context`)."""
+    from ..parallel.layout import Layout
+
+    unknown = set(shape) - {"layers", "width", "heads", "kv_heads", "ffn_width"}
+    if unknown:
+        raise UserError(
+            f"polytrain.plan() got {', '.join(sorted(unknown))}; the model's shape is layers=, width=, heads=, "
+            f"kv_heads=, ffn_width="
+        )
+    request = make_request(
+        model, devices=devices, batch_size=batch_size, size=size, shape=shape, vocab_size=vocab_size,
+        context=context, gpu=gpu, precision=precision, activation_checkpointing=activation_checkpointing,
+        optimizer=optimizer, gpus_per_node=gpus_per_node,
+    )  # fmt: skip
+    if layout is not None and not isinstance(layout, Layout):
+        layout = parse_layout(str(layout), devices)
+    return [row.as_json(request.gpu) for row in make_plan_table(request, layout)]
 
 
 def hugging_face_shape(path) -> dict:

@@ -1,5 +1,5 @@
 """What one training forward of a model keeps for its backward pass, per sample, as the cost model's
-activation figures (plan/activations.py): all of it, and per checkpointing block what it keeps, its input and
+activation figures (planning/activations.py): all of it, and per checkpointing block what it keeps, its input and
 its matrix products' outputs.
 
 The forward runs on fake tensors (torch's FakeTensorMode: shapes, dtypes and the device's choice of kernels,
@@ -7,7 +7,7 @@ no memory), on a copy of the model whose weights are fake too, so a model built 
 size, is measured in the launching process without allocating it; the CPU's attention kernel (which keeps its
 output and log-sum-exp, not the T x T scores) is the one measured, as it runs. Saved tensors are counted
 by storage (q, k and v are views of one), weights not at all. The forward's causal attention calls are noted
-as the `attention` figure (plan/activations.py `AttentionShape`): what a context rank keeps beyond 1/C of them
+as the `attention` figure (planning/activations.py `AttentionShape`): what a context rank keeps beyond 1/C of them
 is counted from it.
 """
 
@@ -153,7 +153,7 @@ def _attention_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 def _attention_shape(calls: list, model: nn.Module):
     """The forward's attention as an AttentionShape where every call is the same causal attention; None
     where there is none, or another kind among them."""
-    from ..plan.activations import AttentionShape
+    from ..planning.activations import AttentionShape
 
     if not calls or None in calls or len(set(calls)) != 1:
         return None

@@ -17,7 +17,7 @@ from ..errors import ConfigError, first_line
 from ..parallel.layout import Layout
 from ..parallel.presets import flags_of, label, layout_of, mesh_of
 from ..pipeline.plan import default_microbatches
-from ..plan import costmodel, memory
+from ..planning import costmodel, memory
 from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)

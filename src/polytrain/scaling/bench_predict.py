@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from ..parallel.presets import mesh_of
-from ..plan import costmodel
+from ..planning import costmodel
 from .auto import steady_choice
 from .workload import predictions_for
 

@@ -7,7 +7,7 @@ slot, exactly as the code creates them on the fake process group; FSDP2's buffer
 one computing and the one prefetched) in the gathered dtype, and one unit's gradients before the reduce-scatter in
 the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
-memory check cuts them (plan/activations.py `context_part`, `peak_bytes`); under a tensor plan the blocks keep
+memory check cuts them (planning/activations.py `context_part`, `peak_bytes`); under a tensor plan the blocks keep
 (10 + 24/t) / 34 of one device's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Table 2, without sequence parallelism and with attention that keeps no scores). A pipeline (set up by the
 pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
 from ..parallel.presets import settings_of
-from ..plan.activations import context_part, peak_bytes
+from ..planning.activations import context_part, peak_bytes
 from .cluster_time import step_time
 from .gpus import GPUS_PER_NODE, Gpu
 
@@ -278,7 +278,7 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
 
 @dataclass(frozen=True)
 class ModelWork:
-    """What the plan needs of a model beside the layout: per-sample activation figures (plan/activations.py) and
+    """What the plan needs of a model beside the layout: per-sample activation figures (planning/activations.py) and
     the attention's shape, measured once on fake tensors in the run's precision, and its parameters outside the
     embedding."""
 
@@ -316,7 +316,10 @@ def make_plan_table(
     from ..strategies.layers import flatten_layers
 
     work = model_work(request)
-    request.layers = len(flatten_layers(request.build()))
+    try:  # what pipeline stages cut (none: no pipeline layouts, the run's own line where one is asked for)
+        request.layers = len(flatten_layers(request.build()))
+    except UserError:
+        request.layers = 0
     layouts = [layout] if layout is not None else candidate_layouts(request)
     if not layouts:
         raise UserError(

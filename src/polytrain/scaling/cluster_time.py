@@ -3,7 +3,7 @@
 Compute is the model's FLOPs per rank (6 per parameter outside the embedding and 12 L H Q T of
 attention per token, torchtitan's count, so that MFU reads alike; a full recomputation adds the forward's third)
 at `gpus.ACHIEVED` of the GPU's peak. Communication is the collectives the layout issues, ring algorithms under
-the alpha-beta model (plan/costmodel.py's), each over NVLink where its ranks sit in one node (the mesh puts the
+the alpha-beta model (planning/costmodel.py's), each over NVLink where its ranks sit in one node (the mesh puts the
 tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
 all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
 (each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and

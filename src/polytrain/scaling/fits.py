@@ -1,9 +1,9 @@
 """Refuse, before any worker starts, a layout whose ranks cannot hold the model: the cost model's bytes per
-rank (plan/memory.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
+rank (planning/memory.py `memory_per_rank`: parameters, as many gradients and the optimizer's state, a layer
 unit's weights gathered whole under FSDP2), worked out from the model's shapes (built on the meta device, so a 70B model
 is judged without allocating it), against what each rank has: a GPU's free memory, or the host's available
 memory shared among the CPU processes. Where the data is known, the activations the rank's slice of the batch
-holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (plan/activations.py,
+holds at the peak of its backward pass are counted as --activation-checkpointing leaves them (planning/activations.py,
 measured on fake tensors by activation_memory.py), on a context rank its part of each sequence's with the
 keys and values its attention gathers and its chunks' zero rows (`context_part`); where they cannot be
 measured they are left out and the figure is a lower bound.
@@ -30,8 +30,8 @@ import torch.nn as nn
 from ..errors import UserError
 from ..parallel.layout import Layout
 from ..parallel.presets import layout_or_none, plain_layout
-from ..plan.costmodel import Workload
-from ..plan.memory import memory_per_rank
+from ..planning.costmodel import Workload
+from ..planning.memory import memory_per_rank
 
 # what a CPU process's heap, keeping freed blocks, holds beyond the live tensors, per byte of activations counted,
 # by --activation-checkpointing: measured (resident memory after 3-5 steps less the live peak) 0.22-0.78 without

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..callbacks import Callback
-from ..plan.tensor import TensorPlan
+from ..planning.tensor import TensorPlan
 from ..strategies.holdings import local_part
 from .tensor_inputs import narrowed
 

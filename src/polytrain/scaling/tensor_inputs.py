@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..plan.tensor import TensorPlan
+from ..planning.tensor import TensorPlan
 
 
 def tensor_plans(model: nn.Module, counts: Iterable[int], *, tensor_plan=None) -> Dict[int, TensorPlan]:

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..config.host import usable_cores
 from ..pipeline.plan import default_microbatches
-from ..plan.costmodel import Link, Prediction, Workload, predict_all
+from ..planning.costmodel import Link, Prediction, Workload, predict_all
 from .tensor_inputs import narrowed, runs, split_share, tensor_fields, tensor_plans
 from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 

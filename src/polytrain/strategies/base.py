@@ -23,7 +23,7 @@ from ..parallel.global_batch import slice_offsets
 from ..parallel.layout import Layout
 from ..parallel.materialise import is_meta, materialise
 from ..parallel.parallelize import Preparation, parallelize
-from ..plan.sharded import sharded_plan
+from ..planning.sharded import sharded_plan
 from . import cuda_graphs
 from .gradients import Gradients
 from .holdings import holding_lines, local_bytes, optimizer_slots
@@ -97,7 +97,7 @@ class Strategy(ModelState):
         )
         self.rank, self.world_size = rank, world_size
         self.plan = plan  # what the launching process planned for the workers (make_plan), or None
-        # FSDP2 keeps shards in host memory between uses (--cpu-offload: plan/sharded.py)
+        # FSDP2 keeps shards in host memory between uses (--cpu-offload: planning/sharded.py)
         self.cpu_offload = bool(getattr(plan, "cpu_offload", False))
         self.schedule_per_step = True  # False: the schedule steps once per epoch (end_of_epoch), not per step
         # the run's degrees of parallelism (parallel/layout.py), the one description of them: the batch's slices, the

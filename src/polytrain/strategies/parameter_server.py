@@ -20,7 +20,7 @@ from ..config import TrainConfig
 from ..parallel.activation_checkpoint import apply_activation_checkpointing
 from ..parallel.parallelize import apply_global_batch
 from ..parallel.precision import apply_precision
-from ..plan.servers import ServerPlan, check_servers, partition_by_size
+from ..planning.servers import ServerPlan, check_servers, partition_by_size
 from .async_server import ServerThread, flat_gradients, push_remote, say_done, set_mean_gradients
 from .base import Strategy
 from .optimizer_state import load_part, numbered_part, positions, whole_state

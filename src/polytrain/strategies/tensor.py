@@ -33,7 +33,7 @@ from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     sequence_styles,
     split_layers,
 )
-from ..plan.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
+from ..planning.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
 
 NEEDS = "2.5"  # torch.distributed.tensor (public DTensor) and its parallel styles
 

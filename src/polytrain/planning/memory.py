@@ -1,5 +1,5 @@
 """Bytes the busiest rank of a layout holds: its weights, gradients and optimizer state as the layout splits them,
-the weights it gathers whole at once, and the activations it keeps for backward (plan/activations.py). The memory
+the weights it gathers whole at once, and the activations it keeps for backward (planning/activations.py). The memory
 check (scaling/fits.py) and the automatic choice (scaling/auto.py) ask it; the step's time is costmodel.py's.
 
 Pure: numbers in, numbers out (no torch), so a layout for hundreds of devices is sized anywhere.
@@ -28,7 +28,7 @@ def memory_per_rank(
     """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights,
     gradients and `optimizer_slots` tensors of optimizer state per weight, plus the activations held for
     backward for its slice (per sample: `activation_bytes` at the peak of the backward pass under
-    `--activation-checkpointing` `checkpointing`, plan/activations.py; without them, each cut's bytes per
+    `--activation-checkpointing` `checkpointing`, planning/activations.py; without them, each cut's bytes per
     sample).
 
     data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
@@ -41,7 +41,7 @@ def memory_per_rank(
     weights = work.parameter_bytes
     layout = layout or plain_layout(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
-    # context group's ranks each keep their part of every sequence's (plan/activations.py `context_part`)
+    # context group's ranks each keep their part of every sequence's (planning/activations.py `context_part`)
     part = context_part(work, layout.context, layout.tensor)
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)

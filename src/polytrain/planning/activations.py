@@ -79,7 +79,7 @@ class AttentionShape:
     """One device's causal attention as its forward calls it: `layers` calls, each of (batch, `heads`,
     `context`, `head_dim`) queries over `kv_heads` key/value heads, `element_bytes` an element; `parameters`:
     the model's, whose matrix products beside attention do 6 FLOPs per parameter and token
-    (plan/context.py)."""
+    (planning/context.py)."""
 
     layers: int
     heads: int

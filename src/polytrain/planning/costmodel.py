@@ -113,7 +113,7 @@ class Workload:
     gathered_bytes: float = (
         0.0  # the most parameter bytes FSDP2 gathers at once (0: unknown, the whole model)
     )
-    # what activation checkpointing changes (plan/activations.py): the blocks it recomputes, and per sample the
+    # what activation checkpointing changes (planning/activations.py): the blocks it recomputes, and per sample the
     # bytes one keeps, its input, its matrix products' outputs (0: unknown, every mode keeps activation_bytes)
     blocks: int = 0
     block_bytes: float = 0.0

@@ -1,7 +1,7 @@
 """Predicted step time of context parallelism (`--context-parallel C` with --strategy data or sharded,
 parallel/context.py): n ranks in n/C data slices, each slice's sequences split over a context group
-of C ranks. Pure arithmetic on the cost model's inputs (plan/costmodel.py), tested against values worked out
-by hand; what a context rank holds is plan/activations.py's (`context_part`).
+of C ranks. Pure arithmetic on the cost model's inputs (planning/costmodel.py), tested against values worked out
+by hand; what a context rank holds is planning/activations.py's (`context_part`).
 
 - **Compute.** A rank computes T/C tokens of each sequence of its slice, C times the sequences of a rank
   that splits the batch over n (C = 1, `Workload.replica_pass(n)`): as many tokens. Its matrix products,

@@ -218,6 +218,25 @@ def test_the_plan_command_prints_its_table_and_writes_json_and_a_picture(capfd, 
     objects = json.loads(out.read_text())
     assert {"layout", "memory_gib", "tokens_per_second_per_device", "fits"} <= set(objects[0])
     assert (tmp_path / "plan.png").stat().st_size > 0
+    # the train command's flags name one layout, as --layout does; the plan gives the flags of its first
+    model = ["--layers", 2, "--width", 64, "--heads", 4, "--kv-heads", 2, "--ffn-width", 128, "--context", 16]
+    one = polytrain_here(
+        capfd, "plan", *model, "--devices", 8, "--batch-size", 8, "--strategy", "tensor", "--tensor-parallel", 2,
+        "--context-parallel", 2,
+    )  # fmt: skip
+    assert one.returncode == 0 and "(1 layout built" in one.stdout, one.stdout + one.stderr
+    assert "dp_shard=2,cp=2,tp=2 " in one.stdout
+    assert "train the first with: --strategy tensor --context-parallel 2 --tensor-parallel 2 --devices 8" in (
+        one.stdout
+    )
+    for argv, words in (
+        (["--tensor-parallel", 2], "add --strategy"),
+        (["--strategy", "sharded", "--layout", "dp_shard=8"], "drop --strategy"),
+        (["--strategy", "tensor", "--tensor-parallel", 3], "divide --devices 8"),
+    ):
+        refused = polytrain_here(capfd, "plan", *model, "--devices", 8, "--batch-size", 8, *argv)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
     wrong = polytrain_here(capfd, "plan", "--devices", 4, "--batch-size", 8, "--gpu", "h900")
     assert wrong.returncode != 0 and wrong.stderr.strip().splitlines()[-1].endswith(", ".join(GPUS)), (
         wrong.stderr

@@ -301,8 +301,25 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
     )
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"), help="default: adamw")
     plan.add_argument(
-        "--layout", default=None, metavar="DEGREES", help="one layout: dp_replicate=R,dp_shard=S,cp=C,tp=T"
+        "--layout",
+        default=None,
+        metavar="DEGREES",
+        help="one layout: dp_replicate=R,dp_shard=S,pp=P,cp=C,tp=T",
     )
+    plan.add_argument(
+        "--strategy",
+        default=None,
+        choices=("data", "sharded", "tensor", "pipeline"),
+        help="one layout, as `polytrain train` names it (with the flags below)",
+    )
+    for flag, words in (
+        ("tensor-parallel", "ranks that split each layer"),
+        ("pipeline-stages", "pipeline stages"),
+        ("context-parallel", "ranks that split each sequence"),
+        ("replicas", "copies of the shard groups"),
+    ):
+        plan.add_argument(f"--{flag}", type=int, default=None, metavar="N", help=f"with --strategy: {words}")
+    plan.add_argument("--data-parallel", default=None, choices=("shard",), help="with --strategy pipeline")
     plan.add_argument("--top", type=int, default=15, metavar="N", help="layouts shown (default: 15)")
     plan.add_argument("--json", default=None, metavar="FILE", help="write one object per layout")
     plan.add_argument("--png", default=None, metavar="FILE", help="draw the memory split per layout")

@@ -297,9 +297,28 @@ def draw(request: PlanRequest, rows: List[LayoutPlan], path: Path, *, top: int) 
     plt.close(figure)
 
 
+def layout_asked(args):
+    """The one layout `--layout` or `--strategy` with its flags names (as `polytrain train` takes them); None:
+    every layout."""
+    from ..parallel.presets import layout_of
+
+    flags = ("tensor_parallel", "pipeline_stages", "context_parallel", "replicas", "data_parallel")
+    given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+    if args.layout and (args.strategy or given):
+        raise UserError("--layout names the layout whole; drop --strategy and its flags, or drop --layout")
+    if given and not args.strategy:
+        raise UserError(
+            f"--{next(iter(given)).replace('_', '-')} describes a layout with --strategy; add --strategy "
+            f"sharded, tensor or pipeline, or --layout"
+        )
+    if args.strategy:
+        return layout_of(args.strategy, args.devices, **given)
+    return parse_layout(args.layout, args.devices) if args.layout else None
+
+
 def plan_command(args) -> int:
     request = request_of(args)
-    layout = parse_layout(args.layout, args.devices) if args.layout else None
+    layout = layout_asked(args)
     began = time.perf_counter()
     rows = make_plan_table(request, layout)
     print("\n".join(table(request, rows, top=args.top)))

@@ -46,33 +46,6 @@ def _units(stage_modules):
     return [unit for stage in stage_modules for unit in stage.modules() if isinstance(unit, FSDPModule)]
 
 
-def stage_precision(strategy) -> str:
-    """The precision FSDP2 gathers in: shards gather in bf16 under --precision bf16, as --strategy sharded does;
-    whole replicas keep float32 weights under autocast, as a pipeline of one replica does."""
-    return strategy.precision if strategy.layout.shard > 1 else "fp32"
-
-
-def stage_hooks(strategy) -> None:
-    """What FSDP2 needs of a pipeline rank's stages before `parallelize` shards them (registered first, so they
-    run before FSDP2's own hooks): a stage that ends in a view (Flatten), and under --tensor-parallel each split
-    layer's local output, returned as tensors of their own; with weights gathered in bf16, each stage's output
-    in the dtype its peer posted to receive."""
-    if strategy.layout.tensor > 1:
-        # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces (as in
-        # strategies/tensor.py), and it gathers the (dp_shard, tp) shards of a whole tensor in two steps
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    bf16 = bool(mixed_precision(stage_precision(strategy)))
-    for index, stage in zip(strategy.my_stages, strategy.stage_modules):
-        stage.register_forward_hook(own_tensor)
-        if bf16:
-            end = strategy.boundaries[strategy.plan.stage_layers(index)[-1] + 1][1]
-            stage.register_forward_hook(partial(_as_dtype, end))
-        if strategy.layout.tensor > 1:
-            for module in stage.modules():
-                if any(p is not None for p in module._parameters.values()):
-                    module.register_forward_hook(own_tensor)
-
-
 def _as_dtype(dtype, module, inputs, output):
     """A stage's output in the dtype its boundary has under autocast with float32 weights (`_boundary_shapes`),
     which the next stage's receive buffer and the schedule's checks expect."""
@@ -80,20 +53,48 @@ def _as_dtype(dtype, module, inputs, output):
     return output.to(dtype) if mismatched else None
 
 
-def reshard(strategy) -> None:
-    """Free the gathered weights of every unit (kept after a forward pass outside the schedule)."""
-    for unit in _units(strategy.stage_modules):
-        unit.reshard()
+class StageSharding:
+    """The data degree of `Pipeline`'s stages (a mixin of `Pipeline`)."""
 
+    @property
+    def stage_precision(self) -> str:
+        """The precision FSDP2 gathers in: shards gather in bf16 under --precision bf16, as --self sharded does;
+        whole replicas keep float32 weights under autocast, as a pipeline of one replica does."""
+        return self.precision if self.layout.shard > 1 else "fp32"
 
-def shard_line(strategy, heading: str) -> str:
-    """The start-up line of the sharding; `heading` names what each rank's figures count."""
-    bf16 = GATHERED_IN_BF16 if mixed_precision(strategy.precision) else ""
-    layout = strategy.layout
-    shards = layout.shard
-    copies = f" in each of {layout.replicate} replicas" if layout.replicate > 1 else ""
-    kind = "FSDP2 hybrid sharding" if layout.replicate > 1 else "FSDP2"
-    return (
-        f"  each stage sharded over {shards} ranks{copies} ({kind}; within a step a rank gathers "
-        f"its stages' weights and gradients whole, from the first forward to the last backward); {heading}{bf16}"
-    )
+    def stage_hooks(self) -> None:
+        """What FSDP2 needs of a pipeline rank's stages before `parallelize` shards them (registered first, so they
+        run before FSDP2's own hooks): a stage that ends in a view (Flatten), and under --tensor-parallel each split
+        layer's local output, returned as tensors of their own; with weights gathered in bf16, each stage's output
+        in the dtype its peer posted to receive."""
+        if self.layout.tensor > 1:
+            # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces (as in
+            # strategies/tensor.py), and it gathers the (dp_shard, tp) shards of a whole tensor in two steps
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        bf16 = bool(mixed_precision(self.stage_precision))
+        for index, stage in zip(self.my_stages, self.stage_modules):
+            stage.register_forward_hook(own_tensor)
+            if bf16:
+                end = self.boundaries[self.plan.stage_layers(index)[-1] + 1][1]
+                stage.register_forward_hook(partial(_as_dtype, end))
+            if self.layout.tensor > 1:
+                for module in stage.modules():
+                    if any(p is not None for p in module._parameters.values()):
+                        module.register_forward_hook(own_tensor)
+
+    def reshard(self) -> None:
+        """Free the gathered weights of every unit (kept after a forward pass outside the schedule)."""
+        for unit in _units(self.stage_modules):
+            unit.reshard()
+
+    def shard_line(self, heading: str) -> str:
+        """The start-up line of the sharding; `heading` names what each rank's figures count."""
+        bf16 = GATHERED_IN_BF16 if mixed_precision(self.precision) else ""
+        layout = self.layout
+        shards = layout.shard
+        copies = f" in each of {layout.replicate} replicas" if layout.replicate > 1 else ""
+        kind = "FSDP2 hybrid sharding" if layout.replicate > 1 else "FSDP2"
+        return (
+            f"  each stage sharded over {shards} ranks{copies} ({kind}; within a step a rank gathers "
+            f"its stages' weights and gradients whole, from the first forward to the last backward); {heading}{bf16}"
+        )

@@ -38,10 +38,10 @@ from ..strategies.base import StepStats, Strategy
 from ..strategies.holdings import local_part
 from ..strategies.layers import Stage, describe_stage, flatten_layers, named_subset
 from ..strategies.optimizer_state import positions, whole_state
-from . import state as rank_state
 from .plan import PipelinePlan, microbatches_for, runnable_schedule
 from .planning import plan_pipeline
-from .sharding import reshard, stage_hooks, stage_precision
+from .sharding import StageSharding
+from .state import StageState
 from .tied import TiedWeights
 from .timeline import record_calls
 from .traced import traced_holdings, traced_stages
@@ -58,7 +58,7 @@ def _schedule_class(kind: str):
     }[kind]
 
 
-class Pipeline(Strategy):
+class Pipeline(StageState, StageSharding, Strategy):
     name = "pipeline"
     keeps_model_whole = False
     loss_from_outputs_only = True  # on the last stage, per micro-batch
@@ -160,12 +160,12 @@ class Pipeline(Strategy):
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
         self.tied = TiedWeights(self.plan, layers, rank=self.rank)
         if self.data_parallel == "shard":
-            stage_hooks(self)  # (before FSDP2's own)
+            self.stage_hooks()  # (before FSDP2's own)
         options = replace(
             self.preparation(),
             tensor_plan=self.plan.tensor if layout.tensor > 1 else None,
             loud=self.data_rank == 0,
-            precision=stage_precision(self),
+            precision=self.stage_precision,
             stages=tuple(self.stage_modules),
             whole=model,
             sum_gradients=True,
@@ -237,10 +237,6 @@ class Pipeline(Strategy):
             return torch.empty((batch, *shape), dtype=dtype, device=self.device, requires_grad=grads)
 
         return make(*self.boundaries[span[0]]), make(*self.boundaries[span[-1] + 1])
-
-    def placement_lines(self, holds) -> list:
-        """Rank 0's lines of where each stage runs and what it holds (`holds(stage)`); every rank calls it."""
-        return rank_state.placement_lines(self, holds)
 
     def _schedule(self, samples: int):
         """The schedule for a batch of `samples`: stages infer the shapes they exchange once, so each size of
@@ -403,7 +399,7 @@ class Pipeline(Strategy):
                 work.wait()
         # the units keep what they gathered: whole until the next step otherwise
         if self.data_parallel == "shard":
-            reshard(self)
+            self.reshard()
         return self.step_stats(len(batch.y), self.shared_sums())
 
     # -- the whole model, by its original names ---------------------------------------------------------
@@ -413,10 +409,6 @@ class Pipeline(Strategy):
             return {}
         merged = {key: value for piece in pieces for key, value in piece.items()}
         return {key: merged[key] for key in self.full_meta}
-
-    def stage_state(self) -> dict:
-        """This rank's stages' whole state dict on the CPU, from one coordinate ({} elsewhere); all call it."""
-        return rank_state.stage_state(self)
 
     def expected_state(self) -> dict:
         return self.full_meta
@@ -429,17 +421,3 @@ class Pipeline(Strategy):
             return {}
         optimizer = whole_state(self.optimizer, pieces)
         return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
-
-    def stage_optimizer_state(self, numbers: dict) -> dict:
-        """numbered_part's form of this rank's optimizer state, whole, from one coordinate ({} elsewhere)."""
-        return rank_state.stage_optimizer_state(self, numbers)
-
-    def load_state_dict(self, state: dict) -> None:
-        rank_state.load_stages(self, state)
-
-    def shard_state(self, *, optimizer: bool = True) -> dict:
-        """Each rank its stages' own state, as torch.distributed.checkpoint writes it (state.py)."""
-        return rank_state.stage_shard_state(self, optimizer=optimizer)
-
-    def load_shards(self, load, scheduler: dict) -> None:
-        rank_state.load_stage_shards(self, load, scheduler)

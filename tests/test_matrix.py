@@ -2,7 +2,7 @@
 the user (no error, no warning); what a model cannot take is refused in one line before any worker starts.
 
 Models: polytrain's (lenet, lenet5, mlp, cifar-cnn, resnet, gpt on the built-in text, llama on token shards that
-`polytrain tokenize` writes before the launch) by name, and torch-only ones given to
+`polytrain tokenize` writes before the launch, and llama-moe: the llama with mixtures of experts) by name, and torch-only ones given to
 `polytrain.fit` (tests/matrix_models.py: nn.TransformerEncoderLayer blocks, pytorch/examples' sequence-first
 LSTM with a step=, Hugging Face's LlamaForCausalLM where transformers is installed). Layouts: one device; data,
 sharded, pipeline, parameter-server, tensor and context parallelism on 2 processes; on 4, 2 replicas x 2 pipeline
@@ -52,8 +52,11 @@ IMAGES = [*SYNTHETIC, "--synthetic-shape", "3,32,32"]
 TEXT = ["--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--context", "16"]
 TOKENS = "<token shards>"  # the folder the fixture writes with polytrain tokenize, before the launch
 LLAMA = ["--dataset", "tokens", "--data-dir", TOKENS, *TEXT[2:], "--kv-heads", "2"]
-DATA = {"cifar-cnn": IMAGES, "resnet": IMAGES, "gpt": TEXT, "llama": LLAMA}
-BUILT_IN = ["lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt", "llama"]
+# the llama with a mixture of experts in every other block (a shared expert beside them), models/moe.py
+MOE = ["--experts", "4", "--experts-per-token", "2", "--shared-experts", "1", "--moe-every", "2"]
+DATA = {"cifar-cnn": IMAGES, "resnet": IMAGES, "gpt": TEXT, "llama": LLAMA, "llama-moe": LLAMA + MOE}
+BUILT_IN = ["lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt", "llama", "llama-moe"]
+NAMES = {"llama-moe": "llama"}  # --model of a case whose name says its flags
 TORCH_ONLY = ["encoder", "lstm", "hf-llama"]  # tests/matrix_models.py, trained through polytrain.fit
 BLOCKS = [
     "gpt",
@@ -61,7 +64,12 @@ BLOCKS = [
     "encoder",
     "hf-llama",
 ]  # models with blocks that activation checkpointing recomputes
-PLANNED = ["mlp", "gpt", "llama"]  # models with a built-in tensor plan (hf-llama's, given to fit, is refused)
+PLANNED = [
+    "mlp",
+    "gpt",
+    "llama",
+    "llama-moe",
+]  # models with a built-in tensor plan (hf-llama's, given to fit, is refused)
 UNSPLIT = ["encoder", "lstm", "hf-llama"]  # models the pipeline cannot split (refused below)
 MESHLESS = ["lenet5"]  # (LeNet with other layer sizes: its layouts of 2 processes are enough)
 
@@ -86,6 +94,7 @@ CONTEXT = ["context", "pipeline-context"]
 SEQUENCES = [
     "gpt",
     "llama",
+    "llama-moe",
 ]  # models whose sequences --context-parallel splits (refused below for the others)
 SETTINGS = {
     ("mlp", "pipeline-tensor"): "--split 4"
@@ -196,7 +205,7 @@ def argv(model: str, layout: str, options: str) -> list:
     data = [] if model in TORCH_ONLY else DATA.get(model, SYNTHETIC)
     extra = f"{options} {SETTINGS.get((model, layout), '')}".split()
     return [
-        model,
+        NAMES.get(model, model),
         *data,
         "--batch-size",
         "16",

@@ -75,6 +75,50 @@ class LlamaSettings:
         group="model",
         flag="toggle",
     )
+    experts: Optional[int] = setting(
+        None,
+        "--model llama: a mixture of E experts in place of each block's feed-forward (each a SwiGLU of "
+        "--ffn-width; a router sends every token to --experts-per-token of them, dropless, as Mixtral and "
+        "Qwen2-MoE compute; default: none, dense blocks)",
+        group="model",
+        metavar="E",
+        check="count",
+        example=8,
+    )
+    experts_per_token: Optional[int] = setting(
+        None,
+        "--model llama --experts: the experts each token goes to, their router probabilities as weights "
+        "(default: 2)",
+        group="model",
+        metavar="K",
+        check="count",
+        example=2,
+    )
+    shared_experts: Optional[int] = setting(
+        None,
+        "--model llama --experts: a shared expert of S times --ffn-width that every token goes through, "
+        "behind a sigmoid gate (Qwen2-MoE's; default: 0, none)",
+        group="model",
+        metavar="S",
+        check="count0",
+        example=1,
+    )
+    moe_every: Optional[int] = setting(
+        None,
+        "--model llama --experts: every Nth block has the mixture, the others a dense feed-forward (Qwen2-MoE's "
+        "decoder_sparse_step; default: 1, every block)",
+        group="model",
+        metavar="N",
+        check="count",
+        example=2,
+    )
+    experts_renormalise: Optional[bool] = setting(
+        None,
+        "--model llama --experts: the kept router probabilities renormalised to sum to one (default: on, "
+        "Mixtral's and Qwen3-MoE's; off: Qwen2-MoE's norm_topk_prob false)",
+        group="model",
+        flag="toggle",
+    )
     dropout: Optional[float] = setting(
         None,
         "--model gpt: probability of zeroing an activation in training, after the embeddings and after each "

@@ -26,6 +26,11 @@ MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
         "norm_eps",
         "qkv_bias",
         "positions",
+        "experts",
+        "experts_per_token",
+        "shared_experts",
+        "moe_every",
+        "experts_renormalise",
     ),
 }
 MODEL_SETTINGS = tuple(dict.fromkeys(key for keys in MODEL_OPTIONS.values() for key in keys))
@@ -143,6 +148,33 @@ def check_model_settings(name: Optional[str], given) -> None:
             f"{' and '.join(readers)} model{'s' * (len(readers) > 1)} only, not {name or 'your own module'}; "
             f"drop {them}"
         )
+
+
+def mixture_of(experts, per_token, shared, every, renormalise) -> Optional[tuple]:
+    """(E, K, shared, renormalise, every) of `--experts E --experts-per-token K --shared-experts S --moe-every N`,
+    or None without --experts; one line for what does not make a mixture."""
+    given = {"experts_per_token": per_token, "shared_experts": shared, "moe_every": every}
+    if experts is None:
+        named = [flag_name(name) for name, value in given.items() if value is not None]
+        if named or renormalise is not None:
+            first = named[0] if named else "--experts-renormalise"
+            raise ConfigError(f"{first} describes a mixture of experts; add --experts E, or drop {first}")
+        return None
+    per_token = 2 if per_token is None else per_token
+    shared, every = shared or 0, every or 1
+    for name, value in (("experts", experts), ("experts_per_token", per_token), ("moe_every", every)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{flag_name(name)} must be a positive whole number, got {value!r}")
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ConfigError(f"--shared-experts must be 0 or a positive whole number, got {shared!r}")
+    if experts < 2:
+        raise ConfigError(f"--experts {experts}: a mixture needs 2 experts or more; give --experts 2 or more")
+    if per_token > experts:
+        raise ConfigError(
+            f"--experts-per-token {per_token} is more than the {experts} experts; give at most --experts-per-token "
+            f"{experts}"
+        )
+    return experts, per_token, shared, True if renormalise is None else bool(renormalise), every
 
 
 # the learning rate a model's recipe takes when --init-from loads trained weights: the recipe's own (3e-3) is for

@@ -15,6 +15,7 @@ from ..parallel.layout import Layout
 from ..parallel.presets import layout_of, layout_or_none
 from ..pipeline.plan import check_microbatches
 from .declare import check_value, declared, flag_name, unset
+from .model_defaults import mixture_of
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 
@@ -122,6 +123,13 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 
     def _check_together(self) -> None:
         """The values left, then the settings against each other: the layout, the batch, the pipeline."""
+        mixture_of(
+            self.experts,
+            self.experts_per_token,
+            self.shared_experts,
+            self.moe_every,
+            self.experts_renormalise,
+        )
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(
             len(self.synthetic_shape) == 3

@@ -27,9 +27,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.declare import flag_name
-from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, preset
+from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, mixture_of, preset
 from ..errors import ConfigError
 from .kv_cache import attend
+from .moe import GroupedExperts, MixtureOfExperts
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
@@ -184,7 +185,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attention(norm(x)), then x + feed_forward(norm(x))."""
+    """x + attention(norm(x)), then x + feed_forward(norm(x)); the feed-forward a mixture of experts where
+    `experts` gives its (E, K, shared, renormalise) (models/moe.py)."""
 
     def __init__(
         self,
@@ -196,12 +198,19 @@ class Block(nn.Module):
         *,
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
+        experts: Optional[tuple] = None,
     ):
         super().__init__()
         self.attention_norm = nn.RMSNorm(width, eps=norm_eps)
         self.attention = Attention(width, heads, kv_heads, rope_theta, qkv_bias)
         self.ffn_norm = nn.RMSNorm(width, eps=norm_eps)
-        self.feed_forward = FeedForward(width, ffn_width)
+        if experts:
+            count, per_token, shared, renormalise = experts
+            self.feed_forward = MixtureOfExperts(
+                width, ffn_width, count, per_token, shared=shared, renormalise=renormalise
+            )
+        else:
+            self.feed_forward = FeedForward(width, ffn_width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -247,6 +256,11 @@ class Llama(nn.Sequential):
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
         positions=None,
+        experts=None,
+        experts_per_token=None,
+        shared_experts=None,
+        moe_every=None,
+        experts_renormalise=None,
     ):
         derived = derived_sizes(heads, width)
         kv_heads = derived.get("kv_heads") if kv_heads is None else kv_heads
@@ -266,6 +280,7 @@ class Llama(nn.Sequential):
             )
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
             raise ConfigError(f"--norm-eps must be a number above 0, got {norm_eps!r}; Llama 3's is 1e-05")
+        mixture = mixture_of(experts, experts_per_token, shared_experts, moe_every, experts_renormalise)
         embedding = nn.Embedding(vocab, width)
         head = nn.Linear(width, vocab, bias=False)
         if tie_embeddings:
@@ -279,11 +294,13 @@ class Llama(nn.Sequential):
                 float(rope_theta),
                 norm_eps=float(norm_eps),
                 qkv_bias=qkv_bias,
+                experts=mixture[:4] if mixture and (i + 1) % mixture[4] == 0 else None,
             )
-            for _ in range(layers)
+            for i in range(layers)
         )
         super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
+        self.experts = mixture  # (E, K, shared, renormalise, every) of its mixtures of experts, or None
         # the longest sequence it reads (a checkpoint's max_position_embeddings; default: the training context)
         self.positions = context if positions is None else positions
         self._init_weights(layers)
@@ -292,8 +309,10 @@ class Llama(nn.Sequential):
     def init_module(self, name: str, module: nn.Module) -> None:
         """The initialisation of `_init_weights` for one module, `name` in this model (models built on the
         meta device are initialised module by module: models/meta.py)."""
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            residual = name.endswith(("attention.wo", "feed_forward.w2"))
+        if isinstance(module, GroupedExperts):
+            module.reset_parameters(residual_std=0.02 / (2 * self.layers) ** 0.5)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = name.endswith(("attention.wo", "feed_forward.w2", "feed_forward.shared.w2"))
             nn.init.normal_(
                 module.weight, mean=0.0, std=0.02 / (2 * self.layers) ** 0.5 if residual else 0.02
             )
@@ -311,8 +330,12 @@ class Llama(nn.Sequential):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, GroupedExperts):
+                module.reset_parameters(residual_std=0.02 / (2 * layers) ** 0.5)
         for name, parameter in self.named_parameters():
-            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            if name.endswith(
+                ("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.shared.w2.weight")
+            ):
                 nn.init.normal_(parameter, mean=0.0, std=0.02 / (2 * layers) ** 0.5)
 
 

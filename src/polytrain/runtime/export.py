@@ -287,6 +287,11 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
             f"runs (as GPT2LMHeadModel); {run_dir} is a --model {model} run: export it with --format "
             f"safetensors or pt"
         )
+    if settings.get("experts"):
+        raise UserError(
+            f"--format hf writes dense llamas so far, and {run_dir} has a mixture of {settings['experts']} experts "
+            f"(its Mixtral or Qwen2-MoE form is not written yet); export it with --format safetensors or pt"
+        )
     if settings.get("classifies_texts"):
         raise UserError(
             f"--format hf writes language models, and {run_dir} is a sequence classifier (a score head in place "

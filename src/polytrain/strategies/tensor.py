@@ -16,6 +16,7 @@ places, so `--resume` moves runs between any strategies and device counts.
 from __future__ import annotations
 
 from dataclasses import replace
+from fnmatch import fnmatchcase
 from typing import Optional
 
 import torch
@@ -150,10 +151,17 @@ def plan_for(
             f"'colwise', 'other.layer': 'rowwise'}}) naming its nn.Linear/nn.Embedding layers, or a "
             f"function fn(model, mesh) that calls parallelize_module"
         )
+    layers = model_layers(model)
+    if (
+        given is None
+    ):  # a built-in plan names what its model may have: a llama's mixtures keep their experts whole
+        patterns = {
+            key: style
+            for key, style in patterns.items()
+            if key == HEAD or any(fnmatchcase(layer, key) for layer in layers if layer)
+        }
     heads = _heads(model) if given is None else {}
-    plan = resolve(
-        patterns, model_layers(model), devices=devices, model=name, run=run, divisor=divisor, **heads
-    )
+    plan = resolve(patterns, layers, devices=devices, model=name, run=run, divisor=divisor, **heads)
     _check_shapes(model, plan)
     # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole): the
     # run's windows (--context), which a GPT's table of positions (--positions) may exceed

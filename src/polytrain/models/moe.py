@@ -1,0 +1,139 @@
+"""A mixture of experts in place of a transformer block's feed-forward (`--experts E --experts-per-token K`):
+Mixtral's and Qwen2-MoE's design, as their Hugging Face models compute it.
+
+    polytrain train --model llama --experts 8 --experts-per-token 2 --dataset shakespeare
+    polytrain verify --model llama --experts 8 --experts-per-token 2 --dataset shakespeare --devices 2
+
+**Routing.** A router (a linear layer without bias, `router`) scores each token against every expert; the
+softmax of the scores (in float32, or the model's dtype where wider) gives each expert a probability, a token
+goes to the K most probable, and the K kept probabilities weigh their outputs, renormalised to sum to one
+(Mixtral, Qwen3-MoE; `renormalise=False` keeps them as they are: Qwen2-MoE's `norm_topk_prob` false). Dropless:
+every token reaches its K experts, whatever the imbalance (no capacity factor), as Hugging Face's models compute.
+
+**Experts.** E SwiGLU feed-forwards of the same width, held as three stacked weights (`GroupedExperts`:
+w1 and w3 [E, F, D], w2 [E, D, F], torchtitan's layout; an expert's rows are its slice of dimension 0, which is
+what a later expert-parallel split and FSDP2 cut). Computed grouped: the (token, choice) pairs sorted by expert,
+one matrix product per expert over its tokens, the outputs weighed and added back to their tokens; a Python loop
+over the experts, never over tokens. Under a fake tensor (the memory check measures activations without
+computing) the routing is taken as even, the expected share of a balanced router.
+
+**A shared expert** (`shared=S`, Qwen2-MoE's): one more SwiGLU of S times the experts' width that every token
+goes through, its output scaled by a sigmoid gate (a linear layer to one score) and added.
+
+No load-balancing loss is added to the objective yet: the model trains on the token loss alone, as Hugging Face's
+models do unless `output_router_logits` is set.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's local tensor (a tensor plan keeps the mixtures whole on every tensor rank and hands
+    their modules DTensors); a tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: expert e computes w2[e](silu(w1[e] x) * w3[e] x)."""
+
+    def __init__(self, experts: int, width: int, hidden: int):
+        super().__init__()
+        self.experts, self.width, self.hidden = experts, width, hidden
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, width))
+        self.w2 = nn.Parameter(torch.empty(experts, width, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, width))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, residual_std: float = 0.02) -> None:
+        """N(0, 0.02) as the llama's linear layers; w2, a residual projection, N(0, `residual_std`)."""
+        nn.init.normal_(self.w1, mean=0.0, std=0.02)
+        nn.init.normal_(self.w3, mean=0.0, std=0.02)
+        nn.init.normal_(self.w2, mean=0.0, std=residual_std)
+
+    def forward(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`tokens` (N, D); `chosen` (N, K) each token's experts; `weights` (N, K) their weights: (N, D)."""
+        tokens, chosen, weights = _local(tokens), _local(chosen), _local(weights)
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        picks = chosen.flatten()
+        order = torch.argsort(picks, stable=True)  # the (token, choice) pairs grouped by expert
+        owner = order // chosen.shape[1]  # the token of each pair, in that order
+        if _is_fake(tokens):
+            even, rest = divmod(picks.numel(), self.experts)
+            counts = [even + (e < rest) for e in range(self.experts)]
+        else:
+            counts = torch.bincount(picks, minlength=self.experts).tolist()
+        grouped = tokens[owner]
+        outputs = []
+        for e, rows in enumerate(grouped.split(counts)):
+            hidden = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
+            outputs.append(hidden @ w2[e].transpose(0, 1))
+        weighed = torch.cat(outputs) * weights.flatten()[order, None]
+        return torch.zeros_like(tokens).index_add_(0, owner, weighed.to(tokens.dtype))
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU every token goes through, scaled by sigmoid(gate(x)) (Qwen2-MoE's shared expert)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(width, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, width, bias=False)
+        self.w3 = nn.Linear(width, hidden, bias=False)
+        self.gate = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MixtureOfExperts(nn.Module):
+    """A block's feed-forward as a mixture: `router`, `experts` (GroupedExperts) and an optional `shared`
+    expert; (B, T, D) in and out."""
+
+    def __init__(
+        self,
+        width: int,
+        hidden: int,
+        experts: int,
+        per_token: int,
+        *,
+        shared: int = 0,
+        renormalise: bool = True,
+    ):
+        super().__init__()
+        self.per_token, self.renormalise = per_token, renormalise
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = GroupedExperts(experts, width, hidden)
+        self.shared: Optional[SharedExpert] = SharedExpert(width, shared * hidden) if shared else None
+
+    def route(self, tokens: torch.Tensor):
+        """(the experts each token goes to (N, K), their weights (N, K), every expert's probability (N, E))."""
+        scores = self.router(tokens)
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        weights, chosen = torch.topk(probabilities, self.per_token, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights, probabilities
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        chosen, weights, _ = self.route(tokens)
+        out = self.experts(tokens, chosen, weights)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return out.reshape(x.shape)

@@ -307,3 +307,24 @@ def test_plan_from_python_takes_a_name_or_a_function_that_builds_the_model():
         polytrain.plan(_TinyLM, devices=2, batch_size=8)
     with pytest.raises(UserError, match="layers=, width="):
         polytrain.plan("llama", devices=2, batch_size=8, depth=3)
+
+
+def test_a_mixture_of_experts_is_planned_with_the_parameters_a_token_uses():
+    from polytrain.models.moe import GroupedExperts
+    from polytrain.scaling.cluster_plan import model_work
+
+    def build():
+        return build_model_on_meta("llama", (16,), VOCAB, dict(SMALL, experts=4, experts_per_token=1))
+
+    model = build()
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    embedding = model[0].weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    work = model_work(PlanRequest(build, "moe", 2, GPUS["h100"], 4, 16))
+    assert experts > 0 and work.dense_parameters == total - embedding - experts * 3 / 4  # 1 expert of 4 used
+    import polytrain
+
+    rows = polytrain.plan(
+        "llama", devices=2, batch_size=4, vocab_size=VOCAB, experts=4, experts_per_token=1, **SMALL
+    )
+    assert rows[0]["fits"] and rows[0]["tokens_per_second_per_device"] > 0

@@ -281,6 +281,13 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
         plan.add_argument(
             f"--{flag}", type=int, default=None, metavar="N", help=f"the model's {flag} (its --size's)"
         )
+    for flag, words in (
+        ("experts", "--model llama: a mixture of N experts in the blocks (as polytrain train)"),
+        ("experts-per-token", "--model llama --experts: the experts each token goes to (default: 2)"),
+        ("shared-experts", "--model llama --experts: a shared expert of N times --ffn-width"),
+        ("moe-every", "--model llama --experts: every Nth block has the mixture (default: 1)"),
+    ):
+        plan.add_argument(f"--{flag}", type=int, default=None, metavar="N", help=words)
     plan.add_argument(
         "--context", type=int, default=None, metavar="T", help="tokens per sequence (the size's)"
     )

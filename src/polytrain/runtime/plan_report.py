@@ -18,12 +18,16 @@ from ..scaling.cluster_plan import (
     GIB,
     LayoutPlan,
     PlanRequest,
+    idle_expert_parameters,
     make_plan_table,
     smallest_fit,
 )
 from ..scaling.gpus import gpu_named
 
 GPT_VOCABULARY = 50257  # --model gpt without --vocab-size: GPT-2's tokenizer
+# the model's shape beside its --size (and the llama's mixture of experts)
+SHAPE = ("layers", "width", "heads", "kv_heads", "ffn_width", "experts", "experts_per_token", "shared_experts",
+         "moe_every")  # fmt: skip
 
 
 def holds(row: LayoutPlan) -> str:
@@ -36,7 +40,7 @@ def holds(row: LayoutPlan) -> str:
 
 def request_of(args) -> PlanRequest:
     """The plan `args` ask for; one line for a model, size or GPU it does not know."""
-    given = {key: getattr(args, key) for key in ("layers", "width", "heads", "kv_heads", "ffn_width")}
+    given = {key: getattr(args, key) for key in SHAPE}
     return make_request(
         args.hf_config or args.model,
         size=args.size,
@@ -150,15 +154,15 @@ def plan(
     `tokens_per_second_per_device`, `mfu`, `fits`, `limit`, ...).
 
     `model`: "llama" (`size`: tiny, 8b, 70b, 405b) or "gpt", with `layers=`, `width=`, `heads=`, `kv_heads=`,
-    `ffn_width=` over the size's; a Hugging Face config.json or its folder; or a function that builds the model,
+    `ffn_width=` over the size's (and `experts=`, `experts_per_token=`, `shared_experts=`, `moe_every=`); a Hugging Face config.json or its folder; or a function that builds the model,
     called on the meta device (its forward takes (batch, context) token ids and gives logits; give `context`)."""
     from ..parallel.layout import Layout
 
-    unknown = set(shape) - {"layers", "width", "heads", "kv_heads", "ffn_width"}
+    unknown = set(shape) - set(SHAPE)
     if unknown:
         raise UserError(
-            f"polytrain.plan() got {', '.join(sorted(unknown))}; the model's shape is layers=, width=, heads=, "
-            f"kv_heads=, ffn_width="
+            f"polytrain.plan() got {', '.join(sorted(unknown))}; the model's shape is "
+            f"{', '.join(f'{key}=' for key in SHAPE)}"
         )
     request = make_request(
         model, devices=devices, batch_size=batch_size, size=size, shape=shape, vocab_size=vocab_size,
@@ -211,9 +215,11 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
     they exceed, then those the code refused with its line."""
     model = request.build()
     parameters = sum(p.numel() for p in model.parameters())
+    idle = idle_expert_parameters(model)
+    active = f", {_count(int(parameters - idle))} active per token" if idle else ""
     gpu = request.gpu
     lines = [
-        f"plan: {request.name} ({_count(parameters)} parameters) on {request.devices} {gpu.name} "
+        f"plan: {request.name} ({_count(parameters)} parameters{active}) on {request.devices} {gpu.name} "
         f"({gpu.memory_gib:.0f} GiB, {request.gpus_per_node} per node); a step of {request.batch_size} sequences "
         f"of {request.context} tokens, {request.precision}, --activation-checkpointing {request.checkpointing}, "
         f"{request.optimizer}",

@@ -279,8 +279,8 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
 @dataclass(frozen=True)
 class ModelWork:
     """What the plan needs of a model beside the layout: per-sample activation figures (planning/activations.py) and
-    the attention's shape, measured once on fake tensors in the run's precision, and its parameters outside the
-    embedding."""
+    the attention's shape, measured once on fake tensors in the run's precision, and the parameters a token uses
+    outside the embedding (a mixture's K experts of E)."""
 
     activation_bytes: float
     blocks: int
@@ -292,6 +292,19 @@ class ModelWork:
     boundary_bytes: tuple = ()
 
 
+def idle_expert_parameters(model: nn.Module) -> float:
+    """The parameters of a mixture's experts that a token does not use (E - K of every E; models/moe.py): a step's
+    FLOPs count the K experts each token goes to."""
+    from ..models.moe import MixtureOfExperts
+
+    return sum(
+        sum(p.numel() for p in mixture.experts.parameters())
+        * (1 - mixture.per_token / mixture.experts.experts)
+        for mixture in model.modules()
+        if isinstance(mixture, MixtureOfExperts)
+    )
+
+
 def model_work(request: PlanRequest) -> ModelWork:
     """The model's activation figures for one sequence of `request.context` tokens in the run's precision."""
     import torch
@@ -301,7 +314,7 @@ def model_work(request: PlanRequest) -> ModelWork:
 
     model = request.build()
     embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    dense = sum(p.numel() for p in model.parameters()) - embeddings
+    dense = sum(p.numel() for p in model.parameters()) - embeddings - idle_expert_parameters(model)
     x = torch.zeros(1, request.context, dtype=torch.long)
     figures = activation_profile(model, Objective(kind="language"), x, x, precision=request.precision)
     if not figures:

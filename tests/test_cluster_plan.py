@@ -328,3 +328,23 @@ def test_a_mixture_of_experts_is_planned_with_the_parameters_a_token_uses():
         "llama", devices=2, batch_size=4, vocab_size=VOCAB, experts=4, experts_per_token=1, **SMALL
     )
     assert rows[0]["fits"] and rows[0]["tokens_per_second_per_device"] > 0
+
+
+def test_auto_checkpointing_takes_the_least_recomputation_that_fits_each_layout():
+    import polytrain
+
+    shape = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=128, vocab_size=VOCAB, context=2048)
+    for batch, expected in ((1024, "none"), (4096, "full"), (16384, "full")):
+        asked = dict(devices=1, batch_size=batch, gpu="l40s", layout="single", **shape)
+        rows = {
+            mode: polytrain.plan("llama", activation_checkpointing=mode, **asked)[0]
+            for mode in ("none", "selective", "full", "auto")
+        }
+        chosen = rows["auto"]
+        assert chosen["activation_checkpointing"] == expected
+        # the auto row is the explicit mode's row: its bytes and its step
+        for key in ("memory_gib", "step_seconds", "fits"):
+            assert chosen[key] == rows[expected][key], key
+        fitting = [mode for mode in ("none", "selective", "full") if rows[mode]["fits"]]
+        assert expected == (fitting[0] if fitting else "full")
+    assert rows["auto"]["fits"] is False  # (the last batch fits no mode: the most saving one shown)

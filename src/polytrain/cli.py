@@ -302,9 +302,10 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="default: bf16")
     plan.add_argument(
         "--activation-checkpointing",
-        default="selective",
+        default="auto",
         metavar="MODE",
-        help="none, selective, full or selective:K (default: selective)",
+        help="none, selective, full or selective:K; auto: on each layout the least recomputation that fits "
+        "(none, then selective, then full; default: auto)",
     )
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd"), help="default: adamw")
     plan.add_argument(

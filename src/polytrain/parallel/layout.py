@@ -197,7 +197,7 @@ def parse_layout(text: str, devices: int) -> Layout:
     is not one."""
     names = {mesh: name for name, mesh in MESH_NAMES.items()}
     degrees = {}
-    for part in filter(None, text.replace(" ", "").split(",")):
+    for part in filter(None, text.replace(" ", "").split(",") if text.strip() != "single" else ()):
         key, _, value = part.partition("=")
         if key not in names or not value.isdigit() or int(value) < 1:
             raise ConfigError(

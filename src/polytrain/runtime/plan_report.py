@@ -69,7 +69,7 @@ def make_request(
     context=None,
     gpu="h100",
     precision="bf16",
-    activation_checkpointing="selective",
+    activation_checkpointing="auto",
     optimizer="adamw",
     gpus_per_node=8,
     from_file=None,
@@ -143,7 +143,7 @@ def plan(
     layout=None,
     vocab_size=None,
     precision="bf16",
-    activation_checkpointing="selective",
+    activation_checkpointing="auto",
     optimizer="adamw",
     gpus_per_node=8,
     **shape,
@@ -202,6 +202,12 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:6.1f}"
 
 
+def checkpointing_words(mode: str) -> str:
+    if mode == "auto":
+        return "on each layout the least activation checkpointing that fits (ckpt)"
+    return f"--activation-checkpointing {mode}"
+
+
 def _amount(nbytes: float) -> str:
     return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:,.1f} MiB"
 
@@ -221,9 +227,9 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
     lines = [
         f"plan: {request.name} ({_count(parameters)} parameters{active}) on {request.devices} {gpu.name} "
         f"({gpu.memory_gib:.0f} GiB, {request.gpus_per_node} per node); a step of {request.batch_size} sequences "
-        f"of {request.context} tokens, {request.precision}, --activation-checkpointing {request.checkpointing}, "
+        f"of {request.context} tokens, {request.precision}, {checkpointing_words(request.checkpointing)}, "
         f"{request.optimizer}",
-        f"  {'layout':40} {'holds':5} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
+        f"  {'layout':40} {'holds':5} {'ckpt':9} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
         f"{'GiB':>6}  {'step s':>7} {'comm s':>7} {'bubble':>7} {'tok/s/GPU':>9} {'MFU':>4}  limit",
     ]
     fit = [row for row in rows if row.fits and not row.refused]
@@ -232,7 +238,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
     for row in fit[:top] + over[: max(0, top - len(fit))]:
         exceeds = "" if row.fits else f"; {(row.memory / GIB - gpu.memory_gib):,.1f} GiB over"
         lines.append(
-            f"  {row.layout.words():40} {holds(row):5} {_gib(row.parameters)} {_gib(row.gradients)} "
+            f"  {row.layout.words():40} {holds(row):5} {row.checkpointing:9} {_gib(row.parameters)} {_gib(row.gradients)} "
             f"{_gib(row.optimizer)} {_gib(row.activations)} {_gib(row.buffers)} {_gib(row.memory)}  "
             f"{row.step_seconds:7.2f} {sum(row.communication.values()):7.2f} {row.bubble:7.2f} "
             f"{row.tokens_per_second_per_device:9,.0f} {row.mfu:4.0%}  {row.limit}{exceeds}"
@@ -255,7 +261,8 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
             lines.append(
                 f"no layout fits {request.devices} x {gpu.memory_gib:.0f} GiB: the smallest need is "
                 f"{best.memory / GIB:,.1f} GiB per GPU ({best.layout.words()}); {fix}; or "
-                f"--activation-checkpointing full, or a smaller --batch-size"
+                f"{'' if best.checkpointing == 'full' else '--activation-checkpointing full, or '}a smaller "
+                f"--batch-size"
             )
     if fit and advise:
         lines.append(f"train the first with: {train_flags(fit[0].layout)}")

@@ -36,6 +36,8 @@ from .gpus import GPUS_PER_NODE, Gpu
 
 GIB = 2**30
 SLOTS = {"adamw": 2, "adam": 2, "sgd": 1}  # optimizer state tensors per trained parameter
+# --activation-checkpointing auto: the modes tried on each layout, least recomputation first
+CHECKPOINTING_TRIED = ("none", "selective", "full")
 
 
 @dataclass
@@ -80,6 +82,9 @@ class LayoutPlan:
     fits: bool = False
     limit: str = ""
     refused: str = ""  # the line the code refused the layout with at full size
+    checkpointing: str = (
+        ""  # its --activation-checkpointing (under "auto": the least recomputation that fits)
+    )
 
     @property
     def memory(self) -> float:
@@ -98,6 +103,7 @@ class LayoutPlan:
             "layout": {name: value for name, value in self.layout.degrees().items()} or {"single": 1},
             "memory_gib": self.memory / GIB,
             "memory_split_gib": split,
+            "activation_checkpointing": self.checkpointing,
             "device_memory_gib": gpu.memory_gib,
             "fits": self.fits,
             "step_seconds": self.step_seconds,
@@ -151,12 +157,15 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
     from .full_size import holdings_at_full_size
 
     row = LayoutPlan(layout)
+    tried = (request.checkpointing,)
+    if request.checkpointing == "auto":  # (a model without blocks to recompute is planned without)
+        tried = CHECKPOINTING_TRIED if work.blocks else ("none",)
     try:
         config = request.config or TrainConfig(
             devices=layout.world_size,
             batch_size=request.batch_size,
             precision=request.precision,
-            activation_checkpointing=request.checkpointing,
+            activation_checkpointing=tried[-1],
             **settings_of(layout),
         )
         if config.layout != layout:
@@ -170,19 +179,24 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
             last = layout.rank_with(
                 0, pipeline=layout.pipeline - 1
             )  # the head's stage, and the loss's logits
-            rows = []
-            for rank in (0, last):
-                held = holdings_at_full_size(
-                    request.build, layout, pipeline_plan=plan, precision=request.precision, rank=rank
-                )
-                each = dataclasses.replace(row, communication={})
-                _memory(request, each, held, work, last_stage=rank == last)
-                rows.append((each.memory, each, held))
-            _, row, held = max(rows, key=lambda item: item[0])
+            holdings = [
+                (rank, holdings_at_full_size(request.build, layout, pipeline_plan=plan, precision=request.precision, rank=rank))
+                for rank in (0, last)
+            ]  # fmt: skip
         else:
             plan = make_plan(config.strategy, config, model, None, device=None)
             held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
-            _memory(request, row, held, work)
+            holdings = [(0, held)]
+        for mode in tried:  # the least recomputation that fits, else the last tried; the busier rank shown
+            sized = []
+            for rank, held in holdings:
+                each = dataclasses.replace(row, communication={}, checkpointing=mode)
+                _memory(request, each, held, work, last_stage=layout.pipeline > 1 and rank != 0)
+                sized.append((each.memory, each, held))
+            _, chosen, held = max(sized, key=lambda item: item[0])
+            if chosen.fits:
+                break
+        row = chosen
     except UserError as error:
         row.refused, row.limit = str(error), "refused"
         return row
@@ -238,6 +252,7 @@ def pipeline_plan(request: PlanRequest, config, model: nn.Module):
 
 
 def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bool = False) -> None:
+    """`row`'s bytes per GPU from what the rank holds (`held`) and its activations under `row.checkpointing`."""
     layout, mixed = row.layout, request.precision != "fp32"
     row.parameters, row.gradients = float(held.parameter_bytes), float(held.trained_bytes)
     slots = request.slots if request.slots is not None else SLOTS.get(request.optimizer, 2)
@@ -264,12 +279,12 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
             block_matmul_bytes=part.block_matmul_bytes * keep,
         )
     local = request.batch_size / layout.data_degree
-    row.activations = peak_bytes(part, request.checkpointing) * local
+    row.activations = peak_bytes(part, row.checkpointing) * local
     if (
         layout.pipeline > 1
     ):  # a stage's blocks for the micro-batches in flight; the logits and loss on the last
         outside = part.activation_bytes - part.blocks * part.block_bytes
-        inside = peak_bytes(part, request.checkpointing) - outside
+        inside = peak_bytes(part, row.checkpointing) - outside
         m = row.microbatches
         flight = m if request.schedule == "gpipe" else (1 if last_stage else min(m, layout.pipeline))
         row.activations = (inside / layout.pipeline + (outside if last_stage else 0.0)) * local / m * flight

@@ -46,7 +46,7 @@ def step_time(request, row, held, work) -> None:
     layout, gpu = row.layout, request.gpu
     tokens = request.batch_size * request.context
     model_flops = flops_per_token(work, request.context) * tokens / layout.world_size
-    recompute = 4 / 3 if request.checkpointing == "full" else 1.0
+    recompute = 4 / 3 if row.checkpointing == "full" else 1.0
     row.compute = model_flops * recompute / (gpu.peak_flops(request.precision) * ACHIEVED)
     element = 2 if request.precision != "fp32" else 4
     exposed = {}

@@ -69,6 +69,11 @@ class BenchOptions:
     dropout: Optional[float] = None
     gelu: Optional[str] = None
     positions: Optional[int] = None
+    experts: Optional[int] = None
+    experts_per_token: Optional[int] = None
+    shared_experts: Optional[int] = None
+    moe_every: Optional[int] = None
+    experts_renormalise: Optional[bool] = None
 
     @property
     def model_options(self) -> dict:

@@ -105,6 +105,9 @@ def test_the_grouped_experts_compute_the_weighted_sum_over_each_tokens_experts()
 SMALL = ["--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "2",
          "--context", "16", "--experts", "4", "--experts-per-token", "2"]  # fmt: skip
 VERIFIES = {
+    "4 FSDP2 shards of 2 experts (cut along their width)": [
+        "--strategy", "sharded", "--devices", "4", "--experts", "2", "--experts-per-token", "1",
+    ],
     "2 FSDP2 shards x 2 tensor ranks, a shared expert": [
         "--strategy", "tensor", "--tensor-parallel", "2", "--devices", "4", "--shared-experts", "1",
     ],
@@ -167,3 +170,26 @@ def test_a_run_with_experts_samples_and_is_not_written_as_a_dense_checkpoint(cap
         capfd, "export", run, "--format", "safetensors", "--out", tmp_path / "w.safetensors"
     )
     assert weights.returncode == 0, weights.stderr
+
+
+def test_fewer_experts_than_shards_are_cut_along_their_width():
+    """FSDP2 cuts dimension 0 by default: 2 stacked experts over 4 shards would leave two ranks none of them and
+    the others half. They are cut along their second dimension instead: rank 0 holds a quarter (the plan builds the
+    run's own sharding at full size on fake ranks)."""
+    import math
+
+    import polytrain
+    from polytrain.models import build_model
+
+    shape = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=32, context=16)
+    model = build_model("llama", (16,), VOCAB, dict(shape, experts=2))
+    expected = 0
+    for p in model.parameters():
+        if p.dim() == 3:  # [E, F, D] with E < 4: torch.chunk of dimension 1
+            expected += 4 * p.shape[0] * math.ceil(p.shape[1] / 4) * p.shape[2]
+        else:
+            expected += 4 * math.ceil(p.shape[0] / 4) * p[0].numel()
+    (row,) = polytrain.plan(
+        "llama", devices=4, batch_size=4, vocab_size=VOCAB, layout="dp_shard=4", experts=2, **shape
+    )
+    assert row["memory_split_gib"]["parameters"] * 2**30 == pytest.approx(expected, rel=1e-12)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -42,11 +43,23 @@ def mixed_precision(precision: str) -> dict:
 GATHERED_IN_BF16 = ", gathered in bf16 for compute (float32 master shards)"
 
 
+def _placement(parameter, *, shards: int):
+    """FSDP2's cut of `parameter`: along dimension 0, as by default, but a mixture's stacked experts ([E, F, D],
+    models/moe.py) fewer than the shards are cut along their second dimension, so that every rank holds 1/shards
+    of them (along dimension 0, ranks past the E-th would hold none and the others 1/E)."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if parameter.dim() == 3 and parameter.shape[0] < shards else None
+
+
 def shard_model(model: nn.Module, **options) -> nn.Module:
     """`model` sharded with FSDP2 (`fully_shard`'s `options`), one unit per block, or per layer outside blocks
     (units.py), then the root: only a unit's full weights (and the next one's, prefetched) exist at a time."""
     from torch.distributed.fsdp import fully_shard
 
+    mesh = options.get("mesh")
+    if mesh is not None and "shard_placement_fn" not in options:
+        options["shard_placement_fn"] = partial(_placement, shards=mesh.shape[-1])
     for _, unit in shard_units(model):
         unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
         fully_shard(unit, **options)

@@ -249,7 +249,7 @@ def test_no_layout_that_fits_says_the_smallest_need(capfd):
         "--layout", "dp_shard=2",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "no layout fits 2 x 45 GiB" in done.stdout and "over" in done.stdout
+    assert "dp_shard=2 does not fit 2 x 45 GiB" in done.stdout and "over" in done.stdout
     assert "the fewest GPUs that fit are 4 (" in done.stdout
 
 
@@ -348,3 +348,37 @@ def test_auto_checkpointing_takes_the_least_recomputation_that_fits_each_layout(
         fitting = [mode for mode in ("none", "selective", "full") if rows[mode]["fits"]]
         assert expected == (fitting[0] if fitting else "full")
     assert rows["auto"]["fits"] is False  # (the last batch fits no mode: the most saving one shown)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--devices", 0, "--batch-size", 8], "--devices must be a positive whole number, got 0"),
+        (["--devices", 2, "--batch-size", -1], "--batch-size must be a positive whole number, got -1"),
+        (["--devices", 2, "--batch-size", 8, "--context", 0], "--context must be a positive whole number"),
+        (["--devices", 2, "--batch-size", 8, "--activation-checkpointing", "bogus"], "give auto, or one of"),
+        (["--devices", 2, "--batch-size", 8, "--model", "gpt", "--size", "8b"], "--size names a shape of"),
+        (["--devices", 2, "--batch-size", 8, "--experts", 4, "--moe-every", 0], "--moe-every must be"),
+        (["--devices", 2, "--batch-size", 8, "--layers", 2, "--experts", 4, "--moe-every", 3], "at most --moe-every 2"),
+        (["--devices", 8, "--batch-size", 8, "--strategy", "sharded", "--tensor-parallel", 4], "--strategy tensor"),
+        (["--devices", 2, "--batch-size", 8, "--json", "/nonexistent/dir/x.json"], "does not exist"),
+        (["--devices", 2, "--batch-size", 8, "--png", "plan.txt"], "ending in .png"),
+    ],
+    ids=["devices", "batch", "context", "checkpointing", "size", "moe-every", "moe-every-layers", "strategy-flag",
+         "json-folder", "png-name"],
+)  # fmt: skip
+def test_what_a_plan_cannot_take_is_refused_in_one_line_before_planning(capfd, argv, words):
+    done = polytrain_here(capfd, "plan", *argv)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and words in done.stderr, done.stderr
+
+
+def test_plan_from_python_refuses_what_is_not_a_model_in_one_line():
+    import polytrain
+    from polytrain.errors import UserError
+
+    for model, words in ((_TinyLM(), "not a built model"), (lambda: 5, "returned int, not an nn.Module")):
+        with pytest.raises(UserError, match=words):
+            polytrain.plan(model, devices=2, batch_size=8, context=16, activation_checkpointing="none")
+    with pytest.raises(UserError, match="--batch-size must be a positive whole number, got '64'"):
+        polytrain.plan("llama", devices=2, batch_size="64")

@@ -124,7 +124,7 @@ def test_the_command_says_whether_it_fits_and_writes_nothing(capfd, tmp_path, mo
             GPT + DATA + ["--strategy", "parameter-server", "--devices", "2", "--dry-run"],
             ["parameter server"],
         ),
-        (GPT + DATA + ["--dry-run", "h900"], ["unknown --gpu 'h900'", "h100"]),
+        (GPT + DATA + ["--dry-run", "h900"], ["--dry-run: unknown GPU 'h900'", "h100"]),
         (
             LLAMA + DATA + ["--strategy", "tensor", "--tensor-parallel", "4", "--devices", "4", "--dry-run"],
             ["--dry-run at --devices 4", "key/value heads"],

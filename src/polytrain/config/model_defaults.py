@@ -161,7 +161,7 @@ def mixture_of(experts, per_token, shared, every, renormalise) -> Optional[tuple
             raise ConfigError(f"{first} describes a mixture of experts; add --experts E, or drop {first}")
         return None
     per_token = 2 if per_token is None else per_token
-    shared, every = shared or 0, every or 1
+    shared, every = (0 if shared is None else shared), (1 if every is None else every)
     for name, value in (("experts", experts), ("experts_per_token", per_token), ("moe_every", every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{flag_name(name)} must be a positive whole number, got {value!r}")

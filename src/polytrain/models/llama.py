@@ -281,6 +281,11 @@ class Llama(nn.Sequential):
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
             raise ConfigError(f"--norm-eps must be a number above 0, got {norm_eps!r}; Llama 3's is 1e-05")
         mixture = mixture_of(experts, experts_per_token, shared_experts, moe_every, experts_renormalise)
+        if mixture and mixture[4] > layers:
+            raise ConfigError(
+                f"--moe-every {mixture[4]} leaves none of the {layers} blocks a mixture of experts; give at most "
+                f"--moe-every {layers}"
+            )
         embedding = nn.Embedding(vocab, width)
         head = nn.Linear(width, vocab, bias=False)
         if tie_embeddings:

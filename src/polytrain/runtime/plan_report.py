@@ -24,6 +24,23 @@ from ..scaling.cluster_plan import (
 )
 from ..scaling.gpus import gpu_named
 
+MIXTURE = ("experts_per_token", "shared_experts", "moe_every")  # beside --experts
+
+
+def _check_request(devices, batch_size, context, gpus_per_node, checkpointing) -> None:
+    """One line for a number or a mode a plan cannot take, before anything is built."""
+    from ..config.declare import CHECKS
+
+    for name, value in (("devices", devices), ("batch_size", batch_size), ("gpus_per_node", gpus_per_node)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
+    if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
+        raise UserError(f"--context must be a positive whole number, got {context!r}")
+    test, words = CHECKS["checkpointing"]
+    if checkpointing != "auto" and not test(checkpointing):
+        raise UserError(f"--activation-checkpointing {checkpointing!r}: give auto, or {words}")
+
+
 GPT_VOCABULARY = 50257  # --model gpt without --vocab-size: GPT-2's tokenizer
 # the model's shape beside its --size (and the llama's mixture of experts)
 SHAPE = ("layers", "width", "heads", "kv_heads", "ffn_width", "experts", "experts_per_token", "shared_experts",
@@ -77,9 +94,17 @@ def make_request(
     """A plan's request: `model` a built-in name (llama, gpt: `size` and the `shape` keywords over its
     defaults), a Hugging Face config.json or its folder, or a function that builds the model (called on the meta
     device; its forward takes (batch, context) token ids and gives logits)."""
-    from ..config.model_defaults import preset
+    import torch.nn as nn
+
+    from ..config.model_defaults import mixture_of, preset
     from ..models import build_model_on_meta
 
+    _check_request(devices, batch_size, context, gpus_per_node, activation_checkpointing)
+    if isinstance(model, nn.Module):
+        raise UserError(
+            f"polytrain.plan() builds the model on the meta device itself: give the class ({type(model).__name__}) "
+            f"or a function that builds it, not a built model"
+        )
     if callable(model):
         if not context:
             raise UserError("polytrain.plan(a function, ...) needs context=T, the tokens per sequence")
@@ -88,7 +113,13 @@ def make_request(
             import torch
 
             with torch.device("meta"):
-                return model()
+                built = model()
+            if not isinstance(built, nn.Module):
+                raise UserError(
+                    f"polytrain.plan(): the function given as the model returned {type(built).__name__}, not an "
+                    f"nn.Module"
+                )
+            return built
 
         name = getattr(model, "__name__", "your model")
         return PlanRequest(
@@ -107,8 +138,21 @@ def make_request(
             f"function that builds the model; not {model!r}"
         )
     else:
+        if size is not None and model != "llama":
+            raise UserError(
+                f"--size names a shape of --model llama; --model {model} takes --layers, --width, ..."
+            )
         options = preset(model, size) if model == "llama" else {}
     options.update(shape or {})
+    if options.get("experts") is not None or any(options.get(key) is not None for key in MIXTURE):
+        if model_name != "llama":
+            raise UserError(f"--experts is a mixture in --model llama's blocks, not --model {model_name}'s")
+        mixture_of(*(options.get(key) for key in ("experts", *MIXTURE)), None)
+        every, layers = options.get("moe_every") or 1, options.get("layers")
+        if layers is not None and every > layers:
+            raise UserError(
+                f"--moe-every {every} leaves none of the {layers} blocks a mixture; give at most --moe-every {layers}"
+            )
     vocabulary = vocab_size or options.pop("vocab_size", None) or GPT_VOCABULARY
     options.pop("vocab_size", None)
     positions = options.get("positions")
@@ -258,9 +302,16 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
                 if more is not None
                 else "no layout of up to 64 times as many GPUs fits either"
             )
+            what = (
+                f"{best.layout.words()} does not fit {request.devices} x {gpu.memory_gib:.0f} GiB: it needs "
+                f"{best.memory / GIB:,.1f} GiB per GPU (`polytrain plan` without a layout ranks the other layouts of "
+                f"{request.devices} GPUs)"
+                if len(rows) == 1
+                else f"no layout fits {request.devices} x {gpu.memory_gib:.0f} GiB: the smallest need is "
+                f"{best.memory / GIB:,.1f} GiB per GPU ({best.layout.words()})"
+            )
             lines.append(
-                f"no layout fits {request.devices} x {gpu.memory_gib:.0f} GiB: the smallest need is "
-                f"{best.memory / GIB:,.1f} GiB per GPU ({best.layout.words()}); {fix}; or "
+                f"{what}; {fix}; or "
                 f"{'' if best.checkpointing == 'full' else '--activation-checkpointing full, or '}a smaller "
                 f"--batch-size"
             )
@@ -313,8 +364,6 @@ def draw(request: PlanRequest, rows: List[LayoutPlan], path: Path, *, top: int) 
 def layout_asked(args):
     """The one layout `--layout` or `--strategy` with its flags names (as `polytrain train` takes them); None:
     every layout."""
-    from ..parallel.presets import layout_of
-
     flags = ("tensor_parallel", "pipeline_stages", "context_parallel", "replicas", "data_parallel")
     given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
     if args.layout and (args.strategy or given):
@@ -324,14 +373,31 @@ def layout_asked(args):
             f"--{next(iter(given)).replace('_', '-')} describes a layout with --strategy; add --strategy "
             f"sharded, tensor or pipeline, or --layout"
         )
-    if args.strategy:
-        return layout_of(args.strategy, args.devices, **given)
+    if args.strategy:  # through the run's own settings: train's checks and lines
+        from ..config.train import TrainConfig
+
+        return TrainConfig(
+            strategy=args.strategy, devices=args.devices, batch_size=args.batch_size, **given
+        ).layout
     return parse_layout(args.layout, args.devices) if args.layout else None
+
+
+def _writable(path, suffix: str = "") -> None:
+    """One line, before planning, where a file cannot be written where asked."""
+    where = Path(path).expanduser()
+    if not where.parent.is_dir():
+        raise UserError(f"{path}: the folder {where.parent} does not exist; create it, or write elsewhere")
+    if suffix and where.suffix.lower() != suffix:
+        raise UserError(f"--png {path}: the picture is a PNG file; give a name ending in {suffix}")
 
 
 def plan_command(args) -> int:
     request = request_of(args)
     layout = layout_asked(args)
+    if args.json:
+        _writable(args.json)
+    if args.png:
+        _writable(args.png, ".png")
     began = time.perf_counter()
     rows = make_plan_table(request, layout)
     print("\n".join(table(request, rows, top=args.top)))
@@ -357,7 +423,10 @@ def gpu_of_this_machine(name: str):
     from ..scaling.gpus import GPUS
 
     if name:
-        return gpu_named(name), ""
+        try:
+            return gpu_named(name), ""
+        except UserError as error:
+            raise UserError(str(error).replace("unknown --gpu", "--dry-run: unknown GPU")) from None
     if torch.cuda.is_available():
         here = torch.cuda.get_device_name().lower()
         for key in sorted(GPUS, key=len, reverse=True):

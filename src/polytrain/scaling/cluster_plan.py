@@ -101,6 +101,7 @@ class LayoutPlan:
         }
         return {
             "layout": {name: value for name, value in self.layout.degrees().items()} or {"single": 1},
+            "layout_words": self.layout.words(),  # as --layout and polytrain.plan(layout=...) take it
             "memory_gib": self.memory / GIB,
             "memory_split_gib": split,
             "activation_checkpointing": self.checkpointing,
@@ -378,7 +379,7 @@ def smallest_fit(request: PlanRequest, work=None, *, most: int = 64, tries: int 
     work = work or model_work(request)
     devices = request.devices * 2
     while devices <= request.devices * most:
-        more = dataclasses.replace(request, devices=devices)
+        more = dataclasses.replace(request, devices=devices, config=None)  # (not the run's own settings)
         least = [
             layout
             for layout in candidate_layouts(more)

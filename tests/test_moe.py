@@ -193,3 +193,39 @@ def test_fewer_experts_than_shards_are_cut_along_their_width():
         "llama", devices=4, batch_size=4, vocab_size=VOCAB, layout="dp_shard=4", experts=2, **shape
     )
     assert row["memory_split_gib"]["parameters"] * 2**30 == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_a_moe_config_json_is_planned_with_transformers_parameters(family, tmp_path):
+    """`polytrain plan --hf-config` of Mixtral's and Qwen2-MoE's config.json builds the same parameters as
+    transformers' model of that config (both on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    from polytrain.runtime.plan_report import make_request
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts_per_tok=2,
+    )  # fmt: skip
+    if family == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=48, num_local_experts=8, **common)
+        architecture = transformers.MixtralForCausalLM
+    else:  # every other block dense, a shared expert of 2 experts' width, the kept scores not renormalised
+        config = transformers.Qwen2MoeConfig(
+            intermediate_size=32, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+            decoder_sparse_step=2, **common,
+        )  # fmt: skip
+        architecture = transformers.Qwen2MoeForCausalLM
+    config.architectures = [architecture.__name__]
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in architecture(config).parameters())
+    request = make_request(str(tmp_path), devices=2, batch_size=2, context=16)
+    assert sum(p.numel() for p in request.build().parameters()) == theirs
+    # what the llama's mixture does not compute is refused in one line
+    config.mlp_only_layers = [0] if family == "qwen2-moe" else None
+    config.sliding_window = 4096 if family == "mixtral" else config.sliding_window
+    config.save_pretrained(tmp_path)
+    from polytrain.errors import UserError
+
+    with pytest.raises(UserError, match="--hf-config: .*(mlp_only_layers|sliding_window)"):
+        make_request(str(tmp_path), devices=2, batch_size=2, context=16)

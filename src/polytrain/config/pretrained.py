@@ -144,6 +144,56 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
     )
 
 
+# mixtures of experts polytrain's llama computes (models/moe.py): planned from their config.json (`polytrain plan
+# --hf-config`); their weights are not loaded yet
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def moe_settings(config: dict, architecture: str, where: str) -> dict:
+    """polytrain's llama settings with `--experts` for a MixtralForCausalLM or Qwen2MoeForCausalLM config; one line
+    for what the llama's mixture does not compute."""
+    qwen = architecture == "Qwen2MoeForCausalLM"
+    dense = dict(config, attention_bias=False, mlp_bias=False)
+    settings = llama_settings(dense, "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM", where)
+    if config.get("sliding_window") is not None and (not qwen or config.get("use_sliding_window")):
+        raise ConfigError(
+            f"--init-from: {where} has sliding_window {config['sliding_window']}; polytrain's llama attends to "
+            f"the whole context"
+        )
+    if not qwen:
+        return dict(
+            settings,
+            experts=_need(config, "num_local_experts", where),
+            experts_per_token=_need(config, "num_experts_per_tok", where),
+        )
+    width, every = _need(config, "moe_intermediate_size", where), config.get("decoder_sparse_step", 1)
+    if config.get("mlp_only_layers"):
+        raise ConfigError(
+            f"--init-from: {where} has mlp_only_layers {config['mlp_only_layers']}; polytrain's llama places its "
+            f"mixtures every --moe-every blocks only"
+        )
+    if every > 1 and settings["ffn_width"] != width:
+        raise ConfigError(
+            f"--init-from: {where} has dense blocks of intermediate_size {settings['ffn_width']} beside experts of "
+            f"{width}; polytrain's llama gives both --ffn-width"
+        )
+    shared = config.get("shared_expert_intermediate_size") or 0
+    if shared % width:
+        raise ConfigError(
+            f"--init-from: {where} has a shared expert of {shared}, not a multiple of the experts' {width} "
+            f"(polytrain's --shared-experts S is S times their width)"
+        )
+    return dict(
+        settings,
+        ffn_width=width,
+        experts=_need(config, "num_experts", where),
+        experts_per_token=_need(config, "num_experts_per_tok", where),
+        shared_experts=shared // width,
+        moe_every=every,
+        experts_renormalise=bool(config.get("norm_topk_prob", False)),
+    )
+
+
 def gpt2_settings(config: dict, where: str) -> dict:
     """polytrain's gpt settings for a GPT2LMHeadModel config: its sizes, n_positions as the table of positions
     (--positions; the run's --context may be shorter), layer_norm_epsilon, and the GELU its activation_function

@@ -220,8 +220,15 @@ def plan(
 
 def hugging_face_shape(path) -> dict:
     """polytrain's model and sizes for a Hugging Face config.json (a file, or the folder that holds it: Llama,
-    Qwen2 and GPT-2 shapes, as --init-from reads them; no weights needed)."""
-    from ..config.pretrained import ARCHITECTURES, gpt2_settings, llama_settings, read_json
+    Qwen2 and GPT-2 shapes, as --init-from reads them, and Mixtral's and Qwen2-MoE's; no weights needed)."""
+    from ..config.pretrained import (
+        ARCHITECTURES,
+        MOE_ARCHITECTURES,
+        gpt2_settings,
+        llama_settings,
+        moe_settings,
+        read_json,
+    )
     from ..errors import ConfigError
 
     where = Path(path).expanduser()
@@ -229,12 +236,15 @@ def hugging_face_shape(path) -> dict:
     if not where.is_file():
         raise UserError(f"--hf-config: {where} is not a file; give a Hugging Face config.json or its folder")
     config = read_json(where, "config")
-    known = [name for name in config.get("architectures") or [] if name in ARCHITECTURES]
+    builds = [*ARCHITECTURES, *MOE_ARCHITECTURES]
+    known = [name for name in config.get("architectures") or [] if name in builds]
     if not known:
         raise UserError(
-            f"--hf-config: {where} is none of the architectures polytrain builds ({', '.join(ARCHITECTURES)})"
+            f"--hf-config: {where} is none of the architectures polytrain builds ({', '.join(builds)})"
         )
     try:
+        if known[0] in MOE_ARCHITECTURES:
+            return moe_settings(config, known[0], str(where))
         if ARCHITECTURES[known[0]] == "gpt":
             return gpt2_settings(config, str(where))
         return llama_settings(config, known[0], str(where))

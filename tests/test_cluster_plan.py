@@ -294,6 +294,12 @@ def test_plan_from_python_takes_a_name_or_a_function_that_builds_the_model():
     assert len(rows) == len(candidate_layouts(PlanRequest(_small, "x", 8, GPUS["h100"], 16, 16, layers=4)))
     speeds = [row["tokens_per_second_per_device"] for row in rows if row["fits"] and "refused" not in row]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) > 10
+    # a row's layout, as a dict of degrees or in its words, plans that layout again
+    for given in (rows[0]["layout"], rows[0]["layout_words"]):
+        (again,) = polytrain.plan("llama", devices=8, batch_size=16, vocab_size=VOCAB, layout=given, **SMALL)
+        assert (
+            again["layout_words"] == rows[0]["layout_words"] and again["memory_gib"] == rows[0]["memory_gib"]
+        )
     # a model of the user's, built on the meta device by its class: rank 0's shard is torch.chunk's of each
     # parameter (31 rows cut over 4 ranks: 8 each, the last 7)
     mine = dict(context=16, activation_checkpointing="none")  # (it has no blocks to recompute)

@@ -49,10 +49,12 @@ SHAPE = ("layers", "width", "heads", "kv_heads", "ffn_width", "experts", "expert
 
 def holds(row: LayoutPlan) -> str:
     """How the ranks that hold the same parameters hold them, in a word."""
-    kind = row.layout.data_parallel
-    if kind == "shard":
-        return "HSDP" if row.layout.replicate > 1 else "FSDP2"
-    return "DDP" if kind == "replicate" else "-"
+    layout = row.layout
+    if layout.data_parallel == "shard" and layout.fsdp_ranks == 1:  # FSDP2 over whole copies of DTensors
+        return "copies" if layout.replicate > 1 else "-"
+    if layout.data_parallel == "shard":
+        return "HSDP" if layout.replicate > 1 else "FSDP2"
+    return "DDP" if layout.data_parallel == "replicate" else "-"
 
 
 def request_of(args) -> PlanRequest:
@@ -213,6 +215,11 @@ def plan(
         context=context, gpu=gpu, precision=precision, activation_checkpointing=activation_checkpointing,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
     )  # fmt: skip
+    if isinstance(layout, dict):  # a row's "layout" as this returns it: its degrees by name
+        from ..parallel.layout import MESH_NAMES
+
+        layout = ",".join(f"{MESH_NAMES[name]}={size}" for name, size in layout.items() if name in MESH_NAMES)
+        layout = layout or "single"
     if layout is not None and not isinstance(layout, Layout):
         layout = parse_layout(str(layout), devices)
     return [row.as_json(request.gpu) for row in make_plan_table(request, layout)]
@@ -283,7 +290,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
         f"({gpu.memory_gib:.0f} GiB, {request.gpus_per_node} per node); a step of {request.batch_size} sequences "
         f"of {request.context} tokens, {request.precision}, {checkpointing_words(request.checkpointing)}, "
         f"{request.optimizer}",
-        f"  {'layout':40} {'holds':5} {'ckpt':9} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
+        f"  {'layout':40} {'holds':6} {'ckpt':9} {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'buffer':>6} "
         f"{'GiB':>6}  {'step s':>7} {'comm s':>7} {'bubble':>7} {'tok/s/GPU':>9} {'MFU':>4}  limit",
     ]
     fit = [row for row in rows if row.fits and not row.refused]
@@ -292,7 +299,7 @@ def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: boo
     for row in fit[:top] + over[: max(0, top - len(fit))]:
         exceeds = "" if row.fits else f"; {(row.memory / GIB - gpu.memory_gib):,.1f} GiB over"
         lines.append(
-            f"  {row.layout.words():40} {holds(row):5} {row.checkpointing:9} {_gib(row.parameters)} {_gib(row.gradients)} "
+            f"  {row.layout.words():40} {holds(row):6} {row.checkpointing:9} {_gib(row.parameters)} {_gib(row.gradients)} "
             f"{_gib(row.optimizer)} {_gib(row.activations)} {_gib(row.buffers)} {_gib(row.memory)}  "
             f"{row.step_seconds:7.2f} {sum(row.communication.values()):7.2f} {row.bubble:7.2f} "
             f"{row.tokens_per_second_per_device:9,.0f} {row.mfu:4.0%}  {row.limit}{exceeds}"

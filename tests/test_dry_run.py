@@ -1,4 +1,4 @@
-"""`polytrain train --dry-run [GPU]` (runtime/plan_report.py `dry_run`): the run's own layout, from the flags a user
+"""`polytrain train --dry-run [GPU]` (runtime/dry_run.py): the run's own layout, from the flags a user
 gives `train`, built at full size at its --devices on torch's fake process group as `polytrain plan` builds each
 layout (whose figures tests/test_cluster_plan.py checks against real runs), on a machine with fewer devices than
 the run; nothing trained, no run folder, no worker."""
@@ -11,7 +11,7 @@ from conftest import assert_refused_in_one_line, polytrain_here
 from polytrain.cli import parse
 from polytrain.config.flags import config_from_args
 from polytrain.parallel.layout import Layout
-from polytrain.runtime.plan_report import dry_run_plan
+from polytrain.runtime.dry_run import dry_run_plan
 from polytrain.scaling.cluster_plan import PlanRequest, model_work, plan_layout
 
 LLAMA = [

@@ -165,7 +165,7 @@ def train_command(args) -> int:
     if args.dry_run is not None:
         if args.resume:
             raise UserError("--dry-run checks a new run before it starts; drop --resume, or drop --dry-run")
-        from .runtime.plan_report import dry_run
+        from .runtime.dry_run import dry_run
 
         return dry_run(config_from_args(args), args.dry_run)
     if args.resume:

@@ -30,7 +30,7 @@ from ..config.declare import flag_name
 from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, mixture_of, preset
 from ..errors import ConfigError
 from .kv_cache import attend
-from .moe import GroupedExperts, MixtureOfExperts
+from .moe import FeedForward, GroupedExperts, MixtureOfExperts
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
@@ -171,19 +171,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(width, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, width, bias=False)
-        self.w3 = nn.Linear(width, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     """x + attention(norm(x)), then x + feed_forward(norm(x)); the feed-forward a mixture of experts where
     `experts` gives its (E, K, shared, renormalise) (models/moe.py)."""
@@ -305,7 +292,6 @@ class Llama(nn.Sequential):
         )
         super().__init__(embedding, *blocks, nn.RMSNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
-        self.experts = mixture  # (E, K, shared, renormalise, every) of its mixtures of experts, or None
         # the longest sequence it reads (a checkpoint's max_position_embeddings; default: the training context)
         self.positions = context if positions is None else positions
         self._init_weights(layers)

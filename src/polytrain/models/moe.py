@@ -87,18 +87,28 @@ class GroupedExperts(nn.Module):
         return torch.zeros_like(tokens).index_add_(0, owner, weighed.to(tokens.dtype))
 
 
-class SharedExpert(nn.Module):
-    """A SwiGLU every token goes through, scaled by sigmoid(gate(x)) (Qwen2-MoE's shared expert)."""
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x): the llama's dense feed-forward, and a shared expert's."""
 
     def __init__(self, width: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(width, hidden, bias=False)
         self.w2 = nn.Linear(hidden, width, bias=False)
         self.w3 = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SharedExpert(FeedForward):
+    """A SwiGLU every token goes through, scaled by sigmoid(gate(x)) (Qwen2-MoE's shared expert)."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__(width, hidden)
         self.gate = nn.Linear(width, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.gate(x)) * self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return torch.sigmoid(self.gate(x)) * super().forward(x)
 
 
 class MixtureOfExperts(nn.Module):

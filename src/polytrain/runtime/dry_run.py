@@ -22,15 +22,13 @@ def gpu_of_this_machine(name: str):
             return gpu_named(name), ""
         except UserError as error:
             raise UserError(str(error).replace("unknown --gpu", "--dry-run: unknown GPU")) from None
-    if torch.cuda.is_available():
-        here = torch.cuda.get_device_name().lower()
-        for key in sorted(GPUS, key=len, reverse=True):
-            if all(part in here for part in key.split("-")):
-                return GPUS[key], f" (this machine's {torch.cuda.get_device_name()})"
-        return GPUS[
-            "h100"
-        ], f" (this machine's {torch.cuda.get_device_name()} is not in the table: as on an H100)"
-    return GPUS["h100"], " (no GPU here: as on an H100; --dry-run NAME plans another)"
+    if not torch.cuda.is_available():
+        return GPUS["h100"], " (no GPU here: as on an H100; --dry-run NAME plans another)"
+    here = torch.cuda.get_device_name()
+    for key in sorted(GPUS, key=len, reverse=True):
+        if all(part in here.lower() for part in key.split("-")):
+            return GPUS[key], f" (this machine's {here})"
+    return GPUS["h100"], f" (this machine's {here} is not in the table: as on an H100)"
 
 
 def dry_run_plan(config, gpu_name: str = ""):

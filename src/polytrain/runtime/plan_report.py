@@ -24,18 +24,22 @@ from ..scaling.cluster_plan import (
 )
 from ..scaling.gpus import gpu_named
 
-MIXTURE = ("experts_per_token", "shared_experts", "moe_every")  # beside --experts
-
 
 def _check_request(devices, batch_size, context, gpus_per_node, checkpointing) -> None:
     """One line for a number or a mode a plan cannot take, before anything is built."""
     from ..config.declare import CHECKS
 
-    for name, value in (("devices", devices), ("batch_size", batch_size), ("gpus_per_node", gpus_per_node)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be a positive whole number, got {value!r}")
-    if context is not None and (not isinstance(context, int) or isinstance(context, bool) or context < 1):
-        raise UserError(f"--context must be a positive whole number, got {context!r}")
+    count, must = CHECKS["count"]
+    given = (
+        ("devices", devices),
+        ("batch_size", batch_size),
+        ("gpus_per_node", gpus_per_node),
+        ("context", context),
+    )
+    for name, value in given:
+        if value is not None or name != "context":
+            if not count(value):
+                raise UserError(f"--{name.replace('_', '-')} must be {must}, got {value!r}")
     test, words = CHECKS["checkpointing"]
     if checkpointing != "auto" and not test(checkpointing):
         raise UserError(f"--activation-checkpointing {checkpointing!r}: give auto, or {words}")
@@ -98,7 +102,7 @@ def make_request(
     device; its forward takes (batch, context) token ids and gives logits)."""
     import torch.nn as nn
 
-    from ..config.model_defaults import mixture_of, preset
+    from ..config.model_defaults import preset
     from ..models import build_model_on_meta
 
     _check_request(devices, batch_size, context, gpus_per_node, activation_checkpointing)
@@ -145,16 +149,7 @@ def make_request(
                 f"--size names a shape of --model llama; --model {model} takes --layers, --width, ..."
             )
         options = preset(model, size) if model == "llama" else {}
-    options.update(shape or {})
-    if options.get("experts") is not None or any(options.get(key) is not None for key in MIXTURE):
-        if model_name != "llama":
-            raise UserError(f"--experts is a mixture in --model llama's blocks, not --model {model_name}'s")
-        mixture_of(*(options.get(key) for key in ("experts", *MIXTURE)), None)
-        every, layers = options.get("moe_every") or 1, options.get("layers")
-        if layers is not None and every > layers:
-            raise UserError(
-                f"--moe-every {every} leaves none of the {layers} blocks a mixture; give at most --moe-every {layers}"
-            )
+    options.update(shape or {})  # (a mixture the model cannot build is refused by the model's own checks)
     vocabulary = vocab_size or options.pop("vocab_size", None) or GPT_VOCABULARY
     options.pop("vocab_size", None)
     positions = options.get("positions")
@@ -215,11 +210,10 @@ def plan(
         context=context, gpu=gpu, precision=precision, activation_checkpointing=activation_checkpointing,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
     )  # fmt: skip
-    if isinstance(layout, dict):  # a row's "layout" as this returns it: its degrees by name
-        from ..parallel.layout import MESH_NAMES
-
-        layout = ",".join(f"{MESH_NAMES[name]}={size}" for name, size in layout.items() if name in MESH_NAMES)
-        layout = layout or "single"
+    if isinstance(
+        layout, dict
+    ):  # a row's "layout" as this returns it: its degrees by name, read as its words
+        layout = Layout(**{name: size for name, size in layout.items() if name != "single"}).words()
     if layout is not None and not isinstance(layout, Layout):
         layout = parse_layout(str(layout), devices)
     return [row.as_json(request.gpu) for row in make_plan_table(request, layout)]

@@ -82,9 +82,8 @@ class LayoutPlan:
     fits: bool = False
     limit: str = ""
     refused: str = ""  # the line the code refused the layout with at full size
-    checkpointing: str = (
-        ""  # its --activation-checkpointing (under "auto": the least recomputation that fits)
-    )
+    # its --activation-checkpointing (under "auto": the least recomputation that fits)
+    checkpointing: str = ""
 
     @property
     def memory(self) -> float:

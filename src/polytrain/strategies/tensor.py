@@ -152,9 +152,8 @@ def plan_for(
             f"function fn(model, mesh) that calls parallelize_module"
         )
     layers = model_layers(model)
-    if (
-        given is None
-    ):  # a built-in plan names what its model may have: a llama's mixtures keep their experts whole
+    # a built-in plan names what its model may have: a llama's mixtures keep their experts whole
+    if given is None:
         patterns = {
             key: style
             for key, style in patterns.items()

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from polytrain.models.gpt import GPT
 from polytrain.models.llama import Llama
 from polytrain.objective import Objective
+from polytrain.parallel.layout import Layout
 from polytrain.parallel.presets import layout_of
-from polytrain.planning.activations import AttentionShape, context_bytes, context_part, peak_bytes
+from polytrain.planning.activations import AttentionShape, peak_bytes
+from polytrain.planning.context import context_bytes, context_part
 from polytrain.planning.costmodel import Workload
 from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
@@ -57,7 +59,7 @@ def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its
         block_bytes=400e3, block_input_bytes=20e3, block_matmul_bytes=100e3, attention=SHAPE,
     )  # fmt: skip
     kept, outputs = 82688, 25344
-    part = context_part(work, 2)
+    part = context_part(work, Layout(context=2))
     assert part.activation_bytes == 500e3 + 2 * kept and part.block_bytes == 200e3 + kept
     assert part.block_input_bytes == 10e3 and part.block_matmul_bytes == 50e3 + outputs
     outside = (1000e3 - 2 * 400e3) / 2  # embeddings, head and loss: 1/C
@@ -71,12 +73,14 @@ def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its
     for mode in ("none", "full"):
         held = memory_per_rank(work, "data", 4, layout=data, checkpointing=mode) - weights
         assert held == pytest.approx(4 * peak_bytes(part, mode))
-    assert context_part(work, 1) is work
+    assert context_part(work, Layout()) is work
     # beside 2 tensor ranks: each runs 2 of the 4 query heads and 1 of the 2 key/value heads
     halved = context_bytes(dataclasses.replace(SHAPE, heads=2, kv_heads=1), 2)[0]
-    assert halved < kept and context_part(work, 2, tensor=2).block_bytes == 200e3 + halved
+    assert halved < kept and context_part(work, Layout(context=2, tensor=2)).block_bytes == 200e3 + halved
     # a workload whose attention was not seen: 1/C alone (the cuts' too, where nothing else is known)
-    unseen = context_part(dataclasses.replace(work, attention=None, boundary_bytes=(10.0, 30.0)), 2)
+    unseen = context_part(
+        dataclasses.replace(work, attention=None, boundary_bytes=(10.0, 30.0)), Layout(context=2)
+    )
     assert unseen.activation_bytes == 500e3 and unseen.boundary_bytes == (5.0, 15.0)
 
 
@@ -108,7 +112,7 @@ def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, name, size
         one = activation_profile(model, objective, ids, ids)
         assert one["attention"].context == context and one["attention"].layers == len(model) - 3
         counted = context_part(
-            Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, **one), size
+            Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, **one), Layout(context=size)
         )
         apply_context_parallel(model, ContextGroup(group, rank, size))
         objective.sequence_parts = size
@@ -211,7 +215,7 @@ def kept_by_a_rank(name: str, layout, rank: int) -> float:
 def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
     """--context-parallel 2 beside 2 tensor ranks: every rank of the 4 keeps half of what a rank of the tensor
     group alone keeps, plus the gathered keys and values and zero rows of the heads it runs (half the query
-    and key/value heads: `context_part(work, C, tensor=T)`), measured against the real tensor plan on a fake
+    and key/value heads: `context_part(work, Layout(context=C, tensor=T))`), measured against the real tensor plan on a fake
     process group. With all the heads counted, the figure would be 2 x 2 x 20 KiB (llama) high."""
     from polytrain.parallel.layout import Layout
 
@@ -223,7 +227,9 @@ def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
         compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, activation_bytes=tensor,
         attention=one["attention"],
     )  # fmt: skip
-    counted = context_part(work, 2, tensor=2).activation_bytes
-    assert counted < context_part(work, 2).activation_bytes - 2 * 16e3  # fewer heads: less gathered
+    counted = context_part(work, Layout(context=2, tensor=2)).activation_bytes
+    assert (
+        counted < context_part(work, Layout(context=2)).activation_bytes - 2 * 16e3
+    )  # fewer heads: less gathered
     for rank in range(4):
         assert kept_by_a_rank(name, Layout(context=2, tensor=2), rank) == pytest.approx(counted, abs=2), rank

@@ -28,6 +28,7 @@ from .errors import UserError
 from .models import build_model_on_meta, text_vocabulary
 from .optim.schedules import length_free
 from .optim.steps import planned_steps
+from .parallel.presets import kept_on_new_devices, settings_in
 from .run_dir import read_config, refuse_if_training, resolve_run_dir, write_config
 from .runtime.checkpoint import read_progress
 from .runtime.launch import check_devices, run_job
@@ -46,15 +47,14 @@ RECORDED_ON_RESUME = (
 )
 
 
-def _resumed_strategy(old: str, args, *, context_parallel=None) -> str:
-    """A resumed run keeps its strategy; new --devices pick one again (a pipeline stays a pipeline, and a run
-    that splits its sequences keeps its strategy while it still does)."""
+def _resumed_strategy(old: str, args, settings: dict) -> str:
+    """A resumed run keeps its strategy; new --devices pick one again, unless its preset stays
+    (`kept_on_new_devices`) with the layout settings it had and those this command gives."""
     if "strategy" in args.given:
         return args.strategy
     if "devices" in args.given:
-        if "context_parallel" in args.given:
-            context_parallel = args.context_parallel
-        keeps = old == "pipeline" or (context_parallel or 1) > 1
+        given = {name: value for name, value in settings_in(args).items() if name in args.given}
+        keeps = kept_on_new_devices(old, {**settings_in(settings), **given})
         return old if keeps and args.devices > 1 else "auto"
     return old
 
@@ -102,9 +102,7 @@ def resume_settings(args):
         )
     before = dict(settings)
     settings["device"] = settings.get("device_type") or settings.get("device", "auto")  # the kind it ran on
-    settings["strategy"] = _resumed_strategy(
-        settings.get("strategy", "auto"), args, context_parallel=settings.get("context_parallel")
-    )
+    settings["strategy"] = _resumed_strategy(settings.get("strategy", "auto"), args, settings)
     settings.update(options_of_other_strategies(settings["strategy"]))
     if set(REPLANNING) & args.given:
         # the split and micro-batches were chosen for the old layout: plan them anew unless given

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout
-from ..parallel.presets import layout_of, layout_or_none
+from ..parallel.presets import layout_of, layout_or_none, settings_in
 from ..pipeline.plan import check_microbatches
 from .declare import check_value, declared, flag_name, unset
 from .model_defaults import mixture_of
@@ -70,11 +70,7 @@ def apply_micro_batch_size(values: dict, micro_batch_size: int, *, flag=flag_nam
 
 def _layout_or_none(values: dict) -> Optional[Layout]:
     return layout_or_none(
-        values.get("strategy", "auto"),
-        values.get("devices", DEFAULTS.devices),
-        values.get("pipeline_stages"),
-        values.get("tensor_parallel"),
-        context_parallel=values.get("context_parallel"),
+        values.get("strategy", "auto"), values.get("devices", DEFAULTS.devices), **settings_in(values)
     )
 
 
@@ -227,15 +223,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
     @property
     def layout(self) -> Layout:
         """The degrees of parallelism these settings name (parallel/layout.py)."""
-        return layout_of(
-            self.strategy,
-            self.devices,
-            pipeline_stages=self.pipeline_stages,
-            tensor_parallel=self.tensor_parallel,
-            data_parallel=self.data_parallel,
-            replicas=self.replicas,
-            context_parallel=self.context_parallel,
-        )
+        return layout_of(self.strategy, self.devices, **settings_in(self))
 
     @property
     def pipeline_ranks(self) -> int:

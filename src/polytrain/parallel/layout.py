@@ -125,6 +125,16 @@ class Layout:
         `sharding.shard`)."""
         return self.shard * self.context
 
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks that compute one slice of the batch through one pipeline stage together: the tensor ranks of
+        each context rank (consecutive in the mesh)."""
+        return self.context * self.tensor
+
+    def tokens_per_rank(self, sequence: int) -> float:
+        """The tokens of each `sequence`-token sample a rank computes: its part of the sequence."""
+        return sequence / self.context
+
     def degrees(self) -> Dict[str, int]:
         """Every degree above 1, in mesh order (empty on one device)."""
         return {name: getattr(self, name) for name in DEGREES if getattr(self, name) > 1}

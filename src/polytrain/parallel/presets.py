@@ -17,6 +17,22 @@ from .layout import Layout, divisors
 # the presets that split sequences over context groups (--context-parallel)
 CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
 
+# the settings beside --strategy that shape its layout (`layout_of`'s keywords)
+LAYOUT_SETTINGS = ("pipeline_stages", "tensor_parallel", "data_parallel", "replicas", "context_parallel")
+
+
+def settings_in(values) -> dict:
+    """The layout settings (`LAYOUT_SETTINGS`) that `values` gives, a mapping or an object holding them as
+    attributes; those unset (None) left out."""
+    read = values.get if isinstance(values, dict) else (lambda name: getattr(values, name, None))
+    return {name: read(name) for name in LAYOUT_SETTINGS if read(name) is not None}
+
+
+def kept_on_new_devices(strategy: str, settings: dict) -> bool:
+    """Whether a resumed run given other --devices keeps its `strategy` rather than choosing one again: a
+    pipeline stays a pipeline, and a run that splits its sequences keeps its preset while it still does."""
+    return strategy == "pipeline" or (settings.get("context_parallel") or 1) > 1
+
 
 def _one_device(devices: int, **_) -> Layout:
     if devices != 1:

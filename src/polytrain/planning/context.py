@@ -1,7 +1,8 @@
-"""Predicted step time of context parallelism (`--context-parallel C` with --strategy data or sharded,
-parallel/context.py): n ranks in n/C data slices, each slice's sequences split over a context group
-of C ranks. Pure arithmetic on the cost model's inputs (planning/costmodel.py), tested against values worked out
-by hand; what a context rank holds is planning/activations.py's (`context_part`).
+"""What context parallelism costs (`--context-parallel C`, parallel/context.py): the predicted step time, what a
+context rank gathers, and the memory it holds. n ranks in n/C data slices, each slice's sequences split over a
+context group of C ranks. Pure arithmetic on the cost model's inputs (planning/costmodel.py) and on the figures of
+planning/activations.py, tested against values worked out by hand and against a context rank's forward on fake
+tensors.
 
 - **Compute.** A rank computes T/C tokens of each sequence of its slice, C times the sequences of a rank
   that splits the batch over n (C = 1, `Workload.replica_pass(n)`): as many tokens. Its matrix products,
@@ -30,14 +31,33 @@ by hand; what a context rank holds is planning/activations.py's (`context_part`)
   `scatter_by_allreduce`).
   The gradients and weights move as the strategy moves them over all n ranks (data parallelism all-reduces
   the gradients over every rank, FSDP2 shards over the context ranks too): `data_parallel` or `sharded` on n.
+
+**Memory.** A rank of a context group holds T/C tokens of each
+sample: 1/C of every figure of planning/activations.py, plus what its attention keeps beyond 1/C of one device's
+(`context_part`). Per attention layer and sample, with h query heads, g key/value heads of width d, e bytes an
+element, L = T/C the rank's tokens and P the rows its two chunks' attention sees with their zero rows in front
+(chunk r over the keys before (r+1) T/2C, chunk 2C-1-r before (2C-r) T/2C: P = T + T/2C in all):
+
+    gathered keys and values       2 g T d e      (its own 2 g L d e no longer kept beside them)
+    padded queries and outputs     2 h P d e      (its own queries h L d e no longer kept)
+    log-sum-exp                    h P f          (f = 4 bytes, float64's 8; its own h L f no longer kept)
+
+so x = e d (2 g (T - L) + h (2P - L)) + f h (P - L) more per layer, of which the attention's outputs,
+m' = (e d + f) h (P - L), are among what selective checkpointing keeps. Every block then keeps b/C + x (one
+attention a block), every figure else is 1/C: with full checkpointing only the recomputed block's x comes on
+top of 1/C. The attention's shape (`AttentionShape`) is read off one device's forward
+(activation_memory.py); counted so, the figures equal what a context rank's forward keeps on fake tensors
+(tests/test_context_memory.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Tuple
 
 from ..parallel.layout import Layout
+from ..parallel.presets import layout_or_none
+from .activations import AttentionShape
 from .costmodel import Link, Prediction, Workload, data_parallel, sharded
 
 
@@ -52,6 +72,43 @@ def busiest_attention(size: int) -> float:
     """Rank 0's attention over its parts of C sequences against one sample's on a rank that splits the batch:
     (4C^2 + 1) / 4C (1 at C = 1)."""
     return (4 * size**2 + 1) / (4 * size) if size > 1 else 1.0
+
+
+MIN_CHUNK = 64  # tokens of a head or tail chunk below which splitting a sequence further is not proposed
+
+
+def context_splits(devices: int, batch_size: int, sequence: int, layout: Layout):
+    """The sharded layouts with more context ranks than `layout`'s that the memory check's advice tries, each
+    with the flags beside `--strategy sharded` that give it: on these devices and on more, every slice of the
+    batch whole (as many slices as the batch allows, a power of two) and its sequences split over the rest,
+    where each sequence cuts into 2C chunks of at least MIN_CHUNK tokens."""
+    for n in (2**k for k in range(0, 17)):
+        if n < devices or n % devices:
+            continue
+        slices = 1
+        while slices * 2 <= min(n, batch_size) and batch_size % (slices * 2) == 0 and n % (slices * 2) == 0:
+            slices *= 2
+        context = n // slices
+        if (
+            context <= max(1, layout.context)
+            or sequence % (2 * context)
+            or sequence // (2 * context) < MIN_CHUNK
+        ):
+            continue
+        split = layout_or_none("sharded", n, context_parallel=context)
+        if split is not None:
+            yield split, [f"--devices {n}"] * (n != devices) + [f"--context-parallel {context}"]
+
+
+def context_exchange(shape, layout: Layout, samples: float, sequence: int, element: int):
+    """What a context rank gathers per attention layer under `layout` (a GPU cluster's step,
+    scaling/cluster_time.py): (the context group's ranks, the bytes of the gathered keys and values of `samples`
+    whole `sequence`s, `element` bytes each, for the key/value heads of one tensor rank, the span of consecutive
+    ranks the group lies within); None without context ranks. Its backward reduce-scatters as many bytes."""
+    if layout.context == 1:
+        return None
+    kv = max(1, shape.kv_heads // layout.tensor) * shape.head_dim
+    return layout.context, 2 * samples * sequence * kv * element, layout.stage_ranks
 
 
 def context_parallel(
@@ -101,4 +158,43 @@ def context_parallel(
         compute=compute,
         communication=base.communication + moved / link.beta + messages * link.alpha,
         messages=base.messages + messages,
+    )
+
+
+def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
+    """(x, m'): bytes per sample and attention layer that a rank of a context group of `size` keeps beyond
+    1/size of one device's, and of them the attention's outputs (the table in the module's docstring)."""
+    if size == 1:
+        return 0.0, 0.0
+    tokens, local = shape.context, shape.context / size
+    padded = tokens + tokens / (2 * size)
+    log_sum_exp = max(4, shape.element_bytes)  # float32, or float64 for float64 queries
+    width = shape.element_bytes * shape.head_dim
+    kept = width * (2 * shape.kv_heads * (tokens - local) + shape.heads * (2 * padded - local))
+    outputs = (width + log_sum_exp) * shape.heads * (padded - local)
+    return kept + log_sum_exp * shape.heads * (padded - local), outputs
+
+
+def context_part(work, layout):
+    """`work` with its per-sample figures those of a context rank's part of each sample under `layout` (its
+    context ranks split each sequence): 1/C of one device's (the cuts' too), and the attention's extra
+    (`context_bytes`) in every block and in the whole, for the heads a rank of the layout's tensor ranks runs (the
+    tensor plan splits the query heads, and the key/value heads where the ranks divide them). Without
+    `work.attention` (a model whose attention was not seen) only 1/C: a lower bound."""
+    size, tensor = layout.context, layout.tensor
+    if size == 1:
+        return work
+    attention: Optional[AttentionShape] = getattr(work, "attention", None)
+    if attention and tensor > 1:
+        kv_heads = attention.kv_heads // tensor if attention.kv_heads % tensor == 0 else attention.kv_heads
+        attention = replace(attention, heads=max(1, attention.heads // tensor), kv_heads=kv_heads)
+    extra, outputs = context_bytes(attention, size) if attention else (0.0, 0.0)
+    per_block = attention.layers / work.blocks if attention and work.blocks else 0.0
+    return replace(
+        work,
+        activation_bytes=work.activation_bytes / size + (attention.layers * extra if attention else 0.0),
+        block_bytes=work.block_bytes / size + per_block * extra,
+        block_input_bytes=work.block_input_bytes / size,
+        block_matmul_bytes=work.block_matmul_bytes / size + per_block * outputs,
+        boundary_bytes=tuple(cut / size for cut in work.boundary_bytes),
     )

@@ -11,7 +11,8 @@ from typing import Optional
 
 from ..parallel.layout import Layout
 from ..parallel.presets import plain_layout
-from .activations import context_part, peak_bytes
+from .activations import peak_bytes
+from .context import context_part
 from .costmodel import Workload
 
 
@@ -41,8 +42,8 @@ def memory_per_rank(
     weights = work.parameter_bytes
     layout = layout or plain_layout(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
-    # context group's ranks each keep their part of every sequence's (planning/activations.py `context_part`)
-    part = context_part(work, layout.context, layout.tensor)
+    # context group's ranks each keep their part of every sequence's (planning/context.py `context_part`)
+    part = context_part(work, layout)
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's

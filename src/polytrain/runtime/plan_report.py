@@ -13,7 +13,7 @@ from typing import List
 
 from ..errors import UserError
 from ..parallel.layout import parse_layout
-from ..parallel.presets import settings_of
+from ..parallel.presets import settings_in, settings_of
 from ..scaling.cluster_plan import (
     GIB,
     LayoutPlan,
@@ -375,8 +375,7 @@ def draw(request: PlanRequest, rows: List[LayoutPlan], path: Path, *, top: int) 
 def layout_asked(args):
     """The one layout `--layout` or `--strategy` with its flags names (as `polytrain train` takes them); None:
     every layout."""
-    flags = ("tensor_parallel", "pipeline_stages", "context_parallel", "replicas", "data_parallel")
-    given = {name: getattr(args, name) for name in flags if getattr(args, name) is not None}
+    given = settings_in(args)
     if args.layout and (args.strategy or given):
         raise UserError("--layout names the layout whole; drop --strategy and its flags, or drop --layout")
     if given and not args.strategy:

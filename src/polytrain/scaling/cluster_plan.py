@@ -7,7 +7,7 @@ slot, exactly as the code creates them on the fake process group; FSDP2's buffer
 one computing and the one prefetched) in the gathered dtype, and one unit's gradients before the reduce-scatter in
 the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
-memory check cuts them (planning/activations.py `context_part`, `peak_bytes`); under a tensor plan the blocks keep
+memory check cuts them (planning/context.py `context_part`, planning/activations.py `peak_bytes`); under a tensor plan the blocks keep
 (10 + 24/t) / 34 of one device's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Table 2, without sequence parallelism and with attention that keeps no scores). A pipeline (set up by the
 pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
@@ -30,7 +30,8 @@ import torch.nn as nn
 from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
 from ..parallel.presets import settings_of
-from ..planning.activations import context_part, peak_bytes
+from ..planning.activations import peak_bytes
+from ..planning.context import context_part
 from .cluster_time import step_time
 from .gpus import GPUS_PER_NODE, Gpu
 
@@ -265,7 +266,7 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
     )
     if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
         row.buffers = held.parameter_bytes / 2
-    part = context_part(work, layout.context, layout.tensor)
+    part = context_part(work, layout)
     if (
         layout.tensor > 1 and part.blocks
     ):  # the blocks keep (10 + 24/t) / 34 of one device's (Korthikanti et al.)

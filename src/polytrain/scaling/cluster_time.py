@@ -13,6 +13,7 @@ pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro
 
 from __future__ import annotations
 
+from ..planning.context import context_exchange
 from .gpus import ACHIEVED, LATENCY, OVERLAP
 
 
@@ -55,7 +56,7 @@ def step_time(request, row, held, work) -> None:
         whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
         # (the shard group spans the dp_shard, pp, cp and tp dimensions: the mesh's order); a pipeline of shards
         # gathers its stages once per step, FSDP2 alone twice (forward, and again for the backward)
-        bandwidth, latency = _link(request, layout.shard * layout.pipeline * layout.context * layout.tensor)
+        bandwidth, latency = _link(request, layout.world_size // layout.replicate)
         gathers = 1 if layout.pipeline > 1 else 2
         seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
         seconds += _ring("reduce-scatter", shards, whole * 4, bandwidth, latency * held.units)
@@ -65,28 +66,27 @@ def step_time(request, row, held, work) -> None:
         exposed["fsdp"] = max(0.0, seconds - OVERLAP * row.compute)
     elif layout.data_parallel == "replicate":
         bandwidth, latency = _link(request, layout.world_size)
-        ranks = layout.replicate * layout.context
-        seconds = _ring("all-reduce", ranks, held.trained_bytes, bandwidth, latency)
+        seconds = _ring("all-reduce", layout.gradient_ranks, held.trained_bytes, bandwidth, latency)
         exposed["ddp"] = max(0.0, seconds - OVERLAP * row.compute * 2 / 3)  # beside the backward pass
     shape, local_batch = work.attention, request.batch_size / layout.data_degree
     layers = shape.layers / layout.pipeline if shape else 0  # a rank's blocks: its stage's
     if layout.tensor > 1 and shape:
         width = shape.heads * shape.head_dim
-        nbytes = local_batch * request.context / layout.context * width * element
+        nbytes = local_batch * layout.tokens_per_rank(request.context) * width * element
         bandwidth, latency = _link(request, layout.tensor)
         exposed["tensor"] = 4 * layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
-    if layout.context > 1 and shape:
-        kv = max(1, shape.kv_heads // layout.tensor) * shape.head_dim
-        nbytes = 2 * local_batch * request.context * kv * element  # keys and values of the whole sequence
-        bandwidth, latency = _link(request, layout.context * layout.tensor)
-        each = _ring("all-gather", layout.context, nbytes, bandwidth, latency)
-        exposed["context"] = 2 * layers * each  # the gather, and the reduce-scatter of its gradients
+    exchange = context_exchange(shape, layout, local_batch, request.context, element) if shape else None
+    if exchange:
+        ranks, nbytes, span = exchange
+        bandwidth, latency = _link(request, span)
+        # the gather, and the reduce-scatter of its gradients
+        exposed["context"] = 2 * layers * _ring("all-gather", ranks, nbytes, bandwidth, latency)
     if layout.pipeline > 1 and shape:
         # each micro-batch's activations to the next stage and their gradients back; only the sends while the
         # pipeline fills and drains are on the critical path (the rest overlap other micro-batches' compute)
         width = shape.heads * shape.head_dim
-        nbytes = local_batch / row.microbatches * request.context / layout.context * width * element
-        bandwidth, latency = _link(request, 2 * layout.context * layout.tensor)
+        nbytes = local_batch / row.microbatches * layout.tokens_per_rank(request.context) * width * element
+        bandwidth, latency = _link(request, 2 * layout.stage_ranks)
         exposed["pipeline"] = 2 * (layout.pipeline - 1) * (nbytes / bandwidth + latency)
         row.bubble = row.compute * (layout.pipeline - 1) / row.microbatches
     row.communication = {key: value for key, value in exposed.items() if value > 0}

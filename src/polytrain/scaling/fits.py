@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from ..errors import UserError
 from ..parallel.layout import Layout
-from ..parallel.presets import layout_or_none, plain_layout
+from ..parallel.presets import layout_or_none, plain_layout, settings_in
+from ..planning.context import context_splits
 from ..planning.costmodel import Workload
 from ..planning.memory import memory_per_rank
 
@@ -164,15 +165,7 @@ def layout_for(config, strategy: str) -> Optional[Layout]:
     replicas shard); None where they do not make a layout (the label's preset is used then)."""
     if config.devices == 1:
         return Layout()
-    return layout_or_none(
-        strategy,
-        config.devices,
-        getattr(config, "pipeline_stages", None),
-        getattr(config, "tensor_parallel", None),
-        data_parallel=getattr(config, "data_parallel", None),
-        replicas=getattr(config, "replicas", None),
-        context_parallel=getattr(config, "context_parallel", None),
-    )
+    return layout_or_none(strategy, config.devices, **settings_in(config))
 
 
 def check_fits(
@@ -253,24 +246,6 @@ def sequence_length(model: nn.Module) -> int:
     return int(getattr(model, "context", 0) or 0) if sequence_modules(model) else 0
 
 
-MIN_CHUNK = 64  # tokens of a head or tail chunk below which splitting a sequence further is not proposed
-
-
-def _context_splits(devices: int, batch_size: int, sequence: int):
-    """(devices, C) to try with --context-parallel: on these devices and on more, every slice of the batch
-    whole (as many slices as the batch allows, a power of two) and its sequences split over the rest, where
-    each sequence cuts into 2C chunks of at least MIN_CHUNK tokens."""
-    for n in (2**k for k in range(0, 17)):
-        if n < devices or n % devices:
-            continue
-        slices = 1
-        while slices * 2 <= min(n, batch_size) and batch_size % (slices * 2) == 0 and n % (slices * 2) == 0:
-            slices *= 2
-        context = n // slices
-        if context > 1 and sequence % (2 * context) == 0 and sequence // (2 * context) >= MIN_CHUNK:
-            yield n, context
-
-
 def _fixes(
     needs, available, *, label, layout, devices, mode, accumulate, batch_size, known, sequence=0
 ) -> str:
@@ -301,13 +276,9 @@ def _fixes(
             tried.append(([f"--strategy sharded --devices {n}", *flag], cost))
             if cost <= available:
                 break
-        for n, context in _context_splits(devices, batch_size, sequence) if known else ():
-            split = layout_or_none("sharded", n, context_parallel=context)
-            if split is None or context <= layout.context:
-                continue
-            cost = needs("sharded", n, checkpointing, accumulate, split)
-            more = [] if n == devices else [f"--devices {n}"]
-            tried.append((["--strategy sharded", *more, f"--context-parallel {context}", *flag], cost))
+        for split, flags in context_splits(devices, batch_size, sequence, layout) if known else ():
+            cost = needs("sharded", split.world_size, checkpointing, accumulate, split)
+            tried.append((["--strategy sharded", *flags, *flag], cost))
             if cost <= available:
                 break
     fitting = sorted(

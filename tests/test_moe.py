@@ -1,14 +1,15 @@
 """A mixture of experts in the llama's blocks (models/moe.py, `--experts E --experts-per-token K`): its logits
 against Hugging Face's Mixtral and Qwen2-MoE with the same weights, its grouped computation against the
-per-token sum written out, training proven equal to one device on the layouts it takes, and what does not make
-a mixture refused in one line. The model-by-layout matrix (test_matrix.py, llama-moe) trains it on every layout."""
+per-token sum written out, its load-balancing loss against Hugging Face's, training proven equal to one device
+on the layouts it takes (the load-balancing loss on), the tokens each expert got in the epoch's record, and what
+does not make a mixture refused in one line. The model-by-layout matrix (test_matrix.py, llama-moe) trains it on every layout."""
 
 import pytest
 import torch
 from conftest import assert_refused_in_one_line, polytrain_here
 
 from polytrain.models.llama import Llama
-from polytrain.models.moe import MixtureOfExperts
+from polytrain.models.moe import MixtureOfExperts, balance_loss, routed_tokens
 
 SHAPE = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=32, rope_theta=10000.0)
 VOCAB = 96
@@ -102,14 +103,95 @@ def test_the_grouped_experts_compute_the_weighted_sum_over_each_tokens_experts()
     assert torch.allclose(mixture.route(x.reshape(-1, 8))[1].sum(-1), torch.ones(10, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_the_balance_loss_is_hugging_faces_per_sequence_and_mixture(family):
+    """Hugging Face's load_balancing_loss_func (E sum_e f_e P_e over the router scores it is given) applied to each
+    sequence and each mixture alone, weighed and averaged: each sequence's loss, gradients included; K for even
+    routing; a sequence's loss the same whatever sequences are beside it."""
+    import importlib
+
+    module = "mixtral.modeling_mixtral" if family == "mixtral" else "qwen2_moe.modeling_qwen2_moe"
+    hf_loss = importlib.import_module(f"transformers.models.{module}").load_balancing_loss_func
+    torch.manual_seed(3)
+    mixtures = [MixtureOfExperts(8, 12, 6, 2, balance=0.25, block=b).double() for b in range(2)]
+    x = torch.randn(3, 7, 8, dtype=torch.float64, requires_grad=True)
+    first = mixtures[0](x)
+    hidden = mixtures[1](first)
+    model = torch.nn.Sequential(*mixtures)
+    ours = balance_loss(model)
+    inputs = [x, first]
+    expected = torch.stack(
+        [
+            0.25
+            * torch.stack(
+                [hf_loss((m.router(h[b]),), num_experts=6, top_k=2) for m, h in zip(mixtures, inputs)]
+            ).mean()
+            for b in range(3)
+        ]
+    )
+    # (Hugging Face counts the routed shares in float32: f_e = n/7 to float32's precision)
+    expected = expected.to(torch.float64)
+    assert ours.shape == (3,) and torch.allclose(ours, expected, rtol=1e-6, atol=0), (ours, expected)
+    grads = torch.autograd.grad(ours.sum(), [x, mixtures[0].router.weight], retain_graph=True)
+    references = torch.autograd.grad(expected.sum(), [x, mixtures[0].router.weight])
+    for grad, reference in zip(grads, references):
+        assert (grad - reference).abs().max() <= 1e-6 * reference.abs().max(), (grad - reference).abs().max()
+    assert balance_loss(model) is None and hidden.shape == x.shape  # taken once per forward
+    even = MixtureOfExperts(8, 12, 4, 2, balance=1.0).double()
+    torch.nn.init.zeros_(even.router.weight)  # every probability 1/E; top-k picks the first K experts
+    even(torch.randn(1, 4, 8, dtype=torch.float64))
+    assert torch.allclose(even.balance, torch.tensor([2.0 * 4 / 2 * 0.5], dtype=torch.float64))
+
+
+def test_each_expert_s_tokens_are_counted_once_with_checkpointed_blocks():
+    """Every training forward adds each token's K choices to its mixture's counts (eval ones do not); a block that
+    activation checkpointing runs again in the backward pass is not counted twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = Llama(VOCAB, context=16, experts=4, experts_per_token=2, moe_every=2, **SHAPE)
+    ids = torch.randint(0, VOCAB, (3, 16))
+    x = model[0](ids)
+    for block in list(model)[1:3]:
+        x = checkpoint(block, x, use_reentrant=False)
+    x.square().sum().backward()
+    counts = routed_tokens(model)
+    assert list(counts) == [1] and int(counts[1].sum()) == 3 * 16 * 2, counts  # block 1 alone is a mixture
+    assert routed_tokens(model) == {}  # read and reset
+    model.eval()
+    model(ids)
+    assert routed_tokens(model) == {}
+
+
+def test_where_labels_are_masked_a_sequence_s_balance_counts_by_its_trained_tokens():
+    """A (sum, count) token loss is divided by the global batch's trained tokens: each sequence's balance is
+    weighed by its share of them, so that the step minimises sum_b c_b balance_b / sum_b c_b on any layout
+    (c_b its trained tokens over T), the plain mean where nothing is masked."""
+    from polytrain.objective import Objective
+
+    objective = Objective(kind="language")
+    balance = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    targets = torch.tensor([[1, 2, 3, 4], [-100, -100, 5, 6], [-100, -100, -100, -100]])
+    objective.counted = True
+    weighed = objective.weighed_balance(balance, targets, torch.nn.Linear(1, 1))
+    assert float(weighed) == 1.0 * 1 + 2.0 * 0.5 + 4.0 * 0
+    objective.counted = False  # labels never masked: each sequence once
+    assert float(objective.weighed_balance(balance, targets, torch.nn.Linear(1, 1))) == 7.0
+
+
 SMALL = ["--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "2",
          "--context", "16", "--experts", "4", "--experts-per-token", "2"]  # fmt: skip
 VERIFIES = {
     "4 FSDP2 shards of 2 experts (cut along their width)": [
         "--strategy", "sharded", "--devices", "4", "--experts", "2", "--experts-per-token", "1",
     ],
-    "2 FSDP2 shards x 2 tensor ranks, a shared expert": [
+    "2 FSDP2 shards x 2 tensor ranks, a shared expert, the load-balancing loss": [
         "--strategy", "tensor", "--tensor-parallel", "2", "--devices", "4", "--shared-experts", "1",
+        "--router-aux-loss", "0.5",
+    ],
+    "2 replicas x 2 context ranks, the load-balancing loss, selective checkpointing, 2 passes": [
+        "--strategy", "data", "--context-parallel", "2", "--devices", "4", "--router-aux-loss", "0.5",
+        "--activation-checkpointing", "selective", "--accumulate", "2",
     ],
     "2 pipeline stages x 2 context ranks, every other block dense, full checkpointing": [
         "--strategy", "pipeline", "--context-parallel", "2", "--devices", "4", "--moe-every", "2",
@@ -140,8 +222,22 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         (["--experts", "1"], ["--experts 1: a mixture needs 2 experts or more"]),
         (["--experts-per-token", "2"], ["--experts-per-token describes a mixture of experts; add --experts"]),
         (["--experts", "4", "--shared-experts", "-1"], ["--shared-experts", "-1"]),
+        (["--router-aux-loss", "0.02"], ["--router-aux-loss describes a mixture of experts; add --experts"]),
+        (["--experts", "4", "--router-aux-loss", "-1"], ["--router-aux-loss", "-1"]),
+        (
+            ["--experts", "4", "--router-aux-loss", "0.02", "--strategy", "pipeline", "--devices", "2"],
+            ["--router-aux-loss is not taken by --strategy pipeline yet"],
+        ),
     ],
-    ids=["more-per-token-than-experts", "one-expert", "no-experts", "negative-shared"],
+    ids=[
+        "more-per-token-than-experts",
+        "one-expert",
+        "no-experts",
+        "negative-shared",
+        "balance-without-experts",
+        "negative-balance",
+        "balance-in-a-pipeline",
+    ],
 )
 def test_what_makes_no_mixture_is_refused_in_one_line(capsys, tmp_path, argv, words):
     base = ["--model", "llama", "--dataset", "shakespeare", "--max-steps", "1"]
@@ -158,9 +254,22 @@ def test_experts_on_a_model_without_them_are_refused(capsys, tmp_path):
 
 
 def test_a_run_with_experts_samples_and_is_not_written_as_a_dense_checkpoint(capfd, tmp_path):
+    """...and its epoch records the balance apart and the tokens routed to the experts over both ranks: 4 steps
+    of 8 sequences of 16 tokens, 2 choices each, 1024 per mixture."""
+    import json
+
     run = tmp_path / "run"
-    done = polytrain_here(capfd, "train", *SMALL, "--max-steps", "2", "--out", run)
+    done = polytrain_here(
+        capfd, "train", *SMALL, "--router-aux-loss", "0.5", "--devices", "2", "--strategy", "data",
+        "--epochs", "0.0005", "--out", run,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # W K = 1 where routing is even (the balance counts W = 0.5 in)
+    assert 0.8 < record["train_balance"] < 2 and 0.8 < record["val_balance"] < 2, record
+    assert 0 <= record["expert_tokens_min"] <= 256 <= record["expert_tokens_max"] <= 1024, record
+    assert record["expert_imbalance"] == record["expert_tokens_max"] / 256, record
+    assert "balance" in done.stdout and "tokens per expert" in done.stdout
     sampled = polytrain_here(capfd, "generate", run, "--tokens", "8")
     assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
     refused = polytrain_here(capfd, "export", run, "--format", "hf", "--out", tmp_path / "hf")
@@ -221,6 +330,13 @@ def test_a_moe_config_json_is_planned_with_transformers_parameters(family, tmp_p
         theirs = sum(p.numel() for p in architecture(config).parameters())
     request = make_request(str(tmp_path), devices=2, batch_size=2, context=16)
     assert sum(p.numel() for p in request.build().parameters()) == theirs
+    # the load-balancing loss where transformers adds it (output_router_logits), weighed by its coefficient
+    from polytrain.config.pretrained import moe_settings
+
+    settings = config.to_dict()
+    assert "router_aux_loss" not in moe_settings(settings, architecture.__name__, "here")
+    settings.update(output_router_logits=True, router_aux_loss_coef=0.03)
+    assert moe_settings(settings, architecture.__name__, "here")["router_aux_loss"] == 0.03
     # what the llama's mixture does not compute is refused in one line
     config.mlp_only_layers = [0] if family == "qwen2-moe" else None
     config.sliding_window = 4096 if family == "mixtral" else config.sliding_window

@@ -28,6 +28,7 @@ from .data.order import leaves, rows
 from .data.token_rows import IGNORE_INDEX
 from .errors import UserError
 from .models import call_model, first_output
+from .models.moe import balance_loss, mixtures, routed_tokens
 from .models.own_loss import token_labels, with_num_items
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,6 +99,19 @@ class Objective:
         # the parts each window's tokens are split into across ranks (context parallelism): a rank holds T / parts
         # of a window's T tokens, and its token loss is its part of the window's mean over all T
         self.sequence_parts = 1
+        # the model's mixtures of experts add a load-balancing loss (models/moe.py; set by `watch_balance`),
+        # reported apart as "balance": the last pass's, summed over its sequences
+        self.balances, self.balance_sum = False, None
+
+    def watch_balance(self, model) -> None:
+        """Add the load-balancing loss of `model`'s mixtures of experts, where they have one, to the training loss,
+        and report it apart (a metric named balance); forget what its check on a sample routed."""
+        routed_tokens(model)
+        if self.balances or not (self.classification or self.language):
+            return
+        if any(module.balance_weight for module in mixtures(model)):
+            self.balances = True
+            self.names = self.names + ("balance",)
 
     @property
     def custom(self) -> bool:
@@ -151,7 +165,25 @@ class Objective:
             return (*self.sum_and_count(value, samples, "the model's loss"), outputs)
         outputs = first_output(outputs)
         loss_sum, count = self.outputs_loss(outputs, y, training=training)
+        balance = balance_loss(model) if self.balances else None
+        if balance is not None:
+            self.balance_sum = balance.detach().sum()
+            if training:
+                loss_sum = loss_sum + self.weighed_balance(balance, y, model)
         return loss_sum, count, outputs
+
+    def weighed_balance(self, balance: torch.Tensor, targets: torch.Tensor, model) -> torch.Tensor:
+        """The load-balancing loss of each sequence (B,) summed as its token loss counts it: each sequence once,
+        or, where labels may be masked (a (sum, count) loss, divided by the trained tokens), by its share of
+        trained tokens (over the whole sequence where context ranks split it), so that a step minimises the same
+        mean on any layout."""
+        if not self.counted:
+            return balance.sum()
+        trained = (targets != IGNORE_INDEX).sum(dim=-1).to(balance.dtype)
+        group = next((m.context_parallel for m in mixtures(model) if m.context_parallel is not None), None)
+        if group is not None:
+            trained = group.sum(trained)
+        return (balance * trained / max(1, targets.shape[-1] * self.sequence_parts)).sum()
 
     def outputs_loss(self, outputs, targets: torch.Tensor, *, training: bool = True):
         """(summed loss, elements covered) of the model's outputs against the targets."""
@@ -246,6 +278,10 @@ class Objective:
             sums.append((outputs.argmax(1) == targets).sum().float())
         for name, fn in self.metrics.items():
             sums.append(per_sample_sum(name, fn(outputs, targets), outputs.shape[0], outputs.device))
+        if self.balances:
+            last = self.balance_sum if self.balance_sum is not None else torch.zeros(())
+            sums.append(last.to(device=outputs.device, dtype=torch.float32))
+            self.balance_sum = None
         return torch.stack(sums)
 
 

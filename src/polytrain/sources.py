@@ -260,6 +260,7 @@ def check_objective(model: nn.Module, objective: Objective, data) -> Objective:
             return objective.outputs_loss(output, y)
         return objective.learn(objective.loss(output, y), len(y), "loss=")
 
+    objective.watch_balance(model)
     for what, call in (("loss=", loss), ("metrics=", lambda: objective.metric_sums(output, y))):
         try:
             call()

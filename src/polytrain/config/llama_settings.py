@@ -119,6 +119,17 @@ class LlamaSettings:
         group="model",
         flag="toggle",
     )
+    router_aux_loss: Optional[float] = setting(
+        None,
+        "--model llama --experts: weight W of the load-balancing loss added to each sequence's loss, W times "
+        "E sum_e f_e P_e per mixture (f_e the share of its tokens routed to expert e, P_e its mean router "
+        "probability), averaged over the mixtures; shown apart as balance (Hugging Face's "
+        "router_aux_loss_coef, pooled there over a pass's tokens and layers; Mixtral's 0.02; default: 0, none)",
+        group="model",
+        metavar="W",
+        check="nonneg",
+        example=0.02,
+    )
     dropout: Optional[float] = setting(
         None,
         "--model gpt: probability of zeroing an activation in training, after the embeddings and after each "

@@ -4,7 +4,7 @@ setting (a transformer wants AdamW and a cosine schedule, not the image models' 
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 from ..errors import ConfigError
 from .declare import flag_name
@@ -31,6 +31,7 @@ MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
         "shared_experts",
         "moe_every",
         "experts_renormalise",
+        "router_aux_loss",
     ),
 }
 MODEL_SETTINGS = tuple(dict.fromkeys(key for keys in MODEL_OPTIONS.values() for key in keys))
@@ -150,10 +151,34 @@ def check_model_settings(name: Optional[str], given) -> None:
         )
 
 
-def mixture_of(experts, per_token, shared, every, renormalise) -> Optional[tuple]:
-    """(E, K, shared, renormalise, every) of `--experts E --experts-per-token K --shared-experts S --moe-every N`,
-    or None without --experts; one line for what does not make a mixture."""
-    given = {"experts_per_token": per_token, "shared_experts": shared, "moe_every": every}
+class Mixture(NamedTuple):
+    """A llama's mixture of experts as its flags give it (models/moe.py)."""
+
+    experts: int
+    per_token: int
+    shared: int
+    renormalise: bool
+    every: int
+    balance: float  # the load-balancing loss's weight (0: none)
+
+
+# the one line for a load-balancing loss on a pipeline (each stage's mixtures would add it to a loss that only the
+# last stage computes)
+BALANCE_IN_PIPELINE = (
+    "--router-aux-loss is not taken by --strategy pipeline yet (the mixtures of the earlier stages cannot add "
+    "to the loss the last stage computes); use --strategy sharded or data, or drop --router-aux-loss"
+)
+
+
+def mixture_of(experts, per_token, shared, every, renormalise, balance=None) -> Optional[Mixture]:
+    """The `Mixture` of `--experts E --experts-per-token K --shared-experts S --moe-every N --router-aux-loss W`, or
+    None without --experts; one line for what does not make a mixture."""
+    given = {
+        "experts_per_token": per_token,
+        "shared_experts": shared,
+        "moe_every": every,
+        "router_aux_loss": balance,
+    }
     if experts is None:
         named = [flag_name(name) for name, value in given.items() if value is not None]
         if named or renormalise is not None:
@@ -167,6 +192,11 @@ def mixture_of(experts, per_token, shared, every, renormalise) -> Optional[tuple
             raise ConfigError(f"{flag_name(name)} must be a positive whole number, got {value!r}")
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ConfigError(f"--shared-experts must be 0 or a positive whole number, got {shared!r}")
+    balance = 0.0 if balance is None else balance
+    if not isinstance(balance, (int, float)) or isinstance(balance, bool) or not 0 <= balance < float("inf"):
+        raise ConfigError(
+            f"--router-aux-loss must be a number of 0 or more, got {balance!r}; Mixtral's is 0.02, Qwen2-MoE's 0.001"
+        )
     if experts < 2:
         raise ConfigError(f"--experts {experts}: a mixture needs 2 experts or more; give --experts 2 or more")
     if per_token > experts:
@@ -174,7 +204,9 @@ def mixture_of(experts, per_token, shared, every, renormalise) -> Optional[tuple
             f"--experts-per-token {per_token} is more than the {experts} experts; give at most --experts-per-token "
             f"{experts}"
         )
-    return experts, per_token, shared, True if renormalise is None else bool(renormalise), every
+    return Mixture(
+        experts, per_token, shared, True if renormalise is None else bool(renormalise), every, float(balance)
+    )
 
 
 # the learning rate a model's recipe takes when --init-from loads trained weights: the recipe's own (3e-3) is for

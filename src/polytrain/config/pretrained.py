@@ -160,6 +160,10 @@ def moe_settings(config: dict, architecture: str, where: str) -> dict:
             f"--init-from: {where} has sliding_window {config['sliding_window']}; polytrain's llama attends to "
             f"the whole context"
         )
+    # Hugging Face's models add their load-balancing loss where output_router_logits is set, weighed by
+    # router_aux_loss_coef (polytrain's --router-aux-loss)
+    if config.get("output_router_logits"):
+        settings["router_aux_loss"] = float(config.get("router_aux_loss_coef", 0.001))
     if not qwen:
         return dict(
             settings,

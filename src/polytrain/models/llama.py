@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.declare import flag_name
-from ..config.model_defaults import MODEL_DEFAULTS, derived_sizes, mixture_of, preset
+from ..config.model_defaults import MODEL_DEFAULTS, Mixture, derived_sizes, mixture_of, preset
 from ..errors import ConfigError
 from .kv_cache import attend
 from .moe import FeedForward, GroupedExperts, MixtureOfExperts
@@ -185,16 +185,23 @@ class Block(nn.Module):
         *,
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
-        experts: Optional[tuple] = None,
+        mixture: Optional[Mixture] = None,
+        block: int = 0,
     ):
         super().__init__()
         self.attention_norm = nn.RMSNorm(width, eps=norm_eps)
         self.attention = Attention(width, heads, kv_heads, rope_theta, qkv_bias)
         self.ffn_norm = nn.RMSNorm(width, eps=norm_eps)
-        if experts:
-            count, per_token, shared, renormalise = experts
+        if mixture:
             self.feed_forward = MixtureOfExperts(
-                width, ffn_width, count, per_token, shared=shared, renormalise=renormalise
+                width,
+                ffn_width,
+                mixture.experts,
+                mixture.per_token,
+                shared=mixture.shared,
+                renormalise=mixture.renormalise,
+                balance=mixture.balance,
+                block=block,
             )
         else:
             self.feed_forward = FeedForward(width, ffn_width)
@@ -248,6 +255,7 @@ class Llama(nn.Sequential):
         shared_experts=None,
         moe_every=None,
         experts_renormalise=None,
+        router_aux_loss=None,
     ):
         derived = derived_sizes(heads, width)
         kv_heads = derived.get("kv_heads") if kv_heads is None else kv_heads
@@ -267,10 +275,12 @@ class Llama(nn.Sequential):
             )
         if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or not norm_eps > 0:
             raise ConfigError(f"--norm-eps must be a number above 0, got {norm_eps!r}; Llama 3's is 1e-05")
-        mixture = mixture_of(experts, experts_per_token, shared_experts, moe_every, experts_renormalise)
-        if mixture and mixture[4] > layers:
+        mixture = mixture_of(
+            experts, experts_per_token, shared_experts, moe_every, experts_renormalise, router_aux_loss
+        )
+        if mixture and mixture.every > layers:
             raise ConfigError(
-                f"--moe-every {mixture[4]} leaves none of the {layers} blocks a mixture of experts; give at most "
+                f"--moe-every {mixture.every} leaves none of the {layers} blocks a mixture of experts; give at most "
                 f"--moe-every {layers}"
             )
         embedding = nn.Embedding(vocab, width)
@@ -286,7 +296,8 @@ class Llama(nn.Sequential):
                 float(rope_theta),
                 norm_eps=float(norm_eps),
                 qkv_bias=qkv_bias,
-                experts=mixture[:4] if mixture and (i + 1) % mixture[4] == 0 else None,
+                mixture=mixture if mixture and (i + 1) % mixture.every == 0 else None,
+                block=i,
             )
             for i in range(layers)
         )

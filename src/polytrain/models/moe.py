@@ -20,8 +20,18 @@ computing) the routing is taken as even, the expected share of a balanced router
 **A shared expert** (`shared=S`, Qwen2-MoE's): one more SwiGLU of S times the experts' width that every token
 goes through, its output scaled by a sigmoid gate (a linear layer to one score) and added.
 
-No load-balancing loss is added to the objective yet: the model trains on the token loss alone, as Hugging Face's
-models do unless `output_router_logits` is set.
+**The load-balancing loss** (`balance=w`, `--router-aux-loss w`; Hugging Face's `router_aux_loss_coef`, which its
+models add where `output_router_logits` is set): per sequence and mixture, E sum_e f_e P_e, with f_e the share of
+the sequence's (token, choice) pairs routed to expert e (summing to K over the experts) and P_e the mean router
+probability of expert e over its tokens; w times its mean over the mixtures is added to each sequence's loss
+(`balance_loss`). It is K where routing is even, more where it is not. Hugging Face pools a pass's tokens and
+layers into one f and P: equal for one sequence and one mixture; taken per sequence and per layer it is the same
+on every layout (ranks, passes and stages each add their sequences', no collective over the batch). Where a
+sequence is split over context ranks (`context_parallel`, set as on the attention), f counts the whole
+sequence (its counts summed over the group) and each rank adds its tokens' part of P.
+
+**Tokens per expert.** Every training forward adds each expert's (token, choice) pairs to `routed`, read and reset
+by `routed_tokens` for the epoch's record.
 """
 
 from __future__ import annotations
@@ -46,6 +56,13 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (activation checkpointing recomputing a block): its
+    routing was counted when the block first ran."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 class GroupedExperts(nn.Module):
@@ -113,7 +130,12 @@ class SharedExpert(FeedForward):
 
 class MixtureOfExperts(nn.Module):
     """A block's feed-forward as a mixture: `router`, `experts` (GroupedExperts) and an optional `shared`
-    expert; (B, T, D) in and out."""
+    expert; (B, T, D) in and out. `balance`: the load-balancing loss's weight (0: none); `block`: the index of
+    the block it is in (the epoch record's tokens per expert are per block)."""
+
+    # a ContextGroup where each sequence is split over ranks (parallel/context.py): the routing counts of a
+    # sequence are then summed over the group
+    context_parallel = None
 
     def __init__(
         self,
@@ -124,12 +146,19 @@ class MixtureOfExperts(nn.Module):
         *,
         shared: int = 0,
         renormalise: bool = True,
+        balance: float = 0.0,
+        block: int = 0,
     ):
         super().__init__()
         self.per_token, self.renormalise = per_token, renormalise
+        self.balance_weight, self.block = float(balance), block
         self.router = nn.Linear(width, experts, bias=False)
         self.experts = GroupedExperts(experts, width, hidden)
         self.shared: Optional[SharedExpert] = SharedExpert(width, shared * hidden) if shared else None
+        # the last forward's weighted load-balancing loss per sequence (B,), differentiable; and the (token, choice)
+        # pairs each expert got in training since `routed_tokens` last read them
+        self.balance: Optional[torch.Tensor] = None
+        self.routed: Optional[torch.Tensor] = None
 
     def route(self, tokens: torch.Tensor):
         """(the experts each token goes to (N, K), their weights (N, K), every expert's probability (N, E))."""
@@ -142,8 +171,62 @@ class MixtureOfExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        chosen, weights, _ = self.route(tokens)
+        chosen, weights, probabilities = self.route(tokens)
+        if self.balance_weight:
+            self.balance = self.balance_weight * self.balance_of(
+                _local(chosen), _local(probabilities), x.shape[0]
+            )
+        if self.training and not _is_fake(tokens) and not _recomputing():
+            with torch.no_grad():
+                picks = torch.bincount(_local(chosen).flatten(), minlength=self.experts.experts)
+                self.routed = picks if self.routed is None else self.routed + picks
         out = self.experts(tokens, chosen, weights)
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.reshape(x.shape)
+
+    def balance_of(self, chosen: torch.Tensor, probabilities: torch.Tensor, sequences: int) -> torch.Tensor:
+        """E sum_e f_e P_e of each of the `sequences` (the module's docstring): (B,), this rank's part of it where a
+        context group splits the sequences."""
+        experts = self.experts.experts
+        length = chosen.shape[0] // sequences
+        with torch.no_grad():
+            counts = torch.zeros(sequences, experts, dtype=probabilities.dtype, device=chosen.device)
+            counts.scatter_add_(
+                1,
+                chosen.reshape(sequences, -1),
+                torch.ones_like(chosen, dtype=counts.dtype).view(sequences, -1),
+            )
+            if self.context_parallel is not None:
+                counts = self.context_parallel.sum(counts)
+                length *= self.context_parallel.size
+        held = probabilities.reshape(sequences, -1, experts).sum(
+            dim=1
+        )  # this rank's part of the mean, times T
+        return experts * (counts * held).sum(dim=-1) / length**2
+
+
+def mixtures(model: nn.Module) -> list:
+    """The mixtures of experts in `model` (none: a dense model)."""
+    return [module for module in model.modules() if isinstance(module, MixtureOfExperts)]
+
+
+def balance_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """The weighted load-balancing loss of `model`'s last forward per sequence (B,): the mean over its mixtures
+    that have one; taken from them (a later forward sets it again). None where no mixture has one."""
+    found = []
+    for module in mixtures(model):
+        if module.balance is not None:
+            found.append(module.balance)
+            module.balance = None
+    return torch.stack(found).mean(dim=0) if found else None
+
+
+def routed_tokens(model: nn.Module) -> dict:
+    """{block index: the (token, choice) pairs each expert of its mixture got in training since the last call}
+    (int64 tensors of E), reset; {} for a dense model or before any training forward."""
+    counts = {}
+    for module in mixtures(model):
+        if module.routed is not None:
+            counts[module.block], module.routed = module.routed, None
+    return counts

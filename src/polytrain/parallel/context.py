@@ -162,6 +162,14 @@ class ContextGroup:
         """`causal_attention` over this group: the models' stand-in for causal scaled_dot_product_attention."""
         return causal_attention(q, k, v, self)
 
+    @torch.no_grad()
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the group (not differentiated): a figure of whole sequences from its parts."""
+        total = tensor.clone()
+        group = self.group.get_group() if hasattr(self.group, "get_group") else self.group
+        dist.all_reduce(total, group=group)
+        return total
+
     def own_tokens(self, tokens):
         """This rank's head and tail chunks of `tokens` laid out by token along dim 1 ((B, T) ids or labels);
         anything else as it is."""

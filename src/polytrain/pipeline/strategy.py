@@ -28,7 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..config.model_defaults import BALANCE_IN_PIPELINE
+from ..errors import UserError
 from ..models.meta import to_empty
+from ..models.moe import mixtures
 from ..parallel.context import rank_sample_shape
 from ..parallel.ddp import release_reducers
 from ..parallel.global_batch import slice_offsets
@@ -132,6 +135,9 @@ class Pipeline(StageState, StageSharding, Strategy):
 
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
+        self.routes = bool(mixtures(model))
+        if any(module.balance_weight for module in mixtures(model)):
+            raise UserError(BALANCE_IN_PIPELINE)
         layout = self.layout
         if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
             # (whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank)

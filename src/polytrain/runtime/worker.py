@@ -289,6 +289,7 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     )
     strategy.schedule_per_step = recipe.per_step
     model = job.model if job.in_place else copy.deepcopy(job.model)
+    strategy.objective.watch_balance(model)  # (where the caller's check of the objective did not)
     strategy.pretrained = job.pretrained
     strategy.setup(model, recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch))
     if job.verbose and strategy.placement:

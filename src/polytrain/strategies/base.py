@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..data.order import split_rows
 from ..errors import UserError
+from ..models.moe import mixtures
 from ..objective import Objective
 from ..optim import step_per_epoch
 from ..parallel.ddp import release_reducers
@@ -25,6 +26,7 @@ from ..parallel.materialise import is_meta, materialise
 from ..parallel.parallelize import Preparation, parallelize
 from ..planning.sharded import sharded_plan
 from . import cuda_graphs
+from .epoch_figures import EpochFigures
 from .gradients import Gradients
 from .holdings import holding_lines, local_bytes, optimizer_slots
 from .model_state import ModelState
@@ -44,7 +46,7 @@ class StepStats:
             self.loss_count = self.count
 
 
-class Strategy(ModelState):
+class Strategy(ModelState, EpochFigures):
     """One training step for every layout whose ranks all run it (one device, data parallelism, FSDP2 shards, a
     tensor plan, context ranks, their meshes): `setup` prepares the model with `parallelize` for the run's
     `Layout`, and what differs between layouts is asked of the layout. The pipeline (pipeline/strategy.py) and the
@@ -183,6 +185,7 @@ class Strategy(ModelState):
         self.full_meta = {  # the whole model's names and shapes, which a rank of parts no longer has
             k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
         }
+        self.routes = bool(mixtures(model))
         model = self.place(model)
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
@@ -413,12 +416,6 @@ class Strategy(ModelState):
         if self.schedule_per_step:
             self.scheduler.step()
 
-    def epoch_figures(self) -> dict:
-        """The epoch record's figures of this strategy and of clipping and loss scaling (every rank calls it)."""
-        extras, figures = self.epoch_extras(), self.gradients.epoch_figures()
-        notes = "; ".join(note for note in (extras.pop("note", ""), figures.pop("note", "")) if note)
-        return dict(extras, **figures, **({"note": notes} if notes else {}))
-
     def end_of_epoch(self, record: dict) -> None:
         """Called on every rank after an epoch's validation, with its record (per-epoch schedules step here)."""
         if not self.schedule_per_step:
@@ -431,19 +428,6 @@ class Strategy(ModelState):
         """Called on every rank after training finished normally (background work ends here)."""
         self.graphed = None  # the CUDA graphs' memory goes back with them
         release_reducers([getattr(self, "runner", None)])
-
-    def epoch_extras(self) -> dict:
-        """Figures of this strategy for the epoch's record (every rank calls it); "note" is printed: where ranks
-        hold parts of the model on GPUs, the most device memory any rank had allocated this epoch."""
-        if self.device.type != "cuda" or not self.layout.holds_parts:
-            return {}
-        peak = torch.tensor(
-            [torch.cuda.max_memory_allocated(self.device)], dtype=torch.float64, device=self.device
-        )
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        mib = float(peak) / 2**20
-        return {"peak_device_memory_mib": mib, "note": f"peak device memory {mib:,.0f} MiB (largest rank)"}
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:

@@ -74,6 +74,7 @@ class BenchOptions:
     shared_experts: Optional[int] = None
     moe_every: Optional[int] = None
     experts_renormalise: Optional[bool] = None
+    router_aux_loss: Optional[float] = None
 
     @property
     def model_options(self) -> dict:

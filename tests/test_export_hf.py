@@ -2,7 +2,9 @@
 that gives the logits of polytrain's model, for a Llama trained a few steps on one device (one
 model.safetensors) and on 2 sharded ranks (whose checkpoint is shards; exported in files of at most 20 kB with
 an index), for a Qwen2-shaped run (q/k/v biases, tied head), and for a GPT (a GPT2LMHeadModel: Conv1D weights
-transposed, q/k/v fused in c_attn); written one tensor at a time by the safetensors library. A GPT-2 loaded
+transposed, q/k/v fused in c_attn), and for mixtures of experts in Mixtral's shape (2 sharded ranks) and
+Qwen2-MoE's (each expert's weights a tensor of their own); written one tensor at a time by the safetensors
+library. A GPT-2 loaded
 with --init-from comes back out as the same tensors. The one-file safetensors and pt exports stay readable as
 before. Models it cannot write are refused in one line.
 """
@@ -37,8 +39,18 @@ def runs(tmp_path_factory) -> dict:
     polytrain.fit("llama", out=str(folder / "qwen2"), **SIZES, **TRAIN, **qwen2)
     gpt = dict(layers=2, heads=4, width=32, context=16, positions=32, vocab_size=70, gelu="tanh", dropout=0.1)
     polytrain.fit("gpt", out=str(folder / "gpt"), **gpt, **TRAIN)
+    # mixtures of experts: Mixtral's shape on 2 sharded ranks; Qwen2-MoE's (a shared expert, every other block
+    # dense, the kept scores as they are, the load-balancing loss) on one device
+    mixtral = dict(experts=4, experts_per_token=2)
+    polytrain.fit(
+        "llama", out=str(folder / "mixtral"), strategy="sharded", devices=2, **SIZES, **TRAIN, **mixtral
+    )
+    qwen2_moe = dict(
+        qwen2, experts=4, shared_experts=2, moe_every=2, experts_renormalise=False, router_aux_loss=0.01
+    )
+    polytrain.fit("llama", out=str(folder / "qwen2-moe"), **SIZES, **TRAIN, **qwen2_moe)
     assert (folder / "sharded" / "checkpoint-1").is_dir()  # the sharded run's weights are shards
-    return {name: folder / name for name in ("one", "sharded", "qwen2", "gpt")}
+    return {name: folder / name for name in ("one", "sharded", "qwen2", "gpt", "mixtral", "qwen2-moe")}
 
 
 def logits_apart(folder: Path, run: Path) -> float:
@@ -52,17 +64,28 @@ def logits_apart(folder: Path, run: Path) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["one", "sharded", "qwen2", "gpt"])
+@pytest.mark.parametrize("name", ["one", "sharded", "qwen2", "gpt", "mixtral", "qwen2-moe"])
 def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path, name, capsys):
     out = tmp_path / "hf"
     size = ["--max-shard-size", "20KB"] if name == "sharded" else []
     assert main(["export", str(runs[name]), "--format", "hf", "--out", str(out), *size]) == 0
     assert "no tokenizer" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
-    architecture = dict(qwen2="Qwen2ForCausalLM", gpt="GPT2LMHeadModel").get(name, "LlamaForCausalLM")
+    architecture = {
+        "qwen2": "Qwen2ForCausalLM",
+        "gpt": "GPT2LMHeadModel",
+        "mixtral": "MixtralForCausalLM",
+        "qwen2-moe": "Qwen2MoeForCausalLM",
+    }.get(name, "LlamaForCausalLM")
     assert config["architectures"] == [architecture] and config["tie_word_embeddings"] == (
-        name in ("qwen2", "gpt")
+        name in ("qwen2", "gpt", "qwen2-moe")
     )
+    if name == "qwen2-moe":
+        expected = dict(
+            num_experts=4, decoder_sparse_step=2, norm_topk_prob=False, moe_intermediate_size=128,
+            shared_expert_intermediate_size=256, router_aux_loss_coef=0.01, output_router_logits=True,
+        )  # fmt: skip
+        assert {key: config[key] for key in expected} == expected
     if name == "gpt":
         expected = dict(n_positions=32, vocab_size=70, activation_function="gelu_new", resid_pdrop=0.1)
         assert {key: config[key] for key in expected} == expected
@@ -75,7 +98,8 @@ def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path,
     if name in (
         "qwen2",
         "gpt",
-    ):  # the tied head is stored once, as the embedding (as save_pretrained stores it)
+        "qwen2-moe",
+    ):  # a tied head is stored once, as the embedding (as save_pretrained)
         assert "lm_head.weight" not in safetensors.torch.load_file(out / "model.safetensors")
     assert logits_apart(out, runs[name]) < 1e-5
 

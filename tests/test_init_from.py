@@ -73,6 +73,31 @@ def save_qwen2(folder: Path) -> Path:
     return folder
 
 
+def save_moe(folder: Path, family: str) -> Path:
+    """A Mixtral (4 experts of width 48, 2 per token, renormalised) or a Qwen2-MoE (q/k/v biases drawn, 4 experts
+    of 32 and a shared expert of 64 behind its gate, every other block dense, the kept scores as they are), in
+    transformers' files: each expert's weights stored apart."""
+    import transformers
+
+    torch.manual_seed(3)
+    common = dict(SIZES, vocab_size=VOCAB, num_experts_per_tok=2, rope_theta=10000.0, rms_norm_eps=1e-5)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**dict(common, intermediate_size=48), num_local_experts=4)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen2MoeConfig(
+            **common, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+            decoder_sparse_step=2, norm_topk_prob=False,
+        )  # fmt: skip
+        model = transformers.Qwen2MoeForCausalLM(config)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 def save_gpt2(folder: Path) -> Path:
     """A GPT-2 (tanh GELU, learned positions, the head tied to the token embedding) in one model.safetensors,
     its biases and LayerNorm weights drawn (transformers starts them at zero and one), so that they count; a
@@ -106,7 +131,8 @@ def checkpoints(tmp_path_factory) -> dict:
     llama, qwen2 = save_llama(folder / "llama"), save_qwen2(folder / "qwen2")
     assert (llama / "model.safetensors.index.json").is_file() and len(list(llama.glob("*.safetensors"))) > 2
     assert (qwen2 / "model.safetensors").is_file()
-    return {"llama": llama, "qwen2": qwen2, "gpt2": save_gpt2(folder / "gpt2")}
+    moe = {family: save_moe(folder / family, family) for family in ("mixtral", "qwen2-moe")}
+    return {"llama": llama, "qwen2": qwen2, "gpt2": save_gpt2(folder / "gpt2"), **moe}
 
 
 LAYOUTS = {
@@ -115,7 +141,8 @@ LAYOUTS = {
     "tensor 2": ["--strategy", "tensor", "--devices", "2"],
     "pipeline 2": ["--strategy", "pipeline", "--devices", "2", "--pipeline-stages", "2"],
 }
-MODELS = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt"}  # the polytrain model each family loads into
+# the polytrain model each family loads into
+MODELS = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt", "mixtral": "llama", "qwen2-moe": "llama"}
 CASES = [(family, layout) for family in MODELS for layout in LAYOUTS]
 
 
@@ -161,7 +188,7 @@ def test_logits_and_first_loss_equal_transformers(runs, checkpoints, case):
     assert config.init_from == str(checkpoints[family]) and config.model == (
         "gpt" if family == "gpt2" else "llama"
     )
-    assert bool(config.qkv_bias) == (family == "qwen2") and config.gelu == (
+    assert bool(config.qkv_bias) == family.startswith("qwen2") and config.gelu == (
         "tanh" if family == "gpt2" else None
     )
     ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
@@ -527,6 +554,60 @@ def test_a_sharded_rank_reads_only_its_rows(checkpoints, monkeypatch):
         dist.destroy_process_group()
     assert sorted(reads) == sorted((key, *where) for key, where in held.items())
     assert ("lm_head.weight", (33, 0), (32, 32)) in reads and len(reads) == len(stored) == 21
+
+
+def test_a_rank_reads_only_its_rows_of_each_expert(tmp_path, monkeypatch):
+    """Rank 1 of 4 FSDP2 ranks (a fake process group) over a Mixtral of 2 experts: fewer experts than shards are cut
+    along their rows, so the rank reads rows 12..23 of each of the 48 rows of every expert's w1 and w3 (and columns
+    of none: w2 is cut along its 32 rows of width), from the tensor stored for that expert, into its slice of our
+    stacked weight; nothing else of the experts is read."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from polytrain.models import build_model_on_meta
+    from polytrain.parallel.fsdp import shard_model
+    from polytrain.parallel.materialise import materialise
+    from polytrain.runtime.pretrained import Pretrained
+
+    torch.manual_seed(4)
+    config = transformers.MixtralConfig(
+        **dict(SIZES, vocab_size=VOCAB, intermediate_size=48), num_local_experts=2
+    )
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    values = dict(init_from=str(tmp_path))
+    apply_checkpoint(values, set())
+    reads = []
+    read = dcp.HuggingFaceStorageReader._process_read_request
+
+    def spy(self, handle, request, planner):
+        reads.append((request.storage_index.fqn, tuple(request.storage_offsets), tuple(request.lengths)))
+        return read(self, handle, request, planner)
+
+    monkeypatch.setattr(dcp.HuggingFaceStorageReader, "_process_read_request", spy)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        model = build_model_on_meta("llama", (16,), VOCAB, values)
+        blueprint, weights = copy.deepcopy(model), Pretrained(tmp_path, model)
+        shard_model(model, mesh=init_device_mesh("cpu", (4,)))
+        materialise(model, blueprint, device="cpu", seed=0, weights=weights)
+        stored = load_file(str(tmp_path / "model.safetensors"))
+        experts = dict(model.named_parameters())["1.feed_forward.experts.w1"].to_local()
+        assert experts.shape == (2, 12, 32)  # both experts, a quarter of their rows
+        for e in range(2):
+            theirs = stored[f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"]
+            torch.testing.assert_close(experts[e], theirs[12:24], rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+    expert_reads = sorted(r for r in reads if ".experts." in r[0])
+    assert len(expert_reads) == 2 * 2 * 3  # 2 blocks x 2 experts x (w1, w2, w3), one piece each
+    assert ("model.layers.0.block_sparse_moe.experts.1.w1.weight", (12, 0), (12, 32)) in expert_reads
+    assert ("model.layers.0.block_sparse_moe.experts.1.w2.weight", (8, 0), (8, 48)) in expert_reads
 
 
 @pytest.mark.parametrize("layout", ["sharded", "tensor", "sharded over tensor"])

@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="safetensors",
         choices=("safetensors", "pt", "hf"),
         help="safetensors; pt: a state dict for torch.load; hf: a Hugging Face checkpoint folder of a "
-        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias), or of a --model gpt run, "
+        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias; with --experts MixtralForCausalLM "
+        "or Qwen2MoeForCausalLM), or of a --model gpt run, "
         "GPT2LMHeadModel (default: %(default)s)",
     )
     export.add_argument(

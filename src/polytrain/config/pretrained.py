@@ -144,8 +144,8 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
     )
 
 
-# mixtures of experts polytrain's llama computes (models/moe.py): planned from their config.json (`polytrain plan
-# --hf-config`); their weights are not loaded yet
+# mixtures of experts polytrain's llama computes (models/moe.py): loaded by --init-from, planned from their
+# config.json (`polytrain plan --hf-config`)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
@@ -323,13 +323,26 @@ def checkpoint_settings(folder) -> dict:
         raise ConfigError(f"--init-from: {folder} has no config.json; give a folder save_pretrained wrote")
     config = read_json(where, "config")
     named = config.get("architectures") or []
-    known = [name for name in named if name in ARCHITECTURES]
-    if not known:
+    if not any(name in ARCHITECTURES or name in MOE_ARCHITECTURES for name in named):
         raise ConfigError(
             f"--init-from: {where} names architecture {', '.join(map(str, named)) or '(none)'}, which polytrain "
-            f"cannot load; it loads {', '.join(ARCHITECTURES)}"
+            f"cannot load; it loads {', '.join([*ARCHITECTURES, *MOE_ARCHITECTURES])}"
         )
     weight_files(folder)
+    return architecture_settings(config, where)
+
+
+def architecture_settings(config: dict, where) -> dict:
+    """polytrain's model and sizes for a Hugging Face config.json of an architecture it builds (`ARCHITECTURES`,
+    `MOE_ARCHITECTURES`; the first its `architectures` names); one line, naming `where`, for what it does not
+    compute."""
+    known = [
+        name
+        for name in config.get("architectures") or []
+        if name in ARCHITECTURES or name in MOE_ARCHITECTURES
+    ]
+    if known[0] in MOE_ARCHITECTURES:
+        return moe_settings(config, known[0], where)
     if ARCHITECTURES[known[0]] == "gpt":
         return gpt2_settings(config, where)
     return llama_settings(config, known[0], where)

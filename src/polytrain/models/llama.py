@@ -58,15 +58,61 @@ HF_BIAS_NAMES = {
 }
 
 
+# a mixture of experts' names in Mixtral's checkpoints (MixtralForCausalLM, whose attention has no biases) and in
+# Qwen2-MoE's (Qwen2MoeForCausalLM, q/k/v biases), as save_pretrained writes them: each expert's weights apart
+# (`{e}`), which our stacked weights ([E, ...]) hold one expert a row
+HF_MIXTURE_NAMES = {
+    "MixtralForCausalLM": {
+        "model.layers.{i}.block_sparse_moe.gate.weight": "{i}.feed_forward.router.weight",
+        "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight": "{i}.feed_forward.experts.w1",
+        "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight": "{i}.feed_forward.experts.w2",
+        "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight": "{i}.feed_forward.experts.w3",
+    },
+    "Qwen2MoeForCausalLM": {
+        "model.layers.{i}.mlp.gate.weight": "{i}.feed_forward.router.weight",
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": "{i}.feed_forward.experts.w1",
+        "model.layers.{i}.mlp.experts.{e}.down_proj.weight": "{i}.feed_forward.experts.w2",
+        "model.layers.{i}.mlp.experts.{e}.up_proj.weight": "{i}.feed_forward.experts.w3",
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "{i}.feed_forward.shared.w1.weight",
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight": "{i}.feed_forward.shared.w2.weight",
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight": "{i}.feed_forward.shared.w3.weight",
+        "model.layers.{i}.mlp.shared_expert_gate.weight": "{i}.feed_forward.shared.gate.weight",
+    },
+}
+
+
+def hf_architecture(model: "Llama") -> str:
+    """The Hugging Face class whose checkpoints hold `model`: Mixtral's or Qwen2-MoE's with mixtures of experts,
+    else Llama's or Qwen2's; which follows from the attention's biases (Qwen2's have them)."""
+    biased = model[1].attention.wq.bias is not None
+    if any(isinstance(block.feed_forward, MixtureOfExperts) for block in list(model)[1:-2]):
+        return "Qwen2MoeForCausalLM" if biased else "MixtralForCausalLM"
+    return "Qwen2ForCausalLM" if biased else "LlamaForCausalLM"
+
+
 def hf_names(model: "Llama") -> dict:
-    """This model's parameter name -> its Hugging Face name (`HF_NAMES`, and `HF_BIAS_NAMES` where the attention
-    has biases): every parameter of the model, a tied head named by the embedding it shares, as Hugging Face
-    ties it (the checkpoint may leave lm_head.weight out)."""
+    """This model's parameter name -> its Hugging Face name (`HF_NAMES`, `HF_BIAS_NAMES` where the attention
+    has biases, `HF_MIXTURE_NAMES` in a mixture's block): every parameter of the model, a tied head named by the
+    embedding it shares, as Hugging Face ties it (the checkpoint may leave lm_head.weight out); a mixture's
+    stacked experts' weight -> the tuple of its experts' names, in order."""
     table = dict(HF_NAMES, **(HF_BIAS_NAMES if model[1].attention.wq.bias is not None else {}))
+    mixture = HF_MIXTURE_NAMES.get(hf_architecture(model), {})
     names = {}
+    for i in range(model.layers):
+        mixed = isinstance(model[i + 1].feed_forward, MixtureOfExperts)
+        blocks = {t: m for t, m in table.items() if "{i}" in t and not (mixed and ".mlp." in t)}
+        for theirs, mine in {**blocks, **(mixture if mixed else {})}.items():
+            if mixed and ".shared." in mine and model[i + 1].feed_forward.shared is None:
+                continue
+            experts = model[i + 1].feed_forward.experts.experts if mixed else 0
+            names[mine.format(i=i + 1)] = (
+                tuple(theirs.format(i=i, e=e) for e in range(experts))
+                if "{e}" in theirs
+                else theirs.format(i=i)
+            )
     for theirs, mine in table.items():
-        for i in range(model.layers) if "{i}" in theirs else [0]:
-            names[mine.format(i=i + 1, last=model.layers + 1, head=model.layers + 2)] = theirs.format(i=i)
+        if "{i}" not in theirs:
+            names[mine.format(last=model.layers + 1, head=model.layers + 2)] = theirs
     if model[-1].weight is model[0].weight:
         names[f"{model.layers + 2}.weight"] = names["0.weight"]
     return names
@@ -78,7 +124,8 @@ HF_CONFIG_DROPPED = ("transformers_version", "torch_dtype", "rope_scaling", "lay
 
 def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
     """The config.json of a Hugging Face checkpoint of `model` (polytrain export --format hf): a
-    Qwen2ForCausalLM where the attention has biases, else a LlamaForCausalLM, with the sizes read off the model
+    Qwen2ForCausalLM where the attention has biases, else a LlamaForCausalLM (with mixtures of experts a
+    Qwen2MoeForCausalLM or a MixtralForCausalLM: `hf_architecture`), with the sizes read off the model
     itself. `base`, the config.json of the checkpoint the run started from (--init-from), keeps its other keys
     (token ids, say). The rotary angle base is written both ways transformers reads it (rope_theta at the top
     level up to version 4, rope_parameters from 5)."""
@@ -90,7 +137,6 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
         model_type="qwen2" if biased else "llama",
         vocab_size=model.vocab,
         hidden_size=model[0].embedding_dim,
-        intermediate_size=block.feed_forward.w1.out_features,
         num_hidden_layers=model.layers,
         num_attention_heads=attention.heads,
         num_key_value_heads=attention.kv_heads,
@@ -107,7 +153,61 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.layers)
     else:
         config.update(attention_bias=False, mlp_bias=False)
+    blocks = [block.feed_forward for block in list(model)[1:-2]]
+    mixtures = [ff for ff in blocks if isinstance(ff, MixtureOfExperts)]
+    dense = [ff for ff in blocks if not isinstance(ff, MixtureOfExperts)]
+    config.update(intermediate_size=dense[0].w1.out_features if dense else mixtures[0].experts.hidden)
+    if mixtures:
+        config.update(_mixture_config(mixtures[0], every=blocks.index(mixtures[0]) + 1, biased=biased))
     return config
+
+
+def _mixture_config(mixture: MixtureOfExperts, *, every: int, biased: bool) -> dict:
+    """The keys of Mixtral's config.json (an attention without biases) or Qwen2-MoE's that describe the mixtures
+    (every `every`th block's, `mixture` the first); one line for what Mixtral's cannot say."""
+    experts, shared = mixture.experts, mixture.shared
+    common = dict(
+        num_experts_per_tok=mixture.per_token,
+        router_aux_loss_coef=mixture.balance_weight,
+        output_router_logits=mixture.balance_weight > 0,
+    )
+    if biased:
+        if shared is None:
+            raise ConfigError(
+                "Qwen2-MoE's blocks always have a shared expert, and this llama's mixtures have none (--shared-experts "
+                "0) beside q/k/v biases; export it with --format safetensors or pt"
+            )
+        return dict(
+            common,
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            num_experts=experts.experts,
+            moe_intermediate_size=experts.hidden,
+            shared_expert_intermediate_size=shared.w1.out_features,
+            decoder_sparse_step=every,
+            norm_topk_prob=mixture.renormalise,
+            mlp_only_layers=[],
+        )
+    if shared is not None or every > 1 or not mixture.renormalise:
+        what = (
+            "a shared expert"
+            if shared is not None
+            else "dense blocks"
+            if every > 1
+            else "unnormalised weights"
+        )
+        raise ConfigError(
+            f"Mixtral's form (a llama without q/k/v biases) has no {what}; export this run with --format "
+            f"safetensors or pt"
+        )
+    return dict(
+        common,
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=experts.experts,
+        intermediate_size=experts.hidden,
+        sliding_window=None,
+    )
 
 
 def rotary(positions, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:

@@ -33,7 +33,7 @@ import torch
 
 from ..data.tokenizer import COMPANIONS
 from ..data.tokenizer import FILE as TOKENIZER
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from . import shards
 from .checkpoint import safe_load, shard_folder
 
@@ -287,11 +287,6 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
             f"runs (as GPT2LMHeadModel); {run_dir} is a --model {model} run: export it with --format "
             f"safetensors or pt"
         )
-    if settings.get("experts"):
-        raise UserError(
-            f"--format hf writes dense llamas so far, and {run_dir} has a mixture of {settings['experts']} experts "
-            f"(its Mixtral or Qwen2-MoE form is not written yet); export it with --format safetensors or pt"
-        )
     if settings.get("classifies_texts"):
         raise UserError(
             f"--format hf writes language models, and {run_dir} is a sequence classifier (a score head in place "
@@ -301,15 +296,29 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
     listing, read_stored = _sources(weights_file(run_dir, weights))
     built = _model_of_run(run_dir, settings, listing)
     _check_safetensors_dtypes(listing)
+    try:
+        config = family.hf_config(built, _source_config(settings))
+    except ConfigError as error:
+        raise UserError(f"--format hf: {error}") from None
     names, seen, entries = family.hf_names(built), set(), []
     transposed = gpt.hf_transposed(names) if model == "gpt" else set()
     for name, shape, dtype in listing:
         theirs = names.get(name)
-        if theirs is not None and theirs not in seen:  # a tied head is stored once, as the embedding
+        if isinstance(theirs, tuple):  # a mixture's stacked experts: each expert a tensor of its own
+            for e, expert in enumerate(theirs):
+                names[f"{name}#{e}"] = expert
+                entries.append((f"{name}#{e}", shape[1:], dtype))
+        elif theirs is not None and theirs not in seen:  # a tied head is stored once, as the embedding
             seen.add(theirs)
             entries.append((name, shape[::-1] if name in transposed else shape, dtype))
+    last = {}  # the stacked weight whose experts are being written (read once for all of them)
 
     def read(name: str) -> torch.Tensor:  # (GPT-2's Conv1D weights: the transpose of the GPT's)
+        stacked, _, expert = name.partition("#")
+        if expert:
+            if last.get("name") != stacked:
+                last.update(name=stacked, value=read_stored(stacked))
+            return last["value"][int(expert)]
         return read_stored(name).t().contiguous() if name in transposed else read_stored(name)
 
     files = _shards(entries, limit)
@@ -337,7 +346,6 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (temporary / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        config = family.hf_config(built, _source_config(settings))
         (temporary / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _write_tokenizer(run_dir, settings, temporary, window=config.get("max_position_embeddings"))
         _replace_folder(temporary, out)

@@ -222,14 +222,7 @@ def plan(
 def hugging_face_shape(path) -> dict:
     """polytrain's model and sizes for a Hugging Face config.json (a file, or the folder that holds it: Llama,
     Qwen2 and GPT-2 shapes, as --init-from reads them, and Mixtral's and Qwen2-MoE's; no weights needed)."""
-    from ..config.pretrained import (
-        ARCHITECTURES,
-        MOE_ARCHITECTURES,
-        gpt2_settings,
-        llama_settings,
-        moe_settings,
-        read_json,
-    )
+    from ..config.pretrained import ARCHITECTURES, MOE_ARCHITECTURES, architecture_settings, read_json
     from ..errors import ConfigError
 
     where = Path(path).expanduser()
@@ -244,11 +237,7 @@ def hugging_face_shape(path) -> dict:
             f"--hf-config: {where} is none of the architectures polytrain builds ({', '.join(builds)})"
         )
     try:
-        if known[0] in MOE_ARCHITECTURES:
-            return moe_settings(config, known[0], str(where))
-        if ARCHITECTURES[known[0]] == "gpt":
-            return gpt2_settings(config, str(where))
-        return llama_settings(config, known[0], str(where))
+        return architecture_settings(config, str(where))
     except ConfigError as error:
         raise UserError(str(error).replace("--init-from:", "--hf-config:")) from None
 

@@ -106,6 +106,22 @@ def pieces(tensor: torch.Tensor, *, transposed: bool, order=None) -> Pieces:
     return Pieces(tensor.shape, blocks)
 
 
+def expert_pieces(tensor: torch.Tensor, names: tuple) -> dict:
+    """{stored name: Pieces} of a mixture's stacked weight ([E, ...], a DTensor or a whole tensor) whose expert e
+    is stored apart under names[e]: for each expert this rank holds rows of, the block of its stored tensor that
+    this rank's rows cover (FSDP2 may cut the experts, or each expert's rows where they are fewer than the
+    shards)."""
+    found = {}
+    for offsets, sizes, view in _blocks(tensor):
+        for e in range(offsets[0], offsets[0] + sizes[0]):
+            block = (tuple(offsets[1:]), tuple(sizes[1:]), view[e - offsets[0]])
+            if names[e] in found:
+                found[names[e]].blocks.append(block)
+            else:
+                found[names[e]] = Pieces(tensor.shape[1:], [block])
+    return found
+
+
 class Pretrained:
     """A checkpoint folder and the names of `model`'s parameters in it (picklable: sent to each worker)."""
 
@@ -138,6 +154,9 @@ class Pretrained:
             if not loads_head(model, name, stored, self.folder):
                 continue
             theirs = self.names.get(name)
+            if isinstance(theirs, tuple):  # a mixture's experts stacked: one stored tensor each
+                self._check_stacked(parameter, theirs, stored)
+                continue
             if theirs not in stored:
                 raise ConfigError(
                     f"--init-from: {self.folder} has no tensor {theirs or name!r}, which its config.json "
@@ -153,20 +172,38 @@ class Pretrained:
                     f"with save_pretrained"
                 )
 
+    def _check_stacked(self, parameter: torch.Tensor, theirs: tuple, stored: dict) -> None:
+        """One line where a stacked weight's experts are not each stored with its shape."""
+        for expert in theirs:
+            if stored.get(expert) != tuple(parameter.shape[1:]):
+                has = f"has shape {list(stored[expert])}" if expert in stored else "lacks it"
+                raise ConfigError(
+                    f"--init-from: {self.folder} {has}: {expert}, one of {len(theirs)} experts of "
+                    f"{list(parameter.shape[1:])} that its config.json implies; the weights and the config "
+                    f"disagree: save them again with save_pretrained"
+                )
+
     @torch.no_grad()
     def read_into(self, targets: dict, *, reorder=None) -> tuple:
         """Fill `targets` (one-device name -> this rank's tensor: a DTensor, or a whole tensor) from the
         checkpoint, each with the piece it holds; `reorder`: name -> the order a fused layer's rows take on the
-        ranks, read in that order (`Pieces`). Returns (names filled, {}: nothing read whole)."""
+        ranks, read in that order (`Pieces`); a mixture's stacked experts, each expert's rows that this rank
+        holds from the tensor stored for it (`expert_pieces`). Returns (names filled, {}: nothing read
+        whole)."""
         import torch.distributed.checkpoint as dcp
 
         reorder = reorder or {}
         # a tensor the checkpoint has under one name may be held here under several (a tied head): one load
         # per holder, so that each template names each stored tensor once
         templates, filled = [], set()
+        stacked = {}
         for name, tensor in targets.items():
             theirs = self.names.get(name)
             if theirs is None:
+                continue
+            if isinstance(theirs, tuple):
+                stacked.update(expert_pieces(tensor, theirs))
+                filled.add(name)
                 continue
             for template in templates:
                 if theirs not in template or template[theirs][0] is tensor:
@@ -176,11 +213,15 @@ class Pretrained:
                 templates.append(template)
             template[theirs] = (tensor, name)
             filled.add(name)
+        if stacked:
+            templates.append({theirs: (piece, None) for theirs, piece in stacked.items()})
         for template in templates:
             values = {
                 theirs: tensor
                 if name not in self.transposed and name not in reorder
                 else pieces(tensor, transposed=name in self.transposed, order=reorder.get(name))
+                if name is not None
+                else tensor  # (an expert's Pieces)
                 for theirs, (tensor, name) in template.items()
             }
             with shards.quiet():

@@ -156,6 +156,15 @@ def test_a_layout_the_code_refuses_at_full_size_is_refused_with_its_line():
 
 def test_layouts_and_gpus_are_read_in_one_line_each():
     assert parse_layout("dp_shard=8,tp=8", 64) == Layout(shard=8, tensor=8)
+    # the expert degree borrows its ranks from the shards (and their context ranks): no factor of the world
+    experts = Layout(shard=4, context=2, expert=4)
+    assert parse_layout(experts.words(), 8) == experts and experts.words() == "dp_shard=4,cp=2,ep=4"
+    settings = settings_of(experts)
+    assert layout_of(settings.pop("strategy"), 8, **settings) == experts
+    with pytest.raises(Exception, match="must divide them"):
+        Layout(shard=4, expert=3)
+    with pytest.raises(Exception, match="--strategy sharded"):
+        Layout(replicate=4, expert=2)
     with pytest.raises(Exception, match="product is 64"):
         parse_layout("dp_shard=8,tp=4", 64)
     with pytest.raises(Exception, match="NAME=SIZE"):

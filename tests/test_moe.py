@@ -179,6 +179,50 @@ def test_where_labels_are_masked_a_sequence_s_balance_counts_by_its_trained_toke
     assert float(objective.weighed_balance(balance, targets, torch.nn.Linear(1, 1))) == 7.0
 
 
+def _exchange_on_rank(rank, world):
+    """Every rank's tokens through 8 experts split over the `world` ranks (parallel/experts.py), against the same
+    experts whole on each rank: outputs, the tokens' gradients, and each rank's experts' gradients, the mean over
+    the ranks of each rank's tokens' gradient (as ranks' copies of a parameter average theirs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from polytrain.parallel.experts import apply_expert_parallel
+
+    torch.manual_seed(0)
+    whole = MixtureOfExperts(8, 12, 8, 2).double()
+    split = MixtureOfExperts(8, 12, 8, 2).double()
+    split.load_state_dict(whole.state_dict())
+    apply_expert_parallel(split, init_device_mesh("cpu", (world,)))
+    torch.manual_seed(1 + rank)  # each rank its own tokens; rank 1 routes more of them to rank 0's experts
+    x = torch.randn(3 + rank, 5, 8, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [whole(xs[0]), split(xs[1])]
+    for out in outs:
+        out.square().sum().backward()
+    experts = 8 // world
+    rows = slice(rank * experts, (rank + 1) * experts)
+    sums = [whole.experts.w1.grad.clone(), whole.experts.w2.grad.clone()]
+    for total in sums:
+        torch.distributed.all_reduce(total)  # every rank's tokens' share of each expert's gradient
+    local = [split.experts.w1.grad.to_local(), split.experts.w2.grad.to_local()]
+    return {
+        "output": (outs[0] - outs[1]).abs().max().item(),
+        "tokens": (xs[0].grad - xs[1].grad).abs().max().item(),
+        "experts": max((sums[i][rows] / world - local[i]).abs().max().item() for i in range(2)),
+        "held": tuple(split.experts.w1.to_local().shape),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_experts_split_over_ranks_compute_what_whole_experts_do(world):
+    from distributed import run_on_ranks
+
+    for found in run_on_ranks(_exchange_on_rank, world_size=world):
+        assert found["held"] == (8 // world, 12, 8), found
+        assert max(found["output"], found["tokens"], found["experts"]) < 1e-12, found
+
+
 SMALL = ["--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "2",
          "--context", "16", "--experts", "4", "--experts-per-token", "2"]  # fmt: skip
 VERIFIES = {
@@ -192,6 +236,21 @@ VERIFIES = {
     "2 replicas x 2 context ranks, the load-balancing loss, selective checkpointing, 2 passes": [
         "--strategy", "data", "--context-parallel", "2", "--devices", "4", "--router-aux-loss", "0.5",
         "--activation-checkpointing", "selective", "--accumulate", "2",
+    ],
+    "experts over 2 ranks (2 shards)": [
+        "--strategy", "sharded", "--devices", "2", "--experts", "8", "--expert-parallel", "2",
+    ],
+    "experts over 4 ranks (4 shards)": [
+        "--strategy", "sharded", "--devices", "4", "--experts", "8", "--expert-parallel", "4",
+    ],
+    "2 copies x 2 shards, experts over 2 ranks, full checkpointing": [
+        "--strategy", "sharded", "--devices", "4", "--replicas", "2", "--experts", "8", "--expert-parallel", "2",
+        "--activation-checkpointing", "full",
+    ],
+    "2 shards x 2 context ranks, experts over 2 ranks, the load-balancing loss, selective checkpointing, 2 passes": [
+        "--strategy", "sharded", "--devices", "4", "--context-parallel", "2", "--experts", "8",
+        "--expert-parallel", "2", "--router-aux-loss", "0.1", "--activation-checkpointing", "selective",
+        "--accumulate", "2",
     ],
     "2 pipeline stages x 2 context ranks, every other block dense, full checkpointing": [
         "--strategy", "pipeline", "--context-parallel", "2", "--devices", "4", "--moe-every", "2",
@@ -225,6 +284,18 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         (["--router-aux-loss", "0.02"], ["--router-aux-loss describes a mixture of experts; add --experts"]),
         (["--experts", "4", "--router-aux-loss", "-1"], ["--router-aux-loss", "-1"]),
         (
+            ["--experts", "6", "--strategy", "sharded", "--devices", "4", "--expert-parallel", "4"],
+            ["--expert-parallel 4 must divide the 6 experts"],
+        ),
+        (
+            ["--experts", "8", "--strategy", "sharded", "--devices", "2", "--expert-parallel", "4"],
+            ["--expert-parallel 4", "must divide them (2 here"],
+        ),
+        (
+            ["--experts", "8", "--strategy", "data", "--devices", "2", "--expert-parallel", "2"],
+            ["--expert-parallel applies to --strategy sharded"],
+        ),
+        (
             ["--experts", "4", "--router-aux-loss", "0.02", "--strategy", "pipeline", "--devices", "2"],
             ["--router-aux-loss is not taken by --strategy pipeline yet"],
         ),
@@ -237,6 +308,9 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         "balance-without-experts",
         "negative-balance",
         "balance-in-a-pipeline",
+        "experts-not-divided",
+        "shards-not-divided",
+        "experts-over-replicas",
     ],
 )
 def test_what_makes_no_mixture_is_refused_in_one_line(capsys, tmp_path, argv, words):
@@ -353,3 +427,39 @@ def test_a_moe_config_json_is_planned_with_transformers_parameters(family, tmp_p
 
     with pytest.raises(UserError, match="--hf-config: .*(mlp_only_layers|sliding_window)"):
         make_request(str(tmp_path), devices=2, batch_size=2, context=16)
+
+
+RESUMED = [
+    *("--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--heads", "4", "--kv-heads", "2"),
+    *("--width", "32", "--context", "16", "--batch-size", "8", "--optimizer", "adamw", "--lr", "0.01"),
+    *("--seed", "5", "--device", "cpu", "--experts", "8", "--experts-per-token", "2"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_run_with_experts_split_over_4_ranks_resumes_over_2_and_on_whole_copies_as_the_straight_run(
+    tmp_path, capfd
+):
+    """2 steps with the experts over 4 ranks, 2 more over 2, then 2 more on 2 data-parallel copies (every rank all
+    the experts): the weights of 6 steps on one device (the checkpoint holds the one-device names and shapes)."""
+    from conftest import load_weights
+
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    done = polytrain_here(capfd, "train", *RESUMED, "--max-steps", "6", "--out", straight)
+    assert done.returncode == 0, done.stderr
+    theirs = load_weights(straight / "model.pt")
+    split = ["--strategy", "sharded", "--devices", "4", "--expert-parallel", "4"]
+    done = polytrain_here(capfd, "train", *RESUMED, *split, "--max-steps", "2", "--out", out)
+    assert done.returncode == 0 and "experts split over 4 ranks" in done.stdout, done.stdout + done.stderr
+    halved = ["--strategy", "sharded", "--devices", "2", "--expert-parallel", "2"]
+    done = polytrain_here(capfd, "train", "--resume", out, *halved, "--max-steps", "4")
+    assert done.returncode == 0 and "experts split over 2 ranks" in done.stdout, done.stdout + done.stderr
+    done = polytrain_here(
+        capfd, "train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", "6"
+    )
+    assert done.returncode == 0 and "expert parallel" not in done.stdout, done.stdout + done.stderr
+    ours = load_weights(out / "model.pt")
+    assert list(ours) == list(theirs)
+    apart = max(float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()) for k in theirs)
+    assert apart < 1e-5  # float32 sums in another order on each layout

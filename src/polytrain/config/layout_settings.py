@@ -58,6 +58,19 @@ class DeviceSettings:
         resume="change",
         replans=True,
     )
+    expert_parallel: Optional[int] = setting(
+        None,
+        "ranks each mixture of experts' experts are split over (--model llama --experts E; E/P experts each), "
+        "borrowed from the --strategy sharded ranks: each rank's tokens go to the ranks of their experts and come "
+        "back by all-to-all, and FSDP2 shards the experts over the ranks that hold the same ones (default: 1, "
+        "every rank all the experts)",
+        group="devices",
+        metavar="P",
+        check="count",
+        strategies=("sharded",),
+        resume="change",
+        replans=True,
+    )
     plan: Optional[str] = setting(
         None,
         "with --strategy auto: choose from this polytrain bench result instead of measuring",

@@ -15,7 +15,7 @@ from ..parallel.layout import Layout
 from ..parallel.presets import layout_of, layout_or_none, settings_in
 from ..pipeline.plan import check_microbatches
 from .declare import check_value, declared, flag_name, unset
-from .model_defaults import BALANCE_IN_PIPELINE, mixture_of
+from .model_defaults import BALANCE_IN_PIPELINE, experts_not_divided, mixture_of
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 
@@ -128,6 +128,8 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             self.router_aux_loss,
         )
         _need(not (self.router_aux_loss and self.strategy == "pipeline"), BALANCE_IN_PIPELINE)
+        ranks = self.expert_parallel or 1
+        _need(not (self.experts and self.experts % ranks), experts_not_divided(ranks, self.experts or 1))
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(
             len(self.synthetic_shape) == 3

@@ -68,6 +68,10 @@ def _recomputing() -> bool:
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: expert e computes w2[e](silu(w1[e] x) * w3[e] x)."""
 
+    # an ExpertGroup where the experts are split over ranks (parallel/experts.py): this rank holds its experts'
+    # rows of the weights, and the tokens are exchanged with the group's other ranks
+    expert_parallel = None
+
     def __init__(self, experts: int, width: int, hidden: int):
         super().__init__()
         self.experts, self.width, self.hidden = experts, width, hidden
@@ -87,14 +91,19 @@ class GroupedExperts(nn.Module):
         """`tokens` (N, D); `chosen` (N, K) each token's experts; `weights` (N, K) their weights: (N, D)."""
         tokens, chosen, weights = _local(tokens), _local(chosen), _local(weights)
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        picks = chosen.flatten()
+        if self.expert_parallel is not None and not _is_fake(tokens):
+            return self.expert_parallel.run(self, tokens, chosen, weights, w1, w2, w3)
+        held = w1.shape[
+            0
+        ]  # (a rank of an expert group holds E/P experts: under a fake tensor, as many pairs)
+        picks = chosen.flatten() if held == self.experts else chosen.flatten() % held
         order = torch.argsort(picks, stable=True)  # the (token, choice) pairs grouped by expert
         owner = order // chosen.shape[1]  # the token of each pair, in that order
         if _is_fake(tokens):
-            even, rest = divmod(picks.numel(), self.experts)
-            counts = [even + (e < rest) for e in range(self.experts)]
+            even, rest = divmod(picks.numel(), held)
+            counts = [even + (e < rest) for e in range(held)]
         else:
-            counts = torch.bincount(picks, minlength=self.experts).tolist()
+            counts = torch.bincount(picks, minlength=held).tolist()
         grouped = tokens[owner]
         outputs = []
         for e, rows in enumerate(grouped.split(counts)):

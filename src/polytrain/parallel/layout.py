@@ -3,9 +3,10 @@
 `Layout(replicate=2, tensor=2)` is 2 data-parallel replicas of 2 tensor ranks each. The degrees are
 torchtitan's `ParallelDims`: data-parallel replicate (whole copies that all-reduce gradients), data-parallel
 shard (FSDP2 ranks that each keep a shard), pipeline (stages), context (each sequence's tokens split), tensor
-(each layer split); an expert degree has its place beside them when it comes. The device mesh is laid out in that
-order, the tensor dimension innermost, so a tensor group is consecutive ranks (one machine's devices), and a
-context group the ranks next to them.
+(each layer split). The device mesh is laid out in that order, the tensor dimension innermost, so a tensor group is
+consecutive ranks (one machine's devices), and a context group the ranks next to them. The expert degree (each
+mixture's experts split over `expert` ranks) multiplies nothing: as torchtitan's, its ranks are borrowed from those
+FSDP2 shards over (`fsdp_ranks`), consecutive among them (experts.py).
 
 What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
 gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
@@ -61,6 +62,8 @@ class Layout:
     # (FSDP2 over them, torchtitan's dp_shard_cp) or "replicate" (whole copies, DDP over them); without context
     # ranks it says nothing and is "shard"
     context_in: str = "shard"
+    # the ranks each mixture's experts are split over, borrowed from the FSDP2 ranks (not a factor of the world)
+    expert: int = 1
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -69,6 +72,14 @@ class Layout:
                 raise ConfigError(f"the {name} degree must be a whole number of at least 1, got {value!r}")
         if self.context_in not in ("shard", "replicate"):
             raise ConfigError(f"context_in must be 'shard' or 'replicate', got {self.context_in!r}")
+        if not isinstance(self.expert, int) or isinstance(self.expert, bool) or self.expert < 1:
+            raise ConfigError(f"the expert degree must be a whole number of at least 1, got {self.expert!r}")
+        if self.expert > 1 and (self.data_parallel != "shard" or self.fsdp_ranks % self.expert):
+            raise ConfigError(
+                f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and must "
+                f"divide them ({self.fsdp_ranks} here: --strategy sharded's shards, with their context ranks); use "
+                f"--strategy sharded and a divisor of {self.fsdp_ranks}"
+            )
         if self.context == 1:  # (one description per layout: equal layouts compare equal)
             object.__setattr__(self, "context_in", "shard")
 
@@ -193,19 +204,23 @@ class Layout:
         return f", each sequence split over {self.context} context ranks" if self.context > 1 else ""
 
     def describe(self) -> str:
-        """In words: '2 replicas x 2 tensor ranks'; 'one device'."""
+        """In words: '2 replicas x 2 tensor ranks'; 'one device'; ', experts over 2 ranks' with an expert degree."""
         parts = [f"{size} {WORDS[name]}s" for name, size in self.degrees().items()]
-        return " x ".join(parts) if parts else "one device"
+        experts = f", experts over {self.expert} ranks" if self.expert > 1 else ""
+        return (" x ".join(parts) if parts else "one device") + experts
 
     def words(self) -> str:
-        """`dp_shard=8,tp=8`: the layout in its mesh names, as `--layout` takes it ('single' on one device)."""
-        return ",".join(f"{name}={size}" for name, size in zip(self.mesh_names, self.mesh_shape)) or "single"
+        """`dp_shard=8,tp=8`: the layout in its mesh names, as `--layout` takes it ('single' on one device; the
+        expert degree `ep=P` last)."""
+        named = [f"{name}={size}" for name, size in zip(self.mesh_names, self.mesh_shape)]
+        named += [f"ep={self.expert}"] if self.expert > 1 else []
+        return ",".join(named) or "single"
 
 
 def parse_layout(text: str, devices: int) -> Layout:
     """`--layout dp_replicate=2,dp_shard=8,pp=4,cp=2,tp=4` (`Layout.words`) as a Layout of `devices`; one line where it
     is not one."""
-    names = {mesh: name for name, mesh in MESH_NAMES.items()}
+    names = dict({mesh: name for name, mesh in MESH_NAMES.items()}, ep="expert")
     degrees = {}
     for part in filter(None, text.replace(" ", "").split(",") if text.strip() != "single" else ()):
         key, _, value = part.partition("=")
@@ -221,7 +236,7 @@ def parse_layout(text: str, devices: int) -> Layout:
     copies = get("shard", 1) == 1 and (
         get("pipeline", 1) > 1 or (get("tensor", 1) == 1 and get("replicate", 1) > 1)
     )
-    layout = Layout(**degrees, context_in="replicate" if copies else "shard")
+    layout = Layout(**degrees, context_in="replicate" if copies and get("expert", 1) == 1 else "shard")
     if layout.world_size != devices:
         raise ConfigError(
             f"--layout {text} makes {layout.world_size} ranks, and --devices is {devices}; give degrees whose "

@@ -5,7 +5,7 @@ dp_replicate, dp_shard, pp, cp, tp; the tensor dimension innermost), those of si
 them all the same: FSDP2's dp_shard (`shard`: FSDP2 is applied, even over one rank of a layout of replicas and
 context) and the tensor plan's tp (`tensor`: a plan is applied, of one rank where a test asks). Every part is asked
 of it by what it is for: `tensor`, `context` and `pipeline` (the tp, cp and pp dimensions), `fsdp` (what FSDP2
-shards over), `copies` (the group whose whole copies sum their gradients), `replicas` (dp_replicate). Nothing
+shards over), `expert_views` (the ranks the experts are split over, and those that hold the same ones), `copies` (the group whose whole copies sum their gradients), `replicas` (dp_replicate). Nothing
 else builds a mesh or slices one by name.
 """
 
@@ -127,6 +127,24 @@ class RunMesh:
     def fsdp(self):
         """What FSDP2 shards over (`fsdp_submesh`)."""
         return fsdp_submesh(self.world, self.layout)
+
+    @cached_property
+    def expert_views(self) -> tuple:
+        """(`ep`: the ranks one mixture's experts are split over, `expert_fsdp`: the ranks that hold the same experts,
+        which FSDP2 shards them over): what FSDP2 shards over (`fsdp`) unflattened into (dp_shard_mod_ep, ep), ep
+        innermost, as torchtitan borrows its expert ranks (within each dp_replicate copy for hybrid sharding)."""
+        fsdp, size = self.fsdp, self.layout.expert
+        if not hasattr(fsdp, "_unflatten"):
+            from ..errors import ConfigError
+
+            raise ConfigError(
+                "--expert-parallel needs torch 2.9 or later (DeviceMesh._unflatten); upgrade torch"
+            )
+        if fsdp.ndim == 1:
+            two = fsdp._unflatten(0, (fsdp.size() // size, size), ("dp_shard_mod_ep", "ep"))
+            return two["ep"], two["dp_shard_mod_ep"]
+        three = fsdp._unflatten(1, (fsdp.shape[1] // size, size), ("dp_shard_mod_ep", "ep"))
+        return three["ep"], three["dp_replicate", "dp_shard_mod_ep"]
 
     @cached_property
     def copies(self):

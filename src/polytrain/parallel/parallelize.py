@@ -15,6 +15,8 @@ does nothing:
                               (tensor_split.py `apply_tensor_plan`)
   2. context parallelism      attention and positions over the `cp` ranks, the loss a part of each window's
                               (context.py `split_model_sequences`)
+     expert parallelism       each mixture's experts split over the `ep` ranks, tokens exchanged by all-to-all
+                              (experts.py `apply_expert_parallel`)
   3. activation checkpointing the model's blocks recomputed in backward (activation_checkpoint.py)
   4. the global batch         BatchNorm and Dropout computed over the global batch where the data ranks each
                               compute a slice, Dropout drawn as one device draws it (global_batch.py)
@@ -120,6 +122,14 @@ def parallelize(
             module, objective, mesh.context, layout.data_degree, part=options.whole is not None
         )
         done.lines.append(line)
+    if layout.expert > 1:
+        from .experts import apply_expert_parallel
+
+        apply_expert_parallel(module, mesh.expert_views[0])
+        done.lines.append(
+            f"expert parallel: each mixture's experts split over {layout.expert} ranks, tokens exchanged with "
+            f"them by all-to-all"
+        )
     apply_activation_checkpointing(
         module if options.whole is None else options.whole, options.activation_checkpointing
     )
@@ -160,6 +170,10 @@ def check_model(model: nn.Module, layout: Layout, *, activation_checkpointing: s
         from .context import check_context_parallel
 
         check_context_parallel(model, layout.context, name=type(model).__name__)
+    if layout.expert > 1:
+        from .experts import check_expert_parallel
+
+        check_expert_parallel(model, layout.expert, name=type(model).__name__)
 
 
 def mesh_for(layout: Layout, options: Preparation) -> Optional[RunMesh]:

@@ -9,6 +9,7 @@ Pure: numbers in, numbers out (no torch).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import ConfigError
@@ -18,7 +19,14 @@ from .layout import Layout, divisors
 CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
 
 # the settings beside --strategy that shape its layout (`layout_of`'s keywords)
-LAYOUT_SETTINGS = ("pipeline_stages", "tensor_parallel", "data_parallel", "replicas", "context_parallel")
+LAYOUT_SETTINGS = (
+    "pipeline_stages",
+    "tensor_parallel",
+    "data_parallel",
+    "replicas",
+    "context_parallel",
+    "expert_parallel",
+)
 
 
 def settings_in(values) -> dict:
@@ -213,11 +221,17 @@ def layout_of(
     data_parallel: Optional[str] = None,
     replicas: Optional[int] = None,
     context_parallel: Optional[int] = None,
+    expert_parallel: Optional[int] = None,
 ) -> Layout:
     """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel, and
     --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
-    model; --context-parallel: the ranks each sequence is split over); one line naming the fix where they do not
-    multiply out."""
+    model; --context-parallel: the ranks each sequence is split over; --expert-parallel: the ranks each mixture's
+    experts are split over, borrowed from the shards); one line naming the fix where they do not multiply out."""
+    if expert_parallel not in (None, 1) and strategy != "sharded":
+        raise ConfigError(
+            "--expert-parallel takes --strategy sharded so far (its experts split over shards); use --strategy "
+            "sharded, or drop --expert-parallel"
+        )
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
     options = dict(context_parallel=context_parallel) if context_parallel not in (None, 1) else {}
@@ -233,7 +247,7 @@ def layout_of(
             f"of {tensor_parallel} ranks splits every layer; --devices / {tensor_parallel} groups split the "
             f"batch); use a divisor of {devices}"
         )
-    return PRESETS[strategy](
+    layout = PRESETS[strategy](
         devices,
         pipeline_stages=pipeline_stages,
         tensor_parallel=tensor_parallel,
@@ -241,6 +255,7 @@ def layout_of(
         replicas=replicas,
         **options,
     )
+    return replace(layout, expert=expert_parallel) if expert_parallel not in (None, 1) else layout
 
 
 def plain_layout(strategy: str, devices: int) -> Layout:
@@ -286,6 +301,7 @@ def settings_of(layout: Layout) -> dict:
     """The --strategy and the flags beside it that make `layout` (`layout_of` the other way, for any layout a
     preset makes: `layout_of(**settings_of(layout))` is `layout`)."""
     flags = {"context_parallel": layout.context} if layout.context > 1 else {}
+    flags.update({"expert_parallel": layout.expert} if layout.expert > 1 else {})
     if layout.pipeline > 1:
         flags.update(pipeline_stages=layout.pipeline)
         flags.update({"tensor_parallel": layout.tensor} if layout.tensor > 1 else {})

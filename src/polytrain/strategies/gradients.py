@@ -23,9 +23,16 @@ from .holdings import whole
 
 
 def total_norm(grads: list) -> torch.Tensor:
-    """The L2 norm of all `grads` together (0 for none), as `torch.nn.utils.clip_grad_norm_` computes it."""
+    """The L2 norm of all `grads` together (0 for none), as `torch.nn.utils.clip_grad_norm_` computes it; DTensors
+    of different meshes (experts split over ranks beside the rest, parallel/experts.py) each over their own."""
     if not grads:
         return torch.zeros(())
+    meshes = {}
+    for grad in grads:
+        meshes.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    if len(meshes) > 1:
+        norms = [total_norm(group) for group in meshes.values()]
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device, torch.float64) for n in norms]))
     if hasattr(torch.nn.utils, "get_total_norm"):
         return whole(torch.nn.utils.get_total_norm(grads, 2.0))  # a DTensor norm: its full value
     return torch.linalg.vector_norm(

@@ -1,0 +1,132 @@
+"""Expert parallelism (`--expert-parallel P`): the experts of every mixture (models/moe.py) split over the P ranks
+of an expert group, E/P each, and the tokens a rank holds sent to the ranks of their experts and back.
+
+**Where the ranks come from.** As torchtitan borrows its EP ranks from dp_shard x cp, an expert group is P of the
+ranks FSDP2 shards over (`Layout.fsdp_ranks`: the shard ranks, with the context ranks beside them): the run's mesh
+gives the view `experts` (the ep dimension of the FSDP2 ranks unflattened into (dp_shard_mod_ep, ep)) and
+`expert_fsdp` (the ranks that hold the same experts: dp_shard_mod_ep, within each dp_replicate copy). Each rank
+holds its experts' rows of the stacked weights as a DTensor cut along dimension 0 over ep (`apply_expert_parallel`),
+which FSDP2 then shards over the ranks that hold the same experts; checkpoints keep the one-device names and
+shapes, so a run resumes on another expert degree, or on none.
+
+**The exchange** (`ExpertGroup.run`, in place of GroupedExperts' own computation). The (token, choice) pairs are
+sorted by expert; one all-to-all tells each rank how many pairs every other rank sends for each of its experts,
+and torch's autograd-aware `all_to_all_single_autograd` sends them (its backward sends their gradients back). A
+rank groups what it received by its experts, computes one matrix product per expert over its tokens, and the
+outputs go back by the reverse all-to-all to be weighed and added to their tokens, as one device does.
+
+**Gradients.** A rank's experts receive the gradients of every rank's tokens routed to them, divided by P: the
+mean over the group's ranks, as if each held a copy of them (the tokens' own gradients are not divided). FSDP2
+then averages them over the ranks that hold the same experts, as it averages the rest of the model over all of its
+ranks, so that they are the one-device gradient as the rest's are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config.model_defaults import experts_not_divided
+from ..errors import ConfigError
+
+
+def _exchange(tensor: torch.Tensor, output_sizes: list, input_sizes: list, group) -> torch.Tensor:
+    """`tensor`'s rows sent to the group's ranks (`input_sizes` each) and theirs received (`output_sizes`),
+    differentiable (torch's functional collective; its older spelling where torch lacks the newer)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group)
+
+
+def _scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor` itself forward (x - x.detach() is exactly zero), its gradient times `factor` backward."""
+    held = tensor.detach()
+    return held + (tensor - held) * factor
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The expert group of a rank: `group` (a process group) of `size` ranks, this rank's place in it (`rank`);
+    rank r holds experts r E/size .. (r + 1) E/size - 1 of each mixture."""
+
+    group: Any
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, mesh) -> "ExpertGroup":
+        """The ExpertGroup of a 1-D DeviceMesh (the run mesh's `experts` view)."""
+        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+
+    def __deepcopy__(self, memo) -> "ExpertGroup":
+        return self  # a copy of a model on this rank exchanges tokens over the same group
+
+    def run(self, experts, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w1, w2, w3):
+        """GroupedExperts' output (N, D) for `tokens` (N, D), their experts `chosen` (N, K) and `weights` (N, K),
+        this rank holding the rows w1, w2, w3 of its experts only (their local tensors)."""
+        count, local = experts.experts, experts.experts // self.size
+        picks = chosen.flatten()
+        order = torch.argsort(picks, stable=True)  # the (token, choice) pairs grouped by expert
+        owner = order // chosen.shape[1]
+        counts = torch.bincount(picks, minlength=count)
+        sent = counts.view(self.size, local)  # to rank s: the pairs for each of its experts
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.group)  # from rank s: the pairs for each of mine
+        send_sizes, receive_sizes = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        arrived = _exchange(tokens[owner], receive_sizes, send_sizes, self.group)
+        # what arrived lies by source rank, then by expert: regroup it by expert, then by source rank
+        starts = torch.cumsum(received.flatten(), 0) - received.flatten()
+        spans = [
+            torch.arange(int(starts[s * local + j]), int(starts[s * local + j] + received[s, j]))
+            for j in range(local)
+            for s in range(self.size)
+        ]
+        regroup = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        # the experts' gradients averaged over the group's ranks (as the ranks' copies of a parameter average
+        # theirs), the tokens' summed as one device's: the same value forward, gradients scaled 1/P then P
+        rows, outputs = _scale_gradient(arrived[regroup], self.size), []
+        for j, part in enumerate(rows.split(received.sum(dim=0).tolist())):
+            hidden = F.silu(part @ w1[j].transpose(0, 1)) * (part @ w3[j].transpose(0, 1))
+            outputs.append(hidden @ w2[j].transpose(0, 1))
+        computed = _scale_gradient(torch.cat(outputs), 1.0 / self.size)[torch.argsort(regroup)]
+        returned = _exchange(computed, send_sizes, receive_sizes, self.group)
+        weighed = returned * weights.flatten()[order, None]
+        return torch.zeros_like(tokens).index_add_(0, owner, weighed.to(tokens.dtype))
+
+
+def mixtures_of(model: nn.Module) -> list:
+    """The modules whose experts expert parallelism splits (models/moe.py's GroupedExperts: those that declare
+    `expert_parallel`)."""
+    return [module for module in model.modules() if hasattr(type(module), "expert_parallel")]
+
+
+def check_expert_parallel(model: nn.Module, size: int, *, name: str) -> None:
+    """One line where `model` has no experts to split, or a mixture's experts do not divide over `size` ranks."""
+    found = mixtures_of(model)
+    if not found:
+        raise ConfigError(
+            f"--expert-parallel splits the experts of --model llama --experts E; {name} has no mixture of experts"
+        )
+    for module in found:
+        if module.experts % size:
+            raise ConfigError(experts_not_divided(size, module.experts))
+
+
+def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+    """Split every mixture's stacked experts over the ranks of `mesh` (the run mesh's 1-D `experts` view): each
+    weight a DTensor cut along dimension 0, this rank's experts' rows its local tensor, and the mixture switched to
+    exchanging tokens over the group (`ExpertGroup`). A model on the meta device stays there."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group = ExpertGroup.of(mesh)
+    for module in mixtures_of(model):
+        for key, parameter in list(module._parameters.items()):
+            split = distribute_tensor(parameter.data, mesh, [Shard(0)], src_data_rank=None)
+            module._parameters[key] = nn.Parameter(split, requires_grad=parameter.requires_grad)
+        module.expert_parallel = group
+    return model

@@ -80,13 +80,9 @@ class ExpertGroup:
         send_sizes, receive_sizes = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
         arrived = _exchange(tokens[owner], receive_sizes, send_sizes, self.group)
         # what arrived lies by source rank, then by expert: regroup it by expert, then by source rank
-        starts = torch.cumsum(received.flatten(), 0) - received.flatten()
-        spans = [
-            torch.arange(int(starts[s * local + j]), int(starts[s * local + j] + received[s, j]))
-            for j in range(local)
-            for s in range(self.size)
-        ]
-        regroup = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        block = torch.arange(self.size * local, device=received.device)  # s * local + j: from s, for j
+        by_expert = (block % local) * self.size + block // local
+        regroup = torch.argsort(torch.repeat_interleave(by_expert, received.flatten()), stable=True)
         # the experts' gradients averaged over the group's ranks (as the ranks' copies of a parameter average
         # theirs), the tokens' summed as one device's: the same value forward, gradients scaled 1/P then P
         rows, outputs = _scale_gradient(arrived[regroup], self.size), []

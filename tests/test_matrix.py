@@ -5,7 +5,8 @@ Models: polytrain's (lenet, lenet5, mlp, cifar-cnn, resnet, gpt on the built-in 
 `polytrain tokenize` writes before the launch, and llama-moe: the llama with mixtures of experts) by name, and torch-only ones given to
 `polytrain.fit` (tests/matrix_models.py: nn.TransformerEncoderLayer blocks, pytorch/examples' sequence-first
 LSTM with a step=, Hugging Face's LlamaForCausalLM where transformers is installed). Layouts: one device; data,
-sharded, pipeline, parameter-server, tensor and context parallelism on 2 processes; on 4, 2 replicas x 2 pipeline
+sharded, pipeline, parameter-server, tensor and context parallelism on 2 processes, and for llama-moe its experts
+split over 2 sharded processes (expert parallelism, tried on no other model); on 4, 2 replicas x 2 pipeline
 stages, 2 stages x 2 tensor ranks, 2 FSDP2 replicas x 2 tensor ranks, 2 FSDP2 shards x 2 stages, hybrid sharding
 (2 replicas of 2 shards) and 2 stages x 2 context ranks. The tensor layouts need a tensor plan: the built-in ones
 (mlp, gpt, llama) or the one given to fit for the Hugging Face Llama (its MLPs split); the context layouts a model
@@ -87,7 +88,9 @@ LAYOUTS = {  # name: (strategy and its settings, processes)
     "hybrid": ("sharded --replicas 2", 4),  # 2 replicas of 2 FSDP2 shards
     "context": ("data --context-parallel 2", 2),  # each sequence split over 2 ranks
     "pipeline-context": ("pipeline --context-parallel 2", 4),  # 2 stages x 2 context ranks
+    "experts": ("sharded --expert-parallel 2", 2),  # each mixture's experts split over the 2 shards
 }
+EXPERTS = ["experts"]  # layouts only a model with mixtures of experts takes (the others are not tried there)
 TENSOR = ["tensor", "pipeline-tensor", "tensor-2x2"]
 PIPELINE = ["pipeline", "pipeline-2x2", "pipeline-tensor", "pipeline-shards", "pipeline-context"]
 CONTEXT = ["context", "pipeline-context"]
@@ -153,7 +156,10 @@ def takes(model: str, layout: str) -> bool:
     """Whether `model` trains on `layout` (else it is refused there: `EXPECTED_REFUSALS`)."""
     refused_plan = layout in TENSOR and model not in PLANNED
     refused_split = layout in CONTEXT and model not in SEQUENCES
-    return not refused_plan and not refused_split and not (layout in PIPELINE and model in UNSPLIT)
+    experts = layout not in EXPERTS or model == "llama-moe"
+    return (
+        experts and not refused_plan and not refused_split and not (layout in PIPELINE and model in UNSPLIT)
+    )
 
 
 def reduced(index: int) -> list:

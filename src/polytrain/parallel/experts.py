@@ -37,7 +37,7 @@ from ..errors import ConfigError
 
 def _exchange(tensor: torch.Tensor, output_sizes: list, input_sizes: list, group) -> torch.Tensor:
     """`tensor`'s rows sent to the group's ranks (`input_sizes` each) and theirs received (`output_sizes`),
-    differentiable (torch's functional collective; its older spelling where torch lacks the newer)."""
+    differentiable: torch's functional collective, whose backward sends the gradients back the same way."""
     import torch.distributed._functional_collectives as funcol
 
     return funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group)

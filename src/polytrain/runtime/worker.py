@@ -278,6 +278,9 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     # train its own copy, or every rank's optimizer would step the same storage. One device in the caller's
     # process trains the caller's object itself where asked (runtime/own_module.py).
     recipe = (job.optim or make_recipe(config)).grouped(job.model)  # groups laid out over the whole model
+    # the mixtures' balance loss joins the objective (where the caller's check of it did not); the copy made
+    # below carries the routing counts this clears
+    strategy.objective.watch_balance(job.model)
     # a LightningModule's self.trainer answers in configure_optimizers; its loop runs on every rank
     module_loop = plan_loop(
         strategy.objective,
@@ -289,7 +292,6 @@ def _set_up_model(job: Job, strategy, *, steps_per_epoch: int, rank: int, world:
     )
     strategy.schedule_per_step = recipe.per_step
     model = job.model if job.in_place else copy.deepcopy(job.model)
-    strategy.objective.watch_balance(model)  # (where the caller's check of the objective did not)
     strategy.pretrained = job.pretrained
     strategy.setup(model, recipe.optimizer_factory(), recipe.scheduler_factory(steps_per_epoch))
     if job.verbose and strategy.placement:

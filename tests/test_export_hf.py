@@ -49,8 +49,16 @@ def runs(tmp_path_factory) -> dict:
         qwen2, experts=4, shared_experts=2, moe_every=2, experts_renormalise=False, router_aux_loss=0.01
     )
     polytrain.fit("llama", out=str(folder / "qwen2-moe"), **SIZES, **TRAIN, **qwen2_moe)
+    # Qwen3's attention (heads of their own width, q/k norms) on 2 tensor ranks; with Qwen3-MoE's mixtures on one
+    qwen3 = dict(head_dim=16, qk_norm=True, norm_eps=1e-6)
+    polytrain.fit("llama", out=str(folder / "qwen3"), strategy="tensor", devices=2, **SIZES, **TRAIN, **qwen3)
+    qwen3_moe = dict(qwen3, experts=4, experts_per_token=2)
+    polytrain.fit("llama", out=str(folder / "qwen3-moe"), **SIZES, **TRAIN, **qwen3_moe)
     assert (folder / "sharded" / "checkpoint-1").is_dir()  # the sharded run's weights are shards
-    return {name: folder / name for name in ("one", "sharded", "qwen2", "gpt", "mixtral", "qwen2-moe")}
+    return {name: folder / name for name in NAMES}
+
+
+NAMES = ("one", "sharded", "qwen2", "gpt", "mixtral", "qwen2-moe", "qwen3", "qwen3-moe")
 
 
 def logits_apart(folder: Path, run: Path) -> float:
@@ -64,7 +72,7 @@ def logits_apart(folder: Path, run: Path) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["one", "sharded", "qwen2", "gpt", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", NAMES)
 def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path, name, capsys):
     out = tmp_path / "hf"
     size = ["--max-shard-size", "20KB"] if name == "sharded" else []
@@ -76,6 +84,8 @@ def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path,
         "gpt": "GPT2LMHeadModel",
         "mixtral": "MixtralForCausalLM",
         "qwen2-moe": "Qwen2MoeForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3-moe": "Qwen3MoeForCausalLM",
     }.get(name, "LlamaForCausalLM")
     assert config["architectures"] == [architecture] and config["tie_word_embeddings"] == (
         name in ("qwen2", "gpt", "qwen2-moe")
@@ -85,6 +95,11 @@ def test_transformers_loads_the_export_and_gives_the_same_logits(runs, tmp_path,
             num_experts=4, decoder_sparse_step=2, norm_topk_prob=False, moe_intermediate_size=128,
             shared_expert_intermediate_size=256, router_aux_loss_coef=0.01, output_router_logits=True,
         )  # fmt: skip
+        assert {key: config[key] for key in expected} == expected
+    if name.startswith("qwen3"):
+        assert (config["head_dim"], config["hidden_size"], config["num_attention_heads"]) == (16, 32, 4)
+    if name == "qwen3-moe":
+        expected = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, moe_intermediate_size=128)
         assert {key: config[key] for key in expected} == expected
     if name == "gpt":
         expected = dict(n_positions=32, vocab_size=70, activation_function="gelu_new", resid_pdrop=0.1)

@@ -98,6 +98,29 @@ def save_moe(folder: Path, family: str) -> Path:
     return folder
 
 
+def save_qwen3(folder: Path, *, moe: bool) -> Path:
+    """A Qwen3 (heads of their own width: 4 of 16 over a hidden size of 32, each query and key head normalised,
+    the norms' weights drawn so that they count), or a Qwen3-MoE of the same attention with 4 experts of 32, 2 per
+    token, renormalised."""
+    import transformers
+
+    torch.manual_seed(4)
+    common = dict(SIZES, vocab_size=VOCAB, head_dim=16, rope_theta=1000000.0, rms_norm_eps=1e-6)
+    if moe:
+        config = transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.normal_(1.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 def save_gpt2(folder: Path) -> Path:
     """A GPT-2 (tanh GELU, learned positions, the head tied to the token embedding) in one model.safetensors,
     its biases and LayerNorm weights drawn (transformers starts them at zero and one), so that they count; a
@@ -132,7 +155,10 @@ def checkpoints(tmp_path_factory) -> dict:
     assert (llama / "model.safetensors.index.json").is_file() and len(list(llama.glob("*.safetensors"))) > 2
     assert (qwen2 / "model.safetensors").is_file()
     moe = {family: save_moe(folder / family, family) for family in ("mixtral", "qwen2-moe")}
-    return {"llama": llama, "qwen2": qwen2, "gpt2": save_gpt2(folder / "gpt2"), **moe}
+    qwen3 = {
+        family: save_qwen3(folder / family, moe=family == "qwen3-moe") for family in ("qwen3", "qwen3-moe")
+    }
+    return {"llama": llama, "qwen2": qwen2, "gpt2": save_gpt2(folder / "gpt2"), **moe, **qwen3}
 
 
 LAYOUTS = {
@@ -142,8 +168,18 @@ LAYOUTS = {
     "pipeline 2": ["--strategy", "pipeline", "--devices", "2", "--pipeline-stages", "2"],
 }
 # the polytrain model each family loads into
-MODELS = {"llama": "llama", "qwen2": "llama", "gpt2": "gpt", "mixtral": "llama", "qwen2-moe": "llama"}
-CASES = [(family, layout) for family in MODELS for layout in LAYOUTS]
+MODELS = {
+    **{family: "llama" for family in ("llama", "qwen2", "mixtral", "qwen2-moe", "qwen3", "qwen3-moe")},
+    "gpt2": "gpt",
+}
+# every family on every layout, but Qwen3-MoE, whose attention is Qwen3's and whose mixture Mixtral's: one device
+# and its experts sharded
+CASES = [
+    (family, layout)
+    for family in MODELS
+    for layout in LAYOUTS
+    if family != "qwen3-moe" or layout in ("one device", "sharded 2")
+]
 
 
 def argv(folder: Path, layout: str) -> list:
@@ -191,6 +227,7 @@ def test_logits_and_first_loss_equal_transformers(runs, checkpoints, case):
     assert bool(config.qkv_bias) == family.startswith("qwen2") and config.gelu == (
         "tanh" if family == "gpt2" else None
     )
+    assert bool(config.qk_norm) == (config.head_dim == 16) == family.startswith("qwen3")
     ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -388,7 +425,15 @@ def test_mistakes_are_one_line_before_any_worker(checkpoints, tmp_path, capsys):
     )
     refused(llama, ["--tie-embeddings True contradicts", "tie_word_embeddings: False"], "--tie-embeddings")
     foreign = edited(llama, tmp_path / "foreign", architectures=["MistralForCausalLM"])
-    refused(foreign, ["MistralForCausalLM", "it loads LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel"])
+    refused(
+        foreign,
+        [
+            "MistralForCausalLM",
+            "it loads LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GPT2LMHeadModel",
+        ],
+    )
+    biased = edited(checkpoints["qwen3"], tmp_path / "qwen3-biased", attention_bias=True)  # o_proj's too
+    refused(biased, ["has attention_bias true", "biases only on q/k/v"])
     scaled = edited(llama, tmp_path / "scaled", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
     refused(scaled, ["scales its rotary embedding ('llama3')"])
     wider = edited(llama, tmp_path / "wider", intermediate_size=96)

@@ -14,7 +14,8 @@ from polytrain.cli import parse
 from polytrain.config.flags import config_from_args
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
-from polytrain.models.llama import HF_NAMES, Llama
+from polytrain.models.llama import Llama
+from polytrain.models.llama_hf import HF_NAMES
 from polytrain.parallel.layout import Layout
 from polytrain.strategies.tensor import plan_for, run_plan
 
@@ -161,13 +162,18 @@ def test_llama_trains_on_shakespeare(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["data", "tensor", "pipeline"])
-def test_verify_llama(strategy, capfd):
+@pytest.mark.parametrize(
+    "strategy, attention", [("data", ()), ("tensor", ("--head-dim", "16", "--qk-norm")), ("pipeline", ())]
+)
+def test_verify_llama(strategy, attention, capfd):
     """Grouped-query attention (4 query heads, 2 key/value heads) on 2 processes: the tensor plan gives each
-    rank 2 query heads and their 1 key/value head."""
+    rank 2 query heads and their 1 key/value head; there with Qwen3's attention (heads of their own width, each
+    query and key head normalised: a rank's norms see its heads only, and their weights' gradients sum both
+    ranks')."""
     result = polytrain_here(
         capfd,
         *("verify", "--model", "llama", "--dataset", "shakespeare", "--devices", "2", "--strategy", strategy),
+        *attention,
         *("--layers", "2", "--width", "32", "--heads", "4", "--kv-heads", "2", "--ffn-width", "64"),
         *("--context", "16", "--batch-size", "8", "--steps", "2"),
     )

@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="safetensors",
         choices=("safetensors", "pt", "hf"),
         help="safetensors; pt: a state dict for torch.load; hf: a Hugging Face checkpoint folder of a "
-        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias; with --experts MixtralForCausalLM "
-        "or Qwen2MoeForCausalLM), or of a --model gpt run, "
+        "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias, Qwen3ForCausalLM with --qk-norm; "
+        "with --experts MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM), or of a --model gpt run, "
         "GPT2LMHeadModel (default: %(default)s)",
     )
     export.add_argument(
@@ -276,7 +276,8 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
         "--hf-config",
         default=None,
         metavar="PATH",
-        help="a Hugging Face config.json (or its folder) of a Llama, Qwen2 or GPT-2: its shape, no weights needed",
+        help="a Hugging Face config.json (or its folder) of a Llama, Qwen2, Qwen3, their mixtures of experts (Mixtral, "
+        "Qwen2-MoE, Qwen3-MoE) or GPT-2: its shape, no weights needed",
     )
     for flag in ("layers", "width", "heads", "kv-heads", "ffn-width", "vocab-size"):
         plan.add_argument(

@@ -75,6 +75,22 @@ class LlamaSettings:
         group="model",
         flag="toggle",
     )
+    head_dim: Optional[int] = setting(
+        None,
+        "--model llama: the width of each attention head, its own where --width / --heads is not it (Qwen3's; "
+        "default: --width / --heads)",
+        group="model",
+        metavar="D",
+        check="count",
+        example=128,
+    )
+    qk_norm: Optional[bool] = setting(
+        None,
+        "--model llama: each query and key head normalised (an RMSNorm over --head-dim) before the rotary "
+        "angles, as Qwen3's (default: off)",
+        group="model",
+        flag="toggle",
+    )
     experts: Optional[int] = setting(
         None,
         "--model llama: a mixture of E experts in place of each block's feed-forward (each a SwiGLU of "

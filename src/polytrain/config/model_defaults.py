@@ -25,6 +25,8 @@ MODEL_OPTIONS: Dict[str, Tuple[str, ...]] = {
         "tie_embeddings",
         "norm_eps",
         "qkv_bias",
+        "head_dim",
+        "qk_norm",
         "positions",
         "experts",
         "experts_per_token",

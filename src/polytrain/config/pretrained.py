@@ -3,7 +3,7 @@ from its config.json.
 
 A folder as `save_pretrained` writes it: `config.json`, and the weights in `model.safetensors` or in the
 shards that `model.safetensors.index.json` lists. Its `architectures` entry names the polytrain model it
-loads into (LlamaForCausalLM and Qwen2ForCausalLM: --model llama; GPT2LMHeadModel: --model gpt; their
+loads into (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and their mixtures of experts: --model llama; GPT2LMHeadModel: --model gpt; their
 *ForSequenceClassification too, whose body and score head a sequence classifier loads), and its config gives that model's sizes: they fill the run's settings (config.json of the run records them), and a
 flag that says otherwise is refused in one line, as is a folder that lacks a file it names, or a config key
 that asks for something the model does not compute (GPT-2's scale_attn_by_inverse_layer_idx, say). A
@@ -30,10 +30,12 @@ from .declare import flag_name
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt",
     # a sequence classifier's: its body, and its score head where the data has as many classes
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "llama",
+    "Qwen3ForSequenceClassification": "llama",
     "GPT2ForSequenceClassification": "gpt",
 }
 INDEX = "model.safetensors.index.json"
@@ -105,26 +107,25 @@ def _need(config: dict, key: str, where: str):
 
 
 def llama_settings(config: dict, architecture: str, where: str) -> dict:
-    """polytrain's llama settings for a LlamaForCausalLM or Qwen2ForCausalLM config."""
+    """polytrain's llama settings for a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM config (Qwen3's
+    attention normalises each query and key head: --qk-norm); a head_dim other than hidden_size over the heads
+    is --head-dim."""
     heads, width = _need(config, "num_attention_heads", where), _need(config, "hidden_size", where)
     head_dim = config.get("head_dim")
-    if head_dim is not None and isinstance(heads, int) and heads > 0 and head_dim * heads != width:
-        raise ConfigError(
-            f"--init-from: {where} has head_dim {head_dim} with {heads} heads of hidden_size {width}; "
-            f"polytrain's llama splits the width evenly among the heads (head_dim {width // heads})"
-        )
+    if head_dim is not None and isinstance(heads, int) and heads > 0 and head_dim * heads == width:
+        head_dim = None  # the llama's own default
     if config.get("hidden_act", "silu") != "silu":
         raise ConfigError(
             f"--init-from: {where} has hidden_act {config['hidden_act']!r}; polytrain's llama has a SwiGLU "
             f"MLP (silu)"
         )
-    qwen2 = architecture.startswith("Qwen2")
+    qwen2, qwen3 = architecture.startswith("Qwen2"), architecture.startswith("Qwen3")
     if not qwen2 and (config.get("attention_bias") or config.get("mlp_bias")):
         which = "attention_bias" if config.get("attention_bias") else "mlp_bias"
         raise ConfigError(
             f"--init-from: {where} has {which} true; polytrain's llama has biases only on q/k/v (as Qwen2's)"
         )
-    if qwen2 and config.get("use_sliding_window"):
+    if (qwen2 or qwen3) and config.get("use_sliding_window"):
         raise ConfigError(
             f"--init-from: {where} has use_sliding_window true; polytrain's llama attends to the whole context"
         )
@@ -140,21 +141,29 @@ def llama_settings(config: dict, architecture: str, where: str) -> dict:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qwen2,
+        head_dim=head_dim,
+        qk_norm=qwen3,
         positions=config.get("max_position_embeddings"),
     )
 
 
 # mixtures of experts polytrain's llama computes (models/moe.py): loaded by --init-from, planned from their
 # config.json (`polytrain plan --hf-config`)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def moe_settings(config: dict, architecture: str, where: str) -> dict:
-    """polytrain's llama settings with `--experts` for a MixtralForCausalLM or Qwen2MoeForCausalLM config; one line
-    for what the llama's mixture does not compute."""
-    qwen = architecture == "Qwen2MoeForCausalLM"
-    dense = dict(config, attention_bias=False, mlp_bias=False)
-    settings = llama_settings(dense, "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM", where)
+    """polytrain's llama settings with `--experts` for a MixtralForCausalLM, Qwen2MoeForCausalLM or
+    Qwen3MoeForCausalLM config; one line for what the llama's mixture does not compute."""
+    qwen = architecture != "MixtralForCausalLM"
+    dense_form = {"Qwen2MoeForCausalLM": "Qwen2ForCausalLM", "Qwen3MoeForCausalLM": "Qwen3ForCausalLM"}
+    # Qwen2-MoE's q/k/v biases are fixed; Qwen3-MoE's attention_bias is its config's
+    dense = (
+        dict(config, mlp_bias=False)
+        if architecture == "Qwen3MoeForCausalLM"
+        else dict(config, attention_bias=False, mlp_bias=False)
+    )
+    settings = llama_settings(dense, dense_form.get(architecture, "LlamaForCausalLM"), where)
     if config.get("sliding_window") is not None and (not qwen or config.get("use_sliding_window")):
         raise ConfigError(
             f"--init-from: {where} has sliding_window {config['sliding_window']}; polytrain's llama attends to "
@@ -190,7 +199,10 @@ def moe_settings(config: dict, architecture: str, where: str) -> dict:
     return dict(
         settings,
         ffn_width=width,
-        experts=_need(config, "num_experts", where),
+        # Qwen3-MoE's hub configs say num_experts, and transformers 5 writes it as num_local_experts
+        experts=config["num_experts"]
+        if "num_experts" in config
+        else _need(config, "num_local_experts", where),
         experts_per_token=_need(config, "num_experts_per_tok", where),
         shared_experts=shared // width,
         moe_every=every,
@@ -258,6 +270,8 @@ CONFIG_KEYS = dict(
     norm_eps="rms_norm_eps",
     tie_embeddings="tie_word_embeddings",
     qkv_bias="q/k/v biases",
+    head_dim="head_dim",
+    qk_norm="q/k norms",
     positions="max_position_embeddings",
 )
 GPT2_CONFIG_KEYS = dict(

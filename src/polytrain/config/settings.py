@@ -134,8 +134,8 @@ class ModelSettings:
     init_from: Optional[str] = setting(
         None,
         "start from the weights of a Hugging Face checkpoint folder (config.json and model.safetensors, or "
-        "shards listed in model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, "
-        "MixtralForCausalLM or Qwen2MoeForCausalLM (--model llama) or a GPT2LMHeadModel (--model gpt), with the sizes of its config.json, each rank reading only "
+        "shards listed in model.safetensors.index.json) of a LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        "MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM (--model llama) or a GPT2LMHeadModel (--model gpt), with the sizes of its config.json, each rank reading only "
         "the slices it holds; or of a polytrain run folder: its model, settings and final weights, as a new "
         "run (--resume continues one)",
         group="model",

@@ -13,7 +13,7 @@ pipeline splits it between blocks, and its attention reshapes with `view(B, T, -
 tensor-parallel run that holds some of the wq/wk/wv rows (and wo columns) runs those heads only. The rotary
 angles are computed in each forward from the positions 0..T-1 (no buffer: a tensor plan replicates
 parameters only, and a model built on the meta device needs nothing restored), and they rotate the two halves
-of each head (Hugging Face's layout: its LlamaForCausalLM's weights load by name, see `HF_NAMES`; Meta's and
+of each head (Hugging Face's layout: its LlamaForCausalLM's weights load by name, see models/llama_hf.py; Meta's and
 torchtitan's turn neighbouring pairs, so their wq and wk rows would need Hugging Face's permutation). Token ids
 (B, T) as int64 in, scores (B, T, vocab) out.
 """
@@ -33,181 +33,6 @@ from .kv_cache import attend
 from .moe import FeedForward, GroupedExperts, MixtureOfExperts
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
-
-# Hugging Face LlamaForCausalLM parameter names -> this model's: `{i}` is block i (from 0) in theirs and the
-# block's index in the Sequential (i + 1) in ours; `{last}` the final norm's index, `{head}` the head's.
-HF_NAMES = {
-    "model.embed_tokens.weight": "0.weight",
-    "model.layers.{i}.input_layernorm.weight": "{i}.attention_norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "{i}.attention.wq.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "{i}.attention.wk.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "{i}.attention.wv.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "{i}.attention.wo.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "{i}.ffn_norm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "{i}.feed_forward.w1.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "{i}.feed_forward.w3.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "{i}.feed_forward.w2.weight",
-    "model.norm.weight": "{last}.weight",
-    "lm_head.weight": "{head}.weight",
-}
-# with --qkv-bias (Qwen2ForCausalLM's attention)
-HF_BIAS_NAMES = {
-    "model.layers.{i}.self_attn.q_proj.bias": "{i}.attention.wq.bias",
-    "model.layers.{i}.self_attn.k_proj.bias": "{i}.attention.wk.bias",
-    "model.layers.{i}.self_attn.v_proj.bias": "{i}.attention.wv.bias",
-}
-
-
-# a mixture of experts' names in Mixtral's checkpoints (MixtralForCausalLM, whose attention has no biases) and in
-# Qwen2-MoE's (Qwen2MoeForCausalLM, q/k/v biases), as save_pretrained writes them: each expert's weights apart
-# (`{e}`), which our stacked weights ([E, ...]) hold one expert a row
-HF_MIXTURE_NAMES = {
-    "MixtralForCausalLM": {
-        "model.layers.{i}.block_sparse_moe.gate.weight": "{i}.feed_forward.router.weight",
-        "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight": "{i}.feed_forward.experts.w1",
-        "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight": "{i}.feed_forward.experts.w2",
-        "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight": "{i}.feed_forward.experts.w3",
-    },
-    "Qwen2MoeForCausalLM": {
-        "model.layers.{i}.mlp.gate.weight": "{i}.feed_forward.router.weight",
-        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": "{i}.feed_forward.experts.w1",
-        "model.layers.{i}.mlp.experts.{e}.down_proj.weight": "{i}.feed_forward.experts.w2",
-        "model.layers.{i}.mlp.experts.{e}.up_proj.weight": "{i}.feed_forward.experts.w3",
-        "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "{i}.feed_forward.shared.w1.weight",
-        "model.layers.{i}.mlp.shared_expert.down_proj.weight": "{i}.feed_forward.shared.w2.weight",
-        "model.layers.{i}.mlp.shared_expert.up_proj.weight": "{i}.feed_forward.shared.w3.weight",
-        "model.layers.{i}.mlp.shared_expert_gate.weight": "{i}.feed_forward.shared.gate.weight",
-    },
-}
-
-
-def hf_architecture(model: "Llama") -> str:
-    """The Hugging Face class whose checkpoints hold `model`: Mixtral's or Qwen2-MoE's with mixtures of experts,
-    else Llama's or Qwen2's; which follows from the attention's biases (Qwen2's have them)."""
-    biased = model[1].attention.wq.bias is not None
-    if any(isinstance(block.feed_forward, MixtureOfExperts) for block in list(model)[1:-2]):
-        return "Qwen2MoeForCausalLM" if biased else "MixtralForCausalLM"
-    return "Qwen2ForCausalLM" if biased else "LlamaForCausalLM"
-
-
-def hf_names(model: "Llama") -> dict:
-    """This model's parameter name -> its Hugging Face name (`HF_NAMES`, `HF_BIAS_NAMES` where the attention
-    has biases, `HF_MIXTURE_NAMES` in a mixture's block): every parameter of the model, a tied head named by the
-    embedding it shares, as Hugging Face ties it (the checkpoint may leave lm_head.weight out); a mixture's
-    stacked experts' weight -> the tuple of its experts' names, in order."""
-    table = dict(HF_NAMES, **(HF_BIAS_NAMES if model[1].attention.wq.bias is not None else {}))
-    mixture = HF_MIXTURE_NAMES.get(hf_architecture(model), {})
-    names = {}
-    for i in range(model.layers):
-        mixed = isinstance(model[i + 1].feed_forward, MixtureOfExperts)
-        blocks = {t: m for t, m in table.items() if "{i}" in t and not (mixed and ".mlp." in t)}
-        for theirs, mine in {**blocks, **(mixture if mixed else {})}.items():
-            if mixed and ".shared." in mine and model[i + 1].feed_forward.shared is None:
-                continue
-            experts = model[i + 1].feed_forward.experts.experts if mixed else 0
-            names[mine.format(i=i + 1)] = (
-                tuple(theirs.format(i=i, e=e) for e in range(experts))
-                if "{e}" in theirs
-                else theirs.format(i=i)
-            )
-    for theirs, mine in table.items():
-        if "{i}" not in theirs:
-            names[mine.format(last=model.layers + 1, head=model.layers + 2)] = theirs
-    if model[-1].weight is model[0].weight:
-        names[f"{model.layers + 2}.weight"] = names["0.weight"]
-    return names
-
-
-# keys of a source checkpoint's config.json that an export writes anew or that no longer hold
-HF_CONFIG_DROPPED = ("transformers_version", "torch_dtype", "rope_scaling", "layer_types", "attention_bias")
-
-
-def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
-    """The config.json of a Hugging Face checkpoint of `model` (polytrain export --format hf): a
-    Qwen2ForCausalLM where the attention has biases, else a LlamaForCausalLM (with mixtures of experts a
-    Qwen2MoeForCausalLM or a MixtralForCausalLM: `hf_architecture`), with the sizes read off the model
-    itself. `base`, the config.json of the checkpoint the run started from (--init-from), keeps its other keys
-    (token ids, say). The rotary angle base is written both ways transformers reads it (rope_theta at the top
-    level up to version 4, rope_parameters from 5)."""
-    block = model[1]
-    attention, biased = block.attention, block.attention.wq.bias is not None
-    config = {key: value for key, value in (base or {}).items() if key not in HF_CONFIG_DROPPED}
-    config.update(
-        architectures=["Qwen2ForCausalLM" if biased else "LlamaForCausalLM"],
-        model_type="qwen2" if biased else "llama",
-        vocab_size=model.vocab,
-        hidden_size=model[0].embedding_dim,
-        num_hidden_layers=model.layers,
-        num_attention_heads=attention.heads,
-        num_key_value_heads=attention.kv_heads,
-        head_dim=attention.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=max(int(model.positions), int(config.get("max_position_embeddings") or 0)),
-        rms_norm_eps=block.attention_norm.eps,
-        rope_theta=attention.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": attention.rope_theta},
-        tie_word_embeddings=model[-1].weight is model[0].weight,
-        dtype=str(model[0].weight.dtype).removeprefix("torch."),
-    )
-    if biased:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.layers)
-    else:
-        config.update(attention_bias=False, mlp_bias=False)
-    blocks = [block.feed_forward for block in list(model)[1:-2]]
-    mixtures = [ff for ff in blocks if isinstance(ff, MixtureOfExperts)]
-    dense = [ff for ff in blocks if not isinstance(ff, MixtureOfExperts)]
-    config.update(intermediate_size=dense[0].w1.out_features if dense else mixtures[0].experts.hidden)
-    if mixtures:
-        config.update(_mixture_config(mixtures[0], every=blocks.index(mixtures[0]) + 1, biased=biased))
-    return config
-
-
-def _mixture_config(mixture: MixtureOfExperts, *, every: int, biased: bool) -> dict:
-    """The keys of Mixtral's config.json (an attention without biases) or Qwen2-MoE's that describe the mixtures
-    (every `every`th block's, `mixture` the first); one line for what Mixtral's cannot say."""
-    experts, shared = mixture.experts, mixture.shared
-    common = dict(
-        num_experts_per_tok=mixture.per_token,
-        router_aux_loss_coef=mixture.balance_weight,
-        output_router_logits=mixture.balance_weight > 0,
-    )
-    if biased:
-        if shared is None:
-            raise ConfigError(
-                "Qwen2-MoE's blocks always have a shared expert, and this llama's mixtures have none (--shared-experts "
-                "0) beside q/k/v biases; export it with --format safetensors or pt"
-            )
-        return dict(
-            common,
-            architectures=["Qwen2MoeForCausalLM"],
-            model_type="qwen2_moe",
-            num_experts=experts.experts,
-            moe_intermediate_size=experts.hidden,
-            shared_expert_intermediate_size=shared.w1.out_features,
-            decoder_sparse_step=every,
-            norm_topk_prob=mixture.renormalise,
-            mlp_only_layers=[],
-        )
-    if shared is not None or every > 1 or not mixture.renormalise:
-        what = (
-            "a shared expert"
-            if shared is not None
-            else "dense blocks"
-            if every > 1
-            else "unnormalised weights"
-        )
-        raise ConfigError(
-            f"Mixtral's form (a llama without q/k/v biases) has no {what}; export this run with --format "
-            f"safetensors or pt"
-        )
-    return dict(
-        common,
-        architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
-        num_local_experts=experts.experts,
-        intermediate_size=experts.hidden,
-        sliding_window=None,
-    )
 
 
 def rotary(positions, head_dim: int, theta: float, *, like: torch.Tensor) -> tuple:
@@ -230,6 +55,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+class HeadNorm(nn.RMSNorm):
+    """An RMSNorm over each head's width (--qk-norm) that runs in its input's precision: under autocast the
+    projection before it gives bf16 (Qwen3's bf16 weights do the same), where a float32 weight would leave
+    torch's fused kernel with a warning."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: `heads` query heads share `kv_heads` key/value heads in groups. With
     `context_parallel` set (a ContextGroup) over a sequence split across ranks, its tokens are turned by the
@@ -241,20 +75,35 @@ class Attention(nn.Module):
     context_parallel = None
     kv_cache = None
 
-    def __init__(self, width: int, heads: int, kv_heads: int, rope_theta: float, qkv_bias: bool = False):
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        kv_heads: int,
+        rope_theta: float,
+        qkv_bias: bool = False,
+        *,
+        head_dim: Optional[int] = None,
+        qk_norm: bool = False,
+        norm_eps: float = NORM_EPS,
+    ):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or width // heads
         self.rope_theta = rope_theta
         self.wq = nn.Linear(width, heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(width, kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(width, kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * self.head_dim, width, bias=False)
+        if qk_norm:  # Qwen3's: each query and key head normalised over its head_dim before the rotary angles
+            self.q_norm = HeadNorm(self.head_dim, eps=norm_eps)
+            self.k_norm = HeadNorm(self.head_dim, eps=norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (
-            layer(x).view(B, T, -1, self.head_dim).transpose(1, 2) for layer in (self.wq, self.wk, self.wv)
-        )
+        q, k, v = (layer(x).view(B, T, -1, self.head_dim) for layer in (self.wq, self.wk, self.wv))
+        if hasattr(self, "q_norm"):  # (B, T, heads, head_dim): a tensor plan's rank holds whole heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (part.transpose(1, 2) for part in (q, k, v))
         split, cache = self.context_parallel, self.kv_cache
         if cache is not None:
             positions = cache.positions(T, device=x.device)
@@ -285,12 +134,23 @@ class Block(nn.Module):
         *,
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
+        head_dim: Optional[int] = None,
+        qk_norm: bool = False,
         mixture: Optional[Mixture] = None,
         block: int = 0,
     ):
         super().__init__()
         self.attention_norm = nn.RMSNorm(width, eps=norm_eps)
-        self.attention = Attention(width, heads, kv_heads, rope_theta, qkv_bias)
+        self.attention = Attention(
+            width,
+            heads,
+            kv_heads,
+            rope_theta,
+            qkv_bias,
+            head_dim=head_dim,
+            qk_norm=qk_norm,
+            norm_eps=norm_eps,
+        )
         self.ffn_norm = nn.RMSNorm(width, eps=norm_eps)
         if mixture:
             self.feed_forward = MixtureOfExperts(
@@ -311,12 +171,17 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def _check_sizes(**sizes) -> None:
+def _check_sizes(*, head_dim=None, **sizes) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{flag_name(name)} must be a positive whole number, got {value!r}")
     heads, kv_heads, width = sizes["heads"], sizes["kv_heads"], sizes["width"]
-    if width % heads or (width // heads) % 2:
+    if head_dim is not None:
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
+            raise ConfigError(
+                f"--head-dim must be an even whole number above 0 (rotary embeddings turn pairs), got {head_dim!r}"
+            )
+    elif width % heads or (width // heads) % 2:
         near = 2 * heads * max(1, round(width / heads / 2))
         raise ConfigError(
             f"--width {width} over --heads {heads} must give each head an even width (rotary embeddings turn "
@@ -333,7 +198,9 @@ def _check_sizes(**sizes) -> None:
 class Llama(nn.Sequential):
     """[nn.Embedding, Block x layers, RMSNorm, Linear head] (the head tied to the embedding with
     `tie_embeddings=True`). `kv_heads` and `ffn_width` default as `derived_sizes` says; `norm_eps` is the
-    RMSNorms' epsilon, `qkv_bias` gives the query, key and value projections biases (Qwen2's)."""
+    RMSNorms' epsilon, `qkv_bias` gives the query, key and value projections biases (Qwen2's); `head_dim` the
+    width of a head (default: width / heads; Qwen3's differ), `qk_norm` an RMSNorm of each query and key head
+    (Qwen3's)."""
 
     def __init__(
         self,
@@ -349,6 +216,8 @@ class Llama(nn.Sequential):
         tie_embeddings: bool = False,
         norm_eps: float = NORM_EPS,
         qkv_bias: bool = False,
+        head_dim=None,
+        qk_norm: bool = False,
         positions=None,
         experts=None,
         experts_per_token=None,
@@ -368,6 +237,7 @@ class Llama(nn.Sequential):
             ffn_width=ffn_width,
             context=context,
             vocab_size=vocab,
+            head_dim=head_dim,
         )
         if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool) or not rope_theta > 0:
             raise ConfigError(
@@ -396,6 +266,8 @@ class Llama(nn.Sequential):
                 float(rope_theta),
                 norm_eps=float(norm_eps),
                 qkv_bias=qkv_bias,
+                head_dim=head_dim,
+                qk_norm=bool(qk_norm),
                 mixture=mixture if mixture and (i + 1) % mixture.every == 0 else None,
                 block=i,
             )

@@ -48,6 +48,7 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
             styles[name] = transposed_style("rowwise") if transposed else RowwiseParallel()
     if plan.sequence_parallel:
         sequence_styles(model, styles, vocabulary=plan.vocabulary)
+    head_norm_styles(model, styles)
     held = [
         (module, key, id(p))
         for module in map(model.get_submodule, plan.vocabulary)
@@ -59,6 +60,21 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     for module, key, was in held:
         module._parameters[key] = first.setdefault(was, module._parameters[key])
     return fused
+
+
+def head_norm_styles(model: nn.Module, styles: dict) -> None:
+    """A norm over each head (the llama's q_norm and k_norm with --qk-norm, Qwen3's) whose projection is split by
+    columns sees this rank's heads only, (B, T, heads / ranks, head_dim): it runs on them as torch's
+    SequenceParallel runs a norm on a part of the sequence, its dimension 2 the part, so that its weight is one
+    replicated DTensor whose gradient sums every rank's heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    for name, module in model.named_modules():
+        for norm, projection in (("q_norm", "wq"), ("k_norm", "wk")):
+            if isinstance(getattr(module, norm, None), nn.RMSNorm) and isinstance(
+                styles.get(f"{name}.{projection}"), ColwiseParallel
+            ):
+                styles[f"{name}.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
 def sequence_styles(model: nn.Module, styles: dict, *, vocabulary=()) -> None:

@@ -65,6 +65,8 @@ class BenchOptions:
     rope_theta: Optional[float] = None
     norm_eps: Optional[float] = None
     qkv_bias: Optional[bool] = None
+    head_dim: Optional[int] = None
+    qk_norm: Optional[bool] = None
     tie_embeddings: Optional[bool] = None
     dropout: Optional[float] = None
     gelu: Optional[str] = None

@@ -8,7 +8,8 @@ safetensors library's `save_file`, or torch.save) is handed views of that file m
 the system can drop at any time: the export holds at most the largest tensor, however large the model, and
 polytrain writes no file format of its own. A file or folder appears only when complete.
 
---format hf names each tensor as transformers' LlamaForCausalLM or Qwen2ForCausalLM does (models/llama.py
+--format hf names each tensor as transformers' LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM (or their
+mixtures of experts: Mixtral, Qwen2-MoE, Qwen3-MoE) does (models/llama_hf.py
 `hf_names`), or GPT2LMHeadModel (models/gpt.py `hf_names`: its Conv1D weights are the transpose of the GPT's
 nn.Linear weights, each transposed as it is copied into the scratch file, so that one tensor and its transpose
 are the most held; c_attn is the GPT's fused qkv as it is; transformers 5 keeps its causal mask out of the
@@ -274,7 +275,7 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
     shards with model.safetensors.index.json), which transformers' AutoModelForCausalLM.from_pretrained loads;
     each file is written by the safetensors library from tensors read one at a time (`_staged`). Returns
     (folder, tensors, bytes)."""
-    from ..models import gpt, llama
+    from ..models import gpt, llama_hf
     from ..run_dir import read_config
     from .inference import weights_file
 
@@ -292,7 +293,7 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
             f"--format hf writes language models, and {run_dir} is a sequence classifier (a score head in place "
             f"of the language-model head); export it with --format safetensors or pt"
         )
-    family = {"llama": llama, "gpt": gpt}[model]
+    family = {"llama": llama_hf, "gpt": gpt}[model]
     listing, read_stored = _sources(weights_file(run_dir, weights))
     built = _model_of_run(run_dir, settings, listing)
     _check_safetensors_dtypes(listing)

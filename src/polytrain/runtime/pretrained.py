@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..config.pretrained import is_run_folder, weight_files
 from ..errors import CheckpointError, ConfigError, first_line
-from ..models import gpt, llama
+from ..models import gpt, llama, llama_hf
 from ..models.classifier import HEAD, SequenceClassifier, loads_head
 from . import shards
 from .checkpoint import shard_folder
@@ -47,7 +47,7 @@ def names_of(model: nn.Module, stored=()) -> tuple:
     # a sequence classifier's body has its language model's names; its score head, Hugging Face's name
     head = {HEAD: HEAD} if isinstance(model, SequenceClassifier) and HEAD in stored else {}
     if isinstance(model, llama.Llama):
-        return dict(llama.hf_names(model), **head), set()
+        return dict(llama_hf.hf_names(model), **head), set()
     if isinstance(model, gpt.GPT):
         bare = gpt.HF_PREFIX + "wte.weight" not in stored and "wte.weight" in stored
         names = gpt.hf_names(model, prefix="" if bare else gpt.HF_PREFIX)

@@ -5,6 +5,7 @@ picture."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -343,6 +344,36 @@ def test_a_mixture_of_experts_is_planned_with_the_parameters_a_token_uses():
         "llama", devices=2, batch_size=4, vocab_size=VOCAB, experts=4, experts_per_token=1, **SMALL
     )
     assert rows[0]["fits"] and rows[0]["tokens_per_second_per_device"] > 0
+
+
+def test_expert_parallelism_is_planned_with_its_all_to_alls_and_its_smaller_gathers():
+    """A plan of a mixture of experts lists each FSDP2 layout with its experts over P of the shards too; a row with
+    them counts 4 all-to-alls per mixture (a rank's tokens to their K experts and back, forward and backward); its
+    degrees come back as the same layout."""
+    import polytrain
+    from polytrain.scaling.cluster_time import _link, _ring
+
+    moe = dict(SMALL, vocab_size=VOCAB, experts=4, experts_per_token=2)
+    words = [row["layout_words"] for row in polytrain.plan("llama", devices=4, batch_size=8, **moe)]
+    assert {"dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,cp=2,ep=2"} <= set(words)
+    assert not any("ep=" in w and ("pp=" in w or "tp=" in w) for w in words)  # (not taken with those)
+    rows = {
+        layout: polytrain.plan(
+            "llama", devices=4, batch_size=8, layout=layout, activation_checkpointing="none", **moe
+        )[0]
+        for layout in ("dp_shard=4", "dp_shard=4,ep=2")
+    }
+    request = SimpleNamespace(gpus_per_node=8, gpu=GPUS["h100"])
+    # 2 sequences of 16 tokens a rank, each token to 2 experts of width 64 in bf16, in each of the 2 blocks
+    expected = 4 * 2 * _ring("all-to-all", 2, 2 * 16 * 2 * 64 * 2, *_link(request, 2))
+    ep = rows["dp_shard=4,ep=2"]
+    assert ep["exposed_communication_seconds"]["experts"] == pytest.approx(expected, rel=1e-9)
+    assert "experts" not in rows["dp_shard=4"]["exposed_communication_seconds"]
+    assert ep["layout"] == {"shard": 4, "expert": 2}
+    again = polytrain.plan(
+        "llama", devices=4, batch_size=8, layout=ep["layout"], activation_checkpointing="none", **moe
+    )
+    assert again[0]["layout_words"] == "dp_shard=4,ep=2" and again[0]["step_seconds"] == ep["step_seconds"]
 
 
 def test_auto_checkpointing_takes_the_least_recomputation_that_fits_each_layout():

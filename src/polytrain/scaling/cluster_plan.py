@@ -100,7 +100,11 @@ class LayoutPlan:
             for key in ("parameters", "gradients", "optimizer", "activations", "buffers")
         }
         return {
-            "layout": {name: value for name, value in self.layout.degrees().items()} or {"single": 1},
+            # its degrees by name (the expert degree, borrowed from the shards, after them)
+            "layout": dict(
+                self.layout.degrees(), **({"expert": self.layout.expert} if self.layout.expert > 1 else {})
+            )
+            or {"single": 1},
             "layout_words": self.layout.words(),  # as --layout and polytrain.plan(layout=...) take it
             "memory_gib": self.memory / GIB,
             "memory_split_gib": split,
@@ -148,6 +152,21 @@ def candidate_layouts(request: PlanRequest) -> List[Layout]:
                             Layout(replicate=data // shard, shard=shard, pipeline=pp, context=cp, tensor=tp)
                         )
     return [layout for layout in dict.fromkeys(found) if layout.world_size == n]
+
+
+def with_experts(layouts: List[Layout], request: PlanRequest, work) -> List[Layout]:
+    """`layouts`, and for a model with mixtures of experts each FSDP2 layout without pipeline or tensor ranks (the
+    layouts expert parallelism takes) again with its experts split over P of its shard ranks, within a node, for
+    each P that divides them and the experts."""
+    found = list(layouts)
+    for layout in layouts:
+        if work.mixtures and layout.data_parallel == "shard" and layout.pipeline == layout.tensor == 1:
+            found += [
+                dataclasses.replace(layout, expert=p)
+                for p in divisors(layout.fsdp_ranks)
+                if 1 < p <= request.gpus_per_node and work.experts % p == 0
+            ]
+    return found
 
 
 def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
@@ -306,6 +325,11 @@ class ModelWork:
     attention: object
     dense_parameters: float
     boundary_bytes: tuple = ()
+    width: int = 0  # the residual stream's (an embedding's), where the model has one
+    mixtures: int = 0  # blocks whose feed-forward is a mixture of experts
+    experts_per_token: int = 0  # ... and the experts each token goes to in them
+    expert_share: float = 0.0  # the share of the parameters that are the mixtures' experts
+    experts: int = 0  # the experts of each mixture
 
 
 def idle_expert_parameters(model: nn.Module) -> float:
@@ -325,17 +349,29 @@ def model_work(request: PlanRequest) -> ModelWork:
     """The model's activation figures for one sequence of `request.context` tokens in the run's precision."""
     import torch
 
+    from ..models.moe import MixtureOfExperts
     from ..objective import Objective
     from .activation_memory import activation_profile
 
     model = request.build()
-    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embeddings = sum(m.weight.numel() for m in tables)
     dense = sum(p.numel() for p in model.parameters()) - embeddings - idle_expert_parameters(model)
+    mixtures = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
     x = torch.zeros(1, request.context, dtype=torch.long)
     figures = activation_profile(model, Objective(kind="language"), x, x, precision=request.precision)
     if not figures:
         raise UserError(f"{request.name}: its forward pass could not be measured on fake tensors")
-    return ModelWork(dense_parameters=float(dense), **figures)
+    return ModelWork(
+        dense_parameters=float(dense),
+        width=tables[0].embedding_dim if tables else 0,
+        mixtures=len(mixtures),
+        experts_per_token=mixtures[0].per_token if mixtures else 0,
+        experts=mixtures[0].experts.experts if mixtures else 0,
+        expert_share=sum(p.numel() for m in mixtures for p in m.experts.parameters())
+        / max(1, sum(p.numel() for p in model.parameters())),
+        **figures,
+    )
 
 
 def make_plan_table(
@@ -349,7 +385,7 @@ def make_plan_table(
         request.layers = len(flatten_layers(request.build()))
     except UserError:
         request.layers = 0
-    layouts = [layout] if layout is not None else candidate_layouts(request)
+    layouts = [layout] if layout is not None else with_experts(candidate_layouts(request), request, work)
     if not layouts:
         raise UserError(
             f"no layout of {request.devices} GPUs splits a batch of {request.batch_size} sequences of "

@@ -7,8 +7,10 @@ the alpha-beta model (planning/costmodel.py's), each over NVLink where its ranks
 tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
 all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
 (each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and
-context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed), a
-pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro-batches of the compute.
+context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed), expert
+parallelism's all-to-alls (each mixture sends a rank's tokens to their K experts' ranks and back in the forward, and
+their gradients in the backward, again in a full recomputation; routing taken as even, as the memory check takes it:
+exposed), a pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro-batches of the compute.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .gpus import ACHIEVED, LATENCY, OVERLAP
 
 
 def _ring(kind: str, ranks: int, nbytes: float, bandwidth: float, latency: float) -> float:
-    """Seconds of one ring collective of `nbytes` (the whole tensor) over `ranks`."""
+    """Seconds of one ring collective of `nbytes` (the whole tensor; an all-to-all's, what one rank sends and
+    keeps) over `ranks`."""
     if ranks == 1:
         return 0.0
     factor = 2 * (ranks - 1) / ranks if kind == "all-reduce" else (ranks - 1) / ranks
@@ -53,9 +56,12 @@ def step_time(request, row, held, work) -> None:
     exposed = {}
     if layout.data_parallel == "shard":
         shards = layout.fsdp_ranks
-        whole = held.parameter_bytes / 4 * shards  # elements of this rank's tensor-parallel part, gathered
-        # (the shard group spans the dp_shard, pp, cp and tp dimensions: the mesh's order); a pipeline of shards
-        # gathers its stages once per step, FSDP2 alone twice (forward, and again for the backward)
+        # elements of this rank's tensor-parallel part, gathered (the shard group spans the dp_shard, pp, cp and
+        # tp dimensions: the mesh's order), where expert parallelism gathers only its experts' (E/P of them, over
+        # the 1/P of the ranks that shard them); a pipeline of shards gathers its stages once per step, FSDP2
+        # alone twice (forward, and again for the backward)
+        share = work.expert_share
+        whole = held.parameter_bytes / 4 * shards * (1 - share + share / layout.expert)
         bandwidth, latency = _link(request, layout.world_size // layout.replicate)
         gathers = 1 if layout.pipeline > 1 else 2
         seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
@@ -70,8 +76,9 @@ def step_time(request, row, held, work) -> None:
         exposed["ddp"] = max(0.0, seconds - OVERLAP * row.compute * 2 / 3)  # beside the backward pass
     shape, local_batch = work.attention, request.batch_size / layout.data_degree
     layers = shape.layers / layout.pipeline if shape else 0  # a rank's blocks: its stage's
+    # the residual stream's width (Qwen3's heads together may be wider)
+    width = work.width or (shape.heads * shape.head_dim if shape else 0)
     if layout.tensor > 1 and shape:
-        width = shape.heads * shape.head_dim
         nbytes = local_batch * layout.tokens_per_rank(request.context) * width * element
         bandwidth, latency = _link(request, layout.tensor)
         exposed["tensor"] = 4 * layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
@@ -81,10 +88,18 @@ def step_time(request, row, held, work) -> None:
         bandwidth, latency = _link(request, span)
         # the gather, and the reduce-scatter of its gradients
         exposed["context"] = 2 * layers * _ring("all-gather", ranks, nbytes, bandwidth, latency)
+    if layout.expert > 1 and work.mixtures:
+        # a rank's tokens, each to K experts, (P - 1) / P of them to other ranks of its expert group (consecutive
+        # FSDP2 ranks: the tensor ranks lie between them)
+        nbytes = (
+            local_batch * layout.tokens_per_rank(request.context) * work.experts_per_token * width * element
+        )
+        bandwidth, latency = _link(request, layout.expert * layout.tensor)
+        exchanges = (6 if row.checkpointing == "full" else 4) * work.mixtures / layout.pipeline
+        exposed["experts"] = exchanges * _ring("all-to-all", layout.expert, nbytes, bandwidth, latency)
     if layout.pipeline > 1 and shape:
         # each micro-batch's activations to the next stage and their gradients back; only the sends while the
         # pipeline fills and drains are on the critical path (the rest overlap other micro-batches' compute)
-        width = shape.heads * shape.head_dim
         nbytes = local_batch / row.microbatches * layout.tokens_per_rank(request.context) * width * element
         bandwidth, latency = _link(request, 2 * layout.stage_ranks)
         exposed["pipeline"] = 2 * (layout.pipeline - 1) * (nbytes / bandwidth + latency)

@@ -134,7 +134,8 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
     level up to version 4, rope_parameters from 5)."""
     block = model[1]
     attention, biased = block.attention, block.attention.wq.bias is not None
-    dense = HF_DENSE[hf_architecture(model)]
+    form = hf_architecture(model)
+    dense = HF_DENSE[form]
     config = {key: value for key, value in (base or {}).items() if key not in HF_CONFIG_DROPPED}
     config.update(
         architectures=[dense],
@@ -162,9 +163,7 @@ def hf_config(model: "Llama", base: Optional[dict] = None) -> dict:
     dense = [ff for ff in blocks if not isinstance(ff, MixtureOfExperts)]
     config.update(intermediate_size=dense[0].w1.out_features if dense else mixtures[0].experts.hidden)
     if mixtures:
-        config.update(
-            _mixture_config(mixtures[0], every=blocks.index(mixtures[0]) + 1, form=hf_architecture(model))
-        )
+        config.update(_mixture_config(mixtures[0], every=blocks.index(mixtures[0]) + 1, form=form))
     return config
 
 
@@ -196,11 +195,17 @@ def _mixture_config(mixture: MixtureOfExperts, *, every: int, form: str) -> dict
         router_aux_loss_coef=mixture.balance_weight,
         output_router_logits=mixture.balance_weight > 0,
     )
-    if form == "Qwen3MoeForCausalLM":
-        if shared is not None:
+    if form in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        qwen3 = form == "Qwen3MoeForCausalLM"
+        if qwen3 and shared is not None:
             raise ConfigError(
                 "Qwen3-MoE's form (a llama with q/k norms) has no shared expert; export this run with --format "
                 "safetensors or pt"
+            )
+        if not qwen3 and shared is None:
+            raise ConfigError(
+                "Qwen2-MoE's blocks always have a shared expert, and this llama's mixtures have none (--shared-experts "
+                "0) beside q/k/v biases; export it with --format safetensors or pt"
             )
         return dict(
             common,
@@ -208,23 +213,7 @@ def _mixture_config(mixture: MixtureOfExperts, *, every: int, form: str) -> dict
             model_type=HF_MODEL_TYPES[form],
             num_experts=experts.experts,
             moe_intermediate_size=experts.hidden,
-            decoder_sparse_step=every,
-            norm_topk_prob=mixture.renormalise,
-            mlp_only_layers=[],
-        )
-    if form == "Qwen2MoeForCausalLM":
-        if shared is None:
-            raise ConfigError(
-                "Qwen2-MoE's blocks always have a shared expert, and this llama's mixtures have none (--shared-experts "
-                "0) beside q/k/v biases; export it with --format safetensors or pt"
-            )
-        return dict(
-            common,
-            architectures=["Qwen2MoeForCausalLM"],
-            model_type="qwen2_moe",
-            num_experts=experts.experts,
-            moe_intermediate_size=experts.hidden,
-            shared_expert_intermediate_size=shared.w1.out_features,
+            **({} if qwen3 else dict(shared_expert_intermediate_size=shared.w1.out_features)),
             decoder_sparse_step=every,
             norm_topk_prob=mixture.renormalise,
             mlp_only_layers=[],

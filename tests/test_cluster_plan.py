@@ -347,23 +347,38 @@ def test_a_mixture_of_experts_is_planned_with_the_parameters_a_token_uses():
 
 
 def test_expert_parallelism_is_planned_with_its_all_to_alls_and_its_smaller_gathers():
-    """A plan of a mixture of experts lists each FSDP2 layout with its experts over P of the shards too; a row with
-    them counts 4 all-to-alls per mixture (a rank's tokens to their K experts and back, forward and backward); its
-    degrees come back as the same layout."""
+    """A plan of a mixture of experts lists each FSDP2 layout (beside tensor ranks and pipeline stages too) with its
+    experts over P of the shards too; a row with them counts 4 all-to-alls per mixture (a rank's tokens to their K
+    experts and back, forward and backward), over its stage's mixtures only in a pipeline; its degrees come back as
+    the same layout."""
     import polytrain
     from polytrain.scaling.cluster_time import _link, _ring
 
     moe = dict(SMALL, vocab_size=VOCAB, experts=4, experts_per_token=2)
-    words = [row["layout_words"] for row in polytrain.plan("llama", devices=4, batch_size=8, **moe)]
-    assert {"dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,cp=2,ep=2"} <= set(words)
-    assert not any("ep=" in w and ("pp=" in w or "tp=" in w) for w in words)  # (not taken with those)
+    planned = {row["layout_words"]: row for row in polytrain.plan("llama", devices=4, batch_size=8, **moe)}
+    split = {
+        "dp_shard=4,ep=2",
+        "dp_shard=4,ep=4",
+        "dp_shard=2,cp=2,ep=2",
+        "dp_shard=2,tp=2,ep=2",
+        "dp_shard=2,pp=2,ep=2",
+    }
+    assert split <= set(planned)
+    assert all(planned[words]["fits"] for words in split)  # (built at full size, not refused)
+    assert not any(
+        "ep=" in w and "dp_shard" not in w and "cp=" not in w for w in planned
+    )  # (nothing to borrow)
+    # a pipeline's rank exchanges its 4 sequences for its stage's 1 mixture, its ranks 2 apart (the stages between)
+    staged = planned["dp_shard=2,pp=2,ep=2"]["exposed_communication_seconds"]["experts"]
+    request = SimpleNamespace(gpus_per_node=8, gpu=GPUS["h100"])
+    nbytes = 4 * 16 * 2 * 64 * 2
+    assert staged == pytest.approx(4 * 1 * _ring("all-to-all", 2, nbytes, *_link(request, 4)), rel=1e-9)
     rows = {
         layout: polytrain.plan(
             "llama", devices=4, batch_size=8, layout=layout, activation_checkpointing="none", **moe
         )[0]
         for layout in ("dp_shard=4", "dp_shard=4,ep=2")
     }
-    request = SimpleNamespace(gpus_per_node=8, gpu=GPUS["h100"])
     # 2 sequences of 16 tokens a rank, each token to 2 experts of width 64 in bf16, in each of the 2 blocks
     expected = 4 * 2 * _ring("all-to-all", 2, 2 * 16 * 2 * 64 * 2, *_link(request, 2))
     ep = rows["dp_shard=4,ep=2"]

@@ -229,9 +229,10 @@ VERIFIES = {
     "4 FSDP2 shards of 2 experts (cut along their width)": [
         "--strategy", "sharded", "--devices", "4", "--experts", "2", "--experts-per-token", "1",
     ],
-    "2 FSDP2 shards x 2 tensor ranks, a shared expert, the load-balancing loss": [
-        "--strategy", "tensor", "--tensor-parallel", "2", "--devices", "4", "--shared-experts", "1",
-        "--router-aux-loss", "0.5",
+    "2 FSDP2 shards x 2 tensor ranks, experts over 2 ranks, a shared expert, the load-balancing loss, full "
+    "checkpointing": [
+        "--strategy", "tensor", "--tensor-parallel", "2", "--devices", "4", "--experts", "8", "--expert-parallel",
+        "2", "--shared-experts", "1", "--router-aux-loss", "0.5", "--activation-checkpointing", "full",
     ],
     "2 replicas x 2 context ranks, the load-balancing loss, selective checkpointing, 2 passes": [
         "--strategy", "data", "--context-parallel", "2", "--devices", "4", "--router-aux-loss", "0.5",
@@ -250,6 +251,12 @@ VERIFIES = {
     "2 shards x 2 context ranks, experts over 2 ranks, the load-balancing loss, selective checkpointing, 2 passes": [
         "--strategy", "sharded", "--devices", "4", "--context-parallel", "2", "--experts", "8",
         "--expert-parallel", "2", "--router-aux-loss", "0.1", "--activation-checkpointing", "selective",
+        "--accumulate", "2",
+    ],
+    "2 pipeline stages x 2 FSDP2 shards, experts over 2 ranks, every other block dense, full checkpointing, 2 "
+    "passes": [
+        "--strategy", "pipeline", "--pipeline-stages", "2", "--data-parallel", "shard", "--devices", "4",
+        "--experts", "8", "--expert-parallel", "2", "--moe-every", "2", "--activation-checkpointing", "full",
         "--accumulate", "2",
     ],
     "2 pipeline stages x 2 context ranks, every other block dense, full checkpointing": [
@@ -292,6 +299,10 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
             ["--expert-parallel 4", "must divide them (2 here"],
         ),
         (
+            ["--experts", "8", "--strategy", "pipeline", "--devices", "4", "--expert-parallel", "2"],
+            ["--expert-parallel 2", "shards over none", "--strategy pipeline --data-parallel shard"],
+        ),
+        (
             ["--experts", "8", "--strategy", "data", "--devices", "2", "--expert-parallel", "2"],
             ["--expert-parallel applies to --strategy sharded"],
         ),
@@ -307,10 +318,11 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         "negative-shared",
         "balance-without-experts",
         "negative-balance",
-        "balance-in-a-pipeline",
         "experts-not-divided",
         "shards-not-divided",
+        "experts-over-unsharded-pipelines",
         "experts-over-replicas",
+        "balance-in-a-pipeline",
     ],
 )
 def test_what_makes_no_mixture_is_refused_in_one_line(capsys, tmp_path, argv, words):

@@ -80,6 +80,7 @@ def test_the_resume_rules_come_from_the_declarations():
     assert STRATEGY_OPTIONS == {
         "pipeline": (
             "context_parallel",
+            "expert_parallel",
             "microbatches",
             "pipeline_schedule",
             "split",
@@ -93,7 +94,7 @@ def test_the_resume_rules_come_from_the_declarations():
         "sharded": ("context_parallel", "expert_parallel", "cpu_offload", "replicas"),
         "data": ("context_parallel",),
         "parameter-server": ("servers", "server_device", "staleness"),
-        "tensor": ("context_parallel", "replicas", "tensor_plan", "tensor_parallel"),
+        "tensor": ("context_parallel", "expert_parallel", "replicas", "tensor_plan", "tensor_parallel"),
     }
 
 

@@ -61,13 +61,13 @@ class DeviceSettings:
     expert_parallel: Optional[int] = setting(
         None,
         "ranks each mixture of experts' experts are split over (--model llama --experts E; E/P experts each), "
-        "borrowed from the --strategy sharded ranks: each rank's tokens go to the ranks of their experts and come "
-        "back by all-to-all, and FSDP2 shards the experts over the ranks that hold the same ones (default: 1, "
-        "every rank all the experts)",
+        "borrowed from the ranks FSDP2 shards over (--strategy sharded's, or the tensor groups of --strategy "
+        "tensor): each rank's tokens go to the ranks of their experts and come back by all-to-all, and FSDP2 "
+        "shards the experts over the ranks that hold the same ones (default: 1, every rank all the experts)",
         group="devices",
         metavar="P",
         check="count",
-        strategies=("sharded",),
+        strategies=("sharded", "tensor", "pipeline"),
         resume="change",
         replans=True,
     )

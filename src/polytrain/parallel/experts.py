@@ -18,7 +18,8 @@ outputs go back by the reverse all-to-all to be weighed and added to their token
 **Gradients.** A rank's experts receive the gradients of every rank's tokens routed to them, divided by P: the
 mean over the group's ranks, as if each held a copy of them (the tokens' own gradients are not divided). FSDP2
 then averages them over the ranks that hold the same experts, as it averages the rest of the model over all of its
-ranks, so that they are the one-device gradient as the rest's are.
+ranks, so that they are the one-device gradient as the rest's are. Where FSDP2 sums the ranks' gradients instead (a
+pipeline's stages, whose loss is divided by the global batch already), they are not divided.
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ class ExpertGroup:
     group: Any
     rank: int
     size: int
+    # what a rank's experts' gradients are multiplied by: 1/size where FSDP2 then averages them over the ranks that
+    # hold the same experts (as it averages the rest of the model's), 1 where it sums them (a pipeline's stages,
+    # whose loss is divided by the global batch already)
+    scale: float = 1.0
 
     @classmethod
-    def of(cls, mesh) -> "ExpertGroup":
-        """The ExpertGroup of a 1-D DeviceMesh (the run mesh's `experts` view)."""
-        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+    def of(cls, mesh, *, sums: bool = False) -> "ExpertGroup":
+        """The ExpertGroup of a 1-D DeviceMesh (the run mesh's `experts` view); `sums`: FSDP2 sums the gradients."""
+        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size(), 1.0 if sums else 1.0 / mesh.size())
 
     def __deepcopy__(self, memo) -> "ExpertGroup":
         return self  # a copy of a model on this rank exchanges tokens over the same group
@@ -84,12 +89,13 @@ class ExpertGroup:
         by_expert = (block % local) * self.size + block // local
         regroup = torch.argsort(torch.repeat_interleave(by_expert, received.flatten()), stable=True)
         # the experts' gradients averaged over the group's ranks (as the ranks' copies of a parameter average
-        # theirs), the tokens' summed as one device's: the same value forward, gradients scaled 1/P then P
-        rows, outputs = _scale_gradient(arrived[regroup], self.size), []
+        # theirs; summed where FSDP2 sums), the tokens' summed as one device's: the same value forward, gradients
+        # scaled by `scale` then back
+        rows, outputs = _scale_gradient(arrived[regroup], 1.0 / self.scale), []
         for j, part in enumerate(rows.split(received.sum(dim=0).tolist())):
             hidden = F.silu(part @ w1[j].transpose(0, 1)) * (part @ w3[j].transpose(0, 1))
             outputs.append(hidden @ w2[j].transpose(0, 1))
-        computed = _scale_gradient(torch.cat(outputs), 1.0 / self.size)[torch.argsort(regroup)]
+        computed = _scale_gradient(torch.cat(outputs), self.scale)[torch.argsort(regroup)]
         returned = _exchange(computed, send_sizes, receive_sizes, self.group)
         weighed = returned * weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, owner, weighed.to(tokens.dtype))
@@ -113,16 +119,19 @@ def check_expert_parallel(model: nn.Module, size: int, *, name: str) -> None:
             raise ConfigError(experts_not_divided(size, module.experts))
 
 
-def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh, *, sums: bool = False) -> nn.Module:
     """Split every mixture's stacked experts over the ranks of `mesh` (the run mesh's 1-D `experts` view): each
     weight a DTensor cut along dimension 0, this rank's experts' rows its local tensor, and the mixture switched to
-    exchanging tokens over the group (`ExpertGroup`). A model on the meta device stays there."""
+    exchanging tokens over the group (`ExpertGroup`; `sums`: FSDP2 sums the gradients rather than averaging them).
+    A model on the meta device stays there."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    group = ExpertGroup.of(mesh)
+    group = ExpertGroup.of(mesh, sums=sums)
     for module in mixtures_of(model):
         for key, parameter in list(module._parameters.items()):
-            split = distribute_tensor(parameter.data, mesh, [Shard(0)], src_data_rank=None)
+            whole = parameter.data  # (under a tensor plan, a DTensor replicated over the tensor ranks)
+            whole = whole.to_local() if hasattr(whole, "to_local") else whole
+            split = distribute_tensor(whole, mesh, [Shard(0)], src_data_rank=None)
             module._parameters[key] = nn.Parameter(split, requires_grad=parameter.requires_grad)
         module.expert_parallel = group
     return model

@@ -75,13 +75,23 @@ class Layout:
         if not isinstance(self.expert, int) or isinstance(self.expert, bool) or self.expert < 1:
             raise ConfigError(f"the expert degree must be a whole number of at least 1, got {self.expert!r}")
         if self.expert > 1 and (self.data_parallel != "shard" or self.fsdp_ranks % self.expert):
-            raise ConfigError(
-                f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and must "
-                f"divide them ({self.fsdp_ranks} here: --strategy sharded's shards, with their context ranks); use "
-                f"--strategy sharded and a divisor of {self.fsdp_ranks}"
-            )
+            raise ConfigError(self._experts_unsplit())
         if self.context == 1:  # (one description per layout: equal layouts compare equal)
             object.__setattr__(self, "context_in", "shard")
+
+    def _experts_unsplit(self) -> str:
+        """The line for an expert degree that does not divide the ranks FSDP2 shards over."""
+        if self.data_parallel == "shard" and self.fsdp_ranks > 1:
+            return (
+                f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and must "
+                f"divide them ({self.fsdp_ranks} here: the shards, with their context ranks); use a divisor of "
+                f"{self.fsdp_ranks}"
+            )
+        return (
+            f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and this layout "
+            f"shards over none; use --strategy sharded, --strategy tensor with {self.expert} tensor groups or more "
+            f"(--devices {self.expert} x --tensor-parallel), or --strategy pipeline --data-parallel shard"
+        )
 
     @property
     def world_size(self) -> int:
@@ -135,6 +145,13 @@ class Layout:
         shard ranks and the context ranks beside them, which hold the same parameters (torchtitan's dp_shard_cp;
         `sharding.shard`)."""
         return self.shard * self.context
+
+    @property
+    def expert_span(self) -> int:
+        """How many consecutive ranks one expert group spans (`expert` of the FSDP2 ranks, innermost in the
+        flattened (dp_shard, cp) dimension): the tensor ranks lie between its ranks, and the pipeline stages too
+        where it reaches past one context group."""
+        return self.expert * self.tensor * (self.pipeline if self.expert > self.context else 1)
 
     @property
     def stage_ranks(self) -> int:

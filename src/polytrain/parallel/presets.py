@@ -227,10 +227,10 @@ def layout_of(
     --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
     model; --context-parallel: the ranks each sequence is split over; --expert-parallel: the ranks each mixture's
     experts are split over, borrowed from the shards); one line naming the fix where they do not multiply out."""
-    if expert_parallel not in (None, 1) and strategy != "sharded":
+    if expert_parallel not in (None, 1) and strategy not in ("sharded", "tensor", "pipeline"):
         raise ConfigError(
-            "--expert-parallel takes --strategy sharded so far (its experts split over shards); use --strategy "
-            "sharded, or drop --expert-parallel"
+            "--expert-parallel takes --strategy sharded or tensor so far (its experts split over shards); use one "
+            "of them, or drop --expert-parallel"
         )
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")

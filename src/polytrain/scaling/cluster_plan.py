@@ -155,16 +155,17 @@ def candidate_layouts(request: PlanRequest) -> List[Layout]:
 
 
 def with_experts(layouts: List[Layout], request: PlanRequest, work) -> List[Layout]:
-    """`layouts`, and for a model with mixtures of experts each FSDP2 layout without pipeline or tensor ranks (the
-    layouts expert parallelism takes) again with its experts split over P of its shard ranks, within a node, for
-    each P that divides them and the experts."""
+    """`layouts`, and for a model with mixtures of experts each layout that shards with FSDP2 (the layouts expert
+    parallelism takes) again with its experts split over P of its shard ranks, within a node, for each P that
+    divides them and the experts."""
     found = list(layouts)
     for layout in layouts:
-        if work.mixtures and layout.data_parallel == "shard" and layout.pipeline == layout.tensor == 1:
+        if work.mixtures and layout.data_parallel == "shard":
+            split = [dataclasses.replace(layout, expert=p) for p in divisors(layout.fsdp_ranks) if p > 1]
             found += [
-                dataclasses.replace(layout, expert=p)
-                for p in divisors(layout.fsdp_ranks)
-                if 1 < p <= request.gpus_per_node and work.experts % p == 0
+                each
+                for each in split
+                if each.expert_span <= request.gpus_per_node and work.experts % each.expert == 0
             ]
     return found
 

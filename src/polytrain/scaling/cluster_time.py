@@ -90,11 +90,11 @@ def step_time(request, row, held, work) -> None:
         exposed["context"] = 2 * layers * _ring("all-gather", ranks, nbytes, bandwidth, latency)
     if layout.expert > 1 and work.mixtures:
         # a rank's tokens, each to K experts, (P - 1) / P of them to other ranks of its expert group (consecutive
-        # FSDP2 ranks: the tensor ranks lie between them)
+        # FSDP2 ranks: the tensor ranks, and the stages, lie between them)
         nbytes = (
             local_batch * layout.tokens_per_rank(request.context) * work.experts_per_token * width * element
         )
-        bandwidth, latency = _link(request, layout.expert * layout.tensor)
+        bandwidth, latency = _link(request, layout.expert_span)
         exchanges = (6 if row.checkpointing == "full" else 4) * work.mixtures / layout.pipeline
         exposed["experts"] = exchanges * _ring("all-to-all", layout.expert, nbytes, bandwidth, latency)
     if layout.pipeline > 1 and shape:

@@ -1,9 +1,11 @@
-"""What a rank of a context group holds (planning/activations.py `context_part`, `--context-parallel C`): 1/C of
-one device's activations plus the keys and values its attention gathers whole and its chunks' zero rows,
-counted from the attention's shape, against hand-worked figures and against what a context rank's forward
-keeps, measured on fake tensors in this process (a fake process group of C ranks: the gather runs without
-peers), and beside tensor ranks against the real tensor plan on a fake process group of the layout's ranks;
-and the memory check's figure for a context-parallel layout."""
+"""What a rank of a context group holds (planning/context.py `context_part`, `--context-parallel C`): 1/C of one
+device's activations, and what its way of attending adds, counted from the attention's shape: block by block
+(parallel/block_attention.py, CPUs) nothing kept beyond 1/C but each block's output under selective
+checkpointing, and one layer's gathered keys and values for a while in the backward; over the gathered keys
+(GPUs) the keys and values gathered whole and its chunks' zero rows. Against hand-worked figures and against
+what a context rank's forward keeps, measured on fake tensors in this process (a fake process group of C ranks:
+the gather runs without peers), and beside tensor ranks against the real tensor plan on a fake process group of
+the layout's ranks; and the memory check's figure for a context-parallel layout."""
 
 import dataclasses
 import types
@@ -18,7 +20,7 @@ from polytrain.objective import Objective
 from polytrain.parallel.layout import Layout
 from polytrain.parallel.presets import layout_of
 from polytrain.planning.activations import AttentionShape, peak_bytes
-from polytrain.planning.context import context_bytes, context_part
+from polytrain.planning.context import blockwise_transient, context_bytes, context_part
 from polytrain.planning.costmodel import Workload
 from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.activation_memory import activation_profile
@@ -51,6 +53,30 @@ def test_what_a_context_rank_s_attention_keeps_beyond_one_c_worked_by_hand():
     assert wide == 2 * (gathered + padded) + 2 * log_sum_exp
     narrow, _ = context_bytes(dataclasses.replace(SHAPE, element_bytes=2), 2)
     assert narrow == (gathered + padded) / 2 + log_sum_exp
+    assert blockwise_transient(SHAPE, 2) == 0.0  # (over the gathered keys nothing is counted once)
+
+
+def test_what_a_context_rank_attending_block_by_block_keeps_and_holds_worked_by_hand():
+    blocks = dataclasses.replace(SHAPE, blockwise=True)
+    # nothing kept beyond 1/C; selective checkpointing keeps 4 blocks' outputs and log-sum-exps of 16 rows where
+    # one device's would be 2 (C = 2, ranks past the first): 32 rows more of 4 heads
+    assert context_bytes(blocks, 2) == (0.0, (32 * 4 + 4) * 4 * 32)
+    assert context_bytes(blocks, 4) == (0.0, (32 * 4 + 4) * 4 * 16)
+    # one layer's backward: the 64 tokens' keys and values and their gradients (2 key/value heads), and the
+    # 48 keys before rank 0's tail repeated for the 4 query heads, with their gradients
+    assert blockwise_transient(blocks, 2) == (4 * 2 * 64 + 4 * 4 * 48) * 32 * 4
+    work = Workload(
+        compute_seconds=0.0, parameter_bytes=0.0, batch_size=8, activation_bytes=1000e3, blocks=2,
+        block_bytes=400e3, block_input_bytes=20e3, block_matmul_bytes=100e3, attention=blocks,
+    )  # fmt: skip
+    part = context_part(work, Layout(context=2))
+    transient = blockwise_transient(blocks, 2)
+    assert part.activation_bytes == 500e3 + transient and part.block_bytes == 200e3
+    assert part.block_matmul_bytes == 50e3 + (32 * 4 + 4) * 4 * 32
+    # the transient once in every mode's peak
+    outside = (1000e3 - 2 * 400e3) / 2
+    assert peak_bytes(part, "none") == 500e3 + transient
+    assert peak_bytes(part, "full") == outside + transient + 2 * 10e3 + 200e3
 
 
 def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its_blocks_are_kept():
@@ -98,33 +124,53 @@ def fake_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block-by-block", "gathered"])
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, name, size):
+def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, monkeypatch, name, size, blockwise):
     """One device's figures, split by `context_part`, against a context rank's forward on fake tensors: every
-    rank (its chunks end elsewhere, their rows with the zero rows do not), every figure checkpointing uses."""
+    rank, every figure checkpointing uses; attending block by block (this CPU's way) and over the gathered keys
+    with zero rows (a GPU's way, taken here by telling the CPU it has no blockwise kernel)."""
+    from polytrain.parallel import block_attention
     from polytrain.parallel.context import ContextGroup, apply_context_parallel
 
+    if not blockwise:
+        monkeypatch.setattr(block_attention, "blockwise", lambda device_type: False)
     group, context = fake_group(size), 64
     ids = torch.zeros(BATCH, context, dtype=torch.long)
     for rank in range(size):
         model, objective = MODELS[name](context), Objective(kind="language")
         one = activation_profile(model, objective, ids, ids)
         assert one["attention"].context == context and one["attention"].layers == len(model) - 3
+        assert one["attention"].blockwise  # (measured on this CPU)
+        one["attention"] = dataclasses.replace(one["attention"], blockwise=blockwise)
         counted = context_part(
             Workload(compute_seconds=0.0, parameter_bytes=0.0, batch_size=BATCH, **one), Layout(context=size)
         )
+        transient = blockwise_transient(one["attention"], size)  # (held for a while, not kept)
         apply_context_parallel(model, ContextGroup(group, rank, size))
         objective.sequence_parts = size
         kept = activation_profile(model, objective, ids[:, : context // size], ids[:, : context // size])
         for figure in FIGURES:  # (the token ids' bool mask, 1 byte a sample, is not split: 2 bytes at most)
-            assert getattr(counted, figure) == pytest.approx(kept[figure], abs=2), (rank, figure)
-        assert kept["activation_bytes"] > one["activation_bytes"] / size + 20e3  # far from 1/C alone
+            expected = getattr(counted, figure) - (transient if figure == "activation_bytes" else 0.0)
+            if blockwise and rank == 0 and figure == "block_matmul_bytes":
+                # rank 0's head chunk sees no keys before it: one block's output fewer than the count's (the
+                # busiest rank's)
+                expected -= context_bytes(one["attention"], size)[1] / 2 * (len(model) - 3) / one["blocks"]
+            assert expected == pytest.approx(kept[figure], abs=2), (rank, figure)
+        if blockwise:  # nothing kept beyond 1/C; one layer's transient, below what every layer kept gathered
+            assert kept["activation_bytes"] == pytest.approx(one["activation_bytes"] / size, abs=2)
+            gathered = dataclasses.replace(one["attention"], blockwise=False)
+            assert 0 < transient < (len(model) - 3) * context_bytes(gathered, size)[0]
+        else:
+            assert kept["activation_bytes"] > one["activation_bytes"] / size + 20e3  # far from 1/C alone
 
 
-def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_and_zero_rows_do_not_fit(monkeypatch):
+def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_do_not_fit(monkeypatch):
     """benchmarks/context_parallel.py's T = 16384 batch 1 case, where 1/C alone passed 4 ranks that then held
-    2.3x its figure: with a limit between 1/C and the count, 4 context ranks are refused, the count named."""
+    2.3x its figure (attending over the gathered keys with zero rows): with a limit between 1/C and the count
+    (on this CPU, block by block: 1/C and one layer's gathered keys and values in its backward), 4 context ranks
+    are refused, the count named."""
     from polytrain.config import TrainConfig
     from polytrain.data import load_dataset
     from polytrain.errors import UserError
@@ -142,9 +188,12 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_and_zero_r
     alone = memory_per_rank(
         dataclasses.replace(work, attention=None), "sharded", 4, optimizer_slots=2, layout=layout
     )
-    # both layers' gathered keys and values and zero rows, one sequence: 44 MiB beside 1/C's 95
-    assert counted - alone == pytest.approx(2 * context_bytes(work.attention, 4)[0])
-    assert work.attention == AttentionShape(2, 4, 2, 32, 16384, 4, sum(p.numel() for p in model.parameters()))
+    # one layer's gathered keys and values, their gradients and the largest block repeated for the query heads,
+    # one sequence: 44 MiB beside 1/C's 95
+    assert work.attention.blockwise and context_bytes(work.attention, 4)[0] == 0
+    assert counted - alone == pytest.approx(blockwise_transient(work.attention, 4)) == 44 * 2**20
+    parameters = sum(p.numel() for p in model.parameters())
+    assert work.attention == AttentionShape(2, 4, 2, 32, 16384, 4, parameters, blockwise=True)
     monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: (counted + alone) / 2)
     with pytest.raises(UserError, match=f"at least {counted / 2**30:,.1f} GiB"):
         fits.check_fits(
@@ -214,9 +263,9 @@ def kept_by_a_rank(name: str, layout, rank: int) -> float:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
     """--context-parallel 2 beside 2 tensor ranks: every rank of the 4 keeps half of what a rank of the tensor
-    group alone keeps, plus the gathered keys and values and zero rows of the heads it runs (half the query
-    and key/value heads: `context_part(work, Layout(context=C, tensor=T))`), measured against the real tensor plan on a fake
-    process group. With all the heads counted, the figure would be 2 x 2 x 20 KiB (llama) high."""
+    group alone keeps, and holds for a while the gathered keys and values of the heads it runs (half the query
+    and key/value heads: `context_part(work, Layout(context=C, tensor=T))`), measured against the real tensor
+    plan on a fake process group. With all the heads counted, the figure would be 40 KiB (llama) high."""
     from polytrain.parallel.layout import Layout
 
     one = activation_profile(
@@ -231,5 +280,8 @@ def test_a_context_rank_beside_tensor_ranks_keeps_the_count_for_its_heads(name):
     assert (
         counted < context_part(work, Layout(context=2)).activation_bytes - 2 * 16e3
     )  # fewer heads: less gathered
+    shape = one["attention"]  # (block by block on this CPU: one layer's gathered keys held, not kept)
+    halved = dataclasses.replace(shape, heads=shape.heads // 2, kv_heads=shape.kv_heads // 2)
+    kept = counted - blockwise_transient(halved, 2)
     for rank in range(4):
-        assert kept_by_a_rank(name, Layout(context=2, tensor=2), rank) == pytest.approx(counted, abs=2), rank
+        assert kept_by_a_rank(name, Layout(context=2, tensor=2), rank) == pytest.approx(kept, abs=2), rank

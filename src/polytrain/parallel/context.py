@@ -11,7 +11,9 @@ that does not cut into 2C chunks is refused (`check_length`).
 **Attention over the split sequence.** A rank computes its own queries, keys and values, then gathers the keys
 and values of the whole sequence over the context group, puts them in global order and attends with its
 queries under the causal mask of their global positions (`causal_attention`): the all-gather context
-parallelism of the Llama 3 paper. The gather is torch's autograd-aware functional collective, whose backward
+parallelism of the Llama 3 paper. On CPUs each chunk attends block by block, only to the keys it can see, the
+blocks merged by their log-sum-exp (block_attention.py): every rank computes 1/C of each sequence's attention,
+and keeps only its own tokens' tensors for the backward. Elsewhere (GPUs, below) each chunk attends as follows. The gather is torch's autograd-aware functional collective, whose backward
 sums each key's and value's gradient over every rank's queries onto the rank that holds the token (a
 reduce-scatter). The older `torch.distributed.nn.functional.all_gather` gives the right output and query
 gradients but wrong key gradients, and is not used. GPUs run the same gather: torch's `context_parallel` (ring
@@ -120,6 +122,10 @@ def causal_attention(
     and whose gradients are zero): `is_causal` then needs no mask tensor, and the fused kernels keep O(T)
     memory per layer. An explicit (T/C, T) mask would be turned into float32 and saved for the backward pass
     of every layer (4 T^2 / C bytes), and make the kernel compute every masked pair too."""
+    from .block_attention import block_attention, blockwise
+
+    if blockwise(q.device.type):
+        return block_attention(q, k, v, context)
     keys, values = gather_sequence(k, context), gather_sequence(v, context)
     grouped = q.shape[1] != keys.shape[1]
     chunk = q.shape[2] // 2
@@ -231,9 +237,16 @@ def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, par
     objective.sequence_parts = size
     length = getattr(model, "context", None)
     tokens, chunk = (f" of {length} tokens", f" of {length // (2 * size)}") if length else ("", "")
+    from .block_attention import blockwise
+
+    how = (
+        "attention block by block over the keys each chunk sees"
+        if blockwise(getattr(mesh, "device_type", "cpu"))
+        else "keys and values gathered over the group for attention"
+    )
     line = (
         f"context parallel: each sequence{tokens} split over {size} ranks (a head and a tail chunk{chunk} "
-        f"each), keys and values gathered over the group for attention; "
+        f"each), {how}; "
         + (f"{slices} such groups split the batch" if slices > 1 else "every rank reads the whole batch")
     )
     return context, line

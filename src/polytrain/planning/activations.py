@@ -73,3 +73,6 @@ class AttentionShape:
     context: int
     element_bytes: int = 4
     parameters: float = 0.0
+    # how a context rank attends (planning/context.py): block by block, keeping only its own tokens' tensors
+    # (parallel/block_attention.py, on CPUs), or over the gathered keys with zero rows in front (GPUs)
+    blockwise: bool = False

@@ -4,6 +4,15 @@ context group of C ranks. Pure arithmetic on the cost model's inputs (planning/c
 planning/activations.py, tested against values worked out by hand and against a context rank's forward on fake
 tensors.
 
+Two ways of attending are counted, told apart by `AttentionShape.blockwise`: block by block over the keys each
+chunk sees (parallel/block_attention.py, CPUs), and over the gathered keys with zero rows in front (context.py's
+`causal_attention` elsewhere: GPUs). The figures below are the second's; block by block a rank computes 1/C of
+each sequence's attention pairs (compute as a rank that splits the batch), gathers the keys and values again in
+the backward (one more ring), keeps nothing beyond 1/C of one device's but, under selective checkpointing, each
+block's output and log-sum-exp (T/C rows more on a rank past the first), and holds for one layer's backward the
+gathered keys and values with their gradients and the largest block's repeated for the query heads
+(`blockwise_transient`).
+
 - **Compute.** A rank computes T/C tokens of each sequence of its slice, C times the sequences of a rank
   that splits the batch over n (C = 1, `Workload.replica_pass(n)`): as many tokens. Its matrix products,
   norms and the rest cost as much as that rank's; its attention does not. Each of its two chunks (c = T/2C
@@ -145,10 +154,13 @@ def context_parallel(
         )
         return Prediction(strategy, devices, 0.0, 0.0, float("inf"), note=why, layout=layout)
     share, replica = attention_share(work) if share is None else share, work.replica_pass(devices)
-    compute = base.compute - replica + replica * ((1 - share) + share * busiest_attention(context))
+    # block by block every rank computes 1/C of each sequence's attention pairs, as a rank that splits the batch
+    busiest = 1.0 if shape.blockwise else busiest_attention(context)
+    compute = base.compute - replica + replica * ((1 - share) + share * busiest)
     sequences = work.batch_size / (devices // context)  # each rank's slice: its part of each of them
     gathered = sequences * shape.kv_heads * shape.context * shape.head_dim * shape.element_bytes
-    rings = 1 + (2 if scatter_by_allreduce else 1)  # the gather, then the gradients' reduce-scatter
+    # the gather (block by block, again in the backward), then the gradients' reduce-scatter
+    rings = (2 if shape.blockwise else 1) + (2 if scatter_by_allreduce else 1)
     collectives = 2 * shape.layers  # the keys and the values of every attention layer
     messages = collectives * rings * (context - 1)
     moved = collectives * rings * (context - 1) / context * gathered
@@ -163,9 +175,15 @@ def context_parallel(
 
 def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
     """(x, m'): bytes per sample and attention layer that a rank of a context group of `size` keeps beyond
-    1/size of one device's, and of them the attention's outputs (the table in the module's docstring)."""
+    1/size of one device's, and of them the attention's outputs (the table in the module's docstring). Block by
+    block (`shape.blockwise`) it keeps none more; selective checkpointing keeps each block's output and
+    log-sum-exp, 4 blocks of T/2C rows on a rank past the first (3 on rank 0) where one device's would be 2."""
     if size == 1:
         return 0.0, 0.0
+    if shape.blockwise:
+        return 0.0, (
+            shape.element_bytes * shape.head_dim + max(4, shape.element_bytes)
+        ) * shape.heads * shape.context / size
     tokens, local = shape.context, shape.context / size
     padded = tokens + tokens / (2 * size)
     log_sum_exp = max(4, shape.element_bytes)  # float32, or float64 for float64 queries
@@ -173,6 +191,19 @@ def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
     kept = width * (2 * shape.kv_heads * (tokens - local) + shape.heads * (2 * padded - local))
     outputs = (width + log_sum_exp) * shape.heads * (padded - local)
     return kept + log_sum_exp * shape.heads * (padded - local), outputs
+
+
+def blockwise_transient(shape: AttentionShape, size: int) -> float:
+    """Bytes per sample that one attention layer's backward holds for a while where a context rank attends block
+    by block (`shape.blockwise`; 0 else): the whole sequence's keys and values gathered again and their gradients
+    (4 g T d e), and the largest block's keys and values repeated for the query heads with their gradients (4 h B
+    d e, B = T - T/2C: the keys before rank 0's tail chunk). One layer at a time: counted once."""
+    if size == 1 or not shape.blockwise:
+        return 0.0
+    block = shape.context - shape.context / (2 * size)
+    return (
+        shape.element_bytes * shape.head_dim * (4 * shape.kv_heads * shape.context + 4 * shape.heads * block)
+    )
 
 
 def context_part(work, layout):
@@ -189,10 +220,13 @@ def context_part(work, layout):
         kv_heads = attention.kv_heads // tensor if attention.kv_heads % tensor == 0 else attention.kv_heads
         attention = replace(attention, heads=max(1, attention.heads // tensor), kv_heads=kv_heads)
     extra, outputs = context_bytes(attention, size) if attention else (0.0, 0.0)
+    transient = blockwise_transient(attention, size) if attention else 0.0
     per_block = attention.layers / work.blocks if attention and work.blocks else 0.0
     return replace(
         work,
-        activation_bytes=work.activation_bytes / size + (attention.layers * extra if attention else 0.0),
+        # (a transient counted in what is kept outside the blocks is counted once in every mode's peak)
+        activation_bytes=work.activation_bytes / size
+        + (attention.layers * extra + transient if attention else 0.0),
         block_bytes=work.block_bytes / size + per_block * extra,
         block_input_bytes=work.block_input_bytes / size,
         block_matmul_bytes=work.block_matmul_bytes / size + per_block * outputs,

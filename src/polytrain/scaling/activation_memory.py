@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel.block_attention import blockwise as attends_blockwise
+
 FIELDS = ("activation_bytes", "blocks", "block_bytes", "block_input_bytes", "block_matmul_bytes", "attention")
 
 
@@ -138,7 +140,7 @@ def activation_profile(
         block_matmul_bytes=per_block(
             [sum(size for _, size in products.get(b, {}).values()) for b in range(len(blocks))]
         ),
-        attention=_attention_shape(calls, model),
+        attention=_attention_shape(calls, model, blockwise=attends_blockwise(device)),
     )
 
 
@@ -150,16 +152,19 @@ def _attention_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return query.shape[1], key.shape[1], query.shape[3], query.shape[2], query.element_size()
 
 
-def _attention_shape(calls: list, model: nn.Module):
+def _attention_shape(calls: list, model: nn.Module, *, blockwise: bool = False):
     """The forward's attention as an AttentionShape where every call is the same causal attention; None
-    where there is none, or another kind among them."""
+    where there is none, or another kind among them. `blockwise`: a context rank on this device attends block by
+    block (CPUs)."""
     from ..planning.activations import AttentionShape
 
     if not calls or None in calls or len(set(calls)) != 1:
         return None
     heads, kv_heads, head_dim, tokens, element_bytes = calls[0]
     parameters = float(sum(p.numel() for p in model.parameters()))
-    return AttentionShape(len(calls), heads, kv_heads, head_dim, tokens, element_bytes, parameters)
+    return AttentionShape(
+        len(calls), heads, kv_heads, head_dim, tokens, element_bytes, parameters, blockwise=blockwise
+    )
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

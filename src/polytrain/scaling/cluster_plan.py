@@ -363,6 +363,8 @@ def model_work(request: PlanRequest) -> ModelWork:
     figures = activation_profile(model, Objective(kind="language"), x, x, precision=request.precision)
     if not figures:
         raise UserError(f"{request.name}: its forward pass could not be measured on fake tensors")
+    if figures.get("attention") is not None:  # a GPU's context rank attends over the gathered keys
+        figures["attention"] = dataclasses.replace(figures["attention"], blockwise=False)
     return ModelWork(
         dense_parameters=float(dense),
         width=tables[0].embedding_dim if tables else 0,

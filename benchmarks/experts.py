@@ -23,8 +23,9 @@ runs, on N processes, one after the other (interleaved):
              of each block sharded by `fully_shard` (the experts left out with `ignored_params`), the experts'
              gradients divided by N (the mean over ranks that the rest's FSDP2 takes), gradient clipping at 1.0
              over the whole model (squared sums all-reduced), AdamW (lr 3e-3, betas 0.9/0.99, weight decay 0.1 on
-             matrices only, as polytrain's recipe), windows of the same token ids in a seeded order, each rank
-             its part of the global batch of 8; `--steps` steps timed from the first to the last.
+             matrices only, as polytrain's recipe; fused, as polytrain steps DTensors on CPUs), windows of the same
+             token ids in a seeded order, each rank its part of the global batch of 8; `--steps` steps timed from
+             the first to the last.
 
 polytrain's runs use the defaults a user gets; their tokens/s is the epoch's record in metrics.jsonl (`--steps`
 steps; validation after the epoch is in the memory, not the time). Peak memory: each worker's VmHWM polled from
@@ -167,6 +168,7 @@ def worker(steps: int, result: str) -> None:
         ],
         lr=3e-3,
         betas=(0.9, 0.99),
+        fused=True,  # (as polytrain steps DTensors on CPUs: one kernel per group)
     )
     generator = torch.Generator().manual_seed(1)
     order = torch.randperm((len(tokens) - 1) // context, generator=generator)

@@ -66,20 +66,57 @@ def _repeated(tensor: torch.Tensor, groups: int) -> torch.Tensor:
     return tensor.repeat_interleave(groups, dim=1) if groups > 1 else tensor
 
 
+def _stacks(causal: bool, groups: int) -> bool:
+    """Whether a block's queries are stacked rather than its keys and values repeated: where query heads share
+    key/value heads and the block is not causal, the rows of the `groups` query heads of each key/value head
+    attend as one head's (their rows independent), so the block's keys and values are read as they lie."""
+    return groups > 1 and not causal
+
+
+def _block_forward(q, keys, values, first: int, end: int, causal: bool, scale):
+    """(output, log-sum-exp) of the queries `q` (B, heads, c, d) over keys[first:end] (B, kv_heads, T, d)."""
+    (batch, heads, rows, width), groups = q.shape, q.shape[1] // keys.shape[1]
+    k, v = keys[:, :, first:end], values[:, :, first:end]
+    if _stacks(causal, groups):
+        out, lse = _FORWARD(q.reshape(batch, -1, groups * rows, width), k, v, 0.0, False, scale=scale)
+        return out.reshape(batch, heads, rows, width), lse.reshape(batch, heads, rows)
+    return _FORWARD(q, _repeated(k, groups), _repeated(v, groups), 0.0, causal, scale=scale)
+
+
+def _block_backward(grad, q, keys, values, out, lse, first: int, end: int, causal: bool, scale):
+    """(the gradients of `q`, of keys[first:end] and of values[first:end]) of a block, given the chunk's merged
+    `out` and `lse` (`_block_forward`'s arguments)."""
+    (batch, _, rows, width), groups = q.shape, q.shape[1] // keys.shape[1]
+    k, v = keys[:, :, first:end], values[:, :, first:end]
+    if _stacks(causal, groups):
+        stacked = (batch, -1, groups * rows, width)
+        dq, dk, dv = _BACKWARD(
+            grad.reshape(stacked),
+            q.reshape(stacked),
+            k,
+            v,
+            out.reshape(stacked),
+            lse.reshape(batch, -1, groups * rows),
+            0.0,
+            False,
+            scale=scale,
+        )
+        return dq.reshape(q.shape), dk, dv
+    dq, dk, dv = _BACKWARD(
+        grad, q, _repeated(k, groups), _repeated(v, groups), out, lse, 0.0, causal, scale=scale
+    )
+    if groups > 1:  # each key/value head's gradient: the sum over the query heads that share it
+        shape = (batch, keys.shape[1], groups, *dk.shape[2:])
+        dk, dv = dk.view(shape).sum(dim=2), dv.view(shape).sum(dim=2)
+    return dq, dk, dv
+
+
 def _chunk_forward(q, keys, values, start: int, scale: Optional[float]):
     """(output, log-sum-exp) of one chunk `q` (B, heads, c, d) at global position `start` over the whole
     sequence's `keys` and `values` (B, kv_heads, T, d)."""
-    groups = q.shape[1] // keys.shape[1]
     out = lse = None
     for first, end, causal in _blocks(start, q.shape[2]):
-        block_out, block_lse = _FORWARD(
-            q,
-            _repeated(keys[:, :, first:end], groups).contiguous(),
-            _repeated(values[:, :, first:end], groups).contiguous(),
-            0.0,
-            causal,
-            scale=scale,
-        )
+        block_out, block_lse = _block_forward(q, keys, values, first, end, causal, scale)
         if out is None:
             out, lse = block_out, block_lse
             continue
@@ -117,28 +154,20 @@ class _HeadTailAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         context, scale = ctx.context, ctx.scale
         keys, values = _gathered(k, context), _gathered(v, context)
-        groups, chunk = q.shape[1] // k.shape[1], q.shape[2] // 2
+        chunk = q.shape[2] // 2
         grad_q = torch.empty_like(q)
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         for index, start in enumerate(context.chunk_starts(chunk)):
             rows = slice(index * chunk, (index + 1) * chunk)
             part, done = q[:, :, rows].contiguous(), None
+            given = grad[:, :, rows].contiguous(), out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
             for first, end, causal in _blocks(start, chunk):
-                dq, dk, dv = _BACKWARD(
-                    grad[:, :, rows].contiguous(),
-                    part,
-                    _repeated(keys[:, :, first:end], groups).contiguous(),
-                    _repeated(values[:, :, first:end], groups).contiguous(),
-                    out[:, :, rows].contiguous(),
-                    lse[:, :, rows].contiguous(),
-                    0.0,
-                    causal,
-                    scale=scale,
+                dq, dk, dv = _block_backward(
+                    given[0], part, keys, values, *given[1:], first, end, causal, scale
                 )
                 done = dq if done is None else done + dq
-                shape = (dk.shape[0], keys.shape[1], groups, *dk.shape[2:])
-                grad_keys[:, :, first:end] += dk.view(shape).sum(dim=2)
-                grad_values[:, :, first:end] += dv.view(shape).sum(dim=2)
+                grad_keys[:, :, first:end] += dk
+                grad_values[:, :, first:end] += dv
             grad_q[:, :, rows] = done
         return (
             grad_q,

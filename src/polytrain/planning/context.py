@@ -10,8 +10,7 @@ chunk sees (parallel/block_attention.py, CPUs), and over the gathered keys with 
 each sequence's attention pairs (compute as a rank that splits the batch), gathers the keys and values again in
 the backward (one more ring), keeps nothing beyond 1/C of one device's but, under selective checkpointing, each
 block's output and log-sum-exp (T/C rows more on a rank past the first), and holds for one layer's backward the
-gathered keys and values with their gradients and the largest block's repeated for the query heads
-(`blockwise_transient`).
+gathered keys and values with their gradients and the largest block's gradients (`blockwise_transient`).
 
 - **Compute.** A rank computes T/C tokens of each sequence of its slice, C times the sequences of a rank
   that splits the batch over n (C = 1, `Workload.replica_pass(n)`): as many tokens. Its matrix products,
@@ -196,14 +195,15 @@ def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
 def blockwise_transient(shape: AttentionShape, size: int) -> float:
     """Bytes per sample that one attention layer's backward holds for a while where a context rank attends block
     by block (`shape.blockwise`; 0 else): the whole sequence's keys and values gathered again and their gradients
-    (4 g T d e), and the largest block's keys and values repeated for the query heads with their gradients (4 h B
-    d e, B = T - T/2C: the keys before rank 0's tail chunk). One layer at a time: counted once."""
+    (4 g T d e), the largest block's key and value gradients (2 g B d e, B = T - T/2C: the keys before rank 0's
+    tail chunk), and, where query heads share key/value heads, a diagonal block's keys and values repeated for
+    them with their gradients (4 h T/2C d e). One layer at a time: counted once."""
     if size == 1 or not shape.blockwise:
         return 0.0
-    block = shape.context - shape.context / (2 * size)
-    return (
-        shape.element_bytes * shape.head_dim * (4 * shape.kv_heads * shape.context + 4 * shape.heads * block)
-    )
+    chunk = shape.context / (2 * size)
+    held = 4 * shape.kv_heads * shape.context + 2 * shape.kv_heads * (shape.context - chunk)
+    held += 4 * shape.heads * chunk if shape.heads > shape.kv_heads else 0
+    return shape.element_bytes * shape.head_dim * held
 
 
 def context_part(work, layout):

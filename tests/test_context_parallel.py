@@ -192,9 +192,10 @@ def test_a_model_over_the_split_sequence_equals_one_device(on_four_ranks, size, 
         assert max(errors.values()) < EXACT, (rank, model, errors)
 
 
-# `polytrain verify --context-parallel C`: the strategies that split sequences (data, sharded, tensor, pipeline) on
-# both models, C = 2 inside 2 sharded data slices (4 ranks), C = 4 over every rank, C = 2 beside 2 tensor ranks, and
-# C = 2 on each of 2 pipeline stages, with activation checkpointing and accumulation, against one device in float64
+# `polytrain verify --context-parallel C`: every strategy that splits sequences (data, sharded, tensor, pipeline) on
+# each model, C = 2 inside 2 sharded or replicated data slices (4 ranks), C = 4 over every rank, C = 2 beside 2
+# tensor ranks, and C = 2 on each of 2 pipeline stages, with each activation checkpointing mode and accumulation,
+# against one device in float64 (on CPU processes each chunk attends block by block: parallel/block_attention.py)
 SMALL = ["--dataset", "shakespeare", "--layers", "2", "--heads", "4", "--width", "32", "--context", "32"]
 VERIFIES = {
     "llama sharded 2 x cp 2, full checkpointing, 2 passes": [
@@ -216,6 +217,16 @@ VERIFIES = {
     "gpt cp 2 x tp 2 (norms whole: no sequence parallelism), full checkpointing": [
         "--model", "gpt", "--strategy", "tensor", "--devices", "4", "--tensor-parallel", "2",
         "--context-parallel", "2", "--activation-checkpointing", "full",
+    ],
+    "gpt sharded 2 x cp 2": [
+        "--model", "gpt", "--strategy", "sharded", "--devices", "4", "--context-parallel", "2",
+    ],
+    "gpt 2 pipeline stages x cp 2, full checkpointing, 2 passes": [
+        "--model", "gpt", "--strategy", "pipeline", "--devices", "4", "--context-parallel", "2",
+        "--activation-checkpointing", "full", "--accumulate", "2",
+    ],
+    "llama data 2 x cp 2": [
+        "--model", "llama", "--kv-heads", "2", "--strategy", "data", "--devices", "4", "--context-parallel", "2",
     ],
 }  # fmt: skip
 

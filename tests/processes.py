@@ -87,6 +87,42 @@ def finish(process: subprocess.Popen, *, timeout: float) -> subprocess.Completed
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
+def finish_all(processes: list, *, timeout: float) -> list:
+    """Wait for every one of `processes` within one `timeout`; past it, fail with the output and the stacks of all
+    of them (those that ended, and every process of the trees of those that did not): where processes wait on each
+    other, the one that outlives the timeout is seldom the one that went astray."""
+    deadline, done = time.monotonic() + timeout, {}
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done[process.pid] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        running = [process for process in processes if process.pid not in done]
+        for process in running:
+            abort_tree(process.pid)
+        reports = []
+        for number, process in enumerate(processes):
+            if process.pid in done:
+                ended = done[process.pid]
+                reports.append(
+                    f"--- process {number} ended ({ended.returncode}):\n{ended.stdout}\n{ended.stderr}"
+                )
+                continue
+            try:
+                out, err = process.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                out, err = "", "(no output within 20 s of SIGABRT)"
+            finally:
+                kill_tree(process.pid)
+            reports.append(
+                f"--- process {number} ran past {timeout:.0f}s; its output and stacks:\n{out}\n{err}"
+            )
+        raise AssertionError(
+            f"{len(running)} of {len(processes)} processes ran past {timeout:.0f}s:\n" + "\n".join(reports)
+        ) from None
+    return [done[process.pid] for process in processes]
+
+
 def polytrain(*args, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
     """`python -m polytrain ARGS`, as a user runs it."""
     return finish(start([sys.executable, "-m", "polytrain", *args], env=env), timeout=timeout)

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import finish, start
+from processes import finish_all, start
 
 import polytrain
 from polytrain.data.corpus import tokenize_corpus
@@ -268,7 +268,7 @@ def printed(tmp_path_factory) -> dict:
     (folder / "plan.json").write_text(json.dumps(layout))
     helper = Path(__file__).with_name("matrix_runs.py")
     processes = [start([sys.executable, helper, folder / "plan.json", p]) for p in range(4)]
-    finished = [finish(process, timeout=600) for process in processes]
+    finished = finish_all(processes, timeout=600)
     found = {case: ([], [], []) for case in cases}
     for process, done in enumerate(finished):
         case = None

@@ -1,6 +1,7 @@
 """Causal attention of a context rank's head and tail chunks, computed block by block over the keys each chunk can
 see and merged by their log-sum-exp: no attention pair is computed that one device's causal mask hides, no zero
-rows, no mask (context.py splits the sequences; this is how a rank attends over the whole of each).
+rows, no mask (context.py splits the sequences; this is how a rank attends over the whole of each). It imports
+nothing from context.py: the ContextGroup it is given joins and cuts the head-tail parts.
 
 **The blocks.** A rank holds two chunks of c = T/2C queries of each sequence (context.py, head-tail), the first at
 global position a. Such a chunk sees the keys before it whole, [0, a), and the keys of its own chunk, [a, a + c),
@@ -49,10 +50,8 @@ def blockwise(device_type: str) -> bool:
 def _gathered(part: torch.Tensor, context) -> torch.Tensor:
     """The whole sequence's keys or values in global order, gathered from every rank's head-tail `part`
     (B, heads, T/C, d), outside autograd."""
-    from .context import join_sequence
-
     stacked = funcol.wait_tensor(_ALL_GATHER(part.contiguous(), 0, context.group))
-    return join_sequence(list(stacked.chunk(context.size, dim=0)), dim=2)
+    return context.joined(list(stacked.chunk(context.size, dim=0)), dim=2)
 
 
 def _blocks(start: int, chunk: int) -> list:
@@ -149,8 +148,6 @@ class _HeadTailAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .context import split_sequence
-
         q, k, v, out, lse = ctx.saved_tensors
         context, scale = ctx.context, ctx.scale
         keys, values = _gathered(k, context), _gathered(v, context)
@@ -171,19 +168,17 @@ class _HeadTailAttention(torch.autograd.Function):
             grad_q[:, :, rows] = done
         return (
             grad_q,
-            _scattered(grad_keys, context, split_sequence),
-            _scattered(grad_values, context, split_sequence),
+            _scattered(grad_keys, context),
+            _scattered(grad_values, context),
             None,
             None,
         )
 
 
-def _scattered(whole: torch.Tensor, context, split_sequence) -> torch.Tensor:
+def _scattered(whole: torch.Tensor, context) -> torch.Tensor:
     """This rank's head-tail part of `whole` (B, heads, T, d) summed over the context group: every rank's
     gradient of the whole sequence's keys or values, brought to the ranks that hold them (a reduce-scatter)."""
-    stacked = torch.cat(
-        [split_sequence(whole, r, context.size, dim=2)[0] for r in range(context.size)], dim=0
-    )
+    stacked = torch.cat([context.part_of(whole, r, dim=2) for r in range(context.size)], dim=0)
     return funcol.wait_tensor(_REDUCE_SCATTER(stacked.contiguous(), "sum", 0, context.group))
 
 

@@ -176,6 +176,14 @@ class ContextGroup:
         dist.all_reduce(total, group=group)
         return total
 
+    def joined(self, parts: List[torch.Tensor], *, dim: int) -> torch.Tensor:
+        """The whole sequence in global order from every rank's head-tail part (`join_sequence`)."""
+        return join_sequence(parts, dim=dim)
+
+    def part_of(self, whole: torch.Tensor, rank: int, *, dim: int) -> torch.Tensor:
+        """Rank `rank`'s head and tail chunks of `whole` laid out by token along `dim` (`split_sequence`)."""
+        return split_sequence(whole, rank, self.size, dim=dim)[0]
+
     def own_tokens(self, tokens):
         """This rank's head and tail chunks of `tokens` laid out by token along dim 1 ((B, T) ids or labels);
         anything else as it is."""

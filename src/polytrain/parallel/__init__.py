@@ -11,7 +11,9 @@ module is imported by its own name. Read top-down:
 - parallelize.py: `parallelize(module, layout, options)`, the steps below in order over the mesh.
 - tensor.py, rank_slice.py: the tensor plan applied (layers split over the tp dimension) and tried on a rank's
   slice before any worker starts.
-- context.py: sequences split over the cp dimension (`ContextGroup`), and what a model must be to allow it.
+- context.py: sequences split over the cp dimension (`ContextGroup`), and what a model must be to allow it;
+  block_attention.py: a context rank's attention block by block, merged by log-sum-exp (CPUs).
+- experts.py: each mixture's experts split over the ep ranks, tokens exchanged by all-to-all.
 - activation_checkpoint.py: blocks recomputed in backward (full, selective).
 - global_batch.py: BatchNorm and Dropout computed over the global batch where ranks each hold a slice.
 - precision.py: layers kept in float32 under autocast where the device's kernels need it.

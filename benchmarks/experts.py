@@ -36,7 +36,6 @@ than data; polytrain's expert run / hand >= 0.95 in tokens/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,7 +47,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sharded_fsdp import shape_flags, steps_per_epoch, watched  # noqa: E402
+from sharded_fsdp import (  # noqa: E402
+    epoch_tokens_per_second,
+    finish_hand_worker,
+    hand_result,
+    shape_flags,
+    steps_per_epoch,
+    watched,
+)
 
 SHAPE = dict(
     model="llama", layers=4, width=256, heads=8, kv_heads=4, context=128, experts=8, experts_per_token=2
@@ -69,9 +75,7 @@ def run_polytrain(run: str, processes: int, steps: int, folder: Path) -> dict:
     seconds, code, peak = watched(command, log)
     if code:
         raise SystemExit(f"polytrain failed ({run}, {processes}): {log.read_text()[-2000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    record = next(r for r in records if "tokens_per_second" in r)
-    return {"tokens_per_second": record["tokens_per_second"], "peak_rss": peak, "wall": seconds}
+    return {"tokens_per_second": epoch_tokens_per_second(out), "peak_rss": peak, "wall": seconds}
 
 
 def run_hand(processes: int, steps: int, folder: Path) -> dict:
@@ -85,20 +89,12 @@ def run_hand(processes: int, steps: int, folder: Path) -> dict:
         str(processes),
     ]
     command += [str(Path(__file__).resolve()), "--worker", "--steps", str(steps), "--result", str(result)]
-    log = folder / f"hand-{processes}.log"
-    seconds, code, peak = watched(command, log)
-    if code and result.exists() and "terminate called without an active exception" in log.read_text():
-        # (sharded_fsdp.py: a plain torch loop's rank on gloo can abort at teardown, after its result)
-        print(f"  (a rank of the hand loop aborted at teardown on {processes}, after writing its result)")
-        code = 0
-    if code:
-        raise SystemExit(f"the hand loop failed on {processes}: {log.read_text()[-3000:]}")
-    return dict(json.loads(result.read_text()), peak_rss=peak, wall=seconds)
+    return hand_result(command, folder / f"hand-{processes}.log", result, what=f"{processes} processes")
 
 
 def exchanged(module, tokens, chosen, weights):
     """The hand loop's forward of a mixture's experts (GroupedExperts.forward's arguments), this rank holding
-    `module.first` .. + `module.local` - 1 of them: the pairs to their experts' ranks and back by all-to-all."""
+    `module.local` of them (rows rank x local onwards): the pairs to their experts' ranks and back by all-to-all."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -193,15 +189,7 @@ def worker(steps: int, result: str) -> None:
             g.mul_(scale)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    loss = loss.detach()
-    dist.all_reduce(loss)
-    seconds = time.perf_counter() - start
-    if rank == 0:
-        Path(result).write_text(
-            json.dumps({"tokens_per_second": steps * BATCH * context / seconds, "loss": float(loss) / world})
-        )
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_hand_worker(loss, result, tokens=steps * BATCH * context, start=start)
 
 
 def main() -> None:

@@ -95,9 +95,13 @@ def run_polytrain(name: str, shape: dict, steps: int, folder: Path) -> dict:
         raise SystemExit(
             f"polytrain failed on {name}: {(folder / f'polytrain-{name}.log').read_text()[-2000:]}"
         )
+    return {"tokens_per_second": epoch_tokens_per_second(out), "peak_rss": peak, "wall": seconds}
+
+
+def epoch_tokens_per_second(out: Path) -> float:
+    """The tokens/s of the first epoch a polytrain run folder's metrics.jsonl records."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    record = next(r for r in records if "tokens_per_second" in r)
-    return {"tokens_per_second": record["tokens_per_second"], "peak_rss": peak, "wall": seconds}
+    return next(r for r in records if "tokens_per_second" in r)["tokens_per_second"]
 
 
 ABORT_WORDS = (
@@ -124,18 +128,41 @@ def run_hand(name: str, shape: dict, steps: int, folder: Path) -> dict:
         "--result",
         str(result),
     ]
-    seconds, code, peak = watched(command, folder / f"hand-{name}.log")
-    log = (folder / f"hand-{name}.log").read_text()
-    if code and result.exists() and "terminate called without an active exception" in log:
+    return hand_result(command, folder / f"hand-{name}.log", result, what=name)
+
+
+def hand_result(command: list, log: Path, result: Path, *, what: str) -> dict:
+    """Run a hand loop's torchrun `command`: the figures its rank 0 wrote to `result`, with its largest worker's
+    peak resident bytes and the seconds it took."""
+    seconds, code, peak = watched(command, log)
+    text = log.read_text()
+    if code and result.exists() and "terminate called without an active exception" in text:
         # measured on torch 2.13 (gloo, 2 ranks): a rank of this plain torch loop aborts in 3 of 8 runs while the
         # process group is torn down, after the timed steps and the result: the figures stand, and we say so
-        print(f"  (the hand loop's rank aborted at teardown on {name}, after writing its result)", flush=True)
+        print(f"  (the hand loop's rank aborted at teardown on {what}, after writing its result)", flush=True)
         code = 0
     if code:
         # a rank that aborts says why early in the log, before torchrun's summary (the tail)
-        why = [line for line in log.splitlines() if any(word in line for word in ABORT_WORDS)]
-        raise SystemExit(f"the hand loop failed on {name}: " + "\n".join(why[:20]) + "\n..." + log[-2000:])
+        why = [line for line in text.splitlines() if any(word in line for word in ABORT_WORDS)]
+        raise SystemExit(f"the hand loop failed on {what}: " + "\n".join(why[:20]) + "\n..." + text[-2000:])
     return dict(json.loads(result.read_text()), peak_rss=peak, wall=seconds)
+
+
+def finish_hand_worker(loss, result: str, *, tokens: int, start: float) -> None:
+    """The end of a hand loop's rank, after its timed steps (from `start`, `tokens` in all): the last loss averaged
+    over the ranks, rank 0 writing the tokens/s and it to `result`; then the ranks leave the group together."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        Path(result).write_text(
+            json.dumps({"tokens_per_second": tokens / seconds, "loss": float(loss) / world})
+        )
+    dist.barrier()  # (a rank that tears down while its peer still sends aborts in gloo's threads)
+    dist.destroy_process_group()
 
 
 def worker(name: str, steps: int, result: str) -> None:
@@ -186,15 +213,7 @@ def worker(name: str, steps: int, result: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    loss = loss.detach()
-    dist.all_reduce(loss)
-    seconds = time.perf_counter() - start
-    if rank == 0:
-        Path(result).write_text(
-            json.dumps({"tokens_per_second": steps * BATCH * context / seconds, "loss": float(loss) / world})
-        )
-    dist.barrier()  # (a rank that tears down while its peer still sends aborts in gloo's threads)
-    dist.destroy_process_group()
+    finish_hand_worker(loss, result, tokens=steps * BATCH * context, start=start)
 
 
 def main() -> None:

@@ -134,11 +134,11 @@ def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, monkeypatc
     """One device's figures, split by `context_part`, against a context rank's forward on fake tensors: every
     rank, every figure checkpointing uses; attending block by block (this CPU's way) and over the gathered keys
     with zero rows (a GPU's way, taken here by telling the CPU it has no blockwise kernel)."""
-    from polytrain.parallel import block_attention
+    from polytrain.parallel import context as context_module
     from polytrain.parallel.context import ContextGroup, apply_context_parallel
 
-    if not blockwise:
-        monkeypatch.setattr(block_attention, "blockwise", lambda device_type: False)
+    if not blockwise:  # (the name context.py asks)
+        monkeypatch.setattr(context_module, "blockwise", lambda device_type: False)
     group, context = fake_group(size), 64
     ids = torch.zeros(BATCH, context, dtype=torch.long)
     for rank in range(size):

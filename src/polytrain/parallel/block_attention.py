@@ -22,8 +22,10 @@ again for it rather than kept from the forward, so a layer keeps only its own to
 each key's and value's gradient, summed over every rank's queries, goes back to the rank that holds the token by a
 reduce-scatter.
 
-Keys and values with fewer heads than the queries (grouped-query attention) are repeated for the kernel, a block
-at a time, and their gradients summed back over each group. The kernel takes float32, float64, bfloat16 and
+Keys and values with fewer heads than the queries (grouped-query attention): in a block before the chunk (not
+causal) the query heads that share a key/value head attend as one, their rows stacked, so the gathered keys and
+values are read where they lie; the diagonal block's (causal, a chunk long) are repeated for the query heads, and
+their gradients summed back over each group. The kernel takes float32, float64, bfloat16 and
 float16 on CPUs; elsewhere (GPUs) context.py attends as before (`blockwise` says where this runs).
 """
 

@@ -13,7 +13,8 @@ and values of the whole sequence over the context group, puts them in global ord
 queries under the causal mask of their global positions (`causal_attention`): the all-gather context
 parallelism of the Llama 3 paper. On CPUs each chunk attends block by block, only to the keys it can see, the
 blocks merged by their log-sum-exp (block_attention.py): every rank computes 1/C of each sequence's attention,
-and keeps only its own tokens' tensors for the backward. Elsewhere (GPUs, below) each chunk attends as follows. The gather is torch's autograd-aware functional collective, whose backward
+and keeps only its own tokens' tensors for the backward. Elsewhere (GPUs) each chunk attends as follows. The
+gather is torch's autograd-aware functional collective, whose backward
 sums each key's and value's gradient over every rank's queries onto the rank that holds the token (a
 reduce-scatter). The older `torch.distributed.nn.functional.all_gather` gives the right output and query
 gradients but wrong key gradients, and is not used. GPUs run the same gather: torch's `context_parallel` (ring
@@ -52,6 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .block_attention import block_attention, blockwise
 from .global_batch import is_attention
 
 # torch's autograd-aware all-gather: `all_gather_single_autograd` where torch has it (the older name then warns
@@ -122,8 +124,6 @@ def causal_attention(
     and whose gradients are zero): `is_causal` then needs no mask tensor, and the fused kernels keep O(T)
     memory per layer. An explicit (T/C, T) mask would be turned into float32 and saved for the backward pass
     of every layer (4 T^2 / C bytes), and make the kernel compute every masked pair too."""
-    from .block_attention import block_attention, blockwise
-
     if blockwise(q.device.type):
         return block_attention(q, k, v, context)
     keys, values = gather_sequence(k, context), gather_sequence(v, context)
@@ -245,8 +245,6 @@ def split_model_sequences(model: nn.Module, objective, mesh, slices: int, *, par
     objective.sequence_parts = size
     length = getattr(model, "context", None)
     tokens, chunk = (f" of {length} tokens", f" of {length // (2 * size)}") if length else ("", "")
-    from .block_attention import blockwise
-
     how = (
         "attention block by block over the keys each chunk sees"
         if blockwise(getattr(mesh, "device_type", "cpu"))

@@ -17,6 +17,7 @@ from .layout import Layout, divisors
 
 # the presets that split sequences over context groups (--context-parallel)
 CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
+EXPERT_PRESETS = ("sharded", "tensor", "pipeline")  # (those whose layouts shard with FSDP2, where asked)
 
 # the settings beside --strategy that shape its layout (`layout_of`'s keywords)
 LAYOUT_SETTINGS = (
@@ -227,10 +228,10 @@ def layout_of(
     --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
     model; --context-parallel: the ranks each sequence is split over; --expert-parallel: the ranks each mixture's
     experts are split over, borrowed from the shards); one line naming the fix where they do not multiply out."""
-    if expert_parallel not in (None, 1) and strategy not in ("sharded", "tensor", "pipeline"):
+    if expert_parallel not in (None, 1) and strategy not in EXPERT_PRESETS:
         raise ConfigError(
-            "--expert-parallel takes --strategy sharded or tensor so far (its experts split over shards); use one "
-            "of them, or drop --expert-parallel"
+            f"--expert-parallel takes --strategy {', '.join(EXPERT_PRESETS[:-1])} or {EXPERT_PRESETS[-1]} so far "
+            f"(its experts split over shards); use one of them, or drop --expert-parallel"
         )
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")

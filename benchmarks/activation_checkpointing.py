@@ -13,7 +13,7 @@ each over one forward pass of the batch:
   held      the bytes the forward pass leaves allocated besides its output, from the allocator (the profiler's
             memory events): what the step holds until its backward pass, including what selective
             checkpointing keeps in its own cache.
-  saved     the bytes autograd's saved-tensor hooks see (as `strategies/layers.py` `layer_memory` counts them,
+  saved     the bytes autograd's saved-tensor hooks see (as `pipeline/layers.py` `layer_memory` counts them,
             parameters that ops save included). Checkpointing saves each block's input through them and keeps
             the rest out of them, so for `selective` this count misses the matmul outputs it keeps: read `held`.
 

@@ -39,7 +39,7 @@ import torch
 from polytrain.data import load_dataset
 from polytrain.models import build_model
 from polytrain.pipeline.balance import balance_by_time, stage_ranges
-from polytrain.strategies.layers import flatten_layers, layer_memory, time_layers
+from polytrain.pipeline.layers import flatten_layers, layer_memory, time_layers
 
 TIMELINE = re.compile(r"bubble measured ([0-9.]+), theoretical .* = ([0-9.]+)")
 SPEED = re.compile(r"([0-9,]+) samples/s")

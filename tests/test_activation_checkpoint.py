@@ -29,7 +29,7 @@ def tokens() -> torch.Tensor:
 
 def hook_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the tensors autograd saves for the backward pass, each storage counted once (as
-    strategies/layers.py `layer_memory` counts them)."""
+    pipeline/layers.py `layer_memory` counts them)."""
     saved = {}
 
     def keep(tensor):

@@ -292,7 +292,7 @@ def test_a_plan_keeps_the_default_format_measurement_and_reads_files_without_it(
 def test_strategies_that_cannot_train_channels_last_say_so_and_do_not():
     import torch
 
-    from polytrain.strategies import STRATEGIES, contiguous_strategies
+    from polytrain.strategy_registry import STRATEGIES, contiguous_strategies
 
     assert set(contiguous_strategies()) == {"pipeline", "sharded", "tensor"}
     for name in ("single", "data", "parameter-server"):

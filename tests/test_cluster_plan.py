@@ -28,7 +28,7 @@ def _small(meta: bool = True):
 
 def _tensor_plan(layout: Layout, model):
     from polytrain.config.train import TrainConfig
-    from polytrain.strategies import make_plan
+    from polytrain.strategy_registry import make_plan
 
     settings = settings_of(layout)
     config = TrainConfig(devices=layout.world_size, batch_size=8 * layout.data_degree, **settings)

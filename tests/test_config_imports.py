@@ -58,7 +58,7 @@ def test_the_declared_defaults_pass_every_check():
 def test_each_registry_holds_the_names_declared_for_it():
     from polytrain.data import DATASETS
     from polytrain.models import MODELS
-    from polytrain.strategies import STRATEGIES
+    from polytrain.strategy_registry import STRATEGIES
 
     assert (tuple(DATASETS), tuple(MODELS), tuple(STRATEGIES)) == (DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES)
 

@@ -260,7 +260,7 @@ def test_what_the_model_and_its_plan_tell_the_cost_model():
 def test_the_stand_in_for_a_rank_runs_its_share_of_each_split_layer():
     torch.manual_seed(0)
     model = GPT(65, context=8, layers=1, heads=4, width=32)
-    share = narrowed(model, tensor_plans(model, [2])[2])
+    share = narrowed(model, tensor_plans(model, [2])[2], 2)
     assert share[1].attention.qkv.weight.shape == (48, 32)  # 2 of 4 heads: q, k, v of 16 each
     assert share[1].attention.proj.weight.shape == (32, 16)
     assert share[1].mlp[0].weight.shape == (64, 32) and share[1].mlp[2].weight.shape == (32, 64)

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from polytrain.models import build_model
 from polytrain.objective import Objective
-from polytrain.strategies import STRATEGIES, cuda_graphs
+from polytrain.strategies import cuda_graphs
+from polytrain.strategy_registry import STRATEGIES
 
 
 def strategy(name="single", **settings):

@@ -87,21 +87,10 @@ def test_no_module_imports_one_that_imports_it_back():
     assert circles(import_graph()) == []
 
 
-# polytrain/pipeline/ and polytrain/parallel/ each gather one idea over two layers (docs/architecture.md, "The
-# layers"): their pure modules are in planning's room, the rest in strategies' (whose registry names Pipeline, which
-# builds on strategies/base.py, which prepares a model with parallel/parallelize.py)
-IDEA_ROOMS = {
-    "pipeline": {"plan": "planning", "schedule": "planning", "balance": "planning"},
-    "parallel": {"layout": "planning", "presets": "planning"},
-}
-
-
 def room_of(module: str) -> str:
     """The room a module is in: its subpackage (`polytrain.runtime.worker` -> `runtime`), or itself for a
-    top-level module (`polytrain.api` -> `api`); a module of pipeline/ or parallel/ as IDEA_ROOMS says."""
+    top-level module (`polytrain.api` -> `api`)."""
     parts = module.split(".")
-    if parts[1:2] and parts[1] in IDEA_ROOMS:
-        return IDEA_ROOMS[parts[1]].get(".".join(parts[2:]), "strategies")
     return parts[1] if len(parts) > 1 else parts[0]
 
 

@@ -1,4 +1,4 @@
-"""Models built on the meta device (models/meta.py, parallel/materialise.py): each rank gives storage only to
+"""Models built on the meta device (parallel/meta.py, parallel/materialise.py): each rank gives storage only to
 what it holds (its FSDP2 shards, tensor slices or pipeline stage) and fills it with its part of the one-device
 initial values, and no rank holds the whole model while setting up (its peak resident memory, measured by the
 operating system, grows by its part and one parameter, not by the model)."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from polytrain.models import build_model, build_model_on_meta
-from polytrain.models.meta import give_values, module_seed
+from polytrain.parallel.meta import give_values, module_seed
 
 # a Llama of 55M parameters (220 MB in float32): large enough that a whole copy shows in a process's memory
 SIZES = dict(layers=4, heads=8, width=1024, ffn_width=2816, vocab_size=4096)
@@ -40,11 +40,11 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
     from polytrain.config import TrainConfig
     from polytrain.parallel.layout import Layout
     from polytrain.parallel.presets import layout_of
+    from polytrain.pipeline.layers import flatten_layers
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.pipeline.strategy import Pipeline
     from polytrain.planning.sharded import ShardedPlan
     from polytrain.strategies import Strategy
-    from polytrain.strategies.layers import flatten_layers
     from polytrain.strategies.tensor import plan_for
 
     common = dict(device=torch.device("cpu"), rank=rank, world_size=world, seed=0)

@@ -10,7 +10,7 @@ import polytrain
 from polytrain.config import TrainConfig
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
-from polytrain.strategies import STRATEGIES
+from polytrain.strategy_registry import STRATEGIES
 
 NANOGPT_PLAN = {
     "transformer.h.*.attn.c_attn": "colwise:3",

@@ -217,7 +217,7 @@ def test_compile_compiles_each_block_in_place_and_a_model_without_blocks_whole()
     done = parallelize(lenet, Layout(), options, objective=Objective())
     assert done.compile_whole and not any(m._compiled_call_impl is not None for m in lenet.modules())
     # a pipeline rank's part: LeNet's stages each compiled in place (what the schedule calls); a GPT's blocks
-    from polytrain.strategies.layers import Stage, flatten_layers, named_subset
+    from polytrain.pipeline.layers import Stage, flatten_layers, named_subset
 
     for name, held in (("lenet", [0, 1, 2]), ("gpt", [0, 1])):
         model = (

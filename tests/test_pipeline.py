@@ -20,8 +20,9 @@ from polytrain.config import TrainConfig
 from polytrain.data.loader import make_loaders
 from polytrain.models import build_model
 from polytrain.optim import make_optimizer, make_scheduler
+from polytrain.pipeline.strategy import Pipeline
 from polytrain.runtime.hostenv import share_cores
-from polytrain.strategies import Pipeline, make_plan
+from polytrain.strategy_registry import make_plan
 from polytrain.trainer import Trainer
 
 pytestmark = pytest.mark.multiprocess

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from polytrain.models import build_model
 from polytrain.pipeline.balance import balance_by_time
-from polytrain.strategies.layers import flatten_layers, layer_memory, named_subset, time_layers
+from polytrain.pipeline.layers import flatten_layers, layer_memory, named_subset, time_layers
 
 
 class Sleep(nn.Module):

@@ -119,7 +119,7 @@ def test_a_last_batch_too_small_for_the_copies_is_refused_unless_the_run_stops_b
     line; with --max-steps 8 the run never reaches it, and it is planned."""
     from polytrain.config.train import TrainConfig
     from polytrain.models import build_model
-    from polytrain.strategies import make_plan
+    from polytrain.strategy_registry import make_plan
 
     data = tiny_digits(n_train=65)
     settings = dict(strategy="pipeline", model="mlp", devices=4, pipeline_stages=2, batch_size=8)

@@ -16,7 +16,7 @@ from polytrain.errors import ConfigError
 from polytrain.parallel.layout import Layout
 from polytrain.parallel.presets import layout_of
 from polytrain.pipeline.plan import data_words, pipelines_words
-from polytrain.strategies import Pipeline
+from polytrain.pipeline.strategy import Pipeline
 
 # float32 Adam: the pipelines' sums of shards round apart from one device's sums (see test_shards.py)
 ADAM_ROUNDING = 2e-5
@@ -118,10 +118,10 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from polytrain.data.order import Batch
-    from polytrain.models.meta import give_values
+    from polytrain.parallel.meta import give_values
+    from polytrain.pipeline.layers import flatten_layers
     from polytrain.pipeline.plan import PipelinePlan
     from polytrain.strategies.holdings import local_bytes, local_part, whole
-    from polytrain.strategies.layers import flatten_layers
 
     model = _mlp()
     built_on_meta = all(p.is_meta for p in model.parameters())

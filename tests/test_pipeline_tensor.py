@@ -22,7 +22,7 @@ from polytrain.models.gpt import GPT
 from polytrain.parallel.presets import layout_of
 from polytrain.pipeline.plan import check_tensor_cuts
 from polytrain.sources import as_dataset
-from polytrain.strategies import make_plan
+from polytrain.strategy_registry import make_plan
 
 # ---- the layout and the plan, in this process ----
 

@@ -18,11 +18,11 @@ from polytrain.data.text import tokenise
 from polytrain.errors import ConfigError, UserError
 from polytrain.objective import Objective
 from polytrain.parallel.presets import layout_of
+from polytrain.pipeline.layers import flatten_layers
+from polytrain.pipeline.strategy import Pipeline
 from polytrain.pipeline.traced import TracedStages, micro_batch_sizes, trace
 from polytrain.runtime.launch import run_job
 from polytrain.runtime.worker import Job
-from polytrain.strategies import Pipeline
-from polytrain.strategies.layers import flatten_layers
 
 CONTEXT = 8
 TOLERANCE = 1e-5  # polytrain verify's default
@@ -210,7 +210,7 @@ def test_the_plan_traces_the_runtime_micro_batch_and_leaves_the_model_as_it_was(
     assert micro_batch_sizes(config(max_steps=3), tiny_text(), layout, "1f1b", 2, 8) == [4]
     assert micro_batch_sizes(config(max_steps=4), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
     assert micro_batch_sizes(config(batch_size=7, microbatches=7), tiny_text(), layout, "1f1b", 7, 7) == [1]
-    assert "traced, split before modules transformer.h.1" in plan.describe()
+    assert "traced, split before modules transformer.h.1" in plan.describe(plan.layout)
     assert "forward" not in vars(model.transformer.h[1])  # the tracer's wrapper is gone
     assert_same_weights(model.state_dict(), before, atol=0)
     out = model(torch.zeros(3, CONTEXT, dtype=torch.long))  # another batch size still runs eagerly

@@ -11,9 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from polytrain.config import TrainConfig
 from polytrain.errors import UserError
-from polytrain.models.meta import materialised_copy, one_by_one
-from polytrain.strategies import Pipeline
-from polytrain.strategies.layers import flatten_layers, time_layers
+from polytrain.parallel.meta import materialised_copy, one_by_one
+from polytrain.pipeline.layers import flatten_layers, time_layers
+from polytrain.pipeline.strategy import Pipeline
 
 CPU = torch.device("cpu")
 WIDTH, DEPTH = 256, 8

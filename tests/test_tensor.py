@@ -15,9 +15,9 @@ from polytrain.errors import ConfigError
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.parallel.layout import Layout
-from polytrain.planning.tensor import BUILTIN_PLANS, Layer, resolve
-from polytrain.strategies import make_plan
+from polytrain.parallel.tensor_plan import BUILTIN_PLANS, Layer, resolve
 from polytrain.strategies.tensor import _permutation
+from polytrain.strategy_registry import make_plan
 
 CPU = torch.device("cpu")
 
@@ -47,7 +47,7 @@ def test_builtin_plans_split_megatron_style():
     assert gpt.vocabulary == ("0.token", "4") and gpt.vocabulary_size == 65
     assert (
         "2 of 4 attention heads per rank, the vocabulary (0.token, 4) by 33/32 of its 65 entries"
-        in gpt.describe()
+        in gpt.describe(Layout(tensor=2))
     )
     # torch's chunks of 3 of a 9-entry vocabulary would leave the 4th rank none: the built-in plan keeps it whole
     small = plan(GPT(9, context=8, layers=1, heads=4, width=32), devices=4)
@@ -67,7 +67,7 @@ def test_on_a_data_and_tensor_mesh_the_vocabulary_splits_only_where_all_the_devi
         "3",
     )
     whole = plan(GPT(66, context=8, layers=1, heads=2, width=16), 4, tensor_parallel=2)
-    assert whole.vocabulary == () and "vocabulary" not in whole.describe()
+    assert whole.vocabulary == () and "vocabulary" not in whole.describe(Layout(shard=2, tensor=2))
     assert plan(GPT(66, context=8, layers=1, heads=2, width=16), 2).vocabulary == ("0.token", "3")
     given = {"0.token": "rowwise", "3": "colwise", "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
     with pytest.raises(
@@ -187,7 +187,7 @@ def test_the_pure_plan_checks_sizes_by_style():
     # a vocabulary splits in torch.chunk's shares (10 over 3: 4/4/2), but not so that a rank holds none
     assert (
         resolve({"e": "rowwise"}, layers, devices=3)
-        .describe()
+        .describe(Layout(tensor=3))
         .endswith("(e) by 4/4/2 of its 10 entries, the rest replicated")
     )
     with pytest.raises(
@@ -399,7 +399,7 @@ def _plan_function_on_rank(rank, world_size):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from polytrain.data.order import Batch
-    from polytrain.planning.tensor import TensorPlan
+    from polytrain.parallel.tensor_plan import TensorPlan
     from polytrain.strategies import Strategy
 
     def split(model, mesh):
@@ -412,7 +412,7 @@ def _plan_function_on_rank(rank, world_size):
         device=CPU,
         rank=rank,
         world_size=world_size,
-        plan=TensorPlan(world_size, (), "MLP", apply=split),
+        plan=TensorPlan((), "MLP", apply=split),
         layout=Layout(tensor=world_size),
     )
     strategy.setup(

@@ -4,13 +4,14 @@
 from polytrain.config import TrainConfig
 from polytrain.models import build_model
 from polytrain.models.gpt import GPT
+from polytrain.parallel.layout import Layout
 from polytrain.strategies.tensor import plan_for
 
 
 def test_the_gpt_plan_cuts_the_sequence_where_the_context_splits_evenly():
     config = TrainConfig(strategy="tensor", devices=2)
     plan = plan_for(config, GPT(11, context=8, layers=1, width=16, heads=2), devices=2)
-    assert plan.sequence_parallel and "norms sequence-parallel" in plan.describe()
+    assert plan.sequence_parallel and "norms sequence-parallel" in plan.describe(Layout(tensor=2))
     uneven = plan_for(config, GPT(11, context=7, layers=1, width=16, heads=2), devices=2)
-    assert not uneven.sequence_parallel and "sequence" not in uneven.describe()
+    assert not uneven.sequence_parallel and "sequence" not in uneven.describe(Layout(tensor=2))
     assert not plan_for(config, build_model("mlp", (1, 4, 4), 3), devices=2).sequence_parallel

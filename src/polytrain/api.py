@@ -25,9 +25,9 @@ from .errors import ConfigError, UserError
 from .loggers import split_logger_argument
 from .models.classifier import SequenceClassifier
 from .models.lightning import is_lightning, lightning_parts
-from .models.meta import from_factory, give_values
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
+from .parallel.meta import from_factory, give_values
 from .runtime.checkpoint import has_checkpoint
 from .runtime.hostenv import allocator_is_ours, launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
@@ -54,8 +54,8 @@ from .scaling.fits import check_fits
 from .sources import (
     split_data,
 )
-from .strategies import make_plan, resolve_strategy_name
 from .strategies.optimizer_state import state_slots_of
+from .strategy_registry import make_plan, resolve_strategy_name
 from .trainer import History
 from .user_callbacks import check_callbacks
 

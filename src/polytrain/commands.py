@@ -37,7 +37,7 @@ from .runtime.sampling import generate_text
 from .runtime.verify_limits import DEFAULT_TOLERANCE
 from .runtime.worker import Job, choose_device, resolved_device_type
 from .sources import as_dataset, make_objective
-from .strategies import make_plan, resolve_strategy_name
+from .strategy_registry import make_plan, resolve_strategy_name
 
 # What a resume may change about how the run trains, recorded in its config.json (the run folder and
 # reliability settings belong to this invocation only; --plan is spent on choosing the recorded strategy).
@@ -333,7 +333,7 @@ def verify_command(args) -> int:
     common = dict(verbose=False, record_steps=True, channels_last=channels_last, objective=objective)
     plan = make_plan(strategy, config, model, data, device=choose_device(config.device, 0))
     if plan is not None:
-        print(f"  plan: {plan.describe()}")
+        print(f"  plan: {plan.describe(config.layout)}")
     passes = reference_passes(model, config, strategy, plan, float64=float64)
     if passes > 1:
         print(

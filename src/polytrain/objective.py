@@ -28,7 +28,7 @@ from .data.order import leaves, rows
 from .data.token_rows import IGNORE_INDEX
 from .errors import UserError
 from .models import call_model, first_output
-from .models.moe import balance_loss, mixtures, routed_tokens
+from .models.moe import balance_loss, mixtures, over_whole_sequences, routed_tokens
 from .models.own_loss import token_labels, with_num_items
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -180,9 +180,7 @@ class Objective:
         if not self.counted:
             return balance.sum()
         trained = (targets != IGNORE_INDEX).sum(dim=-1).to(balance.dtype)
-        group = next((m.context_parallel for m in mixtures(model) if m.context_parallel is not None), None)
-        if group is not None:
-            trained = group.sum(trained)
+        trained = over_whole_sequences(model, trained)
         return (balance * trained / max(1, targets.shape[-1] * self.sequence_parts)).sum()
 
     def outputs_loss(self, outputs, targets: torch.Tensor, *, training: bool = True):

@@ -23,7 +23,7 @@ from .models import first_output, run_on_sample
 from .models.lightning import LightningStep
 from .models.own_loss import label_shift
 from .objective import Objective, carried_loss, describe_value
-from .strategies import STRATEGIES
+from .strategy_registry import STRATEGIES
 
 
 def is_torch_dataset(value) -> bool:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..pipeline.plan import DEFAULT_SCHEDULE
-from ..pipeline.plan import SCHEDULES as PIPELINE_SCHEDULES
 from .declare import setting
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # torch.distributed.pipelining's
+DEFAULT_SCHEDULE = "1f1b"
 
 
 @dataclass

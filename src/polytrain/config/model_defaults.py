@@ -172,11 +172,6 @@ BALANCE_IN_PIPELINE = (
 )
 
 
-def experts_not_divided(ranks: int, experts: int) -> str:
-    """The one line for --expert-parallel P that does not divide a mixture's E experts."""
-    return f"--expert-parallel {ranks} must divide the {experts} experts of each mixture; give a divisor of {experts}"
-
-
 def mixture_of(experts, per_token, shared, every, renormalise, balance=None) -> Optional[Mixture]:
     """The `Mixture` of `--experts E --experts-per-token K --shared-experts S --moe-every N --router-aux-loss W`, or
     None without --experts; one line for what does not make a mixture."""

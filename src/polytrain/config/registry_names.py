@@ -3,7 +3,7 @@ apart from what the names stand for, which imports torch: the flags, their help 
 `TrainConfig` are built from these in a process that never imports torch (`polytrain --help`).
 
 Each name is written here once. The registries (data/__init__.py, models/__init__.py,
-strategies/__init__.py) map these names to their implementations and call `check_registry`, so a name added
+strategy_registry.py) map these names to their implementations and call `check_registry`, so a name added
 on one side only fails at import, in one line; loggers.py reads `LOGGERS`.
 """
 

@@ -11,11 +11,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout
+from ..parallel.layout import Layout, check_microbatches, experts_not_divided
 from ..parallel.presets import layout_of, layout_or_none, settings_in
-from ..pipeline.plan import check_microbatches
 from .declare import check_value, declared, flag_name, unset
-from .model_defaults import BALANCE_IN_PIPELINE, experts_not_divided, mixture_of
+from .model_defaults import BALANCE_IN_PIPELINE, mixture_of
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 

@@ -15,12 +15,12 @@ import torch.nn as nn
 from ..config.model_defaults import MODEL_OPTIONS, model_options_of
 from ..config.registry_names import MODEL_NAMES, TEXT_MODELS, check_registry
 from ..errors import UserError, first_line
+from ..parallel.meta import on_meta
 from .cifar_cnn import CifarCNN
 from .classifier import sequence_classifier
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .llama import build_llama
-from .meta import on_meta
 from .mlp import MLP
 from .resnet import ResNet20
 

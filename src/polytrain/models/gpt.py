@@ -243,7 +243,7 @@ class GPT(nn.Sequential):
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
         """The initialisation of `_init_weights` for one module, `name` in this model (models built on the
-        meta device are initialised module by module: models/meta.py)."""
+        meta device are initialised module by module: parallel/meta.py)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             residual = name.endswith(("attention.proj", "mlp.2"))
             std = 0.02 / math.sqrt(2 * self.layers) if residual else 0.02

@@ -282,7 +282,7 @@ class Llama(nn.Sequential):
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
         """The initialisation of `_init_weights` for one module, `name` in this model (models built on the
-        meta device are initialised module by module: models/meta.py)."""
+        meta device are initialised module by module: parallel/meta.py)."""
         if isinstance(module, GroupedExperts):
             module.reset_parameters(residual_std=0.02 / (2 * self.layers) ** 0.5)
         elif isinstance(module, (nn.Linear, nn.Embedding)):

@@ -220,6 +220,13 @@ def mixtures(model: nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, MixtureOfExperts)]
 
 
+def over_whole_sequences(model: nn.Module, per_sequence: torch.Tensor) -> torch.Tensor:
+    """`per_sequence` (B,) summed over the ranks that hold parts of each sequence (the context group the
+    mixtures were given), or as it is where every rank holds whole sequences."""
+    group = next((m.context_parallel for m in mixtures(model) if m.context_parallel is not None), None)
+    return per_sequence if group is None else group.sum(per_sequence)
+
+
 def balance_loss(model: nn.Module) -> Optional[torch.Tensor]:
     """The weighted load-balancing loss of `model`'s last forward per sequence (B,): the mean over its mixtures
     that have one; taken from them (a later forward sets it again). None where no mixture has one."""

@@ -9,8 +9,8 @@ module is imported by its own name. Read top-down:
 - mesh.py: `RunMesh`, the one DeviceMesh of a run and its named parts (tensor, context, pipeline, replicas,
   what FSDP2 shards over, the copies of a pipeline's stages).
 - parallelize.py: `parallelize(module, layout, options)`, the steps below in order over the mesh.
-- tensor.py, rank_slice.py: the tensor plan applied (layers split over the tp dimension) and tried on a rank's
-  slice before any worker starts.
+- tensor_plan.py: `TensorPlan`, which layer of a model is split how over the tensor ranks, checked against
+  the layers' sizes; pure. tensor.py: the plan applied (layers split over the tp dimension).
 - context.py: sequences split over the cp dimension (`ContextGroup`), and what a model must be to allow it;
   block_attention.py: a context rank's attention block by block, merged by log-sum-exp (CPUs).
 - experts.py: each mixture's experts split over the ep ranks, tokens exchanged by all-to-all.
@@ -19,8 +19,12 @@ module is imported by its own name. Read top-down:
 - precision.py: layers kept in float32 under autocast where the device's kernels need it.
 - fsdp.py, units.py: FSDP2 over the data dimensions, unit by unit; ddp.py: DistributedDataParallel.
 - compile.py: torch.compile of each block in place.
-- materialise.py: a meta-device model's storage made for what this rank holds, filled with its part of the
-  one-device values.
+- meta.py: a model built on the meta device, and its one-device values made module by module from a seed
+  per module name; materialise.py: a meta-device model's storage made for what this rank holds, filled with
+  its part of those values.
+
+The package needs nothing of polytrain but `errors.py`: the steps find a model's attention, mixtures and layers by
+the hooks the models declare (`context_parallel`, `expert_parallel`), so every other package may build on it.
 
 A new degree is a `Layout` field, a mesh view in mesh.py and one step here.
 """

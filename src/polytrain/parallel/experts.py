@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config.model_defaults import experts_not_divided
 from ..errors import ConfigError
+from .layout import experts_not_divided
 
 
 def _exchange(tensor: torch.Tensor, output_sizes: list, input_sizes: list, group) -> torch.Tensor:

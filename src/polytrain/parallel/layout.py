@@ -29,6 +29,24 @@ def divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def experts_not_divided(ranks: int, experts: int) -> str:
+    """The one line for --expert-parallel P that does not divide a mixture's E experts."""
+    return f"--expert-parallel {ranks} must divide the {experts} experts of each mixture; give a divisor of {experts}"
+
+
+def check_microbatches(microbatches: int, *, per_replica_batch: int, replicas: int, batch_size: int) -> None:
+    where = f"--batch-size {batch_size}" + (f" over {replicas} pipeline replicas" if replicas > 1 else "")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"--microbatches must be a positive whole number, got {microbatches!r}")
+    if microbatches > per_replica_batch or per_replica_batch % microbatches:
+        choices = ", ".join(map(str, divisors(per_replica_batch)))
+        problem = "is larger than" if microbatches > per_replica_batch else "does not divide"
+        raise ConfigError(
+            f"--microbatches {microbatches} {problem} the batch of {per_replica_batch} each "
+            f"pipeline gets ({where}); use one of {choices}"
+        )
+
+
 # mesh order, outermost first; the names are the device mesh's dimension names
 DEGREES = ("replicate", "shard", "pipeline", "context", "tensor")
 MESH_NAMES = {

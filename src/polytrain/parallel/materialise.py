@@ -2,7 +2,7 @@
 
 Strategies prepare a meta-device model in their fixed order (stages, tensor plan, activation checkpointing,
 FSDP2) and then call `materialise`: every tensor this rank holds gets storage on the device, and its part of
-the tensor's one-device initial value (models/meta.py makes those one module at a time, from a seed per module
+the tensor's one-device initial value (parallel/meta.py makes those one module at a time, from a seed per module
 name): a DTensor its shard or slice, in any placement (FSDP2 over a tensor split included), a plain tensor all
 of it. Shards, slices, stages and one device therefore start from the same weights. With a pretrained
 checkpoint (--init-from, runtime/pretrained.py) its values replace the initial ones: each rank reads the pieces
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..models.meta import full_values, is_meta, to_empty
+from .meta import full_values, is_meta, to_empty
 
 __all__ = ["is_meta", "materialise"]
 

@@ -64,7 +64,7 @@ class Preparation:
 
     device: torch.device
     data_parallel: str = "none"  # DATA_PARALLEL
-    tensor_plan: Any = None  # planning/tensor.py TensorPlan: the layers split over the tp dimension
+    tensor_plan: Any = None  # parallel/tensor_plan.py TensorPlan: the layers split over the tp dimension
     activation_checkpointing: str = "none"  # none | full | selective | selective:K
     global_batch: str = "off"  # GLOBAL_BATCH
     loud: bool = False  # the global batch's layers say what they do (one rank)

@@ -10,8 +10,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ..planning.tensor import TensorPlan
-from .rank_slice import is_conv1d
+from ..parallel.tensor_plan import TensorPlan
+from .tensor_plan import is_conv1d
 
 
 def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
             transposed = is_conv1d(model.get_submodule(name))
             styles[name] = transposed_style("colwise") if transposed else ColwiseParallel()
             if parts > 1:
-                fused.update(interleave(model, name, parts, plan.devices))
+                fused.update(interleave(model, name, parts, mesh.size()))
         elif style == "rowwise":
             transposed = is_conv1d(model.get_submodule(name))
             styles[name] = transposed_style("rowwise") if transposed else RowwiseParallel()

@@ -1,11 +1,13 @@
 """Pipeline parallelism, from the plan made in the launching process to the strategy each rank runs. Nothing is
-imported here (`strategies/__init__.py` imports `Pipeline` from `pipeline.strategy`, which builds on
+imported here (polytrain/strategy_registry.py imports `Pipeline` from `pipeline.strategy`, which builds on
 `strategies/`); each module is imported by its own name. Read top-down:
 
 - plan.py: `PipelinePlan`, the layout of a pipeline run as numbers (which rank holds which stage, micro-batch
   counts, which layers each stage holds); pure, no torch.
 - schedule.py: schedules as clock-tick tables (which rank runs which forward or backward, when; the bubble);
   pure.
+- layers.py: a model as a chain of layers (nested Sequentials flattened), cut into stages that keep each
+  layer's name, and timed or measured layer by layer.
 - balance.py: a chain of layers split into contiguous stages by their costs, or as `--split` says; pure.
 - planning.py: `plan_pipeline`, the plan made in the launching process (layers measured, the split chosen,
   every mistake refused before any worker starts).

@@ -23,10 +23,7 @@ from typing import Optional, Tuple
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout, divisors
-from ..planning.tensor import TensorPlan
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-DEFAULT_SCHEDULE = "1f1b"
+from ..parallel.tensor_plan import TensorPlan
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -66,19 +63,6 @@ def default_microbatches(per_replica_batch: int, ranks: int) -> int:
     """Four micro-batches per pipeline rank (a bubble of about 1/5 with 1F1B), or the largest count below
     that divides the replica's batch."""
     return max(d for d in divisors(per_replica_batch) if d <= 4 * ranks)
-
-
-def check_microbatches(microbatches: int, *, per_replica_batch: int, replicas: int, batch_size: int) -> None:
-    where = f"--batch-size {batch_size}" + (f" over {replicas} pipeline replicas" if replicas > 1 else "")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ConfigError(f"--microbatches must be a positive whole number, got {microbatches!r}")
-    if microbatches > per_replica_batch or per_replica_batch % microbatches:
-        choices = ", ".join(map(str, divisors(per_replica_batch)))
-        problem = "is larger than" if microbatches > per_replica_batch else "does not divide"
-        raise ConfigError(
-            f"--microbatches {microbatches} {problem} the batch of {per_replica_batch} each "
-            f"pipeline gets ({where}); use one of {choices}"
-        )
 
 
 def microbatches_for(samples: int, wanted: int, *, schedule: str, ranks: int) -> int:
@@ -139,7 +123,8 @@ class PipelinePlan:
         stages, nor where tensor ranks split a stage's activations."""
         return self.layout.tensor == 1 and not self.split_at
 
-    def describe(self) -> str:
+    def describe(self, layout: Layout) -> str:
+        """The stages, their split and schedule (this plan's own layout is the run's `layout`)."""
         where = (
             f"traced, split before modules {', '.join(self.split_at)}"
             if self.split_at
@@ -147,7 +132,7 @@ class PipelinePlan:
         )
         tensor = (
             f"; each stage split over {self.layout.tensor} tensor ranks: "
-            f"{self.tensor.describe().split(': ', 1)[-1]}"
+            f"{self.tensor.describe(self.layout).split(': ', 1)[-1]}"
             if self.tensor
             else ""
         )

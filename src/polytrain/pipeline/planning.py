@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..config.layout_settings import DEFAULT_SCHEDULE
 from ..errors import ConfigError
-from ..models.meta import one_by_one
-from ..strategies.layers import flatten_layers, layer_memory, time_layers
+from ..parallel.meta import one_by_one
 from ..strategies.optimizer_state import state_slots_of
 from ..strategies.tensor import plan_for_stages
 from .balance import balance_by_time, parse_split
+from .layers import flatten_layers, layer_memory, time_layers
 from .plan import (
-    DEFAULT_SCHEDULE,
     PipelinePlan,
     check_torch,
     default_microbatches,

@@ -24,7 +24,7 @@ def tensor_line(plan, tail: str) -> str:
     """The start-up line of the tensor split of each stage, `tail` after the plan's description."""
     return (
         f"  each stage split over {plan.layout.tensor} tensor ranks: "
-        f"{plan.tensor.describe().split(': ', 1)[-1]}{tail}"
+        f"{plan.tensor.describe(plan.layout).split(': ', 1)[-1]}{tail}"
     )
 
 

@@ -30,17 +30,17 @@ import torch.nn as nn
 
 from ..config.model_defaults import BALANCE_IN_PIPELINE
 from ..errors import UserError
-from ..models.meta import to_empty
 from ..models.moe import mixtures
 from ..parallel.context import rank_sample_shape
 from ..parallel.ddp import release_reducers
 from ..parallel.global_batch import slice_offsets
 from ..parallel.mesh import RunMesh
+from ..parallel.meta import to_empty
 from ..parallel.parallelize import parallelize
 from ..strategies.base import StepStats, Strategy
 from ..strategies.holdings import local_part
-from ..strategies.layers import Stage, describe_stage, flatten_layers, named_subset
 from ..strategies.optimizer_state import positions, whole_state
+from .layers import Stage, describe_stage, flatten_layers, named_subset
 from .plan import PipelinePlan, microbatches_for, runnable_schedule
 from .planning import plan_pipeline
 from .sharding import StageSharding

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..strategies.holdings import local_part
-from ..strategies.layers import shared_between
+from .layers import shared_between
 
 
 class TiedWeights:

@@ -39,7 +39,8 @@ class ServerPlan:
     def owned(self, server: int) -> Tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.owner) if k == server)
 
-    def describe(self) -> str:
+    def describe(self, layout) -> str:
+        """Where the servers are and what they keep (the plan alone says it, whatever `layout`)."""
         ranks = "rank 0" if self.servers == 1 else f"ranks 0-{self.servers - 1}"
         mode = f"asynchronous, staleness at most {self.staleness}" if self.staleness else "synchronous"
         return (

@@ -13,8 +13,8 @@ from ..parallel.layout import Layout
 class ShardedPlan:
     cpu_offload: bool = False
 
-    def describe(self) -> str:
-        """Where the shards live (how many copies of them the run's layout says)."""
+    def describe(self, layout: Layout) -> str:
+        """Where the shards live (how many copies of them `layout` says, not said here)."""
         return "shards in host memory (--cpu-offload)" if self.cpu_offload else "shards on each device"
 
 

@@ -29,7 +29,7 @@ from ..scaling.flops import flops_per_sample, matmul_peak
 from ..scaling.whole_model import check_bench
 from ..scaling.workload import measure_link, measure_workload, turns
 from ..sources import as_dataset
-from ..strategies import STRATEGIES, contiguous_strategies, make_plan
+from ..strategy_registry import STRATEGIES, contiguous_strategies, make_plan
 from .hostenv import most_cpu_processes, usable_cores
 from .launch import WorkerFailed, check_devices, check_main_guard, run_job
 from .worker import Job, choose_device
@@ -275,7 +275,7 @@ def link_of(
 
 def has_tensor_plan(model) -> bool:
     """Whether tensor parallelism has a plan for this registry model (the built-in gpt and mlp)."""
-    from ..planning.tensor import BUILTIN_PLANS
+    from ..parallel.tensor_plan import BUILTIN_PLANS
 
     return f"{type(model).__module__}.{type(model).__qualname__}" in BUILTIN_PLANS
 

@@ -19,7 +19,7 @@ from ..pipeline.plan import default_microbatches
 from ..planning.costmodel import bubble, tensor_collectives
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
-from ..strategies import STRATEGIES
+from ..strategy_registry import STRATEGIES
 from .bench import PHASES, BenchResult, Row
 from .hostenv import usable_cores
 

@@ -24,7 +24,7 @@ from .launch import spawns_workers
 def trains_in_place(module, *, devices: int, launched: bool) -> bool:
     """Whether the run trains `module` itself: a module with values (not one built on the meta device) that
     trains in this process on one device."""
-    from ..models.meta import is_meta
+    from ..parallel.meta import is_meta
 
     return (
         isinstance(module, nn.Module) and not launched and not spawns_workers(devices) and not is_meta(module)

@@ -238,7 +238,7 @@ def record_new_layout(run_dir: Path, config, strategy: str, plan, *, launched: b
     recorded = read_config(run_dir) if not launched and (run_dir / "config.json").is_file() else {}
     now = dict(
         strategy=strategy,
-        strategy_plan=plan_record(plan),
+        strategy_plan=plan_record(plan, config.layout),
         **{name: getattr(config, name) for name in LAYOUT_SETTINGS},
     )
     if recorded and any(recorded.get(key) != value for key, value in now.items()):
@@ -261,7 +261,7 @@ def write_run_settings(
         custom_data=custom_data,
         loss=objective.describe_loss(),
         metrics=list(objective.names),
-        strategy_plan=plan_record(plan),
+        strategy_plan=plan_record(plan, config.layout),
     )
     if callable(settings.get("tensor_plan")):  # a function from Python: recorded by its name
         settings["tensor_plan"] = describe(settings["tensor_plan"]) + FROM_PYTHON
@@ -320,12 +320,12 @@ def auto_strategy(config, module, dataset, objective, *, device, channels_last: 
         return config.with_strategy("data", plan=None), f"{line}; but {error}, so data"
 
 
-def plan_record(plan) -> Optional[dict]:
-    """What config.json records of a strategy's plan: its one-line summary, and where the strategy says more
-    (the pipeline: which layers each stage holds)."""
+def plan_record(plan, layout) -> Optional[dict]:
+    """What config.json records of a strategy's plan for the run's `layout`: its one-line summary, and where the
+    strategy says more (the pipeline: which layers each stage holds)."""
     if plan is None:
         return None
-    return dict(summary=plan.describe(), **(plan.record() if hasattr(plan, "record") else {}))
+    return dict(summary=plan.describe(layout), **(plan.record() if hasattr(plan, "record") else {}))
 
 
 def check_spawnable(strategy: str, config, module, recipe, *, registry_model: bool, **objects) -> None:

@@ -96,7 +96,7 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
     (parallel/global_batch.py), and a pipeline's Dropout draws one device's masks, but not over the ranks of
     a tensor group; and BatchNorm normalises over each accumulation pass, which N devices cut from other samples than one."""
     from ..parallel.global_batch import per_rank_dropout_words, uses_whole_batch
-    from ..strategies import STRATEGIES
+    from ..strategy_registry import STRATEGIES
 
     per_rank = per_rank_dropout_words(model)
     if per_rank is not None:

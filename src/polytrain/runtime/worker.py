@@ -30,7 +30,7 @@ from ..optim.steps import describe_position
 from ..scaling.flops import flops_per_sample
 from ..scaling.stepclock import StepClock
 from ..scaling.timeline import Timeline
-from ..strategies import STRATEGIES
+from ..strategy_registry import STRATEGIES
 from ..trainer import History, Trainer
 from ..user_callbacks import UserCallbacks
 from .checkpoint import Checkpointer
@@ -308,12 +308,10 @@ def _make_callbacks(job: Job, strategy, launcher, *, module_loop, rank: int) -> 
     if strategy.is_main and run_dir:
         callbacks += [MetricsLog(Path(run_dir) / "metrics.jsonl"), Curves(Path(run_dir) / "curves.png")]
         callbacks.append(StepsFile(Path(run_dir) / "steps.jsonl"))
-    if strategy.is_main:
-        callbacks += make_loggers(
-            parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None
-        )
-        if job.callbacks:
-            callbacks.append(UserCallbacks(job.callbacks))
+    if strategy.is_main:  # the loggers, then the user's own callbacks
+        users = [UserCallbacks(job.callbacks)] if job.callbacks else []
+        loggers = make_loggers(parse_loggers(config.logger), job.loggers, Path(run_dir) if run_dir else None)
+        callbacks += loggers + users
     if launcher is not None:  # in a process of its own, ending it on a hang is safe
         fixed = config.hang_timeout  # given: a fixed bound, no prediction needed
         predicted = (

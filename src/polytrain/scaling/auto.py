@@ -38,9 +38,9 @@ SIMPLEST_FIRST = ("data", "sharded", "parameter-server", "pipeline", "tensor")  
 def candidates(model, work: costmodel.Workload, devices: int, *, device_type: str) -> Dict[str, str]:
     """The strategies that cannot run this model on `devices` ranks here, with the reason."""
     from ..errors import UserError
+    from ..pipeline.layers import flatten_layers
     from ..pipeline.plan import check_torch
     from ..pipeline.planning import torch_version
-    from ..strategies.layers import flatten_layers
 
     refused = {}
     try:

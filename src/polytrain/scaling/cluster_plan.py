@@ -174,7 +174,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
     """One layout built at full size and sized; `work`: the model's Workload with its activations per sample
     measured in the run's precision (`model_work`). A layout the code refuses gets the line it refuses with."""
     from ..config.train import TrainConfig
-    from ..strategies import make_plan
+    from ..strategy_registry import make_plan
     from .full_size import holdings_at_full_size
 
     row = LayoutPlan(layout)
@@ -236,9 +236,9 @@ def pipeline_plan(request: PlanRequest, config, model: nn.Module):
     balance (a run measures each layer's time; a transformer's blocks are alike, so the cut is the same but at the
     ends), `default_microbatches` micro-batches of the pipeline's slice of the batch."""
     from ..pipeline.balance import balance_by_time
+    from ..pipeline.layers import flatten_layers
     from ..pipeline.plan import PipelinePlan, default_microbatches
     from ..pipeline.planning import model_stages
-    from ..strategies.layers import flatten_layers
     from ..strategies.tensor import plan_for_stages
 
     layout = config.layout
@@ -381,7 +381,7 @@ def make_plan_table(
     request: PlanRequest, layout: Optional[Layout] = None, *, progress=None
 ) -> List[LayoutPlan]:
     """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first."""
-    from ..strategies.layers import flatten_layers
+    from ..pipeline.layers import flatten_layers
 
     work = model_work(request)
     try:  # what pipeline stages cut (none: no pipeline layouts, the run's own line where one is asked for)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..callbacks import Callback
-from ..planning.tensor import TensorPlan
+from ..parallel.tensor_plan import TensorPlan
 from ..strategies.holdings import local_part
 from .tensor_inputs import narrowed
 
@@ -172,7 +172,7 @@ class StepClock(Callback):
         if (
             isinstance(plan, TensorPlan) and plan.styles
         ):  # a tensor rank computes its share of the split layers
-            replica = narrowed(replica, plan) or replica
+            replica = narrowed(replica, plan, strategy.layout.tensor) or replica
         if strategy.channels_last:
             replica = replica.to(memory_format=torch.channels_last)
         optimizer = torch.optim.SGD(replica.parameters(), lr=1e-6, momentum=0.9)

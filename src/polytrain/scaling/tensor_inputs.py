@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..planning.tensor import TensorPlan
+from ..parallel.tensor_plan import TensorPlan
 
 
 def tensor_plans(model: nn.Module, counts: Iterable[int], *, tensor_plan=None) -> Dict[int, TensorPlan]:
@@ -51,8 +51,8 @@ class _Gathered(nn.Module):
         return torch.cat([part] * -(-self.width // part.shape[-1]), dim=-1)[..., : self.width]
 
 
-def narrowed(model: nn.Module, plan: TensorPlan) -> Optional[nn.Module]:
-    """A copy of `model` with each Linear `plan` splits cut to one rank's share (a vocabulary's head to its rows
+def narrowed(model: nn.Module, plan: TensorPlan, ranks: int) -> Optional[nn.Module]:
+    """A copy of `model` with each Linear `plan` splits cut to one rank's share (of `ranks`) (a vocabulary's head to its rows
     of scores, gathered whole); an embedding split by its vocabulary stays whole (a lookup costs the same, and a
     share could not look up the ids it does not hold). None where another embedding is split."""
     own = copy.deepcopy(model)
@@ -64,7 +64,7 @@ def narrowed(model: nn.Module, plan: TensorPlan) -> Optional[nn.Module]:
         if not isinstance(layer, nn.Linear):
             return None
         ins, outs = layer.in_features, layer.out_features
-        ins, outs = (ins, -(-outs // plan.devices)) if style == "colwise" else (ins // plan.devices, outs)
+        ins, outs = (ins, -(-outs // ranks)) if style == "colwise" else (ins // ranks, outs)
         share = nn.Linear(
             ins, outs, bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype
         )

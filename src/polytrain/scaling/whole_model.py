@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from ..models.meta import materialised_copy
+from ..parallel.meta import materialised_copy
 from .fits import available_per_rank
 
 SAFE_FRACTION = 0.5

@@ -58,7 +58,7 @@ def parameter_layers(model: nn.Module) -> int:
 def boundary_bytes(model: nn.Module, sample: torch.Tensor) -> Tuple[float, ...]:
     """Bytes per sample of the activations crossing each cut between consecutive layers of a Sequential
     (empty for a model the pipeline cannot split)."""
-    from ..strategies.layers import flatten_layers
+    from ..pipeline.layers import flatten_layers
 
     try:
         layers = flatten_layers(model)
@@ -181,7 +181,7 @@ def measure(
     x, y = sample_batch(dataset, batch_size)
     samples: Dict[tuple, list] = {}
     plans = tensor_plans(model, [n for n in set(devices) if n >= 2], tensor_plan=tensor_plan)
-    stand_ins = {t: narrowed(model, plan) for t, plan in plans.items()}
+    stand_ins = {t: narrowed(model, plan, t) for t, plan in plans.items()}
     tensor = _TensorProbes(
         {t: m for t, m in stand_ins.items() if runs(m, objective, x, y)}, set(tensor_devices)
     )
@@ -406,7 +406,7 @@ def predictions_for(
 ) -> Dict[str, Prediction]:
     """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it
     (`meshes`: also tensor parallelism on (data, tensor) meshes)."""
-    from ..strategies import contiguous_strategies
+    from ..strategy_registry import contiguous_strategies
 
     return predict_all(
         work,

@@ -85,7 +85,7 @@ def holding_lines(
     first step) beside `full` bytes of a whole replica; the first line says how the model is split (a tensor
     plan's layers, or FSDP2's shards, hybrid where the layout has replicas)."""
     if tensor_plan is not None:
-        lines = [f"tensor: {tensor_plan.describe()}{beside(layout)}; {heading(slots)}"]
+        lines = [f"tensor: {tensor_plan.describe(layout)}{beside(layout)}; {heading(slots)}"]
     else:
         sharding, ranks = layout.sharding, f"{layout.world_size} ranks"
         if sharding.replicate > 1:

@@ -90,7 +90,7 @@ class ParameterServer(Strategy):
     def _placement(self) -> list:
         if not self.is_main:
             return []
-        lines = [f"parameter server: {self.plan.describe()}; every rank is a worker"]
+        lines = [f"parameter server: {self.plan.describe(self.layout)}; every rank is a worker"]
         for server, indices in self.owned.items():
             count = sum(self.replica[i].numel() for i in indices)
             lines.append(f"  server {server} (rank {server}): {len(indices)} tensors, {count:,} parameters")

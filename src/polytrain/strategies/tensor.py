@@ -24,7 +24,6 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..parallel.context import tensor_plan_beside
-from ..parallel.rank_slice import check_rank_slice, is_conv1d
 from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
     interleave,
@@ -34,7 +33,8 @@ from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     sequence_styles,
     split_layers,
 )
-from ..planning.tensor import BUILTIN_PLANS, HEAD, Layer, TensorPlan, resolve, shares
+from ..parallel.tensor_plan import BUILTIN_PLANS, HEAD, Layer, TensorPlan, is_conv1d, resolve, shares
+from .rank_slice import check_rank_slice
 
 NEEDS = "2.5"  # torch.distributed.tensor (public DTensor) and its parallel styles
 
@@ -135,7 +135,7 @@ def plan_for(
     kind = f"{type(model).__module__}.{type(model).__qualname__}"
     name = type(model).__name__
     if callable(given):
-        return TensorPlan(devices, (), name, apply=given)
+        return TensorPlan((), name, apply=given)
     if isinstance(given, str):
         raise ConfigError(
             f"this run's tensor_plan was a function given from Python ({given}); pass it again: "
@@ -201,6 +201,6 @@ def run_plan(config, model: nn.Module, dataset) -> TensorPlan:
     named = dict(run=f"--strategy tensor --tensor-parallel {group}", divisor="a --tensor-parallel")
     plan = plan_for(config, model, devices=group, **(named if config.tensor_parallel else {}))
     if isinstance(config.tensor_plan, dict) and dataset is not None:  # the user's: tried on a rank's slice
-        check_rank_slice(model, plan, dataset.sample_inputs(2))
+        check_rank_slice(model, plan, group, dataset.sample_inputs(2))
     plan = tensor_plan_beside(plan, config.layout)
-    return plan.for_data_ranks(config.devices // group, builtin=config.tensor_plan is None)
+    return plan.for_data_ranks(group, config.devices // group, builtin=config.tensor_plan is None)

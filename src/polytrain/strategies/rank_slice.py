@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, first_line
-from ..planning.tensor import TensorPlan
+from ..parallel.tensor_plan import TensorPlan, is_conv1d
 
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
@@ -20,22 +20,11 @@ def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     linear.out_features = len(rows)
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's `Conv1D` (GPT-2): a Linear whose weight is stored [inputs, outputs] (`x @ W + b`)."""
-    weight = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and hasattr(module, "nf")
-        and getattr(weight, "dim", lambda: 0)() == 2
-    )
-
-
-def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
-    """A copy of `model` with rank 0's share of every layer `plan` splits: a colwise Linear's first T-th of the
+def rank_zero_slice(model: nn.Module, plan: TensorPlan, devices: int) -> nn.Module:
+    """A copy of `model` with rank 0's share (of `devices` tensor ranks) of every layer `plan` splits: a colwise Linear's first T-th of the
     rows of each of its parts, a rowwise Linear's first T-th of the columns (its partial sums have the whole
     output's shape). Vocabularies are left whole: their outputs are whole on every rank."""
     probe = copy.deepcopy(model)
-    devices = plan.devices
     for name, style, parts in plan.styles:
         module = probe.get_submodule(name)
         if name in plan.vocabulary:
@@ -61,14 +50,14 @@ def rank_zero_slice(model: nn.Module, plan: TensorPlan) -> nn.Module:
     return probe
 
 
-def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
-    """Run rank 0's slice of `model` on `sample` (two samples, as the data give them); one line if it fails."""
+def check_rank_slice(model: nn.Module, plan: TensorPlan, devices: int, sample) -> None:
+    """Run rank 0's slice (of `devices` tensor ranks) of `model` on `sample` (two samples, as the data give them); one line if it fails."""
     from ..data.order import map_tree
     from ..models import call_model
 
     named = [f"{name} ({style})" for name, style, _ in plan.styles if style != "replicate"]
     split = ", ".join(named[:2]) + (f" and {len(named) - 2} more" if len(named) > 2 else "")
-    probe = rank_zero_slice(model, plan).eval()
+    probe = rank_zero_slice(model, plan, devices).eval()
     first = next(probe.parameters(), None)
     if first is not None:
         sample = map_tree(lambda t: t.to(first.device), sample)
@@ -78,7 +67,7 @@ def check_rank_slice(model: nn.Module, plan: TensorPlan, sample) -> None:
     except Exception as error:  # the user's forward on a rank's widths: say what failed, in one line
         raise ConfigError(
             f"tensor_plan: {type(model).__name__}'s forward fails on the share each of the "
-            f"{plan.devices} ranks holds of {split} ({type(error).__name__}: {first_line(error)}); "
+            f"{devices} ranks holds of {split} ({type(error).__name__}: {first_line(error)}); "
             f"compute widths from the layer's output, not the model's width: q, k, v = "
             f"self.c_attn(x).chunk(3, dim=-1), then view(B, T, -1, head_dim) so each rank runs its "
             f"heads"

@@ -52,6 +52,16 @@ BUILTIN_PLANS = {
 }
 
 
+def is_conv1d(module) -> bool:
+    """Hugging Face's `Conv1D` (GPT-2): a Linear whose weight is stored [inputs, outputs] (`x @ W + b`)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and getattr(weight, "dim", lambda: 0)() == 2
+    )
+
+
 def shares(size: int, devices: int) -> tuple:
     """Each rank's part of `size` rows as torch.chunk (and DTensor's Shard) cuts them: 65 over 2 is (33, 32)."""
     chunk = -(-size // devices)
@@ -73,50 +83,51 @@ class Layer:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    devices: int
     styles: tuple  # ((module name, style, parts), ...) for every split module, in model order
     model: str = "your model"
-    heads: Optional[int] = None  # attention heads per layer, where known (each rank runs heads / devices)
+    heads: Optional[int] = (
+        None  # attention heads per layer, where known (each of the layout's T tensor ranks runs heads / T)
+    )
     apply: Optional[Callable] = None  # the user's fn(model, mesh) that splits the model itself (styles: ())
     sequence_parallel: bool = False  # the norms on parts of the sequence (the built-in GPT's plan)
     vocabulary: tuple = ()  # the layers split by their vocabulary (an embedding rowwise, its tied head colwise)
     vocabulary_size: int = 0  # ... and its entries
 
-    def describe(self) -> str:
-        """How one tensor group splits the model (the groups beside it are the run's layout's)."""
+    def describe(self, layout) -> str:
+        """How one tensor group of `layout` (its `tensor` ranks) splits the model (the groups beside it are the
+        layout's to describe)."""
+        ranks = layout.tensor
         if self.apply is not None:
-            return f"{self.model} split over {self.devices} ranks by {getattr(self.apply, '__name__', 'a function')}"
+            return f"{self.model} split over {ranks} ranks by {getattr(self.apply, '__name__', 'a function')}"
         split = sum(1 for _, style, _ in self.styles if style != "replicate")
-        heads = (
-            f", {self.heads // self.devices} of {self.heads} attention heads per rank" if self.heads else ""
-        )
+        heads = f", {self.heads // ranks} of {self.heads} attention heads per rank" if self.heads else ""
         norms = ", norms sequence-parallel" if self.sequence_parallel else ""
         words = ", ".join(self.vocabulary)
         vocabulary = (
-            f", the vocabulary ({words}) by {'/'.join(map(str, shares(self.vocabulary_size, self.devices)))} "
+            f", the vocabulary ({words}) by {'/'.join(map(str, shares(self.vocabulary_size, ranks)))} "
             f"of its {self.vocabulary_size} entries"
             if self.vocabulary
             else ""
         )
         return (
-            f"{self.model} split over {self.devices} ranks: {split} layers split{heads}{vocabulary}{norms}, the "
+            f"{self.model} split over {ranks} ranks: {split} layers split{heads}{vocabulary}{norms}, the "
             f"rest replicated"
         )
 
-    def for_data_ranks(self, data: int, *, builtin: bool) -> "TensorPlan":
-        """The plan for `data` ranks beside each tensor group (FSDP2 over them). FSDP2 cuts each rank's part of a
+    def for_data_ranks(self, tensor: int, data: int, *, builtin: bool) -> "TensorPlan":
+        """The plan for `data` ranks beside each tensor group of `tensor` ranks (FSDP2 over them). FSDP2 cuts each rank's part of a
         vocabulary again over those ranks, and torch (2.13) cannot place a whole checkpoint's rows into such parts
         unless the ranks divide the vocabulary: a built-in plan keeps it whole then."""
-        if data == 1 or self.vocabulary_size % (self.devices * data) == 0:
+        if data == 1 or self.vocabulary_size % (tensor * data) == 0:
             return self
         if builtin:
             return self.without_vocabulary()
-        devices = self.devices * data
+        devices = tensor * data
         raise ConfigError(
-            f"--devices {devices} --tensor-parallel {self.devices}: tensor_plan splits the vocabulary "
+            f"--devices {devices} --tensor-parallel {tensor}: tensor_plan splits the vocabulary "
             f"({', '.join(self.vocabulary)}) of {self.vocabulary_size} entries, which {devices} ranks "
             f"(data x tensor) do not divide, so a checkpoint could not be loaded into it; use "
-            f"--devices {self.devices} (tensor only), or replicate those layers"
+            f"--devices {tensor} (tensor only), or replicate those layers"
         )
 
     def without_vocabulary(self) -> "TensorPlan":
@@ -270,7 +281,6 @@ def resolve(
         default=0,
     )
     return TensorPlan(
-        devices,
         tuple((name, *chosen[name]) for name in layers if name in chosen),
         model,
         heads,

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -88,39 +89,43 @@ def finish(process: subprocess.Popen, *, timeout: float) -> subprocess.Completed
 
 
 def finish_all(processes: list, *, timeout: float) -> list:
-    """Wait for every one of `processes` within one `timeout`; past it, fail with the output and the stacks of all
-    of them (those that ended, and every process of the trees of those that did not): where processes wait on each
-    other, the one that outlives the timeout is seldom the one that went astray."""
-    deadline, done = time.monotonic() + timeout, {}
-    try:
-        for process in processes:
-            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            done[process.pid] = subprocess.CompletedProcess(process.args, process.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        running = [process for process in processes if process.pid not in done]
-        for process in running:
-            abort_tree(process.pid)
-        reports = []
-        for number, process in enumerate(processes):
-            if process.pid in done:
-                ended = done[process.pid]
-                reports.append(
-                    f"--- process {number} ended ({ended.returncode}):\n{ended.stdout}\n{ended.stderr}"
-                )
-                continue
-            try:
-                out, err = process.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                out, err = "", "(no output within 20 s of SIGABRT)"
-            finally:
-                kill_tree(process.pid)
-            reports.append(
-                f"--- process {number} ran past {timeout:.0f}s; its output and stacks:\n{out}\n{err}"
-            )
-        raise AssertionError(
-            f"{len(running)} of {len(processes)} processes ran past {timeout:.0f}s:\n" + "\n".join(reports)
-        ) from None
-    return [done[process.pid] for process in processes]
+    """Wait for every one of `processes` within one `timeout`, reading all their pipes at once (a process whose
+    output no one reads stops when its pipe fills, and processes that wait on it wait for ever); past the
+    timeout, fail with the output and the stacks of all of them (those that ended, and every process of the
+    trees of those that did not): where processes wait on each other, the one that outlives the timeout is seldom
+    the one that went astray."""
+    outputs = {}
+
+    def drain(process: subprocess.Popen) -> None:
+        outputs[process.pid] = process.communicate()
+
+    readers = [threading.Thread(target=drain, args=(process,), daemon=True) for process in processes]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    running = [process for process, reader in zip(processes, readers) if reader.is_alive()]
+    if not running:
+        return [
+            subprocess.CompletedProcess(process.args, process.returncode, *outputs[process.pid])
+            for process in processes
+        ]
+    for process in running:
+        abort_tree(process.pid)
+    for process, reader in zip(processes, readers):
+        reader.join(20)
+        if reader.is_alive():
+            kill_tree(process.pid)
+            reader.join(5)
+    reports = []
+    for number, process in enumerate(processes):
+        out, err = outputs.get(process.pid, ("", "(no output within 20 s of SIGABRT)"))
+        state = f"ran past {timeout:.0f}s" if process in running else f"ended ({process.returncode})"
+        reports.append(f"--- process {number} {state}; its output and stacks:\n{out}\n{err}")
+    raise AssertionError(
+        f"{len(running)} of {len(processes)} processes ran past {timeout:.0f}s:\n" + "\n".join(reports)
+    )
 
 
 def polytrain(*args, timeout: float = 240, env=None) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from processes import finish, start
+from processes import finish_all, start
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -203,7 +203,7 @@ def runs(checkpoints, tmp_path_factory) -> dict:
     (folder / "plan.json").write_text(json.dumps({"folder": str(folder), "groups": groups}))
     helper = Path(__file__).with_name("matrix_runs.py")
     processes = [start([sys.executable, helper, folder / "plan.json", p]) for p in range(2)]
-    finished = [finish(process, timeout=400) for process in processes]
+    finished = finish_all(processes, timeout=400)
     assert all(done.returncode == 0 for done in finished), "\n".join(done.stderr[-3000:] for done in finished)
     return {case: folder / f"run-{number}" for number, case in enumerate(singles + pairs, start=1)}
 

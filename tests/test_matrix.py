@@ -89,10 +89,26 @@ LAYOUTS = {  # name: (strategy and its settings, processes)
     "context": ("data --context-parallel 2", 2),  # each sequence split over 2 ranks
     "pipeline-context": ("pipeline --context-parallel 2", 4),  # 2 stages x 2 context ranks
     "experts": ("sharded --expert-parallel 2", 2),  # each mixture's experts split over the 2 shards
+    "experts-tensor": (
+        "tensor --tensor-parallel 2 --expert-parallel 2",
+        4,
+    ),  # 2 shards x 2 tensor ranks, EP 2
+    "experts-pipeline": ("pipeline --pipeline-stages 2 --data-parallel shard --expert-parallel 2", 4),
 }
-EXPERTS = ["experts"]  # layouts only a model with mixtures of experts takes (the others are not tried there)
-TENSOR = ["tensor", "pipeline-tensor", "tensor-2x2"]
-PIPELINE = ["pipeline", "pipeline-2x2", "pipeline-tensor", "pipeline-shards", "pipeline-context"]
+EXPERTS = [
+    "experts",
+    "experts-tensor",
+    "experts-pipeline",
+]  # layouts only a model with mixtures of experts takes (the others are not tried there)
+TENSOR = ["tensor", "pipeline-tensor", "tensor-2x2", "experts-tensor"]
+PIPELINE = [
+    "pipeline",
+    "pipeline-2x2",
+    "pipeline-tensor",
+    "pipeline-shards",
+    "pipeline-context",
+    "experts-pipeline",
+]
 CONTEXT = ["context", "pipeline-context"]
 SEQUENCES = [
     "gpt",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_refused_in_one_line, polytrain_here
 
+from polytrain.errors import UserError
 from polytrain.models.llama import Llama
 from polytrain.models.moe import MixtureOfExperts, balance_loss, routed_tokens
 
@@ -253,15 +254,19 @@ VERIFIES = {
         "--expert-parallel", "2", "--router-aux-loss", "0.1", "--activation-checkpointing", "selective",
         "--accumulate", "2",
     ],
-    "2 pipeline stages x 2 FSDP2 shards, experts over 2 ranks, every other block dense, full checkpointing, 2 "
-    "passes": [
+    "2 pipeline stages x 2 FSDP2 shards, experts over 2 ranks, the load-balancing loss on each stage, full "
+    "checkpointing, 2 passes": [
         "--strategy", "pipeline", "--pipeline-stages", "2", "--data-parallel", "shard", "--devices", "4",
-        "--experts", "8", "--expert-parallel", "2", "--moe-every", "2", "--activation-checkpointing", "full",
-        "--accumulate", "2",
+        "--experts", "8", "--expert-parallel", "2", "--router-aux-loss", "0.5", "--activation-checkpointing",
+        "full", "--accumulate", "2",
     ],
-    "2 pipeline stages x 2 context ranks, every other block dense, full checkpointing": [
+    "2 pipeline stages x 2 context ranks, every other block dense, the load-balancing loss, full checkpointing": [
         "--strategy", "pipeline", "--context-parallel", "2", "--devices", "4", "--moe-every", "2",
-        "--activation-checkpointing", "full",
+        "--router-aux-loss", "0.5", "--activation-checkpointing", "full",
+    ],
+    "4 interleaved stages on 2 ranks, the load-balancing loss on each": [
+        "--strategy", "pipeline", "--devices", "2", "--layers", "4", "--pipeline-schedule", "interleaved-1f1b",
+        "--router-aux-loss", "0.5",
     ],
 }  # fmt: skip
 
@@ -307,8 +312,19 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
             ["--expert-parallel applies to --strategy sharded"],
         ),
         (
-            ["--experts", "4", "--router-aux-loss", "0.02", "--strategy", "pipeline", "--devices", "2"],
-            ["--router-aux-loss is not taken by --strategy pipeline yet"],
+            [
+                "--experts",
+                "4",
+                "--router-aux-loss",
+                "0.02",
+                "--strategy",
+                "pipeline",
+                "--devices",
+                "2",
+                "--split-at",
+                "layers.1",
+            ],
+            ["--router-aux-loss is not taken by traced stages (--split-at) yet"],
         ),
     ],
     ids=[
@@ -322,12 +338,28 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         "shards-not-divided",
         "experts-over-unsharded-pipelines",
         "experts-over-replicas",
-        "balance-in-a-pipeline",
+        "balance-in-traced-stages",
     ],
 )
 def test_what_makes_no_mixture_is_refused_in_one_line(capsys, tmp_path, argv, words):
     base = ["--model", "llama", "--dataset", "shakespeare", "--max-steps", "1"]
     assert_refused_in_one_line(capsys, tmp_path / "out", base + argv, words)
+
+
+def test_a_pipeline_refuses_the_balance_loss_where_labels_may_be_masked():
+    # each sequence's balance is weighed by its trained tokens there, which only the last stage sees
+    from masked_tokens import MaskedWindows
+
+    from polytrain.config import TrainConfig
+    from polytrain.objective import Objective
+    from polytrain.sources import refuse_for_strategy
+
+    config = TrainConfig(model="llama", experts=4, router_aux_loss=0.1, strategy="pipeline", devices=2)
+    masked, plain = Objective(kind="language"), Objective(kind="language", masks_labels=False)
+    with pytest.raises(UserError, match="--router-aux-loss in a pipeline weighs each sequence"):
+        refuse_for_strategy("pipeline", config, masked, MaskedWindows(8))
+    refuse_for_strategy("pipeline", config, plain, MaskedWindows(8))  # the built-in text's labels: taken
+    refuse_for_strategy("sharded", config.with_strategy("sharded"), masked, MaskedWindows(8))
 
 
 def test_experts_on_a_model_without_them_are_refused(capsys, tmp_path):

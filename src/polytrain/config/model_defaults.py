@@ -164,11 +164,17 @@ class Mixture(NamedTuple):
     balance: float  # the load-balancing loss's weight (0: none)
 
 
-# the one line for a load-balancing loss on a pipeline (each stage's mixtures would add it to a loss that only the
-# last stage computes)
-BALANCE_IN_PIPELINE = (
-    "--router-aux-loss is not taken by --strategy pipeline yet (the mixtures of the earlier stages cannot add "
-    "to the loss the last stage computes); use --strategy sharded or data, or drop --router-aux-loss"
+# the one line for a load-balancing loss on traced stages (pipeline/aux_loss.py adds each stage's part where the
+# stages are a Sequential's layers)
+BALANCE_IN_TRACED_STAGES = (
+    "--router-aux-loss is not taken by traced stages (--split-at) yet; split the model's layers with --split "
+    "N,M (or the default), or drop --router-aux-loss"
+)
+# ... and where labels may be masked: each sequence's part is weighed by its trained tokens, which only the last
+# stage sees
+BALANCE_WITH_MASKED_LABELS_IN_PIPELINE = (
+    "--router-aux-loss in a pipeline weighs each sequence's balance loss by its trained tokens where labels may "
+    "be masked (-100), which only the last stage sees; use --strategy sharded or data, or drop --router-aux-loss"
 )
 
 

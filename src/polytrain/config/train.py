@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..parallel.layout import Layout, check_microbatches, experts_not_divided
 from ..parallel.presets import layout_of, layout_or_none, settings_in
 from .declare import check_value, declared, flag_name, unset
-from .model_defaults import BALANCE_IN_PIPELINE, mixture_of
+from .model_defaults import BALANCE_IN_TRACED_STAGES, mixture_of
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
 
@@ -126,7 +126,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             self.experts_renormalise,
             self.router_aux_loss,
         )
-        _need(not (self.router_aux_loss and self.strategy == "pipeline"), BALANCE_IN_PIPELINE)
+        _need(not (self.router_aux_loss and self.split_at), BALANCE_IN_TRACED_STAGES)
         ranks = self.expert_parallel or 1
         _need(not (self.experts and self.experts % ranks), experts_not_divided(ranks, self.experts or 1))
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")

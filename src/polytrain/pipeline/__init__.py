@@ -16,6 +16,8 @@ imported here (polytrain/strategy_registry.py imports `Pipeline` from `pipeline.
 - state.py: a rank's stages as the whole model's tensors and back (state dicts, checkpoints of shards), and the
   start-up lines of where stages run and what each rank holds.
 - sharding.py: the data degree, pipelines side by side holding their stages through FSDP2 or DDP.
+- aux_loss.py: `StageBalance`, the mixtures' load-balancing loss added on every stage (each stage's output
+  carries its part into the backward).
 - tied.py: `TiedWeights`, weights that layers on different stages share (tied embeddings).
 - transfer.py: activations of any shape sent between pipeline ranks (evaluation without a schedule).
 - timeline.py: what each rank ran when (`--timeline`'s events).

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config.model_defaults import BALANCE_IN_PIPELINE
+from ..config.model_defaults import BALANCE_IN_TRACED_STAGES
 from ..errors import UserError
 from ..models.moe import mixtures
 from ..parallel.context import rank_sample_shape
@@ -40,6 +40,7 @@ from ..parallel.parallelize import parallelize
 from ..strategies.base import StepStats, Strategy
 from ..strategies.holdings import local_part
 from ..strategies.optimizer_state import positions, whole_state
+from .aux_loss import StageBalance
 from .layers import Stage, describe_stage, flatten_layers, named_subset
 from .plan import PipelinePlan, microbatches_for, runnable_schedule
 from .planning import plan_pipeline
@@ -90,6 +91,9 @@ class Pipeline(StageState, StageSharding, Strategy):
         self.schedules = {}  # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
         self.tied = None  # weights shared across stages (tied.py)
+        self.balance = (
+            None  # the stages' parts of the mixtures' balance loss (aux_loss.py), where it is weighted
+        )
         self.group_names = None  # every optimizer group's members over the whole model, once known (state.py)
         self.chunk_rows = None  # (offset, each micro-batch's rows, global count) within a training step
 
@@ -136,8 +140,9 @@ class Pipeline(StageState, StageSharding, Strategy):
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         self.routes = bool(mixtures(model))
-        if any(module.balance_weight for module in mixtures(model)):
-            raise UserError(BALANCE_IN_PIPELINE)
+        weighted = sum(1 for module in mixtures(model) if module.balance_weight)
+        if weighted and self.plan.split_at:
+            raise UserError(BALANCE_IN_TRACED_STAGES)
         layout = self.layout
         if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
             # (whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank)
@@ -181,6 +186,12 @@ class Pipeline(StageState, StageSharding, Strategy):
         self.fused.update(done.fused)
         self.global_rows, self.stage_modules = done.global_rows, list(done.stages)
         self.context = done.context  # (each rank's head and tail chunks of every sequence: `own_tokens`)
+        if weighted:  # each stage's mixtures add their part of the balance loss (aux_loss.py)
+            self.balance = StageBalance(
+                self.stage_modules,
+                count=weighted,
+                weigh=lambda part: self.gradients.scale(part / self._global_count),
+            )
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
             make_optimizer,
@@ -317,6 +328,8 @@ class Pipeline(StageState, StageSharding, Strategy):
         if not self.model.training:
             self.model.train()
         self.microbatch_sums, self._global_count = [], batch.global_count
+        if self.balance is not None:
+            self.balance.taken()  # (what the shape inference of a first step may have left)
         schedule, microbatches = self._schedule(len(batch.y))
         x, y = self.own_tokens(batch.x, batch.y)
         inputs = (x,) if self.is_first else ()
@@ -370,6 +383,11 @@ class Pipeline(StageState, StageSharding, Strategy):
             sums = torch.stack(self.microbatch_sums[-last:]).sum(0).double()
         else:
             sums = torch.zeros(2 + len(self.objective.names), dtype=torch.float64, device=self.device)
+        if self.balance is not None:  # this rank's stages' parts, in the figure and, training, in the loss
+            part = self.balance.taken().to(sums.device)
+            sums[2 + self.objective.names.index("balance")] += part
+            if self.model.training:
+                sums[0] += part
         dist.all_reduce(sums, group=self.norm_group)
         return sums
 

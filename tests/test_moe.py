@@ -346,20 +346,30 @@ def test_what_makes_no_mixture_is_refused_in_one_line(capsys, tmp_path, argv, wo
     assert_refused_in_one_line(capsys, tmp_path / "out", base + argv, words)
 
 
-def test_a_pipeline_refuses_the_balance_loss_where_labels_may_be_masked():
-    # each sequence's balance is weighed by its trained tokens there, which only the last stage sees
-    from masked_tokens import MaskedWindows
-
-    from polytrain.config import TrainConfig
-    from polytrain.objective import Objective
-    from polytrain.sources import refuse_for_strategy
-
-    config = TrainConfig(model="llama", experts=4, router_aux_loss=0.1, strategy="pipeline", devices=2)
-    masked, plain = Objective(kind="language"), Objective(kind="language", masks_labels=False)
-    with pytest.raises(UserError, match="--router-aux-loss in a pipeline weighs each sequence"):
-        refuse_for_strategy("pipeline", config, masked, MaskedWindows(8))
-    refuse_for_strategy("pipeline", config, plain, MaskedWindows(8))  # the built-in text's labels: taken
-    refuse_for_strategy("sharded", config.with_strategy("sharded"), masked, MaskedWindows(8))
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_pipeline_weighs_each_stage_s_balance_loss_by_the_trained_tokens_of_masked_labels(capfd, tmp_path):
+    """Rows with -100 labels (a prompt, padding): the loss is divided by the trained tokens, so each sequence's
+    balance counts by its share of them, on every stage as on one device (only the last stage has the loss)."""
+    datasets = pytest.importorskip("datasets")
+    generator = torch.Generator().manual_seed(0)
+    columns = {"input_ids": [], "labels": [], "attention_mask": []}
+    for _ in range(24):
+        length = int(torch.randint(1, 13, (1,), generator=generator))
+        padding = int(torch.randint(0, 4, (1,), generator=generator))
+        row = torch.randint(0, 16, (length,), generator=generator).tolist()
+        masked = torch.rand(length, generator=generator) < 0.3
+        columns["input_ids"].append(row + [0] * padding)
+        columns["labels"].append([-100 if m else t for t, m in zip(row, masked)] + [-100] * padding)
+        columns["attention_mask"].append([1] * length + [0] * padding)
+    folder = tmp_path / "rows"
+    datasets.DatasetDict(train=datasets.Dataset.from_dict(columns)).save_to_disk(str(folder))
+    done = polytrain_here(
+        capfd, "verify", "--model", "llama", "--dataset", "hf", "--data-dir", folder, "--layers", "2",
+        "--width", "32", "--heads", "2", "--kv-heads", "2", "--experts", "4", "--experts-per-token", "2",
+        "--router-aux-loss", "0.5", "--strategy", "pipeline", "--devices", "2", "--steps", "3",
+    )  # fmt: skip
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
 
 
 def test_experts_on_a_model_without_them_are_refused(capsys, tmp_path):
@@ -467,7 +477,6 @@ def test_a_moe_config_json_is_planned_with_transformers_parameters(family, tmp_p
     config.mlp_only_layers = [0] if family == "qwen2-moe" else None
     config.sliding_window = 4096 if family == "mixtral" else config.sliding_window
     config.save_pretrained(tmp_path)
-    from polytrain.errors import UserError
 
     with pytest.raises(UserError, match="--hf-config: .*(mlp_only_layers|sliding_window)"):
         make_request(str(tmp_path), devices=2, batch_size=2, context=16)

@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from .config import TrainConfig
-from .config.model_defaults import BALANCE_WITH_MASKED_LABELS_IN_PIPELINE
 from .data import ArrayDataset, dataset_settings, load_dataset
 from .data.order import rows
 from .data.stream import DatasetPair, check_class_targets, default_workers, spec_of
@@ -372,8 +371,6 @@ def refuse_for_strategy(strategy: str, config: TrainConfig, objective: Objective
             f"the pipeline strategy computes the loss on its last stage from the model's outputs and "
             f"the targets, which {what} does not give; use the data or sharded strategy"
         )
-    if kind.loss_from_outputs_only and objective.counted and config.router_aux_loss:
-        raise UserError(BALANCE_WITH_MASKED_LABELS_IN_PIPELINE)
     splits = not kind.keeps_model_whole or config.layout.tensor > 1
     if splits and isinstance(objective.step, LightningStep):
         raise UserError(

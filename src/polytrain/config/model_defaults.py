@@ -170,12 +170,6 @@ BALANCE_IN_TRACED_STAGES = (
     "--router-aux-loss is not taken by traced stages (--split-at) yet; split the model's layers with --split "
     "N,M (or the default), or drop --router-aux-loss"
 )
-# ... and where labels may be masked: each sequence's part is weighed by its trained tokens, which only the last
-# stage sees
-BALANCE_WITH_MASKED_LABELS_IN_PIPELINE = (
-    "--router-aux-loss in a pipeline weighs each sequence's balance loss by its trained tokens where labels may "
-    "be masked (-100), which only the last stage sees; use --strategy sharded or data, or drop --router-aux-loss"
-)
 
 
 def mixture_of(experts, per_token, shared, every, renormalise, balance=None) -> Optional[Mixture]:

@@ -7,7 +7,7 @@ pipeline's ranks, so that a pipeline trains, and reports, what one device does."
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn as nn
@@ -43,12 +43,24 @@ def _is_real(tensor) -> bool:
 class StageBalance:
     """Forward hooks on a rank's stage modules that take each stage's mixtures' balance loss per sequence (B,)
     after its forward: its sum over the whole model's `count` weighted mixtures is this stage's part of the mean
-    one device takes (`balance_loss`). In training it joins the backward as `weigh(part)`, the loss's own division
-    and scaling; its value (summed over the sequences) is kept for the step's figures either way."""
+    one device takes (`balance_loss`). `weigh(part, stage, index)` sums it over the sequences as the objective
+    does (each by its trained tokens where labels may be masked: the `index`-th micro-batch of the step's, which
+    a stage runs in order); in training, `scale(weighed)` (the loss's own division and scaling) joins the
+    backward. The step's figures keep the part (summed over the sequences) and the weighed part (the loss's)."""
 
-    def __init__(self, stages: List[nn.Module], *, count: int, weigh: Callable[[torch.Tensor], torch.Tensor]):
-        self.count, self.weigh = count, weigh
-        self.figures: List[torch.Tensor] = []  # each forward's part, summed over its sequences (detached)
+    def __init__(
+        self,
+        stages: List[nn.Module],
+        *,
+        count: int,
+        weigh: Callable[[torch.Tensor, nn.Module, int], torch.Tensor],
+        scale: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        self.count, self.weigh, self.scale = count, weigh, scale
+        self.figures: List[
+            torch.Tensor
+        ] = []  # each forward's (part, weighed part), summed over its sequences
+        self.forwards: Dict[int, int] = {}  # stage module id -> training forwards in this step
         self.handles = [stage.register_forward_hook(self._hook) for stage in stages]
 
     def _hook(self, module: nn.Module, args, output):
@@ -60,12 +72,17 @@ class StageBalance:
         if not parts or not _is_real(output) or not _is_real(parts[0]):
             return output
         part = torch.stack(parts).sum(dim=0) / self.count  # (B,)
-        self.figures.append(part.detach().sum())
-        if not (module.training and torch.is_grad_enabled() and output.requires_grad):
+        training = module.training and torch.is_grad_enabled() and output.requires_grad
+        index = self.forwards.get(id(module), 0)
+        weighed = self.weigh(part, module, index) if training else part.sum()
+        self.figures.append(torch.stack([part.detach().sum(), weighed.detach()]))
+        if not training:
             return output
-        return _CarriesLoss.apply(output, self.weigh(part.sum()))
+        self.forwards[id(module)] = index + 1
+        return _CarriesLoss.apply(output, self.scale(weighed))
 
     def taken(self) -> torch.Tensor:
-        """The sum of the parts since the last call (a step's, an evaluation batch's), and forget them."""
-        kept, self.figures = self.figures, []
-        return torch.stack(kept).sum().double() if kept else torch.zeros((), dtype=torch.float64)
+        """(the part, the weighed part) summed since the last call (a step's, an evaluation batch's), and forget
+        them and the count of forwards."""
+        kept, self.figures, self.forwards = self.figures, [], {}
+        return torch.stack(kept).sum(dim=0).double() if kept else torch.zeros(2, dtype=torch.float64)

@@ -91,9 +91,9 @@ class Pipeline(StageState, StageSharding, Strategy):
         self.schedules = {}  # (micro-batches, their size) -> schedule over this rank's stages
         self.trace, self.tracing, self.traced_steps = [], False, 0
         self.tied = None  # weights shared across stages (tied.py)
-        self.balance = (
-            None  # the stages' parts of the mixtures' balance loss (aux_loss.py), where it is weighted
-        )
+        # the stages' parts of the mixtures' balance loss (aux_loss.py), where it is weighted, and the targets of
+        # the step's micro-batches that weigh them where labels may be masked
+        self.balance, self.balance_targets = None, None
         self.group_names = None  # every optimizer group's members over the whole model, once known (state.py)
         self.chunk_rows = None  # (offset, each micro-batch's rows, global count) within a training step
 
@@ -190,7 +190,8 @@ class Pipeline(StageState, StageSharding, Strategy):
             self.balance = StageBalance(
                 self.stage_modules,
                 count=weighted,
-                weigh=lambda part: self.gradients.scale(part / self._global_count),
+                weigh=self._weighed_balance,
+                scale=lambda weighed: self.gradients.scale(weighed / self._global_count),
             )
         self.build_optimizer(
             [(name, p) for name, p in self.model.named_parameters() if not self.tied.is_copy(p)],
@@ -328,10 +329,11 @@ class Pipeline(StageState, StageSharding, Strategy):
         if not self.model.training:
             self.model.train()
         self.microbatch_sums, self._global_count = [], batch.global_count
-        if self.balance is not None:
-            self.balance.taken()  # (what the shape inference of a first step may have left)
         schedule, microbatches = self._schedule(len(batch.y))
         x, y = self.own_tokens(batch.x, batch.y)
+        if self.balance is not None:  # its micro-batches' targets weigh each stage's part of the balance loss
+            self.balance.taken()
+            self.balance_targets = torch.tensor_split(y, microbatches) if self.objective.counted else None
         inputs = (x,) if self.is_first else ()
         self.optimizer.zero_grad(set_to_none=True)
         if self.tracing:  # the ranks of a pipeline start the step's clock together
@@ -374,6 +376,13 @@ class Pipeline(StageState, StageSharding, Strategy):
             for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 grad.copy_(summed)
 
+    def _weighed_balance(self, part: torch.Tensor, stage: nn.Module, index: int) -> torch.Tensor:
+        """A stage's part of the balance loss per sequence (B,) of the step's `index`-th micro-batch, summed as the
+        objective sums it (`Objective.weighed_balance`: by each sequence's trained tokens where labels may be
+        masked)."""
+        targets = self.balance_targets[index] if self.balance_targets is not None else None
+        return self.objective.weighed_balance(part, targets, stage)
+
     def shared_sums(self, *, last: int = 0) -> torch.Tensor:
         """(loss sum, what it covers, metric sums) of a step's `last` micro-batches, or of an evaluation batch
         (all), on every rank of this pipeline: the last stage's, shared over the pipeline's ranks (one small
@@ -384,10 +393,10 @@ class Pipeline(StageState, StageSharding, Strategy):
         else:
             sums = torch.zeros(2 + len(self.objective.names), dtype=torch.float64, device=self.device)
         if self.balance is not None:  # this rank's stages' parts, in the figure and, training, in the loss
-            part = self.balance.taken().to(sums.device)
+            part, weighed = self.balance.taken().to(sums.device)
             sums[2 + self.objective.names.index("balance")] += part
             if self.model.training:
-                sums[0] += part
+                sums[0] += weighed
         dist.all_reduce(sums, group=self.norm_group)
         return sums
 

@@ -96,6 +96,11 @@ def _pipeline_holdings(build, layout: Layout, plan, *, rank: int, precision: str
         def placement_lines(self, holds):
             return []
 
+        def _boundary_shapes(self, layers):
+            # no step runs here, so no stage exchanges activations (the plan sizes its sends from the model's
+            # width, cluster_time.py): running each layer of the full-size model once for them cost half the plan
+            return [((), torch.float32, True)] * (len(layers) + 1)
+
         @property
         def data_parallel(self) -> str:  # (DDP's copies are the stages themselves: DDP cannot wrap meta ones)
             kind = Pipeline.data_parallel.fget(self)

@@ -204,7 +204,13 @@ def test_bf16_activations_are_measured_in_bf16():
 
 def test_the_plan_ranks_fitting_layouts_by_speed_and_tells_more_gpus_from_less_memory():
     big = PlanRequest(_small, "llama", 4, gpu_named("h100"), 8, 16)
-    rows = [row for row in make_plan_table(big) if not row.refused]  # (tp=4: the 2 key/value heads refuse it)
+    told = []  # the progress of each layout as it is built (the command's line on a terminal)
+    built = make_plan_table(big, progress=lambda row, done, layouts: told.append((row.layout, done, layouts)))
+    assert [done for _, done, _ in told] == list(range(1, len(built) + 1))
+    assert {layouts for *_, layouts in told} == {len(built)} and {row.layout for row in built} == {
+        layout for layout, *_ in told
+    }
+    rows = [row for row in built if not row.refused]  # (tp=4: the 2 key/value heads refuse it)
     assert rows and all(row.fits for row in rows)
     speeds = [row.tokens_per_second_per_device for row in rows]
     assert speeds == sorted(speeds, reverse=True)

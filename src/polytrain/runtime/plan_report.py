@@ -7,6 +7,7 @@ polytrain plan --model llama --size 70b --devices 512 --layout dp_shard=64,tp=8 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import List
@@ -390,6 +391,17 @@ def _writable(path, suffix: str = "") -> None:
         raise UserError(f"--png {path}: the picture is a PNG file; give a name ending in {suffix}")
 
 
+def _building(row, built: int, layouts: int) -> None:
+    """The progress line on a terminal while the layouts are built (a second or so each at 64 GPUs)."""
+    words = row.layout.words() or "one device"
+    print(
+        f"\r\033[Kbuilt {built} of {layouts} layouts at full size ({words})",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def plan_command(args) -> int:
     request = request_of(args)
     layout = layout_asked(args)
@@ -398,7 +410,9 @@ def plan_command(args) -> int:
     if args.png:
         _writable(args.png, ".png")
     began = time.perf_counter()
-    rows = make_plan_table(request, layout)
+    rows = make_plan_table(request, layout, progress=_building if sys.stderr.isatty() else None)
+    if sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # (the progress line, cleared)
     print("\n".join(table(request, rows, top=args.top)))
     print(
         f"({len(rows)} layout{'s' * (len(rows) > 1)} built at full size in {time.perf_counter() - began:,.0f} s)"

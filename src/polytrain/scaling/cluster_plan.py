@@ -380,7 +380,8 @@ def model_work(request: PlanRequest) -> ModelWork:
 def make_plan_table(
     request: PlanRequest, layout: Optional[Layout] = None, *, progress=None
 ) -> List[LayoutPlan]:
-    """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first."""
+    """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first.
+    `progress(row, built, layouts)` after each layout is built."""
     from ..pipeline.layers import flatten_layers
 
     work = model_work(request)
@@ -398,7 +399,7 @@ def make_plan_table(
     for each in layouts:
         rows.append(plan_layout(request, each, work))
         if progress:
-            progress(rows[-1])
+            progress(rows[-1], len(rows), len(layouts))
     # fitting first, fastest first, and of equally fast ones the one that holds least
     rows.sort(
         key=lambda row: (

@@ -391,7 +391,7 @@ def _writable(path, suffix: str = "") -> None:
         raise UserError(f"--png {path}: the picture is a PNG file; give a name ending in {suffix}")
 
 
-def _building(row, built: int, layouts: int) -> None:
+def building(row, built: int, layouts: int) -> None:
     """The progress line on a terminal while the layouts are built (a second or so each at 64 GPUs)."""
     words = row.layout.words() or "one device"
     print(
@@ -410,7 +410,7 @@ def plan_command(args) -> int:
     if args.png:
         _writable(args.png, ".png")
     began = time.perf_counter()
-    rows = make_plan_table(request, layout, progress=_building if sys.stderr.isatty() else None)
+    rows = make_plan_table(request, layout, progress=building if sys.stderr.isatty() else None)
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)  # (the progress line, cleared)
     print("\n".join(table(request, rows, top=args.top)))

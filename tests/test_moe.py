@@ -372,6 +372,28 @@ def test_a_pipeline_weighs_each_stage_s_balance_loss_by_the_trained_tokens_of_ma
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_pipeline_adds_no_balance_loss_to_the_user_s_own_loss_as_one_device_adds_none():
+    # the objective adds the mixtures' balance loss to its built-in token loss only; a loss= of the user's trains
+    # what it says on every layout (the stages' parts are not carried into its backward)
+    from token_data import PaddedTokens, TokenPairs, token_loss
+
+    import polytrain
+
+    def last(**layout):
+        torch.manual_seed(0)
+        model = Llama(vocab=11, layers=2, width=32, heads=2, kv_heads=2, context=12, experts=4,
+                      experts_per_token=2, router_aux_loss=0.5)  # fmt: skip
+        train, val = TokenPairs(PaddedTokens(32)), TokenPairs(PaddedTokens(8, seed=1))
+        return polytrain.fit(
+            model, train=train, val=val, loss=token_loss, batch_size=8, epochs=1, verbose=False, **layout
+        )
+
+    one, pipeline = last().last, last(strategy="pipeline", devices=2).last
+    assert "train_balance" not in one and pipeline["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+
+
 def test_experts_on_a_model_without_them_are_refused(capsys, tmp_path):
     assert_refused_in_one_line(
         capsys,

@@ -72,13 +72,15 @@ class StageBalance:
         if not parts or not _is_real(output) or not _is_real(parts[0]):
             return output
         part = torch.stack(parts).sum(dim=0) / self.count  # (B,)
-        training = module.training and torch.is_grad_enabled() and output.requires_grad
+        training = module.training and torch.is_grad_enabled()
         index = self.forwards.get(id(module), 0)
         weighed = self.weigh(part, module, index) if training else part.sum()
         self.figures.append(torch.stack([part.detach().sum(), weighed.detach()]))
         if not training:
             return output
         self.forwards[id(module)] = index + 1
+        if not output.requires_grad:  # a stage with nothing to train: its part counts in the figures only
+            return output
         return _CarriesLoss.apply(output, self.scale(weighed))
 
     def taken(self) -> torch.Tensor:

@@ -140,7 +140,10 @@ class Pipeline(StageState, StageSharding, Strategy):
     # -- set-up on every rank ---------------------------------------------------------------------------
     def setup(self, model: nn.Module, make_optimizer, make_scheduler) -> None:
         self.routes = bool(mixtures(model))
-        weighted = sum(1 for module in mixtures(model) if module.balance_weight)
+        # the mixtures whose balance loss the objective adds (as one device: not to a loss= or step= of the user's)
+        weighted = (
+            sum(1 for module in mixtures(model) if module.balance_weight) if self.objective.balances else 0
+        )
         if weighted and self.plan.split_at:
             raise UserError(BALANCE_IN_TRACED_STAGES)
         layout = self.layout

@@ -97,7 +97,11 @@ def finish_all(processes: list, *, timeout: float) -> list:
     outputs = {}
 
     def drain(process: subprocess.Popen) -> None:
-        outputs[process.pid] = process.communicate()
+        try:
+            outputs[process.pid] = process.communicate()
+        except Exception as error:  # (output that is not text): said in place of it, not lost with the thread
+            process.wait()
+            outputs[process.pid] = ("", f"(its output could not be read: {type(error).__name__}: {error})")
 
     readers = [threading.Thread(target=drain, args=(process,), daemon=True) for process in processes]
     for reader in readers:

@@ -1,6 +1,6 @@
 """Strategies by name; `auto` picks `single` for one device and `data` for several. The names are declared in
 config/registry_names.py (the command line reads them without importing torch); `STRATEGIES` maps them to the
-classes of polytrain/strategies/ and polytrain/pipeline/ and is checked against the names when first used."""
+classes of polytrain/strategies/ and polytrain/pipeline/ and is checked against the names at import."""
 
 from __future__ import annotations
 

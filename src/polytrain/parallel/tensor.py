@@ -10,8 +10,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from ..parallel.tensor_plan import TensorPlan
-from .tensor_plan import is_conv1d
+from .tensor_plan import TensorPlan, is_conv1d
 
 
 def _permutation(size: int, parts: int, devices: int) -> torch.Tensor:

@@ -85,9 +85,8 @@ class Layer:
 class TensorPlan:
     styles: tuple  # ((module name, style, parts), ...) for every split module, in model order
     model: str = "your model"
-    heads: Optional[int] = (
-        None  # attention heads per layer, where known (each of the layout's T tensor ranks runs heads / T)
-    )
+    # attention heads per layer, where known (each of the layout's T tensor ranks runs heads / T)
+    heads: Optional[int] = None
     apply: Optional[Callable] = None  # the user's fn(model, mesh) that splits the model itself (styles: ())
     sequence_parallel: bool = False  # the norms on parts of the sequence (the built-in GPT's plan)
     vocabulary: tuple = ()  # the layers split by their vocabulary (an embedding rowwise, its tied head colwise)
@@ -115,9 +114,9 @@ class TensorPlan:
         )
 
     def for_data_ranks(self, tensor: int, data: int, *, builtin: bool) -> "TensorPlan":
-        """The plan for `data` ranks beside each tensor group of `tensor` ranks (FSDP2 over them). FSDP2 cuts each rank's part of a
-        vocabulary again over those ranks, and torch (2.13) cannot place a whole checkpoint's rows into such parts
-        unless the ranks divide the vocabulary: a built-in plan keeps it whole then."""
+        """The plan for `data` ranks beside each tensor group of `tensor` ranks (FSDP2 over them). FSDP2 cuts each
+        rank's part of a vocabulary again over those ranks, and torch (2.13) cannot place a whole checkpoint's rows
+        into such parts unless the ranks divide the vocabulary: a built-in plan keeps it whole then."""
         if data == 1 or self.vocabulary_size % (tensor * data) == 0:
             return self
         if builtin:

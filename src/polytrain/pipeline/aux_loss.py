@@ -11,6 +11,7 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..models.moe import mixtures
 
@@ -31,8 +32,6 @@ class _CarriesLoss(torch.autograd.Function):
 
 def _is_real(tensor) -> bool:
     """A tensor with values (not on the meta device, nor a fake tensor of the shape inference)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return (
         isinstance(tensor, torch.Tensor)
         and tensor.device.type != "meta"
@@ -57,9 +56,8 @@ class StageBalance:
         scale: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.count, self.weigh, self.scale = count, weigh, scale
-        self.figures: List[
-            torch.Tensor
-        ] = []  # each forward's (part, weighed part), summed over its sequences
+        # each forward's (part, weighed part), summed over its sequences
+        self.figures: List[torch.Tensor] = []
         self.forwards: Dict[int, int] = {}  # stage module id -> training forwards in this step
         self.handles = [stage.register_forward_hook(self._hook) for stage in stages]
 

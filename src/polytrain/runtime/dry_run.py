@@ -4,12 +4,10 @@ step predicted; nothing trained, no run folder, no worker."""
 
 from __future__ import annotations
 
-import sys
-
 from ..errors import UserError
-from ..scaling.cluster_plan import PlanRequest, make_plan_table
+from ..scaling.cluster_plan import PlanRequest
 from ..scaling.gpus import gpu_named
-from .plan_report import amount_words, building, table
+from .plan_report import amount_words, planned, table
 
 
 def gpu_of_this_machine(name: str):
@@ -75,10 +73,7 @@ def dry_run_plan(config, gpu_name: str = ""):
         config=config if chosen else None,
         slots=state_slots_of(config),
     )
-    shown = not chosen and sys.stderr.isatty()  # (--strategy auto builds every layout: a line on a terminal)
-    rows = make_plan_table(request, config.layout if chosen else None, progress=building if shown else None)
-    if shown:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    rows = planned(request, config.layout if chosen else None)
     if chosen and rows[0].refused:  # the line the run itself would refuse with
         raise UserError(f"--dry-run at --devices {config.devices}: {rows[0].refused}")
     return request, rows, where

@@ -391,7 +391,7 @@ def _writable(path, suffix: str = "") -> None:
         raise UserError(f"--png {path}: the picture is a PNG file; give a name ending in {suffix}")
 
 
-def building(row, built: int, layouts: int) -> None:
+def _building(row, built: int, layouts: int) -> None:
     """The progress line on a terminal while the layouts are built (a second or so each at 64 GPUs)."""
     words = row.layout.words() or "one device"
     print(
@@ -402,6 +402,15 @@ def building(row, built: int, layouts: int) -> None:
     )
 
 
+def planned(request, layout=None) -> list:
+    """`make_plan_table`, with a progress line on a terminal, cleared before the table is printed."""
+    shown = sys.stderr.isatty()
+    rows = make_plan_table(request, layout, progress=_building if shown else None)
+    if shown:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    return rows
+
+
 def plan_command(args) -> int:
     request = request_of(args)
     layout = layout_asked(args)
@@ -410,9 +419,7 @@ def plan_command(args) -> int:
     if args.png:
         _writable(args.png, ".png")
     began = time.perf_counter()
-    rows = make_plan_table(request, layout, progress=building if sys.stderr.isatty() else None)
-    if sys.stderr.isatty():
-        print("\r\033[K", end="", file=sys.stderr, flush=True)  # (the progress line, cleared)
+    rows = planned(request, layout)
     print("\n".join(table(request, rows, top=args.top)))
     print(
         f"({len(rows)} layout{'s' * (len(rows) > 1)} built at full size in {time.perf_counter() - began:,.0f} s)"

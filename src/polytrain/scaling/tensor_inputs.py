@@ -52,9 +52,9 @@ class _Gathered(nn.Module):
 
 
 def narrowed(model: nn.Module, plan: TensorPlan, ranks: int) -> Optional[nn.Module]:
-    """A copy of `model` with each Linear `plan` splits cut to one rank's share (of `ranks`) (a vocabulary's head to its rows
-    of scores, gathered whole); an embedding split by its vocabulary stays whole (a lookup costs the same, and a
-    share could not look up the ids it does not hold). None where another embedding is split."""
+    """A copy of `model` with each Linear `plan` splits cut to one rank's share of `ranks` (a vocabulary's head to
+    its rows of scores, gathered whole); an embedding split by its vocabulary stays whole (a lookup costs the same,
+    and a share could not look up the ids it does not hold). None where another embedding is split."""
     own = copy.deepcopy(model)
     vocabulary = getattr(plan, "vocabulary", ())
     for name, style, _ in plan.styles:

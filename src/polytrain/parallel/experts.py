@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .fsdp import SHARD_OVER
 from .layout import experts_not_divided
 
 
@@ -119,10 +120,11 @@ def check_expert_parallel(model: nn.Module, size: int, *, name: str) -> None:
             raise ConfigError(experts_not_divided(size, module.experts))
 
 
-def apply_expert_parallel(model: nn.Module, mesh, *, sums: bool = False) -> nn.Module:
-    """Split every mixture's stacked experts over the ranks of `mesh` (the run mesh's 1-D `experts` view): each
-    weight a DTensor cut along dimension 0, this rank's experts' rows its local tensor, and the mixture switched to
+def apply_expert_parallel(model: nn.Module, mesh, *, shard_over=None, sums: bool = False) -> nn.Module:
+    """Split every mixture's stacked experts over the ranks of `mesh` (the run mesh's 1-D ep view): each weight a
+    DTensor cut along dimension 0, this rank's experts' rows its local tensor, and the mixture switched to
     exchanging tokens over the group (`ExpertGroup`; `sums`: FSDP2 sums the gradients rather than averaging them).
+    `shard_over` (the ranks that hold the same experts) is given to FSDP2 for the experts (fsdp.py `SHARD_OVER`).
     A model on the meta device stays there."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -134,4 +136,6 @@ def apply_expert_parallel(model: nn.Module, mesh, *, sums: bool = False) -> nn.M
             split = distribute_tensor(whole, mesh, [Shard(0)], src_data_rank=None)
             module._parameters[key] = nn.Parameter(split, requires_grad=parameter.requires_grad)
         module.expert_parallel = group
+        if shard_over is not None:
+            setattr(module, SHARD_OVER, shard_over)
     return model

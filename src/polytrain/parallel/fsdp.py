@@ -57,30 +57,33 @@ def shard_model(model: nn.Module, **options) -> nn.Module:
     (units.py), then the root: only a unit's full weights (and the next one's, prefetched) exist at a time."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh, experts = options.get("mesh"), options.pop("experts", None)
+    mesh = options.get("mesh")
     if mesh is not None and "shard_placement_fn" not in options:
         options["shard_placement_fn"] = partial(_placement, shards=mesh.shape[-1])
     for _, unit in shard_units(model):
         unit.register_forward_hook(own_tensor)  # (before FSDP2's hook, which checks it)
-        if experts is not None:  # experts split over ranks: sharded over those that hold the same ones
-            _shard_experts(unit, experts, options)
+        _shard_over_own_ranks(unit, options)
         fully_shard(unit, **options)
     model.register_forward_hook(own_tensor)  # the root's output too (a head kept in the root returns a view)
     fully_shard(model, **options)
     return model
 
 
-def _shard_experts(unit: nn.Module, experts, options: dict) -> None:
-    """FSDP2 over `experts` (the ranks that hold the same experts) for each mixture's experts in `unit` that expert
-    parallelism split (parallel/experts.py), averaging their gradients over those ranks."""
+# the attribute by which a step of `parallelize` gives a module ranks of its own to be sharded over (a DeviceMesh):
+# expert parallelism's mixtures, whose experts FSDP2 shards over the ranks that hold the same ones
+SHARD_OVER = "shard_over"
+
+
+def _shard_over_own_ranks(unit: nn.Module, options: dict) -> None:
+    """FSDP2 over its own ranks for each module in `unit` that a step gave some (`SHARD_OVER`), before the unit
+    (which then leaves their parameters to them), averaging their gradients over those ranks."""
     from torch.distributed.fsdp import fully_shard
 
-    from .experts import mixtures_of
-
-    for module in mixtures_of(unit):
-        if module.expert_parallel is not None:
-            placement = partial(_placement, shards=experts.shape[-1])
-            fully_shard(module, **dict(options, mesh=experts, shard_placement_fn=placement))
+    for module in unit.modules():
+        ranks = getattr(module, SHARD_OVER, None)
+        if ranks is not None:
+            placement = partial(_placement, shards=ranks.shape[-1])
+            fully_shard(module, **dict(options, mesh=ranks, shard_placement_fn=placement))
 
 
 def apply_fsdp(
@@ -99,14 +102,14 @@ def apply_fsdp(
     units sum the data ranks' gradients instead of averaging them (the loss is already divided by the global
     batch); with `keep_gathered` a unit keeps its gathered weights from its forward to its backward (a pipeline's
     micro-batches reuse them)."""
-    if mesh.layout.tensor > 1 or mesh.layout.expert > 1:  # FSDP2 over DTensors of a 2-D mesh, as torchtitan
+    if any(
+        hasattr(p, "device_mesh") for p in module.parameters()
+    ):  # FSDP2 over DTensors: a 2-D mesh, as torchtitan
         # DTensor advises, on every rank and step, to flatten the mesh for the norm's two all-reduces
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         # FSDP2 warns that the model's output is a view (the head's DTensor made local); nothing writes to it
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     options = {"mesh": mesh.fsdp, **mixed_precision(precision)}
-    if mesh.layout.expert > 1:
-        options["experts"] = mesh.expert_views[1]
     if cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
 

@@ -185,6 +185,12 @@ class Layout:
         """Every degree above 1, in mesh order (empty on one device)."""
         return {name: getattr(self, name) for name in DEGREES if getattr(self, name) > 1}
 
+    def named(self) -> Dict[str, int]:
+        """Every degree above 1 by name, in mesh order, then the degrees borrowed from them (the expert degree,
+        over the shard ranks): how a plan's JSON names the layout."""
+        borrowed = {"expert": self.expert} if self.expert > 1 else {}
+        return {**self.degrees(), **borrowed}
+
     @property
     def mesh_shape(self) -> Tuple[int, ...]:
         return tuple(self.degrees().values())

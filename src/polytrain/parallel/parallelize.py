@@ -125,7 +125,8 @@ def parallelize(
     if layout.expert > 1:
         from .experts import apply_expert_parallel
 
-        apply_expert_parallel(module, mesh.expert_views[0], sums=options.sum_gradients)
+        ep, same = mesh.expert_views
+        apply_expert_parallel(module, ep, shard_over=same, sums=options.sum_gradients)
         done.lines.append(
             f"expert parallel: each mixture's experts split over {layout.expert} ranks, tokens exchanged with "
             f"them by all-to-all"

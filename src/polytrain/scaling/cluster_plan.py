@@ -100,11 +100,7 @@ class LayoutPlan:
             for key in ("parameters", "gradients", "optimizer", "activations", "buffers")
         }
         return {
-            # its degrees by name (the expert degree, borrowed from the shards, after them)
-            "layout": dict(
-                self.layout.degrees(), **({"expert": self.layout.expert} if self.layout.expert > 1 else {})
-            )
-            or {"single": 1},
+            "layout": self.layout.named() or {"single": 1},  # its degrees by name
             "layout_words": self.layout.words(),  # as --layout and polytrain.plan(layout=...) take it
             "memory_gib": self.memory / GIB,
             "memory_split_gib": split,

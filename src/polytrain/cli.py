@@ -147,17 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--format",
         default="safetensors",
-        choices=("safetensors", "pt", "hf"),
+        choices=("safetensors", "pt", "hf", "peft"),
         help="safetensors; pt: a state dict for torch.load; hf: a Hugging Face checkpoint folder of a "
         "--model llama run, LlamaForCausalLM (Qwen2ForCausalLM with --qkv-bias, Qwen3ForCausalLM with --qk-norm; "
         "with --experts MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM), or of a --model gpt run, "
-        "GPT2LMHeadModel (default: %(default)s)",
+        "GPT2LMHeadModel; peft: a --lora run's adapters as the folder peft's PeftModel.from_pretrained(base, "
+        "folder) loads onto its --init-from checkpoint (default: %(default)s)",
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="--format hf of a --lora run: each adapted layer's weight with its adapter merged in (W + alpha/R "
+        "B A), a checkpoint that loads without peft",
     )
     export.add_argument(
         "--out",
         metavar="PATH",
-        help="where to write it (default: RUN_DIR/model.safetensors, RUN_DIR/model-export.pt, RUN_DIR/hf/; "
-        "best-*, hf-best/)",
+        help="where to write it (default: RUN_DIR/model.safetensors, RUN_DIR/model-export.pt, RUN_DIR/hf/, "
+        "RUN_DIR/peft/; best-*, hf-best/, peft-best/)",
     )
     export.add_argument("--weights", default="final", choices=("final", "best"), help=WEIGHTS_HELP)
     export.add_argument(

@@ -439,13 +439,19 @@ def export_command(args) -> int:
 
     run_dir = resolve_run_dir(args.run_dir)
     path, count, size = export_run(
-        run_dir, weights=args.weights, format=args.format, out=args.out, max_shard_size=args.max_shard_size
+        run_dir,
+        weights=args.weights,
+        format=args.format,
+        out=args.out,
+        max_shard_size=args.max_shard_size,
+        merge=args.merge,
     )
-    what = (
-        "a Hugging Face checkpoint: config.json and weights, no tokenizer"
-        if args.format == "hf"
-        else args.format
-    )
+    tokenizer = "its tokenizer" if (Path(path) / "tokenizer.json").is_file() else "no tokenizer"
+    what = {
+        "hf": f"a Hugging Face checkpoint: config.json and weights{', the adapters merged' if args.merge else ''}, "
+        f"{tokenizer}",
+        "peft": "LoRA adapters for peft: adapter_config.json and adapter_model.safetensors",
+    }.get(args.format, args.format)
     print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({what})")
     return 0
 

@@ -22,6 +22,7 @@ GROUPS = {
     "data": "data",
     "model": "model",
     "optimisation": "optimisation",
+    "fine-tuning": "fine-tuning with LoRA adapters",
     "devices": "devices and strategy",
     "pipeline": "pipeline (with --strategy pipeline)",
     "sharded": "sharded (with --strategy sharded)",

@@ -19,6 +19,7 @@ from .layout_settings import (
     TensorSettings,
 )
 from .llama_settings import LlamaSettings
+from .lora_settings import LoraSettings
 from .optimisation_settings import OptimisationSettings
 
 
@@ -329,6 +330,7 @@ GROUP_CLASSES = (
     ModelSettings,
     LlamaSettings,
     OptimisationSettings,
+    LoraSettings,
     DeviceSettings,
     PipelineSettings,
     ShardedSettings,

@@ -127,6 +127,11 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             self.router_aux_loss,
         )
         _need(not (self.router_aux_loss and self.split_at), BALANCE_IN_TRACED_STAGES)
+        for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+            _need(
+                self.lora is not None or getattr(self, name) is None,
+                f"{flag_name(name)} describes LoRA adapters; add --lora R (their rank, e.g. --lora 8)",
+            )
         ranks = self.expert_parallel or 1
         _need(not (self.experts and self.experts % ranks), experts_not_divided(ranks, self.experts or 1))
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
@@ -139,6 +144,11 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             check_tensorboard()
         # validates the degrees (parallel/layout.py): one line where they do not multiply out
         layout = self.layout
+        _need(
+            not (self.lora and layout.tensor > 1),
+            "--lora does not take tensor parallelism yet (its adapters are not split); use --strategy sharded, "
+            "data or pipeline without --tensor-parallel",
+        )
         if layout.pipeline > 1:
             self._check_pipeline()
         _need(

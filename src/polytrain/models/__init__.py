@@ -21,6 +21,7 @@ from .classifier import sequence_classifier
 from .gpt import build_gpt
 from .lenet import LeNet, LeNet5
 from .llama import build_llama
+from .lora import adapters_of, add_adapters
 from .mlp import MLP
 from .resnet import ResNet20
 
@@ -48,7 +49,14 @@ def build_model(
     """The registry's model `name`; `options` (a TrainConfig or a dict) gives its own settings (`--layers`, ...
     of --model gpt and llama), refused in one line for a model that does not read them. `vocabulary`: the data
     is texts with a class each (a dataset's `sequence_vocabulary`, its tokens), and the model a sequence
-    classifier of `num_classes` classes (models/classifier.py)."""
+    classifier of `num_classes` classes (models/classifier.py). With --lora in `options` the model gets its LoRA
+    adapters (models/lora.py)."""
+    model = _build(name, input_shape, num_classes, options, vocabulary=vocabulary)
+    adapters = adapters_of(options)  # --lora: the same adapters wherever a run's model is built
+    return add_adapters(model, **adapters) if adapters else model
+
+
+def _build(name, input_shape, num_classes, options, *, vocabulary) -> nn.Module:
     if name not in MODELS:
         raise UserError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}")
     if vocabulary is not None:

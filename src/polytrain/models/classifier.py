@@ -38,6 +38,7 @@ class SequenceClassifier:
 
     score: nn.Linear
     pools_last_token = True  # (context parallelism, which splits a row over ranks, refuses it)
+    LORA_TRAINED = ("score",)  # trained whole beside LoRA adapters (peft's modules_to_save for SEQ_CLS)
 
     def replace_head(self, classes: int) -> None:
         """The language-model head (the last layer) replaced by `score`, `classes` outputs, no bias."""

@@ -197,6 +197,9 @@ class GPT(nn.Sequential):
     of its own, which a pipeline can put on another stage than the embedding)]. `context` is the length of the
     table of positions, `norm_eps` the LayerNorms' epsilon, `gelu` the MLP's GELU ("exact" or "tanh")."""
 
+    # the layers --lora adapts by default (models/lora.py): the attention's and the MLP's projections
+    LORA_TARGETS = ("*.attention.qkv", "*.attention.proj", "*.mlp.0", "*.mlp.2")
+
     def __init__(
         self,
         vocab: int,

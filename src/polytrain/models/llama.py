@@ -202,6 +202,20 @@ class Llama(nn.Sequential):
     width of a head (default: width / heads; Qwen3's differ), `qk_norm` an RMSNorm of each query and key head
     (Qwen3's)."""
 
+    # the layers --lora adapts by default (models/lora.py): every projection of the attention and feed-forward
+    LORA_TARGETS = (
+        "*.attention.wq",
+        "*.attention.wk",
+        "*.attention.wv",
+        "*.attention.wo",
+        "*.feed_forward.w1",
+        "*.feed_forward.w2",
+        "*.feed_forward.w3",
+        "*.feed_forward.shared.w1",
+        "*.feed_forward.shared.w2",
+        "*.feed_forward.shared.w3",
+    )
+
     def __init__(
         self,
         vocab: int,

@@ -88,7 +88,15 @@ def _own(module: nn.Module) -> list:
     return own + [(k, b, False) for k, b in module._buffers.items() if b is not None]
 
 
+# the attribute by which a module says how its own tensors start, in place of the model's initialisation: a
+# function of the module (an adapter's, models/lora.py)
+INIT_VALUES = "init_values"
+
+
 def _initialiser(model: nn.Module, name: str, module: nn.Module) -> Optional[Callable[[], None]]:
+    own = module.__dict__.get(INIT_VALUES)
+    if own is not None:
+        return lambda: own(module)
     if hasattr(model, "init_module"):
         return lambda: model.init_module(name, module)
     if callable(getattr(module, "reset_parameters", None)):

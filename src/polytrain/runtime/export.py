@@ -270,11 +270,11 @@ def _replace_folder(temporary: Path, out: Path) -> None:
     os.replace(temporary, out)
 
 
-def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> tuple:
+def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB", merge: bool = False) -> tuple:
     """A Hugging Face checkpoint folder of a --model llama or gpt run (config.json, and model.safetensors or
     shards with model.safetensors.index.json), which transformers' AutoModelForCausalLM.from_pretrained loads;
-    each file is written by the safetensors library from tensors read one at a time (`_staged`). Returns
-    (folder, tensors, bytes)."""
+    each file is written by the safetensors library from tensors read one at a time (`_staged`); a --lora run's
+    adapters merged into their layers with `merge` (runtime/export_peft.py). Returns (folder, tensors, bytes)."""
     from ..models import gpt, llama_hf
     from ..run_dir import read_config
     from .inference import weights_file
@@ -296,6 +296,17 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
     family = {"llama": llama_hf, "gpt": gpt}[model]
     listing, read_stored = _sources(weights_file(run_dir, weights))
     built = _model_of_run(run_dir, settings, listing)
+    if bool(merge) != bool(settings.get("lora")):
+        raise UserError(
+            f"{run_dir} trained LoRA adapters: give --merge to write its base with them merged, or --format peft "
+            f"for the adapters alone"
+            if settings.get("lora")
+            else f"--merge merges a --lora run's adapters into its layers, and {run_dir} has none; drop --merge"
+        )
+    if merge:
+        from .export_peft import lora_scale, merged_reader
+
+        listing, read_stored = merged_reader(listing, read_stored, lora_scale(settings))
     _check_safetensors_dtypes(listing)
     try:
         config = family.hf_config(built, _source_config(settings))
@@ -357,8 +368,8 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB") -> 
 
 def default_out(run_dir: Path, weights: str, format: str) -> Path:
     stem = "model" if weights == "final" else "best"
-    if format == "hf":
-        return Path(run_dir) / ("hf" if weights == "final" else "hf-best")
+    if format in ("hf", "peft"):
+        return Path(run_dir) / (format if weights == "final" else f"{format}-best")
     return Path(run_dir) / f"{stem}.{format}" if format != "pt" else Path(run_dir) / f"{stem}-export.pt"
 
 
@@ -369,13 +380,20 @@ def export_run(
     format: str = "safetensors",
     out: Optional[str] = None,
     max_shard_size="5GB",
+    merge: bool = False,
 ):
     """Export a run folder's final or best weights; (file or folder, tensors, bytes)."""
     from .inference import weights_file
 
     target = Path(out) if out else default_out(Path(run_dir), weights, format)
+    if merge and format != "hf":
+        raise UserError(f"--merge writes a Hugging Face checkpoint; add --format hf (not {format})")
     if format == "hf":
-        return export_hf(run_dir, target, weights=weights, max_shard_size=max_shard_size)
+        return export_hf(run_dir, target, weights=weights, max_shard_size=max_shard_size, merge=merge)
+    if format == "peft":
+        from .export_peft import export_peft
+
+        return export_peft(run_dir, target, weights=weights)
     path = weights_file(run_dir, weights)
     count, size = export_weights(path, target, format=format)
     return target, count, size

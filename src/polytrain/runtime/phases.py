@@ -19,6 +19,7 @@ from ..data.tokenizer import companions
 from ..errors import UserError
 from ..models import build_model_on_meta, check_model_output, takes_channels_last, text_vocabulary
 from ..models.lightning import is_lightning, plan_loop
+from ..models.lora import adapters_of, add_adapters, describe_adapters
 from ..models.own_loss import weighed_by_samples
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
 from ..optim.schedules import length_free
@@ -159,6 +160,11 @@ def prepare_model(config, model, dataset, objective, *, given_tensors: bool, sho
         if registry_model
         else model
     )
+    adapters = adapters_of(config)
+    if adapters and not registry_model:  # (a registry model gets them as it is built)
+        add_adapters(module, **adapters)
+    if shout and adapters:
+        print(describe_adapters(module), flush=True)
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         note = check_model_output(module, dataset, exact=not given_tensors)

@@ -36,6 +36,7 @@ from ..config.pretrained import is_run_folder, weight_files
 from ..errors import CheckpointError, ConfigError, first_line
 from ..models import gpt, llama, llama_hf
 from ..models.classifier import HEAD, SequenceClassifier, loads_head
+from ..models.lora import has_adapters, is_adapter, one_device_name
 from . import shards
 from .checkpoint import shard_folder
 
@@ -43,7 +44,17 @@ from .checkpoint import shard_folder
 def names_of(model: nn.Module, stored=()) -> tuple:
     """(one-device parameter name -> the checkpoint's name, the names whose stored tensor is the transpose of
     the model's) for a model polytrain can load into; `stored`, the checkpoint's names, tells a GPT-2 saved
-    without transformers' "transformer." prefix."""
+    without transformers' "transformer." prefix. A model with LoRA adapters (models/lora.py): its base layers'
+    weights by their names there (`...wq.base_layer.weight`), its adapters not at all (they start anew)."""
+    names, transposed = _model_names(model, stored)
+    if not has_adapters(model):
+        return names, transposed
+    held = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    keyed = {name: names[one_device_name(name)] for name in held if one_device_name(name) in names}
+    return keyed, {name for name in keyed if one_device_name(name) in transposed}
+
+
+def _model_names(model: nn.Module, stored) -> tuple:
     # a sequence classifier's body has its language model's names; its score head, Hugging Face's name
     head = {HEAD: HEAD} if isinstance(model, SequenceClassifier) and HEAD in stored else {}
     if isinstance(model, llama.Llama):
@@ -151,7 +162,7 @@ class Pretrained:
         launching process, before any worker starts)."""
         stored = self.shapes()
         for name, parameter in model.named_parameters(remove_duplicate=False):
-            if not loads_head(model, name, stored, self.folder):
+            if not loads_head(model, name, stored, self.folder) or is_adapter(name):
                 continue
             theirs = self.names.get(name)
             if isinstance(theirs, tuple):  # a mixture's experts stacked: one stored tensor each
@@ -267,8 +278,9 @@ class RunWeights:
         stored = self.shapes()
         fix = "start from a run of the same model and dataset (its vocabulary), or drop --init-from"
         for name, tensor in model.state_dict(keep_vars=True).items():
-            if not loads_head(model, name, stored, self.folder):
-                continue
+            if not loads_head(model, name, stored, self.folder) or (is_adapter(name) and name not in stored):
+                continue  # (adapters a run without them lacks start anew)
+            name = _stored_name(name, stored)
             if name not in stored:
                 raise ConfigError(
                     f"--init-from: {self.folder} holds no {name!r}, which this run's model has; {fix}"
@@ -288,17 +300,25 @@ class RunWeights:
         whole = set(reorder or ())
         folder, state = self._open()
         if folder is None:
-            return set(), {name: state[name] for name in targets if isinstance(state.get(name), torch.Tensor)}
+            found = {name: state.get(_stored_name(name, state)) for name in targets}
+            return set(), {name: t for name, t in found.items() if isinstance(t, torch.Tensor)}
         entries = shards.model_entries(shards.check(folder))
-        template, wholes = {}, {}
+        template, wholes, mine = {}, {}, {}
         for name, tensor in targets.items():
-            if name in entries:
+            theirs = _stored_name(name, entries)
+            if theirs in entries:
                 if name in whole:
-                    tensor = wholes[name] = torch.empty(entries[name][0], dtype=entries[name][1])
-                template[name] = tensor
+                    tensor = wholes[name] = torch.empty(entries[theirs][0], dtype=entries[theirs][1])
+                template[theirs], mine[theirs] = tensor, name
         shards.read_pieces(folder, {"model": template})
-        loaded = {id(tensor) for name, tensor in template.items() if name not in wholes}
+        loaded = {id(tensor) for theirs, tensor in template.items() if mine[theirs] not in wholes}
         return {name for name, tensor in targets.items() if id(tensor) in loaded}, wholes
+
+
+def _stored_name(name: str, stored) -> str:
+    """`name` (a tensor of the model) as a run stored it: itself, or, for a base layer of a model with LoRA
+    adapters started from a run without them, its name there (`...wq.base_layer.weight` -> `...wq.weight`)."""
+    return name if name in stored or one_device_name(name) not in stored else one_device_name(name)
 
 
 def initial_weights(folder, model: nn.Module):

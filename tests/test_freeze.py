@@ -60,6 +60,21 @@ def test_frozen_parameters_get_no_optimizer_state_and_count_no_memory_for_it():
     assert memory_per_rank(half, "single", 1, optimizer_slots=2) == 250.0
 
 
+def test_a_group_whose_parameters_are_all_frozen_does_not_exist():
+    """Frozen 1-D tensors (norms, biases) would leave the no-decay group empty: a placeholder in it on every
+    rank, which torch.distributed.checkpoint cannot name (a sharded run crashed at its first checkpoint)."""
+    from polytrain.optim.optimizers import plan_groups
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False)
+    )
+    freeze(model, "0.bias,1.*")
+    groups = plan_groups(model.named_parameters(), no_decay=True)
+    optimizer = make_optimizer(list(model.named_parameters()), name="adamw", groups=groups)
+    assert [len(group["params"]) for group in optimizer.param_groups] == [2]
+    assert all(p.numel() for group in optimizer.param_groups for p in group["params"])
+
+
 @pytest.mark.parametrize(
     "pattern, message",
     [

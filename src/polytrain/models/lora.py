@@ -23,15 +23,16 @@ from typing import Optional, Sequence
 import torch.nn as nn
 
 from ..errors import UserError
+from ..parallel.meta import INIT_VALUES, unwrapped
 
 ADAPTER = "default"  # peft's name for the one adapter of a model
 DEFAULT_ALPHA = 8  # peft's default lora_alpha
-BASE = ".base_layer"  # what peft inserts in the names of the layers it wraps
 
 
 def one_device_name(name: str) -> str:
-    """A tensor's name in the model without adapters: `1.attention.wq.base_layer.weight` -> `...wq.weight`."""
-    return name.replace(BASE + ".", ".")
+    """A tensor's name in the model without adapters: `1.attention.wq.base_layer.weight` -> `...wq.weight`
+    (peft keeps the layer it adapts as `base_layer`: parallel/meta.py `unwrapped`)."""
+    return unwrapped(name)
 
 
 def is_adapter(name: str) -> bool:
@@ -108,8 +109,6 @@ def add_adapters(
     """`model` with its target layers wrapped in peft's LoRA layers of `rank` (in place) and everything else
     frozen (`describe_adapters` says it). One line for a rank above a target's width. `alpha`: None is peft's
     default (8)."""
-    from ..parallel.meta import INIT_VALUES
-
     names = target_names(model, targets)
     modules = dict(model.named_modules())
     for name in names:
@@ -123,7 +122,7 @@ def add_adapters(
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
-        raise UserError("--lora needs Hugging Face's peft: pip install peft") from None
+        raise UserError("--lora needs Hugging Face's peft: pip install 'polytrain[lora]' (or peft)") from None
     alpha = DEFAULT_ALPHA if alpha is None else alpha
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)

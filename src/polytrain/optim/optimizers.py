@@ -172,9 +172,13 @@ def _distributed(parameter) -> bool:
 def plan_groups(named_params, *, no_decay: bool = False, options_of: Optional[Callable] = None) -> tuple:
     """(the options of each group, parameter name -> its group) over the whole model: weight decay 0 for
     tensors of one dimension (biases, norm weights) with `no_decay`, then `options_of(name, parameter)`;
-    parameters with equal options share a group, groups in the order their first parameter comes."""
+    parameters with equal options share a group, groups in the order their first parameter comes. Frozen
+    parameters (--freeze, --lora's base) are in no group: a group they alone would fill does not exist (an
+    empty one would hold a placeholder on every rank, which torch.distributed.checkpoint cannot name)."""
     groups, member = [], {}
     for name, parameter in named_params:
+        if not parameter.requires_grad:
+            continue
         options = {"weight_decay": 0.0} if no_decay and parameter.dim() <= 1 else {}
         if options_of is not None:
             extra = options_of(name, parameter)

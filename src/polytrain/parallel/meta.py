@@ -76,6 +76,16 @@ def _local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+# what a layer that wraps another inserts in the wrapped one's name (peft's LoRA layers keep the layer they adapt
+# as `base_layer`: models/lora.py): the wrapped layer keeps the seed and initialisation of its own name
+WRAPPED = ".base_layer"
+
+
+def unwrapped(name: str) -> str:
+    """`name` as it was before a layer on its path was wrapped: `1.attention.wq.base_layer` -> `1.attention.wq`."""
+    return name.replace(WRAPPED, "")
+
+
 def module_seed(seed: int, name: str) -> int:
     """The seed of module `name` (its dotted name in the one-device model) in a run seeded `seed`."""
     digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()
@@ -127,7 +137,7 @@ def full_values(
         names = {id(t): tuple(aliases[id(t)]) for _, t, _ in own}
         if wanted is not None and not any(n in wanted for ns in names.values() for n in ns):
             continue
-        init = _initialiser(blueprint, name, module)
+        init = _initialiser(blueprint, unwrapped(name), module)
         if init is None:
             raise UserError(
                 f"{name or 'the model'} ({type(module).__name__}) was built on the meta device and has no "
@@ -136,7 +146,7 @@ def full_values(
             )
         module.to_empty(device="cpu", recurse=False)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, name))
+            torch.manual_seed(module_seed(seed, unwrapped(name)))
             init()
         for key, tensor, is_parameter in own:
             value = (module._parameters if is_parameter else module._buffers)[key]

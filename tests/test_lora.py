@@ -1,0 +1,236 @@
+"""LoRA adapters (`--lora R`, models/lora.py): peft's layers on the attention and feed-forward projections, the
+rest frozen. A fine-tune of a Hugging Face Llama and GPT-2 (--init-from) exports adapters that peft's
+`PeftModel.from_pretrained` loads onto the same checkpoint with the run's logits, and a merged checkpoint that
+transformers loads alone; the adapters start as peft starts them (the model is the base model at step 0, also
+when built on the meta device); verify proves 1 device = 2 devices in float64 on every layout --lora takes; a
+resumed run is the run; bad input is one line.
+"""
+
+import json
+import math
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import assert_refused_in_one_line, polytrain_here
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import polytrain
+from polytrain.cli import main
+from polytrain.errors import UserError
+from polytrain.models import build_model, build_model_on_meta
+from polytrain.parallel.meta import materialised_copy
+from polytrain.runtime.inference import load_run
+
+peft = pytest.importorskip("peft")
+
+TRAIN = dict(data="shakespeare", context=16, batch_size=4, device="cpu", verbose=False, lr=0.01)
+SIZES = dict(layers=2, heads=4, kv_heads=2, width=32, context=16)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict:
+    """Hugging Face checkpoints of a small Llama and GPT-2 (random weights), as save_pretrained writes them."""
+    folder = tmp_path_factory.mktemp("bases")
+    torch.manual_seed(0)
+    llama = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(llama).save_pretrained(folder / "llama")
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ).save_pretrained(folder / "gpt")
+    return {name: folder / name for name in ("llama", "gpt")}
+
+
+@pytest.fixture(scope="module")
+def runs(bases, tmp_path_factory) -> dict:
+    """LoRA fine-tunes of 4 steps from each base on one device, and of the Llama on 2 sharded ranks (whose
+    weights are shards)."""
+    folder = tmp_path_factory.mktemp("runs")
+    polytrain.fit(
+        "llama", init_from=str(bases["llama"]), lora=4, out=str(folder / "llama"), max_steps=4, **TRAIN
+    )
+    polytrain.fit("gpt", init_from=str(bases["gpt"]), lora=4, out=str(folder / "gpt"), max_steps=4, **TRAIN)
+    polytrain.fit(
+        "llama",
+        init_from=str(bases["llama"]),
+        lora=4,
+        lora_alpha=16,
+        out=str(folder / "sharded"),
+        strategy="sharded",
+        devices=2,
+        max_steps=4,
+        **TRAIN,
+    )
+    return {name: folder / name for name in ("llama", "gpt", "sharded")}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        output = model.eval()(ids)
+    return getattr(output, "logits", output)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llama", "gpt", "sharded"])
+def test_peft_loads_the_adapters_onto_the_base_and_the_merged_checkpoint_alone(runs, bases, tmp_path, name):
+    base = bases["gpt" if name == "gpt" else "llama"]
+    assert main(["export", str(runs[name]), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert (
+        main(["export", str(runs[name]), "--format", "hf", "--merge", "--out", str(tmp_path / "merged")]) == 0
+    )
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "LORA" and saved["r"] == 4 and saved["base_model_name_or_path"] == str(base)
+    stored = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert len(stored) == 2 * 4 * 2 if name == "gpt" else 2 * 7 * 2  # A and B of each adapted layer
+    ids = torch.randint(0, 65, (3, 16), generator=torch.Generator().manual_seed(2))
+    ours = _logits(load_run(runs[name])[2], ids)
+    plain = _logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), ids)
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / "peft"
+    )
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert (ours - plain).abs().max() > 1e-4  # the adapters trained (10x the tolerance below): it can fail
+    assert (ours - _logits(adapted, ids)).abs().max() < 1e-5
+    assert (ours - _logits(merged, ids)).abs().max() < 1e-5
+
+
+def test_the_adapters_start_as_peft_starts_them_and_only_they_train():
+    """Built on the meta device and given values (as every rank does), a LoRA model is its base model at step 0:
+    each B is zero, each A drawn from peft's kaiming-uniform bound; only the adapters train."""
+    options = dict(model="llama", **SIZES, lora=4)
+    torch.manual_seed(0)
+    adapted = materialised_copy(build_model_on_meta("llama", (16,), 65, options), device="cpu", seed=3)
+    plain = materialised_copy(
+        build_model_on_meta("llama", (16,), 65, dict(options, lora=None)), device="cpu", seed=3
+    )
+    ids = torch.randint(0, 65, (2, 16))
+    assert torch.equal(_logits(adapted, ids), _logits(plain, ids))
+    trained = {name for name, p in adapted.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    assert len(trained) == 2 * 7 * 2  # wq wk wv wo w1 w2 w3 of 2 blocks, A and B
+    for name, p in adapted.named_parameters():
+        if ".lora_B." in name:
+            assert not p.any(), name
+        if ".lora_A." in name:
+            bound = 1 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5)) of an nn.Linear
+            assert p.abs().max() <= bound and p.std() > bound / 4, name
+
+
+def test_a_glob_chooses_the_layers_and_a_model_of_ones_own_needs_them():
+    model = build_model(
+        "llama", (16,), 65, dict(model="llama", **SIZES, lora=2, lora_targets="1.attention.wq,*.wv")
+    )
+    adapted = sorted({n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad})
+    assert adapted == ["1.attention.wq", "1.attention.wv", "2.attention.wv"]
+    own = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    pairs = torch.utils.data.TensorDataset(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(UserError, match=r"declares no layers to adapt; give lora_targets= .*\(0, 2\)"):
+        polytrain.fit(own, train=pairs, val=pairs, lora=2, verbose=False, max_steps=1)
+    polytrain.fit(own, train=pairs, val=pairs, lora=2, lora_targets="2", verbose=False, max_steps=1)
+    assert [n for n, p in own.named_parameters() if p.requires_grad] == [
+        "2.lora_A.default.weight",
+        "2.lora_B.default.weight",
+    ]  # the module itself, adapted and trained
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lora-alpha", "4"], ["--lora-alpha describes LoRA adapters; add --lora R"]),
+        (["--lora-targets", "*.wq"], ["--lora-targets describes LoRA adapters"]),
+        (["--lora", "0"], ["--lora must be a positive whole number"]),
+        (["--lora", "4", "--lora-dropout", "1"], ["--lora-dropout"]),
+        (
+            ["--lora", "4", "--strategy", "tensor", "--devices", "2"],
+            ["--lora does not take tensor parallelism yet"],
+        ),
+    ],
+    ids=["alpha-without-lora", "targets-without-lora", "rank-zero", "dropout-one", "tensor"],
+)
+def test_settings_that_make_no_adapters_are_refused_in_one_line(capsys, tmp_path, argv, words):
+    base = ["--model", "llama", "--dataset", "shakespeare", "--max-steps", "1"]
+    assert_refused_in_one_line(capsys, tmp_path / "out", base + argv, words)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lora", "64"], ["--lora 64 is above the width of 1.attention.wq (32 in, 32 out)", "at most 32"]),
+        (
+            ["--lora", "4", "--lora-targets", "*.nothing"],
+            ["'*.nothing' matches no linear layer", "1.attention.wq"],
+        ),
+    ],
+    ids=["rank-above-width", "glob-matches-nothing"],
+)
+def test_adapters_the_model_cannot_take_are_one_line_before_any_run_folder(capsys, tmp_path, argv, words):
+    sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16"]
+    out = tmp_path / "out"
+    code = main(["train", "--model", "llama", "--dataset", "shakespeare", *sizes, *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("polytrain: error:") and err.count("\n") == 1, err
+    assert all(word in err for word in words), err
+    assert not out.exists()
+
+
+def test_exports_that_do_not_fit_the_run_are_one_line(runs, tmp_path, capsys):
+    plain = tmp_path / "plain"
+    polytrain.fit("llama", out=str(plain), max_steps=1, **{**TRAIN, **SIZES})
+    for argv, words in [
+        ([str(plain), "--format", "peft"], "trained every parameter; export it with --format hf"),
+        ([str(plain), "--format", "hf", "--merge"], "has none; drop --merge"),
+        ([str(runs["llama"]), "--format", "hf"], "give --merge"),
+        ([str(runs["llama"]), "--merge"], "add --format hf"),
+    ]:
+        assert main(["export", *argv, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
+    start = dict(init_from=str(bases["llama"]), lora=4, **TRAIN)
+    polytrain.fit("llama", out=str(tmp_path / "straight"), max_steps=4, **start)
+    polytrain.fit("llama", out=str(tmp_path / "stopped"), max_steps=2, **start)
+    polytrain.fit("llama", resume=str(tmp_path / "stopped"), max_steps=4, **start)
+    straight = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "stopped" / "model.pt", weights_only=True)
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    base = safetensors.torch.load_file(bases["llama"] / "model.safetensors")
+    assert torch.equal(
+        straight["1.attention.wq.base_layer.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("llama", ["--strategy", "data"]),
+        ("llama", ["--strategy", "sharded", "--activation-checkpointing", "full"]),
+        ("llama", ["--strategy", "pipeline"]),
+        ("gpt", ["--strategy", "sharded"]),
+    ],
+    ids=["llama-data", "llama-sharded-checkpointed", "llama-pipeline", "gpt-sharded"],
+)
+def test_verify_passes_in_float64_with_adapters(capfd, model, layout):
+    sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16"]
+    sizes += ["--kv-heads", "2"] if model == "llama" else []
+    done = polytrain_here(
+        capfd, "verify", "--model", model, "--dataset", "shakespeare", *sizes, *layout, "--devices", "2",
+        "--steps", "3", "--lora", "4", "--lora-dropout", "0.1",
+    )  # fmt: skip
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 3 and all(float(row[3]) < 1e-12 for row in rows), done.stdout
+    assert float(rows[0][1]) != float(rows[-1][1])  # the adapters trained

@@ -234,3 +234,20 @@ def test_verify_passes_in_float64_with_adapters(capfd, model, layout):
     rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 3 and all(float(row[3]) < 1e-12 for row in rows), done.stdout
     assert float(rows[0][1]) != float(rows[-1][1])  # the adapters trained
+
+
+@pytest.mark.multiprocess
+def test_the_start_up_lines_count_gradients_and_optimizer_state_of_the_adapters_only(capfd, tmp_path):
+    sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--kv-heads", "2", "--context", "16"]
+    done = polytrain_here(
+        capfd, "train", "--model", "llama", "--dataset", "shakespeare", *sizes, "--strategy", "sharded",
+        "--devices", "2", "--lora", "4", "--max-steps", "1", "--out", tmp_path / "run",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "trainable 5,632 of 40,672 parameters (13.85%)" in done.stdout, done.stdout
+    line = next(line for line in done.stdout.splitlines() if line.startswith("  rank 0 (cpu): "))
+    held, gradients, state = (
+        float(part.split()[0]) for part in line.split(": ")[1].split(";")[0].split(" + ")
+    )
+    # 40,672 float32 parameters over 2 ranks; 5,632 of them trained, with Adam's 2 slots
+    assert (held, gradients, state) == (0.08, 0.01, 0.02), line

@@ -113,9 +113,13 @@ class StageState:
         if layout.tensor == 1 and not shards:
             return []
         params = list(self.model.parameters())  # a tied copy is held too, but stepped by its owner
-        stepped = [p for p in params if not self.tied.is_copy(p)]
-        stage_bytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole's
-        held = self.gather_object((local_bytes(params), local_bytes(stepped), stage_bytes))
+        trained = [p for p in params if p.requires_grad]  # (frozen ones have no gradient, no state)
+        stepped = [p for p in trained if not self.tied.is_copy(p)]
+        # a DTensor's numel is the whole's
+        stage_bytes = [sum(p.numel() * p.element_size() for p in some) for some in (params, trained)]
+        held = self.gather_object(
+            (local_bytes(params), local_bytes(stepped), stage_bytes, local_bytes(trained))
+        )
         if not self.is_main:
             return []
         slots = optimizer_slots(self.optimizer)
@@ -132,10 +136,11 @@ class StageState:
             stages = "/".join(map(str, self.plan.stages_of_rank(at["pipeline"])))
             where = f"{data_words(layout, layout.data_rank(rank))}{' of' if shards else ','} stage {stages}"
             where += layout.place(rank)
-            mine, stepped_bytes, stage = held[rank]
-            whole_stage = f"; the whole stage {figures(stage, slots)}" if shards else ""
+            mine, stepped_bytes, stage, trained_bytes = held[rank]
+            whole_stage = f"; the whole stage {figures(stage[0], slots, trained=stage[1])}" if shards else ""
             lines.append(
-                f"  rank {rank}: {where}: {figures(mine, slots, stepped=stepped_bytes)}{whole_stage}"
+                f"  rank {rank}: {where}: {figures(mine, slots, stepped=stepped_bytes, trained=trained_bytes)}"
+                f"{whole_stage}"
             )
         return lines
 

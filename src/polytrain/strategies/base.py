@@ -181,7 +181,10 @@ class Strategy(ModelState, EpochFigures):
         parallelism, activation checkpointing, the global batch, FSDP2 or DDP, materialise), then build the
         optimizer and scheduler over it. A model built on the meta device is split and wrapped without storage,
         then each rank materialises what it holds."""
-        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        full = tuple(
+            sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trained)
+            for trained in (False, True)
+        )
         self.full_meta = {  # the whole model's names and shapes, which a rank of parts no longer has
             k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()
         }
@@ -203,11 +206,13 @@ class Strategy(ModelState, EpochFigures):
         if self.layout.holds_parts:
             self.placement += self.holding_lines(full)
 
-    def holding_lines(self, full: int) -> list:
-        """Rank 0's start-up lines of what each rank holds beside `full` bytes of a whole replica (holdings.py);
-        every rank calls it."""
+    def holding_lines(self, full: tuple) -> list:
+        """Rank 0's start-up lines of what each rank holds beside `full` (bytes, trained bytes) of a whole replica
+        (holdings.py); every rank calls it."""
         slots = optimizer_slots(self.optimizer)
-        rows = self.gather_object((self.rank, str(self.device), local_bytes(self.model.parameters())))
+        params = list(self.model.parameters())
+        trained = [p for p in params if p.requires_grad]
+        rows = self.gather_object((self.rank, str(self.device), local_bytes(params), local_bytes(trained)))
         if not self.is_main:
             return []
         plan = self.plan if self.layout.tensor > 1 else None

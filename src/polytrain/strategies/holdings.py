@@ -59,11 +59,11 @@ def heading(slots: int) -> str:
     return f"per rank, parameters + gradients + optimizer state ({slots} slot{'s' if slots != 1 else ''} per parameter)"
 
 
-def figures(parameters: int, slots: int, stepped: int = None) -> str:
-    """`P + P + S`: parameters, as many gradients, and the optimizer's state of the `stepped` bytes (default all)."""
-    return (
-        f"{mib(parameters)} + {mib(parameters)} + {mib((parameters if stepped is None else stepped) * slots)}"
-    )
+def figures(parameters: int, slots: int, stepped: int = None, *, trained: int = None) -> str:
+    """`P + G + S`: parameters, the gradients of the `trained` bytes (default all; frozen ones have none), and
+    the optimizer's state of the `stepped` bytes (default the trained)."""
+    trained = parameters if trained is None else trained
+    return f"{mib(parameters)} + {mib(trained)} + {mib((trained if stepped is None else stepped) * slots)}"
 
 
 def beside(layout: Layout) -> str:
@@ -78,12 +78,13 @@ def beside(layout: Layout) -> str:
 
 
 def holding_lines(
-    layout: Layout, rows: list, slots: int, full: int, *, tensor_plan=None, offload: bool, precision: str
+    layout: Layout, rows: list, slots: int, full: tuple, *, tensor_plan=None, offload: bool, precision: str
 ) -> list:
     """The start-up lines of what each rank holds where ranks hold parts of the model: `rows` of (rank, device,
-    bytes of parameters held; gradients the same; optimizer state from its `slots` per parameter, after its
-    first step) beside `full` bytes of a whole replica; the first line says how the model is split (a tensor
-    plan's layers, or FSDP2's shards, hybrid where the layout has replicas)."""
+    bytes of parameters held, of those that train: their gradients, and optimizer state from its `slots` per
+    parameter, after its first step) beside `full` (bytes, trained bytes) of a whole replica; the first line
+    says how the model is split (a tensor plan's layers, or FSDP2's shards, hybrid where the layout has
+    replicas)."""
     if tensor_plan is not None:
         lines = [f"tensor: {tensor_plan.describe(layout)}{beside(layout)}; {heading(slots)}"]
     else:
@@ -95,7 +96,7 @@ def holding_lines(
             + (", held in host memory (--cpu-offload)" if offload else "")
             + (GATHERED_IN_BF16 if mixed_precision(precision) else "")
         ]
-    for rank, device, size in rows:
+    for rank, device, size, trained in rows:
         where = ""
         if tensor_plan is not None:
             where = f", data shard {layout.data_rank(rank) + 1}/{layout.data_degree}" * (
@@ -104,6 +105,7 @@ def holding_lines(
             where += layout.place(rank)
         whole = "a replica" if tensor_plan is not None else "data parallel"
         lines.append(
-            f"  rank {rank} ({device}{where}): {figures(size, slots)}; {whole} would hold {figures(full, slots)}"
+            f"  rank {rank} ({device}{where}): {figures(size, slots, trained=trained)}; {whole} would hold "
+            f"{figures(full[0], slots, trained=full[1])}"
         )
     return lines

@@ -168,8 +168,13 @@ def test_settings_that_make_no_adapters_are_refused_in_one_line(capsys, tmp_path
             ["--lora", "4", "--lora-targets", "*.nothing"],
             ["'*.nothing' matches no linear layer", "1.attention.wq"],
         ),
+        (
+            ["--lora", "4", "--lora-dropout", "0.1", "--strategy", "sharded", "--devices", "2"]
+            + ["--context-parallel", "2"],
+            ["does not split dropout masks yet", "lora_dropout", "give --lora-dropout 0"],
+        ),
     ],
-    ids=["rank-above-width", "glob-matches-nothing"],
+    ids=["rank-above-width", "glob-matches-nothing", "dropout-with-split-sequences"],
 )
 def test_adapters_the_model_cannot_take_are_one_line_before_any_run_folder(capsys, tmp_path, argv, words):
     sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16"]
@@ -220,15 +225,28 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
         ("llama", ["--strategy", "sharded", "--activation-checkpointing", "full"]),
         ("llama", ["--strategy", "pipeline"]),
         ("gpt", ["--strategy", "sharded"]),
+        ("llama", ["--strategy", "sharded", "--context-parallel", "2"]),
+        (
+            "llama",
+            ["--strategy", "sharded", "--experts", "4", "--experts-per-token", "2", "--expert-parallel", "2"],
+        ),
     ],
-    ids=["llama-data", "llama-sharded-checkpointed", "llama-pipeline", "gpt-sharded"],
+    ids=[
+        "llama-data",
+        "llama-sharded-checkpointed",
+        "llama-pipeline",
+        "gpt-sharded",
+        "llama-cp2",
+        "llama-ep2",
+    ],
 )
 def test_verify_passes_in_float64_with_adapters(capfd, model, layout):
     sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16"]
     sizes += ["--kv-heads", "2"] if model == "llama" else []
+    dropout = [] if "--context-parallel" in layout else ["--lora-dropout", "0.1"]  # (refused: test below)
     done = polytrain_here(
         capfd, "verify", "--model", model, "--dataset", "shakespeare", *sizes, *layout, "--devices", "2",
-        "--steps", "3", "--lora", "4", "--lora-dropout", "0.1",
+        "--steps", "3", "--lora", "4", *dropout,
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]

@@ -300,5 +300,6 @@ def check_context_parallel(model: nn.Module, size: int, *, name: str) -> None:
         raise ConfigError(
             f"--context-parallel does not split dropout masks yet (each rank would draw its own for its tokens, "
             f"another model than one device's; {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''}): "
-            f"give --dropout 0, or drop --context-parallel"
+            f"give {'--lora-dropout' if any('lora_dropout' in d for d in dropouts) else '--dropout'} 0, or drop "
+            f"--context-parallel"
         )

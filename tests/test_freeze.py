@@ -112,3 +112,16 @@ def test_tensor_parallel_ranks_train_a_frozen_llama_as_one_device(capfd):
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     assert "frozen" in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_run_whose_one_dimensional_tensors_are_all_frozen_writes_its_checkpoint(tmp_path):
+    """The optimizer's groups are planned after --freeze: the no-decay group, all frozen, does not exist (it held a
+    placeholder on every rank, and torch.distributed.checkpoint's state dict failed on it with a KeyError)."""
+    sizes = dict(layers=2, width=32, heads=4, kv_heads=2, context=16)
+    polytrain.fit(
+        "llama", "shakespeare", strategy="sharded", devices=2, freeze="*norm*,3.*", max_steps=2, verbose=False,
+        out=str(tmp_path / "run"), **sizes,
+    )  # fmt: skip
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert (tmp_path / "run" / state["shards"]).is_dir()

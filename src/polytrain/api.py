@@ -130,6 +130,12 @@ def train_run(
         objective = check_the_objective(
             config, module, objective, dataset, strategy, steps_per_epoch, shout=shout, words=words
         )
+        # frozen before the optimizer's groups are planned (a group only they would fill is none) and the memory
+        # check, which counts no gradient or state for them
+        if config.freeze:
+            note = freeze(module, config.freeze)
+            if shout:
+                print(note, flush=True)
         recipe = make_recipe(
             config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups
         ).checked(module, staleness=config.staleness or 0)
@@ -145,10 +151,6 @@ def train_run(
             config, strategy, module, dataset, objective, device=device, channels_last=channels_last,
             launcher=launcher, shout=shout,
         )  # fmt: skip
-        if config.freeze:  # before the memory check, which counts no gradient or state for them
-            note = freeze(module, config.freeze)
-            if shout:
-                print(note, flush=True)
         name = model if isinstance(model, str) else config.model if registry_model else type(module).__name__
         fit = check_fits(
             config, module, strategy, name=name, device=device, slots=state_slots_of(config), dataset=dataset,

@@ -138,7 +138,7 @@ def apply_groups(optimizer, saved: list) -> None:
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(
             f"it has {len(saved)} parameter group(s), this run {len(optimizer.param_groups)} "
-            f"(--no-decay-norms-and-biases or param_groups= differ)"
+            f"(--no-decay-norms-and-biases, --freeze or param_groups= differ)"
         )
     for group, theirs in zip(optimizer.param_groups, saved):
         group.update({k: v for k, v in theirs.items() if k != "params" and k not in SPEED})

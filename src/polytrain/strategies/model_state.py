@@ -67,7 +67,7 @@ def load_whole(model: nn.Module, optimizer, state: dict, fused: dict, names: lis
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
             f"it has {len(saved['param_groups'])} parameter group(s), this run "
-            f"{len(optimizer.param_groups)} (--no-decay-norms-and-biases or param_groups= differ)"
+            f"{len(optimizer.param_groups)} (--no-decay-norms-and-biases, --freeze or param_groups= differ)"
         )
     named = {
         "state": {names[i]: value for i, value in saved["state"].items()},

@@ -76,7 +76,7 @@ def load_part(optimizer, saved: dict, position_of: dict) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(
             f"it has {len(groups)} parameter group(s), this run {len(optimizer.param_groups)} "
-            f"(--no-decay-norms-and-biases or param_groups= differ)"
+            f"(--no-decay-norms-and-biases, --freeze or param_groups= differ)"
         )
     local_state, local_groups, index = {}, [], 0
     for g, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):

@@ -53,6 +53,13 @@ class DataSettings:
         group="data",
         metavar="COLUMN",
     )
+    train_on_prompt: bool = setting(
+        False,
+        "--dataset hf of instruction rows (messages, or prompt and completion): train on every token, not only "
+        "on the answers' (default: the prompt's tokens have no loss)",
+        group="data",
+        flag="switch",
+    )
     image_size: Optional[int] = setting(
         None,
         "--dataset folder: resize every image to S x S (default: keep, all must share one size)",

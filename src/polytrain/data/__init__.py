@@ -46,6 +46,7 @@ def load_dataset(
     context: Optional[int] = None,
     tokenizer: Optional[str] = None,
     text_key: str = "text",
+    train_on_prompt: bool = False,
     init_from: Optional[str] = None,
     vocab_size: Optional[int] = None,
     verbose: bool = True,
@@ -68,6 +69,7 @@ def load_dataset(
         context=context,
         tokenizer=tokenizer,
         text_key=text_key,
+        train_on_prompt=train_on_prompt,
         init_from=init_from,
         vocab_size=vocab_size,
         verbose=verbose,
@@ -88,6 +90,7 @@ def dataset_settings(config) -> dict:
         context=config.context,
         tokenizer=config.tokenizer,
         text_key=config.text_key,
+        train_on_prompt=config.train_on_prompt,
         init_from=config.init_from,
         vocab_size=config.vocab_size,
     )
@@ -196,7 +199,15 @@ def _tokens(*, data_dir=None, context=None, **_):
 
 @register("hf")
 def _hf(
-    *, data_dir=None, context=None, tokenizer=None, text_key="text", val_fraction=None, verbose=True, **model
+    *,
+    data_dir=None,
+    context=None,
+    tokenizer=None,
+    text_key="text",
+    train_on_prompt=False,
+    val_fraction=None,
+    verbose=True,
+    **model,
 ):
     from .hf import load_hf
 
@@ -205,6 +216,7 @@ def _hf(
         context=context,
         tokenizer=tokenizer,
         text_key=text_key,
+        train_on_prompt=train_on_prompt,
         val_fraction=val_fraction,
         init_from=model.get("init_from"),
         model_vocabulary=model.get("vocab_size"),

@@ -21,6 +21,8 @@ What the rows hold decides how they are read:
 - a text column with a `label` (or `labels`) column: a sequence classifier's data, each row's text tokenized
   with the run's tokenizer and its class (text_classes.py); rows of `input_ids` with a `label` are refused in one
   line for now.
+- instruction rows, `messages` or `prompt` and `completion`: formatted with the tokenizer's chat template, the
+  answers' tokens trained (chat.py), then read as rows of `input_ids` and `labels`.
 
 Every refusal is one line, before any worker starts: no such folder, no text column (naming the columns
 present), a tokenizer larger than the model's embedding, a file that cannot be read.
@@ -43,6 +45,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import DataError, UserError, first_line
 from . import tokenizer as tokenizers_file
+from .chat import is_instruction, load_instructions
 
 VAL_FRACTION = 0.1  # held out where the data has no validation split: the built-in text's share (text.py)
 VAL_SPLITS = ("validation", "valid", "val", "test")  # the first present validates
@@ -275,6 +278,7 @@ def load_hf(
     init_from: Optional[str] = None,
     model_vocabulary: Optional[int] = None,
     show: bool = True,
+    train_on_prompt: bool = False,
 ):
     """The dataset in `data_dir`: a `TokenRows` pair of its `input_ids` rows, its text column as cached token
     shards (`ShardedTokens`), or its texts and their classes (`ClassesPair`, with a label column)."""
@@ -292,6 +296,26 @@ def load_hf(
             f"--data-dir {source.path} has the columns {inputs!r} and {label!r}: rows of ids for a sequence "
             f"classifier, which --dataset hf does not train yet; give the rows' text instead (a text column "
             f"and {label!r}), or drop the {label!r} column to train a language model on its ids"
+        )
+    if is_instruction(columns):  # messages, or prompt and completion: the answers trained (chat.py)
+        held = val is None
+        train, val = held_out(train, val, val_fraction, source)
+        return load_instructions(
+            train,
+            val,
+            held=held,
+            source=str(source.path),
+            context=context,
+            tokenizer=run_tokenizer,
+            model_vocabulary=model_vocabulary,
+            init_from=init_from,
+            train_on_prompt=train_on_prompt,
+            show=show,
+        )
+    if train_on_prompt:
+        raise DataError(
+            f"--train-on-prompt trains instruction rows (messages, or prompt and completion) on every token, and "
+            f"--data-dir {source.path} has none (its columns: {', '.join(columns)}); drop --train-on-prompt"
         )
     if "input_ids" in columns:
         from .token_rows import load_token_rows

@@ -269,3 +269,22 @@ def test_the_start_up_lines_count_gradients_and_optimizer_state_of_the_adapters_
     )
     # 40,672 float32 parameters over 2 ranks; 5,632 of them trained, with Adam's 2 slots
     assert (held, gradients, state) == (0.08, 0.01, 0.02), line
+
+
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
+    """`polytrain plan --lora R` builds the adapted model at full size: its gradients and optimizer state are the
+    adapters' (their bytes: the trainable parameters times 4, and twice that for AdamW's two slots), its
+    parameters the base's and theirs; a tensor layout is refused with the run's own line."""
+    common = dict(model="llama", size="tiny", devices=2, batch_size=4, context=64, precision="fp32")
+    full = polytrain.plan(layout="dp_shard=2", **common)[0]["memory_split_gib"]
+    lora = polytrain.plan(layout="dp_shard=2", lora=8, **common)[0]["memory_split_gib"]
+    model = build_model_on_meta("llama", (64,), 65, dict(model="llama", size="tiny", context=64, lora=8))
+    trained = (
+        sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2 / 2**30
+    )  # fp32, over 2 shards
+    assert lora["gradients"] == pytest.approx(trained, rel=0.05) and lora["optimizer"] == pytest.approx(
+        2 * trained, rel=0.05
+    )
+    assert lora["gradients"] < full["gradients"] / 5 and lora["parameters"] > full["parameters"]
+    refused = polytrain.plan(layout="tp=2", lora=8, **common)[0]
+    assert "--lora does not take tensor parallelism yet" in refused["refused"]

@@ -295,7 +295,9 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
         ("experts-per-token", "--model llama --experts: the experts each token goes to (default: 2)"),
         ("shared-experts", "--model llama --experts: a shared expert of N times --ffn-width"),
         ("moe-every", "--model llama --experts: every Nth block has the mixture (default: 1)"),
-    ):
+        ("lora", "a LoRA fine-tune: rank-N adapters on the attention and feed-forward projections, the rest frozen "
+         "(no gradients, no optimizer state; as polytrain train --lora)"),
+    ):  # fmt: skip
         plan.add_argument(f"--{flag}", type=int, default=None, metavar="N", help=words)
     plan.add_argument(
         "--context", type=int, default=None, metavar="T", help="tokens per sequence (the size's)"

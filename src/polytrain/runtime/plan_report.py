@@ -49,7 +49,7 @@ def _check_request(devices, batch_size, context, gpus_per_node, checkpointing) -
 GPT_VOCABULARY = 50257  # --model gpt without --vocab-size: GPT-2's tokenizer
 # the model's shape beside its --size (and the llama's mixture of experts)
 SHAPE = ("layers", "width", "heads", "kv_heads", "ffn_width", "experts", "experts_per_token", "shared_experts",
-         "moe_every")  # fmt: skip
+         "moe_every", "lora")  # fmt: skip
 
 
 def holds(row: LayoutPlan) -> str:
@@ -196,7 +196,8 @@ def plan(
     `tokens_per_second_per_device`, `mfu`, `fits`, `limit`, ...).
 
     `model`: "llama" (`size`: tiny, 8b, 70b, 405b) or "gpt", with `layers=`, `width=`, `heads=`, `kv_heads=`,
-    `ffn_width=` over the size's (and `experts=`, `experts_per_token=`, `shared_experts=`, `moe_every=`); a Hugging Face config.json or its folder; or a function that builds the model,
+    `ffn_width=` over the size's (and `experts=`, `experts_per_token=`, `shared_experts=`, `moe_every=`; `lora=`: a
+    LoRA fine-tune of rank R); a Hugging Face config.json or its folder; or a function that builds the model,
     called on the meta device (its forward takes (batch, context) token ids and gives logits; give `context`)."""
     from ..parallel.layout import Layout
 

@@ -91,7 +91,7 @@ def run_polytrain(checkpoint: Path, context: int, steps: int, folder: Path) -> d
     if code:
         raise SystemExit(f"polytrain failed: {log.read_text()[-2000:]}")
     text = log.read_text()
-    layout = next((line for line in text.splitlines() if line.startswith("strategy")), "")
+    layout = next((line for line in text.splitlines() if line.startswith("--strategy auto")), "")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     loss = next(r for r in records if "train_loss" in r)["train_loss"]
     subprocess.check_call(

@@ -154,11 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "GPT2LMHeadModel; peft: a --lora run's adapters as the folder peft's PeftModel.from_pretrained(base, "
         "folder) loads onto its --init-from checkpoint (default: %(default)s)",
     )
+    merged = "--format hf of a --lora run: each adapted weight with its adapter merged in (W + alpha/R B A)"
     export.add_argument(
-        "--merge",
-        action="store_true",
-        help="--format hf of a --lora run: each adapted layer's weight with its adapter merged in (W + alpha/R "
-        "B A), a checkpoint that loads without peft",
+        "--merge", action="store_true", help=merged + ", a checkpoint that loads without peft"
     )
     export.add_argument(
         "--out",
@@ -279,13 +277,9 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
 
     plan.add_argument("--model", default="llama", metavar="NAME", help="llama or gpt (default: llama)")
     plan.add_argument("--size", default=None, metavar="NAME", help="--model llama: tiny, 8b, 70b or 405b")
-    plan.add_argument(
-        "--hf-config",
-        default=None,
-        metavar="PATH",
-        help="a Hugging Face config.json (or its folder) of a Llama, Qwen2, Qwen3, their mixtures of experts (Mixtral, "
-        "Qwen2-MoE, Qwen3-MoE) or GPT-2: its shape, no weights needed",
-    )
+    families = "a Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or GPT-2"
+    shape = f"a Hugging Face config.json (or its folder) of {families}: its shape, no weights needed"
+    plan.add_argument("--hf-config", default=None, metavar="PATH", help=shape)
     for flag in ("layers", "width", "heads", "kv-heads", "ffn-width", "vocab-size"):
         plan.add_argument(
             f"--{flag}", type=int, default=None, metavar="N", help=f"the model's {flag} (its --size's)"
@@ -295,9 +289,8 @@ def add_plan_flags(plan: argparse.ArgumentParser) -> None:
         ("experts-per-token", "--model llama --experts: the experts each token goes to (default: 2)"),
         ("shared-experts", "--model llama --experts: a shared expert of N times --ffn-width"),
         ("moe-every", "--model llama --experts: every Nth block has the mixture (default: 1)"),
-        ("lora", "a LoRA fine-tune: rank-N adapters on the attention and feed-forward projections, the rest frozen "
-         "(no gradients, no optimizer state; as polytrain train --lora)"),
-    ):  # fmt: skip
+        ("lora", "a LoRA fine-tune: rank-N adapters, the rest frozen (as polytrain train --lora)"),
+    ):
         plan.add_argument(f"--{flag}", type=int, default=None, metavar="N", help=words)
     plan.add_argument(
         "--context", type=int, default=None, metavar="T", help="tokens per sequence (the size's)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -436,24 +437,22 @@ def generate_command(args) -> int:
 
 def export_command(args) -> int:
     from .runtime.export import export_run
+    from .runtime.export_peft import export_peft
 
-    run_dir = resolve_run_dir(args.run_dir)
-    path, count, size = export_run(
-        run_dir,
-        weights=args.weights,
-        format=args.format,
-        out=args.out,
-        max_shard_size=args.max_shard_size,
-        merge=args.merge,
-    )
+    how = dict(weights=args.weights, out=args.out, max_shard_size=args.max_shard_size, merge=args.merge)
+    export = export_peft if args.format == "peft" else partial(export_run, format=args.format)
+    path, count, size = export(resolve_run_dir(args.run_dir), **how)
     tokenizer = "its tokenizer" if (Path(path) / "tokenizer.json").is_file() else "no tokenizer"
+    merged = ", the adapters merged" if args.merge else ""
     what = {
-        "hf": f"a Hugging Face checkpoint: config.json and weights{', the adapters merged' if args.merge else ''}, "
-        f"{tokenizer}",
-        "peft": "LoRA adapters for peft: adapter_config.json and adapter_model.safetensors",
-    }.get(args.format, args.format)
-    print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({what})")
+        "hf": f"a Hugging Face checkpoint: config.json and weights{merged}, {tokenizer}",
+        "peft": PEFT_FILES,
+    }
+    print(f"wrote {path}: {count} tensors, {size / 2**20:,.2f} MiB ({what.get(args.format, args.format)})")
     return 0
+
+
+PEFT_FILES = "LoRA adapters for peft: adapter_config.json and adapter_model.safetensors"
 
 
 def tokenize_command(args) -> int:

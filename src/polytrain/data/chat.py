@@ -145,10 +145,7 @@ def tokenized_rows(rows, tok, *, train_on_prompt: bool, context: Optional[int], 
             ids, labels = ids[:context], labels[:context]
         return {"input_ids": ids, "labels": labels, "cut": cut}
 
-    from .hf import offline
-
-    with offline():  # (quiet: no progress bar of the library's own)
-        done = rows.map(encode, with_indices=True, remove_columns=rows.column_names, keep_in_memory=True)
+    done = rows.map(encode, with_indices=True, remove_columns=rows.column_names, keep_in_memory=True)
     cut = sum(done["cut"])
     return done.remove_columns("cut"), cut
 

@@ -297,41 +297,22 @@ def load_hf(
             f"classifier, which --dataset hf does not train yet; give the rows' text instead (a text column "
             f"and {label!r}), or drop the {label!r} column to train a language model on its ids"
         )
-    if is_instruction(columns):  # messages, or prompt and completion: the answers trained (chat.py)
-        held = val is None
-        train, val = held_out(train, val, val_fraction, source)
-        return load_instructions(
-            train,
-            val,
-            held=held,
-            source=str(source.path),
-            context=context,
-            tokenizer=run_tokenizer,
-            model_vocabulary=model_vocabulary,
-            init_from=init_from,
-            train_on_prompt=train_on_prompt,
-            show=show,
-        )
-    if train_on_prompt:
+    if train_on_prompt and not is_instruction(columns):
         raise DataError(
             f"--train-on-prompt trains instruction rows (messages, or prompt and completion) on every token, and "
             f"--data-dir {source.path} has none (its columns: {', '.join(columns)}); drop --train-on-prompt"
         )
-    if "input_ids" in columns:
+    if is_instruction(columns) or "input_ids" in columns:  # rows of ids; instructions become them (chat.py)
         from .token_rows import load_token_rows
 
         held = val is None
         train, val = held_out(train, val, val_fraction, source)
-        return load_token_rows(
-            train,
-            val,
-            held=held,
-            source=str(source.path),
-            context=context,
-            tokenizer=run_tokenizer,
-            model_vocabulary=model_vocabulary,
-            init_from=init_from,
-        )
+        rows = dict(held=held, source=str(source.path), context=context, tokenizer=run_tokenizer)
+        rows.update(model_vocabulary=model_vocabulary, init_from=init_from)
+        if not is_instruction(columns):
+            return load_token_rows(train, val, **rows)
+        with offline():  # (quiet: the rows are mapped without the library's progress bars)
+            return load_instructions(train, val, train_on_prompt=train_on_prompt, show=show, **rows)
     if text_key not in columns:
         raise DataError(
             f"--data-dir {source.path} has no text column {text_key!r} (its columns: {', '.join(columns)}); name "

@@ -35,6 +35,7 @@ import torch
 from ..data.tokenizer import COMPANIONS
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import ConfigError, UserError
+from ..models.lora import DEFAULT_ALPHA, is_adapter, one_device_name
 from . import shards
 from .checkpoint import safe_load, shard_folder
 
@@ -304,8 +305,6 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB", mer
             else f"--merge merges a --lora run's adapters into its layers, and {run_dir} has none; drop --merge"
         )
     if merge:
-        from .export_peft import lora_scale, merged_reader
-
         listing, read_stored = merged_reader(listing, read_stored, lora_scale(settings))
     _check_safetensors_dtypes(listing)
     try:
@@ -366,6 +365,39 @@ def export_hf(run_dir, out, *, weights: str = "final", max_shard_size="5GB", mer
     return out, len(entries), total
 
 
+def lora_scale(settings: dict) -> float:
+    """alpha / R of a run's settings (its config.json)."""
+    alpha = settings.get("lora_alpha")
+    return (DEFAULT_ALPHA if alpha is None else alpha) / settings["lora"]
+
+
+def adapted_layers(listing) -> list:
+    """The one-device names of the layers a run's stored tensors (`listing`: (name, shape, dtype)) adapt,
+    in order: `1.attention.wq` for `1.attention.wq.lora_A.default.weight`."""
+    layers = [name.split(".lora_A.")[0] for name, _, _ in listing if ".lora_A." in name]
+    return list(dict.fromkeys(layers))
+
+
+def merged_reader(listing, read, scale: float):
+    """`read(name)` for a run's stored tensors with each adapted layer's weight merged (W + scale B A, computed
+    in float32 and stored in W's dtype): (the listing without the adapters, under the one-device names, and the
+    reader by those names)."""
+    layers = set(adapted_layers(listing))
+    stored = {one_device_name(name): name for name, _, _ in listing if not is_adapter(name)}
+
+    def merged(name: str) -> torch.Tensor:
+        weight = read(stored[name])
+        layer = name.removesuffix(".weight")
+        if layer not in layers or not name.endswith(".weight"):
+            return weight
+        a = read(f"{layer}.lora_A.default.weight").float()
+        b = read(f"{layer}.lora_B.default.weight").float()
+        return (weight.float() + scale * (b @ a)).to(weight.dtype)
+
+    kept = [(one_device_name(name), shape, dtype) for name, shape, dtype in listing if not is_adapter(name)]
+    return kept, merged
+
+
 def default_out(run_dir: Path, weights: str, format: str) -> Path:
     stem = "model" if weights == "final" else "best"
     if format in ("hf", "peft"):
@@ -390,10 +422,6 @@ def export_run(
         raise UserError(f"--merge writes a Hugging Face checkpoint; add --format hf (not {format})")
     if format == "hf":
         return export_hf(run_dir, target, weights=weights, max_shard_size=max_shard_size, merge=merge)
-    if format == "peft":
-        from .export_peft import export_peft
-
-        return export_peft(run_dir, target, weights=weights)
     path = weights_file(run_dir, weights)
     count, size = export_weights(path, target, format=format)
     return target, count, size

@@ -9,8 +9,8 @@ gives it on that model (`base_model.model.model.layers.0.self_attn.q_proj.lora_A
 Face name, models/llama_hf.py and models/gpt.py `hf_names`). The matrices are stored as the run holds them: a
 LoRA layer's A and B have the same orientation on a Linear and on GPT-2's Conv1D (peft transposes the product).
 
---merge (runtime/export.py `export_hf`) writes each adapted layer's weight as W + (alpha / R) B A, the
-checkpoint `AutoModelForCausalLM` loads without peft.
+--merge (runtime/export.py `export_hf`, `merged_reader`) writes each adapted layer's weight as W + (alpha / R) B A,
+the checkpoint `AutoModelForCausalLM` loads without peft.
 """
 
 from __future__ import annotations
@@ -20,60 +20,31 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from ..errors import UserError
-from ..models.lora import DEFAULT_ALPHA, is_adapter, one_device_name
+from ..models.lora import DEFAULT_ALPHA
+from .export import HF_MODELS, _model_of_run, _sources, adapted_layers, default_out
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's own names
 
 
-def lora_scale(settings: dict) -> float:
-    """alpha / R of a run's settings (its config.json)."""
-    alpha = settings.get("lora_alpha")
-    return (DEFAULT_ALPHA if alpha is None else alpha) / settings["lora"]
-
-
-def adapted_layers(listing) -> list:
-    """The one-device names of the layers a run's stored tensors (`listing`: (name, shape, dtype)) adapt,
-    in order: `1.attention.wq` for `1.attention.wq.lora_A.default.weight`."""
-    layers = [name.split(".lora_A.")[0] for name, _, _ in listing if ".lora_A." in name]
-    return list(dict.fromkeys(layers))
-
-
-def merged_reader(listing, read, scale: float):
-    """`read(name)` for a run's stored tensors with each adapted layer's weight merged (W + scale B A, computed
-    in float32 and stored in W's dtype): (the listing without the adapters, under the one-device names, and the
-    reader by those names)."""
-    layers = set(adapted_layers(listing))
-    stored = {one_device_name(name): name for name, _, _ in listing if not is_adapter(name)}
-
-    def merged(name: str) -> torch.Tensor:
-        weight = read(stored[name])
-        layer = name.removesuffix(".weight")
-        if layer not in layers or not name.endswith(".weight"):
-            return weight
-        a = read(f"{layer}.lora_A.default.weight").float()
-        b = read(f"{layer}.lora_B.default.weight").float()
-        return (weight.float() + scale * (b @ a)).to(weight.dtype)
-
-    kept = [(one_device_name(name), shape, dtype) for name, shape, dtype in listing if not is_adapter(name)]
-    return kept, merged
-
-
-def export_peft(run_dir, out, *, weights: str = "final") -> tuple:
-    """The adapters of a --lora run of --model llama or gpt as a peft folder (see the module's docstring).
-    Returns (folder, tensors, bytes)."""
+def export_peft(
+    run_dir, *, out=None, weights: str = "final", merge: bool = False, max_shard_size=None
+) -> tuple:
+    """The adapters of a --lora run of --model llama or gpt as a peft folder (see the module's docstring), in
+    `out` (default RUN/peft, RUN/peft-best); `merge` is refused (it writes --format hf), `max_shard_size`
+    unused (the adapters are one small file). Returns (folder, tensors, bytes)."""
     from safetensors.torch import save_file
 
     from ..models import gpt, llama_hf
     from ..run_dir import read_config
-    from .export import HF_MODELS, _model_of_run, _sources
     from .inference import weights_file
 
     run_dir = Path(run_dir)
+    if merge:
+        raise UserError("--merge writes a Hugging Face checkpoint; add --format hf (not peft)")
+    out = out or default_out(run_dir, weights, "peft")
     settings = read_config(run_dir)
     model = settings.get("model")
     if not settings.get("lora"):

@@ -186,6 +186,13 @@ def test_adapters_the_model_cannot_take_are_one_line_before_any_run_folder(capsy
     assert not out.exists()
 
 
+@pytest.mark.multiprocess
+def test_generate_samples_from_a_lora_run(runs, capsys):
+    assert main(["generate", str(runs["llama"]), "--prompt", "To be", "--tokens", "12", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("To be") and len(text.rstrip("\n")) >= len("To be") + 12, text
+
+
 def test_exports_that_do_not_fit_the_run_are_one_line(runs, tmp_path, capsys):
     plain = tmp_path / "plain"
     polytrain.fit("llama", out=str(plain), max_steps=1, **{**TRAIN, **SIZES})

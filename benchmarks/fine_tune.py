@@ -65,7 +65,9 @@ def polytrain(*args, log: Path) -> float:
     return time.perf_counter() - started
 
 
-def save_checkpoint(shape: dict, folder: Path, tokenizer: Path) -> None:
+def save_checkpoint(shape: dict, folder: Path, tokenizer=None) -> None:
+    """A seeded LlamaForCausalLM of `shape` saved by `save_pretrained` in shards of 100 MB, with `tokenizer`
+    (a tokenizer.json) beside it where given."""
     import shutil
 
     import torch
@@ -84,7 +86,8 @@ def save_checkpoint(shape: dict, folder: Path, tokenizer: Path) -> None:
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100MB")
-    shutil.copyfile(tokenizer, folder / "tokenizer.json")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, folder / "tokenizer.json")
 
 
 def reload(run: Path, export: Path, context: int, windows: int) -> dict:

@@ -5,9 +5,9 @@ tokens per second, peak resident memory per process, the loss after the steps, a
     python benchmarks/lora.py                            # 2 rounds of 8 steps, context 128, global batch 8
     python benchmarks/lora.py --shape tiny --steps 3 --rounds 1      # the same path in a minute
 
-The checkpoint: transformers builds a LlamaForCausalLM of the shape of benchmarks/fine_tune.py (12 blocks of
-width 768, 12 heads over 4 key/value heads, SwiGLU 2560, vocabulary 8192, untied head), seeded, and
-`save_pretrained` writes it; nothing reaches the network. The data: Tiny Shakespeare's characters (ids below 65),
+The checkpoint: benchmarks/fine_tune.py's (transformers builds a LlamaForCausalLM of 12 blocks of width 768, 12
+heads over 4 key/value heads, SwiGLU 2560, vocabulary 8192, untied head, seeded, and `save_pretrained` writes it
+in files of 100 MB); nothing reaches the network. The data: Tiny Shakespeare's characters (ids below 65),
 windows of `--context` + 1 tokens. Each round runs, one after the other:
 
   polytrain  `polytrain train --init-from CKPT --dataset shakespeare --context C --batch-size 8 --lora 16
@@ -40,30 +40,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from fine_tune import SHAPES  # noqa: E402
+from fine_tune import SHAPES, save_checkpoint  # noqa: E402
 from sharded_fsdp import epoch_tokens_per_second, finish_hand_worker, hand_result, watched  # noqa: E402
 
 BATCH = 8
 RANK, ALPHA = 16, 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_checkpoint(shape: dict, folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=shape["vocab_size"],
-        hidden_size=shape["width"],
-        intermediate_size=shape["ffn_width"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
 
 
 def steps_per_epoch(context: int) -> int:
@@ -191,7 +173,7 @@ def main() -> None:
     rows = {"polytrain": [], "hand": []}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint"
-        write_checkpoint(SHAPES[args.shape], checkpoint)
+        save_checkpoint(SHAPES[args.shape], checkpoint)
         print(f"checkpoint: {size_of(checkpoint) / 2**20:,.0f} MiB", flush=True)
         for round_ in range(args.rounds):
             folder = Path(tmp) / f"round{round_}"

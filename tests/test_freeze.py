@@ -102,12 +102,14 @@ def test_frozen_parameters_on_two_devices(data, reference):
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_ranks_train_a_frozen_llama_as_one_device(capfd):
-    """The first block and every norm frozen, the rest split over 2 tensor ranks: equal to one device in float64
-    (one device's freezing is the hand-written loop's, above)."""
+@pytest.mark.parametrize("strategy", ["tensor", "parameter-server"])
+def test_a_frozen_llama_trains_as_one_device_with_adamw_s_weight_decay(capfd, strategy):
+    """The first block and every norm frozen, the rest split over 2 tensor ranks, or served by a parameter server:
+    equal to one device in float64 with the llama's AdamW and its weight decay (one device's freezing is the
+    hand-written loop's, above). A server's master copies of frozen parameters were decayed by its optimizer."""
     done = polytrain_here(
         capfd, "verify", "--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32",
-        "--heads", "4", "--kv-heads", "2", "--context", "16", "--strategy", "tensor", "--devices", "2",
+        "--heads", "4", "--kv-heads", "2", "--context", "16", "--strategy", strategy, "--devices", "2",
         "--steps", "3", "--freeze", "1.*,*norm*",
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr

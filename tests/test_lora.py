@@ -231,6 +231,7 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
         ("llama", ["--strategy", "data"]),
         ("llama", ["--strategy", "sharded", "--activation-checkpointing", "full"]),
         ("llama", ["--strategy", "pipeline"]),
+        ("llama", ["--strategy", "parameter-server"]),
         ("gpt", ["--strategy", "sharded"]),
         ("llama", ["--strategy", "sharded", "--context-parallel", "2"]),
         (
@@ -242,6 +243,7 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
         "llama-data",
         "llama-sharded-checkpointed",
         "llama-pipeline",
+        "llama-parameter-server",
         "gpt-sharded",
         "llama-cp2",
         "llama-ep2",

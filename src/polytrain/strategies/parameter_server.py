@@ -62,7 +62,11 @@ class ParameterServer(Strategy):
         self.owned = {k: self.plan.owned(k) for k in range(self.plan.servers)}
         self.global_index = list(self.owned.get(self.rank, ()))
         home = torch.device("cpu") if self.plan.server_device == "cpu" else self.device
-        self.master = [nn.Parameter(self.replica[i].detach().to(home, copy=True)) for i in self.global_index]
+        # (a frozen parameter's master stays frozen: the optimizer neither decays nor steps it)
+        self.master = [
+            nn.Parameter(self.replica[i].detach().to(home, copy=True), requires_grad=self.replica[i].requires_grad)
+            for i in self.global_index
+        ]
         # a rank that serves nothing still keeps the learning-rate schedule's state
         named = [(self.parameter_names[i], weight) for i, weight in zip(self.global_index, self.master)]
         self.optimizer = make_optimizer(named or [("", nn.Parameter(torch.zeros(0)))])

@@ -19,6 +19,7 @@ import polytrain
 from polytrain.cli import main
 from polytrain.errors import UserError
 from polytrain.models import build_model, build_model_on_meta
+from polytrain.models.lora import add_adapters
 from polytrain.parallel.meta import materialised_copy
 from polytrain.runtime.inference import load_run
 
@@ -139,6 +140,10 @@ def test_a_glob_chooses_the_layers_and_a_model_of_ones_own_needs_them():
         "2.lora_A.default.weight",
         "2.lora_B.default.weight",
     ]  # the module itself, adapted and trained
+    # a name is the whole name: `0` is not `1.0`, though peft's list of names would match that too
+    nested = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    add_adapters(nested, 2, targets="0")
+    assert {n.split(".lora_")[0] for n, p in nested.named_parameters() if p.requires_grad} == {"0"}
 
 
 @pytest.mark.parametrize(

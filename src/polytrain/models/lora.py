@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from typing import Optional, Sequence
 
 import torch.nn as nn
@@ -124,7 +125,10 @@ def add_adapters(
     except ImportError:
         raise UserError("--lora needs Hugging Face's peft: pip install 'polytrain[lora]' (or peft)") from None
     alpha = DEFAULT_ALPHA if alpha is None else alpha
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, bias="none")
+    # the layers by their whole names (a regular expression peft matches in full: a list would also match a
+    # deeper module whose name ends with one of them)
+    exact = "|".join(re.escape(name) for name in names)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=exact, bias="none")
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     whole = tuple(getattr(model, "LORA_TRAINED", ()))  # (a classifier's score head)
     for parameter_name, parameter in model.named_parameters():

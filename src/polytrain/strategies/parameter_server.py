@@ -64,7 +64,9 @@ class ParameterServer(Strategy):
         home = torch.device("cpu") if self.plan.server_device == "cpu" else self.device
         # (a frozen parameter's master stays frozen: the optimizer neither decays nor steps it)
         self.master = [
-            nn.Parameter(self.replica[i].detach().to(home, copy=True), requires_grad=self.replica[i].requires_grad)
+            nn.Parameter(
+                self.replica[i].detach().to(home, copy=True), requires_grad=self.replica[i].requires_grad
+            )
             for i in self.global_index
         ]
         # a rank that serves nothing still keeps the learning-rate schedule's state

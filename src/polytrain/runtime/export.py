@@ -35,7 +35,7 @@ import torch
 from ..data.tokenizer import COMPANIONS
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import ConfigError, UserError
-from ..models.lora import DEFAULT_ALPHA, is_adapter, one_device_name
+from ..models.lora import ADAPTER, DEFAULT_ALPHA, is_adapter, one_device_name
 from . import shards
 from .checkpoint import safe_load, shard_folder
 
@@ -390,8 +390,8 @@ def merged_reader(listing, read, scale: float):
         layer = name.removesuffix(".weight")
         if layer not in layers or not name.endswith(".weight"):
             return weight
-        a = read(f"{layer}.lora_A.default.weight").float()
-        b = read(f"{layer}.lora_B.default.weight").float()
+        a = read(f"{layer}.lora_A.{ADAPTER}.weight").float()
+        b = read(f"{layer}.lora_B.{ADAPTER}.weight").float()
         return (weight.float() + scale * (b @ a)).to(weight.dtype)
 
     kept = [(one_device_name(name), shape, dtype) for name, shape, dtype in listing if not is_adapter(name)]

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.lora import DEFAULT_ALPHA
+from ..models.lora import ADAPTER, DEFAULT_ALPHA
 from .export import HF_MODELS, _model_of_run, _sources, adapted_layers, default_out
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -66,7 +66,7 @@ def export_peft(
         modules.append(theirs)
         for part in ("lora_A", "lora_B"):
             tensors[f"{PEFT_PREFIX}{theirs}.{part}.weight"] = read(
-                f"{layer}.{part}.default.weight"
+                f"{layer}.{part}.{ADAPTER}.weight"
             ).contiguous()
     from peft import LoraConfig
 

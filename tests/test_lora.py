@@ -153,12 +153,8 @@ def test_a_glob_chooses_the_layers_and_a_model_of_ones_own_needs_them():
         (["--lora-targets", "*.wq"], ["--lora-targets describes LoRA adapters"]),
         (["--lora", "0"], ["--lora must be a positive whole number"]),
         (["--lora", "4", "--lora-dropout", "1"], ["--lora-dropout"]),
-        (
-            ["--lora", "4", "--strategy", "tensor", "--devices", "2"],
-            ["--lora does not take tensor parallelism yet"],
-        ),
     ],
-    ids=["alpha-without-lora", "targets-without-lora", "rank-zero", "dropout-one", "tensor"],
+    ids=["alpha-without-lora", "targets-without-lora", "rank-zero", "dropout-one"],
 )
 def test_settings_that_make_no_adapters_are_refused_in_one_line(capsys, tmp_path, argv, words):
     base = ["--model", "llama", "--dataset", "shakespeare", "--max-steps", "1"]
@@ -229,6 +225,24 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_fine_tune_on_tensor_ranks_resumes_on_one_device(tmp_path):
+    """Two steps of the GPT on 2 tensor ranks (its fused q/k/v split by interleaved rows, the adapters' B with
+    them) and two more on one device are four steps on one device: the checkpoint holds every tensor in its
+    one-device order."""
+    start = dict(TRAIN, lora=4, layers=2, heads=4, width=32)
+    polytrain.fit("gpt", out=str(tmp_path / "straight"), max_steps=4, **start)
+    polytrain.fit("gpt", out=str(tmp_path / "moved"), max_steps=2, strategy="tensor", devices=2, **start)
+    polytrain.fit("gpt", resume=str(tmp_path / "moved"), max_steps=4, **start)
+    straight = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    moved = torch.load(tmp_path / "moved" / "model.pt", weights_only=True)
+    assert straight.keys() == moved.keys()
+    trained = [key for key in straight if ".lora_B." in key]
+    assert trained and all(straight[key].abs().max() > 0 for key in trained)  # (B starts at zero)
+    for key in straight:
+        torch.testing.assert_close(moved[key], straight[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "model, layout",
@@ -243,6 +257,9 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
             "llama",
             ["--strategy", "sharded", "--experts", "4", "--experts-per-token", "2", "--expert-parallel", "2"],
         ),
+        ("llama", ["--strategy", "tensor", "--devices", "4", "--tensor-parallel", "2"]),
+        ("gpt", ["--strategy", "tensor"]),
+        ("llama", ["--strategy", "pipeline", "--devices", "4", "--tensor-parallel", "2"]),
     ],
     ids=[
         "llama-data",
@@ -252,14 +269,23 @@ def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
         "gpt-sharded",
         "llama-cp2",
         "llama-ep2",
+        "llama-sharded2-x-tensor2",
+        "gpt-tensor2-sequence-parallel",
+        "llama-pipeline2-x-tensor2",
     ],
 )
 def test_verify_passes_in_float64_with_adapters(capfd, model, layout):
+    """The tensor layouts split each adapter with its layer (B by outputs under a column split, A by inputs
+    under a row split; the GPT's fused q/k/v interleaves B's rows as its own, and its norms, frozen, stay frozen
+    under sequence parallelism). verify refuses dropout on the layouts that cut a sequence or a layer (its masks
+    are not one device's there: the tests below and in test_context_parallel.py), so those run without."""
     sizes = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "16"]
     sizes += ["--kv-heads", "2"] if model == "llama" else []
-    dropout = [] if "--context-parallel" in layout else ["--lora-dropout", "0.1"]  # (refused: test below)
+    cut = "--context-parallel" in layout or "tensor" in layout or "--tensor-parallel" in layout
+    dropout = [] if cut else ["--lora-dropout", "0.1"]
+    devices = [] if "--devices" in layout else ["--devices", "2"]
     done = polytrain_here(
-        capfd, "verify", "--model", model, "--dataset", "shakespeare", *sizes, *layout, "--devices", "2",
+        capfd, "verify", "--model", model, "--dataset", "shakespeare", *sizes, *layout, *devices,
         "--steps", "3", "--lora", "4", *dropout,
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
@@ -288,7 +314,7 @@ def test_the_start_up_lines_count_gradients_and_optimizer_state_of_the_adapters_
 def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only():
     """`polytrain plan --lora R` builds the adapted model at full size: its gradients and optimizer state are the
     adapters' (their bytes: the trainable parameters times 4, and twice that for AdamW's two slots), its
-    parameters the base's and theirs; a tensor layout is refused with the run's own line."""
+    parameters the base's and theirs; on a tensor layout too, where the adapters split with their layers."""
     common = dict(model="llama", size="tiny", devices=2, batch_size=4, context=64, precision="fp32")
     full = polytrain.plan(layout="dp_shard=2", **common)[0]["memory_split_gib"]
     lora = polytrain.plan(layout="dp_shard=2", lora=8, **common)[0]["memory_split_gib"]
@@ -300,5 +326,6 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only()
         2 * trained, rel=0.05
     )
     assert lora["gradients"] < full["gradients"] / 5 and lora["parameters"] > full["parameters"]
-    refused = polytrain.plan(layout="tp=2", lora=8, **common)[0]
-    assert "--lora does not take tensor parallelism yet" in refused["refused"]
+    tensor = polytrain.plan(layout="tp=2", **common)[0]["memory_split_gib"]
+    split = polytrain.plan(layout="tp=2", lora=8, **common)[0]["memory_split_gib"]
+    assert split["gradients"] < tensor["gradients"] / 5 and split["parameters"] > tensor["parameters"]

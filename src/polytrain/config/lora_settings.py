@@ -8,12 +8,6 @@ from typing import Optional
 
 from .declare import setting
 
-# the one line for --lora with a tensor degree (the run's check, and the planner's)
-LORA_WITH_TENSOR = (
-    "--lora does not take tensor parallelism yet (its adapters are not split); use --strategy sharded, data or "
-    "pipeline without --tensor-parallel"
-)
-
 
 @dataclass
 class LoraSettings:

@@ -14,7 +14,6 @@ from ..errors import ConfigError
 from ..parallel.layout import Layout, check_microbatches, experts_not_divided
 from ..parallel.presets import layout_of, layout_or_none, settings_in
 from .declare import check_value, declared, flag_name, unset
-from .lora_settings import LORA_WITH_TENSOR
 from .model_defaults import BALANCE_IN_TRACED_STAGES, mixture_of
 from .registry_names import check_tensorboard, parse_loggers
 from .settings import GROUP_CLASSES, INPUTS
@@ -145,7 +144,6 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             check_tensorboard()
         # validates the degrees (parallel/layout.py): one line where they do not multiply out
         layout = self.layout
-        _need(not (self.lora and layout.tensor > 1), LORA_WITH_TENSOR)
         if layout.pipeline > 1:
             self._check_pipeline()
         _need(

@@ -86,6 +86,11 @@ def unwrapped(name: str) -> str:
     return name.replace(WRAPPED, "")
 
 
+def base_of(module: nn.Module) -> Optional[nn.Module]:
+    """The layer `module` wraps (peft's LoRA layer's `base_layer`), or None for a layer that wraps none."""
+    return module._modules.get(WRAPPED[1:])
+
+
 def module_seed(seed: int, name: str) -> int:
     """The seed of module `name` (its dotted name in the one-device model) in a run seeded `seed`."""
     digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()

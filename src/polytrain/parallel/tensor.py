@@ -10,6 +10,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError
+from .meta import WRAPPED, base_of
 from .tensor_plan import TensorPlan, is_conv1d
 
 
@@ -30,6 +32,7 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles, fused = {}, {}
+    layer = lambda name: _base(model.get_submodule(name))  # noqa: E731  (a layer with adapters: its base)
     for name, style, parts in plan.styles:
         if name in plan.vocabulary:  # ids in (whole), the sum of the ranks' rows out; the head's scores whole
             styles[name] = (
@@ -38,27 +41,72 @@ def split_layers(model: nn.Module, mesh, plan: TensorPlan) -> dict:
                 else ColwiseParallel(output_layouts=Replicate())
             )
         elif style == "colwise":
-            transposed = is_conv1d(model.get_submodule(name))
-            styles[name] = transposed_style("colwise") if transposed else ColwiseParallel()
+            styles[name] = transposed_style("colwise") if is_conv1d(layer(name)) else ColwiseParallel()
             if parts > 1:
-                fused.update(interleave(model, name, parts, mesh.size()))
+                for part in _split_parts(model, name):
+                    fused.update(interleave(model, part, parts, mesh.size()))
         elif style == "rowwise":
-            transposed = is_conv1d(model.get_submodule(name))
-            styles[name] = transposed_style("rowwise") if transposed else RowwiseParallel()
+            styles[name] = transposed_style("rowwise") if is_conv1d(layer(name)) else RowwiseParallel()
     if plan.sequence_parallel:
         sequence_styles(model, styles, vocabulary=plan.vocabulary)
     head_norm_styles(model, styles)
+    adapter_styles(model, styles, vocabulary=plan.vocabulary)
     held = [
         (module, key, id(p))
         for module in map(model.get_submodule, plan.vocabulary)
         for key, p in module._parameters.items()
         if p is not None
     ]
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, mesh, styles)
+    for name, parameter in model.named_parameters():  # (torch's SequenceParallel makes every one it takes
+        if name in frozen:  # trainable: a norm frozen by --freeze or --lora stays frozen)
+            parameter.requires_grad_(False)
     first = {}  # a tied embedding and head are split one by one: tie them again (both Shard(0) DTensors)
     for module, key, was in held:
         module._parameters[key] = first.setdefault(was, module._parameters[key])
     return fused
+
+
+def _base(module: nn.Module) -> nn.Module:
+    return base_of(module) or module
+
+
+def _split_parts(model: nn.Module, name: str) -> list:
+    """The layers whose outputs a colwise `name` splits: itself, or, where it has adapters (peft's LoRA), the
+    layer it adapts and each adapter's B (whose outputs are the layer's)."""
+    module = model.get_submodule(name)
+    if base_of(module) is None:
+        return [name]
+    return [f"{name}{WRAPPED}"] + [f"{name}.lora_B.{key}" for key in module.lora_B]
+
+
+def adapter_styles(model: nn.Module, styles: dict, *, vocabulary=()) -> None:
+    """A split layer with adapters (peft's LoRA layer: base(x) + B(A(x)) * scale) splits as its base does, the
+    adapters with it, so that the sum is made of parts the ranks hold alike: under a column split (outputs)
+    each B by its outputs and A whole; under a row split (inputs, partial sums) each A by its inputs, summed
+    as the base's are, and B whole (on a part of the sequence where the base's sums are scattered over it,
+    torch's SequenceParallel, so that its gradient sums every rank's part)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    for name in [name for name in styles if base_of(model.get_submodule(name)) is not None]:
+        if name in vocabulary:
+            raise ConfigError(
+                f"--lora adapts {name}, which the tensor plan splits by its vocabulary; leave it out of "
+                f"--lora-targets, or replicate it"
+            )
+        style, module = styles.pop(name), model.get_submodule(name)
+        styles[f"{name}{WRAPPED}"] = style
+        for key in module.lora_A:
+            a, b = f"{name}.lora_A.{key}", f"{name}.lora_B.{key}"
+            if isinstance(style, ColwiseParallel):
+                styles[b] = ColwiseParallel()
+            elif isinstance(style, RowwiseParallel):
+                scattered = style.output_layouts[0] == Shard(1)
+                styles[a] = RowwiseParallel(output_layouts=style.output_layouts[0])
+                if scattered:
+                    styles[b] = SequenceParallel(use_local_output=True)
 
 
 def head_norm_styles(model: nn.Module, styles: dict) -> None:

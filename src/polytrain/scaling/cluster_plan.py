@@ -27,9 +27,7 @@ from typing import Callable, List, Optional
 
 import torch.nn as nn
 
-from ..config.lora_settings import LORA_WITH_TENSOR
 from ..errors import ConfigError, UserError
-from ..models.lora import has_adapters
 from ..parallel.layout import Layout, divisors
 from ..parallel.presets import settings_of
 from ..planning.activations import peak_bytes
@@ -192,8 +190,6 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
                 f"{layout.describe()} is not a layout polytrain runs (it made {config.layout.describe()})"
             )
         model = request.build()
-        if layout.tensor > 1 and has_adapters(model):
-            raise ConfigError(LORA_WITH_TENSOR)
         if layout.pipeline > 1:
             plan = pipeline_plan(request, config, model)
             row.microbatches = plan.microbatches

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..parallel.context import tensor_plan_beside
+from ..parallel.meta import base_of
 from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
     interleave,
@@ -54,7 +55,14 @@ def model_layers(model: nn.Module) -> dict:
     """name -> Layer for every module, in model order (the plan's view of the model)."""
     layers = {}
     tables = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    wrappers = {}  # a layer with adapters (peft's) is planned as the layer it adapts, its parts not at all
     for name, module in model.named_modules():
+        if any(name.startswith(wrapper + ".") for wrapper in wrappers):
+            continue
+        base = base_of(module)
+        if base is not None:
+            wrappers[name] = module
+            module = base
         holds = any(p is not None for p in module._parameters.values())
         if isinstance(module, nn.Linear):
             layers[name] = Layer(
@@ -78,10 +86,11 @@ def _heads(model: nn.Module) -> dict:
     """`resolve`'s heads= of polytrain's GPT (a fused q/k/v Linear and `head_dim`), or heads= and kv_heads= of
     its Llama; {} for another model."""
     for module in model.modules():
-        qkv = getattr(module, "qkv", None)
+        qkv, wq = (getattr(module, key, None) for key in ("qkv", "wq"))
+        qkv, wq = (base_of(layer) or layer if isinstance(layer, nn.Module) else None for layer in (qkv, wq))
         if isinstance(qkv, nn.Linear) and getattr(module, "head_dim", None):
             return dict(heads=qkv.out_features // 3 // module.head_dim)
-        if isinstance(getattr(module, "wq", None), nn.Linear) and getattr(module, "kv_heads", None):
+        if isinstance(wq, nn.Linear) and getattr(module, "kv_heads", None):
             return dict(heads=module.heads, kv_heads=module.kv_heads)
     return {}
 

@@ -102,14 +102,18 @@ def test_frozen_parameters_on_two_devices(data, reference):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["tensor", "parameter-server"])
-def test_a_frozen_llama_trains_as_one_device_with_adamw_s_weight_decay(capfd, strategy):
+@pytest.mark.parametrize(
+    "model, strategy", [("llama", "tensor"), ("llama", "parameter-server"), ("gpt", "tensor")]
+)
+def test_a_frozen_model_trains_as_one_device_with_adamw_s_weight_decay(capfd, model, strategy):
     """The first block and every norm frozen, the rest split over 2 tensor ranks, or served by a parameter server:
     equal to one device in float64 with the llama's AdamW and its weight decay (one device's freezing is the
-    hand-written loop's, above). A server's master copies of frozen parameters were decayed by its optimizer."""
+    hand-written loop's, above). A server's master copies of frozen parameters were decayed by its optimizer;
+    the GPT's norms, sequence-parallel on tensor ranks, were made trainable by torch's SequenceParallel."""
+    heads = ["--kv-heads", "2"] if model == "llama" else []
     done = polytrain_here(
-        capfd, "verify", "--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32",
-        "--heads", "4", "--kv-heads", "2", "--context", "16", "--strategy", strategy, "--devices", "2",
+        capfd, "verify", "--model", model, "--dataset", "shakespeare", "--layers", "2", "--width", "32",
+        "--heads", "4", *heads, "--context", "16", "--strategy", strategy, "--devices", "2",
         "--steps", "3", "--freeze", "1.*,*norm*",
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr

@@ -24,7 +24,7 @@ DATASET_OPTIONS: Dict[str, Tuple[str, ...]] = {
     "shakespeare": (),
     "text": ("data_dir",),
     "tokens": ("data_dir",),
-    "hf": ("data_dir", "val_fraction", "tokenizer", "text_key", "train_on_prompt"),
+    "hf": ("data_dir", "val_fraction", "tokenizer", "text_key", "train_on_prompt", "pack"),
 }
 DATASET_NAMES = tuple(DATASET_OPTIONS)
 DATASET_SETTINGS = (
@@ -38,6 +38,7 @@ DATASET_SETTINGS = (
     "tokenizer",
     "text_key",
     "train_on_prompt",
+    "pack",
 )
 MODEL_NAMES = ("lenet", "lenet5", "mlp", "cifar-cnn", "resnet", "gpt", "llama")
 TEXT_MODELS = ("gpt", "llama")  # the models of token windows; the others read images

@@ -60,6 +60,13 @@ class DataSettings:
         group="data",
         flag="switch",
     )
+    pack: bool = setting(
+        False,
+        "--dataset hf of rows (of ids, or instruction rows): pack short rows into windows of --context tokens, each "
+        "row attending to itself only at positions from 0, instead of padding each (the llama and the gpt)",
+        group="data",
+        flag="switch",
+    )
     image_size: Optional[int] = setting(
         None,
         "--dataset folder: resize every image to S x S (default: keep, all must share one size)",

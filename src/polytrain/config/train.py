@@ -144,6 +144,8 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             check_tensorboard()
         # validates the degrees (parallel/layout.py): one line where they do not multiply out
         layout = self.layout
+        if self.pack:
+            self._check_packing(layout)
         if layout.pipeline > 1:
             self._check_pipeline()
         _need(
@@ -194,6 +196,24 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             not (asynchronous and (self.clip_grad_norm or self.clip_grad_value or self.precision == "fp16")),
             "--staleness applies each worker's gradient on its own, so there is no global gradient to clip or "
             "to check for fp16 overflow; drop --staleness (synchronous servers), or the clipping / fp16",
+        )
+
+    def _check_packing(self, layout) -> None:
+        """--pack's layouts: those whose ranks take whole windows through the whole model (models/packing.py)."""
+        for degree, why in (
+            ("pipeline", "a pipeline's stages run micro-batches out of turn"),
+            ("context", "context parallelism cuts the rows across ranks"),
+        ):
+            _need(
+                getattr(layout, degree) == 1,
+                f"--pack does not take {flag_name(degree + '_parallel') if degree == 'context' else '--strategy pipeline'} "
+                f"yet ({why}, and packed rows' positions are not passed along); pad the rows (drop --pack), or use "
+                f"--strategy data, sharded or tensor",
+            )
+        _need(
+            not (self.model == "gpt" and layout.tensor > 1),
+            "--pack with the gpt on tensor ranks is not done yet (its table of positions runs on parts of the "
+            "sequence there); use --strategy data or sharded, or the llama",
         )
 
     def _check_pipeline(self) -> None:

@@ -161,6 +161,7 @@ def load_instructions(
     model_vocabulary: Optional[int],
     init_from: Optional[str],
     train_on_prompt: bool = False,
+    pack: bool = False,
     show: bool = True,
 ):
     """The instruction rows of `train` and `val` as padded samples of input_ids and labels (token_rows.py)."""
@@ -202,4 +203,6 @@ def load_instructions(
         tokenizer=tokenizer,
         model_vocabulary=model_vocabulary,
         init_from=init_from,
+        pack=pack,
+        show=show,
     )

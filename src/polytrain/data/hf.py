@@ -279,6 +279,7 @@ def load_hf(
     model_vocabulary: Optional[int] = None,
     show: bool = True,
     train_on_prompt: bool = False,
+    pack: bool = False,
 ):
     """The dataset in `data_dir`: a `TokenRows` pair of its `input_ids` rows, its text column as cached token
     shards (`ShardedTokens`), or its texts and their classes (`ClassesPair`, with a label column)."""
@@ -302,17 +303,22 @@ def load_hf(
             f"--train-on-prompt trains instruction rows (messages, or prompt and completion) on every token, and "
             f"--data-dir {source.path} has none (its columns: {', '.join(columns)}); drop --train-on-prompt"
         )
+    if pack and not (is_instruction(columns) or "input_ids" in columns):
+        raise DataError(
+            f"--pack packs rows of ids or instruction rows into windows, and --data-dir {source.path} holds text, "
+            f"which is read as one stream of full windows already; drop --pack"
+        )
     if is_instruction(columns) or "input_ids" in columns:  # rows of ids; instructions become them (chat.py)
         from .token_rows import load_token_rows
 
         held = val is None
         train, val = held_out(train, val, val_fraction, source)
         rows = dict(held=held, source=str(source.path), context=context, tokenizer=run_tokenizer)
-        rows.update(model_vocabulary=model_vocabulary, init_from=init_from)
+        rows.update(model_vocabulary=model_vocabulary, init_from=init_from, pack=pack, show=show)
         if not is_instruction(columns):
             return load_token_rows(train, val, **rows)
         with offline():  # (quiet: the rows are mapped without the library's progress bars)
-            return load_instructions(train, val, train_on_prompt=train_on_prompt, show=show, **rows)
+            return load_instructions(train, val, train_on_prompt=train_on_prompt, **rows)
     if text_key not in columns:
         raise DataError(
             f"--data-dir {source.path} has no text column {text_key!r} (its columns: {', '.join(columns)}); name "

@@ -9,8 +9,9 @@ every earlier token, so the mask must be ones up to the row's last trained label
 where the labels are -100): a row with a 0 before a 1 (left padding) or a label of padding is refused in one
 line, since trained so it would compute other values than the model it was padded for. The padding is cut off.
 
-Every sample is padded to `--context` tokens (default: the longest row), input 0 and target -100, so every
-batch has one shape: the loss counts only the real tokens (objective.py `token_loss`), pipelines and tensor
+Every sample is padded to `--context` tokens (default: the longest row), input 0 and target -100, or, with
+`--pack`, is a window of `--context` tokens holding as many rows as fit (`PackedRows`), so every batch has one
+shape: the loss counts only the real tokens (objective.py `token_loss`), pipelines and tensor
 sequence splits need one shape, and one device and N devices compute the same sums. All rows are checked
 before any worker starts, a batch of rows at a time: ids in the vocabulary (the tokenizer's where the run has
 one, else the largest id + 1), labels and mask of the ids' lengths, and the mask's rule above.
@@ -52,18 +53,98 @@ class TokenRows(Dataset):
         shorter.rows = self.rows.select(range(min(count, len(self.rows))))
         return shorter
 
-    def __getitem__(self, index):
+    def row(self, index) -> Tuple[np.ndarray, np.ndarray]:
+        """(ids, targets) of row `index`, its padding cut off: the target of position t is its label t + 1, the
+        last position's -100."""
         row = self.rows[int(index)]
         ids = np.asarray(row["input_ids"], dtype=np.int64)
         mask = row.get("attention_mask")
         ones = np.flatnonzero(np.asarray(mask)) if mask is not None else None
         length = len(ids) if ones is None else int(ones[-1]) + 1 if len(ones) else 0  # the padding cut off
         labels = np.asarray(row["labels"], dtype=np.int64) if "labels" in row else ids
+        targets = np.full(length, IGNORE_INDEX, dtype=np.int64)
+        targets[: max(0, length - 1)] = labels[1:length]
+        return ids[:length], targets
+
+    def __getitem__(self, index):
+        ids, targets = self.row(index)
         x = np.zeros(self.context, dtype=np.int64)
         y = np.full(self.context, IGNORE_INDEX, dtype=np.int64)
-        x[:length] = ids[:length]
-        y[: max(0, length - 1)] = labels[1:length]
+        x[: len(ids)], y[: len(ids)] = ids, targets
         return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class PackedRows(TokenRows):
+    """One split's rows packed into windows of `context` tokens (`--pack`): as many whole rows in each as fit
+    (best fit, the longest rows first), each sample `((ids, positions), targets)` of `context` each, the positions
+    of each row from 0 (the model keeps each row's attention to itself: models/packing.py), the rest of a window
+    padding (input 0, target -100, a row of its own). `lengths`: each row's tokens, its padding cut off."""
+
+    def __init__(self, rows, *, context: int, lengths: np.ndarray):
+        super().__init__(rows, context=context)
+        windows = best_fit(lengths, self.context)
+        self.rows_in = np.concatenate([np.sort(w) for w in windows]) if windows else np.zeros(0, np.int64)
+        self.starts = np.cumsum([0] + [len(w) for w in windows])
+        self.tokens = int(lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def head(self, count: int) -> "PackedRows":
+        shorter = copy.copy(self)
+        shorter.starts = self.starts[: min(count, len(self)) + 1]
+        return shorter
+
+    def __getitem__(self, index):
+        x = np.zeros(self.context, dtype=np.int64)
+        positions = np.zeros(self.context, dtype=np.int64)
+        y = np.full(self.context, IGNORE_INDEX, dtype=np.int64)
+        at = 0
+        for row in self.rows_in[self.starts[int(index)] : self.starts[int(index) + 1]]:
+            ids, targets = self.row(row)
+            x[at : at + len(ids)], y[at : at + len(ids)] = ids, targets
+            positions[at : at + len(ids)] = np.arange(len(ids))
+            at += len(ids)
+        return (torch.from_numpy(x), torch.from_numpy(positions)), torch.from_numpy(y)
+
+    def describe(self) -> str:
+        rows, windows = int(self.starts[-1]), len(self)
+        filled = self.tokens / max(1, windows * self.context)
+        return f"{rows:,} rows in {windows:,} windows of {self.context:,} tokens ({100 * filled:.1f}% filled)"
+
+
+def best_fit(lengths: np.ndarray, context: int) -> list:
+    """Rows of `lengths` tokens (each at most `context`) put into as few windows of `context` tokens as best fit
+    decreasing finds: the longest row first, each into the fullest window it fits (a new one where none has room).
+    Returns each window's row numbers. Deterministic; about a row per microsecond (the free room is kept as a
+    sorted list of at most `context` distinct sizes)."""
+    from bisect import bisect_left, insort
+
+    windows, free, room = (
+        [],
+        {},
+        [],
+    )  # room: the sizes of free room some window has, sorted; free: size -> windows
+    for row in np.argsort(-np.asarray(lengths), kind="stable"):
+        length = int(lengths[row])
+        if length == 0:
+            continue
+        at = bisect_left(room, length)
+        if at == len(room):
+            window, left = len(windows), context - length
+            windows.append([row])
+        else:
+            size = room[at]
+            window, left = free[size].pop(), size - length
+            if not free[size]:
+                del free[size], room[at]
+            windows[window].append(row)
+        if left:
+            if left not in free:
+                free[left] = []
+                insort(room, left)
+            free[left].append(window)
+    return [np.asarray(window, dtype=np.int64) for window in windows]
 
 
 @dataclass
@@ -107,11 +188,11 @@ def _column(table, name: str, what: str):
     return lengths, np.asarray(pc.list_flatten(column), dtype=np.int64)
 
 
-def scan(rows, what: str, first: int = 0) -> Tuple[int, int]:
-    """(the longest row's tokens after its padding is cut off, the largest id or label), every row checked;
+def scan(rows, what: str, first: int = 0) -> Tuple[np.ndarray, int]:
+    """(each row's tokens after its padding is cut off, the largest id or label), every row checked;
     one line naming `what` (the data, or its split) and the row (`first` is the number of the first) of the
     first that breaks a rule."""
-    longest, largest, base = 0, -1, first
+    found, largest, base = [], -1, first
     columns = [name for name in COLUMNS if name in rows.column_names]
     for table in rows.select_columns(columns).with_format("arrow").iter(batch_size=SCAN_ROWS):
         lengths, ids = _column(table, "input_ids", what)
@@ -164,9 +245,9 @@ def scan(rows, what: str, first: int = 0) -> Tuple[int, int]:
                 )
             largest = max(largest, int(labels.max(initial=-1)))
         largest = max(largest, int(ids[~padding].max(initial=-1)))
-        longest = max(longest, int(real.max(initial=0)))
+        found.append(np.asarray(real, dtype=np.int64))
         base += len(lengths)
-    return longest, largest
+    return (np.concatenate(found) if found else np.zeros(0, np.int64)), largest
 
 
 def load_token_rows(
@@ -179,16 +260,20 @@ def load_token_rows(
     tokenizer: Optional[Path],
     model_vocabulary: Optional[int],
     init_from: Optional[str],
+    pack: bool = False,
+    show: bool = True,
 ) -> RowsPair:
     """The rows of `train` and `val` (`datasets.Dataset`s with `input_ids`; `held`: the last rows of one split)
-    as a pair of padded samples."""
+    as a pair of padded samples, or with `pack` of windows of rows (`PackedRows`, said in a start line)."""
     from . import tokenizer as tokenizers_file
 
-    longest, largest = 0, -1
+    lengths, largest = [], -1
     for split, rows, first in (("training", train, 0), ("validation", val, len(train))):
         what = f"--data-dir {source}" + ("" if held else f", {split} split")
-        split_longest, split_largest = scan(rows, what, first if held else 0)
-        longest, largest = max(longest, split_longest), max(largest, split_largest)
+        split_lengths, split_largest = scan(rows, what, first if held else 0)
+        lengths.append(split_lengths)
+        largest = max(largest, split_largest)
+    longest = max(int(part.max(initial=0)) for part in lengths)
     vocabulary, sha256, eot = largest + 1, None, None
     if tokenizer is not None:
         model = tokenizers_file.load(tokenizer)
@@ -209,9 +294,16 @@ def load_token_rows(
             f"--context {longest} or more (where the model's positions allow), or shorten the rows"
         )
     context = context or longest
+    if pack:
+        splits = [
+            PackedRows(rows, context=context, lengths=part) for rows, part in zip((train, val), lengths)
+        ]
+        if show:
+            print(f"packed: {splits[0].describe()} (validation: {splits[1].describe()})", flush=True)
+    else:
+        splits = [TokenRows(rows, context=context) for rows in (train, val)]
     pair = RowsPair(
-        TokenRows(train, context=context),
-        TokenRows(val, context=context),
+        *splits,
         spec=None,
         name="hf",
         kind="language",

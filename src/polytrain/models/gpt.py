@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .kv_cache import attend, cached, caching_layers
+from .packing import share_rows
 
 # nanoGPT's CPU-sized model ("baby GPT" on Shakespeare)
 DEFAULT_SIZES = dict(layers=4, heads=4, width=128, context=64)
@@ -69,6 +70,7 @@ class Embeddings(nn.Module):
 
     context_parallel = None
     kv_cache = None
+    rows = None  # the positions of rows packed into the windows (models/packing.py)
 
     def __init__(self, vocab: int, context: int, width: int, dropout: float = 0.0):
         super().__init__()
@@ -80,6 +82,8 @@ class Embeddings(nn.Module):
         if self.kv_cache is not None:
             positions = self.kv_cache.positions(idx.shape[1], device=idx.device)
             self.kv_cache.extend(idx.shape[1])
+        elif self.rows is not None and self.rows.positions is not None:
+            positions = self.rows.positions  # (B, T): each packed row's own
         elif self.context_parallel is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         else:
@@ -151,6 +155,7 @@ class CausalSelfAttention(nn.Module):
 
     context_parallel = None
     kv_cache = None
+    rows = None  # the positions of rows packed into the windows (models/packing.py)
 
     def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
@@ -164,6 +169,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (part.view(B, T, -1, self.head_dim).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=2))
         if self.kv_cache is not None:
             y = attend(q, *self.kv_cache.extend(T, k, v))
+        elif self.rows is not None and self.rows.positions is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rows.mask())
         elif self.context_parallel is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -196,6 +203,8 @@ class GPT(nn.Sequential):
     """[Embeddings, Block x layers, LayerNorm, Linear head tied to the token embedding (`tied=False`: a head
     of its own, which a pipeline can put on another stage than the embedding)]. `context` is the length of the
     table of positions, `norm_eps` the LayerNorms' epsilon, `gelu` the MLP's GELU ("exact" or "tanh")."""
+
+    rows = None  # the positions of packed rows, shared with the embeddings and attention (models/packing.py)
 
     # the layers --lora adapts by default (models/lora.py): the attention's and the MLP's projections
     LORA_TARGETS = ("*.attention.qkv", "*.attention.proj", "*.mlp.0", "*.mlp.2")
@@ -241,7 +250,13 @@ class GPT(nn.Sequential):
         blocks = (Block(width, heads, dropout, norm_eps=float(norm_eps), gelu=gelu) for _ in range(layers))
         super().__init__(embeddings, *blocks, nn.LayerNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
+        share_rows(self)
         self._init_weights(layers)
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of ids `x` (B, T); `positions` (B, T): of rows packed into them (models/packing.py)."""
+        self.rows.set(positions)
+        return super().forward(x)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:

@@ -31,6 +31,7 @@ from ..config.model_defaults import MODEL_DEFAULTS, Mixture, derived_sizes, mixt
 from ..errors import ConfigError
 from .kv_cache import attend
 from .moe import FeedForward, GroupedExperts, MixtureOfExperts
+from .packing import share_rows
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
@@ -44,7 +45,7 @@ def rotary(positions, head_dim: int, theta: float, *, like: torch.Tensor) -> tup
     steps = torch.arange(0, head_dim, 2, device=like.device, dtype=exact) / head_dim
     if not isinstance(positions, torch.Tensor):
         positions = torch.arange(positions, device=like.device, dtype=exact)
-    angles = torch.outer(positions.to(like.device, exact), 1.0 / theta**steps)
+    angles = positions.to(like.device, exact)[..., None] * (1.0 / theta**steps)  # ((B,) T, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
 
@@ -74,6 +75,7 @@ class Attention(nn.Module):
 
     context_parallel = None
     kv_cache = None
+    rows = None  # the positions of rows packed into the windows (models/packing.py)
 
     def __init__(
         self,
@@ -105,14 +107,22 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (part.transpose(1, 2) for part in (q, k, v))
         split, cache = self.context_parallel, self.kv_cache
+        packed = self.rows is not None and self.rows.positions is not None
         if cache is not None:
             positions = cache.positions(T, device=x.device)
+        elif packed:  # (B, T): each row's own, turning (B, 1, T, head_dim)
+            positions = self.rows.positions
         else:
             positions = T if split is None else split.positions(T, device=x.device)
         cos, sin = rotary(positions, self.head_dim, self.rope_theta, like=q)
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             y = attend(q, *cache.extend(T, k, v))
+        elif packed:
+            gqa = q.shape[1] != k.shape[1]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rows.mask(), enable_gqa=gqa)
         elif split is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         else:
@@ -197,10 +207,12 @@ def _check_sizes(*, head_dim=None, **sizes) -> None:
 
 class Llama(nn.Sequential):
     """[nn.Embedding, Block x layers, RMSNorm, Linear head] (the head tied to the embedding with
-    `tie_embeddings=True`). `kv_heads` and `ffn_width` default as `derived_sizes` says; `norm_eps` is the
+    `tie_embeddings=True`), whose forward takes the positions of packed rows beside the ids. `kv_heads` and `ffn_width` default as `derived_sizes` says; `norm_eps` is the
     RMSNorms' epsilon, `qkv_bias` gives the query, key and value projections biases (Qwen2's); `head_dim` the
     width of a head (default: width / heads; Qwen3's differ), `qk_norm` an RMSNorm of each query and key head
     (Qwen3's)."""
+
+    rows = None  # the positions of packed rows, shared with the attention layers (models/packing.py)
 
     # the layers --lora adapts by default (models/lora.py): every projection of the attention and feed-forward
     LORA_TARGETS = (
@@ -291,7 +303,13 @@ class Llama(nn.Sequential):
         self.vocab, self.context, self.layers = vocab, context, layers
         # the longest sequence it reads (a checkpoint's max_position_embeddings; default: the training context)
         self.positions = context if positions is None else positions
+        share_rows(self)
         self._init_weights(layers)
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of ids `x` (B, T); `positions` (B, T): of rows packed into them (models/packing.py)."""
+        self.rows.set(positions)
+        return super().forward(x)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:

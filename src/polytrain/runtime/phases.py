@@ -21,6 +21,7 @@ from ..models import build_model_on_meta, check_model_output, takes_channels_las
 from ..models.lightning import is_lightning, plan_loop
 from ..models.lora import adapters_of, add_adapters, describe_adapters
 from ..models.own_loss import weighed_by_samples
+from ..models.packing import check_packs
 from ..optim import FROM_PYTHON, describe, recipe_line, recipe_notes
 from ..optim.schedules import length_free
 from ..parallel.global_batch import per_rank_dropout_line
@@ -165,6 +166,8 @@ def prepare_model(config, model, dataset, objective, *, given_tensors: bool, sho
         add_adapters(module, **adapters)
     if shout and adapters:
         print(describe_adapters(module), flush=True)
+    if config.pack:
+        check_packs(module)
     if isinstance(dataset, ArrayDataset) and objective.classification:
         # data given as tensors infers its classes from the labels: there the model may give more outputs
         note = check_model_output(module, dataset, exact=not given_tensors)

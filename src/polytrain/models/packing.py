@@ -1,0 +1,66 @@
+"""Packed rows (`--pack`, data/token_rows.py `PackedRows`): several short rows in one window of `--context` tokens,
+each row attending to its own tokens only, at positions that start again at 0 with each row, as transformers'
+packing with position ids does (its `DataCollatorWithFlattening`).
+
+A packed batch's inputs are `(ids, positions)`, both (B, T) (models/__init__.py `call_model` passes a tuple as
+arguments): the llama's and the GPT's `forward(ids, positions)` hand the positions to their layers for the pass
+through the `Rows` they share. Each attention layer masks a query to the keys of its own row before it (a
+block-diagonal causal mask) and turns queries and keys by the rotary angles of their positions in the row; the
+GPT reads its table of positions at them. Without positions (an unpacked batch, generation) nothing changes.
+
+The positions stay set until the next pass, so that activation checkpointing recomputes a layer with the pass's
+own; a pipeline, whose stages run micro-batches out of turn, and context parallelism, which cuts the rows, are
+refused with --pack (config/train.py). A packed window's loss and gradients are those of its rows each alone, in
+float64 (tests/test_pack.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import UserError
+
+
+class Rows:
+    """The positions (B, T) of the pass a model is in, shared by its layers (None: unpacked), and the mask that
+    keeps each row's queries to its own keys before them."""
+
+    def __init__(self):
+        self.positions: Optional[torch.Tensor] = None
+        self._mask: Optional[torch.Tensor] = None
+
+    def set(self, positions: Optional[torch.Tensor]) -> None:
+        self.positions, self._mask = positions, None
+
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T) booleans: query t sees key s where s <= t and both are of the same row (a row starts where
+        its position is 0)."""
+        if self._mask is None:
+            row = (self.positions == 0).cumsum(dim=1)
+            T = row.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=row.device).tril()
+            self._mask = ((row[:, :, None] == row[:, None, :]) & causal).unsqueeze(1)
+        return self._mask
+
+    def __deepcopy__(self, memo) -> "Rows":  # (a copy of the model shares a fresh one among its layers)
+        return memo.setdefault(id(self), Rows())
+
+
+def check_packs(model: torch.nn.Module) -> None:
+    """One line for `--pack` with a model that cannot keep packed rows apart (its forward takes no positions)."""
+    if not isinstance(getattr(model, "rows", None), Rows):
+        raise UserError(
+            f"--pack gives the model the positions of the rows packed into each window, and "
+            f"{type(model).__name__} takes none (the llama and the gpt do); drop --pack"
+        )
+
+
+def share_rows(model: torch.nn.Module) -> Rows:
+    """One `Rows` given to every layer of `model` that reads it (a class attribute `rows`)."""
+    rows = Rows()
+    for module in model.modules():
+        if "rows" in type(module).__dict__:
+            module.rows = rows
+    return rows

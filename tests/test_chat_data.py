@@ -62,7 +62,7 @@ def write_checkpoint(folder: Path, *, template: bool = True) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
@@ -169,12 +169,19 @@ def test_a_run_on_conversations_says_what_it_trains_and_cuts_long_rows(base, cha
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["data", "sharded"])
-def test_a_lora_fine_tune_on_conversations_verifies_in_float64(base, chats, capfd, strategy):
+@pytest.mark.parametrize(
+    "strategy, packing",
+    [("data", []), ("sharded", []), ("sharded", ["--pack"])],
+    ids=["data", "sharded", "sharded-packed"],
+)
+def test_a_lora_fine_tune_on_conversations_verifies_in_float64(base, chats, capfd, strategy, packing):
+    """Also with the conversations packed two to a window of 160 tokens (tests/test_pack.py)."""
+    context = "160" if packing else "80"
     done = polytrain_here(
-        capfd, "verify", "--init-from", base, "--dataset", "hf", "--data-dir", chats, "--context", "80",
-        "--lora", "4", "--strategy", strategy, "--devices", "2", "--steps", "3", "--batch-size", "4",
+        capfd, "verify", "--init-from", base, "--dataset", "hf", "--data-dir", chats, "--context", context,
+        "--lora", "4", "--strategy", strategy, "--devices", "2", "--steps", "3", "--batch-size", "4", *packing,
     )  # fmt: skip
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+    assert ("packed: 20 rows in 10 windows of 160 tokens" in done.stdout) == bool(packing), done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 3 and all(float(row[3]) < 1e-12 for row in rows), done.stdout

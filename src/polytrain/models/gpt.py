@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .kv_cache import attend, cached, caching_layers
-from .packing import share_rows
+from .packing import PackedSequential
 
 # nanoGPT's CPU-sized model ("baby GPT" on Shakespeare)
 DEFAULT_SIZES = dict(layers=4, heads=4, width=128, context=64)
@@ -199,12 +199,10 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class GPT(nn.Sequential):
+class GPT(PackedSequential):
     """[Embeddings, Block x layers, LayerNorm, Linear head tied to the token embedding (`tied=False`: a head
     of its own, which a pipeline can put on another stage than the embedding)]. `context` is the length of the
     table of positions, `norm_eps` the LayerNorms' epsilon, `gelu` the MLP's GELU ("exact" or "tanh")."""
-
-    rows = None  # the positions of packed rows, shared with the embeddings and attention (models/packing.py)
 
     # the layers --lora adapts by default (models/lora.py): the attention's and the MLP's projections
     LORA_TARGETS = ("*.attention.qkv", "*.attention.proj", "*.mlp.0", "*.mlp.2")
@@ -250,13 +248,7 @@ class GPT(nn.Sequential):
         blocks = (Block(width, heads, dropout, norm_eps=float(norm_eps), gelu=gelu) for _ in range(layers))
         super().__init__(embeddings, *blocks, nn.LayerNorm(width, eps=float(norm_eps)), head)
         self.vocab, self.context, self.layers = vocab, context, layers
-        share_rows(self)
         self._init_weights(layers)
-
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits of ids `x` (B, T); `positions` (B, T): of rows packed into them (models/packing.py)."""
-        self.rows.set(positions)
-        return super().forward(x)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:

@@ -31,7 +31,7 @@ from ..config.model_defaults import MODEL_DEFAULTS, Mixture, derived_sizes, mixt
 from ..errors import ConfigError
 from .kv_cache import attend
 from .moe import FeedForward, GroupedExperts, MixtureOfExperts
-from .packing import share_rows
+from .packing import PackedSequential
 
 NORM_EPS = 1e-5  # Llama 3's RMSNorm epsilon (--norm-eps; Hugging Face's rms_norm_eps)
 
@@ -205,14 +205,12 @@ def _check_sizes(*, head_dim=None, **sizes) -> None:
         )
 
 
-class Llama(nn.Sequential):
+class Llama(PackedSequential):
     """[nn.Embedding, Block x layers, RMSNorm, Linear head] (the head tied to the embedding with
     `tie_embeddings=True`), whose forward takes the positions of packed rows beside the ids. `kv_heads` and `ffn_width` default as `derived_sizes` says; `norm_eps` is the
     RMSNorms' epsilon, `qkv_bias` gives the query, key and value projections biases (Qwen2's); `head_dim` the
     width of a head (default: width / heads; Qwen3's differ), `qk_norm` an RMSNorm of each query and key head
     (Qwen3's)."""
-
-    rows = None  # the positions of packed rows, shared with the attention layers (models/packing.py)
 
     # the layers --lora adapts by default (models/lora.py): every projection of the attention and feed-forward
     LORA_TARGETS = (
@@ -303,13 +301,7 @@ class Llama(nn.Sequential):
         self.vocab, self.context, self.layers = vocab, context, layers
         # the longest sequence it reads (a checkpoint's max_position_embeddings; default: the training context)
         self.positions = context if positions is None else positions
-        share_rows(self)
         self._init_weights(layers)
-
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits of ids `x` (B, T); `positions` (B, T): of rows packed into them (models/packing.py)."""
-        self.rows.set(positions)
-        return super().forward(x)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:

@@ -3,7 +3,7 @@ each row attending to its own tokens only, at positions that start again at 0 wi
 packing with position ids does (its `DataCollatorWithFlattening`).
 
 A packed batch's inputs are `(ids, positions)`, both (B, T) (models/__init__.py `call_model` passes a tuple as
-arguments): the llama's and the GPT's `forward(ids, positions)` hand the positions to their layers for the pass
+arguments): the llama's and the GPT's `forward(ids, positions)` (`PackedSequential`) hand the positions to their layers for the pass
 through the `Rows` they share. Each attention layer masks a query to the keys of its own row before it (a
 block-diagonal causal mask) and turns queries and keys by the rotary angles of their positions in the row; the
 GPT reads its table of positions at them. Without positions (an unpacked batch, generation) nothing changes.
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from ..errors import UserError
 
@@ -50,17 +51,28 @@ class Rows:
 
 def check_packs(model: torch.nn.Module) -> None:
     """One line for `--pack` with a model that cannot keep packed rows apart (its forward takes no positions)."""
-    if not isinstance(getattr(model, "rows", None), Rows):
+    if not isinstance(model, PackedSequential):
         raise UserError(
             f"--pack gives the model the positions of the rows packed into each window, and "
             f"{type(model).__name__} takes none (the llama and the gpt do); drop --pack"
         )
 
 
-def share_rows(model: torch.nn.Module) -> Rows:
-    """One `Rows` given to every layer of `model` that reads it (a class attribute `rows`)."""
-    rows = Rows()
-    for module in model.modules():
-        if "rows" in type(module).__dict__:
-            module.rows = rows
-    return rows
+class PackedSequential(nn.Sequential):
+    """An `nn.Sequential` whose forward also takes the positions of the rows packed into its inputs, and hands
+    them to its layers that read them (a class attribute `rows`: each gets the model's one `Rows`). Without
+    positions it is nn.Sequential's forward, so that a pipeline splits it as one (pipeline/layers.py)."""
+
+    rows = None
+
+    def __init__(self, *layers: nn.Module):
+        super().__init__(*layers)
+        self.rows = Rows()
+        for module in self.modules():
+            if "rows" in type(module).__dict__:
+                module.rows = self.rows
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The layers on ids `x` (B, T); `positions` (B, T): those of rows packed into them."""
+        self.rows.set(positions)
+        return super().forward(x)

@@ -11,12 +11,16 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from ..models.packing import PackedSequential
 
 Layers = List[Tuple[str, nn.Module]]  # (name in the model, module), in the order data flows
 
 
 def _plain_sequential(module: nn.Module) -> bool:
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    """An nn.Sequential whose forward chains its layers (also the llama's and the GPT's, which take packed rows'
+    positions beside: a pipeline refuses --pack)."""
+    forward = type(module).forward
+    return isinstance(module, nn.Sequential) and forward in (nn.Sequential.forward, PackedSequential.forward)
 
 
 def flatten_layers(model: nn.Module) -> Layers:

@@ -65,7 +65,9 @@ def step_time(request, row, held, work) -> None:
         bandwidth, latency = _link(request, layout.world_size // layout.replicate)
         gathers = 1 if layout.pipeline > 1 else 2
         seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
-        seconds += _ring("reduce-scatter", shards, whole * 4, bandwidth, latency * held.units)
+        # the gradients of the parameters that train only (frozen ones, --freeze or --lora's base, have none)
+        trained = whole * held.trained_bytes / max(1, held.parameter_bytes)
+        seconds += _ring("reduce-scatter", shards, trained * 4, bandwidth, latency * held.units)
         if layout.replicate > 1:
             bandwidth, latency = _link(request, layout.world_size)
             seconds += _ring("all-reduce", layout.replicate, held.trained_bytes, bandwidth, latency)

@@ -8,6 +8,7 @@ resumed run is the run; bad input is one line.
 
 import json
 import math
+import shutil
 
 import pytest
 import safetensors.torch
@@ -209,19 +210,66 @@ def test_exports_that_do_not_fit_the_run_are_one_line(runs, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_resumed_fine_tune_is_the_fine_tune(bases, tmp_path):
+@pytest.mark.multiprocess
+def test_a_fine_tune_s_files_hold_its_adapters_and_it_resumes_across_layouts(bases, tmp_path):
+    """From a Hugging Face checkpoint, the run's files hold the adapters and their optimizer state only (the base
+    stays in --init-from, recorded by its sha256 in base.json); read back, the weights are the base's and the
+    adapters'. Stopped after 2 steps and resumed, on one device it is the straight run bit for bit; moved from one
+    device to 2 sharded ranks, or back, it ends where the straight run does."""
     start = dict(init_from=str(bases["llama"]), lora=4, **TRAIN)
+    sharded = dict(strategy="sharded", devices=2)
     polytrain.fit("llama", out=str(tmp_path / "straight"), max_steps=4, **start)
-    polytrain.fit("llama", out=str(tmp_path / "stopped"), max_steps=2, **start)
-    polytrain.fit("llama", resume=str(tmp_path / "stopped"), max_steps=4, **start)
-    straight = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
-    resumed = torch.load(tmp_path / "stopped" / "model.pt", weights_only=True)
-    assert straight.keys() == resumed.keys()
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    for run, first, then in [("stopped", {}, {}), ("grown", {}, sharded), ("shrunk", sharded, {})]:
+        polytrain.fit("llama", out=str(tmp_path / run), max_steps=2, **start, **first)
+        polytrain.fit("llama", resume=str(tmp_path / run), max_steps=4, **start, **then)
+    straight = load_run(tmp_path / "straight")[2].state_dict()
+    stopped = load_run(tmp_path / "stopped")[2].state_dict()
+    assert straight.keys() == stopped.keys() and all(torch.equal(straight[k], stopped[k]) for k in straight)
+    for run in ("grown", "shrunk"):
+        moved = load_run(tmp_path / run)[2].state_dict()
+        for key in straight:
+            torch.testing.assert_close(moved[key], straight[key], rtol=1e-4, atol=1e-6, msg=f"{run}: {key}")
     base = safetensors.torch.load_file(bases["llama"] / "model.safetensors")
     assert torch.equal(
         straight["1.attention.wq.base_layer.weight"], base["model.layers.0.self_attn.q_proj.weight"]
     )
+    assert (straight["1.attention.wq.lora_B.default.weight"] != 0).any()
+    # the files: adapters only (a sharded run's pointer names its shards' tensors)
+    whole = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    names = torch.load(tmp_path / "grown" / "model.pt", weights_only=True)["names"]
+    checkpoint = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)
+    for stored in (list(whole), names, list(checkpoint["model"])):
+        assert stored and all(".lora_" in name for name in stored), stored
+    record = json.loads((tmp_path / "straight" / "base.json").read_text())
+    assert record["init_from"] == str(bases["llama"].resolve()) and len(record["sha256"]) == 64
+    held = sum(t.numel() for t in checkpoint["model"].values())
+    assert held < sum(t.numel() for t in straight.values()) / 4
+
+
+def test_a_fine_tune_needs_the_base_it_started_from(bases, tmp_path, capsys):
+    """Resuming, sampling, evaluating or exporting a fine-tune whose base folder now holds other weights (or none)
+    is one line each."""
+    folder = tmp_path / "base"
+    shutil.copytree(bases["llama"], folder)
+    run = tmp_path / "run"
+    polytrain.fit("llama", init_from=str(folder), lora=4, out=str(run), max_steps=1, **TRAIN)
+    torch.manual_seed(5)
+    other = LlamaForCausalLM(LlamaConfig.from_pretrained(folder))  # other weights, same shapes
+    other.save_pretrained(folder)
+    capsys.readouterr()
+    for argv in (
+        ["train", "--resume", str(run), "--max-steps", "2"],
+        ["generate", str(run), "--prompt", "To be", "--tokens", "4"],
+        ["evaluate", str(run)],
+        ["export", str(run), "--format", "peft", "--out", str(tmp_path / "peft")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds other weights (sha256" in err, err
+    shutil.rmtree(folder)
+    assert main(["evaluate", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no weights now; put the base back there" in err, err
 
 
 @pytest.mark.multiprocess

@@ -28,6 +28,7 @@ from .models.lightning import is_lightning, lightning_parts
 from .optim import make_recipe, take_objects, unscheduled_objects
 from .optim.freeze import freeze
 from .parallel.meta import from_factory, give_values
+from .runtime.base_apart import check_base, make_record, read_record, write_record
 from .runtime.checkpoint import has_checkpoint
 from .runtime.hostenv import allocator_is_ours, launcher_env
 from .runtime.inference import evaluate, load_run, predict, spread_indices, weights_file  # noqa: F401
@@ -48,7 +49,7 @@ from .runtime.phases import (
     train_in_folder,
     under_launcher,
 )
-from .runtime.pretrained import check_vocabulary, initial_weights
+from .runtime.pretrained import Pretrained, check_vocabulary, initial_weights
 from .runtime.worker import Job, choose_device
 from .scaling.fits import check_fits
 from .sources import (
@@ -110,6 +111,10 @@ def train_run(
         # --init-from's weights, unless the run continues from a checkpoint of its own (a resumed or restarted
         # run that stopped before its first checkpoint starts from them again)
         pretrained = config.init_from is not None and (resume_dir is None or not has_checkpoint(resume_dir))
+        # a LoRA fine-tune's checkpoints hold no base (runtime/base_apart.py): it is read from --init-from again
+        base = read_record(resume_dir) if resume_dir is not None else None
+        if base is not None and not pretrained:
+            check_base(base, resume_dir, config.init_from)
         if pretrained:
             check_vocabulary(config, dataset)
         check_same_tokenizer(
@@ -120,7 +125,7 @@ def train_run(
         module, registry_model = prepare_model(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )
-        if pretrained:  # the checkpoint's tensors against the model's shapes, from the files' headers
+        if pretrained or base:  # the checkpoint's tensors against the model's shapes, from the files' headers
             weights = initial_weights(config.init_from, module)
             weights.check(module)
             if shout and isinstance(module, SequenceClassifier):  # which head it starts from
@@ -136,6 +141,8 @@ def train_run(
             note = freeze(module, config.freeze)
             if shout:
                 print(note, flush=True)
+        if resume_dir is None and pretrained and config.lora and isinstance(weights, Pretrained):
+            base = make_record(weights, module)
         recipe = make_recipe(
             config, optimizer=optimizer, scheduler=scheduler, param_groups=param_groups
         ).checked(module, staleness=config.staleness or 0)
@@ -174,6 +181,8 @@ def train_run(
             custom_data=not (train is None and (data is None or isinstance(data, str))),
         ),
     )  # fmt: skip
+    if base is not None and run_dir is not None and resume_dir is None:
+        write_record(run_dir, base)
     job = Job(
         config,
         strategy,
@@ -188,7 +197,8 @@ def train_run(
         loggers=tuple(loggers),
         callbacks=tuple(callbacks),
         optim=recipe,
-        pretrained=weights if pretrained else None,
+        pretrained=weights if pretrained or base else None,
+        base=base,
         give_back_memory=give_back,
         return_weights=return_weights and not in_place,  # trained in place: the weights are in it
         in_place=in_place,

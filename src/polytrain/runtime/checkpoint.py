@@ -32,6 +32,7 @@ from ..errors import CheckpointError, first_line
 from ..optim.steps import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
 from ..run_dir import atomic_write_bytes
 from . import shards
+from .base_apart import check_base, read_base, read_record, without_base
 
 FORMAT = "polytrain-checkpoint-1"
 TRAINING_STATE = ("position", "history", "validations", "monitor")  # the trainer's part, as `save` writes it
@@ -112,13 +113,19 @@ def read_weights(path: Path) -> dict:
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """Load `model.pt` (a plain state dict, or a pointer to shards) into `model` after checking it fits."""
+    """Load `model.pt` (a plain state dict, or a pointer to shards) into `model` after checking it fits; a LoRA
+    run's, without its base, completed from the base (base_apart.py), checked to be the one it started from."""
+    record = read_record(Path(path).parent)
+    expected = without_base(model.state_dict(), record)
     state = safe_load(path)
     folder = shard_folder(state, path)
     if folder is not None:
-        check_shards(folder, model)
-        path, state = folder, shards.read_model(folder, list(model.state_dict()))
-    check_model_state(state, model, path)
+        check_shards(folder, expected)
+        path, state = folder, shards.read_model(folder, list(expected))
+    check_model_state(state, expected, path)
+    if record is not None:
+        check_base(record, Path(path).parent)
+        state = {**read_base(record), **state}
     model.load_state_dict(state)
 
 
@@ -142,8 +149,12 @@ class Checkpointer:
     """Writes `checkpoint.pt` (everything needed to resume), `model.pt` (weights) and `best.pt` (the weights
     of the best validation) into a run folder."""
 
-    def __init__(self, run_dir: Path, *, is_main: bool, asynchronous: bool = False):
+    def __init__(
+        self, run_dir: Path, *, is_main: bool, asynchronous: bool = False, base: Optional[dict] = None
+    ):
         self.run_dir = Path(run_dir)
+        # a LoRA fine-tune's base (base_apart.py): its tensors are left out of every file, read back from it
+        self.base = base
         self.is_main = is_main
         self.asynchronous = asynchronous  # shards written in the background (--async-checkpoint)
         self.pending = None  # such a write in progress: (its future, folder name, what rank 0 then writes)
@@ -164,13 +175,17 @@ class Checkpointer:
                 shards.next_name(self.run_dir, "checkpoint") if self.is_main else None
             )
             self.group = self.group or torch.distributed.new_group(backend="gloo")
-            future = shards.save_async(strategy.shard_state(), self.run_dir, name, group=self.group)
+            future = shards.save_async(
+                self._own_parts(strategy.shard_state()), self.run_dir, name, group=self.group
+            )
             state = {"shards": name, "scheduler": strategy.scheduler.state_dict()}
         elif strategy.writes_shards:  # every rank writes its own shards: nothing is gathered
             name = self._write_shards(strategy, "checkpoint", strategy.shard_state())
             state = {"shards": name, "scheduler": strategy.scheduler.state_dict()}
         else:
             state = strategy.state_dict()  # every rank takes part (split strategies gather)
+            if "model" in state:
+                state["model"] = without_base(state["model"], self.base)
         rng = strategy.gather_object(rng_state(strategy.device))  # each rank's own random streams
         if not self.is_main:
             self.pending = (future, name, None) if future is not None else None
@@ -187,7 +202,9 @@ class Checkpointer:
             steps_per_epoch=trainer.steps_per_epoch,
             train_samples=trainer.train_loader.num_samples,
         )
-        weights = pointer(name, strategy.expected_state()) if name else state["model"]
+        weights = (
+            pointer(name, without_base(strategy.expected_state(), self.base)) if name else state["model"]
+        )
         if future is not None:  # written when the shards are
             self.pending = (future, name, copy.deepcopy((state, weights)))
         else:
@@ -218,8 +235,12 @@ class Checkpointer:
     def _write_shards(self, strategy, stem: str, state: dict) -> str:
         """Every rank writes its part of `state` into a new folder of the run; its name (the same on all)."""
         name = strategy.broadcast_object(shards.next_name(self.run_dir, stem) if self.is_main else None)
-        shards.save(state, self.run_dir, name, is_main=self.is_main)
+        shards.save(self._own_parts(state), self.run_dir, name, is_main=self.is_main)
         return name
+
+    def _own_parts(self, state: dict) -> dict:
+        """A rank's parts (`{"model": ..., "optimizer": ...}`) less the base's tensors."""
+        return dict(state, model=without_base(state["model"], self.base)) if self.base else state
 
     def _remove_unused(self) -> None:
         """Remove shard folders that no file of the run names any more (after the pointers were replaced)."""
@@ -236,10 +257,11 @@ class Checkpointer:
         if strategy.writes_shards:
             name = self._write_shards(strategy, "best", strategy.shard_state(optimizer=False))
             if self.is_main:
-                atomic_torch_save(pointer(name, strategy.expected_state()), self.run_dir / "best.pt")
+                names = without_base(strategy.expected_state(), self.base)
+                atomic_torch_save(pointer(name, names), self.run_dir / "best.pt")
                 self._remove_unused()
             return
-        weights = trainer.strategy.model_state()
+        weights = without_base(trainer.strategy.model_state(), self.base)
         if self.is_main:
             atomic_torch_save(
                 {name: tensor.detach().cpu() for name, tensor in weights.items()}, self.run_dir / "best.pt"
@@ -281,16 +303,21 @@ class Checkpointer:
                 f"({state.get('steps_per_epoch')} steps per epoch), this run has {batch_size} "
                 f"({steps_per_epoch}); resume with the run's own batch size and data"
             )
+        expected = without_base(strategy.expected_state(), self.base)
         if isinstance(state.get("shards"), str):
             folder = shard_folder(dict(state, format=shards.POINTER), self.path)
-            check_shards(folder, strategy.expected_state())
+            check_shards(folder, expected)
             if strategy.writes_shards:
-                return state  # every rank reads its own shards in `apply`
+                return (
+                    state  # every rank reads its own shards in `apply` (the base's parts were read at start)
+                )
             whole = shards.read_whole(folder)  # a strategy that loads whole state dicts
             state = dict(state, model=whole["model"])
             state["optimizer"] = shards.numbered_optimizer(whole["optimizer"], strategy.parameter_names)
             del state["shards"]
-        check_model_state(state.get("model"), strategy.expected_state(), self.path)
+        check_model_state(state.get("model"), expected, self.path)
+        if self.base:  # the whole model, its base read again from the folder (checked as the run resumed)
+            state["model"] = {**read_base(self.base, set(strategy.expected_state())), **state["model"]}
         return state
 
     def apply(self, strategy, state: dict) -> None:
@@ -298,7 +325,9 @@ class Checkpointer:
         try:
             if "shards" in state:
                 folder = self.run_dir / state["shards"]
-                strategy.load_shards(lambda template: shards.load_into(folder, template), state["scheduler"])
+                strategy.load_shards(
+                    lambda template: shards.load_into(folder, self._own_parts(template)), state["scheduler"]
+                )
             else:
                 strategy.load_state_dict(state)
             strategy.gradients.load_state_dict(state.get("gradients", {}))

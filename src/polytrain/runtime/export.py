@@ -64,7 +64,25 @@ def _raw(tensor: torch.Tensor):
 
 
 def _sources(path: Path):
-    """[(name, shape, dtype)] and a function reading one tensor by name, of a weights file or its shards."""
+    """[(name, shape, dtype)] and a function reading one tensor by name, of a weights file or its shards; a LoRA
+    run's base tensors, which its files leave out, read from the base it started from (base_apart.py)."""
+    from .base_apart import base_listing, check_base, read_base, read_record
+
+    listing, read = _stored(path)
+    record = read_record(Path(path).parent)
+    if record is None:
+        return listing, read
+    check_base(record, Path(path).parent)
+    stored = {name for name, _, _ in listing}
+
+    def read_either(name: str) -> torch.Tensor:
+        return read(name) if name in stored else read_base(record, {name})[name]
+
+    return base_listing(record) + listing, read_either
+
+
+def _stored(path: Path):
+    """_sources' listing and reader of the tensors a weights file or its shards hold."""
     state = safe_load(path)
     folder = shard_folder(state, path)
     if folder is None:  # a one-file state dict: already whole, read it mapped from the disk

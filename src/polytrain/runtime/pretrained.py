@@ -38,6 +38,7 @@ from ..models import gpt, llama, llama_hf
 from ..models.classifier import HEAD, SequenceClassifier, loads_head
 from ..models.lora import has_adapters, is_adapter, one_device_name
 from . import shards
+from .base_apart import RECORD
 from .checkpoint import shard_folder
 
 
@@ -275,6 +276,11 @@ class RunWeights:
     def check(self, model: nn.Module) -> None:
         """One line where the run lacks a tensor `model` has, or holds one of another shape (the launching
         process, before any worker starts)."""
+        if (self.folder / RECORD).is_file():  # (base_apart.py: a LoRA run's files hold no base)
+            raise ConfigError(
+                f"--init-from: {self.folder} is a LoRA fine-tune whose files hold its adapters only; write it "
+                f"whole first (polytrain export {self.folder} --format hf --merge --out FOLDER) and start from FOLDER"
+            )
         stored = self.shapes()
         fix = "start from a run of the same model and dataset (its vocabulary), or drop --init-from"
         for name, tensor in model.state_dict(keep_vars=True).items():

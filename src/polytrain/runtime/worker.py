@@ -69,6 +69,8 @@ class Job:
     # --init-from's weights (runtime/pretrained.py initial_weights) where the caller has them (checked against
     # the model); None: found from the config where it names a folder (a resumed run reads its own checkpoint)
     pretrained: object = None
+    # a LoRA fine-tune's base record (runtime/base_apart.py): its tensors are in no checkpoint of the run
+    base: Optional[dict] = None
     # a CPU process gives freed blocks back to the system at once, where the memory check found that a heap
     # keeping them would outgrow what it has (scaling/fits.py `Fit.gives_back_memory`)
     give_back_memory: bool = False
@@ -196,7 +198,9 @@ def _train(
     module_loop = _set_up_model(job, strategy, steps_per_epoch=steps, rank=rank, world=world)
     run_dir = job.run_dir
     checkpointer = (
-        Checkpointer(Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint)
+        Checkpointer(
+            Path(run_dir), is_main=strategy.is_main, asynchronous=config.async_checkpoint, base=job.base
+        )
         if run_dir
         else None
     )

@@ -27,11 +27,17 @@ from .version import __version__
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda handle: handle.write(data))
+
+
+def atomic_write(path: Path, write) -> None:
+    """`write(handle)` into a temporary file beside `path`, flushed to disk, then renamed over `path`: a crash
+    leaves the old file or the new one, never half of one."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

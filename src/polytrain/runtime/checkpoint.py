@@ -20,7 +20,6 @@ at the end of training), so a crash in between leaves the previous checkpoint.
 from __future__ import annotations
 
 import copy
-import io
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 from ..errors import CheckpointError, first_line
 from ..optim.steps import Position, describe_position, planned_steps  # noqa: F401 (the names checkpoints use)
-from ..run_dir import atomic_write_bytes
+from ..run_dir import atomic_write
 from . import shards
 from .base_apart import check_base, read_base, read_record, without_base
 
@@ -39,9 +38,9 @@ TRAINING_STATE = ("position", "history", "validations", "monitor")  # the traine
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    """torch.save straight into the temporary file (no copy of the bytes in memory: a whole model's would be
+    twice its size on the main rank, in a buffer and in its value), renamed over `path` once complete."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
 def safe_load(path: Path) -> dict:

@@ -164,6 +164,39 @@ def test_a_llama_sequence_classifier_checkpoint_loads_and_gives_transformers_log
         torch.testing.assert_close(ours.double()(ids), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_fine_tune_of_a_classifier_exports_what_peft_loads(sentiment, tmp_path):
+    """--lora on a Hugging Face sequence classifier trains the adapters and the score head whole (peft's SEQ_CLS
+    modules_to_save): `--format peft` writes both, and peft's model on the checkpoint gives the run's logits, which
+    differ from the checkpoint's own (so the check can fail)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    root, _, _ = sentiment
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=280, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, num_labels=2, pad_token_id=0,
+    )  # fmt: skip
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+    polytrain.fit(
+        None, "hf", data_dir=str(root / "saved"), init_from=str(tmp_path / "ckpt"), context=8, max_steps=3,
+        lora=4, lr=0.05, out=str(tmp_path / "run"), verbose=False,
+    )  # fmt: skip
+    assert main(["export", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["score"]
+    _, data, ours = load_run(tmp_path / "run")
+    ids = torch.stack([data.val[i][0] for i in range(8)])
+    base = transformers.LlamaForSequenceClassification.from_pretrained(tmp_path / "ckpt").eval()
+    inputs = dict(input_ids=ids.masked_fill(ids == PAD, 0), attention_mask=(ids != PAD).long())
+    with torch.no_grad():
+        before = base(**inputs).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()(**inputs).logits
+        mine = ours.eval()(ids)
+    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert (mine - before).abs().max() > 1e-3
+
+
 @pytest.mark.multiprocess
 def test_one_device_two_data_ranks_and_two_sharded_ranks_train_alike(sentiment, capsys):
     root, _, _ = sentiment

@@ -35,6 +35,7 @@ import torch
 from ..data.tokenizer import COMPANIONS
 from ..data.tokenizer import FILE as TOKENIZER
 from ..errors import ConfigError, UserError
+from ..models.classifier import HEAD as CLASSIFIER_HEAD
 from ..models.lora import ADAPTER, DEFAULT_ALPHA, is_adapter, one_device_name
 from . import shards
 from .checkpoint import safe_load, shard_folder
@@ -228,7 +229,11 @@ def _model_of_run(run_dir: Path, settings: dict, listing):
             f"{run_dir}: the weights hold no token embedding ({embedding}); is it a --model {name} run?"
         )
     vocab = stored[embedding][0]
-    model = build_model_on_meta(name, (config.context or 1,), vocab, config)
+    if settings.get("classifies_texts"):  # a sequence classifier: its score head's classes
+        classes = stored.get(CLASSIFIER_HEAD, (len(settings.get("classes") or ()),))[0]
+        model = build_model_on_meta(name, (config.context or 1,), classes, config, vocabulary=vocab)
+    else:
+        model = build_model_on_meta(name, (config.context or 1,), vocab, config)
     for name, tensor in model.state_dict().items():
         if tuple(tensor.shape) != stored.get(name):
             raise UserError(

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import UserError
+from ..models.classifier import HEAD as CLASSIFIER_HEAD
 from ..models.lora import ADAPTER, DEFAULT_ALPHA
 from .export import HF_MODELS, _model_of_run, _sources, adapted_layers, default_out
 
@@ -52,11 +53,13 @@ def export_peft(
             f"--format peft writes the adapters of a --lora run, and {run_dir} trained every parameter; export "
             f"it with --format hf"
         )
-    if settings.get("custom_model") or model not in HF_MODELS or settings.get("classifies_texts"):
+    if settings.get("custom_model") or model not in HF_MODELS:
         raise UserError(
-            f"--format peft writes the adapters of a --model llama or gpt language model, for peft to load onto "
-            f"its Hugging Face checkpoint; {run_dir} is not one: export it with --format safetensors"
+            f"--format peft writes the adapters of a --model llama or gpt language model or sequence classifier, "
+            f"for peft to load onto its Hugging Face checkpoint; {run_dir} is not one: export it with --format "
+            f"safetensors"
         )
+    classifier = bool(settings.get("classifies_texts"))
     listing, read = _sources(weights_file(run_dir, weights))
     built = _model_of_run(run_dir, settings, listing)
     names = (llama_hf if model == "llama" else gpt).hf_names(built)
@@ -68,6 +71,8 @@ def export_peft(
             tensors[f"{PEFT_PREFIX}{theirs}.{part}.weight"] = read(
                 f"{layer}.{part}.{ADAPTER}.weight"
             ).contiguous()
+    if classifier:  # its score head, trained whole: peft's modules_to_save, under Hugging Face's name
+        tensors[f"{PEFT_PREFIX}{CLASSIFIER_HEAD}"] = read(CLASSIFIER_HEAD).contiguous()
     from peft import LoraConfig
 
     config = LoraConfig(
@@ -76,7 +81,8 @@ def export_peft(
         lora_dropout=settings.get("lora_dropout") or 0.0,
         target_modules=modules,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+        modules_to_save=[CLASSIFIER_HEAD.removesuffix(".weight")] if classifier else None,
         fan_in_fan_out=model == "gpt",  # (GPT-2's Conv1D layers)
         base_model_name_or_path=settings.get("init_from"),
     )

@@ -210,11 +210,6 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
                 f"yet ({why}, and packed rows' positions are not passed along); pad the rows (drop --pack), or use "
                 f"--strategy data, sharded or tensor",
             )
-        _need(
-            not (self.model == "gpt" and layout.tensor > 1),
-            "--pack with the gpt on tensor ranks is not done yet (its table of positions runs on parts of the "
-            "sequence there); use --strategy data or sharded, or the llama",
-        )
 
     def _check_pipeline(self) -> None:
         _need(

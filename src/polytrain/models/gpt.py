@@ -83,7 +83,10 @@ class Embeddings(nn.Module):
             positions = self.kv_cache.positions(idx.shape[1], device=idx.device)
             self.kv_cache.extend(idx.shape[1])
         elif self.rows is not None and self.rows.positions is not None:
-            positions = self.rows.positions  # (B, T): each packed row's own
+            # (B, T): each packed row's own, read as (T, B) so that the table's rows come sequence first, as
+            # for one window's positions (a tensor plan's sequence parallelism cuts them along it), then (B, T)
+            x = self.token(idx) + self.position(self.rows.positions.t()).transpose(0, 1)
+            return x if self.drop is None else self.drop(x)
         elif self.context_parallel is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         else:

@@ -132,8 +132,18 @@ def test_a_packed_step_on_two_sharded_ranks_is_the_padded_step_on_one_device(tmp
         ("llama", ["--strategy", "tensor"]),
         ("gpt", ["--strategy", "sharded"]),
         ("gpt", ["--strategy", "tensor"]),
+        ("llama", ["--strategy", "sharded", "--context-parallel", "2", "--activation-checkpointing", "full"]),
+        ("gpt", ["--strategy", "sharded", "--context-parallel", "2"]),
     ],
-    ids=["llama-data", "llama-sharded-checkpointed-accumulated", "llama-tensor", "gpt-sharded", "gpt-tensor"],
+    ids=[
+        "llama-data",
+        "llama-sharded-checkpointed-accumulated",
+        "llama-tensor",
+        "gpt-sharded",
+        "gpt-tensor",
+        "llama-cp2-checkpointed",
+        "gpt-cp2",
+    ],
 )
 def test_verify_passes_in_float64_on_packed_rows(tmp_path, capfd, model, layout):
     data = write_rows(tmp_path / "rows", LENGTHS * 3)
@@ -152,13 +162,9 @@ def test_verify_passes_in_float64_on_packed_rows(tmp_path, capfd, model, layout)
     "argv, words",
     [
         (["--strategy", "pipeline", "--devices", "2"], ["--pack does not take --strategy pipeline yet"]),
-        (
-            ["--strategy", "sharded", "--devices", "2", "--context-parallel", "2"],
-            ["--pack does not take --context-parallel yet"],
-        ),
         (["--text"], ["holds text, which is read as one stream of full windows already; drop --pack"]),
     ],
-    ids=["pipeline", "context-parallel", "text-column"],
+    ids=["pipeline", "text-column"],
 )
 def test_what_cannot_pack_is_one_line_before_any_run_folder(tmp_path, capsys, argv, words):
     data = tmp_path / "rows"

@@ -200,16 +200,12 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
 
     def _check_packing(self, layout) -> None:
         """--pack's layouts: those whose ranks take whole windows through the whole model (models/packing.py)."""
-        for degree, why in (
-            ("pipeline", "a pipeline's stages run micro-batches out of turn"),
-            ("context", "context parallelism cuts the rows across ranks"),
-        ):
-            _need(
-                getattr(layout, degree) == 1,
-                f"--pack does not take {flag_name(degree + '_parallel') if degree == 'context' else '--strategy pipeline'} "
-                f"yet ({why}, and packed rows' positions are not passed along); pad the rows (drop --pack), or use "
-                f"--strategy data, sharded or tensor",
-            )
+        _need(
+            layout.pipeline == 1,
+            "--pack does not take --strategy pipeline yet (a pipeline's stages run micro-batches out of turn, and "
+            "packed rows' positions are not passed along them); pad the rows (drop --pack), or use --strategy "
+            "data, sharded or tensor",
+        )
 
     def _check_pipeline(self) -> None:
         _need(

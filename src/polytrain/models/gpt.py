@@ -173,7 +173,7 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:
             y = attend(q, *self.kv_cache.extend(T, k, v))
         elif self.rows is not None and self.rows.positions is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rows.mask())
+            y = self.rows.attention(q, k, v, self.context_parallel)
         elif self.context_parallel is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

@@ -121,8 +121,7 @@ class Attention(nn.Module):
         if cache is not None:
             y = attend(q, *cache.extend(T, k, v))
         elif packed:
-            gqa = q.shape[1] != k.shape[1]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.rows.mask(), enable_gqa=gqa)
+            y = self.rows.attention(q, k, v, split)
         elif split is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         else:

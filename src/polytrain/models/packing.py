@@ -20,8 +20,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..errors import UserError
+from ..parallel.context import gather_sequence
 
 
 class Rows:
@@ -35,15 +37,32 @@ class Rows:
     def set(self, positions: Optional[torch.Tensor]) -> None:
         self.positions, self._mask = positions, None
 
-    def mask(self) -> torch.Tensor:
+    def mask(self, split=None) -> torch.Tensor:
         """(B, 1, T, T) booleans: query t sees key s where s <= t and both are of the same row (a row starts where
-        its position is 0)."""
+        its position is 0). Under context parallelism (`split`, a ContextGroup: the positions are this rank's
+        head-tail part of each window) the rows of this rank's queries over the whole window's keys,
+        (B, 1, T / C, T)."""
         if self._mask is None:
-            row = (self.positions == 0).cumsum(dim=1)
+            positions = self.positions
+            if split is not None:  # the whole windows' positions, gathered from every rank's part
+                positions = gather_sequence(positions, split, dim=1)
+            row = (positions == 0).cumsum(dim=1)
             T = row.shape[1]
             causal = torch.ones(T, T, dtype=torch.bool, device=row.device).tril()
-            self._mask = ((row[:, :, None] == row[:, None, :]) & causal).unsqueeze(1)
+            mask = (row[:, :, None] == row[:, None, :]) & causal
+            if split is not None:
+                mask = mask[:, split.positions(self.positions.shape[1], device=row.device)]
+            self._mask = mask.unsqueeze(1)
         return self._mask
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split=None) -> torch.Tensor:
+        """Attention of packed rows: q (B, heads, T, d), k and v (B, kv_heads, T, d), each query over the keys of
+        its own row before it; under context parallelism (`split`) this rank's queries over the whole window's
+        keys and values, gathered with autograd (each rank's gradients summed back to its own)."""
+        if split is not None:
+            k, v = gather_sequence(k, split), gather_sequence(v, split)
+        grouped = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(split), enable_gqa=grouped)
 
     def __deepcopy__(self, memo) -> "Rows":  # (a copy of the model shares a fresh one among its layers)
         return memo.setdefault(id(self), Rows())

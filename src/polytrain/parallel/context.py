@@ -185,8 +185,10 @@ class ContextGroup:
         return split_sequence(whole, rank, self.size, dim=dim)[0]
 
     def own_tokens(self, tokens):
-        """This rank's head and tail chunks of `tokens` laid out by token along dim 1 ((B, T) ids or labels);
-        anything else as it is."""
+        """This rank's head and tail chunks of `tokens` laid out by token along dim 1 ((B, T) ids or labels; each
+        of a tuple or list of them: packed rows' ids and positions); anything else as it is."""
+        if isinstance(tokens, (tuple, list)):
+            return type(tokens)(self.own_tokens(part) for part in tokens)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             return tokens
         return split_sequence(tokens, self.rank, self.size)[0]

@@ -272,6 +272,31 @@ def test_a_fine_tune_needs_the_base_it_started_from(bases, tmp_path, capsys):
     assert err.count("\n") == 1 and "holds no weights now; put the base back there" in err, err
 
 
+def test_a_fine_tune_reads_its_recorded_base_from_anywhere_and_a_failed_start_leaves_no_record(
+    bases, tmp_path, monkeypatch
+):
+    """The base is the folder recorded as the run started (resolved): a run started with a relative --init-from
+    resumes from another working folder; a start that fails before its first checkpoint takes its base.json with
+    it, so that the folder can hold another run."""
+    shutil.copytree(bases["llama"], tmp_path / "b1")
+    monkeypatch.chdir(tmp_path)
+    start = dict(init_from="b1", lora=4, **TRAIN)
+    polytrain.fit("llama", out=str(tmp_path / "run"), max_steps=1, **start)
+    monkeypatch.chdir(tmp_path / "run")  # where no b1 is
+    assert main(["train", "--resume", str(tmp_path / "run"), "--max-steps", "2"]) == 0
+    assert json.loads((tmp_path / "run" / "base.json").read_text())["init_from"] == str(tmp_path / "b1")
+
+    class Stop:
+        def on_fit_start(self, trainer):
+            raise RuntimeError("stopped on purpose")
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(RuntimeError, match="on purpose"):
+        polytrain.fit("llama", out=str(tmp_path / "again"), max_steps=1, callbacks=[Stop()], **start)
+    assert not any((tmp_path / "again").iterdir())
+
+
 @pytest.mark.multiprocess
 def test_a_fine_tune_on_tensor_ranks_resumes_on_one_device(tmp_path):
     """Two steps of the GPT on 2 tensor ranks (its fused q/k/v split by interleaved rows, the adapters' B with

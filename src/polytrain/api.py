@@ -111,10 +111,11 @@ def train_run(
         # --init-from's weights, unless the run continues from a checkpoint of its own (a resumed or restarted
         # run that stopped before its first checkpoint starts from them again)
         pretrained = config.init_from is not None and (resume_dir is None or not has_checkpoint(resume_dir))
-        # a LoRA fine-tune's checkpoints hold no base (runtime/base_apart.py): it is read from --init-from again
+        # a LoRA fine-tune's checkpoints hold no base (runtime/base_apart.py): it is read again from the folder
+        # its record names (resolved as it started: the one folder checked and read, from wherever this runs)
         base = read_record(resume_dir) if resume_dir is not None else None
         if base is not None and not pretrained:
-            check_base(base, resume_dir, config.init_from)
+            check_base(base, resume_dir)
         if pretrained:
             check_vocabulary(config, dataset)
         check_same_tokenizer(
@@ -126,7 +127,7 @@ def train_run(
             config, model, dataset, objective, given_tensors=isinstance(data, (tuple, list)), shout=shout
         )
         if pretrained or base:  # the checkpoint's tensors against the model's shapes, from the files' headers
-            weights = initial_weights(config.init_from, module)
+            weights = initial_weights(base["init_from"] if base else config.init_from, module)
             weights.check(module)
             if shout and isinstance(module, SequenceClassifier):  # which head it starts from
                 print(module.start_line(weights), flush=True)

@@ -209,5 +209,6 @@ def forget_unstarted_run(run_dir: Path, *, whole_folder: bool) -> None:
     if whole_folder:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
-    for name in ("config.json", "skipped.txt", LOCK_FILE):
+    # (base.json: runtime/base_apart.py; steps.jsonl: the steps' log, begun before the first checkpoint)
+    for name in ("config.json", "skipped.txt", "base.json", "steps.jsonl", LOCK_FILE):
         (run_dir / name).unlink(missing_ok=True)

@@ -9,9 +9,12 @@ block-diagonal causal mask) and turns queries and keys by the rotary angles of t
 GPT reads its table of positions at them. Without positions (an unpacked batch, generation) nothing changes.
 
 The positions stay set until the next pass, so that activation checkpointing recomputes a layer with the pass's
-own; a pipeline, whose stages run micro-batches out of turn, and context parallelism, which cuts the rows, are
-refused with --pack (config/train.py). A packed window's loss and gradients are those of its rows each alone, in
-float64 (tests/test_pack.py).
+own. Under context parallelism each rank holds its head and tail chunks of the ids and the positions, and its
+queries attend over the whole window's keys and values, gathered, under the mask of their rows (`Rows.mask`). A
+pipeline, whose stages run micro-batches out of turn, is refused with --pack (config/train.py). The mask is a
+(B, 1, T, T) boolean tensor per pass, which attention keeps for its backward in each layer: packing is meant for
+windows of moderate length. A packed window's loss and gradients are those of its rows each alone, in float64
+(tests/test_pack.py).
 """
 
 from __future__ import annotations

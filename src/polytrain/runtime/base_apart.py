@@ -88,10 +88,10 @@ def read_record(run_dir) -> Optional[dict]:
     return record
 
 
-def check_base(record: dict, run_dir, folder=None) -> None:
-    """One line where the base is gone, or holds other weights than those the run started from; `folder`: the
-    one this command names (--init-from on --resume), else the recorded one."""
-    folder = Path(folder or record["init_from"])
+def check_base(record: dict, run_dir) -> None:
+    """One line where the base (the recorded folder, which `read_base` reads) is gone, or holds other weights
+    than those the run started from."""
+    folder = Path(record["init_from"])
     named = f"{run_dir} trained adapters on the base {record['init_from']} (its weights are not in the run's checkpoints)"
     try:
         found = weights_sha256(folder)

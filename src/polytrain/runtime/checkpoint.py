@@ -105,10 +105,15 @@ def check_shards(folder: Path, expected) -> None:
 
 def read_weights(path: Path) -> dict:
     """The whole state dict a weights file (model.pt, best.pt) holds, read from its shards where it names
-    them (in this process, no process group)."""
+    them (in this process, no process group); a LoRA run's completed from its base (base_apart.py)."""
     state = safe_load(path)
     folder = shard_folder(state, path)
-    return state if folder is None else shards.read_model(folder, state.get("names"))
+    state = state if folder is None else shards.read_model(folder, state.get("names"))
+    record = read_record(Path(path).parent)
+    if record is not None:
+        check_base(record, Path(path).parent)
+        state = {**read_base(record), **state}
+    return state
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> None:

@@ -57,10 +57,8 @@ def _strategy(kind: str, model: nn.Module, rank: int, world: int):
             **common,
         )
     names = tuple(name for name, _ in flatten_layers(model))  # stage 0: embedding and 3 blocks
-    plan = PipelinePlan(
-        layout_of("pipeline", 2, pipeline_stages=2), "gpipe", 2, (4,), names, SHAPE, input_dtype="int64"
-    )
-    return Pipeline(plan=plan, layout=plan.layout, **common)
+    plan = PipelinePlan("gpipe", 2, (4,), names, SHAPE, input_dtype="int64")
+    return Pipeline(plan=plan, layout=layout_of("pipeline", 2, pipeline_stages=2), **common)
 
 
 def _expected_bytes(kind: str, whole: nn.Module, rank: int) -> int:

@@ -55,7 +55,7 @@ def _train_each_on_ranks(rank, world_size, model, data, jobs):
     for config, plan in jobs:
         torch.manual_seed(config.seed)
         strategy = Pipeline(
-            device=torch.device("cpu"), rank=rank, world_size=world_size, plan=plan, layout=plan.layout
+            device=torch.device("cpu"), rank=rank, world_size=world_size, plan=plan, layout=config.layout
         )
         train, val = make_loaders(
             data,

@@ -129,6 +129,6 @@ def test_a_last_batch_too_small_for_the_copies_is_refused_unless_the_run_stops_b
     plan = make_plan(
         "pipeline", TrainConfig(**settings, max_steps=8), model, data, device=torch.device("cpu")
     )
-    assert plan.layout.data_degree == 2
+    assert plan.ranks == 2 and plan.model_stages == 2
     with pytest.raises(UserError, match="too few for 2 pipeline"):  # the 9th step would reach it
         make_plan("pipeline", TrainConfig(**settings, max_steps=9), model, data, device=torch.device("cpu"))

@@ -127,7 +127,7 @@ def _hold_on_rank(rank: int, world: int, shard: bool) -> dict:
     built_on_meta = all(p.is_meta for p in model.parameters())
     names = tuple(name for name, _ in flatten_layers(model))
     layout = layout_of("pipeline", world, pipeline_stages=2, data_parallel="shard" if shard else None)
-    plan = PipelinePlan(layout, "1f1b", 2, (3,), names, (1, 8, 8))
+    plan = PipelinePlan("1f1b", 2, (3,), names, (1, 8, 8))
     strategy = Pipeline(
         plan=plan,
         layout=layout,

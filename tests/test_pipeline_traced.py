@@ -5,7 +5,6 @@ compares them; and the mistakes refused in one line in the launching process, be
 import copy
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,7 +209,7 @@ def test_the_plan_traces_the_runtime_micro_batch_and_leaves_the_model_as_it_was(
     assert micro_batch_sizes(config(max_steps=3), tiny_text(), layout, "1f1b", 2, 8) == [4]
     assert micro_batch_sizes(config(max_steps=4), tiny_text(), layout, "1f1b", 2, 8) == [4, 2]
     assert micro_batch_sizes(config(batch_size=7, microbatches=7), tiny_text(), layout, "1f1b", 7, 7) == [1]
-    assert "traced, split before modules transformer.h.1" in plan.describe(plan.layout)
+    assert "traced, split before modules transformer.h.1" in plan.describe(layout)
     assert "forward" not in vars(model.transformer.h[1])  # the tracer's wrapper is gone
     assert_same_weights(model.state_dict(), before, atol=0)
     out = model(torch.zeros(3, CONTEXT, dtype=torch.long))  # another batch size still runs eagerly
@@ -225,8 +224,7 @@ def test_a_model_that_is_not_sequential_is_pointed_to_split_at():
 def test_each_micro_batch_size_gets_its_own_trace_over_the_same_parameters():
     """The graph keeps the traced batch size; the short batch's trace runs the very same parameter objects."""
     model = NanoGPT(11, CONTEXT)
-    last_stage = SimpleNamespace(plan=plan_of(model), device=CPU, my_stages=(1,))
-    traces = TracedStages(last_stage, model)
+    traces = TracedStages(model, plan_of(model), held=(1,), device=CPU)
     four, two = traces.modules(4)[0], traces.modules(2)[0]
     assert four is not two and traces.modules(4)[0] is four
     assert [(n, id(p)) for n, p in four.named_parameters()] == [(n, id(p)) for n, p in two.named_parameters()]

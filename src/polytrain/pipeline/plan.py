@@ -89,9 +89,10 @@ def runnable_schedule(schedule: str, microbatches: int, ranks: int) -> str:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Everything a pipeline worker needs, computed once in the launching process."""
+    """Everything a pipeline worker needs, computed once in the launching process, for the run's `Layout` (which
+    it does not hold: its stages, `len(points) + 1`, lie on `ranks` pipeline ranks, which the strategy checks
+    against the layout's pipeline degree)."""
 
-    layout: Layout  # the run's: pipeline ranks, the pipelines beside each other (data), tensor ranks
     schedule: str
     microbatches: int
     points: Tuple[int, ...]  # first layer of model stages 1..n-1
@@ -104,40 +105,39 @@ class PipelinePlan:
     #                                         the modules each traced stage holds, in order)
     micro_batch: int = 0  # --split-at: samples of a training micro-batch, the traced shape
     tensor: Optional[TensorPlan] = None  # --tensor-parallel: how each stage's layers are split, by their
-    #                                         names in the whole model (layout.tensor ranks per stage)
+    #                                         names in the whole model (the layout's tensor ranks per stage)
 
     def __post_init__(self) -> None:
         if self.tensor is not None:
             check_tensor_cuts(self.tensor.styles, self.layer_names, self.points)
 
-    @property
-    def micro_batch_passes(self) -> Optional[int]:
-        """The passes in which one device computes what this pipeline computes per micro-batch (BatchNorm
-        normalises over each): its micro-batches, where one pipeline takes the whole batch; None otherwise."""
-        whole = self.layout.data_degree == 1 and self.layout.tensor == 1 and not self.split_at
+    def micro_batch_passes(self, layout: Layout) -> Optional[int]:
+        """The passes in which one device computes what this pipeline computes per micro-batch on `layout`
+        (BatchNorm normalises over each): its micro-batches, where one pipeline takes the whole batch; None
+        otherwise."""
+        whole = layout.data_degree == 1 and layout.tensor == 1 and not self.split_at
         return self.microbatches if whole else None
 
-    @property
-    def draws_dropout_as_one_device(self) -> bool:
-        """Whether nn.Dropout draws one device's masks here, each micro-batch its rows of them: not in traced
-        stages, nor where tensor ranks split a stage's activations."""
-        return self.layout.tensor == 1 and not self.split_at
+    def draws_dropout_as_one_device(self, layout: Layout) -> bool:
+        """Whether nn.Dropout draws one device's masks on `layout`, each micro-batch its rows of them: not in
+        traced stages, nor where tensor ranks split a stage's activations."""
+        return layout.tensor == 1 and not self.split_at
 
     def describe(self, layout: Layout) -> str:
-        """The stages, their split and schedule (this plan's own layout is the run's `layout`)."""
+        """The stages, their split and schedule on the run's `layout`."""
         where = (
             f"traced, split before modules {', '.join(self.split_at)}"
             if self.split_at
             else f"split before layers {', '.join(map(str, self.points))}"
         )
         tensor = (
-            f"; each stage split over {self.layout.tensor} tensor ranks: "
-            f"{self.tensor.describe(self.layout).split(': ', 1)[-1]}"
+            f"; each stage split over {layout.tensor} tensor ranks: "
+            f"{self.tensor.describe(layout).split(': ', 1)[-1]}"
             if self.tensor
             else ""
         )
         return (
-            f"pipeline of {self.layout.pipeline} stages x {pipelines_words(self.layout)}, schedule "
+            f"pipeline of {layout.pipeline} stages x {pipelines_words(layout)}, schedule "
             f"{self.schedule}, {self.microbatches} micro-batches, {where}{tensor}"
         )
 
@@ -148,7 +148,7 @@ class PipelinePlan:
             "stages": [
                 {
                     "stage": stage,
-                    "pipeline_rank": stage % self.layout.pipeline,
+                    "pipeline_rank": stage % self.ranks,
                     "layers": [self.layer_names[i] for i in self.stage_layers(stage)],
                 }
                 for stage in range(self.model_stages)
@@ -158,7 +158,13 @@ class PipelinePlan:
 
     @property
     def model_stages(self) -> int:
-        return self.layout.pipeline * stages_per_rank(self.schedule)
+        """The model's stages: one before each point and one after the last."""
+        return len(self.points) + 1
+
+    @property
+    def ranks(self) -> int:
+        """The pipeline ranks the stages lie on, `stages_per_rank` each: the layout's pipeline degree."""
+        return self.model_stages // stages_per_rank(self.schedule)
 
     def stage_layers(self, stage: int) -> range:
         bounds = (0, *self.points, len(self.layer_names))
@@ -166,7 +172,7 @@ class PipelinePlan:
 
     def stages_of_rank(self, pipeline_rank: int) -> Tuple[int, ...]:
         """Model stages a pipeline rank holds: stage s runs on pipeline rank s mod ranks."""
-        return tuple(range(pipeline_rank, self.model_stages, self.layout.pipeline))
+        return tuple(range(pipeline_rank, self.model_stages, self.ranks))
 
 
 def check_tensor_cuts(styles, layer_names, points) -> None:

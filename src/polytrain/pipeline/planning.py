@@ -81,7 +81,6 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
     dtype = str(dataset.sample_inputs(1).dtype).replace("torch.", "")  # token ids stay integers
     if config.split not in (None, "auto"):
         return PipelinePlan(
-            layout,
             schedule,
             microbatches,
             parse_split(config.split, layers=len(layers), stages=stages),
@@ -101,7 +100,6 @@ def plan_pipeline(config, model: nn.Module, dataset, *, device: torch.device) ->
     else:
         costs, unit = tuple(time_layers(measured, sample)), "seconds"
     return PipelinePlan(
-        layout,
         schedule,
         microbatches,
         balance_by_time(costs, stages=stages),

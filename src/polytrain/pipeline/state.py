@@ -20,11 +20,11 @@ from ..strategies.tensor import reordered, reordered_optimizer
 from .plan import data_words, pipelines_words, runnable_schedule
 
 
-def tensor_line(plan, tail: str) -> str:
-    """The start-up line of the tensor split of each stage, `tail` after the plan's description."""
+def tensor_line(plan, layout, tail: str) -> str:
+    """The start-up line of the tensor split of each stage on `layout`, `tail` after the plan's description."""
     return (
-        f"  each stage split over {plan.layout.tensor} tensor ranks: "
-        f"{plan.tensor.describe(plan.layout).split(': ', 1)[-1]}{tail}"
+        f"  each stage split over {layout.tensor} tensor ranks: "
+        f"{plan.tensor.describe(layout).split(': ', 1)[-1]}{tail}"
     )
 
 
@@ -85,22 +85,22 @@ class StageState:
         held = self.stage_holding_lines()
         if not self.is_main:
             return []
-        plan, where = self.plan, dict(devices)
+        plan, layout, where = self.plan, self.layout, dict(devices)
         lines = [
-            f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {plan.layout.pipeline} "
-            f"ranks x {pipelines_words(plan.layout)}, {plan.microbatches} micro-batches per step, schedule "
+            f"pipeline{' (traced)' if plan.split_at else ''}: {plan.model_stages} stages on {layout.pipeline} "
+            f"ranks x {pipelines_words(layout)}, {plan.microbatches} micro-batches per step, schedule "
             f"{plan.schedule}"
         ]
         for stage in range(plan.model_stages):
-            ranks = plan.layout.ranks_where(pipeline=stage % plan.layout.pipeline)
+            ranks = layout.ranks_where(pipeline=stage % layout.pipeline)
             lines.append(
                 f"  stage {stage}: {'/'.join(where[r] for r in ranks)} (rank {'/'.join(map(str, ranks))}), "
                 f"{holds(stage)}"
             )
-        runs = runnable_schedule(plan.schedule, plan.microbatches, plan.layout.pipeline)
+        runs = runnable_schedule(plan.schedule, plan.microbatches, layout.pipeline)
         if runs != plan.schedule:
             lines.append(
-                f"  note: 1f1b needs at least {plan.layout.pipeline} micro-batches; with {plan.microbatches} "
+                f"  note: 1f1b needs at least {layout.pipeline} micro-batches; with {plan.microbatches} "
                 f"it runs as gpipe"
             )
         return lines + held
@@ -128,7 +128,7 @@ class StageState:
             meta = self.full_meta
             full = sum(meta[name].numel() * meta[name].element_size() for name in self.parameter_names)
             whole_model = f"; {heading(slots)}, where a replica would hold {figures(full, slots)}"
-            lines.append(tensor_line(self.plan, "" if shards else whole_model))
+            lines.append(tensor_line(self.plan, layout, "" if shards else whole_model))
         if shards:
             lines.append(self.shard_line(heading(slots)))
         for rank in range(layout.world_size):

@@ -48,7 +48,7 @@ from .sharding import StageSharding
 from .state import StageState
 from .tied import TiedWeights
 from .timeline import record_calls
-from .traced import traced_holdings, traced_stages
+from .traced import forward_only, traced_holdings, traced_stages
 from .transfer import receive, send
 
 
@@ -76,9 +76,9 @@ class Pipeline(StageState, StageSharding, Strategy):
     def __init__(self, *, plan: PipelinePlan, **common):
         super().__init__(**common)
         self.plan = plan
-        if plan.layout != self.layout:
+        if plan.ranks != self.layout.pipeline:
             raise ValueError(
-                f"a pipeline planned for {plan.layout.describe()} runs on {self.layout.describe()}"
+                f"a pipeline planned for {plan.ranks} pipeline ranks runs on {self.layout.describe()}"
             )
         # (with --data-parallel shard, `replica` is the rank's shard index)
         where = self.layout.coordinates(self.rank)
@@ -122,7 +122,7 @@ class Pipeline(StageState, StageSharding, Strategy):
         """nn.Dropout draws one device's masks, each micro-batch applying its rows of them (`mark_chunk`), so
         that stages draw what one device draws; BatchNorm normalises over each micro-batch (verify compares
         with one device in as many passes)."""
-        return "masks" if self.plan.draws_dropout_as_one_device else "off"
+        return "masks" if self.plan.draws_dropout_as_one_device(self.layout) else "off"
 
     @property
     def data_rank(self) -> int:
@@ -147,12 +147,6 @@ class Pipeline(StageState, StageSharding, Strategy):
         if weighted and self.plan.split_at:
             raise UserError(BALANCE_IN_TRACED_STAGES)
         layout = self.layout
-        if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
-            # (whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank)
-            self.mesh = RunMesh(layout, self.device.type, shard=self.data_parallel == "shard")
-            self.pp_group = self.mesh.pipeline.get_group()
-            if layout.data_degree > 1 and self.data_parallel == "none":  # traced replicas sum by hand
-                self.dp_group = self.mesh.replicas.get_group()
         model = self.place(model)  # a model built on the meta device stays there until its stages are known
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.full_meta = {
@@ -160,7 +154,14 @@ class Pipeline(StageState, StageSharding, Strategy):
         }
         if self.plan.split_at:  # the tracer runs the whole model: it is materialised first
             self.materialise(model)
-            self.traced, self.model = traced_stages(self, model)
+            self.traced, self.model = traced_stages(
+                model,
+                self.plan,
+                held=self.my_stages,
+                device=self.device,
+                keys=self.full_meta,
+            )
+            self.join_mesh()
             self.stage_modules = []  # `_schedule` takes the traced stages instead
             # traced stages refuse tied weights: this rank steps every parameter it holds
             self.build_optimizer(list(self.model.named_parameters()), make_optimizer, make_scheduler)
@@ -172,7 +173,8 @@ class Pipeline(StageState, StageSharding, Strategy):
             Stage([layers[i][1] for i in self.plan.stage_layers(s)]) for s in self.my_stages
         ]
         self.model = named_subset([layers[i] for s in self.my_stages for i in self.plan.stage_layers(s)])
-        self.tied = TiedWeights(self.plan, layers, rank=self.rank)
+        self.tied = TiedWeights(self.plan, self.layout, layers, rank=self.rank)
+        self.join_mesh()
         if self.data_parallel == "shard":
             self.stage_hooks()  # (before FSDP2's own)
         options = replace(
@@ -208,6 +210,17 @@ class Pipeline(StageState, StageSharding, Strategy):
         )
         if self.is_main:
             self.placement += done.lines
+
+    def join_mesh(self) -> None:
+        """The run's mesh and this rank's groups in it, where the layout has more than one pipeline (or stages
+        split over tensor ranks): its pipeline's, and the replicas' where traced stages sum their gradients by hand.
+        Whole copies of stages split over tensor ranks are FSDP2 over a dp_shard dimension of one rank."""
+        layout = self.layout
+        if layout.gradient_ranks > 1 or layout.tensor > 1:  # a ([data,] pipeline[, context][, tensor]) mesh
+            self.mesh = RunMesh(layout, self.device.type, shard=self.data_parallel == "shard")
+            self.pp_group = self.mesh.pipeline.get_group()
+            if layout.data_degree > 1 and self.data_parallel == "none":
+                self.dp_group = self.mesh.replicas.get_group()
 
     def close(self) -> None:
         super().close()
@@ -275,7 +288,9 @@ class Pipeline(StageState, StageSharding, Strategy):
             from torch.distributed.pipelining import PipelineStage
 
             kind = runnable_schedule(self.plan.schedule, microbatches, self.layout.pipeline)
-            stages = self.traced.stages(samples // microbatches) if self.plan.split_at else []  # or below
+            stages = (
+                self.traced.stages(samples // microbatches, self.pp_group) if self.plan.split_at else []
+            )  # or below
             for s, module in zip(self.my_stages, self.stage_modules):
                 inputs, outputs = self._stage_tensors(s, samples // microbatches)
                 stages.append(
@@ -409,10 +424,10 @@ class Pipeline(StageState, StageSharding, Strategy):
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepStats:
-        if self.plan.split_at:
-            return self.traced.eval_step(batch)
         if self.model.training:
             self.model.eval()
+        if self.plan.split_at:
+            return self._traced_eval_step(batch)
         ranks, layout = self.layout.pipeline, self.layout
         self.microbatch_sums, pending = [], []
         parts = min(self.plan.microbatches, len(batch.y))  # a small last batch: no empty micro-batches
@@ -436,6 +451,23 @@ class Pipeline(StageState, StageSharding, Strategy):
         # the units keep what they gathered: whole until the next step otherwise
         if self.data_parallel == "shard":
             self.reshard()
+        return self.step_stats(len(batch.y), self.shared_sums())
+
+    @torch.no_grad()
+    def _traced_eval_step(self, batch) -> StepStats:
+        """Validation of traced stages: a forward-only schedule over eval-mode traces of this batch's
+        micro-batches."""
+        microbatches = microbatches_for(
+            len(batch.y), self.plan.microbatches, schedule=self.plan.schedule, ranks=self.layout.pipeline
+        )
+        key = ("eval", microbatches, len(batch.y) // microbatches)
+        if key not in self.schedules:
+            self.schedules[key] = self.traced.evaluation(
+                microbatches, key[2], self.pp_group, self.microbatch_loss
+            )
+        schedule, self.microbatch_sums = self.schedules[key], []
+        with self.autocast():
+            forward_only(schedule, (batch.x,) if self.is_first else (), batch.y if self.is_last else None)
         return self.step_stats(len(batch.y), self.shared_sums())
 
     # -- the whole model, by its original names ---------------------------------------------------------

@@ -23,9 +23,8 @@ class TiedWeights:
     stage pairs with slice t of the copy's. Each rank finds its parameter by name in the layer it holds when it
     uses it, so a split after this (which replaces parameters) is seen."""
 
-    def __init__(self, plan, layers, *, rank: int):
+    def __init__(self, plan, layout, layers, *, rank: int):
         stage_of = {i: s for s in range(plan.model_stages) for i in plan.stage_layers(s)}
-        layout = plan.layout
         pipeline_rank = layout.coordinates(rank)["pipeline"]
         # ((layer, parameter name in it), group, owner rank, whether this rank holds a copy), in the same order
         # on every rank, so that two ranks tied twice call their collectives in one order

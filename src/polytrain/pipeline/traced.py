@@ -159,7 +159,6 @@ def traced_plan(
     per_stage = [modules_of(tensors, depth) for tensors in owners]
     points = tuple(sum(len(part) for part in per_stage[:s]) for s in range(1, stages))
     return PipelinePlan(
-        layout,
         schedule,
         microbatches,
         points,
@@ -229,62 +228,44 @@ def view_of(modules: Iterable[nn.Module], keys) -> nn.Module:
 
 
 class TracedStages:
-    """This rank's stages of a traced pipeline, for each micro-batch size and mode, built on demand."""
+    """A pipeline rank's stages of a traced model, for each micro-batch size and mode, built on demand: the whole
+    `model` (later traces start from it), cut as `plan` says; this rank holds model stages `held` on `device`."""
 
-    def __init__(self, strategy, model: nn.Module):
-        self.strategy, self.model = strategy, model  # the whole model: later traces start from it
-        self.built = {}  # (size, training) -> [this rank's stage modules]
+    def __init__(self, model: nn.Module, plan: PipelinePlan, *, held, device: torch.device):
+        self.model, self.plan, self.held, self.device = model, plan, tuple(held), device
+        self.built = {}  # (size, training) -> (the traced pipe, [this rank's stage modules])
 
     def modules(self, size: int, *, training: bool = True) -> list:
         key = (size, training)
         if key not in self.built:
-            s, plan = self.strategy, self.strategy.plan
+            plan = self.plan
             example = torch.zeros(
-                size, *plan.input_shape, dtype=getattr(torch, plan.input_dtype), device=s.device
+                size, *plan.input_shape, dtype=getattr(torch, plan.input_dtype), device=self.device
             )
             pipe = trace(self.model, plan.split_at, example, training=training)
-            self.built[key] = (pipe, [pipe.get_stage_module(stage) for stage in s.my_stages])
+            self.built[key] = (pipe, [pipe.get_stage_module(stage) for stage in self.held])
         return self.built[key][1]
 
-    def stages(self, size: int, *, training: bool = True) -> list:
-        """Fresh PipelineStages (they remember the schedule's micro-batch count) for micro-batches of `size`."""
+    def stages(self, size: int, group, *, training: bool = True) -> list:
+        """Fresh PipelineStages (they remember the schedule's micro-batch count) for micro-batches of `size`,
+        exchanging activations over `group` (the pipeline's)."""
         self.modules(size, training=training)
-        s = self.strategy
         pipe = self.built[(size, training)][0]
-        return [pipe.build_stage(stage, s.device, s.pp_group) for stage in s.my_stages]
+        return [pipe.build_stage(stage, self.device, group) for stage in self.held]
 
-    @torch.no_grad()
-    def eval_step(self, batch):
-        """Validation through a forward-only schedule over eval-mode traces of this batch's micro-batches."""
-        from torch.distributed.pipelining import ScheduleGPipe
+    def evaluation(self, microbatches: int, size: int, group, loss):
+        """A forward-only schedule over eval-mode traces of `microbatches` micro-batches of `size` (validation)
+        over `group`, each micro-batch's output given to `loss`."""
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B
 
-        s = self.strategy
-        if s.model.training:
-            s.model.eval()
-        microbatches = microbatches_for(
-            len(batch.y), s.plan.microbatches, schedule=s.plan.schedule, ranks=s.layout.pipeline
-        )
-        key = ("eval", microbatches, len(batch.y) // microbatches)
-        if key not in s.schedules:
-            stages = self.stages(key[2], training=False)
-            s.schedules[key] = (
-                ScheduleGPipe(stages[0], microbatches, loss_fn=s.microbatch_loss)
-                if len(stages) == 1
-                else _interleaved(stages, microbatches, s.microbatch_loss)
-            )
-        schedule, s.microbatch_sums = s.schedules[key], []
-        with s.autocast():
-            _forward_only(schedule, (batch.x,) if s.is_first else (), batch.y if s.is_last else None)
-        return s.step_stats(len(batch.y), s.shared_sums())
+        stages = self.stages(size, group, training=False)
+        if len(stages) == 1:
+            return ScheduleGPipe(stages[0], microbatches, loss_fn=loss)
+        return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss)
 
 
-def _interleaved(stages, microbatches: int, loss):
-    from torch.distributed.pipelining import ScheduleInterleaved1F1B
-
-    return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss)
-
-
-def _forward_only(schedule, inputs, target) -> None:
+def forward_only(schedule, inputs, target) -> None:
+    """One forward-only pass of `schedule` (its `eval`, or its step without backward on a torch before it)."""
     if hasattr(schedule, "eval"):
         schedule.eval(*inputs, target=target)
         return
@@ -295,11 +276,14 @@ def _forward_only(schedule, inputs, target) -> None:
         schedule._has_backward = kept
 
 
-def traced_stages(strategy, model: nn.Module) -> Tuple[TracedStages, nn.Module]:
-    """`Pipeline.setup`'s part for --split-at: this rank's stages traced at the training micro-batch's size, and
-    a module holding their tensors under the model's names (the rank's `model`)."""
-    traced = TracedStages(strategy, model)
-    return traced, view_of(traced.modules(strategy.plan.micro_batch), strategy.full_meta)
+def traced_stages(
+    model: nn.Module, plan: PipelinePlan, *, held, device: torch.device, keys
+) -> Tuple[TracedStages, nn.Module]:
+    """`Pipeline.setup`'s part for --split-at: this rank's stages (`held`) traced at the training micro-batch's
+    size, and a module holding their tensors under the model's names (the rank's `model`; `keys` its persistent
+    state's)."""
+    traced = TracedStages(model, plan, held=held, device=device)
+    return traced, view_of(traced.modules(plan.micro_batch), keys)
 
 
 def traced_holdings(plan):

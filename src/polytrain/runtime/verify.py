@@ -123,8 +123,9 @@ def reference_passes(model: torch.nn.Module, config, strategy: str, plan, *, flo
             )
         return 1
     # a pipeline: each micro-batch applies its rows of one device's dropout masks, BatchNorm normalises over it
-    passes = getattr(plan, "micro_batch_passes", None)
-    if "Dropout" not in kinds or getattr(plan, "draws_dropout_as_one_device", False):
+    pipeline = hasattr(plan, "micro_batch_passes")
+    passes = plan.micro_batch_passes(config.layout) if pipeline else None
+    if "Dropout" not in kinds or (pipeline and plan.draws_dropout_as_one_device(config.layout)):
         if "BatchNorm" not in kinds:
             return 1
         if passes and config.accumulate == 1:

@@ -254,7 +254,6 @@ def pipeline_plan(request: PlanRequest, config, model: nn.Module):
     costs = tuple(cost(module) for _, module in layers)
     tensor = plan_for_stages(config, model, tensor=layout.tensor) if layout.tensor > 1 else None
     return PipelinePlan(
-        layout,
         request.schedule,
         request.microbatches
         or default_microbatches(request.batch_size // layout.data_degree, layout.pipeline),

@@ -89,6 +89,7 @@ LAYOUTS = {  # name: (strategy and its settings, processes)
     "context": ("data --context-parallel 2", 2),  # each sequence split over 2 ranks
     "pipeline-context": ("pipeline --context-parallel 2", 4),  # 2 stages x 2 context ranks
     "experts": ("sharded --expert-parallel 2", 2),  # each mixture's experts split over the 2 shards
+    "experts-data": ("data --expert-parallel 2", 2),  # ... over 2 DDP copies
     "experts-tensor": (
         "tensor --tensor-parallel 2 --expert-parallel 2",
         4,
@@ -97,6 +98,7 @@ LAYOUTS = {  # name: (strategy and its settings, processes)
 }
 EXPERTS = [
     "experts",
+    "experts-data",
     "experts-tensor",
     "experts-pipeline",
 ]  # layouts only a model with mixtures of experts takes (the others are not tried there)

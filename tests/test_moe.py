@@ -239,6 +239,10 @@ VERIFIES = {
         "--strategy", "data", "--context-parallel", "2", "--devices", "4", "--router-aux-loss", "0.5",
         "--activation-checkpointing", "selective", "--accumulate", "2",
     ],
+    "experts over 2 of 4 DDP copies, the load-balancing loss, full checkpointing, 2 passes": [
+        "--strategy", "data", "--devices", "4", "--experts", "8", "--expert-parallel", "2", "--router-aux-loss",
+        "0.5", "--activation-checkpointing", "full", "--accumulate", "2",
+    ],
     "experts over 2 ranks (2 shards)": [
         "--strategy", "sharded", "--devices", "2", "--experts", "8", "--expert-parallel", "2",
     ],
@@ -305,11 +309,29 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         ),
         (
             ["--experts", "8", "--strategy", "pipeline", "--devices", "4", "--expert-parallel", "2"],
-            ["--expert-parallel 2", "shards over none", "--strategy pipeline --data-parallel shard"],
+            ["--expert-parallel 2", "none to borrow from", "--strategy pipeline --data-parallel shard"],
         ),
         (
-            ["--experts", "8", "--strategy", "data", "--devices", "2", "--expert-parallel", "2"],
-            ["--expert-parallel applies to --strategy sharded"],
+            [
+                "--experts",
+                "8",
+                "--strategy",
+                "data",
+                "--devices",
+                "4",
+                "--expert-parallel",
+                "2",
+                "--context-parallel",
+                "2",
+            ],
+            [
+                "--expert-parallel 2 borrows its ranks from DDP's copies beside no context ranks",
+                "--strategy sharded",
+            ],
+        ),
+        (
+            ["--experts", "8", "--strategy", "data", "--devices", "6", "--expert-parallel", "4"],
+            ["--expert-parallel 4", "must divide them (6 here)"],
         ),
         (
             [
@@ -337,7 +359,8 @@ def test_verify_passes_with_mixtures_of_experts(capfd, case):
         "experts-not-divided",
         "shards-not-divided",
         "experts-over-unsharded-pipelines",
-        "experts-over-replicas",
+        "experts-over-copies-beside-context-ranks",
+        "copies-not-divided",
         "balance-in-traced-stages",
     ],
 )
@@ -516,12 +539,13 @@ RESUMED = [
 def test_a_run_with_experts_split_over_4_ranks_resumes_over_2_and_on_whole_copies_as_the_straight_run(
     tmp_path, capfd
 ):
-    """2 steps with the experts over 4 ranks, 2 more over 2, then 2 more on 2 data-parallel copies (every rank all
-    the experts): the weights of 6 steps on one device (the checkpoint holds the one-device names and shapes)."""
+    """2 steps with the experts over 4 ranks, 2 more over 2, 2 more on 2 data-parallel copies (every rank all the
+    experts), 2 more on 2 DDP copies with the experts split over them, then 2 more on one device: the weights of 10
+    steps on one device (the checkpoint holds the one-device names and shapes)."""
     from conftest import load_weights
 
     straight, out = tmp_path / "straight", tmp_path / "run"
-    done = polytrain_here(capfd, "train", *RESUMED, "--max-steps", "6", "--out", straight)
+    done = polytrain_here(capfd, "train", *RESUMED, "--max-steps", "10", "--out", straight)
     assert done.returncode == 0, done.stderr
     theirs = load_weights(straight / "model.pt")
     split = ["--strategy", "sharded", "--devices", "4", "--expert-parallel", "4"]
@@ -534,6 +558,13 @@ def test_a_run_with_experts_split_over_4_ranks_resumes_over_2_and_on_whole_copie
         capfd, "train", "--resume", out, "--strategy", "data", "--devices", "2", "--max-steps", "6"
     )
     assert done.returncode == 0 and "expert parallel" not in done.stdout, done.stdout + done.stderr
+    copies = ["--strategy", "data", "--devices", "2", "--expert-parallel", "2"]
+    done = polytrain_here(capfd, "train", "--resume", out, *copies, "--max-steps", "8")
+    assert done.returncode == 0 and "experts split over 2 ranks" in done.stdout, done.stdout + done.stderr
+    done = polytrain_here(
+        capfd, "train", "--resume", out, "--strategy", "single", "--devices", "1", "--max-steps", "10"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
     ours = load_weights(out / "model.pt")
     assert list(ours) == list(theirs)
     apart = max(float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()) for k in theirs)

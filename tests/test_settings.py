@@ -92,7 +92,7 @@ def test_the_resume_rules_come_from_the_declarations():
             "tensor_parallel",
         ),
         "sharded": ("context_parallel", "expert_parallel", "cpu_offload", "replicas"),
-        "data": ("context_parallel",),
+        "data": ("context_parallel", "expert_parallel"),
         "parameter-server": ("servers", "server_device", "staleness"),
         "tensor": ("context_parallel", "expert_parallel", "replicas", "tensor_plan", "tensor_parallel"),
     }

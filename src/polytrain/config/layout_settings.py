@@ -62,13 +62,14 @@ class DeviceSettings:
     expert_parallel: Optional[int] = setting(
         None,
         "ranks each mixture of experts' experts are split over (--model llama --experts E; E/P experts each), "
-        "borrowed from the ranks FSDP2 shards over (--strategy sharded's, or the tensor groups of --strategy "
-        "tensor): each rank's tokens go to the ranks of their experts and come back by all-to-all, and FSDP2 "
-        "shards the experts over the ranks that hold the same ones (default: 1, every rank all the experts)",
+        "borrowed from the ranks that hold the same parameters (--strategy sharded's shards, DDP's copies of "
+        "--strategy data, the tensor groups of --strategy tensor): each rank's tokens go to the ranks of their "
+        "experts and come back by all-to-all, and the ranks that hold the same experts shard them (FSDP2) or "
+        "average their gradients (beside DDP) (default: 1, every rank all the experts)",
         group="devices",
         metavar="P",
         check="count",
-        strategies=("sharded", "tensor", "pipeline"),
+        strategies=("data", "sharded", "tensor", "pipeline"),
         resume="change",
         replans=True,
     )

@@ -56,11 +56,14 @@ class Replicated(DistributedDataParallel):
             return getattr(module, name)
 
 
-def apply_ddp(module: nn.Module, device: torch.device, *, group=None, stage: bool = False) -> nn.Module:
+def apply_ddp(
+    module: nn.Module, device: torch.device, *, group=None, stage: bool = False, leave_out=()
+) -> nn.Module:
     """Step 6 with copies: DistributedDataParallel over every rank, or the ranks of `group` (`Replicated`). A
     pipeline's `stage` sums the copies' gradients (its loss is already divided by the global batch) into
     gradients that are views of DDP's buckets (no second copy of them), and keeps each copy's buffers its own
-    (as one pipeline's BatchNorm statistics are its own)."""
+    (as one pipeline's BatchNorm statistics are its own). The parameters named in `leave_out` are not DDP's
+    (experts split over the ranks, which their own copies average: experts.py)."""
     if not dist.is_initialized():
         raise RuntimeError("the data strategy needs an initialised process group; start it with --devices N")
     device_ids = [device.index] if device.type == "cuda" else None
@@ -70,6 +73,8 @@ def apply_ddp(module: nn.Module, device: torch.device, *, group=None, stage: boo
     if device.type == "cuda":
         default_strides_where_alike(module)
     contiguous_buffers(module)
+    if leave_out:  # (torch's own way of telling DDP which parameters are not its)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(leave_out))
     if not stage:
         return Replicated(module, device_ids=device_ids)
     # (torch 2.13 renamed broadcast_buffers, and warns of the old name)

@@ -20,6 +20,11 @@ mean over the group's ranks, as if each held a copy of them (the tokens' own gra
 then averages them over the ranks that hold the same experts, as it averages the rest of the model over all of its
 ranks, so that they are the one-device gradient as the rest's are. Where FSDP2 sums the ranks' gradients instead (a
 pipeline's stages, whose loss is divided by the global batch already), they are not divided.
+
+**Beside DDP** (`--strategy data`: the expert ranks borrowed from DDP's copies). DDP leaves the split experts out
+(they are not the same on every rank), and the copies that hold the same experts average their gradients at the
+end of each backward DDP synchronises, as DDP averages the rest (`average_copies`); where P is every copy, none
+holds the same experts and nothing is averaged.
 """
 
 from __future__ import annotations
@@ -106,6 +111,49 @@ def mixtures_of(model: nn.Module) -> list:
     """The modules whose experts expert parallelism splits (models/moe.py's GroupedExperts: those that declare
     `expert_parallel`)."""
     return [module for module in model.modules() if hasattr(type(module), "expert_parallel")]
+
+
+def expert_parameters(model: nn.Module) -> list:
+    """(name, parameter) of every mixture's stacked experts in `model`, by their names in it."""
+    found = {id(module) for module in mixtures_of(model)}
+    return [
+        (f"{name}.{key}" if name else key, parameter)
+        for name, module in model.named_modules()
+        if id(module) in found
+        for key, parameter in module.named_parameters(recurse=False)
+    ]
+
+
+def average_copies(runner, parameters: list, mesh) -> None:
+    """The copies of the same experts (`mesh`: the run mesh's second expert view) average their `parameters`'
+    gradients once the backward is done, where DDP's `runner` synchronises its own (not in the earlier passes of
+    --accumulate, under its `no_sync`): one all-reduce of them all, queued to autograd's end of the backward by the
+    first of them whose gradient is complete, as DDP queues its own. Nothing where each copy's experts are its own
+    (a mesh of one rank)."""
+    if mesh.size() == 1:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.autograd import Variable
+
+    group, copies, queued = mesh.get_group(), mesh.size(), [False]
+
+    def average() -> None:
+        queued[0] = False
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in parameters]
+        grads = [grad for grad in grads if grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat.div_(copies), grads)):
+            grad.copy_(summed)
+
+    def done(_parameter) -> None:
+        if runner.require_backward_grad_sync and not queued[0]:
+            queued[0] = True
+            Variable._execution_engine.queue_callback(average)
+
+    for parameter in parameters:
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(done)
 
 
 def check_expert_parallel(model: nn.Module, size: int, *, name: str) -> None:

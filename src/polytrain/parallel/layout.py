@@ -6,7 +6,8 @@ shard (FSDP2 ranks that each keep a shard), pipeline (stages), context (each seq
 (each layer split). The device mesh is laid out in that order, the tensor dimension innermost, so a tensor group is
 consecutive ranks (one machine's devices), and a context group the ranks next to them. The expert degree (each
 mixture's experts split over `expert` ranks) multiplies nothing: as torchtitan's, its ranks are borrowed from those
-FSDP2 shards over (`fsdp_ranks`), consecutive among them (experts.py).
+that hold the same parameters (`expert_holders`: those FSDP2 shards over, or DDP's whole copies), consecutive among
+them (experts.py).
 
 What a layout means is asked of it: how the global batch is cut (`data_degree`), over how many replicas the
 gradient is averaged, the mesh's shape and names, the words that describe it. The strategy names users give
@@ -80,7 +81,8 @@ class Layout:
     # (FSDP2 over them, torchtitan's dp_shard_cp) or "replicate" (whole copies, DDP over them); without context
     # ranks it says nothing and is "shard"
     context_in: str = "shard"
-    # the ranks each mixture's experts are split over, borrowed from the FSDP2 ranks (not a factor of the world)
+    # the ranks each mixture's experts are split over, borrowed from those that hold the same parameters (the FSDP2
+    # ranks, or DDP's copies: `expert_holders`; not a factor of the world)
     expert: int = 1
 
     def __post_init__(self) -> None:
@@ -92,23 +94,34 @@ class Layout:
             raise ConfigError(f"context_in must be 'shard' or 'replicate', got {self.context_in!r}")
         if not isinstance(self.expert, int) or isinstance(self.expert, bool) or self.expert < 1:
             raise ConfigError(f"the expert degree must be a whole number of at least 1, got {self.expert!r}")
-        if self.expert > 1 and (self.data_parallel != "shard" or self.fsdp_ranks % self.expert):
+        if self.expert > 1 and (self.expert_holders < 2 or self.expert_holders % self.expert):
             raise ConfigError(self._experts_unsplit())
         if self.context == 1:  # (one description per layout: equal layouts compare equal)
             object.__setattr__(self, "context_in", "shard")
 
     def _experts_unsplit(self) -> str:
-        """The line for an expert degree that does not divide the ranks FSDP2 shards over."""
+        """The line for an expert degree that does not divide the ranks it is borrowed from."""
         if self.data_parallel == "shard" and self.fsdp_ranks > 1:
             return (
                 f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and must "
                 f"divide them ({self.fsdp_ranks} here: the shards, with their context ranks); use a divisor of "
                 f"{self.fsdp_ranks}"
             )
+        if self.data_parallel == "replicate" and self.context > 1 and self.pipeline == 1:
+            return (
+                f"--expert-parallel {self.expert} borrows its ranks from DDP's copies beside no context ranks so far; "
+                f"with --context-parallel use --strategy sharded (FSDP2 over the shards and context ranks)"
+            )
+        if self.expert_holders > 1:
+            return (
+                f"--expert-parallel {self.expert} splits the experts over the data-parallel copies, and must divide "
+                f"them ({self.expert_holders} here); use a divisor of {self.expert_holders}"
+            )
         return (
-            f"--expert-parallel {self.expert} splits the experts over ranks that FSDP2 shards over, and this layout "
-            f"shards over none; use --strategy sharded, --strategy tensor with {self.expert} tensor groups or more "
-            f"(--devices {self.expert} x --tensor-parallel), or --strategy pipeline --data-parallel shard"
+            f"--expert-parallel {self.expert} splits the experts over ranks that hold the same parameters, and this "
+            f"layout has none to borrow from; use --strategy data or sharded, --strategy tensor with "
+            f"{self.expert} tensor groups or more (--devices {self.expert} x --tensor-parallel), or --strategy "
+            f"pipeline --data-parallel shard"
         )
 
     @property
@@ -136,8 +149,19 @@ class Layout:
     @property
     def holds_parts(self) -> bool:
         """True where each rank's parameters are DTensors, parts of the whole model's (FSDP2's shards, a tensor
-        plan's slices): its state is gathered and cut back, and its checkpoints are each rank's parts."""
-        return self.data_parallel == "shard" or self.tensor > 1
+        plan's slices, experts split over ranks): its state is gathered and cut back, and its checkpoints are each
+        rank's parts."""
+        return self.data_parallel == "shard" or self.tensor > 1 or self.expert > 1
+
+    @property
+    def expert_holders(self) -> int:
+        """The ranks an expert degree borrows from, which hold the same parameters: those FSDP2 shards over
+        (`fsdp_ranks`), or DDP's whole copies where one model is neither split nor sharded (`replicate`: not a
+        pipeline's copies, nor context ranks beside them); 0 where there are none."""
+        if self.data_parallel == "shard":
+            return self.fsdp_ranks
+        plain = self.data_parallel == "replicate" and self.pipeline == 1 and self.context == 1
+        return self.replicate if plain else 0
 
     @property
     def splits_model(self) -> bool:
@@ -167,8 +191,8 @@ class Layout:
     @property
     def expert_span(self) -> int:
         """How many consecutive ranks one expert group spans (`expert` of the FSDP2 ranks, innermost in the
-        flattened (dp_shard, cp) dimension): the tensor ranks lie between its ranks, and the pipeline stages too
-        where it reaches past one context group."""
+        flattened (dp_shard, cp) dimension, or of DDP's copies): the tensor ranks lie between its ranks, and the
+        pipeline stages too where it reaches past one context group."""
         return self.expert * self.tensor * (self.pipeline if self.expert > self.context else 1)
 
     @property

@@ -132,8 +132,11 @@ class RunMesh:
     def expert_views(self) -> tuple:
         """(`ep`: the ranks one mixture's experts are split over, `expert_fsdp`: the ranks that hold the same experts,
         which FSDP2 shards them over): what FSDP2 shards over (`fsdp`) unflattened into (dp_shard_mod_ep, ep), ep
-        innermost, as torchtitan borrows its expert ranks (within each dp_replicate copy for hybrid sharding)."""
-        fsdp, size = self.fsdp, self.layout.expert
+        innermost, as torchtitan borrows its expert ranks (within each dp_replicate copy for hybrid sharding).
+        Where DDP's copies hold the model (`layout.data_parallel == "replicate"`), dp_replicate is unflattened so,
+        the second view the copies of the same experts."""
+        copies = self.layout.data_parallel == "replicate"
+        fsdp, size = (self.replicas if copies else self.fsdp), self.layout.expert
         if not hasattr(fsdp, "_unflatten"):
             from ..errors import ConfigError
 
@@ -141,8 +144,9 @@ class RunMesh:
                 "--expert-parallel needs torch 2.9 or later (DeviceMesh._unflatten); upgrade torch"
             )
         if fsdp.ndim == 1:
-            two = fsdp._unflatten(0, (fsdp.size() // size, size), ("dp_shard_mod_ep", "ep"))
-            return two["ep"], two["dp_shard_mod_ep"]
+            rest = "dp_replicate_mod_ep" if copies else "dp_shard_mod_ep"
+            two = fsdp._unflatten(0, (fsdp.size() // size, size), (rest, "ep"))
+            return two["ep"], two[rest]
         three = fsdp._unflatten(1, (fsdp.shape[1] // size, size), ("dp_shard_mod_ep", "ep"))
         return three["ep"], three["dp_replicate", "dp_shard_mod_ep"]
 

@@ -24,7 +24,7 @@ does nothing:
                               blocks is compiled whole after step 6 (`Parallelized.compile_whole`), a
                               pipeline's stages each in place
   6. data parallelism         FSDP2 over the data dimensions (with the context ranks folded in), or DDP copies
-                              (`apply_data_parallel`)
+                              (ddp.py; split experts left to their own copies: experts.py `average_copies`)
   7. materialise              a model built on the meta device given storage and its one-device values (or a
                               checkpoint's): after FSDP2, which shards what it wraps; before DDP, which starts
                               every copy from rank 0's values (materialise.py)
@@ -39,6 +39,7 @@ its replica.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -98,6 +99,9 @@ class Parallelized:
     stages: tuple = ()  # a pipeline rank's stage modules as its schedule runs them (DDP copies: wrapped)
     # --compile on a model without blocks: the caller compiles the runner (step 5)
     compile_whole: bool = False
+    # DDP's plain parameters beside DTensors (experts split over its copies): the optimizer's multi-tensor kernels
+    # take both kinds at once under torch's implicit replication (`mixed_parameters`)
+    mixed: bool = False
     lines: List[str] = field(default_factory=list)  # start-up lines that say what was done
 
 
@@ -126,7 +130,8 @@ def parallelize(
         from .experts import apply_expert_parallel
 
         ep, same = mesh.expert_views
-        apply_expert_parallel(module, ep, shard_over=same, sums=options.sum_gradients)
+        shards = options.data_parallel == "shard"  # else DDP's copies: `same` averages their experts below
+        apply_expert_parallel(module, ep, shard_over=same if shards else None, sums=options.sum_gradients)
         done.lines.append(
             f"expert parallel: each mixture's experts split over {layout.expert} ranks, tokens exchanged with "
             f"them by all-to-all"
@@ -146,7 +151,17 @@ def parallelize(
             group = mesh.copies
             done.stages = tuple(apply_ddp(s, options.device, group=group, stage=True) for s in options.stages)
         else:
-            done.runner = apply_ddp(module, options.device)
+            experts = []
+            if layout.expert > 1:  # DDP's copies of the same experts average their gradients apart
+                from .experts import expert_parameters
+
+                experts = expert_parameters(module)
+            done.runner = apply_ddp(module, options.device, leave_out=[name for name, _ in experts])
+            if experts:
+                from .experts import average_copies
+
+                average_copies(done.runner, [p for _, p in experts], mesh.expert_views[1])
+                done.mixed = True
     else:
         if options.data_parallel == "shard":
             apply_fsdp(
@@ -160,6 +175,17 @@ def parallelize(
             )
         _materialise(module, options, done.fused)
     return done
+
+
+def mixed_parameters(mixed: bool):
+    """A context in which the optimizer's multi-tensor kernels take plain tensors and DTensors at once, where
+    `parallelize` made them `mixed` (in its steps, and as torch's state-dict API creates its state): torch's
+    implicit replication, the plain ones read as replicated DTensors and updated in place. Nothing elsewhere."""
+    if not mixed:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
 
 
 def check_model(model: nn.Module, layout: Layout, *, activation_checkpointing: str) -> None:
@@ -179,10 +205,10 @@ def check_model(model: nn.Module, layout: Layout, *, activation_checkpointing: s
 
 def mesh_for(layout: Layout, options: Preparation) -> Optional[RunMesh]:
     """The run's mesh where `parallelize` needs one for this layout and these options (a tensor plan: a tp
-    dimension, of one rank where a test asks; context parallelism; FSDP2: a dp_shard dimension, of one rank where
-    the layout has replicas and context ranks only), else None (DDP takes the world group)."""
+    dimension, of one rank where a test asks; context parallelism; expert parallelism; FSDP2: a dp_shard dimension,
+    of one rank where the layout has replicas and context ranks only), else None (DDP takes the world group)."""
     shard, tensor = options.data_parallel == "shard", options.tensor_plan is not None
-    if not (shard or tensor or layout.context > 1):
+    if not (shard or tensor or layout.context > 1 or layout.expert > 1):
         return None
     return RunMesh(layout, options.device.type, shard=shard, tensor=tensor)
 

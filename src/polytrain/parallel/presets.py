@@ -17,7 +17,7 @@ from .layout import Layout, divisors
 
 # the presets that split sequences over context groups (--context-parallel)
 CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
-EXPERT_PRESETS = ("sharded", "tensor", "pipeline")  # (those whose layouts shard with FSDP2, where asked)
+EXPERT_PRESETS = ("data", "sharded", "tensor", "pipeline")  # (those with ranks that hold the same parameters)
 
 # the settings beside --strategy that shape its layout (`layout_of`'s keywords)
 LAYOUT_SETTINGS = (
@@ -231,7 +231,7 @@ def layout_of(
     if expert_parallel not in (None, 1) and strategy not in EXPERT_PRESETS:
         raise ConfigError(
             f"--expert-parallel takes --strategy {', '.join(EXPERT_PRESETS[:-1])} or {EXPERT_PRESETS[-1]} so far "
-            f"(its experts split over shards); use one of them, or drop --expert-parallel"
+            f"(its experts split over ranks that hold the same parameters); use one of them, or drop --expert-parallel"
         )
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")

@@ -193,7 +193,7 @@ class Strategy(ModelState, EpochFigures):
         self.model = model
         self.parameter_names = [name for name, _ in model.named_parameters()]
         done = parallelize(model, self.layout, self.preparation(), objective=self.objective)
-        self.mesh, self.runner, self.context = done.mesh, done.runner, done.context
+        self.mesh, self.runner, self.context, self.mixed = done.mesh, done.runner, done.context, done.mixed
         self.global_rows = done.global_rows
         self.fused.update(done.fused)
         if self.is_main:
@@ -412,12 +412,13 @@ class Strategy(ModelState, EpochFigures):
     def apply_gradients(self) -> None:
         """Turn this rank's gradients into the step's new weights: unscale and clip them where asked, the
         optimizer (skipped after an fp16 overflow), then the schedule."""
-        self.gradients.step(
-            self.optimizer,
-            list(self.model.parameters()),
-            norm_group=self.norm_group,
-            overflow_group=self.overflow_group,
-        )
+        with self.mixed_parameters():
+            self.gradients.step(
+                self.optimizer,
+                list(self.model.parameters()),
+                norm_group=self.norm_group,
+                overflow_group=self.overflow_group,
+            )
         if self.schedule_per_step:
             self.scheduler.step()
 

@@ -87,6 +87,11 @@ def holding_lines(
     replicas)."""
     if tensor_plan is not None:
         lines = [f"tensor: {tensor_plan.describe(layout)}{beside(layout)}; {heading(slots)}"]
+    elif layout.data_parallel == "replicate":  # DDP's copies, each mixture's experts split over some of them
+        lines = [
+            f"data: {layout.world_size} copies, each mixture's experts split over {layout.expert} of them; "
+            f"{heading(slots)}"
+        ]
     else:
         sharding, ranks = layout.sharding, f"{layout.world_size} ranks"
         if sharding.replicate > 1:
@@ -103,7 +108,13 @@ def holding_lines(
                 layout.data_degree > 1
             )
             where += layout.place(rank)
-        whole = "a replica" if tensor_plan is not None else "data parallel"
+        whole = (
+            "a replica"
+            if tensor_plan is not None
+            else "whole experts"
+            if layout.data_parallel == "replicate"
+            else "data parallel"
+        )
         lines.append(
             f"  rank {rank} ({device}{where}): {figures(size, slots, trained=trained)}; {whole} would hold "
             f"{figures(full[0], slots, trained=full[1])}"

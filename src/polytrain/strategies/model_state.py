@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..parallel.parallelize import mixed_parameters
 from ..parallel.tensor import reordered, reordered_optimizer
 from .checkpoint_parts import apply_groups, in_one_device_rows
 from .optimizer_state import keep_speed, load_part, numbered_part, positions, whole_state
@@ -114,6 +115,13 @@ class ModelState:
     pipeline and the parameter server write theirs otherwise and override them. Expects `layout`, `model`,
     `optimizer`, `scheduler`, `fused`, `parameter_names`, `full_meta` and `is_main` of the strategy."""
 
+    mixed = False  # plain parameters beside DTensors (parallelize.py `Parallelized.mixed`)
+
+    def mixed_parameters(self):
+        """Where the parameters are plain tensors and DTensors (DDP's copies beside experts split over them), the
+        context in which the optimizer steps and its state is created (parallelize.py `mixed_parameters`)."""
+        return mixed_parameters(self.mixed)
+
     @property
     def writes_shards(self) -> bool:
         """True: each rank writes and reads its own part of checkpoints (shard_state, load_shards); False: state_dict
@@ -142,9 +150,10 @@ class ModelState:
         """The whole model, optimizer (in `torch.optim`'s numbering) and schedule on rank 0 ({} elsewhere)."""
         if self.layout.holds_parts:
             model = self.model_state()
-            optimizer = whole_optimizer(
-                self.model, self.optimizer, self.fused, self.parameter_names, main=self.is_main
-            )
+            with self.mixed_parameters():  # (torch's API steps an optimizer without state to create it)
+                optimizer = whole_optimizer(
+                    self.model, self.optimizer, self.fused, self.parameter_names, main=self.is_main
+                )
             if not self.is_main:
                 return {}
         else:
@@ -156,7 +165,8 @@ class ModelState:
 
     def load_state_dict(self, state: dict) -> None:
         if self.layout.holds_parts:
-            load_whole(self.model, self.optimizer, state, self.fused, self.parameter_names)
+            with self.mixed_parameters():
+                load_whole(self.model, self.optimizer, state, self.fused, self.parameter_names)
         else:
             self.model.load_state_dict(state["model"])
             load_part(self.optimizer, state["optimizer"], positions(self.model.parameters()))
@@ -170,7 +180,8 @@ class ModelState:
             raise NotImplementedError(
                 f"{type(self).__name__} on {self.layout.describe()} writes whole checkpoints"
             )
-        return rank_parts(self.model, self.optimizer if optimizer else None, self.fused)
+        with self.mixed_parameters():
+            return rank_parts(self.model, self.optimizer if optimizer else None, self.fused)
 
     def load_shards(self, load: Callable, scheduler: dict) -> None:
         """Load a checkpoint of shards: `load(template)` fills `shard_state()`'s form in place, re-sharded for
@@ -179,5 +190,6 @@ class ModelState:
             raise NotImplementedError(
                 f"{type(self).__name__} on {self.layout.describe()} reads whole checkpoints"
             )
-        load_rank_parts(self.model, self.optimizer, load, self.fused)
+        with self.mixed_parameters():
+            load_rank_parts(self.model, self.optimizer, load, self.fused)
         self.scheduler.load_state_dict(scheduler)

@@ -65,7 +65,7 @@ def test_a_strategy_that_reports_nothing_is_split_by_the_replica_reference():
     assert row.step_seconds == pytest.approx(23 * MS)
     assert row.samples_per_second == pytest.approx(64 / 0.023)
     assert row.phases == pytest.approx(
-        {"compute": 12 * MS, "communication": 8 * MS, "data": 1 * MS, "idle": 2 * MS}
+        {"compute": 12 * MS, "communication": 8 * MS, "all-to-all": 0.0, "data": 1 * MS, "idle": 2 * MS}
     )
 
 
@@ -74,7 +74,7 @@ def test_phases_a_strategy_reports_are_taken_as_they_are_and_the_rest_is_compute
     row = Row("cpu", "pipeline", 2, 64)
     summarize(row, [rank(0, steps, window=30 * MS, held=300), rank(1, steps, window=30 * MS, held=500)])
     assert row.phases == pytest.approx(
-        {"compute": 15 * MS, "communication": 5 * MS, "data": 0.0, "idle": 10 * MS}
+        {"compute": 15 * MS, "communication": 5 * MS, "all-to-all": 0.0, "data": 0.0, "idle": 10 * MS}
     )
     assert row.held_bytes == 500
 
@@ -90,7 +90,7 @@ def test_a_workers_pull_waits_while_the_server_updates_which_is_idle_time():
     summarize(row, [rank(0, server, window=20 * MS), rank(1, worker, window=20 * MS)])
     # rank 0: 16 compute + 4 comm; rank 1: 15 compute + 2 comm + 3 idle
     assert row.phases == pytest.approx(
-        {"compute": 15.5 * MS, "communication": 3 * MS, "data": 0.0, "idle": 1.5 * MS}
+        {"compute": 15.5 * MS, "communication": 3 * MS, "all-to-all": 0.0, "data": 0.0, "idle": 1.5 * MS}
     )
 
 
@@ -491,3 +491,41 @@ def test_projections_cover_every_count_asked_for():
         "sharded 2x2",  # hybrid sharding: projected, but not what --strategy auto picks from
         "pipeline",
     }
+
+
+def test_experts_exchanges_are_a_phase_of_their_own_and_the_busiest_expert_rank_is_named():
+    # 20 ms steps, the replica alone 12 ms: 8 ms outside compute, of which 5 ms the expert groups timed in their
+    # all-to-alls; rank 1's experts computed 300 (token, choice) pairs to rank 0's 100
+    steps = [{"step": 20 * MS, "data": 0.0, "all-to-all": 5 * MS, "routed": 50}] * 2
+    busy = [{"step": 20 * MS, "data": 0.0, "all-to-all": 5 * MS, "routed": 150}] * 2
+    row = Row("cpu", "data", 2, 64, expert_parallel=2)
+    summarize(
+        row,
+        [rank(0, steps, window=40 * MS, reference=12 * MS), rank(1, busy, window=40 * MS, reference=12 * MS)],
+    )
+    assert row.phases == pytest.approx(
+        {"compute": 12 * MS, "communication": 3 * MS, "all-to-all": 5 * MS, "data": 0.0, "idle": 0.0}
+    )
+    assert row.imbalance == pytest.approx(1.5)  # 300 against a mean of 200
+    assert row.label == "data ep2" and row.layout.expert == 2
+    rows = [Row("cpu", "single", 1, 64, step_seconds=30 * MS, phases={}), row]
+    fill_speedups(rows)
+    assert any(
+        "data ep2 on 2 cpu, batch 64: all-to-all 5.0 ms per step; the busiest expert rank computed 1.50x"
+        in line
+        for line in table(rows)
+    )
+
+
+def test_a_mixture_of_experts_is_benched_with_its_experts_split_over_each_count_that_divides_them():
+    options = BenchOptions(
+        model="llama", devices=(1, 2, 4), strategies=("single", "data", "sharded", "pipeline"), experts=4,
+        device_kinds=("cpu",),
+    )  # fmt: skip
+    split = {(r.label, r.devices) for r in combinations(options) if r.expert_parallel}
+    assert split == {
+        ("data ep2", 2), ("data ep2", 4), ("data ep4", 4), ("sharded ep2", 2), ("sharded ep2", 4),
+        ("sharded ep4", 4),
+    }  # fmt: skip
+    dense = BenchOptions(model="llama", devices=(1, 2), strategies=("data",), device_kinds=("cpu",))
+    assert not any(r.expert_parallel for r in combinations(dense))

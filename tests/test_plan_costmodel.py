@@ -166,3 +166,68 @@ def test_a_cost_per_message_fitted_to_one_step_predicts_another():
     assert four["data"] == predict_all(WORK, 4, LINK)["data"]  # no cost given: unchanged
     assert fit_message_cost(two.step_seconds / 2, two) == 0.0  # never negative
     assert fit_message_cost(1.0, predict_all(WORK, 1, LINK)["single"]) == 0.0  # no messages, nothing to fit
+
+
+# a mixture-of-experts model: 2 mixtures of 8 experts holding 3 of its 4 MB, each sending 4 KB per sample in an
+# all-to-all (a sample's tokens x K x width x 4 bytes)
+MOE = Workload(
+    compute_seconds=0.1,
+    parameter_bytes=4e6,
+    batch_size=64,
+    update_seconds=0.01,
+    layers=4,
+    mixtures=2,
+    experts=8,
+    expert_bytes=3e6,
+    routed_bytes=4000.0,
+)
+
+
+def test_experts_split_over_ddp_copies_pay_their_all_to_alls_and_split_their_update():
+    plain, split = data_parallel(MOE, 4, LINK), predict_all(MOE, 4, LINK)["data ep2"]
+    assert split.layout == Layout(replicate=4, expert=2)
+    # a rank's 16 samples x 4 KB = 64 KB per all-to-all, half of it leaving the rank: 32 us each, 4 per mixture
+    assert split.communication == pytest.approx(plain.communication + 8 * 0.5 * 64e3 / 1e9)
+    assert split.messages == plain.messages + 8  # one message to the other rank in each all-to-all
+    # the experts' 3/4 of the 10 ms update split over 2 copies
+    assert split.compute == pytest.approx(plain.compute - 0.01 * 0.75 * 0.5)
+    assert split.label == "data ep2" and set(predict_all(MOE, 4, LINK)) >= {"data ep4", "sharded ep2"}
+    assert not any(
+        " ep" in name for name in predict_all(WORK, 4, LINK)
+    )  # a dense model has no experts to split
+
+
+def test_experts_split_over_fsdp2_shards_gather_only_a_rank_s_experts_over_the_ranks_that_hold_them():
+    plain, split = sharded(MOE, 4, LINK), predict_all(MOE, 4, LINK)["sharded ep2"]
+    # 3 rings moved 3/4 of the experts' 3 MB; now 1/2 of their half: 3 x (3/4 - 1/4) x 3 MB / 1 GB/s = 4.5 ms less
+    exchanges = 8 * 0.5 * 64e3 / 1e9
+    assert split.communication == pytest.approx(plain.communication - 0.0045 + exchanges)
+    assert split.compute == pytest.approx(plain.compute)  # FSDP2 split the update already
+
+
+def test_the_memory_check_holds_a_pth_of_the_experts_on_each_ddp_copy():
+    whole = memory_per_rank(MOE, "data", 4, optimizer_slots=2)
+    split = memory_per_rank(MOE, "data", 4, optimizer_slots=2, layout=Layout(replicate=4, expert=2))
+    # weights, gradients and 2 slots of state: 4 bytes per weight byte, of half the experts' 3 MB
+    assert whole - split == pytest.approx(4 * 3e6 / 2)
+    sharded_split = memory_per_rank(MOE, "sharded", 4, optimizer_slots=2, layout=Layout(shard=4, expert=2))
+    assert sharded_split == memory_per_rank(MOE, "sharded", 4, optimizer_slots=2)  # FSDP2 shards them anyway
+
+
+def test_auto_trains_a_layout_with_experts_by_its_flags():
+    from polytrain.parallel.presets import flags_of, layout_of
+
+    layout = Layout(replicate=4, expert=2)
+    assert flags_of("data", layout) == {"expert_parallel": 2}
+    assert layout_of("data", 4, **flags_of("data", layout)) == layout
+
+
+def test_auto_splits_the_experts_over_ddp_copies_where_whole_copies_do_not_fit():
+    from polytrain.scaling.auto import pick
+
+    # a copy holds 16 MB with every expert (weights, gradients, AdamW's 2 slots), 7 MB with a quarter of them
+    best, predictions, fits = pick(
+        MOE, LINK, devices=4, device_type="cuda", refused={}, available=11e6, optimizer="adamw"
+    )
+    assert not fits["data"] and fits["data ep4"]
+    assert best.label == "data ep4" and best.layout == Layout(replicate=4, expert=4)

@@ -408,6 +408,12 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
         ("ffn-width", "F", int),
         ("vocab-size", "V", int),
         ("rope-theta", "F", float),
+        # a mixture of experts: data and sharded also run with the experts split (--expert-parallel)
+        ("experts", "E", int),
+        ("experts-per-token", "K", int),
+        ("shared-experts", "S", int),
+        ("moe-every", "N", int),
+        ("router-aux-loss", "W", float),
     )
     for name, metavar, kind in llama:
         bench.add_argument(

@@ -29,8 +29,9 @@ holds the same experts and nothing is averaged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,11 @@ def _exchange(tensor: torch.Tensor, output_sizes: list, input_sizes: list, group
     differentiable: torch's functional collective, whose backward sends the gradients back the same way."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group)
+    sent = funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group)
+    wait = getattr(
+        sent, "trigger_wait", None
+    )  # (torch's asynchronous result: waited here, where it is timed)
+    return wait() if wait is not None else sent
 
 
 def _scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
@@ -68,6 +73,10 @@ class ExpertGroup:
     # hold the same experts (as it averages the rest of the model's), 1 where it sums them (a pipeline's stages,
     # whose loss is divided by the global batch already)
     scale: float = 1.0
+    # what the exchanges did since `exchange_figures` last read them: the (token, choice) pairs this rank's experts
+    # computed, and the seconds spent in all-to-alls (forward: the calls; backward: from a gradient reaching an
+    # exchange's output to its input's)
+    spent: list = field(default_factory=lambda: [0, 0.0], compare=False, repr=False)
 
     @classmethod
     def of(cls, mesh, *, sums: bool = False) -> "ExpertGroup":
@@ -87,9 +96,14 @@ class ExpertGroup:
         counts = torch.bincount(picks, minlength=count)
         sent = counts.view(self.size, local)  # to rank s: the pairs for each of its experts
         received = torch.empty_like(sent)
+        began = time.perf_counter()
         dist.all_to_all_single(received, sent, group=self.group)  # from rank s: the pairs for each of mine
         send_sizes, receive_sizes = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
-        arrived = _exchange(tokens[owner], receive_sizes, send_sizes, self.group)
+        sending = tokens[owner]
+        arrived = _exchange(sending, receive_sizes, send_sizes, self.group)
+        self.spent[0] += sum(receive_sizes)
+        self.spent[1] += time.perf_counter() - began
+        self._time_backward(sending, arrived)
         # what arrived lies by source rank, then by expert: regroup it by expert, then by source rank
         block = torch.arange(self.size * local, device=received.device)  # s * local + j: from s, for j
         by_expert = (block % local) * self.size + block // local
@@ -102,9 +116,39 @@ class ExpertGroup:
             hidden = F.silu(part @ w1[j].transpose(0, 1)) * (part @ w3[j].transpose(0, 1))
             outputs.append(hidden @ w2[j].transpose(0, 1))
         computed = _scale_gradient(torch.cat(outputs), self.scale)[torch.argsort(regroup)]
+        began = time.perf_counter()
         returned = _exchange(computed, send_sizes, receive_sizes, self.group)
+        self.spent[1] += time.perf_counter() - began
+        self._time_backward(computed, returned)
         weighed = returned * weights.flatten()[order, None]
         return torch.zeros_like(tokens).index_add_(0, owner, weighed.to(tokens.dtype))
+
+    def _time_backward(self, sent: torch.Tensor, got: torch.Tensor) -> None:
+        """Add to `spent` the backward of the exchange that sent `sent` and got `got`: from the gradient reaching
+        `got` to `sent`'s (the engine may run other ready work between them: an upper bound)."""
+        if not got.requires_grad:
+            return
+        reached = []
+        got.register_hook(lambda grad: reached.append(time.perf_counter()))
+
+        def left(grad) -> None:
+            if reached:
+                self.spent[1] += time.perf_counter() - reached.pop()
+
+        sent.register_hook(left)
+
+
+def exchange_figures(model: nn.Module) -> Optional[tuple]:
+    """((token, choice) pairs this rank's experts computed, seconds in all-to-alls) of `model`'s expert groups since
+    the last call, which resets them; None where no mixture's experts are split."""
+    groups = {id(m.expert_parallel): m.expert_parallel for m in mixtures_of(model) if m.expert_parallel}
+    if not groups:
+        return None
+    pairs = sum(group.spent[0] for group in groups.values())
+    seconds = sum(group.spent[1] for group in groups.values())
+    for group in groups.values():
+        group.spent[:] = [0, 0.0]
+    return pairs, seconds
 
 
 def mixtures_of(model: nn.Module) -> list:

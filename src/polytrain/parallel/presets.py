@@ -278,15 +278,17 @@ def mesh_of(strategy: str, layout: Layout) -> Tuple[int, ...]:
 def label(strategy: str, layout: Layout) -> str:
     """How the cost model, bench and `--strategy auto` print a strategy on its layout, for reading only: the
     strategy's name, with its mesh where it has one (`sharded 2x4`: 2 copies of 4 shards; `tensor 2x4`: 2 groups
-    of 4 tensor ranks) and its context ranks (`sharded cp2`)."""
+    of 4 tensor ranks), its context ranks (`sharded cp2`) and its expert degree (`data ep2`)."""
     mesh = mesh_of(strategy, layout)
     words = f"{strategy} {'x'.join(map(str, mesh))}" if mesh else strategy
-    return words + (f" cp{layout.context}" if layout.context > 1 else "")
+    words += f" cp{layout.context}" if layout.context > 1 else ""
+    return words + (f" ep{layout.expert}" if layout.expert > 1 else "")
 
 
 def flags_of(strategy: str, layout: Layout) -> dict:
     """The settings beside `--strategy` that give its mesh (`layout_of` the other way): --replicas R of hybrid
-    sharding, --tensor-parallel T of groups of tensor ranks, --context-parallel C; {} for a plain layout."""
+    sharding, --tensor-parallel T of groups of tensor ranks, --context-parallel C, --expert-parallel P; {} for a
+    plain layout."""
     mesh = mesh_of(strategy, layout)
     flags = {}
     if mesh:
@@ -295,6 +297,8 @@ def flags_of(strategy: str, layout: Layout) -> dict:
         ]
     if layout.context > 1:
         flags["context_parallel"] = layout.context
+    if layout.expert > 1:
+        flags["expert_parallel"] = layout.expert
     return flags
 
 

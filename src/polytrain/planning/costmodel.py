@@ -70,7 +70,7 @@ from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout
-from ..parallel.presets import label, plain_layout
+from ..parallel.presets import EXPERT_PRESETS, label, plain_layout
 from .activations import AttentionShape
 
 
@@ -142,6 +142,12 @@ class Workload:
     sequence_gathers: int = 0  # sequence-parallel: gathers of the widest activation more (whole head)
     # measured forward + backward of one tensor rank's share (split layers at 1/T, its group's batch), by (n, T)
     tensor_seconds: Mapping[Tuple[int, int], float] = field(default_factory=dict)
+    # mixtures of experts (models/moe.py; 0: a dense model): how many, the experts of each, the bytes of all their
+    # stacked experts, and the bytes per sample one mixture sends in one all-to-all (its tokens x K x width)
+    mixtures: int = 0
+    experts: int = 0
+    expert_bytes: float = 0.0
+    routed_bytes: float = 0.0
 
     def in_format(self, contiguous: bool) -> "Workload":
         """The measurements in the default memory format (`contiguous`) or the one they were taken in."""
@@ -205,6 +211,56 @@ class Prediction:
 
     def speedup(self, one_device_seconds: float) -> float:
         return one_device_seconds / self.step_seconds
+
+
+def all_to_all(ranks: int, nbytes: float, link: Link) -> float:
+    """One all-to-all of `nbytes` per rank over `ranks`: (ranks-1)/ranks of them leave each rank, one message to
+    each other rank."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / link.beta + (ranks - 1) * link.alpha
+
+
+# all-to-alls of each mixture in a step: its tokens out to their experts and back, in forward and in backward
+EXCHANGES = 4
+
+
+def with_experts(
+    prediction: Prediction, work: Workload, link: Link, expert: int, *, scatter_by_allreduce: bool = False
+) -> Prediction:
+    """`prediction` with each mixture's experts split over `expert` of the ranks that hold the same parameters
+    (`Layout.expert_holders`): `EXCHANGES` all-to-alls per mixture of a rank's routed tokens over the expert group
+    (routing taken as even). Where DDP's copies held every expert, the experts' part of the update is split
+    `expert` ways; where FSDP2 sharded them over s ranks, it gathers and reduces a rank's experts (1/P of them) over
+    the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
+    layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
+    samples = work.batch_size / layout.data_degree
+    nbytes = samples * work.routed_bytes / layout.context
+    exchanges = EXCHANGES * work.mixtures
+    compute, communication = prediction.compute, prediction.communication
+    if layout.data_parallel == "replicate" and work.parameter_bytes:
+        compute -= work.update_seconds * work.expert_bytes / work.parameter_bytes * (1 - 1 / expert)
+    elif layout.data_parallel == "shard" and layout.fsdp_ranks > 1:
+        rings, shards = 2 + (2 if scatter_by_allreduce else 1), layout.fsdp_ranks
+        same = shards // expert
+        saved = (shards - 1) / shards - (same - 1) / same / expert
+        communication -= rings * saved * work.expert_bytes / link.beta
+    return replace(
+        prediction,
+        compute=compute,
+        communication=communication + exchanges * all_to_all(expert, nbytes, Link(0.0, link.beta)),
+        messages=prediction.messages + exchanges * (expert - 1),
+        layout=layout,
+    )
+
+
+def expert_degrees(work: Workload, layout: Optional[Layout]) -> Tuple[int, ...]:
+    """The expert degrees above 1 a layout of a model with mixtures can take: those dividing each mixture's
+    experts and the ranks they would be borrowed from."""
+    if not work.mixtures or layout is None or layout.expert > 1:
+        return ()
+    holders = layout.expert_holders
+    return tuple(p for p in range(2, holders + 1) if holders % p == 0 and work.experts % p == 0)
 
 
 def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
@@ -442,6 +498,11 @@ def predict_all(
                 turns=turns,
             )
             predictions[predicted.label] = predicted
+    for predicted in list(predictions.values()):  # a mixture's experts split over some of the ranks
+        if predicted.strategy in EXPERT_PRESETS:
+            for expert in expert_degrees(work, predicted.layout):
+                split = with_experts(predicted, work, link, expert, scatter_by_allreduce=scatter_by_allreduce)
+                predictions[split.label] = split
     costs = message_costs or {}
     return {name: priced(p, costs) for name, p in predictions.items()}
 

@@ -57,6 +57,10 @@ def memory_per_rank(
     fsdp = strategy in ("sharded", "tensor") or (layout.pipeline > 1 and layout.shard * layout.tensor > 1)
     shards = layout.fsdp_ranks if fsdp else layout.shard
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
+    if (
+        layout.expert > 1 and shards == 1
+    ):  # DDP's copies each hold 1/P of the experts (FSDP2 shards them anyway)
+        states -= work.expert_bytes * (1 + (1 + optimizer_slots) * trained) * (1 - 1 / layout.expert)
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
     # (pipeline/sharding.py)

@@ -34,7 +34,7 @@ from .hostenv import most_cpu_processes, usable_cores
 from .launch import WorkerFailed, check_devices, check_main_guard, run_job
 from .worker import Job, choose_device
 
-PHASES = ("compute", "communication", "data", "idle")
+PHASES = ("compute", "communication", "all-to-all", "data", "idle")
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -143,6 +143,8 @@ class Row:
     samples_per_second: float = math.nan
     tokens_per_second: float = math.nan  # text: samples/s times the tokens each sample predicts
     peak_fraction: float = math.nan  # counted FLOPs per second over the devices' float32 matmul peak
+    # experts split over ranks: the (token, choice) pairs the busiest rank's experts computed over the mean's
+    imbalance: float = math.nan
     speedup: float = math.nan  # against `single` on one device of the same kind and batch
     efficiency: float = math.nan  # speedup / devices
     phases: Dict[str, float] = field(default_factory=dict)  # seconds per step, mean over ranks
@@ -155,6 +157,7 @@ class Row:
     warning: str = ""  # why its figures cannot be right (see `impossible`)
     tensor_parallel: int = 0  # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
     replicas: int = 0  # sharded: copies of the shard groups (--replicas, hybrid sharding; 0: one copy)
+    expert_parallel: int = 0  # data, sharded: ranks each mixture's experts are split over (0: every rank all)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -169,13 +172,14 @@ class Row:
     @property
     def layout(self) -> Layout:
         """The degrees of parallelism this row ran."""
-        if not (self.tensor_parallel or self.replicas):
+        if not (self.tensor_parallel or self.replicas or self.expert_parallel):
             return plain_layout(self.strategy, self.devices)
         return layout_of(
             self.strategy,
             self.devices,
             tensor_parallel=self.tensor_parallel or None,
             replicas=self.replicas or None,
+            expert_parallel=self.expert_parallel or None,
         )
 
     def to_dict(self) -> dict:
@@ -186,7 +190,9 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
     """Every row the bench runs, baseline (`single` on 1 device) first within each device kind and batch.
     Tensor parallelism (where `tensor`: the model has a plan) runs as one group of all the devices and as each
     (data, tensor) mesh of smaller groups (4 devices: also 2 x 2); sharding also as copies of shard groups of
-    `costmodel.HYBRID_SHARDS` ranks (4 devices: also 2 copies of 2 shards)."""
+    `costmodel.HYBRID_SHARDS` ranks (4 devices: also 2 copies of 2 shards). A model with mixtures of experts
+    (`--experts E`) also runs data and sharded with its experts split over each count of ranks that divides E and
+    the devices (`--expert-parallel P`)."""
     rows = []
     for kind in options.device_kinds:
         for batch in options.batch_sizes:
@@ -201,6 +207,12 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                     if n == 1:
                         continue
                     rows.append(Row(kind, strategy, n, batch))
+                    if strategy in ("data", "sharded") and options.experts:
+                        rows += [
+                            Row(kind, strategy, n, batch, expert_parallel=p)
+                            for p in range(2, n + 1)
+                            if n % p == 0 and options.experts % p == 0
+                        ]
                     if plain.tensor > 1:
                         rows += [
                             Row(kind, strategy, n, batch, tensor_parallel=t)
@@ -226,18 +238,22 @@ def summarize(row: Row, timings: list) -> None:
     for rank, steps in zip(timings, settled):
         sums = dict.fromkeys(PHASES, 0.0)
         for record in steps:
-            idle = record.get("idle", 0.0)
+            idle, exchanges = record.get("idle", 0.0), record.get("all-to-all", 0.0)
             if rank["reference"] is not None:
                 compute = min(record["step"], rank["reference"])
                 communication = max(0.0, record["step"] - compute - idle)
             else:
                 communication = record.get("communication", 0.0)
                 compute = max(0.0, record["step"] - communication - idle)
-            for phase, value in zip(PHASES, (compute, communication, record["data"], idle)):
+            communication = max(0.0, communication - exchanges)  # (the all-to-alls apart)
+            for phase, value in zip(PHASES, (compute, communication, exchanges, record["data"], idle)):
                 sums[phase] += value
         outside = rank["window"] - sum(r["step"] + r["data"] for r in steps)  # between steps, closing barrier
         sums["idle"] += max(0.0, outside)
         per_rank.append({phase: value / len(steps) for phase, value in sums.items()})
+    routed = [sum(record.get("routed", 0) for record in steps) for steps in settled]
+    if any(routed):
+        row.imbalance = max(routed) / (sum(routed) / len(routed))
     row.step_seconds = timings[0]["window"] / len(timings[0]["steps"])
     row.samples_per_second = row.batch_size / row.step_seconds
     mean = {phase: sum(r[phase] for r in per_rank) / len(per_rank) for phase in PHASES}
@@ -307,6 +323,8 @@ def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) 
         values["tensor_parallel"] = row.tensor_parallel
     if row.replicas:
         values["replicas"] = row.replicas
+    if row.expert_parallel:
+        values["expert_parallel"] = row.expert_parallel
     apply_model_defaults(values, set(values), options.model)
     return TrainConfig(**values)
 

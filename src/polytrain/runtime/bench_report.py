@@ -38,7 +38,8 @@ def table(rows: List[Row]) -> List[str]:
         + (f"{'tokens/s':>10} " if text else "")
         + (f"{'% peak':>6} " if counted else "")
         + f"{'ms/step':>8} "
-        f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'data':>5} {'idle':>5} "
+        f"{'speedup':>7} {'eff.':>5} {'MiB/rank':>8}  {'compute':>7} {'comm.':>6} {'a2a':>5} {'data':>5} "
+        f"{'idle':>5} "
         f"{'predicted':>14}"
     )
     lines = [header, "-" * len(header)]
@@ -47,7 +48,7 @@ def table(rows: List[Row]) -> List[str]:
         if row.skipped:
             lines.append(what + f"skipped: {row.skipped}")
             continue
-        shares = "  ".join(f"{row.phases[p] / row.step_seconds:>5.0%}" for p in PHASES)
+        shares = "  ".join(f"{row.phases.get(p, 0.0) / row.step_seconds:>5.0%}" for p in PHASES)
         predicted = ""
         if math.isfinite(row.predicted_seconds):
             error = row.predicted_seconds / row.step_seconds - 1
@@ -59,6 +60,17 @@ def table(rows: List[Row]) -> List[str]:
             what + f"{row.samples_per_second:>10,.0f} {tokens}{row.step_seconds * 1e3:>8.2f} "
             f"{row.speedup:>6.2f}x {row.efficiency:>5.0%}{'!' if row.warning else ' '}"
             f"{_mib(memory):>8}  {shares} {predicted:>14}"
+        )
+    routed = [row for row in rows if not row.skipped and math.isfinite(row.imbalance)]
+    if routed:
+        lines.append("")
+    for (
+        row
+    ) in routed:  # experts split over ranks: the exchanges' time, and how evenly the tokens reached them
+        lines.append(
+            f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}: all-to-all "
+            f"{row.phases.get('all-to-all', 0.0) * 1e3:.1f} ms per step; the busiest expert rank computed "
+            f"{row.imbalance:.2f}x the mean rank's (token, choice) pairs"
         )
     flagged = [row for row in rows if row.warning and not row.skipped]
     if flagged:
@@ -103,7 +115,7 @@ def explain(rows: List[Row], workloads: dict, *, cores: int = 0) -> List[str]:
     cores = cores or usable_cores()
     for row, best in _losing(rows):
         work = workloads.get(row.key)
-        share = {p: row.phases[p] / row.step_seconds for p in PHASES}
+        share = {p: row.phases.get(p, 0.0) / row.step_seconds for p in PHASES}
         label = f"{row.label} on {row.devices} {row.device}, batch {row.batch_size}"
         against = (
             f"({row.step_seconds * 1e3:.1f} ms/step against {best.step_seconds * 1e3:.1f} ms on "
@@ -368,11 +380,17 @@ def draw(result: BenchResult, path: Path) -> None:
     left.set_ylabel("speedup over one device")
     left.grid(alpha=0.3)
     left.legend(fontsize=7)
-    colours = {"compute": "#4c72b0", "communication": "#dd8452", "data": "#55a868", "idle": "#c7c7c7"}
+    colours = {
+        "compute": "#4c72b0",
+        "communication": "#dd8452",
+        "all-to-all": "#c44e52",
+        "data": "#55a868",
+        "idle": "#c7c7c7",
+    }
     labels = [f"{r.label} x{r.devices} {r.device} b{r.batch_size}" for r in done]
     starts = [0.0] * len(done)
     for phase in PHASES:
-        widths = [r.phases[phase] * 1e3 for r in done]
+        widths = [r.phases.get(phase, 0.0) * 1e3 for r in done]
         right.barh(range(len(done)), widths, left=starts, color=colours[phase], label=phase)
         starts = [s + w for s, w in zip(starts, widths)]
     right.set_yticks(range(len(done)), labels, fontsize=7)

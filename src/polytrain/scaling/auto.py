@@ -139,7 +139,9 @@ def simplest_first(strategy: str, layout: Optional[Layout]) -> tuple:
     its meshes, and of those the one nearest the plain layout first: fewest copies of the shards (`sharded 2x4`
     before `sharded 4x2`), fewest groups of tensor ranks."""
     rank = SIMPLEST_FIRST.index(strategy) if strategy in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
-    return rank, mesh_of(strategy, layout) if layout is not None else ()
+    if layout is None:
+        return rank, (), 1
+    return rank, mesh_of(strategy, layout), layout.expert  # (the experts whole first)
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:

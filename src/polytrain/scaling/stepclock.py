@@ -9,6 +9,9 @@ rank times every step (host clock; CUDA events on a GPU) without further barrier
 - communication and idle: what the strategy attributes itself (`Strategy.phases`: a parameter server's push
   and pull, a pipeline's waits between its passes); time of the window outside the steps is idle too
   (waiting for the slowest rank at the closing barrier, callbacks);
+- all-to-all: where a mixture's experts are split over ranks, the exchanges of tokens with them, which the
+  expert groups time themselves (parallel/experts.py `exchange_figures`), apart from the other communication,
+  with the (token, choice) pairs each rank's experts computed;
 - compute: the rest.
 
 A strategy that attributes nothing on several ranks hides its communication inside forward and backward
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..callbacks import Callback
+from ..parallel.experts import exchange_figures
 from ..parallel.tensor_plan import TensorPlan
 from ..strategies.holdings import local_part
 from .tensor_inputs import narrowed
@@ -89,6 +93,7 @@ class StepClock(Callback):
             self.excluded += time.perf_counter() - self.paused
             self.paused = None
         strategy.phases = {}
+        exchange_figures(strategy.model)  # (from this step on)
         self.data = trainer.data_seconds
         self.events = None
         if strategy.device.type == "cuda":
@@ -102,9 +107,13 @@ class StepClock(Callback):
         strategy = trainer.strategy
         if self.events is not None:
             self.events[1].record()
-        self.records.append(
-            dict(strategy.phases, step=time.perf_counter() - self.began, data=self.data, events=self.events)
+        record = dict(
+            strategy.phases, step=time.perf_counter() - self.began, data=self.data, events=self.events
         )
+        exchanged = exchange_figures(strategy.model)
+        if exchanged is not None:
+            record["routed"], record["all-to-all"] = exchanged
+        self.records.append(record)
         if self.started == self.warmup + self.steps:
             self._barrier(strategy)
             self.window = time.perf_counter() - self.window - self.excluded

@@ -314,6 +314,27 @@ def _workload(
         **checkpointing_fields(plain_model, objective, x[:2].cpu(), y[:2].cpu()),
         replica_seconds=timed["replica"],
         microbatch_seconds=timed["micro"],
+        **mixture_fields(model, x),
+    )
+
+
+def mixture_fields(model: nn.Module, x: torch.Tensor) -> dict:
+    """The Workload's fields of `model`'s mixtures of experts ({} for a dense model): how many, the experts of
+    each, the bytes of their stacked experts, and the bytes per sample one mixture sends in one all-to-all (each
+    of a sample's tokens once per expert it chooses, a row of the model's width)."""
+    from ..models.moe import mixtures
+
+    found = mixtures(model)
+    if not found:
+        return {}
+    first = found[0].experts
+    weights = [p for m in found for p in m.experts.parameters()]
+    element = weights[0].element_size()
+    return dict(
+        mixtures=len(found),
+        experts=first.experts,
+        expert_bytes=float(sum(p.numel() * p.element_size() for p in weights)),
+        routed_bytes=float(x[0].numel() * found[0].per_token * first.width * element),
     )
 
 

@@ -205,8 +205,11 @@ def _exchange_on_rank(rank, world):
     for total in sums:
         torch.distributed.all_reduce(total)  # every rank's tokens' share of each expert's gradient
     local = [split.experts.w1.grad.to_local(), split.experts.w2.grad.to_local()]
+    # compiled as --compile compiles a block (torch's tracer only: the exchange itself runs eager)
+    compiled = torch.compile(split, backend="eager", fullgraph=False)(x.clone())
     return {
         "output": (outs[0] - outs[1]).abs().max().item(),
+        "compiled": (outs[0] - compiled).abs().max().item(),
         "tokens": (xs[0].grad - xs[1].grad).abs().max().item(),
         "experts": max((sums[i][rows] / world - local[i]).abs().max().item() for i in range(2)),
         "held": tuple(split.experts.w1.to_local().shape),
@@ -221,7 +224,7 @@ def test_experts_split_over_ranks_compute_what_whole_experts_do(world):
 
     for found in run_on_ranks(_exchange_on_rank, world_size=world):
         assert found["held"] == (8 // world, 12, 8), found
-        assert max(found["output"], found["tokens"], found["experts"]) < 1e-12, found
+        assert max(found["output"], found["tokens"], found["experts"], found["compiled"]) < 1e-12, found
 
 
 SMALL = ["--model", "llama", "--dataset", "shakespeare", "--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "2",
@@ -245,6 +248,10 @@ VERIFIES = {
     ],
     "experts over 2 ranks (2 shards)": [
         "--strategy", "sharded", "--devices", "2", "--experts", "8", "--expert-parallel", "2",
+    ],
+    "4 FSDP2 shards, experts over 2 of them, selective checkpointing": [
+        "--strategy", "sharded", "--devices", "4", "--experts", "8", "--expert-parallel", "2",
+        "--activation-checkpointing", "selective",
     ],
     "experts over 4 ranks (4 shards)": [
         "--strategy", "sharded", "--devices", "4", "--experts", "8", "--expert-parallel", "4",

@@ -86,9 +86,15 @@ class ExpertGroup:
     def __deepcopy__(self, memo) -> "ExpertGroup":
         return self  # a copy of a model on this rank exchanges tokens over the same group
 
+    @torch.compiler.disable
     def run(self, experts, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w1, w2, w3):
         """GroupedExperts' output (N, D) for `tokens` (N, D), their experts `chosen` (N, K) and `weights` (N, K),
-        this rank holding the rows w1, w2, w3 of its experts only (their local tensors)."""
+        this rank holding the rows w1, w2, w3 of its experts only (their local tensors). Eager under --compile
+        (a compiled block runs the rest): its exchanges' sizes are known only as they run, and a traced graph
+        would meet the experts' DTensors as FSDP2 holds them."""
+        w1, w2, w3 = (
+            w.to_local() if hasattr(w, "to_local") else w for w in (w1, w2, w3)
+        )  # (as traced: whole)
         count, local = experts.experts, experts.experts // self.size
         picks = chosen.flatten()
         order = torch.argsort(picks, stable=True)  # the (token, choice) pairs grouped by expert
@@ -125,8 +131,9 @@ class ExpertGroup:
 
     def _time_backward(self, sent: torch.Tensor, got: torch.Tensor) -> None:
         """Add to `spent` the backward of the exchange that sent `sent` and got `got`: from the gradient reaching
-        `got` to `sent`'s (the engine may run other ready work between them: an upper bound)."""
-        if not got.requires_grad:
+        `got` to `sent`'s (the engine may run other ready work between them: an upper bound). Not inside a graph
+        torch.compile traces (--compile), which keeps no clock."""
+        if not got.requires_grad or torch.compiler.is_compiling():
             return
         reached = []
         got.register_hook(lambda grad: reached.append(time.perf_counter()))

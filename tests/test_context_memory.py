@@ -58,16 +58,18 @@ def test_what_a_context_rank_s_attention_keeps_beyond_one_c_worked_by_hand():
 
 def test_what_a_context_rank_attending_block_by_block_keeps_and_holds_worked_by_hand():
     blocks = dataclasses.replace(SHAPE, blockwise=True)
-    # nothing kept beyond 1/C; selective checkpointing keeps 4 blocks' outputs and log-sum-exps of 16 rows where
-    # one device's would be 2 (C = 2, ranks past the first): 32 rows more of 4 heads
-    assert context_bytes(blocks, 2) == (0.0, (32 * 4 + 4) * 4 * 32)
-    assert context_bytes(blocks, 4) == (0.0, (32 * 4 + 4) * 4 * 16)
-    # one layer's backward: the 64 tokens' keys and values and their gradients (2 key/value heads), the gradients
-    # of the 48 keys and values before rank 0's tail, and a diagonal block's 16 keys and values repeated for the 4
-    # query heads, with their gradients
-    assert blockwise_transient(blocks, 2) == (4 * 2 * 64 + 2 * 2 * 48 + 4 * 4 * 16) * 32 * 4
+    # nothing kept beyond 1/C; selective checkpointing keeps each block's output and log-sum-exp: the busiest rank
+    # attends in 2C + 1 blocks of c = T/2C rows where its share of one device's would be 2: (2C - 1) c rows more
+    # of 4 heads (C = 2: 3 x 16 rows; C = 4: 7 x 8)
+    assert context_bytes(blocks, 2) == (0.0, (32 * 4 + 4) * 4 * 48)
+    assert context_bytes(blocks, 4) == (0.0, (32 * 4 + 4) * 4 * 56)
+    # one layer's backward around the ring (C = 2: parts of 32 tokens, chunks of 16): another rank's keys and
+    # values and the next ones in flight, the gradients travelling with them and those arriving (8 parts of 2
+    # key/value heads), one block's key and value gradients, a chunk's query gradients (4 heads), and a diagonal
+    # block's keys and values repeated for the 4 query heads with their gradients
+    assert blockwise_transient(blocks, 2) == (8 * 2 * 32 + 2 * 2 * 16 + 4 * 16 + 4 * 4 * 16) * 32 * 4
     alike = dataclasses.replace(blocks, kv_heads=4)  # (no heads shared: nothing repeated)
-    assert blockwise_transient(alike, 2) == (4 * 4 * 64 + 2 * 4 * 48) * 32 * 4
+    assert blockwise_transient(alike, 2) == (8 * 4 * 32 + 2 * 4 * 16 + 4 * 16) * 32 * 4
     work = Workload(
         compute_seconds=0.0, parameter_bytes=0.0, batch_size=8, activation_bytes=1000e3, blocks=2,
         block_bytes=400e3, block_input_bytes=20e3, block_matmul_bytes=100e3, attention=blocks,
@@ -75,7 +77,7 @@ def test_what_a_context_rank_attending_block_by_block_keeps_and_holds_worked_by_
     part = context_part(work, Layout(context=2))
     transient = blockwise_transient(blocks, 2)
     assert part.activation_bytes == 500e3 + transient and part.block_bytes == 200e3
-    assert part.block_matmul_bytes == 50e3 + (32 * 4 + 4) * 4 * 32
+    assert part.block_matmul_bytes == 50e3 + (32 * 4 + 4) * 4 * 48
     # the transient once in every mode's peak
     outside = (1000e3 - 2 * 400e3) / 2
     assert peak_bytes(part, "none") == 500e3 + transient
@@ -156,10 +158,11 @@ def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, monkeypatc
         kept = activation_profile(model, objective, ids[:, : context // size], ids[:, : context // size])
         for figure in FIGURES:  # (the token ids' bool mask, 1 byte a sample, is not split: 2 bytes at most)
             expected = getattr(counted, figure) - (transient if figure == "activation_bytes" else 0.0)
-            if blockwise and rank == 0 and figure == "block_matmul_bytes":
-                # rank 0's head chunk sees no keys before it: one block's output fewer than the count's (the
-                # busiest rank's)
-                expected -= context_bytes(one["attention"], size)[1] / 2 * (len(model) - 3) / one["blocks"]
+            if blockwise and figure == "block_matmul_bytes":
+                # rank r attends in r + C + 2 blocks, C - 1 - r fewer than the busiest rank (the count's), whose
+                # 2C + 1 keep 2C - 1 blocks' outputs beyond its share
+                block = context_bytes(one["attention"], size)[1] / (2 * size - 1)
+                expected -= block * (size - 1 - rank) * (len(model) - 3) / one["blocks"]
             assert expected == pytest.approx(kept[figure], abs=2), (rank, figure)
         if blockwise:  # nothing kept beyond 1/C; one layer's transient, below what every layer kept gathered
             assert kept["activation_bytes"] == pytest.approx(one["activation_bytes"] / size, abs=2)
@@ -172,8 +175,8 @@ def test_the_count_is_what_a_context_rank_s_forward_keeps(fake_group, monkeypatc
 def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_do_not_fit(monkeypatch):
     """benchmarks/context_parallel.py's T = 16384 batch 1 case, where 1/C alone passed 4 ranks that then held
     2.3x its figure (attending over the gathered keys with zero rows): with a limit between 1/C and the count
-    (on this CPU, block by block: 1/C and one layer's gathered keys and values in its backward), 4 context ranks
-    are refused, the count named."""
+    (on this CPU, block by block: 1/C and one layer's keys and values in flight around the ring in its backward),
+    4 context ranks are refused, the count named."""
     from polytrain.config import TrainConfig
     from polytrain.data import load_dataset
     from polytrain.errors import UserError
@@ -191,10 +194,10 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_do_not_fit
     alone = memory_per_rank(
         dataclasses.replace(work, attention=None), "sharded", 4, optimizer_slots=2, layout=layout
     )
-    # one layer's gathered keys and values, their gradients, the largest block's gradients and a diagonal block
-    # repeated for the query heads, one sequence: 27 MiB beside 1/C's 95
+    # one layer's keys and values in flight around the ring with their gradients, a block's gradients and a
+    # diagonal block repeated for the query heads, one sequence: 14 MiB beside 1/C's 95 (gathered whole: 27)
     assert work.attention.blockwise and context_bytes(work.attention, 4)[0] == 0
-    assert counted - alone == pytest.approx(blockwise_transient(work.attention, 4)) == 27 * 2**20
+    assert counted - alone == pytest.approx(blockwise_transient(work.attention, 4)) == 14 * 2**20
     parameters = sum(p.numel() for p in model.parameters())
     assert work.attention == AttentionShape(2, 4, 2, 32, 16384, 4, parameters, blockwise=True)
     monkeypatch.setattr(fits, "available_per_rank", lambda device, devices: (counted + alone) / 2)

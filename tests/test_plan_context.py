@@ -73,17 +73,18 @@ def test_without_a_split_it_is_the_strategy_and_without_an_attention_impossible(
     assert math.isinf(unseen.step_seconds) and "attention" in unseen.note
 
 
-def test_attending_block_by_block_costs_a_rank_one_c_of_the_pairs_and_one_more_gather():
+def test_attending_block_by_block_costs_a_rank_one_c_of_the_pairs_and_passes_the_keys_around_the_ring():
     """Block by block (parallel/block_attention.py, CPUs) every rank computes 1/C of each sequence's attention
-    pairs, as a rank that splits the batch: its pass is the C = 1 rank's; the keys and values are gathered
-    again in the backward, one more ring than over the gathered keys."""
+    pairs, as a rank that splits the batch: its pass is the C = 1 rank's; the keys and values go around the ring
+    in the forward and again in the backward, their gradients with them to the rank that holds them."""
     blocks = dataclasses.replace(WORK, attention=dataclasses.replace(SHAPE, blockwise=True))
     base = sharded(blocks, 2, LINK)
     split = context_parallel(blocks, 2, LINK, context=2)
     assert split.compute == pytest.approx(base.compute) == pytest.approx(5.0 + 0.1 / 2)
     gathered = 4 * 2 * 1024 * 32 * 4
-    # 2 layers x 2 tensors x 3 rings (gathered, gathered again, reduce-scattered) x 1 message, half of each
-    assert split.messages == base.messages + 12
-    assert split.communication == pytest.approx(base.communication + 12 * gathered / 2 / 1e9 + 12 * 1e-3)
+    # 2 layers x 2 tensors x 4 steps of the ring (C - 1 forward, C - 1 backward, C for the gradients), each one
+    # message of a rank's part: half the gathered bytes
+    assert split.messages == base.messages + 16
+    assert split.communication == pytest.approx(base.communication + 16 * gathered / 2 / 1e9 + 16 * 1e-3)
     over_gathered = context_parallel(WORK, 2, LINK, context=2)
     assert split.compute < over_gathered.compute  # (17/8 of attention's half there)

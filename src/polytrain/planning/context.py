@@ -7,10 +7,11 @@ tensors.
 Two ways of attending are counted, told apart by `AttentionShape.blockwise`: block by block over the keys each
 chunk sees (parallel/block_attention.py, CPUs), and over the gathered keys with zero rows in front (context.py's
 `causal_attention` elsewhere: GPUs). The figures below are the second's; block by block a rank computes 1/C of
-each sequence's attention pairs (compute as a rank that splits the batch), gathers the keys and values again in
-the backward (one more ring), keeps nothing beyond 1/C of one device's but, under selective checkpointing, each
-block's output and log-sum-exp (T/C rows more on a rank past the first), and holds for one layer's backward the
-gathered keys and values with their gradients and the largest block's gradients (`blockwise_transient`).
+each sequence's attention pairs (compute as a rank that splits the batch), passes the keys and values around the
+ring in the forward and again in the backward with their gradients, keeps nothing beyond 1/C of one device's but,
+under selective checkpointing, each block's output and log-sum-exp (`context_bytes`), and holds for one layer's
+backward two ranks' keys and values and their gradients in flight (`blockwise_transient`): never the whole
+sequence's.
 
 - **Compute.** A rank computes T/C tokens of each sequence of its slice, C times the sequences of a rank
   that splits the batch over n (C = 1, `Workload.replica_pass(n)`): as many tokens. Its matrix products,
@@ -158,11 +159,17 @@ def context_parallel(
     compute = base.compute - replica + replica * ((1 - share) + share * busiest)
     sequences = work.batch_size / (devices // context)  # each rank's slice: its part of each of them
     gathered = sequences * shape.kv_heads * shape.context * shape.head_dim * shape.element_bytes
-    # the gather (block by block, again in the backward), then the gradients' reduce-scatter
-    rings = (2 if shape.blockwise else 1) + (2 if scatter_by_allreduce else 1)
     collectives = 2 * shape.layers  # the keys and the values of every attention layer
-    messages = collectives * rings * (context - 1)
-    moved = collectives * rings * (context - 1) / context * gathered
+    if shape.blockwise:
+        # around the ring in the forward and again in the backward (C - 1 steps of a rank's part each), and the
+        # gradients with them, C steps to their rank: C - 1 + C - 1 + C parts of 1/C of the gathered bytes
+        parts = 3 * context - 2
+        messages = collectives * parts
+        moved = collectives * parts / context * gathered
+    else:  # the gather, then the gradients' reduce-scatter (twice the bytes where gloo all-reduces for it)
+        rings = 1 + (2 if scatter_by_allreduce else 1)
+        messages = collectives * rings * (context - 1)
+        moved = collectives * rings * (context - 1) / context * gathered
     return replace(
         base,
         layout=layout,
@@ -175,14 +182,15 @@ def context_parallel(
 def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
     """(x, m'): bytes per sample and attention layer that a rank of a context group of `size` keeps beyond
     1/size of one device's, and of them the attention's outputs (the table in the module's docstring). Block by
-    block (`shape.blockwise`) it keeps none more; selective checkpointing keeps each block's output and
-    log-sum-exp, 4 blocks of T/2C rows on a rank past the first (3 on rank 0) where one device's would be 2."""
+    block around the ring (`shape.blockwise`) it keeps none more; selective checkpointing keeps each block's
+    output and log-sum-exp, of c = T/2C rows each: rank r attends in r + C + 2 blocks (its head chunk over the r
+    ranks' before it and its own, its tail chunk over each other rank's part, its own head and its own), the
+    busiest (r = C - 1) in 2C + 1, where its share of one device's would be 2: (2C - 1) c rows more."""
     if size == 1:
         return 0.0, 0.0
     if shape.blockwise:
-        return 0.0, (
-            shape.element_bytes * shape.head_dim + max(4, shape.element_bytes)
-        ) * shape.heads * shape.context / size
+        rows = (2 * size - 1) * shape.context / (2 * size)
+        return 0.0, (shape.element_bytes * shape.head_dim + max(4, shape.element_bytes)) * shape.heads * rows
     tokens, local = shape.context, shape.context / size
     padded = tokens + tokens / (2 * size)
     log_sum_exp = max(4, shape.element_bytes)  # float32, or float64 for float64 queries
@@ -194,14 +202,15 @@ def context_bytes(shape: AttentionShape, size: int) -> Tuple[float, float]:
 
 def blockwise_transient(shape: AttentionShape, size: int) -> float:
     """Bytes per sample that one attention layer's backward holds for a while where a context rank attends block
-    by block (`shape.blockwise`; 0 else): the whole sequence's keys and values gathered again and their gradients
-    (4 g T d e), the largest block's key and value gradients (2 g B d e, B = T - T/2C: the keys before rank 0's
-    tail chunk), and, where query heads share key/value heads, a diagonal block's keys and values repeated for
-    them with their gradients (4 h T/2C d e). One layer at a time: counted once."""
+    by block around the ring (`shape.blockwise`; 0 else): a part of T/C tokens is a rank's keys or values, and the
+    backward holds another rank's keys and values with the next ones in flight (4 parts), the gradients travelling
+    with them and those arriving (4 parts), one block's key and value gradients (2 g c d e, c = T/2C), the queries'
+    gradient of a chunk (h c d e) and, where query heads share key/value heads, a diagonal block's keys and values
+    repeated for them with their gradients (4 h c d e). One layer at a time: counted once."""
     if size == 1 or not shape.blockwise:
         return 0.0
-    chunk = shape.context / (2 * size)
-    held = 4 * shape.kv_heads * shape.context + 2 * shape.kv_heads * (shape.context - chunk)
+    part, chunk = shape.context / size, shape.context / (2 * size)
+    held = 8 * shape.kv_heads * part + 2 * shape.kv_heads * chunk + shape.heads * chunk
     held += 4 * shape.heads * chunk if shape.heads > shape.kv_heads else 0
     return shape.element_bytes * shape.head_dim * held
 

@@ -164,8 +164,11 @@ def test_layouts_and_gpus_are_read_in_one_line_each():
     assert layout_of(settings.pop("strategy"), 8, **settings) == experts
     with pytest.raises(Exception, match="must divide them"):
         Layout(shard=4, expert=3)
+    assert Layout(replicate=4, expert=2).expert_holders == 4  # DDP's copies lend theirs (--strategy data)
+    with pytest.raises(Exception, match="none to borrow from"):
+        Layout(replicate=2, pipeline=2, expert=2)  # a pipeline's replicas
     with pytest.raises(Exception, match="--strategy sharded"):
-        Layout(replicate=4, expert=2)
+        Layout(replicate=2, context=2, context_in="replicate", expert=2)  # copies beside context ranks
     with pytest.raises(Exception, match="product is 64"):
         parse_layout("dp_shard=8,tp=4", 64)
     with pytest.raises(Exception, match="NAME=SIZE"):

@@ -97,3 +97,37 @@ def test_a_row_the_model_already_predicts_too_slow_fits_no_cost_and_shows_its_er
     assert costs == {"cpu": {"sharded": 0.0}} and not slow.fitted
     predict_rows([slow], {("cpu", 64): WORK}, {"cpu": link}, costs)
     assert table([slow])[2].endswith("%)") and "fitted" not in table([slow])[2]
+
+
+def test_an_all_to_all_s_cost_is_fitted_to_the_first_row_with_experts_split_and_read_back(tmp_path):
+    from polytrain.planning.costmodel import ALL_TO_ALL
+    from polytrain.scaling.auto import read_plan
+
+    link = Link(2e-4, 1e9)
+    moe = Workload(
+        compute_seconds=50 * MS, parameter_bytes=4e6, batch_size=64, update_seconds=2 * MS, layers=4,
+        boundary_bytes=(1000.0, 500.0), replica_seconds={2: 30 * MS}, mixtures=2, experts=4, expert_bytes=3e6,
+        routed_bytes=4000.0,
+    )  # fmt: skip
+    works = {("cpu", 64): moe}
+    rows = [
+        Row("cpu", "single", 1, 64, step_seconds=50 * MS, phases=phases(50 * MS)),
+        Row("cpu", "data", 2, 64, step_seconds=40 * MS, phases=phases(40 * MS)),
+        Row("cpu", "data", 2, 64, step_seconds=48 * MS, phases=phases(48 * MS), expert_parallel=2),
+    ]
+    costs = fit_message_costs(rows, works, {"cpu": link})
+    assert [r.fitted for r in rows] == [
+        False,
+        True,
+        True,
+    ]  # data on its plain row, the all-to-all on data ep2
+    split = predictions_for(moe, link, devices=2, kind="cpu", message_costs={"data": costs["cpu"]["data"]})
+    assert costs["cpu"][ALL_TO_ALL] == pytest.approx((48 * MS - split["data ep2"].step_seconds) / 8)
+    predict_rows(rows, works, {"cpu": link}, costs)
+    assert rows[2].predicted_seconds == pytest.approx(48 * MS)
+    result = BenchResult(BenchOptions(), rows, works, {"cpu": (link, "measured: a test")}, [], costs)
+    write_json(result, tmp_path / "bench.json")
+    assert read_message_costs(str(tmp_path / "bench.json"), device_type="cpu") == pytest.approx(costs["cpu"])
+    work = read_plan(str(tmp_path / "bench.json"), device_type="cpu", batch_size=64)[0]
+    assert (work.mixtures, work.experts, work.expert_bytes, work.routed_bytes) == (2, 4, 3e6, 4000.0)
+    assert "all-to-all" in "\n".join(report(result)) and " per call" in "\n".join(report(result))

@@ -190,6 +190,8 @@ class Prediction:
     )
     collectives: float = 0.0  # host-side collective calls (tensor): priced per call, not per ring message
     turns: float = 1.0  # CPU processes per core: host work per collective stretches by it
+    # all-to-all calls of a step (experts split over ranks): priced at the fitted cost per call (`ALL_TO_ALL`)
+    exchanges: float = 0.0
     # the degrees it predicts (None: the strategy's plain layout on `devices`, where that is one)
     layout: Optional[Layout] = None
 
@@ -223,6 +225,9 @@ def all_to_all(ranks: int, nbytes: float, link: Link) -> float:
 
 # all-to-alls of each mixture in a step: its tokens out to their experts and back, in forward and in backward
 EXCHANGES = 4
+# the key of the fitted cost per all-to-all call among the costs per message by strategy (bench, --plan files):
+# what an exchange costs beyond its bytes and messages (the calls' host work, waiting for the busiest rank)
+ALL_TO_ALL = "all-to-all"
 
 
 def with_experts(
@@ -230,7 +235,8 @@ def with_experts(
 ) -> Prediction:
     """`prediction` with each mixture's experts split over `expert` of the ranks that hold the same parameters
     (`Layout.expert_holders`): `EXCHANGES` all-to-alls per mixture of a rank's routed tokens over the expert group
-    (routing taken as even). Where DDP's copies held every expert, the experts' part of the update is split
+    (routing taken as even), each one message to every other rank of the group, and the calls' own cost where one
+    was fitted (`ALL_TO_ALL`, in `priced`). Where DDP's copies held every expert, the experts' part of the update is split
     `expert` ways; where FSDP2 sharded them over s ranks, it gathers and reduces a rank's experts (1/P of them) over
     the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
     layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
@@ -248,8 +254,8 @@ def with_experts(
     return replace(
         prediction,
         compute=compute,
-        communication=communication + exchanges * all_to_all(expert, nbytes, Link(0.0, link.beta)),
-        messages=prediction.messages + exchanges * (expert - 1),
+        communication=communication + exchanges * all_to_all(expert, nbytes, link),
+        exchanges=prediction.exchanges + exchanges,  # (priced per call, not as the strategy's messages)
         layout=layout,
     )
 
@@ -436,6 +442,14 @@ def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
     return replace(prediction, communication=prediction.communication + prediction.messages * per_message)
 
 
+def fit_exchange_cost(measured_seconds: float, prediction: Prediction) -> float:
+    """The cost per all-to-all call that makes `prediction` (priced otherwise, without one) take the measured
+    step; never negative."""
+    if not prediction.exchanges or not math.isfinite(prediction.step_seconds):
+        return 0.0
+    return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.exchanges)
+
+
 def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
     """The cost per message that makes `prediction` (made without one) take the measured step: what the link
     alone does not account for, shared over the step's messages (over its collectives, each `turns` times, where
@@ -510,8 +524,12 @@ def predict_all(
 def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
     """The prediction with its strategy's cost per message; tensor's (every layout's) is per collective, times
     the turns of processes per core, and FSDP2's messages on a (data, tensor) mesh are priced at `sharded`'s cost
-    per message where one is known (copies around each collective, as there), else at tensor's."""
+    per message where one is known (copies around each collective, as there), else at tensor's. Each all-to-all
+    call of experts split over ranks costs `ALL_TO_ALL`'s, where one was fitted."""
     own = costs.get(prediction.strategy, 0.0)
+    if prediction.exchanges and costs.get(ALL_TO_ALL):
+        exchanged = prediction.exchanges * costs[ALL_TO_ALL]
+        prediction = replace(prediction, communication=prediction.communication + exchanged)
     if not prediction.collectives:
         return with_message_cost(prediction, own)
     extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get(

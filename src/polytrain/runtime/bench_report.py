@@ -297,7 +297,8 @@ def report(result: BenchResult) -> List[str]:
         costs = result.message_costs.get(kind)
         if costs:
             each = ", ".join(
-                f"{name} {seconds * 1e3:.2f} ms" + (" per collective" if name == "tensor" else "")
+                f"{name} {seconds * 1e3:.2f} ms"
+                + (" per collective" if name == "tensor" else " per call" if name == "all-to-all" else "")
                 for name, seconds in costs.items()
             )
             lines.append(

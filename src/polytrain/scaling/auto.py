@@ -377,6 +377,11 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
         plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None,
         **_tensor_fields(measured, scale),
+        # a mixture of experts (absent in older files, and for a dense model): routed bytes per sample
+        mixtures=int(measured.get("mixtures", 0)),
+        experts=int(measured.get("experts", 0)),
+        expert_bytes=float(measured.get("expert_bytes", 0.0)),
+        routed_bytes=float(measured.get("routed_bytes", 0.0)),
     )
 
 

@@ -18,7 +18,7 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
     costs: Dict[str, Dict[str, float]] = {}
     first = {}
     for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.devices > 1 and not row.skipped and row.key in workloads:
+        if row.devices > 1 and not row.skipped and row.key in workloads and not row.expert_parallel:
             first.setdefault((row.device, row.strategy), row)
     for (kind, strategy), row in first.items():
         prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(
@@ -29,6 +29,20 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
                 row.step_seconds, prediction
             )
             row.fitted = cost > 0  # a model already slower than the row fits nothing: its error shows
+    # then, where experts were split over ranks, the cost of an all-to-all call on the first such row, its
+    # strategy's cost per message given
+    split = {}
+    for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
+        if row.expert_parallel and not row.skipped and row.key in workloads and row.devices > 1:
+            split.setdefault(row.device, row)
+    for kind, row in split.items():
+        prediction = predictions_for(
+            workloads[row.key], links[kind], devices=row.devices, kind=kind, message_costs=costs.get(kind)
+        ).get(row.label)
+        if prediction is not None and prediction.exchanges:
+            cost = costmodel.fit_exchange_cost(row.step_seconds, prediction)
+            costs.setdefault(kind, {})[costmodel.ALL_TO_ALL] = cost
+            row.fitted = cost > 0
     return costs
 
 

@@ -100,7 +100,7 @@ def test_a_row_the_model_already_predicts_too_slow_fits_no_cost_and_shows_its_er
 
 
 def test_an_all_to_all_s_cost_is_fitted_to_the_first_row_with_experts_split_and_read_back(tmp_path):
-    from polytrain.planning.costmodel import ALL_TO_ALL
+    from polytrain.planning.experts import ALL_TO_ALL
     from polytrain.scaling.auto import read_plan
 
     link = Link(2e-4, 1e9)

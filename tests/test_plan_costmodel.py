@@ -183,8 +183,16 @@ MOE = Workload(
 )
 
 
+def with_experts(work: Workload, devices: int, **options) -> dict:
+    """Every prediction at `devices`, and each with a mixture's experts split where a layout can lend ranks."""
+    from polytrain.planning.experts import split_experts
+
+    predictions = predict_all(work, devices, LINK, **options)
+    return {**predictions, **split_experts(predictions, work, LINK, costs=options.get("message_costs"))}
+
+
 def test_experts_split_over_ddp_copies_pay_their_all_to_alls_and_split_their_update():
-    plain, split = data_parallel(MOE, 4, LINK), predict_all(MOE, 4, LINK)["data ep2"]
+    plain, split = data_parallel(MOE, 4, LINK), with_experts(MOE, 4)["data ep2"]
     assert split.layout == Layout(replicate=4, expert=2)
     # a rank's 16 samples x 4 KB = 64 KB per all-to-all, half of it leaving the rank (32 us) in one message to
     # each other rank of the group (0.1 ms), 4 per mixture
@@ -194,14 +202,14 @@ def test_experts_split_over_ddp_copies_pay_their_all_to_alls_and_split_their_upd
     )  # (priced per call, not as DDP's messages)
     # the experts' 3/4 of the 10 ms update split over 2 copies
     assert split.compute == pytest.approx(plain.compute - 0.01 * 0.75 * 0.5)
-    assert split.label == "data ep2" and set(predict_all(MOE, 4, LINK)) >= {"data ep4", "sharded ep2"}
+    assert split.label == "data ep2" and set(with_experts(MOE, 4)) >= {"data ep4", "sharded ep2"}
     assert not any(
         " ep" in name for name in predict_all(WORK, 4, LINK)
     )  # a dense model has no experts to split
 
 
 def test_experts_split_over_fsdp2_shards_gather_only_a_rank_s_experts_over_the_ranks_that_hold_them():
-    plain, split = sharded(MOE, 4, LINK), predict_all(MOE, 4, LINK)["sharded ep2"]
+    plain, split = sharded(MOE, 4, LINK), with_experts(MOE, 4)["sharded ep2"]
     # 3 rings moved 3/4 of the experts' 3 MB; now 1/2 of their half: 3 x (3/4 - 1/4) x 3 MB / 1 GB/s = 4.5 ms less
     exchanges = 8 * (0.5 * 64e3 / 1e9 + 1e-4)
     assert split.communication == pytest.approx(plain.communication - 0.0045 + exchanges)
@@ -238,16 +246,18 @@ def test_auto_splits_the_experts_over_ddp_copies_where_whole_copies_do_not_fit()
 
 
 def test_an_all_to_all_s_cost_per_call_fitted_to_one_row_prices_the_layouts_with_experts():
-    from polytrain.planning.costmodel import ALL_TO_ALL, fit_exchange_cost, priced
+    from polytrain.planning.experts import ALL_TO_ALL, fit_exchange_cost
 
-    split = predict_all(MOE, 4, LINK)["data ep2"]
+    split = with_experts(MOE, 4)["data ep2"]
     assert split.exchanges == 8  # 2 mixtures x 4 all-to-alls
     # measured 4 ms slower than predicted: 0.5 ms per call
     cost = fit_exchange_cost(split.step_seconds + 0.004, split)
     assert cost == pytest.approx(0.0005)
-    assert priced(split, {ALL_TO_ALL: cost}).step_seconds == pytest.approx(split.step_seconds + 0.004)
-    four = predict_all(MOE, 4, LINK, message_costs={ALL_TO_ALL: cost})
-    assert four["data ep4"].communication == pytest.approx(
-        predict_all(MOE, 4, LINK)["data ep4"].communication + 0.004
+    assert with_experts(MOE, 4, message_costs={ALL_TO_ALL: cost})["data ep2"].step_seconds == pytest.approx(
+        split.step_seconds + 0.004
     )
-    assert four["data"] == predict_all(MOE, 4, LINK)["data"]  # (whole experts: no all-to-all)
+    four = with_experts(MOE, 4, message_costs={ALL_TO_ALL: cost})
+    assert four["data ep4"].communication == pytest.approx(
+        with_experts(MOE, 4)["data ep4"].communication + 0.004
+    )
+    assert four["data"] == with_experts(MOE, 4)["data"]  # (whole experts: no all-to-all)

@@ -11,7 +11,8 @@ import os
 import sys
 
 from .config import DEFAULTS, SETTINGS
-from .config.flags import add_setting_flags, given_settings, unknown_flag
+from .config.flags import add_model_flags, add_setting_flags, given_settings, unknown_flag
+from .config.model_defaults import MODEL_SETTINGS
 from .config.registry_names import DATASET_NAMES, MODEL_NAMES, STRATEGY_NAMES
 from .errors import UserError
 from .runtime.verify_limits import COMPARE_HELP, TOLERANCE_HELP
@@ -399,30 +400,8 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
         help="also predict these device counts with the cost model and name the pick",
     )
     bench.add_argument("--seed", type=int, default=DEFAULTS.seed, metavar="N")
-    for name, metavar in (("layers", "L"), ("heads", "H"), ("width", "C"), ("context", "T")):
-        bench.add_argument(
-            f"--{name}", type=int, metavar=metavar, help="--model gpt, llama: as for polytrain train"
-        )
-    llama = (
-        ("kv-heads", "K", int),
-        ("ffn-width", "F", int),
-        ("vocab-size", "V", int),
-        ("rope-theta", "F", float),
-        # a mixture of experts: data and sharded also run with the experts split (--expert-parallel)
-        ("experts", "E", int),
-        ("experts-per-token", "K", int),
-        ("shared-experts", "S", int),
-        ("moe-every", "N", int),
-        ("router-aux-loss", "W", float),
-    )
-    for name, metavar, kind in llama:
-        bench.add_argument(
-            f"--{name}", type=kind, metavar=metavar, help="--model llama: as for polytrain train"
-        )
-    bench.add_argument("--size", metavar="NAME", help="--model llama: as for polytrain train")
-    bench.add_argument(
-        "--tie-embeddings", action="store_true", default=None, help="--model llama: as for polytrain train"
-    )
+    # the model's settings as train takes them (with --experts, data and sharded also run with the experts split)
+    add_model_flags(bench, MODEL_SETTINGS)
     bench.add_argument(
         "--out", metavar="DIR", help="where bench.json and bench.png go (default: runs/bench-<time>)"
     )

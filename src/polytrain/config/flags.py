@@ -56,6 +56,14 @@ def _add_flag(group, name: str, meta: Setting) -> None:
     group.add_argument(flag_name(name), **kwargs)
 
 
+def add_model_flags(parser: argparse.ArgumentParser, names) -> None:
+    """The flags of the model settings `names`, as `polytrain train` has them (none given by default), for a
+    command that builds its model from them too (`polytrain bench`)."""
+    group = parser.add_argument_group("the model's settings, as polytrain train takes them")
+    for name in names:
+        _add_flag(group, name, SETTINGS[name])
+
+
 def _argparse_type(parse):
     def read(text: str):
         try:

@@ -70,7 +70,7 @@ from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout
-from ..parallel.presets import EXPERT_PRESETS, label, plain_layout
+from ..parallel.presets import label, plain_layout
 from .activations import AttentionShape
 
 
@@ -190,7 +190,7 @@ class Prediction:
     )
     collectives: float = 0.0  # host-side collective calls (tensor): priced per call, not per ring message
     turns: float = 1.0  # CPU processes per core: host work per collective stretches by it
-    # all-to-all calls of a step (experts split over ranks): priced at the fitted cost per call (`ALL_TO_ALL`)
+    # all-to-all calls of a step (experts split over ranks: planning/experts.py, which prices them)
     exchanges: float = 0.0
     # the degrees it predicts (None: the strategy's plain layout on `devices`, where that is one)
     layout: Optional[Layout] = None
@@ -213,60 +213,6 @@ class Prediction:
 
     def speedup(self, one_device_seconds: float) -> float:
         return one_device_seconds / self.step_seconds
-
-
-def all_to_all(ranks: int, nbytes: float, link: Link) -> float:
-    """One all-to-all of `nbytes` per rank over `ranks`: (ranks-1)/ranks of them leave each rank, one message to
-    each other rank."""
-    if ranks == 1:
-        return 0.0
-    return (ranks - 1) / ranks * nbytes / link.beta + (ranks - 1) * link.alpha
-
-
-# all-to-alls of each mixture in a step: its tokens out to their experts and back, in forward and in backward
-EXCHANGES = 4
-# the key of the fitted cost per all-to-all call among the costs per message by strategy (bench, --plan files):
-# what an exchange costs beyond its bytes and messages (the calls' host work, waiting for the busiest rank)
-ALL_TO_ALL = "all-to-all"
-
-
-def with_experts(
-    prediction: Prediction, work: Workload, link: Link, expert: int, *, scatter_by_allreduce: bool = False
-) -> Prediction:
-    """`prediction` with each mixture's experts split over `expert` of the ranks that hold the same parameters
-    (`Layout.expert_holders`): `EXCHANGES` all-to-alls per mixture of a rank's routed tokens over the expert group
-    (routing taken as even), each one message to every other rank of the group, and the calls' own cost where one
-    was fitted (`ALL_TO_ALL`, in `priced`). Where DDP's copies held every expert, the experts' part of the update is split
-    `expert` ways; where FSDP2 sharded them over s ranks, it gathers and reduces a rank's experts (1/P of them) over
-    the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
-    layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
-    samples = work.batch_size / layout.data_degree
-    nbytes = samples * work.routed_bytes / layout.context
-    exchanges = EXCHANGES * work.mixtures
-    compute, communication = prediction.compute, prediction.communication
-    if layout.data_parallel == "replicate" and work.parameter_bytes:
-        compute -= work.update_seconds * work.expert_bytes / work.parameter_bytes * (1 - 1 / expert)
-    elif layout.data_parallel == "shard" and layout.fsdp_ranks > 1:
-        rings, shards = 2 + (2 if scatter_by_allreduce else 1), layout.fsdp_ranks
-        same = shards // expert
-        saved = (shards - 1) / shards - (same - 1) / same / expert
-        communication -= rings * saved * work.expert_bytes / link.beta
-    return replace(
-        prediction,
-        compute=compute,
-        communication=communication + exchanges * all_to_all(expert, nbytes, link),
-        exchanges=prediction.exchanges + exchanges,  # (priced per call, not as the strategy's messages)
-        layout=layout,
-    )
-
-
-def expert_degrees(work: Workload, layout: Optional[Layout]) -> Tuple[int, ...]:
-    """The expert degrees above 1 a layout of a model with mixtures can take: those dividing each mixture's
-    experts and the ranks they would be borrowed from."""
-    if not work.mixtures or layout is None or layout.expert > 1:
-        return ()
-    holders = layout.expert_holders
-    return tuple(p for p in range(2, holders + 1) if holders % p == 0 and work.experts % p == 0)
 
 
 def ring_allreduce(devices: int, nbytes: float, link: Link) -> float:
@@ -442,14 +388,6 @@ def with_message_cost(prediction: Prediction, per_message: float) -> Prediction:
     return replace(prediction, communication=prediction.communication + prediction.messages * per_message)
 
 
-def fit_exchange_cost(measured_seconds: float, prediction: Prediction) -> float:
-    """The cost per all-to-all call that makes `prediction` (priced otherwise, without one) take the measured
-    step; never negative."""
-    if not prediction.exchanges or not math.isfinite(prediction.step_seconds):
-        return 0.0
-    return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.exchanges)
-
-
 def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
     """The cost per message that makes `prediction` (made without one) take the measured step: what the link
     alone does not account for, shared over the step's messages (over its collectives, each `turns` times, where
@@ -512,11 +450,6 @@ def predict_all(
                 turns=turns,
             )
             predictions[predicted.label] = predicted
-    for predicted in list(predictions.values()):  # a mixture's experts split over some of the ranks
-        if predicted.strategy in EXPERT_PRESETS:
-            for expert in expert_degrees(work, predicted.layout):
-                split = with_experts(predicted, work, link, expert, scatter_by_allreduce=scatter_by_allreduce)
-                predictions[split.label] = split
     costs = message_costs or {}
     return {name: priced(p, costs) for name, p in predictions.items()}
 
@@ -524,12 +457,8 @@ def predict_all(
 def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:
     """The prediction with its strategy's cost per message; tensor's (every layout's) is per collective, times
     the turns of processes per core, and FSDP2's messages on a (data, tensor) mesh are priced at `sharded`'s cost
-    per message where one is known (copies around each collective, as there), else at tensor's. Each all-to-all
-    call of experts split over ranks costs `ALL_TO_ALL`'s, where one was fitted."""
+    per message where one is known (copies around each collective, as there), else at tensor's."""
     own = costs.get(prediction.strategy, 0.0)
-    if prediction.exchanges and costs.get(ALL_TO_ALL):
-        exchanged = prediction.exchanges * costs[ALL_TO_ALL]
-        prediction = replace(prediction, communication=prediction.communication + exchanged)
     if not prediction.collectives:
         return with_message_cost(prediction, own)
     extra = prediction.collectives * prediction.turns * own + prediction.shard_messages * costs.get(

@@ -17,6 +17,7 @@ import torch
 
 from ..pipeline.plan import default_microbatches
 from ..planning.costmodel import bubble, tensor_collectives
+from ..planning.experts import ALL_TO_ALL
 from ..report import save_figure
 from ..run_dir import atomic_write_bytes
 from ..strategy_registry import STRATEGIES
@@ -298,7 +299,7 @@ def report(result: BenchResult) -> List[str]:
         if costs:
             each = ", ".join(
                 f"{name} {seconds * 1e3:.2f} ms"
-                + (" per collective" if name == "tensor" else " per call" if name == "all-to-all" else "")
+                + (" per collective" if name == "tensor" else " per call" if name == ALL_TO_ALL else "")
                 for name, seconds in costs.items()
             )
             lines.append(

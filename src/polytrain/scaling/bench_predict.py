@@ -8,6 +8,7 @@ from typing import Dict, Optional
 
 from ..parallel.presets import mesh_of
 from ..planning import costmodel
+from ..planning.experts import ALL_TO_ALL, fit_exchange_cost
 from .auto import steady_choice
 from .workload import predictions_for
 
@@ -40,8 +41,8 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
             workloads[row.key], links[kind], devices=row.devices, kind=kind, message_costs=costs.get(kind)
         ).get(row.label)
         if prediction is not None and prediction.exchanges:
-            cost = costmodel.fit_exchange_cost(row.step_seconds, prediction)
-            costs.setdefault(kind, {})[costmodel.ALL_TO_ALL] = cost
+            cost = fit_exchange_cost(row.step_seconds, prediction)
+            costs.setdefault(kind, {})[ALL_TO_ALL] = cost
             row.fitted = cost > 0
     return costs
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..config.host import usable_cores
 from ..pipeline.plan import default_microbatches
 from ..planning.costmodel import Link, Prediction, Workload, predict_all
+from ..planning.experts import split_experts
 from .tensor_inputs import narrowed, runs, split_share, tensor_fields, tensor_plans
 from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 
@@ -426,13 +427,15 @@ def predictions_for(
     meshes: bool = True,
 ) -> Dict[str, Prediction]:
     """Every strategy's predicted step on `devices` of `kind`, as this machine's processes or GPUs run it
-    (`meshes`: also tensor parallelism on (data, tensor) meshes)."""
+    (`meshes`: also tensor parallelism on (data, tensor) meshes), and for a mixture of experts each with the
+    experts split over the ranks it can lend them (planning/experts.py)."""
     from ..strategy_registry import contiguous_strategies
 
-    return predict_all(
+    turned = link_for(link, devices, device_type=kind)
+    predictions = predict_all(
         work,
         devices,
-        link_for(link, devices, device_type=kind),
+        turned,
         microbatches=default_microbatches(work.batch_size, devices),
         contiguous=contiguous_strategies(),
         scatter_by_allreduce=kind == "cpu",
@@ -440,6 +443,8 @@ def predictions_for(
         meshes=meshes,
         turns=turns(devices, device_type=kind),
     )
+    split = split_experts(predictions, work, turned, scatter_by_allreduce=kind == "cpu", costs=message_costs)
+    return {**predictions, **split}
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

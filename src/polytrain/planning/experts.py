@@ -1,0 +1,107 @@
+"""What expert parallelism costs (`--expert-parallel P`, parallel/experts.py): each layout that borrows P of its
+ranks for a mixture's experts, predicted from the same layout with every expert on every rank
+(planning/costmodel.py), and the cost per all-to-all call fitted to a measured step. Pure arithmetic on the cost
+model's inputs (the Workload's `mixtures`, `experts`, `expert_bytes` and `routed_bytes`), tested against values
+worked out by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Dict, Mapping, Optional, Tuple
+
+from ..parallel.layout import Layout
+from ..parallel.presets import EXPERT_PRESETS
+from .costmodel import Link, Prediction, Workload
+
+# the key of the fitted cost per all-to-all call among the costs per message by strategy (bench, --plan files):
+# what an exchange costs beyond its bytes and messages (the calls' host work, waiting for the busiest rank)
+ALL_TO_ALL = "all-to-all"
+
+
+def all_to_all(ranks: int, nbytes: float, link: Link) -> float:
+    """One all-to-all of `nbytes` per rank over `ranks`: (ranks-1)/ranks of them leave each rank, one message to
+    each other rank."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / link.beta + (ranks - 1) * link.alpha
+
+
+# all-to-alls of each mixture in a step: its tokens out to their experts and back, in forward and in backward
+EXCHANGES = 4
+
+
+def with_experts(
+    prediction: Prediction,
+    work: Workload,
+    link: Link,
+    expert: int,
+    *,
+    scatter_by_allreduce: bool = False,
+    call_cost: float = 0.0,
+) -> Prediction:
+    """`prediction` with each mixture's experts split over `expert` of the ranks that hold the same parameters
+    (`Layout.expert_holders`): `EXCHANGES` all-to-alls per mixture of a rank's routed tokens over the expert group
+    (routing taken as even), each one message to every other rank of the group, and `call_cost` seconds of its
+    own (fitted: `ALL_TO_ALL`). Where DDP's copies held every expert, the experts' part of the update is split
+    `expert` ways; where FSDP2 sharded them over s ranks, it gathers and reduces a rank's experts (1/P of them) over
+    the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
+    layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
+    samples = work.batch_size / layout.data_degree
+    nbytes = samples * work.routed_bytes / layout.context
+    exchanges = EXCHANGES * work.mixtures
+    compute, communication = prediction.compute, prediction.communication
+    if layout.data_parallel == "replicate" and work.parameter_bytes:
+        compute -= work.update_seconds * work.expert_bytes / work.parameter_bytes * (1 - 1 / expert)
+    elif layout.data_parallel == "shard" and layout.fsdp_ranks > 1:
+        rings, shards = 2 + (2 if scatter_by_allreduce else 1), layout.fsdp_ranks
+        same = shards // expert
+        saved = (shards - 1) / shards - (same - 1) / same / expert
+        communication -= rings * saved * work.expert_bytes / link.beta
+    return replace(
+        prediction,
+        compute=compute,
+        communication=communication + exchanges * (all_to_all(expert, nbytes, link) + call_cost),
+        exchanges=prediction.exchanges + exchanges,  # (priced per call, not as the strategy's messages)
+        layout=layout,
+    )
+
+
+def expert_degrees(work: Workload, layout: Optional[Layout]) -> Tuple[int, ...]:
+    """The expert degrees above 1 a layout of a model with mixtures can take: those dividing each mixture's
+    experts and the ranks they would be borrowed from."""
+    if not work.mixtures or layout is None or layout.expert > 1:
+        return ()
+    holders = layout.expert_holders
+    return tuple(p for p in range(2, holders + 1) if holders % p == 0 and work.experts % p == 0)
+
+
+def split_experts(
+    predictions: Dict[str, Prediction],
+    work: Workload,
+    link: Link,
+    *,
+    scatter_by_allreduce: bool = False,
+    costs: Optional[Mapping[str, float]] = None,
+) -> Dict[str, Prediction]:
+    """For each prediction of a strategy that takes an expert degree (priced: costmodel.py `predict_all`), the
+    same layout with the mixtures' experts split over each degree it can borrow (`expert_degrees`), by label
+    (`data ep2`), each all-to-all call at the cost per call in `costs` (`ALL_TO_ALL`, where fitted)."""
+    found, call = {}, (costs or {}).get(ALL_TO_ALL, 0.0)
+    for predicted in predictions.values():
+        if predicted.strategy in EXPERT_PRESETS:
+            for expert in expert_degrees(work, predicted.layout):
+                split = with_experts(
+                    predicted, work, link, expert, scatter_by_allreduce=scatter_by_allreduce, call_cost=call
+                )
+                found[split.label] = split
+    return found
+
+
+def fit_exchange_cost(measured_seconds: float, prediction: Prediction) -> float:
+    """The cost per all-to-all call that makes `prediction` (priced otherwise, without one) take the measured
+    step; never negative."""
+    if not prediction.exchanges or not math.isfinite(prediction.step_seconds):
+        return 0.0
+    return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.exchanges)

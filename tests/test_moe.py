@@ -10,7 +10,7 @@ from conftest import assert_refused_in_one_line, polytrain_here
 
 from polytrain.errors import UserError
 from polytrain.models.llama import Llama
-from polytrain.models.moe import MixtureOfExperts, balance_loss, routed_tokens
+from polytrain.models.moe import MixtureOfExperts, balance_loss, mixtures, routed_tokens
 
 SHAPE = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=32, rope_theta=10000.0)
 VOCAB = 96
@@ -576,3 +576,26 @@ def test_a_run_with_experts_split_over_4_ranks_resumes_over_2_and_on_whole_copie
     assert list(ours) == list(theirs)
     apart = max(float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()) for k in theirs)
     assert apart < 1e-5  # float32 sums in another order on each layout
+
+
+def test_the_cost_model_reads_a_sample_batch_s_routing_and_leaves_the_counts_as_they_were():
+    """scaling/workload.py `mixture_fields`: each expert's (token, choice) pairs of one forward of the sample, over
+    both mixtures, and the bytes a sample routes; the training counts the epoch record reads are untouched."""
+    from polytrain.scaling.workload import mixture_fields
+
+    torch.manual_seed(0)
+    model = Llama(
+        11, context=12, layers=2, width=32, heads=2, kv_heads=2, experts=4, experts_per_token=2
+    ).eval()
+    ids = torch.randint(0, 11, (3, 12))
+    model.train()(ids)  # a training step's routing, which the epoch's record counts
+    before = {
+        block: counts.clone() for block, counts in ((b, m.routed) for b, m in enumerate(mixtures(model)))
+    }
+    model.eval()
+    fields = mixture_fields(model, ids)
+    assert (fields["mixtures"], fields["experts"]) == (2, 4) and not model.training
+    assert fields["routed_bytes"] == 12 * 2 * 32 * 4  # a sample's 12 tokens to 2 experts, 32 floats each
+    assert len(fields["routed_counts"]) == 4 and sum(fields["routed_counts"]) == 2 * 3 * 12 * 2
+    after = {b: m.routed for b, m in enumerate(mixtures(model))}
+    assert all(torch.equal(before[b], after[b]) for b in before)

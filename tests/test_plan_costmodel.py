@@ -1,5 +1,7 @@
 """The cost model against step times worked out by hand."""
 
+import dataclasses
+
 import pytest
 
 from polytrain.parallel.layout import Layout
@@ -261,3 +263,18 @@ def test_an_all_to_all_s_cost_per_call_fitted_to_one_row_prices_the_layouts_with
         with_experts(MOE, 4)["data ep4"].communication + 0.004
     )
     assert four["data"] == with_experts(MOE, 4)["data"]  # (whole experts: no all-to-all)
+
+
+def test_the_all_to_all_moves_the_busiest_expert_rank_s_tokens():
+    from polytrain.planning.experts import busiest_share
+
+    # 8 experts, the first twice as busy: over 2 ranks 5 of 9 pairs on rank 0 against a mean of 4.5
+    counts = (2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert busiest_share(counts, 2) == pytest.approx(5 / 4.5) and busiest_share(counts, 8) == pytest.approx(
+        2 / 1.125
+    )
+    assert busiest_share((), 2) == 1.0  # (unknown: even)
+    uneven = dataclasses.replace(MOE, routed_counts=counts)
+    even, busy = with_experts(MOE, 4)["data ep2"], with_experts(uneven, 4)["data ep2"]
+    moved = 8 * 0.5 * 64e3 / 1e9  # the even routing's bytes over the link
+    assert busy.communication - even.communication == pytest.approx(moved * (5 / 4.5 - 1))

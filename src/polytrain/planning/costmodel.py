@@ -148,6 +148,9 @@ class Workload:
     experts: int = 0
     expert_bytes: float = 0.0
     routed_bytes: float = 0.0
+    routed_counts: Tuple[
+        float, ...
+    ] = ()  # the (token, choice) pairs each expert got of a sample batch (uneven)
 
     def in_format(self, contiguous: bool) -> "Workload":
         """The measurements in the default memory format (`contiguous`) or the one they were taken in."""

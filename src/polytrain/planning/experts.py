@@ -43,13 +43,13 @@ def with_experts(
 ) -> Prediction:
     """`prediction` with each mixture's experts split over `expert` of the ranks that hold the same parameters
     (`Layout.expert_holders`): `EXCHANGES` all-to-alls per mixture of a rank's routed tokens over the expert group
-    (routing taken as even), each one message to every other rank of the group, and `call_cost` seconds of its
+    (the busiest rank's: `busiest_share`), each one message to every other rank of the group, and `call_cost` seconds of its
     own (fitted: `ALL_TO_ALL`). Where DDP's copies held every expert, the experts' part of the update is split
     `expert` ways; where FSDP2 sharded them over s ranks, it gathers and reduces a rank's experts (1/P of them) over
     the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
     layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
     samples = work.batch_size / layout.data_degree
-    nbytes = samples * work.routed_bytes / layout.context
+    nbytes = samples * work.routed_bytes / layout.context * busiest_share(work.routed_counts, expert)
     exchanges = EXCHANGES * work.mixtures
     compute, communication = prediction.compute, prediction.communication
     if layout.data_parallel == "replicate" and work.parameter_bytes:
@@ -66,6 +66,16 @@ def with_experts(
         exchanges=prediction.exchanges + exchanges,  # (priced per call, not as the strategy's messages)
         layout=layout,
     )
+
+
+def busiest_share(counts, expert: int) -> float:
+    """The (token, choice) pairs the busiest of `expert` ranks gets over the mean rank's, rank r holding experts r
+    E/P .. (r + 1) E/P - 1, from each expert's `counts` (a sample batch's routing; 1: even, where unknown)."""
+    if not counts or len(counts) % expert or not sum(counts):
+        return 1.0
+    per = len(counts) // expert
+    loads = [sum(counts[r * per : (r + 1) * per]) for r in range(expert)]
+    return max(loads) / (sum(loads) / expert)
 
 
 def expert_degrees(work: Workload, layout: Optional[Layout]) -> Tuple[int, ...]:

@@ -382,6 +382,7 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         experts=int(measured.get("experts", 0)),
         expert_bytes=float(measured.get("expert_bytes", 0.0)),
         routed_bytes=float(measured.get("routed_bytes", 0.0)),
+        routed_counts=tuple(float(c) for c in measured.get("routed_counts", ())),
     )
 
 

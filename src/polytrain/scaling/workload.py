@@ -315,19 +315,29 @@ def _workload(
         **checkpointing_fields(plain_model, objective, x[:2].cpu(), y[:2].cpu()),
         replica_seconds=timed["replica"],
         microbatch_seconds=timed["micro"],
-        **mixture_fields(model, x),
+        **mixture_fields(plain_model, x.cpu()),
     )
 
 
 def mixture_fields(model: nn.Module, x: torch.Tensor) -> dict:
     """The Workload's fields of `model`'s mixtures of experts ({} for a dense model): how many, the experts of
-    each, the bytes of their stacked experts, and the bytes per sample one mixture sends in one all-to-all (each
-    of a sample's tokens once per expert it chooses, a row of the model's width)."""
+    each, the bytes of their stacked experts, the bytes per sample one mixture sends in one all-to-all (each
+    of a sample's tokens once per expert it chooses, a row of the model's width), and how the sample batch `x`
+    is routed: each expert's (token, choice) pairs over every mixture (one forward, in training mode)."""
     from ..models.moe import mixtures
 
     found = mixtures(model)
     if not found:
         return {}
+    kept, training = [m.routed for m in found], model.training  # (a run's counts, which its records read)
+    for mixture in found:
+        mixture.routed = None
+    with torch.no_grad():
+        model.train()(x)
+    model.train(training)
+    counted = [m.routed for m in found if m.routed is not None]
+    for mixture, routed in zip(found, kept):
+        mixture.routed = routed
     first = found[0].experts
     weights = [p for m in found for p in m.experts.parameters()]
     element = weights[0].element_size()
@@ -336,6 +346,7 @@ def mixture_fields(model: nn.Module, x: torch.Tensor) -> dict:
         experts=first.experts,
         expert_bytes=float(sum(p.numel() * p.element_size() for p in weights)),
         routed_bytes=float(x[0].numel() * found[0].per_token * first.width * element),
+        routed_counts=tuple(float(c) for c in sum(counted).tolist()) if counted else (),
     )
 
 

@@ -195,7 +195,15 @@ def tensor_rows():
         Row("cpu", "single", 1, 64, step_seconds=100 * MS, phases=phases(100 * MS)),
         Row("cpu", "tensor", 2, 64, step_seconds=80 * MS, phases=phases(80 * MS)),
         Row("cpu", "tensor", 4, 64, step_seconds=120 * MS, phases=phases(120 * MS)),
-        Row("cpu", "tensor", 4, 64, step_seconds=90 * MS, phases=phases(90 * MS), tensor_parallel=2),
+        Row(
+            "cpu",
+            "tensor",
+            4,
+            64,
+            step_seconds=90 * MS,
+            phases=phases(90 * MS),
+            layout=layout_of("tensor", 4, tensor_parallel=2),
+        ),
     ]
 
 
@@ -255,7 +263,12 @@ def test_tensors_cost_per_message_is_fitted_on_its_fewest_devices_and_predicts_i
         0
     ].tensor_seconds == pytest.approx({(2, 2): 0.025, (4, 2): 0.015})  # compute scaled with the batch
     document = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["tensor_parallel"] for r in document["rows"]] == [0, 0, 0, 2]
+    assert [Layout(**r["layout"]) for r in document["rows"]] == [
+        Layout(),
+        Layout(tensor=2),
+        Layout(tensor=4),
+        layout_of("tensor", 4, tensor_parallel=2),
+    ]
     assert (
         measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)[:2]
         == ("tensor", {"tensor_parallel": 2})  # tensor 2x2: 90 ms, against one group of 4's 120
@@ -317,7 +330,8 @@ def test_auto_takes_a_measured_hybrid_row_as_its_layout_not_as_its_strategy(tmp_
     assert [r.label for r in rows] == ["single", "data", "sharded", "sharded 2x2"]
     result = BenchResult(options, rows, {("cpu", 64): HEAVY}, {"cpu": (LINK, "a test")}, [], {})
     write_json(result, tmp_path / "bench.json")
-    assert [r["replicas"] for r in json.loads((tmp_path / "bench.json").read_text())["rows"]] == [0, 0, 0, 2]
+    written = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["layout"]["replicate"] for r in written] == [1, 4, 1, 2]
     chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
     assert chosen[:2] == ("sharded", {"replicas": 2}) and "sharded 2x2 on 4 cpu device(s)" in chosen[2]
     assert "fastest at 5.0 ms/step" in chosen[2]
@@ -325,3 +339,38 @@ def test_auto_takes_a_measured_hybrid_row_as_its_layout_not_as_its_strategy(tmp_
     write_json(replace(result, rows=rows), tmp_path / "bench.json")
     chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=4, batch_size=64)
     assert chosen[:2] == ("data", {}) and "10.0 ms/step" in chosen[2]
+
+
+def test_auto_takes_a_measured_row_with_its_experts_split_as_its_layout(tmp_path):
+    """bench.json's `data ep2` row is its own layout (the row carries its `Layout`): chosen, it trains with
+    --expert-parallel 2, and its time never stands for plain `data`'s, nor plain `data`'s for it."""
+    options = BenchOptions(
+        model="llama",
+        devices=(1, 2),
+        strategies=("data",),
+        batch_sizes=(64,),
+        experts=4,
+        device_kinds=("cpu",),
+    )
+    rows = combinations(options)
+    assert [r.label for r in rows] == ["single", "data", "data ep2"]
+    for row, ms in zip(rows, (40.0, 10.0, 6.0)):
+        row.step_seconds = ms * MS
+    result = BenchResult(options, rows, {("cpu", 64): HEAVY}, {"cpu": (LINK, "a test")}, [], {})
+    write_json(result, tmp_path / "bench.json")
+    chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
+    assert chosen[:2] == ("data", {"expert_parallel": 2}) and "data ep2 on 2 cpu device(s)" in chosen[2]
+    assert "fastest at 6.0 ms/step" in chosen[2]
+    rows[2].step_seconds = 12.0 * MS
+    write_json(replace(result, rows=rows), tmp_path / "bench.json")
+    chosen = measured_choice(str(tmp_path / "bench.json"), device_type="cpu", devices=2, batch_size=64)
+    assert chosen[:2] == ("data", {}) and "fastest at 10.0 ms/step" in chosen[2]
+    # a file written before rows carried their layout names the degree beside --strategy
+    document = json.loads((tmp_path / "bench.json").read_text())
+    for row in document["rows"]:
+        layout = row.pop("layout")
+        row["expert_parallel"] = layout["expert"] if layout["expert"] > 1 else 0
+    document["rows"][2]["step_seconds"] = 6.0 * MS
+    (tmp_path / "old.json").write_text(json.dumps(document))
+    chosen = measured_choice(str(tmp_path / "old.json"), device_type="cpu", devices=2, batch_size=64)
+    assert chosen[:2] == ("data", {"expert_parallel": 2}) and "fastest at 6.0 ms/step" in chosen[2]

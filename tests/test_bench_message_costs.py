@@ -7,6 +7,7 @@ import pytest
 from test_bench_report import MS, WORK, phases
 
 from polytrain.errors import ConfigError
+from polytrain.parallel.layout import Layout
 from polytrain.planning.costmodel import Link, Workload
 from polytrain.runtime.bench import BenchOptions, BenchResult, Row, fit_message_costs, predict_rows
 from polytrain.runtime.bench_report import report, table, write_json
@@ -113,7 +114,15 @@ def test_an_all_to_all_s_cost_is_fitted_to_the_first_row_with_experts_split_and_
     rows = [
         Row("cpu", "single", 1, 64, step_seconds=50 * MS, phases=phases(50 * MS)),
         Row("cpu", "data", 2, 64, step_seconds=40 * MS, phases=phases(40 * MS)),
-        Row("cpu", "data", 2, 64, step_seconds=48 * MS, phases=phases(48 * MS), expert_parallel=2),
+        Row(
+            "cpu",
+            "data",
+            2,
+            64,
+            step_seconds=48 * MS,
+            phases=phases(48 * MS),
+            layout=Layout(replicate=2, expert=2),
+        ),
     ]
     costs = fit_message_costs(rows, works, {"cpu": link})
     assert [r.fitted for r in rows] == [

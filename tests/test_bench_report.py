@@ -8,6 +8,7 @@ import pytest
 
 from polytrain.cli import main
 from polytrain.errors import ConfigError
+from polytrain.parallel.layout import Layout
 from polytrain.planning.costmodel import Link, Prediction, Workload
 from polytrain.planning.memory import memory_per_rank
 from polytrain.runtime.bench import (
@@ -299,7 +300,6 @@ def test_strategies_that_cannot_train_channels_last_say_so_and_do_not():
         assert STRATEGIES[name].keeps_channels_last
     asked = STRATEGIES["single"](device=torch.device("cpu"), channels_last=True)
     assert asked.channels_last
-    from polytrain.parallel.layout import Layout
 
     sharded = STRATEGIES["sharded"](
         device=torch.device("cpu"), world_size=2, layout=Layout(shard=2), channels_last=True
@@ -498,7 +498,7 @@ def test_experts_exchanges_are_a_phase_of_their_own_and_the_busiest_expert_rank_
     # all-to-alls; rank 1's experts computed 300 (token, choice) pairs to rank 0's 100
     steps = [{"step": 20 * MS, "data": 0.0, "all-to-all": 5 * MS, "routed": 50}] * 2
     busy = [{"step": 20 * MS, "data": 0.0, "all-to-all": 5 * MS, "routed": 150}] * 2
-    row = Row("cpu", "data", 2, 64, expert_parallel=2)
+    row = Row("cpu", "data", 2, 64, layout=Layout(replicate=2, expert=2))
     summarize(
         row,
         [rank(0, steps, window=40 * MS, reference=12 * MS), rank(1, busy, window=40 * MS, reference=12 * MS)],
@@ -522,10 +522,10 @@ def test_a_mixture_of_experts_is_benched_with_its_experts_split_over_each_count_
         model="llama", devices=(1, 2, 4), strategies=("single", "data", "sharded", "pipeline"), experts=4,
         device_kinds=("cpu",),
     )  # fmt: skip
-    split = {(r.label, r.devices) for r in combinations(options) if r.expert_parallel}
+    split = {(r.label, r.devices) for r in combinations(options) if r.layout.expert > 1}
     assert split == {
         ("data ep2", 2), ("data ep2", 4), ("data ep4", 4), ("sharded ep2", 2), ("sharded ep2", 4),
         ("sharded ep4", 4),
     }  # fmt: skip
     dense = BenchOptions(model="llama", devices=(1, 2), strategies=("data",), device_kinds=("cpu",))
-    assert not any(r.expert_parallel for r in combinations(dense))
+    assert not any(r.layout.expert > 1 for r in combinations(dense))

@@ -10,7 +10,7 @@ reports (`Strategy.phases`, `Strategy.settle_phases`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -22,7 +22,7 @@ from ..errors import ConfigError, UserError, first_line
 from ..models import MODELS, build_model, build_model_on_meta
 from ..objective import Objective
 from ..parallel.layout import Layout
-from ..parallel.presets import label, layout_of, plain_layout
+from ..parallel.presets import flags_of, label, layout_of, plain_layout
 from ..planning import costmodel
 from ..scaling.bench_predict import fit_message_costs, predict_rows, project
 from ..scaling.flops import flops_per_sample, matmul_peak
@@ -155,9 +155,13 @@ class Row:
     ranks: list = field(default_factory=list)  # per rank: threads, reference, held and peak bytes, phases
     link: dict = field(default_factory=dict)  # message bytes -> seconds of an all-reduce over the ranks
     warning: str = ""  # why its figures cannot be right (see `impossible`)
-    tensor_parallel: int = 0  # tensor: ranks per group on a (data, tensor) mesh (0: all, one group)
-    replicas: int = 0  # sharded: copies of the shard groups (--replicas, hybrid sharding; 0: one copy)
-    expert_parallel: int = 0  # data, sharded: ranks each mixture's experts are split over (0: every rank all)
+    # the degrees this row ran (parallel/layout.py): its strategy's plain layout on its devices where not given;
+    # written into bench.json whole, so that a reader takes the row's layout, not a label parsed back
+    layout: Optional[Layout] = None
+
+    def __post_init__(self):
+        if self.layout is None:
+            self.layout = plain_layout(self.strategy, self.devices)
 
     @property
     def key(self) -> Tuple[str, int]:
@@ -166,21 +170,8 @@ class Row:
     @property
     def label(self) -> str:
         """The strategy on its layout, as the cost model prints it (`tensor 2x2`: 2 groups of 2 on a 2-D mesh;
-        `sharded 2x2`: 2 copies of 2 shards)."""
+        `sharded 2x2`: 2 copies of 2 shards; `data ep2`: the experts split over 2 ranks)."""
         return label(self.strategy, self.layout)
-
-    @property
-    def layout(self) -> Layout:
-        """The degrees of parallelism this row ran."""
-        if not (self.tensor_parallel or self.replicas or self.expert_parallel):
-            return plain_layout(self.strategy, self.devices)
-        return layout_of(
-            self.strategy,
-            self.devices,
-            tensor_parallel=self.tensor_parallel or None,
-            replicas=self.replicas or None,
-            expert_parallel=self.expert_parallel or None,
-        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -209,13 +200,13 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                     rows.append(Row(kind, strategy, n, batch))
                     if strategy in ("data", "sharded") and options.experts:
                         rows += [
-                            Row(kind, strategy, n, batch, expert_parallel=p)
+                            Row(kind, strategy, n, batch, layout=replace(plain_layout(strategy, n), expert=p))
                             for p in range(2, n + 1)
                             if n % p == 0 and options.experts % p == 0
                         ]
                     if plain.tensor > 1:
                         rows += [
-                            Row(kind, strategy, n, batch, tensor_parallel=t)
+                            Row(kind, strategy, n, batch, layout=layout_of(strategy, n, tensor_parallel=t))
                             for t in range(2, n)
                             if n % t == 0
                         ]
@@ -223,7 +214,7 @@ def combinations(options: BenchOptions, *, tensor: bool = True) -> List[Row]:
                     # rows are its (data, tensor) meshes, hybrid ones not measured yet)
                     if plain.data_parallel == "shard":
                         rows += [
-                            Row(kind, strategy, n, batch, replicas=n // shards)
+                            Row(kind, strategy, n, batch, layout=layout_of(strategy, n, replicas=n // shards))
                             for shards in costmodel.HYBRID_SHARDS
                             if shards < n and n % shards == 0
                         ]
@@ -319,12 +310,7 @@ def row_config(options: BenchOptions, row: Row, *, epochs: int, max_steps: int) 
         seed=options.seed,
         **options.model_options,
     )
-    if row.tensor_parallel:
-        values["tensor_parallel"] = row.tensor_parallel
-    if row.replicas:
-        values["replicas"] = row.replicas
-    if row.expert_parallel:
-        values["expert_parallel"] = row.expert_parallel
+    values.update(flags_of(row.strategy, row.layout))  # the settings beside --strategy that give its layout
     apply_model_defaults(values, set(values), options.model)
     return TrainConfig(**values)
 

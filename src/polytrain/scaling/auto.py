@@ -265,6 +265,20 @@ def _load(path: str) -> dict:
     return document
 
 
+def row_layout(row: dict) -> Layout:
+    """The layout a bench file's row ran: its `layout` as written, or in files written before rows carried it,
+    the settings beside --strategy that gave it (none in files written before meshes)."""
+    if isinstance(row.get("layout"), dict):
+        return Layout(**row["layout"])
+    return layout_of(
+        str(row["strategy"]),
+        int(row["devices"]),
+        tensor_parallel=int(row.get("tensor_parallel", 0)) or None,
+        replicas=int(row.get("replicas", 0)) or None,
+        expert_parallel=int(row.get("expert_parallel", 0)) or None,
+    )
+
+
 def measured_choice(
     path: str, *, device_type: str, devices: int, batch_size: int
 ) -> Optional[Tuple[str, dict, str]]:
@@ -284,14 +298,7 @@ def measured_choice(
     measured = {}  # label -> (seconds, strategy, layout)
     try:
         for r in rows:
-            strategy = str(r["strategy"])
-            layout = layout_of(
-                strategy,
-                int(r["devices"]),
-                tensor_parallel=int(r.get("tensor_parallel", 0))
-                or None,  # absent in files written before meshes
-                replicas=int(r.get("replicas", 0)) or None,
-            )
+            strategy, layout = str(r["strategy"]), row_layout(r)
             measured[label(strategy, layout)] = float(r["step_seconds"]), strategy, layout
     except (KeyError, TypeError, ValueError, ConfigError):
         raise ConfigError(

@@ -19,7 +19,7 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
     costs: Dict[str, Dict[str, float]] = {}
     first = {}
     for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.devices > 1 and not row.skipped and row.key in workloads and not row.expert_parallel:
+        if row.devices > 1 and not row.skipped and row.key in workloads and row.layout.expert == 1:
             first.setdefault((row.device, row.strategy), row)
     for (kind, strategy), row in first.items():
         prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(
@@ -34,7 +34,7 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
     # strategy's cost per message given
     split = {}
     for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.expert_parallel and not row.skipped and row.key in workloads and row.devices > 1:
+        if row.layout.expert > 1 and not row.skipped and row.key in workloads and row.devices > 1:
             split.setdefault(row.device, row)
     for kind, row in split.items():
         prediction = predictions_for(

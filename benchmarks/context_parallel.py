@@ -7,6 +7,8 @@ time against C = 1 on the same process count, and a context that one process's m
         --limit-context 8192 --limit-gib 0.34                       # the limit part of docs/benchmarks.md
     python benchmarks/context_parallel.py --contexts 2048,4096 --rounds 1 --parts table,time   # ~15 min
     python benchmarks/context_parallel.py --contexts 4096 --processes 1,2 --rounds 3 --steps 5 --parts table,time
+    python benchmarks/context_parallel.py --contexts 8192,16384 --processes 2,4 --rounds 1 --parts table \
+        --limit-context 0 --give-back                 # the tensors held at once against the check, ~15 min
 
 Each configuration is what a user gets from (N processes, C ranks per sequence):
 
@@ -30,8 +32,11 @@ way they are split: C = 1 splits the batch, C > 1 each sequence.
   temporaries, and what the allocator keeps of them), not torch, gloo or the training state, which do not grow
   with T. Beside it, the memory check's prediction for the same layout, worked out as `check_fits` does
   (scaling/fits.py): `measured_activations` on the meta model at T, `memory_per_rank(..., layout=layout_for(
-  config, "sharded"))` with and without the activations (on a context rank: its part of each sequence, with the
-  keys and values it gathers and its chunks' zero rows, planning/activations.py `context_part`).
+  config, "sharded"))` with and without the activations (on a context rank: its part of each sequence, and what
+  the ring holds beyond it, planning/context.py `context_part`). A process's heap keeps freed blocks for the
+  next step and fragments, so its peak RSS is the tensors it held at once plus what the heap kept (up to 0.8x the
+  activations, docs/benchmarks.md); with `--give-back` every worker gives freed blocks over 1 MiB back at once,
+  as polytrain does where a heap keeping them would not fit, and its peak RSS is the tensors it held at once.
 - **Step time**: the median over rounds of each run's median step (the steps after the first), and its ratio
   to C = 1 on the same number of processes in the same round. With `--parts time`, beside it the cost model's
   step at the largest context (planning/context.py `context_parallel`, `sharded` where C = 1): from the workload
@@ -154,6 +159,10 @@ def one_run(spec: dict) -> None:
         layout = dict(strategy="sharded", devices=spec["processes"])
         if spec["cp"] > 1:
             layout["context_parallel"] = spec["cp"]
+    if spec.get("give_back"):  # as the memory check decides where a heap keeping freed blocks would not fit
+        from polytrain.scaling.fits import Fit
+
+        Fit.gives_back_memory = lambda self: True
     polytrain.fit(
         "llama", "shakespeare", **spec["shape"], batch_size=spec["batch"], max_steps=spec["steps"],
         out=spec["out"], verbose=False, callbacks=[ImportableProbe(spec["result"], spec["processes"])], **layout,
@@ -342,6 +351,12 @@ def main() -> None:
         help="table, limit, time (the cost model's steps beside the table's)",
     )
     parser.add_argument("--activation-checkpointing", default="none", help="of every run of the table")
+    parser.add_argument(
+        "--give-back",
+        action="store_true",
+        help="every worker gives freed blocks over 1 MiB back at once (as polytrain does where a heap keeping "
+        "them would not fit), so that its peak RSS is the tensors it holds at once, not what its heap keeps",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here too")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -364,7 +379,7 @@ def main() -> None:
         folder = Path(tmp)
         for label, n, cp in CONFIGS if "table" in args.parts else ():  # what they hold at a tiny context
             spec = dict(shape=shape_of(args, args.baseline_context), batch=batch, processes=n, cp=cp, steps=2)
-            base = train(dict(spec, checkpointing=mode), folder, f"base-{n}-{cp}")
+            base = train(dict(spec, checkpointing=mode, give_back=args.give_back), folder, f"base-{n}-{cp}")
             if "error" in base:
                 raise SystemExit(f"{label} at the baseline context failed:\n{base['error']}")
             record["baseline"][label] = base
@@ -380,7 +395,11 @@ def main() -> None:
             for context in contexts:
                 for label, n, cp in CONFIGS:
                     spec = dict(shape=shape_of(args, context), batch=batch, processes=n, cp=cp, steps=steps)
-                    run = train(dict(spec, checkpointing=mode), folder, f"r{round_}-{context}-{n}-{cp}")
+                    run = train(
+                        dict(spec, checkpointing=mode, give_back=args.give_back),
+                        folder,
+                        f"r{round_}-{context}-{n}-{cp}",
+                    )
                     record["runs"].setdefault(f"{context} {label}", []).append(run)
                     if "error" in run:
                         print(f"round {round_ + 1} T={context} {label}: FAILED\n{run['error']}", flush=True)

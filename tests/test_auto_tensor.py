@@ -11,8 +11,9 @@ import pytest
 from polytrain.models import build_model
 from polytrain.parallel.layout import Layout
 from polytrain.parallel.presets import flags_of, label, layout_of
-from polytrain.planning.costmodel import Link, Prediction, Workload, predict_all, tensor_parallel
+from polytrain.planning.costmodel import Link, Prediction, Workload, tensor_parallel
 from polytrain.planning.memory import memory_per_rank
+from polytrain.planning.predict import predict_all
 from polytrain.runtime.bench import (
     BenchOptions,
     BenchResult,

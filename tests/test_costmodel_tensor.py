@@ -14,11 +14,11 @@ from polytrain.planning.costmodel import (
     Link,
     Workload,
     fit_message_cost,
-    predict_all,
     tensor_collectives,
     tensor_parallel,
 )
 from polytrain.planning.memory import memory_per_rank
+from polytrain.planning.predict import predict_all
 from polytrain.scaling.tensor_inputs import narrowed, split_share, tensor_fields, tensor_plans
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s

@@ -88,3 +88,29 @@ def test_attending_block_by_block_costs_a_rank_one_c_of_the_pairs_and_passes_the
     assert split.communication == pytest.approx(base.communication + 16 * gathered / 2 / 1e9 + 16 * 1e-3)
     over_gathered = context_parallel(WORK, 2, LINK, context=2)
     assert split.compute < over_gathered.compute  # (17/8 of attention's half there)
+
+
+def test_the_cost_model_prices_a_layout_with_context_ranks_as_worked_by_hand_above():
+    """`predict` takes any layout: on one with context ranks it is the step worked by hand above (sharded and
+    data beside them), and with mixtures' experts split over the same ranks both degrees are priced; a layout
+    the model cannot cost is an infinite step that says why."""
+    from polytrain.parallel.layout import Layout
+    from polytrain.parallel.presets import layout_of
+    from polytrain.planning.experts import with_experts
+    from polytrain.planning.predict import predict
+
+    shards = predict(WORK, "sharded", layout_of("sharded", 4, context_parallel=2), LINK)
+    assert shards == context_parallel(WORK, 4, LINK, context=2)
+    assert shards.label == "sharded cp2" and shards.compute > sharded(WORK, 4, LINK).compute
+    copies = predict(WORK, "data", layout_of("data", 4, context_parallel=2), LINK)
+    assert copies == context_parallel(WORK, 4, LINK, context=2, strategy="data")
+    assert copies.step_seconds == pytest.approx(
+        2.5 * (0.5 + 0.5 * 17 / 8) + 0.1 + data_parallel(WORK, 4, LINK).communication + 8 * 2 * 2 * 1024 * 32 * 4 / 2 / 1e9
+        + 8 * 1e-3
+    )  # fmt: skip
+    moe = dataclasses.replace(WORK, mixtures=2, experts=4, expert_bytes=1e6, routed_bytes=4000.0)
+    both = predict(moe, "sharded", Layout(shard=2, context=2, expert=2), LINK)
+    assert both == with_experts(context_parallel(moe, 4, LINK, context=2), moe, LINK, 2)
+    assert both.label == "sharded cp2 ep2" and both.exchanges == 8
+    piped = predict(WORK, "pipeline", Layout(pipeline=2, context=2), LINK)
+    assert math.isinf(piped.step_seconds) and "beside context ranks" in piped.note

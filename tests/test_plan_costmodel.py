@@ -14,12 +14,12 @@ from polytrain.planning.costmodel import (
     fit_message_cost,
     parameter_server,
     pipeline,
-    predict_all,
     ring_allreduce,
     sharded,
     with_message_cost,
 )
 from polytrain.planning.memory import memory_per_rank
+from polytrain.planning.predict import predict_all
 
 LINK = Link(alpha=1e-4, beta=1e9)  # 0.1 ms per message, 1 GB/s
 WORK = Workload(
@@ -186,11 +186,8 @@ MOE = Workload(
 
 
 def with_experts(work: Workload, devices: int, **options) -> dict:
-    """Every prediction at `devices`, and each with a mixture's experts split where a layout can lend ranks."""
-    from polytrain.planning.experts import split_experts
-
-    predictions = predict_all(work, devices, LINK, **options)
-    return {**predictions, **split_experts(predictions, work, LINK, costs=options.get("message_costs"))}
+    """Every prediction at `devices`, each also with a mixture's experts split where a layout can lend ranks."""
+    return predict_all(work, devices, LINK, **options)
 
 
 def test_experts_split_over_ddp_copies_pay_their_all_to_alls_and_split_their_update():
@@ -278,3 +275,24 @@ def test_the_all_to_all_moves_the_busiest_expert_rank_s_tokens():
     even, busy = with_experts(MOE, 4)["data ep2"], with_experts(uneven, 4)["data ep2"]
     moved = 8 * 0.5 * 64e3 / 1e9  # the even routing's bytes over the link
     assert busy.communication - even.communication == pytest.approx(moved * (5 / 4.5 - 1))
+
+
+def test_every_layout_weighed_is_priced_from_its_degrees_and_printed_from_them():
+    """`predict_all` is `predict` on each layout `weighed_layouts` gives, by the label made from it; the steps of
+    the plain layouts are the strategies' worked by hand above."""
+    from polytrain.parallel.presets import label
+    from polytrain.planning.predict import predict, weighed_layouts
+
+    weighed = list(weighed_layouts(MOE, 4))
+    assert [label(s, layout) for s, layout in weighed] == [
+        "data", "parameter-server", "sharded", "pipeline", "sharded 2x2", "data ep2", "data ep4", "sharded ep2",
+        "sharded ep4", "sharded 2x2 ep2",
+    ]  # fmt: skip
+    every = predict_all(MOE, 4, LINK)
+    assert list(every) == [label(s, layout) for s, layout in weighed]
+    for strategy, layout in weighed:
+        assert every[label(strategy, layout)] == predict(MOE, strategy, layout, LINK)
+    assert every["data"] == data_parallel(MOE, 4, LINK)
+    assert every["sharded 2x2"] == sharded(MOE, 4, LINK, replicas=2)
+    assert every["parameter-server"] == parameter_server(MOE, 4, LINK)
+    assert predict(MOE, "data", Layout(), LINK).step_seconds == MOE.compute_seconds

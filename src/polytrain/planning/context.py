@@ -139,25 +139,41 @@ def context_parallel(
         base = data_parallel(work, devices, link)
     if context == 1:
         return base
-    slices = devices // context  # the data degree: a sharded one's FSDP2 ranks, a data one's replicas
-    layout = (
-        Layout(**{"shard" if strategy == "sharded" else "replicate": slices}, context=context)
-        if devices % context == 0
-        else None
-    )
-    shape = work.attention
-    if shape is None or devices % context:
-        why = (
-            "no causal attention was seen in the model"
-            if shape is None
-            else f"{context} does not divide {devices}"
+    if devices % context:
+        return Prediction(
+            strategy, devices, 0.0, 0.0, float("inf"), note=f"{context} does not divide {devices}"
         )
-        return Prediction(strategy, devices, 0.0, 0.0, float("inf"), note=why, layout=layout)
+    slices = devices // context  # the data degree: a sharded one's FSDP2 ranks, a data one's replicas
+    layout = Layout(
+        **{"shard" if strategy == "sharded" else "replicate": slices},
+        context=context,
+        context_in="shard" if strategy == "sharded" else "replicate",
+    )
+    return with_context(base, work, link, layout, scatter_by_allreduce=scatter_by_allreduce, share=share)
+
+
+def with_context(
+    base: Prediction,
+    work: Workload,
+    link: Link,
+    layout: Layout,
+    *,
+    scatter_by_allreduce: bool = False,
+    share: Optional[float] = None,
+) -> Prediction:
+    """`base` (the step of the same ranks holding the parameters as `layout` does, each splitting the batch) with
+    each sequence split over `layout.context` of them instead: attention's work as a context rank does it, and its
+    keys and values around the ring (or gathered). Impossible where the workload has no attention shape."""
+    context, devices, shape = layout.context, layout.world_size, work.attention
+    if shape is None:
+        return replace(
+            base, idle=float("inf"), note="no causal attention was seen in the model", layout=layout
+        )
     share, replica = attention_share(work) if share is None else share, work.replica_pass(devices)
     # block by block every rank computes 1/C of each sequence's attention pairs, as a rank that splits the batch
     busiest = 1.0 if shape.blockwise else busiest_attention(context)
     compute = base.compute - replica + replica * ((1 - share) + share * busiest)
-    sequences = work.batch_size / (devices // context)  # each rank's slice: its part of each of them
+    sequences = work.batch_size / layout.data_degree  # each rank's slice: its part of each of them
     gathered = sequences * shape.kv_heads * shape.context * shape.head_dim * shape.element_bytes
     collectives = 2 * shape.layers  # the keys and the values of every attention layer
     if shape.blockwise:

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Collection, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..parallel.layout import Layout
@@ -399,62 +399,6 @@ def fit_message_cost(measured_seconds: float, prediction: Prediction) -> float:
         return 0.0
     shared = prediction.collectives * prediction.turns if prediction.collectives else prediction.messages
     return max(0.0, (measured_seconds - prediction.step_seconds) / shared)
-
-
-def predict_all(
-    work: Workload,
-    devices: int,
-    link: Link,
-    *,
-    microbatches: int = 4,
-    servers: int = 1,
-    contiguous: Collection[str] = (),
-    scatter_by_allreduce: bool = False,
-    message_costs: Optional[Mapping[str, float]] = None,
-    meshes: bool = True,
-    turns: float = 1.0,
-) -> Dict[str, Prediction]:
-    """Every strategy's prediction at `devices`; one device is `single`, the reference. The strategies named
-    in `contiguous` train in the default memory format (`work.plain`); `scatter_by_allreduce`: the backend
-    reduce-scatters by all-reducing (gloo); `message_costs`: seconds per message, by strategy (`tensor`'s: per
-    collective, for every tensor layout); `turns`: CPU processes per core. Tensor parallelism where the model
-    has a plan: one group of all devices (`tensor`), and with `meshes` each (data, tensor) mesh of smaller
-    groups (`tensor RxT`) and hybrid sharding in shard groups of `HYBRID_SHARDS` ranks (`sharded RxG`)."""
-
-    def of(name: str) -> Workload:
-        return work.in_format(name in contiguous)
-
-    if devices == 1:
-        return {"single": Prediction("single", 1, of("single").compute_seconds, 0.0)}
-    predictions = {
-        "data": data_parallel(of("data"), devices, link),
-        "parameter-server": parameter_server(of("parameter-server"), devices, link, servers=servers),
-        "sharded": sharded(of("sharded"), devices, link, scatter_by_allreduce=scatter_by_allreduce),
-        "pipeline": pipeline(of("pipeline"), devices, link, microbatches=microbatches),
-    }
-    for shards in HYBRID_SHARDS if meshes else ():
-        if shards < devices and devices % shards == 0:
-            predicted = sharded(
-                of("sharded"),
-                devices,
-                link,
-                scatter_by_allreduce=scatter_by_allreduce,
-                replicas=devices // shards,
-            )
-            predictions[predicted.label] = predicted
-    for tensor in work.tensor_splits:
-        if devices % tensor == 0 and (tensor == devices or meshes):
-            predicted = tensor_parallel(
-                of("tensor"),
-                devices,
-                link,
-                tensor=tensor,
-                scatter_by_allreduce=scatter_by_allreduce,
-                turns=turns,
-            )
-            predictions[predicted.label] = predicted
-    costs = message_costs or {}
-    return {name: priced(p, costs) for name, p in predictions.items()}
 
 
 def priced(prediction: Prediction, costs: Mapping[str, float]) -> Prediction:

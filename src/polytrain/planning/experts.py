@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..parallel.layout import Layout
-from ..parallel.presets import EXPERT_PRESETS
 from .costmodel import Link, Prediction, Workload
 
 # the key of the fitted cost per all-to-all call among the costs per message by strategy (bench, --plan files):
@@ -85,28 +84,6 @@ def expert_degrees(work: Workload, layout: Optional[Layout]) -> Tuple[int, ...]:
         return ()
     holders = layout.expert_holders
     return tuple(p for p in range(2, holders + 1) if holders % p == 0 and work.experts % p == 0)
-
-
-def split_experts(
-    predictions: Dict[str, Prediction],
-    work: Workload,
-    link: Link,
-    *,
-    scatter_by_allreduce: bool = False,
-    costs: Optional[Mapping[str, float]] = None,
-) -> Dict[str, Prediction]:
-    """For each prediction of a strategy that takes an expert degree (priced: costmodel.py `predict_all`), the
-    same layout with the mixtures' experts split over each degree it can borrow (`expert_degrees`), by label
-    (`data ep2`), each all-to-all call at the cost per call in `costs` (`ALL_TO_ALL`, where fitted)."""
-    found, call = {}, (costs or {}).get(ALL_TO_ALL, 0.0)
-    for predicted in predictions.values():
-        if predicted.strategy in EXPERT_PRESETS:
-            for expert in expert_degrees(work, predicted.layout):
-                split = with_experts(
-                    predicted, work, link, expert, scatter_by_allreduce=scatter_by_allreduce, call_cost=call
-                )
-                found[split.label] = split
-    return found
 
 
 def fit_exchange_cost(measured_seconds: float, prediction: Prediction) -> float:

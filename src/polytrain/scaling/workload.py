@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from ..config.host import usable_cores
 from ..pipeline.plan import default_microbatches
-from ..planning.costmodel import Link, Prediction, Workload, predict_all
-from ..planning.experts import split_experts
+from ..planning.costmodel import Link, Prediction, Workload
+from ..planning.predict import predict_all
 from .tensor_inputs import narrowed, runs, split_share, tensor_fields, tensor_plans
 from .timing import Step, Together, gloo_pair, gpu_copies, interleave, low, low_by_key
 
@@ -443,7 +443,7 @@ def predictions_for(
     from ..strategy_registry import contiguous_strategies
 
     turned = link_for(link, devices, device_type=kind)
-    predictions = predict_all(
+    return predict_all(
         work,
         devices,
         turned,
@@ -454,8 +454,6 @@ def predictions_for(
         meshes=meshes,
         turns=turns(devices, device_type=kind),
     )
-    split = split_experts(predictions, work, turned, scatter_by_allreduce=kind == "cpu", costs=message_costs)
-    return {**predictions, **split}
 
 
 def measure_link(device: torch.device, *, repeats: int = 8) -> Tuple[Link, str]:

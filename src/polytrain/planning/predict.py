@@ -1,0 +1,166 @@
+"""The cost model's one entry: the predicted step of a strategy on a `Layout` (`predict`), and the layouts `bench`,
+`--strategy auto` and the memory check's advice weigh on n devices (`predict_all`).
+
+A layout's step is built from its degrees, each priced where it is written: the ranks that split the batch and
+hold the parameters (DDP's copies, FSDP2's shards and their copies, a parameter server, a pipeline of whole
+stages, groups of tensor ranks: planning/costmodel.py), then the context ranks that split each sequence
+(planning/context.py `with_context`), the cost per message a bench fitted for the strategy (`costmodel.priced`),
+and the experts split over the ranks that hold the same parameters (planning/experts.py `with_experts`). A new
+degree is one more such step here and its pricing in a module of its own; nothing is keyed by a label, which is
+made from the layout for printing (parallel/presets.py `label`).
+
+Pure arithmetic, tested against values worked out by hand (tests/test_plan_costmodel.py and the degrees' own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Collection, Dict, Iterator, Mapping, Optional, Tuple
+
+from ..parallel.layout import Layout
+from ..parallel.presets import EXPERT_PRESETS, plain_layout
+from .context import with_context
+from .costmodel import (
+    HYBRID_SHARDS,
+    Link,
+    Prediction,
+    Workload,
+    data_parallel,
+    parameter_server,
+    pipeline,
+    priced,
+    sharded,
+    tensor_parallel,
+)
+from .experts import ALL_TO_ALL, expert_degrees, with_experts
+
+
+def predict(
+    work: Workload,
+    strategy: str,
+    layout: Layout,
+    link: Link,
+    *,
+    microbatches: int = 4,
+    servers: int = 1,
+    contiguous: Collection[str] = (),
+    scatter_by_allreduce: bool = False,
+    message_costs: Optional[Mapping[str, float]] = None,
+    turns: float = 1.0,
+    share: Optional[float] = None,
+) -> Prediction:
+    """The step of `strategy` on `layout` (its devices: `layout.world_size`; one device is `single`, the reference).
+    `strategy` says what the degrees do not: a parameter server, and whether it trains in the default memory
+    format (named in `contiguous`: `work.plain`). `message_costs`: seconds per message by strategy, and per
+    all-to-all call (`ALL_TO_ALL`); `share`: attention's measured share of one device's pass (context ranks; default
+    its share of the FLOPs); the rest as `predict_all`. A layout the model cannot cost (a pipeline beside other
+    degrees, tensor ranks beside context ranks) is an infinite step whose note says so."""
+    work = work.in_format(strategy in contiguous)
+    devices, costs = layout.world_size, message_costs or {}
+    if devices == 1:
+        return Prediction("single", 1, work.compute_seconds, 0.0)
+    whole = replace(layout, context=1, context_in="shard", expert=1)
+    if strategy == "parameter-server":
+        base = parameter_server(work, devices, link, servers=servers)
+    elif layout.pipeline > 1:
+        base = pipeline(work, layout.pipeline, link, microbatches=microbatches)
+    elif layout.tensor > 1:
+        base = tensor_parallel(
+            work, devices, link, tensor=layout.tensor, scatter_by_allreduce=scatter_by_allreduce, turns=turns
+        )
+    elif layout.data_parallel == "shard":
+        base = sharded(
+            work, devices, link, scatter_by_allreduce=scatter_by_allreduce, replicas=whole.replicate
+        )
+    else:
+        base = data_parallel(work, devices, link)
+    beside = [name for name, degree in (("context", layout.context), ("expert", layout.expert)) if degree > 1]
+    if beside and (
+        layout.pipeline > 1 or strategy == "parameter-server" or (layout.tensor > 1 and layout.context > 1)
+    ):
+        return replace(
+            base,
+            idle=float("inf"),
+            layout=layout,
+            note=f"the cost model does not price {base.strategy} beside {' and '.join(beside)} ranks",
+        )
+    if layout.context > 1:
+        base = with_context(base, work, link, layout, scatter_by_allreduce=scatter_by_allreduce, share=share)
+    base = priced(base, costs)
+    if layout.expert > 1:
+        base = with_experts(
+            base,
+            work,
+            link,
+            layout.expert,
+            scatter_by_allreduce=scatter_by_allreduce,
+            call_cost=costs.get(ALL_TO_ALL, 0.0),
+        )
+    return base
+
+
+def weighed_layouts(work: Workload, devices: int, *, meshes: bool = True) -> Iterator[Tuple[str, Layout]]:
+    """(strategy, layout) of every layout `predict_all` weighs on `devices`: each strategy's plain layout; with
+    `meshes`, hybrid sharding in shard groups of `HYBRID_SHARDS` ranks and the (data, tensor) meshes of the
+    tensor plan's splits (one group of all devices always, where the plan splits over them); and for a model
+    with mixtures each of them with the experts split over each count of the ranks holding the same parameters
+    that divides them and the experts (planning/experts.py `expert_degrees`)."""
+    if devices == 1:
+        yield "single", Layout()
+        return
+    found = [
+        (strategy, plain_layout(strategy, devices))
+        for strategy in ("data", "parameter-server", "sharded", "pipeline")
+    ]
+    found += [
+        ("sharded", Layout(replicate=devices // shards, shard=shards))
+        for shards in (HYBRID_SHARDS if meshes else ())
+        if shards < devices and devices % shards == 0
+    ]
+    found += [
+        ("tensor", Layout(shard=devices // tensor, tensor=tensor))
+        for tensor in work.tensor_splits
+        if devices % tensor == 0 and (tensor == devices or meshes)
+    ]
+    for strategy, layout in found:
+        yield strategy, layout
+    for strategy, layout in found:
+        if strategy in EXPERT_PRESETS:
+            for expert in expert_degrees(work, layout):
+                yield strategy, replace(layout, expert=expert)
+
+
+def predict_all(
+    work: Workload,
+    devices: int,
+    link: Link,
+    *,
+    microbatches: int = 4,
+    servers: int = 1,
+    contiguous: Collection[str] = (),
+    scatter_by_allreduce: bool = False,
+    message_costs: Optional[Mapping[str, float]] = None,
+    meshes: bool = True,
+    turns: float = 1.0,
+) -> Dict[str, Prediction]:
+    """The prediction of every layout `weighed_layouts` gives on `devices`, by its label (`sharded 2x2`, `data
+    ep2`). The strategies named in `contiguous` train in the default memory format (`work.plain`);
+    `scatter_by_allreduce`: the backend reduce-scatters by all-reducing (gloo); `message_costs`: seconds per
+    message, by strategy (`tensor`'s: per collective, for every tensor layout), and per all-to-all call;
+    `turns`: CPU processes per core."""
+    predictions = {}
+    for strategy, layout in weighed_layouts(work, devices, meshes=meshes):
+        predicted = predict(
+            work,
+            strategy,
+            layout,
+            link,
+            microbatches=microbatches,
+            servers=servers,
+            contiguous=contiguous,
+            scatter_by_allreduce=scatter_by_allreduce,
+            message_costs=message_costs,
+            turns=turns,
+        )
+        predictions[predicted.label] = predicted
+    return predictions

@@ -452,3 +452,27 @@ def test_plan_from_python_refuses_what_is_not_a_model_in_one_line():
             polytrain.plan(model, devices=2, batch_size=8, context=16, activation_checkpointing="none")
     with pytest.raises(UserError, match="--batch-size must be a positive whole number, got '64'"):
         polytrain.plan("llama", devices=2, batch_size="64")
+
+
+def test_tensor_ranks_of_the_llama_keep_half_its_blocks_activations_sequence_parallel(monkeypatch):
+    """The built-in Llama's tensor plan runs its norms on parts of the sequence (a Llama with mixtures does not:
+    its router sees whole sequences), so a rank of 2 keeps 1/2 of one device's block activations, not
+    (10 + 24/2) / 34 (Korthikanti et al., Table 2): one device's less a rank's is 17/12 as much as without."""
+    import polytrain
+    import polytrain.strategies.tensor as tensor
+
+    assert _tensor_plan(Layout(tensor=2), _small()).sequence_parallel
+    mixture = build_model_on_meta("llama", (16,), VOCAB, dict(SMALL, experts=4))
+    assert not _tensor_plan(Layout(tensor=2), mixture).sequence_parallel
+    shape = dict(layers=2, heads=4, kv_heads=2, width=64, ffn_width=128, vocab_size=VOCAB, context=2048)
+
+    def activations(layout):
+        asked = dict(devices=layout.world_size, batch_size=8, gpu="h100", layout=layout.words() or "single")
+        (row,) = polytrain.plan("llama", activation_checkpointing="none", **asked, **shape)
+        return row["memory_split_gib"]["activations"], row.get("sequence_parallel")
+
+    (one, _), (split, sequence) = activations(Layout()), activations(Layout(tensor=2))
+    monkeypatch.setattr(tensor, "_cuts_sequence", lambda *args: False)
+    whole, without = activations(Layout(tensor=2))
+    assert sequence is True and without is False
+    assert (one - split) / (one - whole) == pytest.approx(17 / 12)

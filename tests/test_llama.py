@@ -180,3 +180,5 @@ def test_verify_llama(strategy, attention, capfd):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(float(diff) <= 1e-5 for *_, diff in rows) and "PASS" in result.stdout
+    if strategy == "tensor":  # its norms on parts of the sequence, their weights' gradients summed over them
+        assert "norms sequence-parallel" in result.stdout

@@ -144,8 +144,8 @@ def sequence_styles(model: nn.Module, styles: dict, *, vocabulary=()) -> None:
         if isinstance(styles[name], RowwiseParallel):
             styles[name] = RowwiseParallel(output_layouts=Shard(1))
         styles[name.rsplit(".", 1)[0]] = PrepareModuleInput(**gather)  # its attention or MLP
-    for name, module in model.named_modules():
-        if isinstance(module, nn.LayerNorm):
+    for name, module in model.named_modules():  # (not a norm over each head: head_norm_styles)
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and not name.endswith(("q_norm", "k_norm")):
             styles[name] = SequenceParallel(use_local_output=True)
     *_, (head, _) = model.named_children()
     styles[head] = (

@@ -39,7 +39,8 @@ BUILTIN_PLANS = {
         HEAD: "colwise",
     },
     # the Llama's separate projections need no interleaving; its untied head would give each rank a slice of
-    # the scores, so it and the embedding stay whole, as its RMSNorms (no sequence parallelism)
+    # the scores, so it and the embedding stay whole; its RMSNorms run on parts of the sequence, as the GPT's
+    # LayerNorms (strategies/tensor.py `_cuts_sequence`)
     "polytrain.models.llama.Llama": {
         "*.attention.wq": "colwise",
         "*.attention.wk": "colwise",

@@ -8,8 +8,11 @@ reduce-scatter in backward each, as torchtitan wraps a transformer.
                   `out_proj`, a large vocabulary's embedding or head is a unit of its own
     the root      what no unit may take: a parameter two modules share (tied embeddings and head), which
                   FSDP2 requires to stay in one unit, and the model's own parameters; beside blocks, also each
-                  layer smaller than a block (norms, a position table, a small vocabulary's embedding and head),
-                  which would cost a collective of its own for little memory
+                  layer under a quarter of the smallest block (norms, a position table, a small vocabulary's
+                  embedding and head), which would cost a collective of its own for little memory. A larger one
+                  is a unit of its own, as torchtitan wraps the embedding and the head: the root stays gathered
+                  through the whole step (Llama 3 405B's embedding and head are 2/3 of a block each, 4.2e9
+                  parameters the root would hold gathered)
 
 A block is also what activation checkpointing recomputes, so FSDP2's hooks run around a checkpointed region,
 never inside it (selective checkpointing replays the region's operations and finds none of FSDP2's there).
@@ -46,9 +49,9 @@ def shard_units(model: nn.Module) -> Units:
 
     found = find_blocks(model)
     blocks = {name for name, _ in found}
-    # beside blocks, a layer smaller than a block stays in the root's unit: gathered with it, in no collective of
-    # its own (a norm, a position table, a small vocabulary's embedding and head), as torchtitan's root does
-    smallest = min((sum(p.numel() for p in block.parameters()) for _, block in found), default=0)
+    # beside blocks, a layer under a quarter of a block stays in the root's unit: gathered with it, in no collective
+    # of its own (a norm, a position table, a small vocabulary's embedding and head), as torchtitan's root does
+    smallest = min((sum(p.numel() for p in block.parameters()) for _, block in found), default=0) / 4
     units: Units = []
 
     def visit(module: nn.Module, prefix: str) -> None:

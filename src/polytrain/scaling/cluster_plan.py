@@ -8,8 +8,9 @@ one computing and the one prefetched) in the gathered dtype, and one unit's grad
 the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
 memory check cuts them (planning/context.py `context_part`, planning/activations.py `peak_bytes`); under a tensor plan the blocks keep
-(10 + 24/t) / 34 of one device's (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", Table 2, without sequence parallelism and with attention that keeps no scores). A pipeline (set up by the
+(10 + 24/t) / 34 of one device's, and 1/t where the plan runs sequence-parallel (the built-in GPT's and Llama's
+without mixtures: their inputs too) (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2, with attention that keeps no scores). A pipeline (set up by the
 pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
 under 1F1B its first stage holds the blocks' activations of as many micro-batches as there are stages, its last
 stage one micro-batch's and the logits; the busier of the two ranks is shown. Not counted: the CUDA context and the
@@ -85,6 +86,7 @@ class LayoutPlan:
     refused: str = ""  # the line the code refused the layout with at full size
     # its --activation-checkpointing (under "auto": the least recomputation that fits)
     checkpointing: str = ""
+    sequence_parallel: bool = False  # its tensor plan runs the norms on parts of the sequence
 
     @property
     def memory(self) -> float:
@@ -115,6 +117,7 @@ class LayoutPlan:
             "tokens_per_second_per_device": self.tokens_per_second_per_device,
             "mfu": self.mfu,
             "limit": self.limit,
+            **({"sequence_parallel": self.sequence_parallel} if self.layout.tensor > 1 else {}),
             **({"refused": self.refused} if self.refused else {}),
         }
 
@@ -204,6 +207,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
             plan = make_plan(config.strategy, config, model, None, device=None)
             held = holdings_at_full_size(request.build, layout, tensor_plan=plan, precision=request.precision)
             holdings = [(0, held)]
+            row.sequence_parallel = bool(getattr(plan, "sequence_parallel", False))
         for mode in tried:  # the least recomputation that fits, else the last tried; the busier rank shown
             sized = []
             for rank, held in holdings:
@@ -282,16 +286,16 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
     if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
         row.buffers = held.parameter_bytes / 2
     part = context_part(work, layout)
-    if (
-        layout.tensor > 1 and part.blocks
-    ):  # the blocks keep (10 + 24/t) / 34 of one device's (Korthikanti et al.)
-        keep = (10 + 24 / layout.tensor) / 34
+    if layout.tensor > 1 and part.blocks:
+        # the blocks keep (10 + 24/t) / 34 of one device's, their inputs whole; sequence-parallel, 1/t of all of
+        # it, their inputs too (Korthikanti et al., Table 2)
+        keep = 1 / layout.tensor if row.sequence_parallel else (10 + 24 / layout.tensor) / 34
         blocks = part.blocks * part.block_bytes * (1 - keep)
         part = dataclasses.replace(
             part,
             activation_bytes=part.activation_bytes - blocks,
             block_bytes=part.block_bytes * keep,
-            block_input_bytes=part.block_input_bytes,
+            block_input_bytes=part.block_input_bytes * (keep if row.sequence_parallel else 1.0),
             block_matmul_bytes=part.block_matmul_bytes * keep,
         )
     local = request.batch_size / layout.data_degree

@@ -151,7 +151,10 @@ def tensor_fields(
     split = [model.get_submodule(name) for name, style, _ in plan.styles if style != "replicate"]
     sequence = tuple(t for t, p in plans.items() if p.sequence_parallel)
     norms = sum(
-        1 for m in model.modules() if isinstance(m, nn.LayerNorm) for _ in m.parameters(recurse=False)
+        1
+        for m in model.modules()
+        if isinstance(m, (nn.LayerNorm, nn.RMSNorm))
+        for _ in m.parameters(recurse=False)
     )
     reduced, gathered = collectives(model, plan, objective, x, y)
     # sequence-parallel, the built-in GPT's whole embeddings and head gather the sequence twice more (into the

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError
 from ..parallel.context import tensor_plan_beside
+from ..parallel.experts import mixtures_of
 from ..parallel.meta import base_of
 from ..parallel.tensor import (  # noqa: F401  (tests take them from here)
     _permutation,
@@ -171,11 +172,20 @@ def plan_for(
     heads = _heads(model) if given is None else {}
     plan = resolve(patterns, layers, devices=devices, model=name, run=run, divisor=divisor, **heads)
     _check_shapes(model, plan)
-    # the built-in GPT's norms run sequence-parallel where its context splits evenly (else they stay whole): the
-    # run's windows (--context), which a GPT's table of positions (--positions) may exceed
-    sequence = given is None and kind == "polytrain.models.gpt.GPT"
-    sequence = sequence and (getattr(config, "context", None) or model.context) % devices == 0
-    return replace(plan, sequence_parallel=sequence)
+    return replace(plan, sequence_parallel=given is None and _cuts_sequence(config, model, kind, devices))
+
+
+def _cuts_sequence(config, model: nn.Module, kind: str, devices: int) -> bool:
+    """Whether the built-in plan of `model` runs its norms sequence-parallel (parallel/tensor.py
+    `sequence_styles`): the GPT's and the Llama's, where the run's windows (--context, which a table of positions,
+    --positions, may exceed) split evenly over the tensor ranks; not a Llama with mixtures of experts, whose
+    router would see a part of each sequence (its load-balancing loss is not a sum over tokens) and whose experts
+    the plan keeps whole."""
+    if kind not in ("polytrain.models.gpt.GPT", "polytrain.models.llama.Llama"):
+        return False
+    if mixtures_of(model):
+        return False
+    return (getattr(config, "context", None) or model.context) % devices == 0
 
 
 def plan_for_stages(config, model: nn.Module, *, tensor: int) -> TensorPlan:

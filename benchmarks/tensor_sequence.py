@@ -13,8 +13,9 @@ Each configuration is what a user gets from
 run through `polytrain.fit`; the norms whole by replacing `polytrain.strategies.tensor._cuts_sequence` in the
 launching process (which makes the plan every worker applies). Every worker gives freed blocks over 1 MiB back at
 once (as polytrain does where a heap keeping them would not fit), so its peak RSS is the tensors it holds at once
-(docs/benchmarks.md); activations = that peak less the same configuration's at context 64. Rounds interleave the
-two (A B A B). Step: the median of each run's steps after the first.
+(docs/benchmarks.md); activations = that peak less the same configuration's at context 64, beside what the memory
+check counts (planning/activations.py `tensor_part`). Rounds interleave the two (A B A B). Step: the median of each
+run's steps after the first.
 """
 
 from __future__ import annotations
@@ -67,6 +68,34 @@ def train(spec: dict, folder: Path, name: str) -> dict:
     return {"step": statistics.median(steps[1:]), "hwm": sorted(p["VmHWM"] for p in probe["peaks"].values())}
 
 
+def predicted(shape: dict, batch: int, devices: int, sequence: bool) -> float:
+    """The activations per process the memory check counts for this run (scaling/fits.py `check_fits`: the
+    model's activation figures on fake tensors, a tensor rank's part of them, planning/activations.py
+    `tensor_part`)."""
+    import dataclasses
+
+    import torch
+
+    from polytrain.config import TrainConfig
+    from polytrain.data import load_dataset
+    from polytrain.models import build_model_on_meta
+    from polytrain.parallel.layout import Layout
+    from polytrain.planning.memory import memory_per_rank
+    from polytrain.scaling.fits import _tensor_split, measured_activations, model_workload
+
+    data = load_dataset("shakespeare", context=shape["context"])
+    model = build_model_on_meta("llama", data.input_shape, data.num_classes, dict(shape))
+    config = TrainConfig(model="llama", strategy="tensor", devices=devices, batch_size=batch, **shape)
+    split = dict(_tensor_split(config, model, devices), **({} if sequence else {"sequence_splits": ()}))
+    work = model_workload(
+        model, batch_size=batch, **split, **measured_activations(model, data, torch.device("cpu"))
+    )
+    layout = Layout(tensor=devices)
+    whole = memory_per_rank(work, "tensor", devices, optimizer_slots=2, layout=layout)
+    bare = dataclasses.replace(work, activation_bytes=0.0)
+    return whole - memory_per_rank(bare, "tensor", devices, optimizer_slots=2, layout=layout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
@@ -110,13 +139,19 @@ def main() -> None:
                     flush=True,
                 )
     print(f"\nT={args.context}, batch {args.batch_size}, {args.devices} tensor ranks")
-    print("| plan | activations MiB per process | step s (median over rounds) |")
-    print("| --- | --- | --- |")
+    print(
+        "| plan | activations MiB per process | memory check's MiB | measured / counted | step s (median) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     for sequence in (True, False):
         peaks = [max(r["hwm"][i] for r in runs[sequence]) for i in range(args.devices)]
         held = [p - b for p, b in zip(peaks, baseline[sequence]["hwm"])]
         step = statistics.median(r["step"] for r in runs[sequence])
-        print(f"| {labels[sequence]} | {', '.join(f'{h / MIB:.0f}' for h in held)} | {step:.2f} |")
+        counted = predicted(dict(shape, context=args.context), args.batch_size, args.devices, sequence)
+        print(
+            f"| {labels[sequence]} | {', '.join(f'{h / MIB:.0f}' for h in held)} | {counted / MIB:.0f} | "
+            f"{max(held) / counted:.2f} | {step:.2f} |"
+        )
 
 
 if __name__ == "__main__":

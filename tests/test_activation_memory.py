@@ -145,3 +145,37 @@ def test_a_forward_fake_tensors_cannot_run_is_unknown_without_torchs_error_lines
         logger.removeHandler(records)
     assert records.records == []
     assert logger.level == logging.NOTSET  # as it was
+
+
+def test_a_tensor_rank_keeps_its_part_of_the_blocks_worked_by_hand():
+    """A rank of 2 tensor ranks keeps (10 + 24/2) / 34 of each block's activations and matrix products, each
+    block's input whole, and what is kept outside the blocks whole; sequence-parallel, half of all three."""
+    from dataclasses import replace
+
+    from polytrain.parallel.layout import Layout
+    from polytrain.planning.activations import tensor_part
+    from polytrain.planning.costmodel import Workload
+
+    work = Workload(
+        compute_seconds=0.0, parameter_bytes=0.0, batch_size=4, activation_bytes=1000.0, blocks=2,
+        block_bytes=340.0, block_input_bytes=34.0, block_matmul_bytes=68.0,
+    )  # fmt: skip
+    part = tensor_part(work, 2)
+    assert (part.block_bytes, part.block_input_bytes, part.block_matmul_bytes) == (220.0, 34.0, 44.0)
+    assert part.activation_bytes == 1000.0 - 2 * 120.0  # the 320 outside the blocks stay whole
+    cut = tensor_part(work, 2, sequence=True)
+    assert (cut.block_bytes, cut.block_input_bytes, cut.block_matmul_bytes, cut.activation_bytes) == (
+        170.0, 17.0, 34.0, 660.0,
+    )  # fmt: skip
+    assert tensor_part(work, 1) == work
+    # the memory check of 2 tensor ranks counts the group's 4 samples so; sequence-parallel where the plan is
+    bare = replace(work, activation_bytes=0.0)
+    held = lambda w: (
+        memory_per_rank(w, "tensor", 2, layout=Layout(tensor=2))
+        - memory_per_rank(  # noqa: E731
+            replace(bare, sequence_splits=w.sequence_splits), "tensor", 2, layout=Layout(tensor=2)
+        )
+    )
+    assert held(work) == pytest.approx(4 * 760.0)
+    assert held(replace(work, sequence_splits=(2,))) == pytest.approx(4 * 660.0)
+    assert held(replace(work, sequence_splits=(4,))) == pytest.approx(4 * 760.0)  # (another group's)

@@ -20,11 +20,15 @@ the peak adds one block's b (an upper bound for selective, which recomputes only
 without blocks (n = 0) keeps A in every mode.
 
 A rank of a context group (`--context-parallel C`) holds a part of each sample: planning/context.py counts it.
+A rank of a tensor group of t holds (`tensor_part`) (10 + 24/t) / 34 of each block's b and m, its input i
+whole, and where the plan runs sequence-parallel 1/t of all three (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Table 2, with attention that keeps no scores); what is kept outside
+the blocks is its whole (the head's scores gathered whole).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Tuple
 
 MODES = ("none", "full", "selective")
@@ -57,6 +61,21 @@ def peak_bytes(work, mode: str = "none") -> float:
     kind, count = checkpointed(mode, work.blocks)
     recomputed = work.block_bytes if count and work.block_bytes else 0.0
     return kept_bytes(work, mode) + recomputed
+
+
+def tensor_part(work, tensor: int, *, sequence: bool = False):
+    """`work` with its per-sample figures those of a rank of a tensor group of `tensor` ranks (the module's
+    docstring); `sequence`: the plan runs the norms on parts of the sequence. Unchanged without blocks."""
+    if tensor == 1 or not work.blocks or not work.block_bytes:
+        return work
+    keep = 1 / tensor if sequence else (10 + 24 / tensor) / 34
+    return replace(
+        work,
+        activation_bytes=work.activation_bytes - work.blocks * work.block_bytes * (1 - keep),
+        block_bytes=work.block_bytes * keep,
+        block_input_bytes=work.block_input_bytes * (keep if sequence else 1.0),
+        block_matmul_bytes=work.block_matmul_bytes * keep,
+    )
 
 
 @dataclass(frozen=True)

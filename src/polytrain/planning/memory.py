@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..parallel.layout import Layout
 from ..parallel.presets import plain_layout
-from .activations import peak_bytes
+from .activations import peak_bytes, tensor_part
 from .context import context_part
 from .costmodel import Workload
 
@@ -37,13 +37,15 @@ def memory_per_rank(
     once (`gathered_bytes`: the root's and two units', else the whole model, an upper bound); pipeline: about
     1/p of the weights, and activations for as many micro-batches as stages in flight; tensor (`tensor` or
     `tensor RxT`): the split layers' 1/T and the replicated ones whole, over R groups sharded as `sharded` is,
-    and the activations of its group's batch (all of them, an upper bound: the split layers' are 1/T).
+    and of its group's batch the blocks' activations a tensor rank keeps (planning/activations.py `tensor_part`:
+    1/T where the plan is sequence-parallel, `work.sequence_splits`), the rest whole.
     """
     weights = work.parameter_bytes
     layout = layout or plain_layout(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
     # context group's ranks each keep their part of every sequence's (planning/context.py `context_part`)
     part = context_part(work, layout)
+    part = tensor_part(part, layout.tensor, sequence=layout.tensor in getattr(work, "sequence_splits", ()))
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's

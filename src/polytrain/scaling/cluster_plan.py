@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
 from ..parallel.presets import settings_of
-from ..planning.activations import peak_bytes
+from ..planning.activations import peak_bytes, tensor_part
 from ..planning.context import context_part
 from .cluster_time import step_time
 from .gpus import GPUS_PER_NODE, Gpu
@@ -286,18 +286,7 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
     if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
         row.buffers = held.parameter_bytes / 2
     part = context_part(work, layout)
-    if layout.tensor > 1 and part.blocks:
-        # the blocks keep (10 + 24/t) / 34 of one device's, their inputs whole; sequence-parallel, 1/t of all of
-        # it, their inputs too (Korthikanti et al., Table 2)
-        keep = 1 / layout.tensor if row.sequence_parallel else (10 + 24 / layout.tensor) / 34
-        blocks = part.blocks * part.block_bytes * (1 - keep)
-        part = dataclasses.replace(
-            part,
-            activation_bytes=part.activation_bytes - blocks,
-            block_bytes=part.block_bytes * keep,
-            block_input_bytes=part.block_input_bytes * (keep if row.sequence_parallel else 1.0),
-            block_matmul_bytes=part.block_matmul_bytes * keep,
-        )
+    part = tensor_part(part, layout.tensor, sequence=row.sequence_parallel)
     local = request.batch_size / layout.data_degree
     row.activations = peak_bytes(part, row.checkpointing) * local
     if (

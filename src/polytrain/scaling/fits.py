@@ -108,7 +108,9 @@ def _size(nbytes: float) -> str:
     return _gib(nbytes) if nbytes >= 2**30 else f"{nbytes / 2**20:,.0f} MiB"
 
 
-def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, **activations) -> Workload:
+def model_workload(
+    model: nn.Module, *, batch_size: int, split_bytes: float = 0.0, sequence_splits: tuple = (), **activations
+) -> Workload:
     """What the cost model needs of `model` for memory, from its shapes alone (a meta-device model is fine),
     with the `activations` figures of activation_memory.py where they were measured."""
     from ..parallel.units import gathered_bytes, unit_count
@@ -121,6 +123,7 @@ def model_workload(model: nn.Module, *, batch_size: int, split_bytes: float = 0.
         layers=unit_count(model),
         gathered_bytes=gathered_bytes(model),
         split_bytes=split_bytes,
+        sequence_splits=sequence_splits,
         **activations,
     )
 
@@ -143,21 +146,22 @@ def measured_activations(model: nn.Module, dataset, device: torch.device, precis
     return activation_profile(model, objective, x, y, device=device.type, precision=precision)
 
 
-def _split_bytes(config, model: nn.Module, devices: int) -> float:
-    """Bytes of the layers the tensor plan splits (0 where the model has no plan: all replicated)."""
+def _tensor_split(config, model: nn.Module, devices: int) -> dict:
+    """What the tensor plan of `devices` ranks tells the memory check: the bytes of the layers it splits
+    (`split_bytes`), and `sequence_splits` where it runs sequence-parallel ({} where the model has no plan: all
+    replicated)."""
     from ..strategies.tensor import plan_for
 
     try:
         plan = plan_for(config, model, devices=devices)
     except UserError:
-        return 0.0
-    return float(
-        sum(
-            p.numel() * p.element_size()
-            for name, _, _ in plan.styles
-            for p in model.get_submodule(name).parameters(recurse=False)
-        )
+        return {}
+    split = sum(
+        p.numel() * p.element_size()
+        for name, _, _ in plan.styles
+        for p in model.get_submodule(name).parameters(recurse=False)
     )
+    return dict(split_bytes=float(split), sequence_splits=(devices,) if plan.sequence_parallel else ())
 
 
 def layout_for(config, strategy: str) -> Optional[Layout]:
@@ -186,10 +190,10 @@ def check_fits(
     world; default all of them)."""
     devices = config.devices
     layout = layout_for(config, strategy) or plain_layout(strategy, devices)
-    split = _split_bytes(config, model, layout.tensor) if layout.tensor > 1 else 0.0
+    split = _tensor_split(config, model, layout.tensor) if layout.tensor > 1 else {}
     activations = measured_activations(model, dataset, device, getattr(config, "precision", "fp32") or "fp32")
     accumulate = getattr(config, "accumulate", 1) or 1
-    work = model_workload(model, batch_size=config.batch_size, split_bytes=split, **activations)
+    work = model_workload(model, batch_size=config.batch_size, **split, **activations)
     if work.attention and getattr(config, "precision", "fp32") != "fp32":  # autocast's attention: 2 bytes
         work = dataclasses.replace(work, attention=dataclasses.replace(work.attention, element_bytes=2))
     label = strategy if devices > 1 else "single"

@@ -170,12 +170,14 @@ def test_a_tensor_rank_keeps_its_part_of_the_blocks_worked_by_hand():
     assert tensor_part(work, 1) == work
     # the memory check of 2 tensor ranks counts the group's 4 samples so; sequence-parallel where the plan is
     bare = replace(work, activation_bytes=0.0)
-    held = lambda w: (
-        memory_per_rank(w, "tensor", 2, layout=Layout(tensor=2))
-        - memory_per_rank(  # noqa: E731
-            replace(bare, sequence_splits=w.sequence_splits), "tensor", 2, layout=Layout(tensor=2)
+
+    def held(w):
+        layout = Layout(tensor=2)
+        bare_w = replace(bare, sequence_splits=w.sequence_splits)
+        return memory_per_rank(w, "tensor", 2, layout=layout) - memory_per_rank(
+            bare_w, "tensor", 2, layout=layout
         )
-    )
+
     assert held(work) == pytest.approx(4 * 760.0)
     assert held(replace(work, sequence_splits=(2,))) == pytest.approx(4 * 660.0)
     assert held(replace(work, sequence_splits=(4,))) == pytest.approx(4 * 760.0)  # (another group's)

@@ -40,17 +40,27 @@ def test_conv1d_layers_are_linear_layers_with_their_weight_transposed():
     assert (fc.kind, fc.inputs, fc.outputs, fc.transposed) == ("linear", 16, 64, True)
 
 
-@pytest.mark.multiprocess
-def test_gpt2_mlp_split_by_a_tensor_plan_trains_as_one_device():
-    train, val = Tokens(32, seed=1), Tokens(8, seed=2)
-    settings = dict(epochs=1, batch_size=8, optimizer="sgd", lr=0.1, verbose=False)
-    one, two = gpt2(), gpt2()
-    polytrain.fit(one, train=train, val=val, **settings)
-    polytrain.fit(two, train=train, val=val, devices=2, strategy="tensor", tensor_plan=PLAN, **settings)
-    start = gpt2().state_dict()
+TRAIN, VAL = Tokens(32, seed=1), Tokens(8, seed=2)
+SETTINGS = dict(epochs=1, batch_size=8, optimizer="sgd", lr=0.1, verbose=False)
+
+
+def trains_as_one_device(build, plan):
+    """A model of `build` trained on one device and on 2 tensor ranks split by `plan` ends with the same weights
+    (which moved); returns the one device's model."""
+    one, two = build(), build()
+    polytrain.fit(one, train=TRAIN, val=VAL, **SETTINGS)
+    polytrain.fit(two, train=TRAIN, val=VAL, devices=2, strategy="tensor", tensor_plan=plan, **SETTINGS)
+    start = build().state_dict()
     moved = max((one.state_dict()[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-3  # the comparison below is not between two untrained models
     assert_same_weights(two.state_dict(), one.state_dict(), atol=1e-5)
+    return one
+
+
+@pytest.mark.multiprocess
+def test_gpt2_mlp_split_by_a_tensor_plan_trains_as_one_device():
+    one = trains_as_one_device(gpt2, PLAN)
+    train, val, settings = TRAIN, VAL, SETTINGS
     with pytest.raises(ConfigError, match=r"c_attn is a Conv1D .*\(colwise:3\)"):
         polytrain.fit(
             copy.deepcopy(one), train=train, val=val, devices=2, strategy="tensor",
@@ -81,12 +91,4 @@ def llama():
 def test_a_hugging_face_llama_split_by_heads_and_mlp_trains_as_one_device():
     """Each of 2 ranks runs 2 of the 4 query heads and 1 of the 2 key/value heads, and half the MLP."""
     assert "inv_freq" in dict(llama().model.rotary_emb.named_buffers())  # (the buffer each rank keeps whole)
-    train, val = Tokens(32, seed=1), Tokens(8, seed=2)
-    settings = dict(epochs=1, batch_size=8, optimizer="sgd", lr=0.1, verbose=False)
-    one, two = llama(), llama()
-    polytrain.fit(one, train=train, val=val, **settings)
-    polytrain.fit(two, train=train, val=val, devices=2, strategy="tensor", tensor_plan=LLAMA_PLAN, **settings)
-    start = llama().state_dict()
-    moved = max((one.state_dict()[k] - start[k]).abs().max().item() for k in start)
-    assert moved > 1e-3  # the comparison below is not between two untrained models
-    assert_same_weights(two.state_dict(), one.state_dict(), atol=1e-5)
+    trains_as_one_device(llama, LLAMA_PLAN)

@@ -45,7 +45,7 @@ def memory_per_rank(
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
     # context group's ranks each keep their part of every sequence's (planning/context.py `context_part`)
     part = context_part(work, layout)
-    part = tensor_part(part, layout.tensor, sequence=layout.tensor in getattr(work, "sequence_splits", ()))
+    part = tensor_part(part, layout.tensor, sequence=layout.tensor in work.sequence_splits)
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
     if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's

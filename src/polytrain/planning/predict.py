@@ -59,7 +59,6 @@ def predict(
     devices, costs = layout.world_size, message_costs or {}
     if devices == 1:
         return Prediction("single", 1, work.compute_seconds, 0.0)
-    whole = replace(layout, context=1, context_in="shard", expert=1)
     if strategy == "parameter-server":
         base = parameter_server(work, devices, link, servers=servers)
     elif layout.pipeline > 1:
@@ -70,7 +69,7 @@ def predict(
         )
     elif layout.data_parallel == "shard":
         base = sharded(
-            work, devices, link, scatter_by_allreduce=scatter_by_allreduce, replicas=whole.replicate
+            work, devices, link, scatter_by_allreduce=scatter_by_allreduce, replicas=layout.replicate
         )
     else:
         base = data_parallel(work, devices, link)
@@ -131,36 +130,15 @@ def weighed_layouts(work: Workload, devices: int, *, meshes: bool = True) -> Ite
 
 
 def predict_all(
-    work: Workload,
-    devices: int,
-    link: Link,
-    *,
-    microbatches: int = 4,
-    servers: int = 1,
-    contiguous: Collection[str] = (),
-    scatter_by_allreduce: bool = False,
-    message_costs: Optional[Mapping[str, float]] = None,
-    meshes: bool = True,
-    turns: float = 1.0,
+    work: Workload, devices: int, link: Link, *, meshes: bool = True, **options
 ) -> Dict[str, Prediction]:
-    """The prediction of every layout `weighed_layouts` gives on `devices`, by its label (`sharded 2x2`, `data
-    ep2`). The strategies named in `contiguous` train in the default memory format (`work.plain`);
-    `scatter_by_allreduce`: the backend reduce-scatters by all-reducing (gloo); `message_costs`: seconds per
-    message, by strategy (`tensor`'s: per collective, for every tensor layout), and per all-to-all call;
-    `turns`: CPU processes per core."""
+    """The prediction of every layout `weighed_layouts` gives on `devices` (`meshes`: its meshes too), by its label
+    (`sharded 2x2`, `data ep2`), each by `predict` with `options`: `microbatches`, `servers`, `contiguous` (the
+    strategies that train in the default memory format, `work.plain`), `scatter_by_allreduce` (the backend
+    reduce-scatters by all-reducing: gloo), `message_costs` (seconds per message by strategy, `tensor`'s per
+    collective for every tensor layout, and per all-to-all call) and `turns` (CPU processes per core)."""
     predictions = {}
     for strategy, layout in weighed_layouts(work, devices, meshes=meshes):
-        predicted = predict(
-            work,
-            strategy,
-            layout,
-            link,
-            microbatches=microbatches,
-            servers=servers,
-            contiguous=contiguous,
-            scatter_by_allreduce=scatter_by_allreduce,
-            message_costs=message_costs,
-            turns=turns,
-        )
+        predicted = predict(work, strategy, layout, link, **options)
         predictions[predicted.label] = predicted
     return predictions

@@ -121,8 +121,8 @@ def _check_shapes(model: nn.Module, plan: TensorPlan) -> None:
     for name, module in model.named_modules():
         # a buffer outside the state dict (a rotary embedding's frequencies) is a constant every rank keeps as it
         # is; one in it (running statistics) would be the ranks' to agree on
-        kept = [key for key, b in module._buffers.items() if b is not None]
-        if any(key not in module._non_persistent_buffers_set for key in kept):
+        persistent = module._buffers.keys() - module._non_persistent_buffers_set
+        if any(module._buffers[key] is not None for key in persistent):
             raise ConfigError(
                 f"--strategy tensor: {name or 'the model'} ({type(module).__name__}) keeps buffers "
                 f"such as running statistics, which tensor parallelism does not handle yet; use "

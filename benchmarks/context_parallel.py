@@ -31,7 +31,7 @@ way they are split: C = 1 splits the batch, C > 1 each sequence.
   tokens add (activations saved for the backward, the gathered keys and values, logits, the step's
   temporaries, and what the allocator keeps of them), not torch, gloo or the training state, which do not grow
   with T. Beside it, the memory check's prediction for the same layout, worked out as `check_fits` does
-  (scaling/fits.py): `measured_activations` on the meta model at T, `memory_per_rank(..., layout=layout_for(
+  (scaling/fits.py): `measured_activations` on the meta model at T, `memory_per_rank(layout_for(
   config, "sharded"))` with and without the activations (on a context rank: its part of each sequence, and what
   the ring holds beyond it, planning/context.py `context_part`). A process's heap keeps freed blocks for the
   next step and fragments, so its peak RSS is the tensors it held at once plus what the heap kept (up to 0.8x the
@@ -210,13 +210,8 @@ def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: s
     strategy = "sharded" if processes > 1 else "single"
     layout = layout_for(config, strategy)
     work = model_workload(model, batch_size=batch, **measured_activations(model, data, torch.device("cpu")))
-    label = strategy if processes > 1 else "single"
-    whole = memory_per_rank(
-        work, label, processes, optimizer_slots=2, layout=layout, checkpointing=checkpointing
-    )
-    bare = memory_per_rank(
-        dataclasses.replace(work, activation_bytes=0.0), label, processes, optimizer_slots=2, layout=layout
-    )
+    whole = memory_per_rank(work, layout, optimizer_slots=2, checkpointing=checkpointing)
+    bare = memory_per_rank(dataclasses.replace(work, activation_bytes=0.0), layout, optimizer_slots=2)
     return whole, whole - bare
 
 

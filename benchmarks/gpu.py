@@ -360,6 +360,7 @@ class StepClock:
 
 @guarded("llama")
 def llama(layers, width):
+    from polytrain.parallel.layout import Layout
     from polytrain.planning.memory import memory_per_rank
     from polytrain.scaling.fits import measured_activations, model_workload
 
@@ -377,7 +378,7 @@ def llama(layers, width):
             except Exception:  # noqa: BLE001
                 profile = measured_activations(model, data, torch.device("cpu"))
             work = model_workload(model, batch_size=8, **profile)
-            predicted = memory_per_rank(work, "single", 1, optimizer_slots=2, checkpointing=mode)
+            predicted = memory_per_rank(work, Layout(), optimizer_slots=2, checkpointing=mode)
             clock = StepClock()
             history = polytrain.fit(
                 "llama", data, epochs=1, max_steps=6, batch_size=8, optimizer="adamw", lr=1e-4,

@@ -91,9 +91,9 @@ def predicted(shape: dict, batch: int, devices: int, sequence: bool) -> float:
         model, batch_size=batch, **split, **measured_activations(model, data, torch.device("cpu"))
     )
     layout = Layout(tensor=devices)
-    whole = memory_per_rank(work, "tensor", devices, optimizer_slots=2, layout=layout)
+    whole = memory_per_rank(work, layout, optimizer_slots=2)
     bare = dataclasses.replace(work, activation_bytes=0.0)
-    return whole - memory_per_rank(bare, "tensor", devices, optimizer_slots=2, layout=layout)
+    return whole - memory_per_rank(bare, layout, optimizer_slots=2)
 
 
 def main() -> None:

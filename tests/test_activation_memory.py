@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from polytrain.models import build_model, build_model_on_meta
 from polytrain.objective import Objective
 from polytrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.activations import kept_bytes, peak_bytes
 from polytrain.planning.costmodel import Workload
 from polytrain.planning.memory import memory_per_rank
@@ -77,8 +78,8 @@ def test_the_peak_adds_one_recomputed_block_and_reaches_the_memory_per_rank():
     work = predicted_workload("gpt")
     assert peak_bytes(work, "none") == kept_bytes(work, "none")
     assert peak_bytes(work, "full") == pytest.approx(kept_bytes(work, "full") + work.block_bytes)
-    without = memory_per_rank(work, "data", 2, checkpointing="none")
-    with_full = memory_per_rank(work, "data", 2, checkpointing="full")
+    without = memory_per_rank(work, plain_layout("data", 2), checkpointing="none")
+    with_full = memory_per_rank(work, plain_layout("data", 2), checkpointing="full")
     # each of 2 replicas holds half the batch's activations
     assert without - with_full == pytest.approx((peak_bytes(work) - peak_bytes(work, "full")) * BATCH / 2)
 
@@ -174,9 +175,7 @@ def test_a_tensor_rank_keeps_its_part_of_the_blocks_worked_by_hand():
     def held(w):
         layout = Layout(tensor=2)
         bare_w = replace(bare, sequence_splits=w.sequence_splits)
-        return memory_per_rank(w, "tensor", 2, layout=layout) - memory_per_rank(
-            bare_w, "tensor", 2, layout=layout
-        )
+        return memory_per_rank(w, layout) - memory_per_rank(bare_w, layout)
 
     assert held(work) == pytest.approx(4 * 760.0)
     assert held(replace(work, sequence_splits=(2,))) == pytest.approx(4 * 660.0)

@@ -76,7 +76,9 @@ def test_auto_keeps_data_parallelism_when_tensor_is_faster_by_less_than_the_marg
 def test_auto_takes_tensor_when_nothing_else_fits_in_memory():
     light = replace(HEAVY, parameter_bytes=4e5, split_bytes=3.9e5, tensor_reductions=(1e5,) * 8)
     need = {
-        name: memory_per_rank(light, p.strategy, 2, optimizer_slots=2, layout=p.layout)
+        name: memory_per_rank(
+            light, p.layout, optimizer_slots=2, servers=int(p.strategy == "parameter-server")
+        )
         for name, p in predict_all(light, 2, LINK).items()
     }
     # AdamW, T = 2: (195 KB + 10 KB) x 4 and 64 samples' activations, against sharded's 400 KB x 4 / 2 + 400 KB
@@ -120,7 +122,7 @@ SHARDABLE = replace(HEAVY, tensor_splits=(), split_bytes=0.0, split_share=0.0, t
 
 def test_auto_takes_hybrid_sharding_where_predicted_clearly_faster_and_says_which_flags_it_means():
     need = {
-        name: memory_per_rank(SHARDABLE, p.strategy, 8, layout=p.layout)
+        name: memory_per_rank(SHARDABLE, p.layout, servers=int(p.strategy == "parameter-server"))
         for name, p in pick(SHARDABLE, LINK, devices=8, device_type="cuda", refused={}, available=1e12)[
             1
         ].items()

@@ -10,6 +10,7 @@ from processes import polytrain
 from polytrain.data.text import tokenise
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.costmodel import Link, Workload, pipeline
 from polytrain.planning.memory import memory_per_rank
 from polytrain.scaling.workload import activation_bytes, boundary_bytes, parameter_bytes, sample_batch
@@ -83,11 +84,14 @@ def test_memory_and_pipeline_transfers_of_a_gpt_workload():
         activation_bytes=kept,
     )
     # AdamW: two state tensors per weight; every activation kept for backward, not only those at the cuts
-    assert memory_per_rank(work, "single", 1, optimizer_slots=2) == weights * 4 + kept * batch
-    assert memory_per_rank(work, "data", 2, optimizer_slots=2) == weights * 4 + kept * batch / 2
+    assert memory_per_rank(work, plain_layout("single", 1), optimizer_slots=2) == weights * 4 + kept * batch
+    assert memory_per_rank(work, plain_layout("data", 2), optimizer_slots=2) == weights * 4 + kept * batch / 2
     # without the measured activations, the cuts' sum stands in (as for bench files written before them)
     older = Workload(**{**work.__dict__, "activation_bytes": 0.0})
-    assert memory_per_rank(older, "single", 1, optimizer_slots=2) == weights * 4 + cut * (layers + 2) * batch
+    assert (
+        memory_per_rank(older, plain_layout("single", 1), optimizer_slots=2)
+        == weights * 4 + cut * (layers + 2) * batch
+    )
     # a pipeline of 2 stages, 4 micro-batches of 8 windows: each slot sends one micro-batch's (8, T, width)
     # activations forward and their gradients back
     link = Link(alpha=1e-4, beta=1e9)

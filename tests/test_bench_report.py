@@ -9,6 +9,7 @@ import pytest
 from polytrain.cli import main
 from polytrain.errors import ConfigError
 from polytrain.parallel.layout import Layout
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.costmodel import Link, Prediction, Workload
 from polytrain.planning.memory import memory_per_rank
 from polytrain.runtime.bench import (
@@ -192,7 +193,10 @@ def test_auto_picks_the_fastest_that_can_run_and_fits_in_memory():
     best, predictions, fits = pick(WORK, link, devices=2, device_type="cuda", refused={}, available=1e12)
     assert best.strategy == min(predictions.values(), key=lambda p: p.step_seconds).strategy
     # memory too small for a whole replica: only the sharded strategy fits
-    need = {name: memory_per_rank(WORK, p.strategy, 2, layout=p.layout) for name, p in predictions.items()}
+    need = {
+        name: memory_per_rank(WORK, p.layout, servers=int(p.strategy == "parameter-server"))
+        for name, p in predictions.items()
+    }
     assert need["sharded"] < min(need["data"], need["parameter-server"])
     best, _, fits = pick(
         WORK, link, devices=2, device_type="cuda", refused={"pipeline": "no"}, available=need["sharded"]
@@ -202,10 +206,16 @@ def test_auto_picks_the_fastest_that_can_run_and_fits_in_memory():
 
 def test_memory_per_rank_by_hand():
     # S = 1.76e6 bytes, SGD with momentum: weights + gradients + 1 slot; activations 1500 bytes per sample
-    assert memory_per_rank(WORK, "data", 2) == pytest.approx(3 * 1.76e6 + 1500 * 32)
-    assert memory_per_rank(WORK, "parameter-server", 2) == pytest.approx(2 * 1.76e6 + 2 * 1.76e6 + 1500 * 32)
-    assert memory_per_rank(WORK, "sharded", 2) == pytest.approx(1.5 * 1.76e6 + 1.76e6 + 1500 * 32)
-    assert memory_per_rank(WORK, "pipeline", 2, optimizer_slots=2) == pytest.approx(2 * 1.76e6 + 750 * 64)
+    assert memory_per_rank(WORK, plain_layout("data", 2)) == pytest.approx(3 * 1.76e6 + 1500 * 32)
+    assert memory_per_rank(WORK, plain_layout("parameter-server", 2), servers=1) == pytest.approx(
+        2 * 1.76e6 + 2 * 1.76e6 + 1500 * 32
+    )
+    assert memory_per_rank(WORK, plain_layout("sharded", 2)) == pytest.approx(
+        1.5 * 1.76e6 + 1.76e6 + 1500 * 32
+    )
+    assert memory_per_rank(WORK, plain_layout("pipeline", 2), optimizer_slots=2) == pytest.approx(
+        2 * 1.76e6 + 750 * 64
+    )
 
 
 def test_auto_says_when_one_device_would_be_faster():

@@ -100,9 +100,9 @@ def test_each_checkpointing_mode_keeps_one_c_and_the_attention_s_extra_where_its
     assert peak_bytes(part, "selective") == outside + 2 * (10e3 + 50e3 + outputs) + 200e3 + kept
     # per rank: a slice of 4 sequences (2 context groups of 2 split the batch of 8), a part of each
     data = layout_of("data", 4, context_parallel=2)
-    weights = memory_per_rank(dataclasses.replace(work, activation_bytes=0.0), "data", 4, layout=data)
+    weights = memory_per_rank(dataclasses.replace(work, activation_bytes=0.0), data)
     for mode in ("none", "full"):
-        held = memory_per_rank(work, "data", 4, layout=data, checkpointing=mode) - weights
+        held = memory_per_rank(work, data, checkpointing=mode) - weights
         assert held == pytest.approx(4 * peak_bytes(part, mode))
     assert context_part(work, Layout()) is work
     # beside 2 tensor ranks: each runs 2 of the 4 query heads and 1 of the 2 key/value heads
@@ -190,10 +190,8 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_do_not_fit
     layout = fits.layout_for(config, "sharded")
     activations = fits.measured_activations(model, data, torch.device("cpu"))
     work = fits.model_workload(model, batch_size=1, **activations)
-    counted = memory_per_rank(work, "sharded", 4, optimizer_slots=2, layout=layout)
-    alone = memory_per_rank(
-        dataclasses.replace(work, attention=None), "sharded", 4, optimizer_slots=2, layout=layout
-    )
+    counted = memory_per_rank(work, layout, optimizer_slots=2)
+    alone = memory_per_rank(dataclasses.replace(work, attention=None), layout, optimizer_slots=2)
     # one layer's keys and values in flight around the ring with their gradients, a block's gradients and a
     # diagonal block repeated for the query heads, one sequence: 14 MiB beside 1/C's 95 (gathered whole: 27)
     assert work.attention.blockwise and context_bytes(work.attention, 4)[0] == 0
@@ -221,7 +219,7 @@ def test_fsdp_beside_tensor_ranks_shards_the_state_over_the_context_ranks_too():
     held = 6e6 / 2 + 2e6  # a tensor rank's weights: the split layers' half and the rest whole
     for context in (1, 2, 4):
         layout = Layout(shard=2, context=context, tensor=2)
-        memory = memory_per_rank(work, "tensor", layout.world_size, optimizer_slots=2, layout=layout)
+        memory = memory_per_rank(work, layout, optimizer_slots=2)
         assert memory == pytest.approx(held * (1 + 1 + 2) / (2 * context) + 1e6), context
 
 

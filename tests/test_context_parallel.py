@@ -301,21 +301,19 @@ def test_the_memory_check_counts_a_context_rank_s_part_of_the_activations():
     from polytrain.planning.memory import memory_per_rank
 
     work = Workload(parameter_bytes=1000.0, compute_seconds=0.0, activation_bytes=100.0, batch_size=8)
-    data = memory_per_rank(work, "data", 4, layout=layout_of("data", 4))
-    split = memory_per_rank(work, "data", 4, layout=layout_of("data", 4, context_parallel=2))
+    data = memory_per_rank(work, layout_of("data", 4))
+    split = memory_per_rank(work, layout_of("data", 4, context_parallel=2))
     assert data - split == pytest.approx(100.0 * 8 / 4 - 100.0 * 8 / (2 * 2))  # 2 slices of 4, each half kept
-    sharded = memory_per_rank(work, "sharded", 4, layout=layout_of("sharded", 4, context_parallel=2))
+    sharded = memory_per_rank(work, layout_of("sharded", 4, context_parallel=2))
     assert sharded < split  # FSDP2 shards over the context groups' ranks too
     # a pipeline's stages: each context rank keeps half of its micro-batches' activations, whole copies of the
     # stage's weights (DDP), or, on sharding pipelines, shards over the pipelines and the context ranks (FSDP2)
-    staged = memory_per_rank(work, "pipeline", 2, layout=layout_of("pipeline", 2))
-    split = memory_per_rank(work, "pipeline", 4, layout=layout_of("pipeline", 4, context_parallel=2))
+    staged = memory_per_rank(work, layout_of("pipeline", 2))
+    split = memory_per_rank(work, layout_of("pipeline", 4, context_parallel=2))
     assert staged - split == pytest.approx(100.0 * 8 / 2 - 100.0 * 8 / (2 * 2))
     shards = dict(pipeline_stages=2, data_parallel="shard")
-    staged = memory_per_rank(work, "pipeline", 4, layout=layout_of("pipeline", 4, **shards))
-    split = memory_per_rank(
-        work, "pipeline", 8, layout=layout_of("pipeline", 8, context_parallel=2, **shards)
-    )
+    staged = memory_per_rank(work, layout_of("pipeline", 4, **shards))
+    split = memory_per_rank(work, layout_of("pipeline", 8, context_parallel=2, **shards))
     states = 1000.0 * (1 + 2)  # weights, gradients and one optimizer slot, over shards x 2 stages
     assert staged - split == pytest.approx(states / (2 * 2) - states / (4 * 2) + 100.0 * 8 / (2 * 2) / 2)
 

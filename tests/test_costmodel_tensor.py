@@ -10,6 +10,7 @@ from polytrain.models import build_model
 from polytrain.models.gpt import GPT
 from polytrain.objective import Objective
 from polytrain.parallel.layout import Layout
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.costmodel import (
     Link,
     Workload,
@@ -192,12 +193,14 @@ def test_the_cost_per_collective_fitted_at_2_processes_stretches_with_the_proces
 
 def test_memory_per_rank_holds_the_split_layers_share_and_the_replicated_whole():
     # SGD with momentum: weights, gradients, 1 slot; T = 2: 1.5 MB + 1 MB; activations for all 64 samples
-    assert memory_per_rank(WORK, "tensor", 2) == pytest.approx(3 * 2.5e6 + 64 * 1000)
+    assert memory_per_rank(WORK, plain_layout("tensor", 2)) == pytest.approx(3 * 2.5e6 + 64 * 1000)
     # AdamW, T = 4: 0.75 MB + 1 MB, 4 tensors each
-    assert memory_per_rank(WORK, "tensor", 4, optimizer_slots=2) == pytest.approx(4 * 1.75e6 + 64 * 1000)
+    assert memory_per_rank(WORK, plain_layout("tensor", 4), optimizer_slots=2) == pytest.approx(
+        4 * 1.75e6 + 64 * 1000
+    )
     # 2 x 2: each rank's 2.5 MB sharded over 2 data shards, plus a layer gathered (the whole 2.5 MB, an upper
     # bound, as for sharded); activations of its group's 32 samples
-    assert memory_per_rank(WORK, "tensor", 4, layout=Layout(shard=2, tensor=2)) == pytest.approx(
+    assert memory_per_rank(WORK, Layout(shard=2, tensor=2)) == pytest.approx(
         3 * 2.5e6 / 2 + 2.5e6 + 32 * 1000
     )
 

@@ -199,6 +199,7 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
     one line and its process trains with freed blocks given back (runtime/hostenv.py keep_freed_memory)."""
     from polytrain.cli import main
     from polytrain.data import load_dataset
+    from polytrain.parallel.presets import plain_layout
     from polytrain.planning.memory import memory_per_rank
     from polytrain.runtime import worker
 
@@ -214,7 +215,7 @@ def test_a_process_gives_freed_memory_back_where_a_heap_keeping_it_would_not_fit
     work = fits.model_workload(
         model, batch_size=8, **fits.measured_activations(model, data, torch.device("cpu"))
     )
-    assert found.needed == memory_per_rank(work, "single", 1, optimizer_slots=2)
+    assert found.needed == memory_per_rank(work, plain_layout("single", 1), optimizer_slots=2)
     assert 1e6 < found.activations < found.needed and not found.gives_back_memory()
     assert found.kept_heap == found.needed + 0.8 * found.activations  # (without activation checkpointing)
     between = (found.needed + found.kept_heap) / 2

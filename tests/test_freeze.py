@@ -14,6 +14,7 @@ import polytrain
 from polytrain.errors import UserError
 from polytrain.optim import make_optimizer
 from polytrain.optim.freeze import freeze
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.costmodel import Workload
 from polytrain.planning.memory import memory_per_rank
 
@@ -56,8 +57,8 @@ def test_frozen_parameters_get_no_optimizer_state_and_count_no_memory_for_it():
     work = Workload(compute_seconds=0.0, parameter_bytes=100.0, batch_size=1)
     half = Workload(compute_seconds=0.0, parameter_bytes=100.0, batch_size=1, trained_bytes=50.0)
     # weights, gradients and 2 slots of Adam: 400 bytes; half frozen: 100 + 50 * 3
-    assert memory_per_rank(work, "single", 1, optimizer_slots=2) == 400.0
-    assert memory_per_rank(half, "single", 1, optimizer_slots=2) == 250.0
+    assert memory_per_rank(work, plain_layout("single", 1), optimizer_slots=2) == 400.0
+    assert memory_per_rank(half, plain_layout("single", 1), optimizer_slots=2) == 250.0
 
 
 def test_a_group_whose_parameters_are_all_frozen_does_not_exist():

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from polytrain.parallel.layout import Layout
+from polytrain.parallel.presets import plain_layout
 from polytrain.planning.costmodel import (
     Link,
     Workload,
@@ -86,7 +87,7 @@ def test_hybrid_sharding_gathers_within_a_copy_and_all_reduces_each_shard_across
     # a half of weights, gradients and momentum, a layer gathered whole (the model: no layer sizes known), and
     # the activations at the cuts of a quarter of the batch
     expected = 4e6 * 3 / 2 + 4e6 + 5500 * 64 / 4
-    assert memory_per_rank(WORK, "sharded", 4, layout=p.layout) == pytest.approx(expected)
+    assert memory_per_rank(WORK, p.layout) == pytest.approx(expected)
     eight = predict_all(WORK, 8, LINK)  # shard groups of 2 and 4 ranks; 8 is `sharded`
     assert [name for name in eight if name.startswith("sharded")] == ["sharded", "sharded 4x2", "sharded 2x4"]
     assert "sharded 2x4" not in predict_all(WORK, 8, LINK, meshes=False)
@@ -216,12 +217,14 @@ def test_experts_split_over_fsdp2_shards_gather_only_a_rank_s_experts_over_the_r
 
 
 def test_the_memory_check_holds_a_pth_of_the_experts_on_each_ddp_copy():
-    whole = memory_per_rank(MOE, "data", 4, optimizer_slots=2)
-    split = memory_per_rank(MOE, "data", 4, optimizer_slots=2, layout=Layout(replicate=4, expert=2))
+    whole = memory_per_rank(MOE, plain_layout("data", 4), optimizer_slots=2)
+    split = memory_per_rank(MOE, Layout(replicate=4, expert=2), optimizer_slots=2)
     # weights, gradients and 2 slots of state: 4 bytes per weight byte, of half the experts' 3 MB
     assert whole - split == pytest.approx(4 * 3e6 / 2)
-    sharded_split = memory_per_rank(MOE, "sharded", 4, optimizer_slots=2, layout=Layout(shard=4, expert=2))
-    assert sharded_split == memory_per_rank(MOE, "sharded", 4, optimizer_slots=2)  # FSDP2 shards them anyway
+    sharded_split = memory_per_rank(MOE, Layout(shard=4, expert=2), optimizer_slots=2)
+    assert sharded_split == memory_per_rank(
+        MOE, plain_layout("sharded", 4), optimizer_slots=2
+    )  # FSDP2 shards them anyway
 
 
 def test_auto_trains_a_layout_with_experts_by_its_flags():

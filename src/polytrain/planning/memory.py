@@ -7,10 +7,7 @@ Pure: numbers in, numbers out (no torch), so a layout for hundreds of devices is
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..parallel.layout import Layout
-from ..parallel.presets import plain_layout
 from .activations import peak_bytes, tensor_part
 from .context import context_part
 from .costmodel import Workload
@@ -18,37 +15,34 @@ from .costmodel import Workload
 
 def memory_per_rank(
     work: Workload,
-    strategy: str,
-    devices: int,
+    layout: Layout,
     *,
     optimizer_slots: int = 1,
-    servers: int = 1,
+    servers: int = 0,
     checkpointing: str = "none",
-    layout: Optional[Layout] = None,
 ) -> float:
-    """Bytes the busiest rank holds (on `layout`, else the one `strategy` names on `devices`): weights,
-    gradients and `optimizer_slots` tensors of optimizer state per weight, plus the activations held for
-    backward for its slice (per sample: `activation_bytes` at the peak of the backward pass under
-    `--activation-checkpointing` `checkpointing`, planning/activations.py; without them, each cut's bytes per
-    sample).
+    """Bytes the busiest rank of `layout` holds: weights, gradients and `optimizer_slots` tensors of optimizer
+    state per weight, plus the activations held for backward for its slice (per sample: `activation_bytes` at the
+    peak of the backward pass under `--activation-checkpointing` `checkpointing`, planning/activations.py;
+    without them, each cut's bytes per sample). `servers`: the server ranks of a parameter server, which trains
+    the layout's copies (0: none does).
 
-    data: a whole replica; parameter server: a replica without optimizer state, and on a server rank its
-    share of the master weights and their state; sharded: 1/n of everything plus the weights gathered whole at
-    once (`gathered_bytes`: the root's and two units', else the whole model, an upper bound); pipeline: about
-    1/p of the weights, and activations for as many micro-batches as stages in flight; tensor (`tensor` or
-    `tensor RxT`): the split layers' 1/T and the replicated ones whole, over R groups sharded as `sharded` is,
-    and of its group's batch the blocks' activations a tensor rank keeps (planning/activations.py `tensor_part`:
-    1/T where the plan is sequence-parallel, `work.sequence_splits`), the rest whole.
+    DDP's copies: a whole replica; a parameter server: a replica without optimizer state, and on a server rank its
+    share of the master weights and their state; FSDP2 over n ranks: 1/n of everything plus the weights gathered
+    whole at once (`gathered_bytes`: the root's and two units', else the whole model, an upper bound); p pipeline
+    stages: about 1/p of the weights, and activations for as many micro-batches as stages in flight; T tensor
+    ranks: the split layers' 1/T and the replicated ones whole, over the groups sharded as FSDP2 shards, and of
+    its group's batch the blocks' activations a tensor rank keeps (planning/activations.py `tensor_part`: 1/T
+    where the plan is sequence-parallel, `work.sequence_splits`), the rest whole.
     """
     weights = work.parameter_bytes
-    layout = layout or plain_layout(strategy, devices)
     # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
     # context group's ranks each keep their part of every sequence's (planning/context.py `context_part`)
     part = context_part(work, layout)
     part = tensor_part(part, layout.tensor, sequence=layout.tensor in work.sequence_splits)
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
-    if strategy == "parameter-server" and devices > 1:  # a replica without optimizer state, and a server's
+    if servers and layout.world_size > 1:  # a replica without optimizer state, and a server's
         return weights * 2 + weights / servers * (1 + optimizer_slots) + activations
     held = work.tensor_rank_bytes(layout.tensor) if layout.tensor > 1 else weights
     # frozen parameters (--freeze) hold their weights only: no gradient, no optimizer state
@@ -56,8 +50,7 @@ def memory_per_rank(
     # FSDP2 shards over the data ranks and, where it shards at all (not DDP's copies), the context ranks too
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
     # splits them: pipeline/sharding.py)
-    fsdp = strategy in ("sharded", "tensor") or (layout.pipeline > 1 and layout.shard * layout.tensor > 1)
-    shards = layout.fsdp_ranks if fsdp else layout.shard
+    shards = layout.fsdp_ranks if layout.data_parallel == "shard" else 1
     states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
     if (
         layout.expert > 1 and shards == 1

@@ -84,11 +84,10 @@ def pick(
         name: p.strategy not in refused
         and memory.memory_per_rank(
             work,
-            p.strategy,
-            devices,
+            p.layout,
             optimizer_slots=SLOTS.get(optimizer, 1),
             checkpointing=checkpointing,
-            layout=p.layout,
+            servers=int(p.strategy == "parameter-server"),
         )
         <= available
         for name, p in predictions.items()

@@ -196,21 +196,23 @@ def check_fits(
     work = model_workload(model, batch_size=config.batch_size, **split, **activations)
     if work.attention and getattr(config, "precision", "fp32") != "fp32":  # autocast's attention: 2 bytes
         work = dataclasses.replace(work, attention=dataclasses.replace(work.attention, element_bytes=2))
-    label = strategy if devices > 1 else "single"
     mode = getattr(config, "activation_checkpointing", "none") or "none"
 
-    def needs(work_label, n, checkpointing, passes, on_layout=None) -> float:
+    servers = (getattr(config, "servers", 1) or 1) if strategy == "parameter-server" else 0
+
+    def needs(on_layout, checkpointing, passes) -> float:
         passed = dataclasses.replace(work, batch_size=max(1, math.ceil(config.batch_size / passes)))
+        on_servers = servers if on_layout == layout else 0
         return memory_per_rank(
-            passed, work_label, n, optimizer_slots=slots, checkpointing=checkpointing, layout=on_layout
+            passed, on_layout, optimizer_slots=slots, checkpointing=checkpointing, servers=on_servers
         )
 
-    needed = needs(label, devices, mode, accumulate, layout)
+    needed = needs(layout, mode, accumulate)
     sharing = on_this_host or devices
     available = available_per_rank(device, sharing)
     weights_only = dataclasses.replace(work, activation_bytes=0.0)
     activations = needed - memory_per_rank(
-        weights_only, label, devices, optimizer_slots=slots, checkpointing=mode, layout=layout
+        weights_only, layout, optimizer_slots=slots, checkpointing=mode, servers=servers
     )
     if needed <= available:
         return Fit(needed, activations, available, mode)
@@ -222,7 +224,6 @@ def check_fits(
     fixes = _fixes(
         needs,
         available,
-        label=label,
         layout=layout,
         devices=devices,
         mode=mode,
@@ -250,11 +251,9 @@ def sequence_length(model: nn.Module) -> int:
     return int(getattr(model, "context", 0) or 0) if sequence_modules(model) else 0
 
 
-def _fixes(
-    needs, available, *, label, layout, devices, mode, accumulate, batch_size, known, sequence=0
-) -> str:
+def _fixes(needs, available, *, layout, devices, mode, accumulate, batch_size, known, sequence=0) -> str:
     """The settings that fit by the same count, fewest changes first (at most three, each with its figure), or
-    what the closest of them would still need. `needs(label, devices, checkpointing, passes, layout)` counts.
+    what the closest of them would still need. `needs(layout, checkpointing, passes)` counts.
     A model whose `sequence`s context parallelism splits is also offered --context-parallel."""
     modes = [mode] if mode == "full" or not known else [mode, "full"]
     # more devices split the global batch further (activations) and the shards: at most one sample per rank
@@ -263,25 +262,28 @@ def _fixes(
     for checkpointing in modes:
         flag = [] if checkpointing == mode else [f"--activation-checkpointing {checkpointing}"]
         if checkpointing != mode:
-            tried.append((flag, needs(label, devices, checkpointing, accumulate, layout)))
+            tried.append((flag, needs(layout, checkpointing, accumulate)))
         if layout.shard < devices:  # not yet every rank a shard of one copy
             tried.append(
-                (["--strategy sharded", *flag], needs("sharded", devices, checkpointing, accumulate))
+                (
+                    ["--strategy sharded", *flag],
+                    needs(plain_layout("sharded", devices), checkpointing, accumulate),
+                )
             )
         per_rank = math.ceil(batch_size / devices)
         for passes in (2**k for k in range(1, 17)) if known else ():  # smaller passes hold fewer activations
             if accumulate < passes <= per_rank:
-                cost = needs("sharded", devices, checkpointing, passes)
+                cost = needs(plain_layout("sharded", devices), checkpointing, passes)
                 tried.append((["--strategy sharded", *flag, f"--accumulate {passes}"], cost))
                 if cost <= available:
                     break
         for n in counts:
-            cost = needs("sharded", n, checkpointing, accumulate)
+            cost = needs(plain_layout("sharded", n), checkpointing, accumulate)
             tried.append(([f"--strategy sharded --devices {n}", *flag], cost))
             if cost <= available:
                 break
         for split, flags in context_splits(devices, batch_size, sequence, layout) if known else ():
-            cost = needs("sharded", split.world_size, checkpointing, accumulate, split)
+            cost = needs(split, checkpointing, accumulate)
             tried.append((["--strategy sharded", *flags, *flag], cost))
             if cost <= available:
                 break

@@ -225,6 +225,39 @@ def test_the_plan_ranks_fitting_layouts_by_speed_and_tells_more_gpus_from_less_m
     assert copies.buffers == copies.parameters / 2 and sharded.buffers > 0
 
 
+def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_where_a_planner_dies(
+    monkeypatch,
+):
+    """`polytrain plan` spreads the layouts over forks of its process (one per CPU): the table is the one this
+    process alone makes, row for row; a planner that dies mid-way leaves its layouts to this process."""
+    import dataclasses
+    import os
+    import sys
+
+    from polytrain.scaling import cluster_plan
+
+    request = PlanRequest(_small, "llama", 8, gpu_named("h100"), 16, 16)
+    alone = make_plan_table(request, workers=1)
+    assert len(alone) > 8 and any(row.refused for row in alone) and any(row.fits for row in alone)
+    forked = make_plan_table(request, workers=2)
+    assert [dataclasses.asdict(row) for row in forked] == [dataclasses.asdict(row) for row in alone]
+
+    here, plan_layout_ = os.getpid(), cluster_plan.plan_layout
+
+    def dies_in_a_fork(request, layout, work):
+        if os.getpid() != here and layout.tensor > 1:
+            os._exit(3)  # a planner killed (out of memory, a signal) in the middle of its layouts
+        return plan_layout_(request, layout, work)
+
+    monkeypatch.setattr(cluster_plan, "plan_layout", dies_in_a_fork)
+    told = []
+    survived = make_plan_table(request, workers=2, progress=lambda row, done, layouts: told.append(done))
+    assert [dataclasses.asdict(row) for row in survived] == [dataclasses.asdict(row) for row in alone]
+    assert sorted(told) == list(range(1, len(alone) + 1))
+    assert cluster_plan.planners(3) == 1  # (a few layouts: this process alone)
+    assert cluster_plan.planners(400) == (len(os.sched_getaffinity(0)) if sys.platform == "linux" else 1)
+
+
 def test_the_plan_command_prints_its_table_and_writes_json_and_a_picture(capfd, tmp_path):
     out = tmp_path / "plan.json"
     done = polytrain_here(

@@ -188,6 +188,7 @@ def plan(
     activation_checkpointing="auto",
     optimizer="adamw",
     gpus_per_node=8,
+    workers=None,
     **shape,
 ) -> list:
     """`polytrain plan` from Python: every layout of `devices` GPUs (or the one `layout` names: a Layout, or
@@ -198,7 +199,8 @@ def plan(
     `model`: "llama" (`size`: tiny, 8b, 70b, 405b) or "gpt", with `layers=`, `width=`, `heads=`, `kv_heads=`,
     `ffn_width=` over the size's (and `experts=`, `experts_per_token=`, `shared_experts=`, `moe_every=`; `lora=`: a
     LoRA fine-tune of rank R); a Hugging Face config.json or its folder; or a function that builds the model,
-    called on the meta device (its forward takes (batch, context) token ids and gives logits; give `context`)."""
+    called on the meta device (its forward takes (batch, context) token ids and gives logits; give `context`).
+    `workers`: the processes that build the layouts (default: one per CPU on Linux; 1: this process alone)."""
     from ..parallel.layout import Layout
 
     unknown = set(shape) - set(SHAPE)
@@ -218,7 +220,7 @@ def plan(
         layout = Layout(**{name: size for name, size in layout.items() if name != "single"}).words()
     if layout is not None and not isinstance(layout, Layout):
         layout = parse_layout(str(layout), devices)
-    return [row.as_json(request.gpu) for row in make_plan_table(request, layout)]
+    return [row.as_json(request.gpu) for row in make_plan_table(request, layout, workers=workers)]
 
 
 def hugging_face_shape(path) -> dict:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -366,10 +368,11 @@ def model_work(request: PlanRequest) -> ModelWork:
 
 
 def make_plan_table(
-    request: PlanRequest, layout: Optional[Layout] = None, *, progress=None
+    request: PlanRequest, layout: Optional[Layout] = None, *, progress=None, workers: Optional[int] = None
 ) -> List[LayoutPlan]:
     """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first.
-    `progress(row, built, layouts)` after each layout is built."""
+    `progress(row, built, layouts)` after each layout is built; `workers`: the processes that build them
+    (`planners`' count by default; 1: this process alone)."""
     from ..pipeline.layers import flatten_layers
 
     work = model_work(request)
@@ -383,11 +386,9 @@ def make_plan_table(
             f"no layout of {request.devices} GPUs splits a batch of {request.batch_size} sequences of "
             f"{request.context} tokens evenly; use a --batch-size that a divisor of --devices divides"
         )
-    rows = []
-    for each in layouts:
-        rows.append(plan_layout(request, each, work))
-        if progress:
-            progress(rows[-1], len(rows), len(layouts))
+    rows = _plan_each(
+        request, layouts, work, progress, planners(len(layouts)) if workers is None else workers
+    )
     # fitting first, fastest first, and of equally fast ones the one that holds least
     rows.sort(
         key=lambda row: (
@@ -397,6 +398,60 @@ def make_plan_table(
             row.memory,
         )
     )
+    return rows
+
+
+# what a forked planner plans from: (request, layouts, work), set in this process just before it forks its planners
+# (the model factory is copied with the process, not pickled: a user's may be a closure)
+_FORKED: Optional[tuple] = None
+
+
+def planners(layouts: int) -> int:
+    """How many processes build `layouts` layouts: one per CPU this process may use, each building every other
+    layout on a fake process group of its own, on Linux (whose fork copies the request with its model factory);
+    this process alone elsewhere, and for fewer than 4 layouts."""
+    if not sys.platform.startswith("linux") or layouts < 4:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, layouts // 2))
+
+
+def _plan_forked(index: int) -> LayoutPlan:
+    request, layouts, work = _FORKED
+    return plan_layout(request, layouts[index], work)
+
+
+def _plan_each(request: PlanRequest, layouts: list, work, progress, workers: int) -> List[LayoutPlan]:
+    """`plan_layout` of each layout, in order: in this process, or spread over `workers` forks of it (layouts are
+    independent, each built on its own fake process group); a planner that dies leaves its layouts to this
+    process."""
+    global _FORKED
+    rows: List[Optional[LayoutPlan]] = [None] * len(layouts)
+    built = 0
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        _FORKED = (request, layouts, work)
+        try:
+            context = multiprocessing.get_context("fork")
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+                futures = {pool.submit(_plan_forked, index): index for index in range(len(layouts))}
+                for future in concurrent.futures.as_completed(futures):
+                    rows[futures[future]] = future.result()
+                    built += 1
+                    if progress:
+                        progress(rows[futures[future]], built, len(layouts))
+        except concurrent.futures.process.BrokenProcessPool:
+            pass  # (the layouts not yet planned are planned below)
+        finally:
+            _FORKED = None
+    for index, each in enumerate(layouts):
+        if rows[index] is None:
+            rows[index] = plan_layout(request, each, work)
+            built += 1
+            if progress:
+                progress(rows[index], built, len(layouts))
     return rows
 
 

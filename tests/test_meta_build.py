@@ -173,3 +173,31 @@ def test_a_user_module_built_on_meta_without_reset_parameters_is_refused():
         UserError, match=r"1 \(Scale\) was built on the meta device and has no reset_parameters"
     ):
         give_values(model, device="cpu", seed=0)
+
+
+def test_a_user_module_whose_reset_parameters_leaves_a_tensor_without_values_is_refused():
+    """Built on the meta device, a module's tensors get storage that holds whatever memory held, and its
+    reset_parameters() gives them values; one it leaves out (here a buffer made in __init__) would train as
+    garbage, so it is refused in one line naming it. Torch's layers fill all of theirs."""
+    from polytrain.errors import UserError
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+            self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+        def reset_parameters(self):
+            nn.init.ones_(self.weight)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), Masked())
+    with pytest.raises(UserError, match=r"2 \(Masked\) .* gives its buffer 'mask' no value"):
+        give_values(model, device="cpu", seed=0)
+
+    Masked.reset_parameters = lambda self: (nn.init.ones_(self.weight), self.mask.copy_(torch.eye(4)))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), Masked())
+    give_values(model, device="cpu", seed=0)
+    assert torch.equal(model[2].mask, torch.eye(4)) and torch.equal(model[2].weight, torch.ones(4))
+    assert not any(t.isnan().any() for t in [*model.parameters(), *model.buffers()])

@@ -11,7 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout, check_microbatches, experts_not_divided
+from ..parallel.layout import Layout, check_microbatches
 from ..parallel.presets import layout_of, layout_or_none, settings_in
 from .declare import check_value, declared, flag_name, unset
 from .model_defaults import BALANCE_IN_TRACED_STAGES, mixture_of
@@ -132,8 +132,6 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
                 self.lora is not None or getattr(self, name) is None,
                 f"{flag_name(name)} describes LoRA adapters; add --lora R (their rank, e.g. --lora 8)",
             )
-        ranks = self.expert_parallel or 1
-        _need(not (self.experts and self.experts % ranks), experts_not_divided(ranks, self.experts or 1))
         _need(self.label_smoothing < 1, f"--label-smoothing must be below 1, got {self.label_smoothing!r}")
         _need(
             len(self.synthetic_shape) == 3
@@ -144,6 +142,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             check_tensorboard()
         # validates the degrees (parallel/layout.py): one line where they do not multiply out
         layout = self.layout
+        layout.check_model(experts=self.experts or 0)
         if self.pack:
             self._check_packing(layout)
         if layout.pipeline > 1:

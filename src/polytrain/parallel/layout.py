@@ -99,6 +99,13 @@ class Layout:
         if self.context == 1:  # (one description per layout: equal layouts compare equal)
             object.__setattr__(self, "context_in", "shard")
 
+    def check_model(self, *, experts: int = 0) -> None:
+        """One line where a model does not split over this layout: each mixture's `experts` over the expert
+        degree. (What a degree needs of a model's layers, the heads or the sequence, is checked where its step
+        meets them.)"""
+        if experts and experts % self.expert:
+            raise ConfigError(experts_not_divided(self.expert, experts))
+
     def _experts_unsplit(self) -> str:
         """The line for an expert degree that does not divide the ranks it is borrowed from."""
         if self.data_parallel == "shard" and self.fsdp_ranks > 1:

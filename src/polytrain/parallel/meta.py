@@ -150,11 +150,26 @@ def full_values(
                 f"build the model on the CPU"
             )
         module.to_empty(device="cpu", recurse=False)
+        # a module's own reset_parameters() (a user's) may leave a tensor as to_empty left it, uninitialised
+        # memory that would train: each floating tensor starts as NaN, and one still NaN after it is refused
+        unchecked = init == getattr(module, "reset_parameters", None)
+        if unchecked:
+            for key, _, is_parameter in own:
+                value = (module._parameters if is_parameter else module._buffers)[key]
+                if value.is_floating_point():
+                    value.detach().fill_(float("nan"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, unwrapped(name)))
             init()
         for key, tensor, is_parameter in own:
             value = (module._parameters if is_parameter else module._buffers)[key]
+            if unchecked and value.is_floating_point() and bool(value.isnan().any()):
+                kind = "parameter" if is_parameter else "buffer"
+                raise UserError(
+                    f"{name or 'the model'} ({type(module).__name__}) was built on the meta device, and its "
+                    f"reset_parameters() gives its {kind} {key!r} no value; set it there, or build the model on "
+                    f"the CPU"
+                )
             yield names[id(tensor)], value.detach()
         module.to_empty(device="meta", recurse=False)
 

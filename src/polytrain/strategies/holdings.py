@@ -87,11 +87,8 @@ def holding_lines(
     replicas)."""
     if tensor_plan is not None:
         lines = [f"tensor: {tensor_plan.describe(layout)}{beside(layout)}; {heading(slots)}"]
-    elif layout.data_parallel == "replicate":  # DDP's copies, each mixture's experts split over some of them
-        lines = [
-            f"data: {layout.world_size} copies, each mixture's experts split over {layout.expert} of them; "
-            f"{heading(slots)}"
-        ]
+    elif layout.data_parallel == "replicate":  # DDP's copies, each with parts of the model split over them
+        lines = [f"data: {layout.describe()}; {heading(slots)}"]
     else:
         sharding, ranks = layout.sharding, f"{layout.world_size} ranks"
         if sharding.replicate > 1:

@@ -65,6 +65,8 @@ class PlanRequest:
     microbatches: Optional[int] = None  # a pipeline's (default: `default_microbatches`)
     config: Optional[object] = None  # a run's own TrainConfig (train --dry-run): its layout built as it runs
     slots: Optional[int] = None  # optimizer state tensors per trained parameter (default: `SLOTS`'s)
+    # the model's measured work by (context, precision), once measured (`model_work`; its copies share it)
+    measured: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -337,7 +339,15 @@ def idle_expert_parameters(model: nn.Module) -> float:
 
 
 def model_work(request: PlanRequest) -> ModelWork:
-    """The model's activation figures for one sequence of `request.context` tokens in the run's precision."""
+    """The model's activation figures for one sequence of `request.context` tokens in the run's precision,
+    measured once per request (a plan's table, then its advice of more GPUs, ask again)."""
+    key = (request.context, request.precision)
+    if key not in request.measured:
+        request.measured[key] = _measured_work(request)
+    return request.measured[key]
+
+
+def _measured_work(request: PlanRequest) -> ModelWork:
     import torch
 
     from ..models.moe import MixtureOfExperts

@@ -208,8 +208,9 @@ class Layout:
         each context rank (consecutive in the mesh)."""
         return self.context * self.tensor
 
-    def tokens_per_rank(self, sequence: int) -> float:
-        """The tokens of each `sequence`-token sample a rank computes: its part of the sequence."""
+    def tokens_per_rank(self, sequence: float) -> float:
+        """The tokens of each `sequence`-token sample a rank computes: its part of the sequence (also of
+        anything counted per sample that grows with its tokens)."""
         return sequence / self.context
 
     def degrees(self) -> Dict[str, int]:

@@ -48,7 +48,8 @@ def with_experts(
     the s/P ranks that hold the same ones instead of all of them over s (`sharded`'s rings)."""
     layout = replace(prediction.layout, expert=expert)  # (one line where the layout cannot borrow them)
     samples = work.batch_size / layout.data_degree
-    nbytes = samples * work.routed_bytes / layout.context * busiest_share(work.routed_counts, expert)
+    # (routed bytes per sample, of which a rank routes its tokens' part)
+    nbytes = samples * layout.tokens_per_rank(work.routed_bytes) * busiest_share(work.routed_counts, expert)
     exchanges = EXCHANGES * work.mixtures
     compute, communication = prediction.compute, prediction.communication
     if layout.data_parallel == "replicate" and work.parameter_bytes:

@@ -65,8 +65,9 @@ class PlanRequest:
     microbatches: Optional[int] = None  # a pipeline's (default: `default_microbatches`)
     config: Optional[object] = None  # a run's own TrainConfig (train --dry-run): its layout built as it runs
     slots: Optional[int] = None  # optimizer state tensors per trained parameter (default: `SLOTS`'s)
-    # the model's measured work by (context, precision), once measured (`model_work`; its copies share it)
-    measured: dict = field(default_factory=dict, repr=False, compare=False)
+    # what is measured or built once per request (its copies share it): the model's work by (context,
+    # precision) (`model_work`), and the model as built, which the settings' checks read (`reference_model`)
+    cached: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass
@@ -196,7 +197,7 @@ def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
             raise ConfigError(
                 f"{layout.describe()} is not a layout polytrain runs (it made {config.layout.describe()})"
             )
-        model = request.build()
+        model = reference_model(request)
         if layout.pipeline > 1:
             plan = pipeline_plan(request, config, model)
             row.microbatches = plan.microbatches
@@ -342,9 +343,18 @@ def model_work(request: PlanRequest) -> ModelWork:
     """The model's activation figures for one sequence of `request.context` tokens in the run's precision,
     measured once per request (a plan's table, then its advice of more GPUs, ask again)."""
     key = (request.context, request.precision)
-    if key not in request.measured:
-        request.measured[key] = _measured_work(request)
-    return request.measured[key]
+    if key not in request.cached:
+        request.cached[key] = _measured_work(request)
+    return request.cached[key]
+
+
+def reference_model(request: PlanRequest) -> nn.Module:
+    """The model `request.build()` makes, built once: what a layout's settings are checked against and its plan
+    made from (a tensor plan's layers, a pipeline's cuts), which read it and leave it as it is; each layout is
+    built on a model of its own."""
+    if "model" not in request.cached:
+        request.cached["model"] = request.build()
+    return request.cached["model"]
 
 
 def _measured_work(request: PlanRequest) -> ModelWork:
@@ -387,7 +397,7 @@ def make_plan_table(
 
     work = model_work(request)
     try:  # what pipeline stages cut (none: no pipeline layouts, the run's own line where one is asked for)
-        request.layers = len(flatten_layers(request.build()))
+        request.layers = len(flatten_layers(reference_model(request)))
     except UserError:
         request.layers = 0
     layouts = [layout] if layout is not None else with_experts(candidate_layouts(request), request, work)

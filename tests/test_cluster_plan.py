@@ -233,6 +233,7 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     import dataclasses
     import os
     import sys
+    import threading
 
     from polytrain.scaling import cluster_plan
 
@@ -255,7 +256,17 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     assert [dataclasses.asdict(row) for row in survived] == [dataclasses.asdict(row) for row in alone]
     assert sorted(told) == list(range(1, len(alone) + 1))
     assert cluster_plan.planners(3) == 1  # (a few layouts: this process alone)
-    assert cluster_plan.planners(400) == (len(os.sched_getaffinity(0)) if sys.platform == "linux" else 1)
+    with monkeypatch.context() as alone_here:  # this process's only thread of Python: a fork per CPU
+        alone_here.setattr(threading, "active_count", lambda: 1)
+        assert cluster_plan.planners(400) == (len(os.sched_getaffinity(0)) if sys.platform == "linux" else 1)
+    waiting = threading.Event()  # another thread of Python, as a notebook's kernel runs: no forks
+    other = threading.Thread(target=waiting.wait)
+    other.start()
+    try:
+        assert cluster_plan.planners(400) == 1
+    finally:
+        waiting.set()
+        other.join()
 
 
 def test_the_plan_command_prints_its_table_and_writes_json_and_a_picture(capfd, tmp_path):

@@ -430,8 +430,11 @@ _FORKED: Optional[tuple] = None
 def planners(layouts: int) -> int:
     """How many processes build `layouts` layouts: one per CPU this process may use, each building every other
     layout on a fake process group of its own, on Linux (whose fork copies the request with its model factory);
-    this process alone elsewhere, and for fewer than 4 layouts."""
-    if not sys.platform.startswith("linux") or layouts < 4:
+    this process alone elsewhere, for fewer than 4 layouts, and where this process runs other threads of Python
+    (a notebook's kernel: a fork copies a lock one of them holds, and waits on it for ever)."""
+    import threading
+
+    if not sys.platform.startswith("linux") or layouts < 4 or threading.active_count() > 1:
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, layouts // 2))

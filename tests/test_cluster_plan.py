@@ -5,6 +5,8 @@ picture."""
 
 import json
 import math
+import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -267,6 +269,42 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     finally:
         waiting.set()
         other.join()
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_stops_a_plan_and_its_forks_at_once():
+    """Ctrl-C (SIGINT to the command alone, or to its process group as a terminal sends it) while the forks build
+    the 179 layouts of Llama 3 8B on 64 GPUs: the command says it was interrupted and exits 130 within seconds,
+    its forks gone with it, instead of building the layouts already queued first."""
+    import signal
+    import sys
+    import time
+
+    from processes import ENV, children
+
+    argv = [sys.executable, "-m", "polytrain", "plan", "--model", "llama", "--size", "8b", "--devices", "64"]
+    argv += ["--batch-size", "256", "--context", "8192"]
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **ENV)
+    )
+    try:
+        deadline, wanted = time.monotonic() + 120, 2 if len(os.sched_getaffinity(0)) >= 2 else 0
+        while len(children(process.pid)) < wanted and time.monotonic() < deadline:  # its forks at work
+            time.sleep(0.2)
+        forks = children(process.pid)
+        assert len(forks) >= wanted, "the plan never forked"
+        time.sleep(2)
+        process.send_signal(signal.SIGINT)
+        began = time.monotonic()
+        out, _ = process.communicate(timeout=60)
+        assert time.monotonic() - began < 10, out[-2000:]
+        assert process.returncode == 130 and "polytrain: interrupted" in out, out[-2000:]
+        time.sleep(1)
+        assert not [pid for pid in forks if os.path.exists(f"/proc/{pid}")], "a fork outlived the command"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_the_plan_command_prints_its_table_and_writes_json_and_a_picture(capfd, tmp_path):

@@ -471,19 +471,27 @@ def _plan_into(rows: list, request: PlanRequest, layouts: list, work, progress, 
         import multiprocessing
 
         _FORKED = (request, layouts, work)
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
         try:
-            context = multiprocessing.get_context("fork")
-            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-                futures = {pool.submit(_plan_forked, index): index for index in range(len(layouts))}
-                for future in concurrent.futures.as_completed(futures):
-                    rows[futures[future]] = future.result()
-                    built += 1
-                    if progress:
-                        progress(rows[futures[future]], built, len(layouts))
+            futures = {pool.submit(_plan_forked, index): index for index in range(len(layouts))}
+            for future in concurrent.futures.as_completed(futures):
+                rows[futures[future]] = future.result()
+                built += 1
+                if progress:
+                    progress(rows[futures[future]], built, len(layouts))
         except concurrent.futures.process.BrokenProcessPool:
             pass  # (the layouts not yet planned are planned below)
+        except BaseException:  # Ctrl-C: the forks stop with this process, their layouts dropped
+            forks = list(
+                (getattr(pool, "_processes", None) or {}).values()
+            )  # (Python 3.14: terminate_workers)
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in forks:
+                process.terminate()
+            raise
         finally:
             _FORKED = None
+        pool.shutdown()
     for index, each in enumerate(layouts):
         if rows[index] is None:
             rows[index] = plan_layout(request, each, work)

@@ -237,13 +237,13 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     import sys
     import threading
 
-    from polytrain.scaling import cluster_plan
+    from polytrain.scaling import cluster_plan, forked
 
     request = PlanRequest(_small, "llama", 8, gpu_named("h100"), 16, 16)
     alone = make_plan_table(request, workers=1)
     assert len(alone) > 8 and any(row.refused for row in alone) and any(row.fits for row in alone)
-    forked = make_plan_table(request, workers=2)
-    assert [dataclasses.asdict(row) for row in forked] == [dataclasses.asdict(row) for row in alone]
+    in_forks = make_plan_table(request, workers=2)
+    assert [dataclasses.asdict(row) for row in in_forks] == [dataclasses.asdict(row) for row in alone]
 
     here, plan_layout_ = os.getpid(), cluster_plan.plan_layout
 
@@ -257,15 +257,15 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     survived = make_plan_table(request, workers=2, progress=lambda row, done, layouts: told.append(done))
     assert [dataclasses.asdict(row) for row in survived] == [dataclasses.asdict(row) for row in alone]
     assert sorted(told) == list(range(1, len(alone) + 1))
-    assert cluster_plan.planners(3) == 1  # (a few layouts: this process alone)
+    assert forked.fork_count(3) == 1  # (a few layouts: this process alone)
     with monkeypatch.context() as alone_here:  # this process's only thread of Python: a fork per CPU
         alone_here.setattr(threading, "active_count", lambda: 1)
-        assert cluster_plan.planners(400) == (len(os.sched_getaffinity(0)) if sys.platform == "linux" else 1)
+        assert forked.fork_count(400) == (len(os.sched_getaffinity(0)) if sys.platform == "linux" else 1)
     waiting = threading.Event()  # another thread of Python, as a notebook's kernel runs: no forks
     other = threading.Thread(target=waiting.wait)
     other.start()
     try:
-        assert cluster_plan.planners(400) == 1
+        assert forked.fork_count(400) == 1
     finally:
         waiting.set()
         other.join()

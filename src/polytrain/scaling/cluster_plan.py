@@ -22,10 +22,7 @@ caching allocator's reserve beyond the tensors.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -37,6 +34,7 @@ from ..parallel.presets import settings_of
 from ..planning.activations import peak_bytes, tensor_part
 from ..planning.context import context_part
 from .cluster_time import step_time
+from .forked import fork_count, forked_map
 from .gpus import GPUS_PER_NODE, Gpu
 
 GIB = 2**30
@@ -393,7 +391,7 @@ def make_plan_table(
 ) -> List[LayoutPlan]:
     """Every candidate layout (or the one given) built and sized; fitting layouts first, fastest first.
     `progress(row, built, layouts)` after each layout is built; `workers`: the processes that build them
-    (`planners`' count by default; 1: this process alone)."""
+    (forked.py `fork_count`'s by default; 1: this process alone)."""
     from ..pipeline.layers import flatten_layers
 
     work = model_work(request)
@@ -407,8 +405,11 @@ def make_plan_table(
             f"no layout of {request.devices} GPUs splits a batch of {request.batch_size} sequences of "
             f"{request.context} tokens evenly; use a --batch-size that a divisor of --devices divides"
         )
-    rows = _plan_each(
-        request, layouts, work, progress, planners(len(layouts)) if workers is None else workers
+    rows = forked_map(
+        lambda each: plan_layout(request, each, work),  # (each fork builds its share of the layouts)
+        layouts,
+        workers=fork_count(len(layouts)) if workers is None else workers,
+        progress=progress,
     )
     # fitting first, fastest first, and of equally fast ones the one that holds least
     rows.sort(
@@ -420,84 +421,6 @@ def make_plan_table(
         )
     )
     return rows
-
-
-# what a forked planner plans from: (request, layouts, work), set in this process just before it forks its planners
-# (the model factory is copied with the process, not pickled: a user's may be a closure)
-_FORKED: Optional[tuple] = None
-
-
-def planners(layouts: int) -> int:
-    """How many processes build `layouts` layouts: one per CPU this process may use, each building every other
-    layout on a fake process group of its own, on Linux (whose fork copies the request with its model factory);
-    this process alone elsewhere, for fewer than 4 layouts, and where this process runs other threads of Python
-    (a notebook's kernel: a fork copies a lock one of them holds, and waits on it for ever)."""
-    import threading
-
-    if not sys.platform.startswith("linux") or layouts < 4 or threading.active_count() > 1:
-        return 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, layouts // 2))
-
-
-def _plan_forked(index: int) -> LayoutPlan:
-    request, layouts, work = _FORKED
-    return plan_layout(request, layouts[index], work)
-
-
-def _plan_each(request: PlanRequest, layouts: list, work, progress, workers: int) -> List[LayoutPlan]:
-    """`plan_layout` of each layout, in order: in this process, or spread over `workers` forks of it (layouts are
-    independent, each built on its own fake process group); a planner that dies leaves its layouts to this
-    process."""
-    rows: List[Optional[LayoutPlan]] = [None] * len(layouts)
-    # what lives now (torch, the model's work, the reference model) outlives every layout: kept out of the
-    # collector's scans while the layouts are built, each leaving cycles of modules and hooks behind (a third of
-    # the plan's time went to full scans of what lives now; and forks share these pages instead of copying them)
-    gc.collect()
-    gc.freeze()
-    try:
-        _plan_into(rows, request, layouts, work, progress, workers)
-    finally:
-        gc.unfreeze()
-    return rows
-
-
-def _plan_into(rows: list, request: PlanRequest, layouts: list, work, progress, workers: int) -> None:
-    """`_plan_each`'s work: each row of `rows` planned, in forks first where `workers` > 1."""
-    global _FORKED
-    built = 0
-    if workers > 1:
-        import concurrent.futures
-        import multiprocessing
-
-        _FORKED = (request, layouts, work)
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-        try:
-            futures = {pool.submit(_plan_forked, index): index for index in range(len(layouts))}
-            for future in concurrent.futures.as_completed(futures):
-                rows[futures[future]] = future.result()
-                built += 1
-                if progress:
-                    progress(rows[futures[future]], built, len(layouts))
-        except concurrent.futures.process.BrokenProcessPool:
-            pass  # (the layouts not yet planned are planned below)
-        except BaseException:  # Ctrl-C: the forks stop with this process, their layouts dropped
-            forks = list(
-                (getattr(pool, "_processes", None) or {}).values()
-            )  # (Python 3.14: terminate_workers)
-            pool.shutdown(wait=False, cancel_futures=True)
-            for process in forks:
-                process.terminate()
-            raise
-        finally:
-            _FORKED = None
-        pool.shutdown()
-    for index, each in enumerate(layouts):
-        if rows[index] is None:
-            rows[index] = plan_layout(request, each, work)
-            built += 1
-            if progress:
-                progress(rows[index], built, len(layouts))
 
 
 def smallest_fit(request: PlanRequest, work=None, *, most: int = 64, tries: int = 4) -> Optional[LayoutPlan]:

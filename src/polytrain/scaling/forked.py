@@ -44,8 +44,10 @@ def forked_map(function: Callable, items: Sequence, *, workers: int, progress=No
     killed) leaves its pieces to this process; Ctrl-C stops the forks with this process."""
     results: List = [None] * len(items)
     done = [False] * len(items)
-    gc.collect()
-    gc.freeze()
+    ours = gc.get_freeze_count() == 0  # (what a caller froze itself stays as it froze it)
+    if ours:
+        gc.collect()
+        gc.freeze()
     try:
         if workers > 1:
             _in_forks(function, items, workers, results, done, progress)
@@ -55,7 +57,8 @@ def forked_map(function: Callable, items: Sequence, *, workers: int, progress=No
                 if progress:
                     progress(results[index], sum(done), len(items))
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
     return results
 
 

@@ -272,8 +272,8 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
 
 
 def test_forked_map_gives_results_in_order_with_what_lived_before_kept_out_of_the_collector_s_scans():
-    """scaling/forked.py: results in the items' order from forks (a closure, not pickled) and here; while the
-    pieces run, what lived before is frozen (out of the collector's scans) and unfrozen after, and what a caller
+    """scaling/forked.py: results in the items' order from forks (a closure, not pickled) and here; while 4 pieces
+    or more run, what lived before is frozen (out of the collector's scans) and unfrozen after, and what a caller
     froze itself stays frozen."""
     import gc
 
@@ -281,12 +281,13 @@ def test_forked_map_gives_results_in_order_with_what_lived_before_kept_out_of_th
 
     offset = 7  # (read by the closure in each fork)
     assert forked_map(lambda x: x * x + offset, list(range(9)), workers=2) == [x * x + 7 for x in range(9)]
-    seen = forked_map(lambda x: gc.get_freeze_count(), [1, 2], workers=1)
+    seen = forked_map(lambda x: gc.get_freeze_count(), [1, 2, 3, 4], workers=1)
     assert min(seen) > 0 and gc.get_freeze_count() == 0
+    assert forked_map(lambda x: gc.get_freeze_count(), [1, 2], workers=1) == [0, 0]  # (a few: nothing frozen)
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        forked_map(lambda x: x, [1, 2], workers=1)
+        forked_map(lambda x: x, [1, 2, 3, 4], workers=1)
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()

@@ -44,7 +44,8 @@ def forked_map(function: Callable, items: Sequence, *, workers: int, progress=No
     killed) leaves its pieces to this process; Ctrl-C stops the forks with this process."""
     results: List = [None] * len(items)
     done = [False] * len(items)
-    ours = gc.get_freeze_count() == 0  # (what a caller froze itself stays as it froze it)
+    # (a few pieces gain nothing from it; what a caller froze itself stays as it froze it)
+    ours = len(items) >= 4 and gc.get_freeze_count() == 0
     if ours:
         gc.collect()
         gc.freeze()

@@ -7,7 +7,7 @@ Linux only, and not where this process runs other threads of Python (a notebook'
 another thread holds, and waits on it for ever. Elsewhere the pieces run here, one after the other.
 
 What lives when the work starts (torch, the inputs of every piece) outlives every piece, so it is frozen out of the
-garbage collector's scans while the pieces run (`gc.freeze`): a plan's layouts each leave cycles of modules and
+garbage collector's scans while 4 pieces or more run (`gc.freeze`): a plan's layouts each leave cycles of modules and
 hooks behind, and full collections scanned all of torch each time (a third of a plan's time in one process).
 """
 

@@ -21,6 +21,7 @@ from ..scaling.cluster_plan import (
     PlanRequest,
     idle_expert_parameters,
     make_plan_table,
+    reference_model,
     smallest_fit,
 )
 from ..scaling.gpus import gpu_named
@@ -267,7 +268,7 @@ def _count(parameters: int) -> str:
 def table(request: PlanRequest, rows: List[LayoutPlan], *, top: int, advise: bool = True) -> List[str]:
     """The plan's lines: a heading, the layouts that fit fastest first, then those that do not fit with how much
     they exceed, then those the code refused with its line."""
-    model = request.build()
+    model = reference_model(request)
     parameters = sum(p.numel() for p in model.parameters())
     idle = idle_expert_parameters(model)
     active = f", {_count(int(parameters - idle))} active per token" if idle else ""

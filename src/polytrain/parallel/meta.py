@@ -103,6 +103,11 @@ def _own(module: nn.Module) -> list:
     return own + [(k, b, False) for k, b in module._buffers.items() if b is not None]
 
 
+def _held(module: nn.Module, key: str, is_parameter: bool) -> torch.Tensor:
+    """`module`'s own parameter or buffer `key` as it holds it now (to_empty gives it a new tensor)."""
+    return (module._parameters if is_parameter else module._buffers)[key]
+
+
 # the attribute by which a module says how its own tensors start, in place of the model's initialisation: a
 # function of the module (an adapter's, models/lora.py)
 INIT_VALUES = "init_values"
@@ -152,18 +157,18 @@ def full_values(
         module.to_empty(device="cpu", recurse=False)
         # a module's own reset_parameters() (a user's) may leave a tensor as to_empty left it, uninitialised
         # memory that would train: each floating tensor starts as NaN, and one still NaN after it is refused
-        unchecked = init == getattr(module, "reset_parameters", None)
-        if unchecked:
+        by_reset = init == getattr(module, "reset_parameters", None)
+        if by_reset:
             for key, _, is_parameter in own:
-                value = (module._parameters if is_parameter else module._buffers)[key]
+                value = _held(module, key, is_parameter)
                 if value.is_floating_point():
                     value.detach().fill_(float("nan"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, unwrapped(name)))
             init()
         for key, tensor, is_parameter in own:
-            value = (module._parameters if is_parameter else module._buffers)[key]
-            if unchecked and value.is_floating_point() and bool(value.isnan().any()):
+            value = _held(module, key, is_parameter)
+            if by_reset and value.is_floating_point() and bool(value.isnan().any()):
                 kind = "parameter" if is_parameter else "buffer"
                 raise UserError(
                     f"{name or 'the model'} ({type(module).__name__}) was built on the meta device, and its "

@@ -233,7 +233,6 @@ def test_layouts_planned_by_forked_planners_are_those_one_process_plans_even_whe
     """`polytrain plan` spreads the layouts over forks of its process (one per CPU): the table is the one this
     process alone makes, row for row; a planner that dies mid-way leaves its layouts to this process."""
     import dataclasses
-    import os
     import sys
     import threading
 
@@ -295,9 +294,9 @@ def test_forked_map_gives_results_in_order_with_what_lived_before_kept_out_of_th
 
 @pytest.mark.multiprocess
 def test_ctrl_c_stops_a_plan_and_its_forks_at_once():
-    """Ctrl-C (SIGINT to the command alone, or to its process group as a terminal sends it) while the forks build
-    the 179 layouts of Llama 3 8B on 64 GPUs: the command says it was interrupted and exits 130 within seconds,
-    its forks gone with it, instead of building the layouts already queued first."""
+    """SIGINT to the command alone (a terminal's Ctrl-C reaches its forks too, which only makes it quicker) while
+    the forks build the 179 layouts of Llama 3 8B on 64 GPUs: the command says it was interrupted and exits 130
+    within seconds, its forks gone with it, instead of building the layouts already queued first."""
     import signal
     import sys
     import time

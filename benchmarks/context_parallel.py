@@ -201,6 +201,7 @@ def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: s
 
     from polytrain.data import load_dataset
     from polytrain.models import build_model_on_meta
+    from polytrain.parallel.presets import plain_layout
     from polytrain.planning.memory import memory_per_rank
     from polytrain.scaling.fits import layout_for, measured_activations, model_workload
 
@@ -208,7 +209,7 @@ def predicted(shape: dict, batch: int, processes: int, cp: int, checkpointing: s
     model = build_model_on_meta("llama", data.input_shape, data.num_classes, shape)
     config = config_of(batch, processes, cp)
     strategy = "sharded" if processes > 1 else "single"
-    layout = layout_for(config, strategy)
+    layout = layout_for(config, strategy) or plain_layout(strategy, processes)  # (as check_fits takes it)
     work = model_workload(model, batch_size=batch, **measured_activations(model, data, torch.device("cpu")))
     whole = memory_per_rank(work, layout, optimizer_slots=2, checkpointing=checkpointing)
     bare = memory_per_rank(dataclasses.replace(work, activation_bytes=0.0), layout, optimizer_slots=2)

@@ -1,5 +1,5 @@
-"""What context parallelism costs (`--context-parallel C`, parallel/context.py): the predicted step time, what a
-context rank gathers, and the memory it holds. n ranks in n/C data slices, each slice's sequences split over a
+"""What context parallelism costs (`--context-parallel C`, parallel/context.py), as one `DegreeCost` (`CONTEXT`):
+the predicted step time, what a context rank gathers, and the memory it holds. n ranks in n/C data slices, each slice's sequences split over a
 context group of C ranks. Pure arithmetic on the cost model's inputs (planning/costmodel.py) and on the figures of
 planning/activations.py, tested against values worked out by hand and against a context rank's forward on fake
 tensors.
@@ -68,6 +68,7 @@ from ..parallel.layout import Layout
 from ..parallel.presets import layout_or_none
 from .activations import AttentionShape
 from .costmodel import Link, Prediction, Workload, data_parallel, sharded
+from .degree_cost import DegreeCost
 
 
 def attention_share(work: Workload) -> float:
@@ -257,3 +258,40 @@ def context_part(work, layout):
         block_matmul_bytes=work.block_matmul_bytes / size + per_block * outputs,
         boundary_bytes=tuple(cut / size for cut in work.boundary_bytes),
     )
+
+
+class ContextCost(DegreeCost):
+    """Context parallelism's cost, as the cost model, the memory check and the planner ask it."""
+
+    name, ranks = "context", "context ranks"
+
+    def size(self, layout: Layout) -> int:
+        return layout.context
+
+    def priceable(self, layout: Layout) -> bool:
+        """Not beside tensor ranks: the cost model has no step for a context rank's share of a split layer."""
+        return layout.tensor == 1
+
+    def priced(self, prediction, work, link, layout, *, costs, scatter_by_allreduce=False, share=None):
+        """`with_context`, its messages at the strategy's fitted cost per message as the rest of its step."""
+        split = with_context(
+            prediction, work, link, layout, scatter_by_allreduce=scatter_by_allreduce, share=share
+        )
+        own = costs.get(prediction.strategy, 0.0) * (split.messages - prediction.messages)
+        return replace(split, communication=split.communication + own) if own else split
+
+    def part(self, work, layout: Layout):
+        return context_part(work, layout)
+
+    def collectives(self, work, layout, *, samples, sequence, element, width, layers, checkpointing):
+        """Per attention layer of a rank's stage, the gather of the keys and values and the reduce-scatter of
+        their gradients (`context_exchange`)."""
+        shape = work.attention
+        exchange = context_exchange(shape, layout, samples, sequence, element) if shape else None
+        if not exchange:
+            return []
+        ranks, nbytes, span = exchange
+        return [("all-gather", ranks, nbytes, span, layers), ("reduce-scatter", ranks, nbytes, span, layers)]
+
+
+CONTEXT = ContextCost()

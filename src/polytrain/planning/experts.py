@@ -1,8 +1,10 @@
-"""What expert parallelism costs (`--expert-parallel P`, parallel/experts.py): each layout that borrows P of its
-ranks for a mixture's experts, predicted from the same layout with every expert on every rank
-(planning/costmodel.py), and the cost per all-to-all call fitted to a measured step. Pure arithmetic on the cost
-model's inputs (the Workload's `mixtures`, `experts`, `expert_bytes` and `routed_bytes`), tested against values
-worked out by hand.
+"""What expert parallelism costs (`--expert-parallel P`, parallel/experts.py), as one `DegreeCost` (`EXPERTS`):
+the layouts that borrow P of their ranks for a mixture's experts, each predicted from the same layout with every
+expert on every rank (planning/costmodel.py); the cost per all-to-all call fitted to a measured step; what a rank
+holds less (DDP's copies each hold 1/P of the experts) and gathers less (FSDP2 gathers 1/P of them); and the
+all-to-alls of a step on a cluster. Pure arithmetic on the cost model's inputs (the Workload's `mixtures`,
+`experts`, `expert_bytes` and `routed_bytes`; the planner's `experts_per_token` and `expert_share`), tested
+against values worked out by hand.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import math
 from dataclasses import replace
 from typing import Optional, Tuple
 
-from ..parallel.layout import Layout
+from ..parallel.layout import Layout, divisors
+from ..parallel.presets import EXPERT_PRESETS
 from .costmodel import Link, Prediction, Workload
+from .degree_cost import DegreeCost
 
 # the key of the fitted cost per all-to-all call among the costs per message by strategy (bench, --plan files):
 # what an exchange costs beyond its bytes and messages (the calls' host work, waiting for the busiest rank)
@@ -93,3 +97,58 @@ def fit_exchange_cost(measured_seconds: float, prediction: Prediction) -> float:
     if not prediction.exchanges or not math.isfinite(prediction.step_seconds):
         return 0.0
     return max(0.0, (measured_seconds - prediction.step_seconds) / prediction.exchanges)
+
+
+class ExpertCost(DegreeCost):
+    """Expert parallelism's cost, as the cost model, the memory check, the planner and bench ask it."""
+
+    name, ranks, fitted = "experts", "expert ranks", ALL_TO_ALL
+
+    def size(self, layout: Layout) -> int:
+        return layout.expert
+
+    def variants(self, work, strategy: str, layout: Layout, *, per_node: Optional[int] = None):
+        """Each P dividing the ranks that hold the same parameters and each mixture's experts (`expert_degrees`),
+        for the presets that have such ranks; on a cluster, of the layouts that shard with FSDP2 only, each expert
+        group within a node."""
+        if per_node is None:
+            found = expert_degrees(work, layout) if strategy in EXPERT_PRESETS else ()
+            return [replace(layout, expert=p) for p in found]
+        if not work.mixtures or layout.data_parallel != "shard":
+            return []
+        split = [replace(layout, expert=p) for p in divisors(layout.fsdp_ranks) if p > 1]
+        return [each for each in split if each.expert_span <= per_node and work.experts % each.expert == 0]
+
+    def priced(self, prediction, work, link, layout, *, costs, scatter_by_allreduce=False, share=None):
+        return with_experts(
+            prediction,
+            work,
+            link,
+            layout.expert,
+            scatter_by_allreduce=scatter_by_allreduce,
+            call_cost=costs.get(ALL_TO_ALL, 0.0),
+        )
+
+    def states_saved(self, work, layout: Layout, *, per_weight: float, sharded: bool) -> float:
+        """DDP's copies each hold 1/P of the experts (FSDP2 shards them anyway)."""
+        return 0.0 if sharded else work.expert_bytes * per_weight * (1 - 1 / layout.expert)
+
+    def gathered_share(self, work, layout: Layout) -> float:
+        """An FSDP2 rank gathers its experts only, E/P of them, over the 1/P of the ranks that shard them."""
+        return 1 - work.expert_share + work.expert_share / layout.expert
+
+    def collectives(self, work, layout, *, samples, sequence, element, width, layers, checkpointing):
+        """Per mixture of a rank's stage, a rank's tokens each to K experts and back in the forward, their
+        gradients in the backward, and again in a full recomputation: all-to-alls over the expert group
+        (consecutive FSDP2 ranks: the tensor ranks, and the stages, lie between them), routing taken as even."""
+        if not work.mixtures:
+            return []
+        nbytes = samples * layout.tokens_per_rank(sequence) * work.experts_per_token * width * element
+        count = (6 if checkpointing == "full" else EXCHANGES) * work.mixtures / layout.pipeline
+        return [("all-to-all", layout.expert, nbytes, layout.expert_span, count)]
+
+    def fit(self, measured_seconds: float, prediction) -> Optional[float]:
+        return fit_exchange_cost(measured_seconds, prediction) if prediction.exchanges else None
+
+
+EXPERTS = ExpertCost()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..parallel.layout import Layout
 from .activations import peak_bytes, tensor_part
-from .context import context_part
+from .beside import rank_part, split_beside
 from .costmodel import Workload
 
 
@@ -36,9 +36,9 @@ def memory_per_rank(
     where the plan is sequence-parallel, `work.sequence_splits`), the rest whole.
     """
     weights = work.parameter_bytes
-    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; a
-    # context group's ranks each keep their part of every sequence's (planning/context.py `context_part`)
-    part = context_part(work, layout)
+    # every rank of a data replica computes its slice; a pipeline's stages each keep their micro-batches'; the
+    # degrees beside them cut each sample (a context group's ranks each keep their part of every sequence's)
+    part = rank_part(work, layout)
     part = tensor_part(part, layout.tensor, sequence=layout.tensor in work.sequence_splits)
     per_sample = peak_bytes(part, checkpointing) if work.activation_bytes else sum(part.boundary_bytes)
     activations = per_sample * work.batch_size / (layout.data_degree * layout.pipeline)
@@ -51,11 +51,13 @@ def memory_per_rank(
     # (a pipeline's stages are FSDP2 modules where the pipelines beside each other shard them, or where a tensor plan
     # splits them: pipeline/sharding.py)
     shards = layout.fsdp_ranks if layout.data_parallel == "shard" else 1
-    states = held * (1 + (1 + optimizer_slots) * trained) / (shards * layout.pipeline)
-    if (
-        layout.expert > 1 and shards == 1
-    ):  # DDP's copies each hold 1/P of the experts (FSDP2 shards them anyway)
-        states -= work.expert_bytes * (1 + (1 + optimizer_slots) * trained) * (1 - 1 / layout.expert)
+    per_weight = 1 + (1 + optimizer_slots) * trained
+    states = held * per_weight / (shards * layout.pipeline)
+    # what the degrees beside them hold less (DDP's copies each hold 1/P of the experts split over P of them)
+    states -= sum(
+        degree.states_saved(work, layout, per_weight=per_weight, sharded=shards > 1)
+        for degree in split_beside(layout)
+    )
     # FSDP2 gathers a unit whole (and prefetches the next): as counted where known, else the model (an upper
     # bound); a pipeline of shards keeps its stage's weights and their gradients whole through a step
     # (pipeline/sharding.py)

@@ -3,11 +3,11 @@
 
 A layout's step is built from its degrees, each priced where it is written: the ranks that split the batch and
 hold the parameters (DDP's copies, FSDP2's shards and their copies, a parameter server, a pipeline of whole
-stages, groups of tensor ranks: planning/costmodel.py), then the context ranks that split each sequence
-(planning/context.py `with_context`), the cost per message a bench fitted for the strategy (`costmodel.priced`),
-and the experts split over the ranks that hold the same parameters (planning/experts.py `with_experts`). A new
-degree is one more such step here and its pricing in a module of its own; nothing is keyed by a label, which is
-made from the layout for printing (parallel/presets.py `label`).
+stages, groups of tensor ranks: planning/costmodel.py), with the cost per message a bench fitted for the strategy
+(`costmodel.priced`), then each degree beside them (planning/beside.py `BESIDE`: the context ranks that split each
+sequence, the experts split over the ranks that hold the same parameters), each by its own module's `DegreeCost`.
+A new degree beside them is one such module; nothing here names it, and nothing is keyed by a label, which is made
+from the layout for printing (parallel/presets.py `label`).
 
 Pure arithmetic, tested against values worked out by hand (tests/test_plan_costmodel.py and the degrees' own).
 """
@@ -18,8 +18,8 @@ from dataclasses import replace
 from typing import Collection, Dict, Iterator, Mapping, Optional, Tuple
 
 from ..parallel.layout import Layout
-from ..parallel.presets import EXPERT_PRESETS, plain_layout
-from .context import with_context
+from ..parallel.presets import plain_layout
+from .beside import borrowed, split_beside
 from .costmodel import (
     HYBRID_SHARDS,
     Link,
@@ -32,7 +32,6 @@ from .costmodel import (
     sharded,
     tensor_parallel,
 )
-from .experts import ALL_TO_ALL, expert_degrees, with_experts
 
 
 def predict(
@@ -51,10 +50,11 @@ def predict(
 ) -> Prediction:
     """The step of `strategy` on `layout` (its devices: `layout.world_size`; one device is `single`, the reference).
     `strategy` says what the degrees do not: a parameter server, and whether it trains in the default memory
-    format (named in `contiguous`: `work.plain`). `message_costs`: seconds per message by strategy, and per
-    all-to-all call (`ALL_TO_ALL`); `share`: attention's measured share of one device's pass (context ranks; default
-    its share of the FLOPs); the rest as `predict_all`. A layout the model cannot cost (a pipeline beside other
-    degrees, tensor ranks beside context ranks) is an infinite step whose note says so."""
+    format (named in `contiguous`: `work.plain`). `message_costs`: seconds per message by strategy, and per call
+    of a degree beside them (its `DegreeCost.fitted` key: `all-to-all`); `share`: attention's measured share of
+    one device's pass (context ranks; default its share of the FLOPs); the rest as `predict_all`. A layout the
+    model cannot cost (a pipeline beside other degrees, tensor ranks beside context ranks:
+    `DegreeCost.priceable`) is an infinite step whose note says so."""
     work = work.in_format(strategy in contiguous)
     devices, costs = layout.world_size, message_costs or {}
     if devices == 1:
@@ -73,27 +73,23 @@ def predict(
         )
     else:
         base = data_parallel(work, devices, link)
-    beside = [name for name, degree in (("context", layout.context), ("expert", layout.expert)) if degree > 1]
+    beside = split_beside(layout)
     if beside and (
-        layout.pipeline > 1 or strategy == "parameter-server" or (layout.tensor > 1 and layout.context > 1)
+        layout.pipeline > 1
+        or strategy == "parameter-server"
+        or not all(degree.priceable(layout) for degree in beside)
     ):
+        ranks = " and ".join(degree.ranks for degree in beside)
         return replace(
             base,
             idle=float("inf"),
             layout=layout,
-            note=f"the cost model does not price {base.strategy} beside {' and '.join(beside)} ranks",
+            note=f"the cost model does not price {base.strategy} beside {ranks}",
         )
-    if layout.context > 1:
-        base = with_context(base, work, link, layout, scatter_by_allreduce=scatter_by_allreduce, share=share)
     base = priced(base, costs)
-    if layout.expert > 1:
-        base = with_experts(
-            base,
-            work,
-            link,
-            layout.expert,
-            scatter_by_allreduce=scatter_by_allreduce,
-            call_cost=costs.get(ALL_TO_ALL, 0.0),
+    for degree in beside:
+        base = degree.priced(
+            base, work, link, layout, costs=costs, scatter_by_allreduce=scatter_by_allreduce, share=share
         )
     return base
 
@@ -101,9 +97,10 @@ def predict(
 def weighed_layouts(work: Workload, devices: int, *, meshes: bool = True) -> Iterator[Tuple[str, Layout]]:
     """(strategy, layout) of every layout `predict_all` weighs on `devices`: each strategy's plain layout; with
     `meshes`, hybrid sharding in shard groups of `HYBRID_SHARDS` ranks and the (data, tensor) meshes of the
-    tensor plan's splits (one group of all devices always, where the plan splits over them); and for a model
-    with mixtures each of them with the experts split over each count of the ranks holding the same parameters
-    that divides them and the experts (planning/experts.py `expert_degrees`)."""
+    tensor plan's splits (one group of all devices always, where the plan splits over them); and each of them
+    again with a degree beside them that borrows its ranks (`DegreeCost.variants`: for a model with mixtures,
+    the experts split over each count of the ranks holding the same parameters that divides them and the
+    experts)."""
     if devices == 1:
         yield "single", Layout()
         return
@@ -124,9 +121,8 @@ def weighed_layouts(work: Workload, devices: int, *, meshes: bool = True) -> Ite
     for strategy, layout in found:
         yield strategy, layout
     for strategy, layout in found:
-        if strategy in EXPERT_PRESETS:
-            for expert in expert_degrees(work, layout):
-                yield strategy, replace(layout, expert=expert)
+        for variant in borrowed(work, strategy, layout):
+            yield strategy, variant
 
 
 def predict_all(

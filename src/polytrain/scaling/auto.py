@@ -15,9 +15,10 @@ import torch
 
 from ..errors import ConfigError, first_line
 from ..parallel.layout import Layout
-from ..parallel.presets import flags_of, label, layout_of, mesh_of
+from ..parallel.presets import LAYOUT_SETTINGS, flags_of, label, layout_of, mesh_of
 from ..pipeline.plan import default_microbatches
 from ..planning import costmodel, memory
+from ..planning.beside import sizes_beside
 from .fits import available_per_rank
 
 SLOTS = {"sgd": 1, "adam": 2, "adamw": 2, "rmsprop": 1}  # optimizer state tensors per weight (sgd: momentum)
@@ -138,9 +139,8 @@ def simplest_first(strategy: str, layout: Optional[Layout]) -> tuple:
     its meshes, and of those the one nearest the plain layout first: fewest copies of the shards (`sharded 2x4`
     before `sharded 4x2`), fewest groups of tensor ranks."""
     rank = SIMPLEST_FIRST.index(strategy) if strategy in SIMPLEST_FIRST else len(SIMPLEST_FIRST)
-    if layout is None:
-        return rank, (), 1
-    return rank, mesh_of(strategy, layout), layout.expert  # (the experts whole first)
+    # (then the degrees beside them whole first: the experts on every rank before experts split)
+    return rank, mesh_of(strategy, layout) if layout is not None else (), sizes_beside(layout)
 
 
 def describe(best, predictions: dict, one_device: float, *, devices: int, kind: str, source: str) -> str:
@@ -269,13 +269,9 @@ def row_layout(row: dict) -> Layout:
     the settings beside --strategy that gave it (none in files written before meshes)."""
     if isinstance(row.get("layout"), dict):
         return Layout(**row["layout"])
-    return layout_of(
-        str(row["strategy"]),
-        int(row["devices"]),
-        tensor_parallel=int(row.get("tensor_parallel", 0)) or None,
-        replicas=int(row.get("replicas", 0)) or None,
-        expert_parallel=int(row.get("expert_parallel", 0)) or None,
-    )
+    # (those files wrote the settings they were given, 0 for those not given)
+    settings = {name: row[name] for name in LAYOUT_SETTINGS if row.get(name) not in (None, 0)}
+    return layout_of(str(row["strategy"]), int(row["devices"]), **settings)
 
 
 def measured_choice(

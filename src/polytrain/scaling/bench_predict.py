@@ -8,19 +8,23 @@ from typing import Dict, Optional
 
 from ..parallel.presets import mesh_of
 from ..planning import costmodel
-from ..planning.experts import ALL_TO_ALL, fit_exchange_cost
+from ..planning.beside import fitted_beside
 from .auto import steady_choice
 from .workload import predictions_for
 
 
 def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dict[str, float]]:
     """Per device kind, each strategy's cost per message, fitted to its row on the fewest devices (then the
-    smallest batch), which is marked `fitted`; the strategy's other rows are then predictions."""
+    smallest batch), which is marked `fitted`; the strategy's other rows are then predictions. Then the cost per
+    call of each degree beside them that fits one (`DegreeCost.fitted`: the experts' all-to-all), on the first row
+    that splits it."""
     costs: Dict[str, Dict[str, float]] = {}
     first = {}
+    fitted = fitted_beside()
     for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.devices > 1 and not row.skipped and row.key in workloads and row.layout.expert == 1:
-            first.setdefault((row.device, row.strategy), row)
+        if row.devices > 1 and not row.skipped and row.key in workloads:
+            if all(degree.size(row.layout) == 1 for degree in fitted):
+                first.setdefault((row.device, row.strategy), row)
     for (kind, strategy), row in first.items():
         prediction = predictions_for(workloads[row.key], links[kind], devices=row.devices, kind=kind).get(
             row.label
@@ -30,20 +34,21 @@ def fit_message_costs(rows: list, workloads: dict, links: dict) -> Dict[str, Dic
                 row.step_seconds, prediction
             )
             row.fitted = cost > 0  # a model already slower than the row fits nothing: its error shows
-    # then, where experts were split over ranks, the cost of an all-to-all call on the first such row, its
-    # strategy's cost per message given
-    split = {}
-    for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
-        if row.layout.expert > 1 and not row.skipped and row.key in workloads and row.devices > 1:
-            split.setdefault(row.device, row)
-    for kind, row in split.items():
-        prediction = predictions_for(
-            workloads[row.key], links[kind], devices=row.devices, kind=kind, message_costs=costs.get(kind)
-        ).get(row.label)
-        if prediction is not None and prediction.exchanges:
-            cost = fit_exchange_cost(row.step_seconds, prediction)
-            costs.setdefault(kind, {})[ALL_TO_ALL] = cost
-            row.fitted = cost > 0
+    # then, where a degree was split that fits a cost per call, that cost on the first such row, its strategy's
+    # cost per message given
+    for degree in fitted:
+        split = {}
+        for row in sorted(rows, key=lambda r: (r.devices, r.batch_size)):
+            if degree.size(row.layout) > 1 and not row.skipped and row.key in workloads and row.devices > 1:
+                split.setdefault(row.device, row)
+        for kind, row in split.items():
+            prediction = predictions_for(
+                workloads[row.key], links[kind], devices=row.devices, kind=kind, message_costs=costs.get(kind)
+            ).get(row.label)
+            cost = degree.fit(row.step_seconds, prediction) if prediction is not None else None
+            if cost is not None:
+                costs.setdefault(kind, {})[degree.fitted] = cost
+                row.fitted = cost > 0
     return costs
 
 

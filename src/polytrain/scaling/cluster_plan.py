@@ -7,8 +7,8 @@ slot, exactly as the code creates them on the fake process group; FSDP2's buffer
 one computing and the one prefetched) in the gathered dtype, and one unit's gradients before the reduce-scatter in
 the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
-memory check cuts them (planning/context.py `context_part`, planning/activations.py `peak_bytes`); under a tensor plan the blocks keep
-(10 + 24/t) / 34 of one device's, and 1/t where the plan runs sequence-parallel (the built-in GPT's and Llama's
+memory check cuts them (planning/beside.py `rank_part`: a context rank's part of each sequence;
+planning/activations.py `peak_bytes`); under a tensor plan the blocks keep (10 + 24/t) / 34 of one device's, and 1/t where the plan runs sequence-parallel (the built-in GPT's and Llama's
 without mixtures: their inputs too) (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2, with attention that keeps no scores). A pipeline (set up by the
 pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
@@ -32,7 +32,7 @@ from ..errors import ConfigError, UserError
 from ..parallel.layout import Layout, divisors
 from ..parallel.presets import settings_of
 from ..planning.activations import peak_bytes, tensor_part
-from ..planning.context import context_part
+from ..planning.beside import borrowed, rank_part
 from .cluster_time import step_time
 from .forked import fork_count, forked_map
 from .gpus import GPUS_PER_NODE, Gpu
@@ -157,20 +157,15 @@ def candidate_layouts(request: PlanRequest) -> List[Layout]:
     return [layout for layout in dict.fromkeys(found) if layout.world_size == n]
 
 
-def with_experts(layouts: List[Layout], request: PlanRequest, work) -> List[Layout]:
-    """`layouts`, and for a model with mixtures of experts each layout that shards with FSDP2 (the layouts expert
-    parallelism takes) again with its experts split over P of its shard ranks, within a node, for each P that
-    divides them and the experts."""
-    found = list(layouts)
-    for layout in layouts:
-        if work.mixtures and layout.data_parallel == "shard":
-            split = [dataclasses.replace(layout, expert=p) for p in divisors(layout.fsdp_ranks) if p > 1]
-            found += [
-                each
-                for each in split
-                if each.expert_span <= request.gpus_per_node and work.experts % each.expert == 0
-            ]
-    return found
+def with_borrowed(layouts: List[Layout], request: PlanRequest, work) -> List[Layout]:
+    """`layouts`, and each again with a degree beside them that borrows its ranks (planning/beside.py, each
+    degree's `variants` on a cluster: for a model with mixtures of experts, each layout that shards with FSDP2 with
+    its experts split over P of its shard ranks, within a node, for each P that divides them and the experts)."""
+    return list(layouts) + [
+        variant
+        for layout in layouts
+        for variant in borrowed(work, "", layout, per_node=request.gpus_per_node)
+    ]
 
 
 def plan_layout(request: PlanRequest, layout: Layout, work) -> LayoutPlan:
@@ -289,7 +284,7 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
     )
     if mixed and layout.data_parallel != "shard":  # autocast's bf16 copy of every weight, saved for backward
         row.buffers = held.parameter_bytes / 2
-    part = context_part(work, layout)
+    part = rank_part(work, layout)
     part = tensor_part(part, layout.tensor, sequence=row.sequence_parallel)
     local = request.batch_size / layout.data_degree
     row.activations = peak_bytes(part, row.checkpointing) * local
@@ -399,7 +394,7 @@ def make_plan_table(
         request.layers = len(flatten_layers(reference_model(request)))
     except UserError:
         request.layers = 0
-    layouts = [layout] if layout is not None else with_experts(candidate_layouts(request), request, work)
+    layouts = [layout] if layout is not None else with_borrowed(candidate_layouts(request), request, work)
     if not layouts:
         raise UserError(
             f"no layout of {request.devices} GPUs splits a batch of {request.batch_size} sequences of "

@@ -6,16 +6,18 @@ at `gpus.ACHIEVED` of the GPU's peak. Communication is the collectives the layou
 the alpha-beta model (planning/costmodel.py's), each over NVLink where its ranks sit in one node (the mesh puts the
 tensor dimension innermost, then context, then the data dimensions) and the network otherwise: FSDP2's two
 all-gathers and one reduce-scatter per step and hybrid sharding's all-reduce across replicas, DDP's all-reduce
-(each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block and
-context parallelism's gather of keys and values and reduce-scatter of their gradients per block (exposed), expert
-parallelism's all-to-alls (each mixture sends a rank's tokens to their K experts' ranks and back in the forward, and
-their gradients in the backward, again in a full recomputation; routing taken as even, as the memory check takes it:
-exposed), a pipeline's sends while it fills and drains, and its bubble, (stages - 1) / micro-batches of the compute.
+(each hidden behind the computation up to `gpus.OVERLAP` of it), the tensor plan's four all-reduces per block, the
+collectives of each degree beside the ranks holding the parameters (planning/beside.py, each degree's
+`collectives`: context parallelism's gather of keys and values and reduce-scatter of their gradients per block;
+expert parallelism's all-to-alls, each mixture sending a rank's tokens to their K experts' ranks and back in the
+forward, and their gradients in the backward, again in a full recomputation, routing taken as even, as the memory
+check takes it: exposed), a pipeline's sends while it fills and drains, and its bubble, (stages - 1) /
+micro-batches of the compute.
 """
 
 from __future__ import annotations
 
-from ..planning.context import context_exchange
+from ..planning.beside import split_beside
 from .gpus import ACHIEVED, LATENCY, OVERLAP
 
 
@@ -57,11 +59,12 @@ def step_time(request, row, held, work) -> None:
     if layout.data_parallel == "shard":
         shards = layout.fsdp_ranks
         # elements of this rank's tensor-parallel part, gathered (the shard group spans the dp_shard, pp, cp and
-        # tp dimensions: the mesh's order), where expert parallelism gathers only its experts' (E/P of them, over
-        # the 1/P of the ranks that shard them); a pipeline of shards gathers its stages once per step, FSDP2
-        # alone twice (forward, and again for the backward)
-        share = work.expert_share
-        whole = held.parameter_bytes / 4 * shards * (1 - share + share / layout.expert)
+        # tp dimensions: the mesh's order), of which a degree beside may gather a share only (expert parallelism:
+        # its experts', E/P of them, over the 1/P of the ranks that shard them); a pipeline of shards gathers its
+        # stages once per step, FSDP2 alone twice (forward, and again for the backward)
+        whole = held.parameter_bytes / 4 * shards
+        for degree in split_beside(layout):
+            whole *= degree.gathered_share(work, layout)
         bandwidth, latency = _link(request, layout.world_size // layout.replicate)
         gathers = 1 if layout.pipeline > 1 else 2
         seconds = gathers * _ring("all-gather", shards, whole * element, bandwidth, latency * held.units)
@@ -84,21 +87,22 @@ def step_time(request, row, held, work) -> None:
         nbytes = local_batch * layout.tokens_per_rank(request.context) * width * element
         bandwidth, latency = _link(request, layout.tensor)
         exposed["tensor"] = 4 * layers * _ring("all-reduce", layout.tensor, nbytes, bandwidth, latency)
-    exchange = context_exchange(shape, layout, local_batch, request.context, element) if shape else None
-    if exchange:
-        ranks, nbytes, span = exchange
-        bandwidth, latency = _link(request, span)
-        # the gather, and the reduce-scatter of its gradients
-        exposed["context"] = 2 * layers * _ring("all-gather", ranks, nbytes, bandwidth, latency)
-    if layout.expert > 1 and work.mixtures:
-        # a rank's tokens, each to K experts, (P - 1) / P of them to other ranks of its expert group (consecutive
-        # FSDP2 ranks: the tensor ranks, and the stages, lie between them)
-        nbytes = (
-            local_batch * layout.tokens_per_rank(request.context) * work.experts_per_token * width * element
+    for degree in split_beside(layout):
+        issued = degree.collectives(
+            work,
+            layout,
+            samples=local_batch,
+            sequence=request.context,
+            element=element,
+            width=width,
+            layers=layers,
+            checkpointing=row.checkpointing,
         )
-        bandwidth, latency = _link(request, layout.expert_span)
-        exchanges = (6 if row.checkpointing == "full" else 4) * work.mixtures / layout.pipeline
-        exposed["experts"] = exchanges * _ring("all-to-all", layout.expert, nbytes, bandwidth, latency)
+        if issued:
+            exposed[degree.name] = sum(
+                count * _ring(kind, ranks, nbytes, *_link(request, span))
+                for kind, ranks, nbytes, span, count in issued
+            )
     if layout.pipeline > 1 and shape:
         # each micro-batch's activations to the next stage and their gradients back; only the sends while the
         # pipeline fills and drains are on the critical path (the rest overlap other micro-batches' compute)

@@ -29,6 +29,10 @@ def forkserver_at_start(request):
     if any(item.get_closest_marker("multiprocess") for item in request.session.items):
         from polytrain.runtime.launch import start_method
 
+        try:  # the session's LoRA runs: their workers fork with peft imported, as a notebook's that imported it
+            import peft  # noqa: F401  (runtime/forkserver.py IF_IMPORTED)
+        except ImportError:
+            pass
         start_method()
     yield
 

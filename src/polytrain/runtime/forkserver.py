@@ -23,6 +23,12 @@ from typing import Callable, Optional, Tuple
 # Ctrl-C could hang at its exit (about 1 in 20 stops with it preloaded): that was torch's deadlock in the gloo
 # group's destructor, which a worker now avoids (ddp.py `release_reducers`, worker.py `_leave_process_groups`)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "polytrain.runtime.worker", "polytrain.strategies"]
+# what a run's workers import where the run uses it (a Hugging Face model or checkpoint, LoRA's adapters, a hub
+# dataset), preloaded too where this process has imported it already when the forkserver starts: a notebook or a
+# test suite that uses them pays for their import once, not in every worker of every launch (peft with the
+# transformers it imports: about 2 s of CPU per worker on a 2-core machine); a process that has not imported them
+# pays nothing for them
+IF_IMPORTED = ("transformers", "peft", "datasets")
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
 
@@ -51,7 +57,9 @@ def start_method() -> str:
             server, "_forkserver_pid", None
         ):
             return "spawn"  # (a forkserver that another caller started: its environment is unknown)
-        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.set_forkserver_preload(
+            PRELOAD + [name for name in IF_IMPORTED if name in sys.modules]
+        )
         forkserver.ensure_running()
         _forkserver_environment = _environment()
     return "forkserver" if _environment() == _forkserver_environment else "spawn"

@@ -188,3 +188,31 @@ def test_cifar10_archive_trains_a_resnet_with_augmentation(tmp_path):
     assert config["dataset"] == "cifar10" and record["epoch"] == 1
     state = torch.load(out / "model.pt", weights_only=True)
     assert state["stem.0.weight"].shape == (16, 3, 3, 3)
+
+
+@pytest.mark.parametrize(
+    "argv, starts",
+    [
+        (["train", "--devices", "2"], True),
+        (["verify", "--devices", "4", "--strategy", "sharded"], True),
+        (["bench"], True),  # (1 and 2 devices by default)
+        (["bench", "--devices", "1"], False),
+        (["train", "--devices", "1"], False),
+        (["train"], False),  # (the count a config or a resumed run gives is known later)
+        (["plan", "--devices", "64", "--batch-size", "64"], False),
+        (["evaluate", "runs/x"], False),
+    ],
+)
+def test_the_forkserver_starts_as_the_command_line_parses_where_it_launches_workers(
+    monkeypatch, argv, starts
+):
+    """Where the command line asks for workers on this machine, the forkserver that forks them starts before
+    this process imports torch, and imports it beside it (cli.py `launches_workers`); under torchrun, which
+    starts the workers, it does not."""
+    from polytrain.cli import launches_workers, parse
+
+    assert launches_workers(parse(argv)[1]) is starts
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert launches_workers(parse(argv)[1]) is False

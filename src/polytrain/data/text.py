@@ -125,8 +125,13 @@ def tokenise(text: str, *, name: str, context: int, source: str = "") -> TokenDa
     if not text:
         raise DataError(f"{source or name} holds no text; give a UTF-8 text file with some characters in it")
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    distinct, ids = np.unique(codes, return_inverse=True)
-    tokens = torch.from_numpy(ids.astype(np.int64).reshape(-1))
+    # the distinct code points, sorted, and each character's place among them, by a table over the code points
+    # (one pass over the text, where sorting it, as np.unique does, took 0.24 s for Tiny Shakespeare's 1.1M)
+    present = np.zeros(int(codes.max()) + 1, dtype=bool)
+    present[codes] = True
+    distinct = np.flatnonzero(present)
+    place = np.cumsum(present, dtype=np.int64) - 1
+    tokens = torch.from_numpy(place[codes])
     cut = int(len(tokens) * TRAIN_FRACTION)
     return TokenDataset(
         name, tokens[:cut], tokens[cut:], [chr(int(c)) for c in distinct], context=context, source=source

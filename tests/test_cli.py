@@ -207,12 +207,18 @@ def test_the_forkserver_starts_as_the_command_line_parses_where_it_launches_work
     monkeypatch, argv, starts
 ):
     """Where the command line asks for workers on this machine, the forkserver that forks them starts before
-    this process imports torch, and imports it beside it (cli.py `launches_workers`); under torchrun, which
-    starts the workers, it does not."""
-    from polytrain.cli import launches_workers, parse
+    this process imports torch, and imports it beside it (runtime/forkserver.py `start_ahead`), before the
+    command runs; under torchrun, which starts the workers, it does not."""
+    from polytrain import commands
+    from polytrain.cli import run_command
+    from polytrain.runtime import forkserver
 
-    assert launches_workers(parse(argv)[1]) is starts
+    started, seen = [], []  # the forkserver's starts; how many the command saw as it ran
+    monkeypatch.setattr(forkserver, "start_method", lambda: started.append(argv[0]) or "forkserver")
+    monkeypatch.setitem(commands.COMMANDS, argv[0], lambda args: seen.append(len(started)) or 0)
+    assert run_command(argv) == 0 and started == [argv[0]] * starts and seen == [int(starts)]
+    started.clear()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
-    assert launches_workers(parse(argv)[1]) is False
+    assert run_command(argv) == 0 and started == []

@@ -448,30 +448,15 @@ def leave_without_teardown(code: int) -> None:
         os._exit(code)
 
 
-def launches_workers(args) -> bool:
-    """Whether the command line asks for a command that starts worker processes here: train, verify or bench
-    with --devices above 1 given on it (not under torchrun or srun, which start them)."""
-    from .config.host import launcher_env
-
-    if args.command not in ("train", "verify", "bench"):
-        return False
-    devices = getattr(args, "devices", None)
-    counts = devices if isinstance(devices, (tuple, list)) else (devices,)
-    try:
-        return any(isinstance(n, int) and n > 1 for n in counts) and launcher_env() is None
-    except UserError:
-        return False
-
-
 def run_command(argv=None) -> int:
     parser, args = parse(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    if launches_workers(args):  # the forkserver imports torch for the workers while this process imports it
-        from .runtime.forkserver import start_method
+    if args.command in ("train", "verify", "bench"):  # its forkserver imports torch beside this process
+        from .runtime.forkserver import start_ahead
 
-        start_method()
+        start_ahead(getattr(args, "devices", None))
     from .commands import COMMANDS
     from .runtime.hostenv import keep_freed_memory, own_process
     from .runtime.launch import WorkerFailed

@@ -65,6 +65,22 @@ def start_method() -> str:
     return "forkserver" if _environment() == _forkserver_environment else "spawn"
 
 
+def start_ahead(devices) -> bool:
+    """Start the forkserver now where `devices` (a count, or counts, as a command line gives them; None: not
+    given) asks for workers that this process starts (not torchrun or srun), so that it imports torch beside what
+    this process imports before its launch instead of after it; whether it did."""
+    from ..config.host import launcher_env
+    from ..errors import UserError
+
+    counts = devices if isinstance(devices, (tuple, list)) else (devices,)
+    try:
+        if not any(isinstance(n, int) and n > 1 for n in counts) or launcher_env() is not None:
+            return False
+    except UserError:  # (a launcher's environment that does not add up: the launch says so)
+        return False
+    return start_method() == "forkserver"
+
+
 def with_this_output(entry: Callable, job, method: str) -> Tuple[Callable, tuple]:
     """(the entry point, its arguments) for torch's launcher: under the forkserver, `entry` runs after the
     worker took this process's standard output and error as they are now (`ThisOutput`)."""

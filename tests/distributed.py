@@ -1,5 +1,6 @@
 """Helpers for multi-process tests: 2 gloo processes on CPU, file rendezvous, a timeout, no hangs."""
 
+import gc
 import os
 import sys
 import tempfile
@@ -81,19 +82,22 @@ class MisbehavingModel(torch.nn.Module):
 
 class SeesTheEnvironment(torch.nn.Module):
     """A linear classifier that records in buffers, at each training forward pass, the number in its worker's
-    environment variable POLYTRAIN_SEEN (0 where unset), and whether its worker holds `datasets` imported (1.0),
-    which no worker of a run on arrays imports itself."""
+    environment variable POLYTRAIN_SEEN (0 where unset), whether its worker holds `datasets` imported (1.0),
+    which no worker of a run on arrays imports itself, and whether objects it holds are out of the collector's
+    scans (`gc.freeze`)."""
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(784, 10)
         self.register_buffer("seen", torch.zeros(()))
         self.register_buffer("preloaded", torch.zeros(()))
+        self.register_buffer("frozen", torch.zeros(()))
 
     def forward(self, x):
         if self.training:
             self.seen.fill_(float(os.environ.get("POLYTRAIN_SEEN", "0")))
             self.preloaded.fill_(float("datasets" in sys.modules))
+            self.frozen.fill_(float(gc.get_freeze_count() > 0))
         return self.linear(x.flatten(1))
 
 

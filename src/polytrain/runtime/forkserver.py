@@ -27,7 +27,9 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "polytrain.runtime.wor
 # dataset), preloaded too where this process has imported it already when the forkserver starts: a notebook or a
 # test suite that uses them pays for their import once, not in every worker of every launch (peft with the
 # transformers it imports: about 2 s of CPU per worker on a 2-core machine); a process that has not imported them
-# pays nothing for them
+# pays nothing for them. Last, runtime/fork_ready.py moves all it imported out of the collector's scans, so that
+# a worker neither scans those objects nor copies the memory holding them (a forkserver holding transformers and
+# peft besides made every launch's workers about 15% slower on the suite's runs without it)
 IF_IMPORTED = ("transformers", "peft", "datasets")
 _forkserver_environment: Optional[dict] = None  # this process's environment when it started its forkserver
 
@@ -57,9 +59,8 @@ def start_method() -> str:
             server, "_forkserver_pid", None
         ):
             return "spawn"  # (a forkserver that another caller started: its environment is unknown)
-        multiprocessing.set_forkserver_preload(
-            PRELOAD + [name for name in IF_IMPORTED if name in sys.modules]
-        )
+        extra = [name for name in IF_IMPORTED if name in sys.modules]
+        multiprocessing.set_forkserver_preload(PRELOAD + extra + ["polytrain.runtime.fork_ready"])
         forkserver.ensure_running()
         _forkserver_environment = _environment()
     return "forkserver" if _environment() == _forkserver_environment else "spawn"

@@ -1,8 +1,8 @@
 """What context parallelism costs (`--context-parallel C`, parallel/context.py), as one `DegreeCost` (`CONTEXT`):
-the predicted step time, what a context rank gathers, and the memory it holds. n ranks in n/C data slices, each slice's sequences split over a
-context group of C ranks. Pure arithmetic on the cost model's inputs (planning/costmodel.py) and on the figures of
-planning/activations.py, tested against values worked out by hand and against a context rank's forward on fake
-tensors.
+the predicted step time, what a context rank gathers, and the memory it holds. n ranks in n/C data slices, each
+slice's sequences split over a context group of C ranks. Pure arithmetic on the cost model's inputs
+(planning/costmodel.py) and on the figures of planning/activations.py, tested against values worked out by hand
+and against a context rank's forward on fake tensors.
 
 Two ways of attending are counted, told apart by `AttentionShape.blockwise`: block by block over the keys each
 chunk sees (parallel/block_attention.py, CPUs), and over the gathered keys with zero rows in front (context.py's

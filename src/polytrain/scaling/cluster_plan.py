@@ -8,13 +8,13 @@ one computing and the one prefetched) in the gathered dtype, and one unit's grad
 the reduce dtype; the activations a rank keeps at the peak of its backward pass for its slice of the batch,
 measured on fake tensors in the run's precision (activation_memory.py) for one device and cut for the rank as the
 memory check cuts them (planning/beside.py `rank_part`: a context rank's part of each sequence;
-planning/activations.py `peak_bytes`); under a tensor plan the blocks keep (10 + 24/t) / 34 of one device's, and 1/t where the plan runs sequence-parallel (the built-in GPT's and Llama's
-without mixtures: their inputs too) (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", Table 2, with attention that keeps no scores). A pipeline (set up by the
-pipeline strategy itself) keeps its stages gathered with their gradients through a step where its copies shard, and
-under 1F1B its first stage holds the blocks' activations of as many micro-batches as there are stages, its last
-stage one micro-batch's and the logits; the busier of the two ranks is shown. Not counted: the CUDA context and the
-caching allocator's reserve beyond the tensors.
+planning/activations.py `peak_bytes`); under a tensor plan the blocks keep (10 + 24/t) / 34 of one device's, and
+1/t where the plan runs sequence-parallel (the built-in GPT's and Llama's without mixtures: their inputs too)
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2, with attention
+that keeps no scores). A pipeline (set up by the pipeline strategy itself) keeps its stages gathered with their
+gradients through a step where its copies shard, and under 1F1B its first stage holds the blocks' activations of as
+many micro-batches as there are stages, its last stage one micro-batch's and the logits; the busier of the two
+ranks is shown. Not counted: the CUDA context and the caching allocator's reserve beyond the tensors.
 
 **Step time**: cluster_time.py.
 """

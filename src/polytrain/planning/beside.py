@@ -29,10 +29,14 @@ def rank_part(work, layout: Layout):
     return work
 
 
-def borrowed(work, strategy: str, layout: Layout, *, per_node: Optional[int] = None) -> List[Layout]:
+def borrowed(
+    work, layout: Layout, *, strategy: Optional[str] = None, per_node: Optional[int] = None
+) -> List[Layout]:
     """`layout` again with each degree beside that borrows its ranks (`DegreeCost.variants`), degree by degree."""
     return [
-        variant for degree in BESIDE for variant in degree.variants(work, strategy, layout, per_node=per_node)
+        variant
+        for degree in BESIDE
+        for variant in degree.variants(work, layout, strategy=strategy, per_node=per_node)
     ]
 
 

@@ -107,7 +107,9 @@ class ExpertCost(DegreeCost):
     def size(self, layout: Layout) -> int:
         return layout.expert
 
-    def variants(self, work, strategy: str, layout: Layout, *, per_node: Optional[int] = None):
+    def variants(
+        self, work, layout: Layout, *, strategy: Optional[str] = None, per_node: Optional[int] = None
+    ):
         """Each P dividing the ranks that hold the same parameters and each mixture's experts (`expert_degrees`),
         for the presets that have such ranks; on a cluster, of the layouts that shard with FSDP2 only, each expert
         group within a node."""

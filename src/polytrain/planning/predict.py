@@ -121,7 +121,7 @@ def weighed_layouts(work: Workload, devices: int, *, meshes: bool = True) -> Ite
     for strategy, layout in found:
         yield strategy, layout
     for strategy, layout in found:
-        for variant in borrowed(work, strategy, layout):
+        for variant in borrowed(work, layout, strategy=strategy):
             yield strategy, variant
 
 

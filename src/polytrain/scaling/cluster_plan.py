@@ -162,9 +162,7 @@ def with_borrowed(layouts: List[Layout], request: PlanRequest, work) -> List[Lay
     degree's `variants` on a cluster: for a model with mixtures of experts, each layout that shards with FSDP2 with
     its experts split over P of its shard ranks, within a node, for each P that divides them and the experts)."""
     return list(layouts) + [
-        variant
-        for layout in layouts
-        for variant in borrowed(work, "", layout, per_node=request.gpus_per_node)
+        variant for layout in layouts for variant in borrowed(work, layout, per_node=request.gpus_per_node)
     ]
 
 

@@ -157,6 +157,23 @@ def test_a_layout_the_code_refuses_at_full_size_is_refused_with_its_line():
     assert not row.fits
 
 
+def test_a_borrowed_degree_is_named_and_set_from_the_layout_s_table_alone(monkeypatch):
+    """The layout's words, `--layout`, the labels and the presets' flags read the degrees borrowed from the others'
+    ranks from layout.py `BORROWED`: renamed there, each follows; taken out, none shows it."""
+    from polytrain.parallel import layout as layouts
+    from polytrain.parallel.presets import LAYOUT_SETTINGS, flags_of, label
+
+    experts = Layout(shard=4, expert=2)
+    assert "expert_parallel" in LAYOUT_SETTINGS and flags_of("sharded", experts) == {"expert_parallel": 2}
+    monkeypatch.setitem(layouts.BORROWED, "expert", "xp")
+    monkeypatch.setitem(layouts.BORROWED_WORDS, "expert", "{} expert ranks")
+    assert experts.words() == "dp_shard=4,xp=2" and parse_layout("dp_shard=4,xp=2", 4) == experts
+    assert label("sharded", experts) == "sharded xp2" and experts.describe() == "4 shards, 2 expert ranks"
+    monkeypatch.delitem(layouts.BORROWED, "expert")
+    assert experts.named() == {"shard": 4} and label("sharded", experts) == "sharded"
+    assert settings_of(experts) == {"strategy": "sharded"}
+
+
 def test_layouts_and_gpus_are_read_in_one_line_each():
     assert parse_layout("dp_shard=8,tp=8", 64) == Layout(shard=8, tensor=8)
     # the expert degree borrows its ranks from the shards (and their context ranks): no factor of the world

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..parallel.presets import SPLITTING_PRESETS
 from .declare import setting
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # torch.distributed.pipelining's
@@ -55,7 +56,7 @@ class DeviceSettings:
         group="devices",
         metavar="C",
         check="count",
-        strategies=("data", "sharded", "tensor", "pipeline"),
+        strategies=SPLITTING_PRESETS,
         resume="change",
         replans=True,
     )
@@ -69,7 +70,7 @@ class DeviceSettings:
         group="devices",
         metavar="P",
         check="count",
-        strategies=("data", "sharded", "tensor", "pipeline"),
+        strategies=SPLITTING_PRESETS,
         resume="change",
         replans=True,
     )

@@ -11,7 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
-from ..parallel.layout import Layout, check_microbatches
+from ..parallel.layout import Layout, check_microbatches, flag_of
 from ..parallel.presets import layout_of, layout_or_none, settings_in
 from .declare import check_value, declared, flag_name, unset
 from .model_defaults import BALANCE_IN_TRACED_STAGES, mixture_of
@@ -146,7 +146,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
         if self.pack:
             self._check_packing(layout)
         if layout.pipeline > 1:
-            self._check_pipeline()
+            self._check_pipeline(layout)
         _need(
             self.plan is None or self.strategy == "auto",
             f"--plan chooses for --strategy auto; drop --plan or --strategy {self.strategy}",
@@ -206,7 +206,7 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "data, sharded or tensor",
         )
 
-    def _check_pipeline(self) -> None:
+    def _check_pipeline(self, layout: Layout) -> None:
         _need(
             self.split is None or isinstance(self.split, str),
             f"--split must be 'auto' or increasing layer indices like 4,7; got {self.split!r}",
@@ -216,21 +216,14 @@ class TrainConfig(*reversed(GROUP_CLASSES)):
             "--compile does not combine with --split-at (traced stages) yet; drop --compile, or write the model "
             "as an nn.Sequential (stages split by --split)",
         )
-        _need(
-            not (self.split_at and self.tensor_parallel),
-            "--split-at (traced stages) does not combine with --tensor-parallel; write the model as an "
-            "nn.Sequential (stages split by --split), or drop --tensor-parallel",
-        )
-        _need(
-            not (self.split_at and self.data_parallel == "shard"),
-            "--split-at (traced stages) does not combine with --data-parallel shard; write the model as an "
-            "nn.Sequential (stages split by --split), or drop --data-parallel",
-        )
-        _need(
-            not (self.split_at and (self.context_parallel or 1) > 1),
-            "--split-at (traced stages) does not combine with --context-parallel; use --model gpt or llama "
-            "(stages split by --split), or drop --context-parallel",
-        )
+        # traced stages run whole on their ranks, with copies of the pipeline beside them: nothing else splits them
+        split = [name for name in layout.named() if name not in ("replicate", "pipeline")]
+        if self.split_at and (split or self.data_parallel == "shard"):
+            flag = flag_name(flag_of(split[0])) if split and split[0] != "shard" else "--data-parallel shard"
+            raise ConfigError(
+                f"--split-at (traced stages) does not combine with {flag}; split the model by --split instead (an "
+                f"nn.Sequential, or --model gpt or llama), or drop {flag.split()[0]}"
+            )
 
     def with_strategy(self, strategy: str, **changes) -> "TrainConfig":
         """These settings under another strategy; options of the others are dropped."""

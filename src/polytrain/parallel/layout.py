@@ -66,6 +66,16 @@ WORDS = {
     "context": "context rank",
     "tensor": "tensor rank",
 }
+# the degrees borrowed from the ranks of the others, multiplying nothing (as torchtitan's expert degree, over the
+# ranks that hold the same parameters): each by its name in `--layout` and a plan's JSON (after the mesh's) and in
+# words; its flag is `--NAME-parallel` (`flag_of`)
+BORROWED = {"expert": "ep"}
+BORROWED_WORDS = {"expert": "experts over {} ranks"}
+
+
+def flag_of(degree: str) -> str:
+    """The setting that gives `degree` (`expert_parallel` for --expert-parallel)."""
+    return f"{degree}_parallel"
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ class Layout:
         """True where each rank's parameters are DTensors, parts of the whole model's (FSDP2's shards, a tensor
         plan's slices, experts split over ranks): its state is gathered and cut back, and its checkpoints are each
         rank's parts."""
-        return self.data_parallel == "shard" or self.tensor > 1 or self.expert > 1
+        return self.data_parallel == "shard" or self.tensor > 1 or bool(self.borrowed())
 
     @property
     def expert_holders(self) -> int:
@@ -220,8 +230,11 @@ class Layout:
     def named(self) -> Dict[str, int]:
         """Every degree above 1 by name, in mesh order, then the degrees borrowed from them (the expert degree,
         over the shard ranks): how a plan's JSON names the layout."""
-        borrowed = {"expert": self.expert} if self.expert > 1 else {}
-        return {**self.degrees(), **borrowed}
+        return {**self.degrees(), **self.borrowed()}
+
+    def borrowed(self) -> Dict[str, int]:
+        """Every degree borrowed from the others' ranks (`BORROWED`) above 1, by name."""
+        return {name: getattr(self, name) for name in BORROWED if getattr(self, name) > 1}
 
     @property
     def mesh_shape(self) -> Tuple[int, ...]:
@@ -279,21 +292,21 @@ class Layout:
     def describe(self) -> str:
         """In words: '2 replicas x 2 tensor ranks'; 'one device'; ', experts over 2 ranks' with an expert degree."""
         parts = [f"{size} {WORDS[name]}s" for name, size in self.degrees().items()]
-        experts = f", experts over {self.expert} ranks" if self.expert > 1 else ""
-        return (" x ".join(parts) if parts else "one device") + experts
+        borrowed = "".join(f", {BORROWED_WORDS[name].format(size)}" for name, size in self.borrowed().items())
+        return (" x ".join(parts) if parts else "one device") + borrowed
 
     def words(self) -> str:
         """`dp_shard=8,tp=8`: the layout in its mesh names, as `--layout` takes it ('single' on one device; the
         expert degree `ep=P` last)."""
         named = [f"{name}={size}" for name, size in zip(self.mesh_names, self.mesh_shape)]
-        named += [f"ep={self.expert}"] if self.expert > 1 else []
+        named += [f"{BORROWED[name]}={size}" for name, size in self.borrowed().items()]
         return ",".join(named) or "single"
 
 
 def parse_layout(text: str, devices: int) -> Layout:
     """`--layout dp_replicate=2,dp_shard=8,pp=4,cp=2,tp=4` (`Layout.words`) as a Layout of `devices`; one line where it
     is not one."""
-    names = dict({mesh: name for name, mesh in MESH_NAMES.items()}, ep="expert")
+    names = {mesh: name for name, mesh in {**MESH_NAMES, **BORROWED}.items()}
     degrees = {}
     for part in filter(None, text.replace(" ", "").split(",") if text.strip() != "single" else ()):
         key, _, value = part.partition("=")
@@ -309,7 +322,8 @@ def parse_layout(text: str, devices: int) -> Layout:
     copies = get("shard", 1) == 1 and (
         get("pipeline", 1) > 1 or (get("tensor", 1) == 1 and get("replicate", 1) > 1)
     )
-    layout = Layout(**degrees, context_in="replicate" if copies and get("expert", 1) == 1 else "shard")
+    lent = any(get(name, 1) > 1 for name in BORROWED)  # (a borrowed degree needs ranks that shard)
+    layout = Layout(**degrees, context_in="replicate" if copies and not lent else "shard")
     if layout.world_size != devices:
         raise ConfigError(
             f"--layout {text} makes {layout.world_size} ranks, and --devices is {devices}; give degrees whose "

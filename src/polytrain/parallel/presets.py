@@ -13,11 +13,12 @@ from dataclasses import replace
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import ConfigError
-from .layout import Layout, divisors
+from .layout import BORROWED, Layout, divisors, flag_of
 
-# the presets that split sequences over context groups (--context-parallel)
-CONTEXT_PRESETS = ("data", "sharded", "tensor", "pipeline")
-EXPERT_PRESETS = ("data", "sharded", "tensor", "pipeline")  # (those with ranks that hold the same parameters)
+# the presets whose layouts have ranks that hold the same parameters: they split sequences over context groups
+# (--context-parallel) and lend those ranks to the degrees borrowed from them (layout.py `BORROWED`: --expert-parallel)
+SPLITTING_PRESETS = ("data", "sharded", "tensor", "pipeline")
+BORROWED_FLAGS = {flag_of(name): name for name in BORROWED}  # each borrowed degree by its setting
 
 # the settings beside --strategy that shape its layout (`layout_of`'s keywords)
 LAYOUT_SETTINGS = (
@@ -26,7 +27,7 @@ LAYOUT_SETTINGS = (
     "data_parallel",
     "replicas",
     "context_parallel",
-    "expert_parallel",
+    *BORROWED_FLAGS,
 )
 
 
@@ -222,25 +223,30 @@ def layout_of(
     data_parallel: Optional[str] = None,
     replicas: Optional[int] = None,
     context_parallel: Optional[int] = None,
-    expert_parallel: Optional[int] = None,
+    **borrowed: Optional[int],
 ) -> Layout:
     """The degrees `--strategy` names on `--devices` (with --pipeline-stages, --tensor-parallel, and
     --data-parallel: whether a pipeline's replicas replicate or shard; --replicas: the copies of a sharded
-    model; --context-parallel: the ranks each sequence is split over; --expert-parallel: the ranks each mixture's
-    experts are split over, borrowed from the shards); one line naming the fix where they do not multiply out."""
-    if expert_parallel not in (None, 1) and strategy not in EXPERT_PRESETS:
+    model; --context-parallel: the ranks each sequence is split over; `borrowed`, the flags of the degrees borrowed
+    from the ranks that hold the same parameters: --expert-parallel, the ranks each mixture's experts are split
+    over); one line naming the fix where they do not multiply out."""
+    unknown = set(borrowed) - set(BORROWED_FLAGS)
+    if unknown:
+        raise TypeError(f"layout_of() got unexpected keyword arguments {sorted(unknown)}")
+    lent = {BORROWED_FLAGS[flag]: size for flag, size in borrowed.items() if size not in (None, 1)}
+    named = [f"--{flag_of(name).replace('_', '-')}" for name in lent]
+    if named and strategy not in SPLITTING_PRESETS:
         raise ConfigError(
-            f"--expert-parallel takes --strategy {', '.join(EXPERT_PRESETS[:-1])} or {EXPERT_PRESETS[-1]} so far "
-            f"(its experts split over ranks that hold the same parameters); use one of them, or drop --expert-parallel"
+            f"{named[0]} takes --strategy {', '.join(SPLITTING_PRESETS[:-1])} or {SPLITTING_PRESETS[-1]} so far "
+            f"(its ranks are borrowed from those that hold the same parameters); use one of them, or drop {named[0]}"
         )
     if strategy not in PRESETS:
         raise ConfigError(f"unknown --strategy {strategy!r}; choose one of {', '.join(PRESETS)}")
     options = dict(context_parallel=context_parallel) if context_parallel not in (None, 1) else {}
-    if options and strategy not in CONTEXT_PRESETS:
+    if options and strategy not in SPLITTING_PRESETS:
         raise ConfigError(
-            f"--context-parallel applies to --strategy {', '.join(CONTEXT_PRESETS[:-1])} or {CONTEXT_PRESETS[-1]} so "
-            f"far; use one of them, "
-            f"or drop --context-parallel"
+            f"--context-parallel applies to --strategy {', '.join(SPLITTING_PRESETS[:-1])} or "
+            f"{SPLITTING_PRESETS[-1]} so far; use one of them, or drop --context-parallel"
         )
     if tensor_parallel is not None and (tensor_parallel < 2 or devices % tensor_parallel):
         raise ConfigError(
@@ -256,7 +262,7 @@ def layout_of(
         replicas=replicas,
         **options,
     )
-    return replace(layout, expert=expert_parallel) if expert_parallel not in (None, 1) else layout
+    return replace(layout, **lent) if lent else layout
 
 
 def plain_layout(strategy: str, devices: int) -> Layout:
@@ -278,16 +284,21 @@ def mesh_of(strategy: str, layout: Layout) -> Tuple[int, ...]:
 def label(strategy: str, layout: Layout) -> str:
     """How the cost model, bench and `--strategy auto` print a strategy on its layout, for reading only: the
     strategy's name, with its mesh where it has one (`sharded 2x4`: 2 copies of 4 shards; `tensor 2x4`: 2 groups
-    of 4 tensor ranks), its context ranks (`sharded cp2`) and its expert degree (`data ep2`)."""
+    of 4 tensor ranks), its context ranks (`sharded cp2`) and its borrowed degrees (`data ep2`)."""
     mesh = mesh_of(strategy, layout)
     words = f"{strategy} {'x'.join(map(str, mesh))}" if mesh else strategy
     words += f" cp{layout.context}" if layout.context > 1 else ""
-    return words + (f" ep{layout.expert}" if layout.expert > 1 else "")
+    return words + "".join(f" {BORROWED[name]}{size}" for name, size in layout.borrowed().items())
+
+
+def _borrowed_flags(layout: Layout) -> dict:
+    """The settings that give `layout`'s borrowed degrees (--expert-parallel P), by name."""
+    return {flag_of(name): size for name, size in layout.borrowed().items()}
 
 
 def flags_of(strategy: str, layout: Layout) -> dict:
     """The settings beside `--strategy` that give its mesh (`layout_of` the other way): --replicas R of hybrid
-    sharding, --tensor-parallel T of groups of tensor ranks, --context-parallel C, --expert-parallel P; {} for a
+    sharding, --tensor-parallel T of groups of tensor ranks, --context-parallel C, a borrowed degree's; {} for a
     plain layout."""
     mesh = mesh_of(strategy, layout)
     flags = {}
@@ -297,16 +308,14 @@ def flags_of(strategy: str, layout: Layout) -> dict:
         ]
     if layout.context > 1:
         flags["context_parallel"] = layout.context
-    if layout.expert > 1:
-        flags["expert_parallel"] = layout.expert
-    return flags
+    return {**flags, **_borrowed_flags(layout)}
 
 
 def settings_of(layout: Layout) -> dict:
     """The --strategy and the flags beside it that make `layout` (`layout_of` the other way, for any layout a
     preset makes: `layout_of(**settings_of(layout))` is `layout`)."""
     flags = {"context_parallel": layout.context} if layout.context > 1 else {}
-    flags.update({"expert_parallel": layout.expert} if layout.expert > 1 else {})
+    flags.update(_borrowed_flags(layout))
     if layout.pipeline > 1:
         flags.update(pipeline_stages=layout.pipeline)
         flags.update({"tensor_parallel": layout.tensor} if layout.tensor > 1 else {})

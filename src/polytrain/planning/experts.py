@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Optional, Tuple
 
 from ..parallel.layout import Layout, divisors
-from ..parallel.presets import EXPERT_PRESETS
+from ..parallel.presets import SPLITTING_PRESETS
 from .costmodel import Link, Prediction, Workload
 from .degree_cost import DegreeCost
 
@@ -114,7 +114,7 @@ class ExpertCost(DegreeCost):
         for the presets that have such ranks; on a cluster, of the layouts that shard with FSDP2 only, each expert
         group within a node."""
         if per_node is None:
-            found = expert_degrees(work, layout) if strategy in EXPERT_PRESETS else ()
+            found = expert_degrees(work, layout) if strategy in SPLITTING_PRESETS else ()
             return [replace(layout, expert=p) for p in found]
         if not work.mixtures or layout.data_parallel != "shard":
             return []

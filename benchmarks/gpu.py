@@ -19,12 +19,17 @@ Parts (each writes JSON rows to DIR/results.jsonl and prints them):
 - llama: a Llama-style model with and without activation checkpointing and bf16, peak GPU memory measured
   (`max_memory_allocated`, reserved) against the memory check's prediction for the same layout, and tokens/s.
 - bench: `polytrain bench --device cpu,cuda --devices 1`.
+- plan: the planner against real runs: `polytrain plan`'s memory and tokens/s on one GPU of this kind for Llama 3
+  8B's blocks at 32, 16 and 8 layers (`--plan batch,context`, default 2 sequences of 2048 tokens, bf16, AdamW,
+  the checkpointing the plan chooses), and the first two shapes it says fit trained as planned for 8 steps, their
+  peak allocated memory and tokens/s beside the prediction.
 - control (only when named): how far two eager runs of a BatchNorm ResNet end apart on the GPU against a
   graphed and an eager run, with cuDNN's default and deterministic kernels; and what a finished graphed run
   leaves allocated.
 
-`--parts` picks parts (llama always runs first, before anything else touches the GPU's memory); `--paths` picks
-path cases by words in their names. Results of 2026-11-26: docs/benchmarks.md, "GPU (2026-11-26, one H200)".
+`--parts` picks parts (plan always runs first, before anything else touches the GPU's memory, then llama);
+`--paths` picks path cases by words in their names. Results of 2026-11-26: docs/benchmarks.md, "GPU (2026-11-26,
+one H200)".
 """
 
 from __future__ import annotations
@@ -346,11 +351,13 @@ def gpt(epochs):
 class StepClock:
     """Seconds per step after the first two (each step waited for on the GPU)."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cuda"):
         self.times = []
+        self.device = device
 
     def on_step_end(self, trainer):
-        torch.cuda.synchronize()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
 
     def seconds(self):
@@ -393,6 +400,90 @@ def llama(layers, width):
             del model, history
 
 
+# Llama 3 8B's blocks (its width, heads and MLP), deepest first: the planner's check trains the first shapes that
+# `polytrain plan` says fit one GPU of this kind
+PLANNED = {
+    "8b": dict(layers=32, width=4096, heads=32, kv_heads=8, ffn_width=14336),
+    "8b-16-layers": dict(layers=16, width=4096, heads=32, kv_heads=8, ffn_width=14336),
+    "8b-8-layers": dict(layers=8, width=4096, heads=32, kv_heads=8, ffn_width=14336),
+}
+
+
+def gpu_kind() -> str:
+    """The `--gpu` name of the GPU here (h100 where none matches)."""
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    known = [
+        ("h200", "h200"),
+        ("h100 pcie", "h100-pcie"),
+        ("h100", "h100"),
+        ("a100", "a100-80gb"),
+        ("l40s", "l40s"),
+    ]
+    return next((kind for words, kind in known if words in name), "h100")
+
+
+def planned(shape: dict, *, gpu: str, batch: int, context: int, vocab: int, out: Path) -> dict:
+    """`polytrain plan`'s one row for `shape` on one GPU (the run's own settings; checkpointing chosen by the
+    plan: the least recomputation that fits)."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in shape.items()]
+    argv = [sys.executable, "-m", "polytrain", "plan", "--model", "llama", *flags, f"--vocab-size={vocab}",
+            f"--context={context}", "--devices=1", f"--gpu={gpu}", f"--batch-size={batch}", "--precision=bf16",
+            "--optimizer=adamw", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"polytrain plan failed: {(done.stdout + done.stderr)[-1500:]}")
+    return json.loads(out.read_text())[0]
+
+
+@guarded("plan")
+def plan_check(batch: int, context: int, *, device: str = "cuda", shapes=None, trained: int = 2):
+    """The planner against real runs (issue 55): for each shape of `PLANNED`, deepest first, `polytrain plan`'s
+    memory and tokens/s on one GPU of this kind; the first `trained` shapes that it says fit are trained as it
+    plans them (bf16, AdamW, its checkpointing) for 8 steps, their peak memory and tokens/s set beside it."""
+    gpu = gpu_kind()
+    data = polytrain.load_dataset("shakespeare", context=context)
+    for name, shape in (shapes or PLANNED).items():
+        row = planned(
+            shape,
+            gpu=gpu,
+            batch=batch,
+            context=context,
+            vocab=data.num_classes,
+            out=OUT / f"plan-{name}.json",
+        )
+        said = dict(shape=name, gpu=gpu, batch=batch, context=context, fits=row["fits"],
+                    checkpointing=row["activation_checkpointing"], predicted_gib=round(row["memory_gib"], 2),
+                    predicted_split_gib={k: round(v, 2) for k, v in row["memory_split_gib"].items()},
+                    predicted_tokens_per_second=round(row["tokens_per_second_per_device"]),
+                    predicted_mfu=round(row["mfu"], 3))  # fmt: skip
+        if not row["fits"] or trained <= 0:
+            emit("plan", **said)
+            continue
+        trained -= 1
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        clock = StepClock(device)
+        try:
+            history = polytrain.fit(
+                "llama", data, epochs=1, max_steps=8, batch_size=batch, optimizer="adamw", lr=1e-4,
+                precision="bf16", activation_checkpointing=row["activation_checkpointing"], device=device,
+                verbose=False, callbacks=[clock], context=context, **shape,
+            )  # fmt: skip
+        except torch.OutOfMemoryError as error:
+            emit("plan", **said, trained="out of memory", error=str(error)[:500])
+            continue
+        measured = dict(max_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                        max_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2)) if device == "cuda" else {}  # fmt: skip
+        tokens = batch * context / clock.seconds()
+        emit("plan", **said, **measured, tokens_per_second=round(tokens),
+             speed_predicted_over_measured=round(row["tokens_per_second_per_device"] / tokens, 3),
+             memory_predicted_over_allocated=round(row["memory_gib"] / measured["max_allocated_gib"], 3) if measured else None,
+             train_loss=history.validations[-1]["train_loss"])  # fmt: skip
+        del history
+
+
 @guarded("bench")
 def bench():
     argv = [sys.executable, "-m", "polytrain", "bench", "--device", "cpu,cuda", "--devices", "1",
@@ -408,10 +499,11 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="folder for results.jsonl and logs")
-    parser.add_argument("--parts", default="env,tests,paths,graphs,accuracy,gpt,bench,llama")
+    parser.add_argument("--parts", default="env,plan,tests,paths,graphs,accuracy,gpt,bench,llama")
     parser.add_argument("--gpt-epochs", type=float, default=30)
     parser.add_argument("--paths", default="", help="only the path cases whose names contain one of these")
     parser.add_argument("--llama", default="8,2048", help="layers,width of the Llama-style model")
+    parser.add_argument("--plan", default="2,2048", help="batch,context of the planner's check")
     args = parser.parse_args()
     OUT = Path(args.out)
     ONLY[:] = [word for word in args.paths.split(",") if word]
@@ -419,7 +511,10 @@ def main():
     parts = args.parts.split(",")
     if "env" in parts:
         env()
-    if "llama" in parts:  # first, in a process whose GPU memory nothing else has touched
+    if "plan" in parts:  # first, in a process whose GPU memory nothing else has touched
+        batch, context = map(int, args.plan.split(","))
+        plan_check(batch, context)
+    if "llama" in parts:
         layers, width = map(int, args.llama.split(","))
         llama(layers, width)
     tests = start_tests() if "tests" in parts else None

@@ -191,7 +191,9 @@ def test_the_memory_check_refuses_a_context_split_whose_gathered_keys_do_not_fit
     activations = fits.measured_activations(model, data, torch.device("cpu"))
     work = fits.model_workload(model, batch_size=1, **activations)
     counted = memory_per_rank(work, layout, optimizer_slots=2)
-    alone = memory_per_rank(dataclasses.replace(work, attention=None), layout, optimizer_slots=2)
+    alone = memory_per_rank(
+        dataclasses.replace(work, attention=None, backward_bytes=0.0), layout, optimizer_slots=2
+    )
     # one layer's keys and values in flight around the ring with their gradients, a block's gradients and a
     # diagonal block repeated for the query heads, one sequence: 14 MiB beside 1/C's 95 (gathered whole: 27)
     assert work.attention.blockwise and context_bytes(work.attention, 4)[0] == 0

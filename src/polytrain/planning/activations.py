@@ -57,10 +57,11 @@ def kept_bytes(work, mode: str = "none") -> float:
 
 def peak_bytes(work, mode: str = "none") -> float:
     """Bytes per sample held at the peak of the backward pass (the table's last column): what the forward
-    kept, plus one recomputed block where any is recomputed."""
+    kept, plus one recomputed block where any is recomputed, plus what the backward of one layer holds beyond
+    them (`backward_bytes`: its gradients and temporaries, measured on fake tensors; 0 where unknown)."""
     kind, count = checkpointed(mode, work.blocks)
     recomputed = work.block_bytes if count and work.block_bytes else 0.0
-    return kept_bytes(work, mode) + recomputed
+    return kept_bytes(work, mode) + recomputed + getattr(work, "backward_bytes", 0.0)
 
 
 def tensor_part(work, tensor: int, *, sequence: bool = False):
@@ -75,6 +76,7 @@ def tensor_part(work, tensor: int, *, sequence: bool = False):
         block_bytes=work.block_bytes * keep,
         block_input_bytes=work.block_input_bytes * (keep if sequence else 1.0),
         block_matmul_bytes=work.block_matmul_bytes * keep,
+        backward_bytes=getattr(work, "backward_bytes", 0.0) * keep,  # (the split layer's gradients)
     )
 
 

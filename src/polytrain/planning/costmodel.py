@@ -120,6 +120,9 @@ class Workload:
     block_input_bytes: float = 0.0
     block_matmul_bytes: float = 0.0
     attention: Optional[AttentionShape] = None  # one device's causal attention (None: not seen)
+    # bytes per sample the backward holds at its peak beyond what the forward kept (one layer's gradients and
+    # temporaries; 0: unknown)
+    backward_bytes: float = 0.0
     # measured forward + backward of one rank's 1/n slice on its share of the machine, by n
     replica_seconds: Mapping[int, float] = field(default_factory=dict)
     # measured forward + backward of one micro-batch through the whole model on a pipeline rank's share, by p

@@ -375,6 +375,7 @@ def _scaled_workload(measured: dict, batch_size: int) -> costmodel.Workload:
         block_bytes=float(measured.get("block_bytes", 0.0)),
         block_input_bytes=float(measured.get("block_input_bytes", 0.0)),
         block_matmul_bytes=float(measured.get("block_matmul_bytes", 0.0)),
+        backward_bytes=float(measured.get("backward_bytes", 0.0)),  # absent in older files
         replica_seconds={int(k): float(v) * scale for k, v in measured["replica_seconds"].items()},
         microbatch_seconds={int(k): float(v) * scale for k, v in measured["microbatch_seconds"].items()},
         plain=_scaled_workload(dict(plain, batch_size=measured["batch_size"]), batch_size) if plain else None,

@@ -311,6 +311,8 @@ class ModelWork:
     attention: object
     dense_parameters: float
     boundary_bytes: tuple = ()
+    # what the backward holds at its peak beyond what the forward kept, per sample
+    backward_bytes: float = 0.0
     width: int = 0  # the residual stream's (an embedding's), where the model has one
     mixtures: int = 0  # blocks whose feed-forward is a mixture of experts
     experts_per_token: int = 0  # ... and the experts each token goes to in them

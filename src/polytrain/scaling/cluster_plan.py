@@ -290,10 +290,13 @@ def _memory(request: PlanRequest, row: LayoutPlan, held, work, *, last_stage: bo
         layout.pipeline > 1
     ):  # a stage's blocks for the micro-batches in flight; the logits and loss on the last
         outside = part.activation_bytes - part.blocks * part.block_bytes
-        inside = peak_bytes(part, row.checkpointing) - outside
+        # (what one backward holds on top: a stage runs one micro-batch's at a time, the loss's on the last)
+        transient = part.backward_bytes
+        inside = peak_bytes(part, row.checkpointing) - outside - transient
         m = row.microbatches
         flight = m if request.schedule == "gpipe" else (1 if last_stage else min(m, layout.pipeline))
         row.activations = (inside / layout.pipeline + (outside if last_stage else 0.0)) * local / m * flight
+        row.activations += transient * local / m
     row.fits = row.memory <= request.gpu.memory_gib * GIB
 
 

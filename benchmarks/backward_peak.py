@@ -30,7 +30,9 @@ CASES = [
 ]
 
 
-def row(name: str, shape: dict, batch: int, precision: str) -> str:
+def measure(name: str, shape: dict, batch: int, precision: str) -> tuple:
+    """(bytes MemTracker measured at the peak of a real forward and backward beside the weights and their
+    gradients, what the count says the forward keeps, what it says the pass peaks at) for `batch` sequences."""
     context = shape["context"]
     x = torch.zeros(batch, context, dtype=torch.long)
     model = build_model_on_meta(name, (context,), VOCAB, shape)
@@ -46,10 +48,14 @@ def row(name: str, shape: dict, batch: int, precision: str) -> str:
         loss.backward()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     measured = sum(peak.get(kind, 0) for kind in (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH))
-    kept, counted = kept_bytes(work) * batch, peak_bytes(work) * batch
+    return measured, kept_bytes(work) * batch, peak_bytes(work) * batch
+
+
+def row(name: str, shape: dict, batch: int, precision: str) -> str:
+    measured, kept, counted = measure(name, shape, batch, precision)
     mib = 2**20
     return (
-        f"| {name} {shape['layers']} x {shape['width']}, T {context}, batch {batch}, {precision} | "
+        f"| {name} {shape['layers']} x {shape['width']}, T {shape['context']}, batch {batch}, {precision} | "
         f"{measured / mib:.1f} | {kept / mib:.1f} ({kept / measured:.2f}) | {counted / mib:.1f} "
         f"({counted / measured:.2f}) |"
     )

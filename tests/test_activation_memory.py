@@ -193,27 +193,20 @@ def test_a_tensor_rank_keeps_its_part_of_the_blocks_worked_by_hand():
         ("llama", dict(layers=2, width=64, heads=4, kv_heads=2, context=1024), "bf16"),
     ],
 )
-def test_the_peak_of_a_training_pass_is_what_torch_s_memtracker_measures_on_real_tensors(name, shape, precision):
+def test_the_peak_of_a_training_pass_is_what_torch_s_memtracker_measures_on_real_tensors(
+    name, shape, precision
+):
     """The peak a training pass reaches beside its weights and their gradients (what the forward kept, and what the
     backward of one layer holds on top: its gradients and temporaries, `backward_bytes`), counted on fake tensors in
     the run's precision, against torch's MemTracker on a real forward and backward on the CPU (under autocast for
-    bf16): within 3%. Without the backward's part the count is 5-9% under."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    bf16; benchmarks/backward_peak.py `measure`): within 3%. Without the backward's part the count is 5-9% under."""
+    import importlib.util
+    from pathlib import Path
 
-    context, batch = shape["context"], 2
-    model = build_model_on_meta(name, (context,), VOCAB, shape)
-    x = torch.zeros(batch, context, dtype=torch.long)
-    figures = activation_profile(model, Objective(kind="language"), x, x, precision=precision)
-    work = Workload(compute_seconds=1.0, parameter_bytes=0.0, batch_size=batch, **figures)
-    torch.manual_seed(0)
-    real = build_model(name, (context,), VOCAB, shape).train()
-    tracker = MemTracker()
-    tracker.track_external(real)
-    with tracker:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = Objective(kind="language").loss_sum(real(x), x)
-        loss.backward()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    measured = sum(peak.get(kind, 0) for kind in (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH))
-    assert peak_bytes(work) * batch == pytest.approx(measured, rel=0.03)
-    assert kept_bytes(work) * batch < measured * 0.95  # (the forward's alone falls short)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "backward_peak.py"
+    spec = importlib.util.spec_from_file_location("benchmark_backward_peak", script)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    measured, kept, counted = benchmark.measure(name, shape, 2, precision)
+    assert counted == pytest.approx(measured, rel=0.03)
+    assert kept < measured * 0.95  # (the forward's alone falls short)

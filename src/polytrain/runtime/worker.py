@@ -169,7 +169,24 @@ def train_worker(job: Job) -> Optional[WorkerResult]:
     finally:
         stop.close()
         if distributed and dist.is_initialized():
-            _leave_process_groups(sys.exc_info()[1])
+            failure = sys.exc_info()[1]
+            if launcher is not None and isinstance(failure, Exception):
+                _record_first(failure)
+            _leave_process_groups(failure)
+
+
+def _record_first(error: Exception) -> None:
+    """Write this rank's error to its launcher's error file before it leaves the process groups: leaving closes
+    its connections, a peer's collective then fails, and that peer's death could reach the launcher, which stops
+    every worker, before this rank's own error did (the launcher then named the peer's "connection closed" as
+    the cause: runtime/launch.py `root_failure` prefers a rank's own error, where one is recorded). The elastic
+    wrapper writes the same record again when the error leaves the worker."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        ErrorHandler().record_exception(error)
+    except OSError:  # (no error file to write: the wrapper's record is the only one)
+        pass
 
 
 def _leave_process_groups(error: Optional[BaseException]) -> None:

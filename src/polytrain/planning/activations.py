@@ -61,7 +61,7 @@ def peak_bytes(work, mode: str = "none") -> float:
     them (`backward_bytes`: its gradients and temporaries, measured on fake tensors; 0 where unknown)."""
     kind, count = checkpointed(mode, work.blocks)
     recomputed = work.block_bytes if count and work.block_bytes else 0.0
-    return kept_bytes(work, mode) + recomputed + getattr(work, "backward_bytes", 0.0)
+    return kept_bytes(work, mode) + recomputed + work.backward_bytes
 
 
 def tensor_part(work, tensor: int, *, sequence: bool = False):
@@ -76,7 +76,7 @@ def tensor_part(work, tensor: int, *, sequence: bool = False):
         block_bytes=work.block_bytes * keep,
         block_input_bytes=work.block_input_bytes * (keep if sequence else 1.0),
         block_matmul_bytes=work.block_matmul_bytes * keep,
-        backward_bytes=getattr(work, "backward_bytes", 0.0) * keep,  # (the split layer's gradients)
+        backward_bytes=work.backward_bytes * keep,  # (the split layer's gradients)
     )
 
 

@@ -258,7 +258,7 @@ def context_part(work, layout):
         block_matmul_bytes=work.block_matmul_bytes / size + per_block * outputs,
         boundary_bytes=tuple(cut / size for cut in work.boundary_bytes),
         # block by block, the ring's transient above stands for one whole layer's backward; else 1/C of it
-        backward_bytes=0.0 if transient else getattr(work, "backward_bytes", 0.0) / size,
+        backward_bytes=0.0 if transient else work.backward_bytes / size,
     )
 
 

@@ -42,8 +42,8 @@ class DegreeCost:
     ) -> Sequence[Layout]:
         """`layout` again with this degree above 1, where it borrows ranks `layout` already has (called where the
         degree is 1): each one the cost model weighs beside it, for the preset `strategy` that gave `layout`, or
-        with `per_node` (the GPUs of a cluster's node) each one the planner builds. () where the degree is a dimension of its own that the layouts are
-        enumerated with."""
+        with `per_node` (the GPUs of a cluster's node) each one the planner builds. () where the degree is a
+        dimension of its own that the layouts are enumerated with."""
         return ()
 
     def priceable(self, layout: Layout) -> bool:
